@@ -1,0 +1,43 @@
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+sys.path.insert(0, ROOT)
+
+# Each layout a checkpoint can arrive in, with the path from_pretrained takes and the fixture holding its references.
+LAYOUTS = {
+    "shellelastic": "shellelastic",
+    "sprout": "sprout/ckpt.pt",
+    "germangpt": "germangpt/checkpoint.pt",
+    "openelm": "openelm",
+    "gptneox": "gptneox",
+    "neox_original": "neox_original",
+    "llama": "llama",
+}
+
+
+def fixture_path(layout: str) -> str:
+    return os.path.join(FIXTURES, LAYOUTS[layout])
+
+
+def expected(layout: str) -> dict:
+    return load_file(os.path.join(FIXTURES, LAYOUTS[layout].split("/")[0], "expected.safetensors"))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference relative to the largest reference logit."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield

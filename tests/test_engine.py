@@ -1,0 +1,152 @@
+"""The engine core: parity with every family's reference, the static cache, generation and compilation."""
+
+import math
+
+import pytest
+import torch
+import torch._dynamo
+
+import dense
+from conftest import LAYOUTS, expected, fixture_path, rel_err
+from dense import DenseConfig, DenseDecoder
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_float32_logits_match_reference(layout):
+    exp = expected(layout)
+    model = DenseDecoder.from_pretrained(fixture_path(layout))
+    logits = model(exp["input_ids"])
+    assert logits.dtype == torch.float32 and logits.shape == exp["logits"].shape
+    assert rel_err(logits, exp["logits"]) < 1e-4
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bfloat16_logits_match_reference(layout):
+    exp = expected(layout)
+    model = DenseDecoder.from_pretrained(fixture_path(layout), dtype=torch.bfloat16)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    logits = model(exp["input_ids"])
+    assert logits.dtype == torch.float32
+    assert rel_err(logits, exp["logits_bf16"]) < 3e-2
+
+
+def test_shellelastic_is_exact_in_both_precisions():
+    # Same arithmetic as seed 000, op for op: the bf16 run is not merely within tolerance.
+    exp = expected("shellelastic")
+    assert rel_err(DenseDecoder.from_pretrained(fixture_path("shellelastic"))(exp["input_ids"]), exp["logits"]) == 0
+    bf16 = DenseDecoder.from_pretrained(fixture_path("shellelastic"), dtype=torch.bfloat16)
+    assert rel_err(bf16(exp["input_ids"]), exp["logits_bf16"]) < 1e-3
+
+
+def test_rope_precision_bfloat16_rounds_every_step():
+    cfg = DenseConfig(num_hidden_layers=1, head_dim=8, max_position_embeddings=300)
+    cos, sin = dense.rope_tables(cfg, 300)
+    inv = (1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))).bfloat16().float()
+    pos = torch.arange(300.0).bfloat16().float()  # 257 rounds to 256 in bfloat16
+    angle = (pos[:, None] * inv[None, :]).bfloat16().float()
+    assert torch.equal(cos[:, :4], angle.cos().bfloat16().float())
+    assert torch.equal(sin[:, 4:], angle.sin().bfloat16().float())
+    assert torch.equal(cos[257], cos[256])
+    f32 = dense.rope_tables(DenseConfig(num_hidden_layers=1, head_dim=8, rope_precision="float32"), 300)[0]
+    assert not torch.equal(f32[257], f32[256])
+
+
+def test_labels_give_mean_cross_entropy_ignoring_minus_100():
+    exp = expected("shellelastic")
+    model = DenseDecoder.from_pretrained(fixture_path("shellelastic"))
+    ids = exp["input_ids"]
+    labels = ids[:, 1:].clone()
+    labels[0, :5] = -100
+    logits, loss = model(ids[:, :-1], labels=labels)
+    logp = torch.log_softmax(logits.double(), -1)
+    keep = labels != -100
+    manual = -logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0][keep].mean()
+    assert math.isclose(loss.item(), manual.item(), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["shellelastic", "openelm", "gptneox", "germangpt"])
+def test_cached_prefill_and_decode_equal_no_cache(layout):
+    exp = expected(layout)
+    model = DenseDecoder.from_pretrained(fixture_path(layout))
+    ids = exp["input_ids"]
+    full = model(ids)
+    model.setup_cache(max_batch_size=2, max_seq_len=64)
+    parts = [model(ids[:, :10], input_pos=torch.arange(10))]
+    for p in range(10, 20):  # decode one token at a time
+        parts.append(model(ids[:, p:p + 1], input_pos=torch.tensor([p])))
+    parts.append(model(ids[:, 20:], input_pos=torch.arange(20, 24)))  # a second prefill continues the cache
+    assert (torch.cat(parts, dim=1) - full).abs().max() < 1e-5
+
+
+def test_cache_is_static_and_written_in_place():
+    model = DenseDecoder.from_pretrained(fixture_path("llama"))
+    model.setup_cache(2, 32)
+    cache = model.layers[0].attn.kv_cache
+    k_ptr = cache.k.data_ptr()
+    model(torch.ones(2, 3, dtype=torch.long), input_pos=torch.arange(3))
+    assert cache.k.data_ptr() == k_ptr and cache.k.shape == (2, 2, 32, 16)  # GQA: 2 kv heads are cached, not 4
+    assert cache.k[:, :, :3].abs().sum() > 0 and cache.k[:, :, 3:].abs().sum() == 0
+
+
+def argmax_loop(model, ids, n):
+    for _ in range(n):
+        ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_greedy_generate_equals_argmax_loop(layout):
+    model = DenseDecoder.from_pretrained(fixture_path(layout))
+    ids = expected(layout)["input_ids"][:, :6]
+    assert torch.equal(dense.generate(model, ids, 32), argmax_loop(model, ids, 32))
+
+
+@pytest.mark.slow
+def test_compiled_generate_same_tokens_without_recompiling():
+    model = DenseDecoder.from_pretrained(fixture_path("shellelastic"))
+    ids = expected("shellelastic")["input_ids"]
+    for length in (6, 11):  # prompts of different lengths share the compiled step
+        want = argmax_loop(model, ids[:, :length], 32)
+        got = dense.generate(model, ids[:, :length], 32, compile=True)
+        assert torch.equal(got, want)
+        torch._dynamo.config.error_on_recompile = True  # from the second prompt on, a recompile is an error
+    torch._dynamo.config.error_on_recompile = False
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # fullgraph: the step is one graph
+
+
+def test_generate_stops_at_eos_and_pads_finished_rows():
+    model = DenseDecoder.from_pretrained(fixture_path("llama"))
+    ids = expected("llama")["input_ids"][:, :6]
+    free = dense.generate(model, ids, 20)
+    eos = int(free[0, 8])  # the third token row 0 produces
+    out = dense.generate(model, ids, 20, eos_id=eos)
+    first = [int((row[6:] == eos).nonzero()[0]) if (row[6:] == eos).any() else None for row in out]
+    assert first[0] == 2
+    for b, row in enumerate(out):
+        stop = first[b]
+        if stop is not None:
+            assert (row[6 + stop:] == eos).all()
+            assert torch.equal(row[:6 + stop + 1], free[b, :6 + stop + 1])
+
+
+def test_sampling_follows_the_distribution():
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]])).repeat(20000, 1)
+    counts = torch.bincount(dense.sample(logits, temperature=1.0)[:, 0], minlength=4).float() / 20000
+    assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.015)
+    top1 = dense.sample(logits[:100], temperature=1.0, top_k=1)
+    assert (top1 == 0).all()
+    nucleus = dense.sample(logits[:2000], temperature=1.0, top_p=0.75)  # 0.5 + 0.3 reach 0.75: token 2 is cut
+    assert set(nucleus[:, 0].tolist()) == {0, 1}
+    capped = dense.sample(torch.tensor([[0.0, 1.0, 9.0]]), temperature=0.0, vocab_limit=2)
+    assert capped.item() == 1  # ids beyond the tokenizer's vocabulary are never chosen
+
+
+def test_temperature_sampling_reproducible_with_seed():
+    model = DenseDecoder.from_pretrained(fixture_path("llama"))
+    ids = expected("llama")["input_ids"][:, :4]
+    torch.manual_seed(1)
+    a = dense.generate(model, ids, 16, temperature=1.0, top_k=40, top_p=0.95)
+    torch.manual_seed(1)
+    b = dense.generate(model, ids, 16, temperature=1.0, top_k=40, top_p=0.95)
+    assert torch.equal(a, b) and not torch.equal(a, dense.generate(model, ids, 16))
