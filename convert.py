@@ -484,6 +484,9 @@ def atomic_write(path: str, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the permissions a plain open() would
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
