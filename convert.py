@@ -507,7 +507,6 @@ def tokenizer_sources(src: str) -> dict[str, str]:
 def convert(src: str, dst: str, force: bool = False, dtype: torch.dtype | None = None, progress=None) -> None:
     """Write DST/config.json + DST/model.safetensors (+ tokenizer files) from any supported SRC."""
     from dense import read_checkpoint
-    from safetensors.torch import save_file
 
     config, table, declared = read_checkpoint(src)
     dtype = dtype or declared
@@ -527,15 +526,23 @@ def convert(src: str, dst: str, force: bool = False, dtype: torch.dtype | None =
         tensors[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
         if progress:
             progress(i + 1, len(table))
+    write_native(dst, config, tensors, dtype)
+    for name, path in tokenizer_sources(src).items():
+        atomic_write(os.path.join(dst, name), lambda p, s=path: shutil.copyfile(s, p))
+    for name, text in extra.items():
+        atomic_write(os.path.join(dst, name), lambda p, t=text: open(p, "w").write(t))
+
+
+def write_native(dst: str, config: DenseConfig, tensors: dict[str, torch.Tensor], dtype=None) -> None:
+    """DST/model.safetensors and DST/config.json, each written to a temporary file and renamed into place."""
+    from safetensors.torch import save_file
+
+    os.makedirs(dst, exist_ok=True)
     atomic_write(os.path.join(dst, "model.safetensors"), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     values = config.to_dict()
     if dtype is not None:
         values["torch_dtype"] = str(dtype).removeprefix("torch.")
     atomic_write(os.path.join(dst, "config.json"), lambda p: open(p, "w").write(json.dumps(values, indent=2) + "\n"))
-    for name, path in tokenizer_sources(src).items():
-        atomic_write(os.path.join(dst, name), lambda p, s=path: shutil.copyfile(s, p))
-    for name, text in extra.items():
-        atomic_write(os.path.join(dst, name), lambda p, t=text: open(p, "w").write(t))
 
 
 def main(argv=None) -> int:

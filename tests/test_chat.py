@@ -1,0 +1,262 @@
+"""chat.py driven as a real program: one-shot runs, an interactive session in a pseudo-terminal, bad input."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pexpect
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+import chat
+import convert
+import dense
+from conftest import FIXTURES, ROOT
+
+CHAT = os.path.join(ROOT, "chat.py")
+LLAMA = os.path.join(FIXTURES, "llama")
+
+
+def run_chat(*args, stdin=None):
+    return subprocess.run([sys.executable, CHAT, *map(str, args)], capture_output=True, text=True, input=stdin,
+                          cwd=ROOT, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+
+
+def expected_text(ckpt, ids, max_new, stop_ids):
+    """dense.generate's greedy tokens after ids, cut at the first stop id, decoded."""
+    model = dense.DenseDecoder.from_pretrained(ckpt)
+    out = dense.generate(model, torch.tensor([ids]), max_new)[0, len(ids):].tolist()
+    for i, t in enumerate(out):
+        if t in stop_ids:
+            out = out[:i]
+            break
+    tok = Tokenizer.from_file(os.path.join(FIXTURES, os.path.basename(ckpt), "tokenizer.json"))
+    return tok.decode(out, skip_special_tokens=True), out
+
+
+def test_one_shot_completion_equals_generate():
+    ckpt = os.path.join(FIXTURES, "shellelastic")
+    tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
+    ids = tok.encode("the cat sat").ids
+    want, _ = expected_text(ckpt, ids, 24, set())
+    result = run_chat("--ckpt", ckpt, "--prompt", "the cat sat", "--max-new-tokens", 24, "--temperature", 0)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == want and result.stderr == ""
+
+
+def test_one_shot_chat_renders_template_and_stops_at_eos():
+    tok = Tokenizer.from_file(os.path.join(LLAMA, "tokenizer.json"))
+    config = json.load(open(os.path.join(LLAMA, "tokenizer_config.json")))
+    from jinja2 import Template
+
+    text = Template(config["chat_template"]).render(messages=[{"role": "user", "content": "hi there"}],
+                                                    add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False).ids
+    stops = {tok.token_to_id("<|im_end|>"), 2}
+    want, _ = expected_text(LLAMA, ids, 40, stops)
+    result = run_chat("--ckpt", LLAMA, "--prompt", "-", "--max-new-tokens", 40, "--temperature", 0, "--stats",
+                      stdin="hi there")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == want
+    assert re.search(r"\d+ tokens, .* tok/s, first token \d+ ms, prefilled %d tokens" % len(ids), result.stderr)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ckpt", "/no/such/ckpt"], "--ckpt /no/such/ckpt: no such file or folder"),
+    (["--ckpt", os.path.join(FIXTURES, "openelm")], "no tokenizer.json beside the checkpoint; pass --tokenizer"),
+    (["--ckpt", LLAMA, "--temperature", "-0.5"], "--temperature must be >= 0"),
+    (["--ckpt", LLAMA, "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--ckpt", LLAMA, "--top-p", "1.01"], "--top-p must be in (0, 1]"),
+    (["--ckpt", LLAMA, "--top-k", "0"], "--top-k: must be at least 1"),
+    (["--ckpt", LLAMA, "--max-new-tokens", "0"], "--max-new-tokens: must be at least 1"),
+    (["--ckpt", LLAMA, "--max-new-tokens", "many"], "--max-new-tokens: invalid positive_int value"),
+    (["--ckpt", LLAMA, "--prompt", "word " * 300], "the prompt has"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    if "--prompt" not in args:
+        args = args + ["--prompt", "hi"]
+    result = run_chat(*args)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_debug_shows_the_traceback():
+    result = run_chat("--ckpt", "/no/such/ckpt", "--prompt", "hi", "--debug")
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_tokenizer_flag_for_a_checkpoint_without_one(tmp_path):
+    ckpt = tmp_path / "shell"
+    shutil.copytree(os.path.join(FIXTURES, "shellelastic"), ckpt)
+    os.remove(ckpt / "tokenizer.json")
+    assert run_chat("--ckpt", ckpt, "--prompt", "hi").returncode == 2
+    result = run_chat("--ckpt", ckpt, "--tokenizer", os.path.join(FIXTURES, "shellelastic", "tokenizer.json"),
+                      "--prompt", "the cat", "--max-new-tokens", 5, "--temperature", 0)
+    assert result.returncode == 0 and result.stdout == expected_text(
+        os.path.join(FIXTURES, "shellelastic"), Tokenizer.from_file(os.path.join(FIXTURES, "shellelastic",
+                                                                                 "tokenizer.json")).encode("the cat").ids, 5, set())[0]
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A byte-level BPE with no merges: every UTF-8 byte of a character is its own token."""
+    from tokenizers import decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def test_streaming_never_shows_broken_characters():
+    vocab = chat.Vocabulary(byte_tokenizer())
+    text = "naïve 日本語 🙂 ok"
+    ids = vocab.encode(text, special=False)
+    assert len(ids) == len(text.encode("utf-8"))  # multi-byte characters really are split across tokens
+    stream = chat.TextStream(vocab)
+    pieces = [stream.push(t) for t in ids] + [stream.finish()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == vocab.decode(ids) == text
+    assert "日" in pieces and "🙂" in pieces  # each character shown whole when its last byte arrives,
+    assert pieces.count("") == len(ids) + 1 - len(text)  # and nothing for the bytes before it
+
+
+def test_padded_vocabulary_is_never_sampled(tmp_path):
+    # a tokenizer of 256 byte tokens over a model whose embedding has 512 rows: ids >= 256 must never appear
+    ckpt = tmp_path / "padded"
+    shutil.copytree(os.path.join(FIXTURES, "shellelastic"), ckpt)
+    byte_tokenizer().save(str(ckpt / "tokenizer.json"))
+    result = run_chat("--ckpt", ckpt, "--prompt", "abc", "--max-new-tokens", 60, "--temperature", 2.0, "--seed", 3)
+    assert result.returncode == 0
+    model = dense.DenseDecoder.from_pretrained(ckpt)
+    unrestricted = dense.generate(model, torch.tensor([[97, 98, 99]]), 60)
+    assert (unrestricted >= 256).any()  # without the limit this model does pick padded ids
+    stream = chat.Vocabulary(byte_tokenizer())
+    assert "\ufffd" not in result.stdout or result.stdout == stream.decode(stream.encode(result.stdout, False))
+
+
+def test_session_prefills_only_new_tokens():
+    import argparse
+
+    model = dense.DenseDecoder.from_pretrained(LLAMA)
+    vocab = chat.load_vocabulary(LLAMA, None)
+    vocab.stop_ids = set()
+    args = argparse.Namespace(max_seq_len=None, max_new_tokens=5, temperature=0.0, top_k=None, top_p=None,
+                              compile=False)
+    session = chat.Session(model, vocab, args)
+    first = [1, 87, 261, 84, 201]
+    reply, stats = session.reply(first, lambda s: None)
+    assert stats.prefilled == 5 and len(reply) == 5 and model.tokens_prefilled == 5
+    follow = first + reply + [2, 201, 1, 87]  # the conversation goes on: 4 new tokens after the reply
+    before = model.tokens_prefilled
+    reply2, stats = session.reply(follow, lambda s: None)
+    assert stats.prefilled == 5  # the reply's last token (never fed back) + the 4 new ones
+    assert model.tokens_prefilled - before == 5
+    # and the cached continuation is exactly what a fresh, uncached run gives
+    assert reply2 == dense.generate(model, torch.tensor([follow]), 5)[0, len(follow):].tolist()
+
+
+def random_chat_model(folder, layers=4, hidden=256, context=4096, seed=0):
+    """A random-weight model large enough that a long reply takes seconds, with the llama fixture's tokenizer."""
+    torch.manual_seed(seed)
+    config = dense.DenseConfig(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden,
+                               num_hidden_layers=layers, num_attention_heads=4, head_dim=hidden // 4,
+                               max_position_embeddings=context, rope_precision="float32", qk_norm="none",
+                               attn_output_gate=False)
+    model = dense.DenseDecoder(config)
+    convert.write_native(str(folder), config, {k: v.contiguous() for k, v in model.state_dict().items()})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(LLAMA, name), folder / name)
+    return folder
+
+
+def spawn(*args):
+    child = pexpect.spawn(sys.executable, [CHAT, *map(str, args)], cwd=ROOT, encoding="utf-8", timeout=120,
+                          env={**os.environ, "TERM": "dumb", "PYTHONUNBUFFERED": "1"}, dimensions=(40, 200))
+    return child
+
+
+def prefilled(child) -> int:
+    child.expect(r"prefilled (\d+) tokens")
+    return int(child.match.group(1))
+
+
+def test_chat_keeps_the_cache_across_turns():
+    tok = Tokenizer.from_file(os.path.join(LLAMA, "tokenizer.json"))
+    vocab = chat.load_vocabulary(LLAMA, None)
+    child = spawn("--ckpt", LLAMA, "--temperature", "0", "--max-new-tokens", "6")
+    child.expect(">>> ")
+    child.sendline("hello")
+    turn1 = tok.encode(vocab.render([{"role": "user", "content": "hello"}]), add_special_tokens=False).ids
+    assert prefilled(child) == len(turn1)
+    reply1, reply1_ids = expected_text(LLAMA, turn1, 6, vocab.stop_ids)
+    child.expect(">>> ")
+    child.sendline("how are you")
+    turn2 = tok.encode(vocab.render([{"role": "user", "content": "hello"}, {"role": "assistant", "content": reply1},
+                                     {"role": "user", "content": "how are you"}]), add_special_tokens=False).ids
+    in_cache = (turn1 + reply1_ids)[: len(turn1) + 5]  # the 6th new token was never fed back
+    common = next(i for i in range(len(turn2)) if i >= len(in_cache) or turn2[i] != in_cache[i])
+    got = prefilled(child)
+    assert got == len(turn2) - common and common >= len(turn1)  # turn 1 is not prefilled again
+    child.expect(">>> ")
+    child.sendline("/stats")
+    child.expect(r"(\d+) tokens prefilled in all")
+    assert int(child.match.group(1)) == len(turn1) + got
+    child.expect(">>> ")
+    child.sendline("/reset")
+    child.expect("new conversation")
+    child.expect(">>> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_reply_and_keeps_the_session(tmp_path):
+    ckpt = random_chat_model(tmp_path / "big")
+    child = spawn("--ckpt", ckpt, "--temperature", "1.0", "--seed", "0", "--max-new-tokens", "4000")
+    child.expect(">>> ")
+    child.sendline("tell me a long story")
+    child.expect("story\r\n")  # the terminal's echo of the line
+    child.expect(r"\S{3}")  # the reply has started streaming
+    child.sendintr()
+    child.expect(r"\(interrupted\)")
+    child.expect(">>> ")
+    child.sendline("/help")
+    child.expect("/reset")
+    child.expect(">>> ")
+    child.sendintr()  # Ctrl-C at an empty prompt exits cleanly
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_d_exits_and_completion_mode():
+    child = spawn("--ckpt", os.path.join(FIXTURES, "gptneox"), "--temperature", "0", "--max-new-tokens", "4")
+    child.expect("complete mode")
+    child.expect(">>> ")
+    child.sendline("once upon a time")
+    child.expect("4 tokens")
+    child.expect(">>> ")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_context_overflow_drops_oldest_turns(tmp_path):
+    child = spawn("--ckpt", LLAMA, "--temperature", "0", "--max-new-tokens", "30", "--max-seq-len", "80")
+    for i in range(4):
+        child.expect(">>> ")
+        child.sendline(f"message number {i} with some words")
+    child.expect("dropped the \\d+ oldest messages")
+    child.expect(">>> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
