@@ -1,0 +1,218 @@
+"""GGUF import against expectations computed independently: a small GGUF written with the gguf package's own writer
+(random weights, several quantization types, a small BPE vocabulary); values from gguf's dequantizer, ids from the
+original `tokenizers` tokenizer, logits from the model the GGUF was made from."""
+
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import convert
+import dense
+import gguf_import
+from conftest import ROOT
+
+Q = gguf.GGMLQuantizationType
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "def add(a, b):\n    return a + b\n\nprint(add(12, 345))\n",
+    "Crème brûlée and naïve café; déjà vu in Zürich. 日本語のテキスト。 🙂🚀",
+    "Numbers: 2024, 3.14159, 1000000 and 42.   Spaces   and\n\n\nnewlines\t\ttabs.",
+]
+TEXTS = CORPUS + ["unseen words: zygomorphic quokka 9876", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+                  "   leading spaces", "emoji 👩‍💻 🇫🇷 ∑∫", ""]
+
+
+def original_tokenizer(pre: str) -> Tokenizer:
+    """A small byte-level BPE trained here; with pre='smollm' its digits are split one by one, as SmolLM2's is."""
+    tok = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = byte_level if pre == "gpt2" else pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 5, trainer)
+    return tok
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """The row order llama.cpp's convert_hf_to_gguf.py gives q/k (written out here independently of our inverse)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, model: dense.DenseDecoder, tok: Tokenizer, pre: str, types: dict) -> dict:
+    """Write `model` (a Llama-layout DenseDecoder) as llama.cpp would; returns {gguf name: raw array written}."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    writer.add_bos_token_id(vocab["<|im_start|>"])
+    writer.add_eos_token_id(vocab["<|endoftext|>"])
+    writer.add_chat_template(TEMPLATE)
+    state = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    names = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = "output.weight"
+    per_layer = {"attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "attn.q_proj": "attn_q", "attn.k_proj": "attn_k",
+                 "attn.v_proj": "attn_v", "attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+                 "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(cfg.num_hidden_layers):
+        names.update({f"layers.{i}.{ours}.weight": f"blk.{i}.{theirs}.weight" for ours, theirs in per_layer.items()})
+    written = {}
+    for ours, theirs in names.items():
+        w = state[ours]
+        if theirs.endswith("attn_q.weight"):
+            w = llama_cpp_permute(w, cfg.num_attention_heads)
+        elif theirs.endswith("attn_k.weight"):
+            w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        qtype = Q.F32 if w.ndim == 1 else types.get(theirs.split(".")[-2], Q.F32)
+        raw = synthetic_k_quant(w.shape, qtype) if qtype in K_BLOCKS else gguf.quants.quantize(w, qtype)
+        writer.add_tensor(theirs, raw, raw_dtype=qtype if qtype not in (Q.F32, Q.F16) else None)
+        written[theirs] = (raw, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written
+
+
+# gguf can dequantize K-quants but not make them: write random blocks with sane f16 scales instead.
+K_BLOCKS = {Q.Q4_K: (144, [0, 2]), Q.Q5_K: (176, [0, 2]), Q.Q6_K: (210, [208])}
+
+
+def synthetic_k_quant(shape, qtype):
+    size, scale_offsets = K_BLOCKS[qtype]
+    rows, cols = shape
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    for off in scale_offsets:
+        blocks[..., off:off + 2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def small_llama(tied: bool, hidden=64, ffn=96) -> dense.DenseDecoder:
+    torch.manual_seed(0)
+    config = dense.DenseConfig(vocab_size=400, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                               max_position_embeddings=64, rope_theta=10000.0, rope_precision="float32", qk_norm="none",
+                               attn_output_gate=False, tie_word_embeddings=tied, norm_eps=1e-5)
+    model = dense.DenseDecoder(config)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3 if p.ndim == 1 else 0.08)
+        if p.ndim == 1:
+            p.data += 1
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return original_tokenizer("gpt2")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_float32_gguf_gives_the_source_models_logits(tmp_path, tokenizer, tied):
+    model = small_llama(tied)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tokenizer, "gpt2", {})
+    loaded = dense.DenseDecoder.from_pretrained(str(path))
+    assert loaded.config.tie_word_embeddings == tied and loaded.config.num_key_value_heads == 2
+    ids = torch.randint(0, 400, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids)
+    assert (loaded(ids) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_quantized_tensors_equal_ggufs_own_dequantization(tmp_path, tokenizer):
+    model = small_llama(tied=False, hidden=256, ffn=256)
+    types = {"token_embd": Q.Q8_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.F16, "attn_output": Q.BF16,
+             "ffn_gate": Q.Q4_K, "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K, "output": Q.Q8_0}
+    path = tmp_path / "q.gguf"
+    written = write_gguf(path, model, tokenizer, "gpt2", types)
+    loaded = dense.DenseDecoder.from_pretrained(str(path))
+    params = dict(loaded.named_parameters())
+    checked = set()
+    for i in range(2):
+        for ours, theirs, heads in [("attn.q_proj", "attn_q", 4), ("attn.k_proj", "attn_k", 2), ("attn.v_proj", "attn_v", 0),
+                                    ("attn.o_proj", "attn_output", 0), ("mlp.gate_proj", "ffn_gate", 0),
+                                    ("mlp.up_proj", "ffn_up", 0), ("mlp.down_proj", "ffn_down", 0)]:
+            raw, qtype = written[f"blk.{i}.{theirs}.weight"]
+            values = gguf.quants.dequantize(raw, qtype)
+            if heads:  # undo llama.cpp's permutation: permuting our weights back must give gguf's values
+                got = llama_cpp_permute(params[f"layers.{i}.{ours}.weight"].numpy(), heads)
+            else:
+                got = params[f"layers.{i}.{ours}.weight"].numpy()
+            np.testing.assert_array_equal(got, values.reshape(got.shape))
+            checked.add(qtype)
+    np.testing.assert_array_equal(params["embed_tokens.weight"].numpy(),
+                                  gguf.quants.dequantize(*written["token_embd.weight"]).reshape(400, 256))
+    assert {Q.Q4_0, Q.Q4_1, Q.F16, Q.BF16, Q.Q4_K, Q.Q5_K, Q.Q6_K} <= checked
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "smollm"])
+def test_rebuilt_tokenizer_gives_the_originals_ids(tmp_path, pre):
+    original = original_tokenizer(pre)
+    path = tmp_path / "t.gguf"
+    write_gguf(path, small_llama(tied=True), original, pre, {})
+    rebuilt = gguf_import.build_tokenizer(gguf_import.open_gguf(str(path)), str(path))
+    for text in TEXTS:
+        assert rebuilt.encode(text).ids == original.encode(text).ids, text
+        assert rebuilt.decode(rebuilt.encode(text).ids, skip_special_tokens=False) == text
+    if pre == "smollm":
+        assert rebuilt.encode("2024").ids == [original.token_to_id(d) for d in "2024"]
+
+
+def test_convert_writes_a_native_folder_with_tokenizer_and_template(tmp_path, tokenizer):
+    model = small_llama(tied=True)
+    write_gguf(tmp_path / "m.gguf", model, tokenizer, "gpt2", {"attn_q": Q.Q8_0})
+    dst = tmp_path / "native"
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), str(tmp_path / "m.gguf"), str(dst)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    ids = torch.randint(0, 400, (1, 16), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(dense.DenseDecoder.from_pretrained(str(dst))(ids),
+                       dense.DenseDecoder.from_pretrained(str(tmp_path / "m.gguf"))(ids))
+    saved = Tokenizer.from_file(str(dst / "tokenizer.json"))
+    assert saved.encode(TEXTS[1]).ids == tokenizer.encode(TEXTS[1]).ids
+    tok_config = json.loads((dst / "tokenizer_config.json").read_text())
+    assert tok_config["chat_template"] == TEMPLATE and tok_config["eos_token"] == "<|endoftext|>"
+    stops = json.loads((dst / "generation_config.json").read_text())["eos_token_id"]
+    vocab = tokenizer.get_vocab()
+    assert set(stops) == {vocab["<|endoftext|>"], vocab["<|im_end|>"]}  # eos, and the chat's end of turn
+
+
+def test_unsupported_gguf_is_a_clear_error(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "mamba")
+    writer.add_tensor("t", np.zeros(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(dense.CheckpointError, match="GGUF architecture 'mamba' is not supported"):
+        dense.DenseDecoder.from_pretrained(str(tmp_path / "x.gguf"))
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 10)
+    with pytest.raises(dense.CheckpointError, match="not a readable GGUF file"):
+        dense.DenseDecoder.from_pretrained(str(tmp_path / "bad.gguf"))
