@@ -299,6 +299,8 @@ def parse_args(argv):
     mode.add_argument("--complete", dest="mode", action="store_const", const="complete", help="force completion")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: bfloat16 on cuda, else float32")
+    p.add_argument("--quant", choices=("none", "int8", "int4", "nf4", "llm.int8"), default="none",
+                   help="weight quantization (a variant saved by quantize.py, else made at load time)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on for cuda)")
     p.add_argument("--max-new-tokens", type=positive_int, default=512)
@@ -427,7 +429,8 @@ def run(argv, console) -> int:
         raise UsageError(f"--ckpt {ckpt}: no such file or folder")
     vocab = load_vocabulary(ckpt, args.tokenizer)
     with console.status(f"Loading {ckpt} ({args.dtype}, {args.device})..."):
-        model = dense.DenseDecoder.from_pretrained(ckpt, device=args.device, dtype=args.dtype)
+        quant = None if args.quant == "none" else args.quant
+        model = dense.DenseDecoder.from_pretrained(ckpt, device=args.device, dtype=args.dtype, quant=quant)
     if args.max_seq_len and args.max_seq_len > model.config.max_position_embeddings:
         raise UsageError(f"--max-seq-len {args.max_seq_len} exceeds the model's context of "
                          f"{model.config.max_position_embeddings}")

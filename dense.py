@@ -396,11 +396,22 @@ class DenseDecoder(nn.Module):
     # -- loading ---------------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path: str, device="cpu", dtype: torch.dtype | None = None) -> "DenseDecoder":
+    def from_pretrained(cls, path: str, device="cpu", dtype: torch.dtype | None = None,
+                        quant: str | None = None) -> "DenseDecoder":
         """Load a checkpoint folder (or file). The native format is a folder with config.json and model.safetensors;
         other layouts (see convert.py) are mapped on the fly. The model is built on the meta device and each tensor
         is read (memory-mapped), checked, cast to `dtype` and moved to `device` one at a time, so only one copy of
-        the weights is ever held. dtype=None: the checkpoint's declared torch_dtype, else float32."""
+        the weights is ever held. dtype=None: the checkpoint's declared torch_dtype, else float32.
+        quant="int8" | "int4" | "nf4" | "llm.int8" loads (or makes) a weight-quantized variant (quantize.py)."""
+        path = os.fspath(path)
+        if quant is None and not os.path.isfile(os.path.join(path, "model.safetensors")):
+            saved = read_json(os.path.join(path, "config.json")).get("quantization", {}) \
+                if os.path.isfile(os.path.join(path, "config.json")) else {}
+            quant = next(iter(saved)) if len(saved) == 1 else None  # a folder holding only one quantized variant
+        if quant is not None:
+            import quantize
+
+            return quantize.load_quantized(path, quant, device, dtype)
         config, tensors, declared = read_checkpoint(path)
         dtype = dtype or declared or torch.float32
         with torch.device("meta"):
@@ -423,9 +434,14 @@ class DenseDecoder(nn.Module):
             if tuple(t.shape) != tuple(param.shape):
                 raise CheckpointError(f"{source}: tensor {name!r} has shape {list(t.shape)}, expected "
                                       f"{list(param.shape)}")
-            t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-            module, _, attr = name.rpartition(".")
-            setattr(self.get_submodule(module), attr, nn.Parameter(t, requires_grad=False))
+            module_name, _, attr = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            keep = attr in getattr(module, "keep_dtype", ())  # quantization scales load as stored
+            t = t.to(device=device, dtype=dtype if t.is_floating_point() and not keep else t.dtype)
+            if attr in module._buffers:
+                module._buffers[attr] = t
+            else:
+                setattr(module, attr, nn.Parameter(t, requires_grad=False))
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.init_rope(device)
@@ -479,8 +495,9 @@ def torch_dtype(name) -> torch.dtype | None:
     return table.get(str(name).removeprefix("torch.")) if name else None
 
 
-def read_checkpoint(path: str):
-    """(config, {native name: thunk}, declared dtype or None) for any supported checkpoint."""
+def read_checkpoint(path: str, weights: bool = True):
+    """(config, {native name: thunk}, declared dtype or None) for any supported checkpoint. weights=False reads
+    only the config of a native folder (whose weights may be a quantized variant, see quantize.py)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or folder")
@@ -489,10 +506,12 @@ def read_checkpoint(path: str):
         raw = read_json(config_file)
         if raw.get("model_type", "dense") == "dense" and "dim" not in raw:  # native (seed 000 release) format
             config = DenseConfig.from_dict(raw, source=config_file)
-            weights = os.path.join(path, "model.safetensors")
-            if not os.path.isfile(weights):
+            file = os.path.join(path, "model.safetensors")
+            if not weights:
+                return config, {}, torch_dtype(raw.get("torch_dtype"))
+            if not os.path.isfile(file):
                 raise CheckpointError(f"{path}: no model.safetensors beside config.json")
-            return config, open_safetensors(weights), torch_dtype(raw.get("torch_dtype"))
+            return config, open_safetensors(file), torch_dtype(raw.get("torch_dtype"))
     import convert  # foreign layouts: family tables live there, not in the model
 
     return convert.read_foreign(path)
