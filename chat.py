@@ -311,6 +311,16 @@ def parse_args(argv):
     p.add_argument("--max-seq-len", type=positive_int, default=None,
                    help="KV cache length (default: the model's context; smaller is faster)")
     p.add_argument("--stats", action="store_true", help="one-shot: print speed to stderr")
+    bench = p.add_argument_group("benchmark (--bench)")
+    bench.add_argument("--bench", action="store_true", help="measure prefill and decode speed, then exit")
+    bench.add_argument("--shape", choices=("smollm2-135m", "pythia-1.4b", "openelm-1.1b", "llama-2-7b", "shellelastic"),
+                       help="benchmark a random-weight model of this published shape instead of --ckpt")
+    bench.add_argument("--batch-size", type=positive_int, default=1)
+    bench.add_argument("--prompt-len", type=positive_int, default=128)
+    bench.add_argument("--gen-len", type=positive_int, default=128)
+    bench.add_argument("--runs", type=positive_int, default=5)
+    bench.add_argument("--peak-bw", type=float, help="the device's peak memory bandwidth in GB/s, for MBU")
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
     def one_line_error(message):
@@ -424,7 +434,15 @@ def run(argv, console) -> int:
     args = parse_args(argv)
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    ckpt = args.ckpt or default_checkpoint(console)
+    if args.shape and not args.bench:
+        raise UsageError("--shape needs --bench (it makes a random-weight model for measuring)")
+    ckpt = None if args.shape else args.ckpt or default_checkpoint(console)
+    if args.bench:
+        if ckpt is not None and not os.path.exists(ckpt):
+            raise UsageError(f"--ckpt {ckpt}: no such file or folder")
+        import benchmark
+
+        return benchmark.main(args, console, ckpt)
     if not os.path.exists(ckpt):
         raise UsageError(f"--ckpt {ckpt}: no such file or folder")
     vocab = load_vocabulary(ckpt, args.tokenizer)
@@ -450,7 +468,7 @@ def main(argv=None) -> int:
     from rich.console import Console
 
     argv = sys.argv[1:] if argv is None else argv
-    one_shot_mode = any(a == "--prompt" or a.startswith("--prompt=") for a in argv)
+    one_shot_mode = any(a in ("--prompt", "--json") or a.startswith("--prompt=") for a in argv)
     console = Console(stderr=one_shot_mode, highlight=False)  # one-shot: stdout holds only the generated text
     try:
         return run(argv, console)

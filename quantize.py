@@ -191,7 +191,22 @@ class NF4Linear(QuantLinear):
         w = self.code.to(self.absmax.device)[q] * self.absmax[:, None]
         return w.reshape(self.out_features, self.in_features).to(dtype)
 
+    def finish_loading(self) -> None:
+        # On CPU bitsandbytes' own kernel is the faster one (BENCHMARKS.md); its CPU dequantizer mishandles rows
+        # that are not a whole number of 64-blocks, so those keep the fused path.
+        self.bnb_state = None
+        if self.weight.device.type == "cpu" and self.in_features % 64 == 0:
+            import bitsandbytes as bnb
+
+            self.bnb_state = bnb.functional.QuantState(
+                absmax=self.absmax, shape=torch.Size([self.out_features, self.in_features]), code=NF4.clone(),
+                blocksize=64, quant_type="nf4", dtype=torch.float32)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "bnb_state", None) is not None and x.dtype == torch.float32:
+            import bitsandbytes as bnb
+
+            return self.add_bias(bnb.matmul_4bit(x, self.weight.t(), quant_state=self.bnb_state))
         # dequantize-and-matmul: torch.compile fuses the table lookup into the weight loads
         return self.add_bias(F.linear(x, self.dequantize(x.dtype)))
 

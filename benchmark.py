@@ -1,0 +1,232 @@
+"""benchmark.py: tokens/s of prefill and decode, as `python chat.py --bench` reports them.
+
+    python chat.py --bench --shape smollm2-135m --compile --json
+    python chat.py --bench --ckpt DIR --quant int4 --prompt-len 512 --gen-len 128
+
+Warm-up first (its extra time over a measured run is reported as compile_s), then --runs measured runs of one
+prefill of --prompt-len tokens and --gen-len decode steps at --batch-size; medians with min..max spread.
+Bytes per token counts the weights one decode step reads (every linear and norm, the head; not the embedding table,
+of which a step reads one row); bandwidth = bytes per token x decode steps per second, as gpt-fast reports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+import dense
+
+# Published shapes, for measuring without downloads (random weights).
+SHAPES = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                         rope_theta=100000.0, tie_word_embeddings=True),
+    "pythia-1.4b": dict(vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                        num_attention_heads=16, head_dim=128, rotary_dim=32, max_position_embeddings=2048, norm="layernorm",
+                        mlp="gelu", bias=True, parallel_residual=True),
+    "openelm-1.1b": "openelm",
+    "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, head_dim=128, max_position_embeddings=4096, norm_eps=1e-5),
+    "shellelastic": {},  # DenseConfig's defaults: the ShellElastic default model
+}
+PEAK_BANDWIDTH_GBS = {"H200": 4800, "H100": 3350, "A100": 2039, "L4": 300, "RTX 4090": 1008}
+
+
+def shape_config(name: str) -> dense.DenseConfig:
+    spec = SHAPES[name]
+    if spec == "openelm":  # OpenELM-1_1B's per-layer widths, derived as its config does
+        import convert
+
+        raw = dict(num_transformer_layers=28, model_dim=2048, head_dim=64, num_gqa_groups=4, ffn_multipliers=(0.5, 4.0),
+                   qkv_multipliers=(0.5, 1.0), ffn_dim_divisor=256)
+        heads, kv, ffn = convert.openelm_widths(raw, name)
+        return dense.DenseConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=28, num_attention_heads=heads,
+                                 num_key_value_heads=kv, head_dim=64, intermediate_size=ffn, rope_precision="float32",
+                                 norm_eps=1e-6, qk_norm="shared", attn_output_gate=False, tie_word_embeddings=True)
+    if spec:
+        spec = {"rope_precision": "float32", "qk_norm": "none", "attn_output_gate": False, **spec}
+    return dense.DenseConfig(**spec)
+
+
+def random_model(name: str, device, dtype) -> dense.DenseDecoder:
+    """A model of a published shape with random weights, built directly in dtype on device (no float32 copy)."""
+    config = shape_config(name)
+    with torch.device("meta"):
+        model = dense.DenseDecoder(config)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:  # to_empty gives every module its own tensor: share the embedding again
+        model.lm_head.weight = model.embed_tokens.weight
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif pname.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0, 0.02, generator=generator)
+    model.init_rope(device)
+    return model.eval()
+
+
+def weight_bytes(model: dense.DenseDecoder) -> int:
+    """Bytes of weights one decode step reads (the embedding table excluded unless the head shares it)."""
+    seen, total = set(), 0
+    skip = set() if model.config.tie_word_embeddings else {"embed_tokens.weight"}
+    for name, t in model.state_dict().items():
+        if name in skip or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or "cpu"
+    return f"{model} ({torch.get_num_threads()} threads)"
+
+
+def peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def one_run(model, batch: int, prompt_len: int, gen_len: int, compile: bool, seed: int) -> dict:
+    device = model.device
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device,
+                           generator=torch.Generator(device=device).manual_seed(seed))
+    sync(device)
+    start = time.perf_counter()
+    tokens = dense.generate_tokens(model, prompt, gen_len, compile=compile)
+    first = next(tokens)
+    first.cpu()
+    ttft = time.perf_counter() - start
+    for token in tokens:
+        pass
+    token.cpu() if gen_len > 1 else None
+    sync(device)
+    total = time.perf_counter() - start
+    decode = total - ttft
+    return {"ttft_s": ttft, "prefill_tok_s": batch * prompt_len / ttft, "total_s": total,
+            "decode_tok_s": batch * (gen_len - 1) / decode if gen_len > 1 else None,
+            "ms_per_step": 1000 * decode / (gen_len - 1) if gen_len > 1 else None}
+
+
+def run_benchmark(model, *, batch: int, prompt_len: int, gen_len: int, compile: bool, runs: int,
+                  peak_bw: float | None, quant: str, progress=None) -> dict:
+    device = model.device
+    needed = prompt_len + gen_len
+    if needed > model.config.max_position_embeddings:
+        raise ValueError(f"--prompt-len {prompt_len} + --gen-len {gen_len} exceed the context of "
+                         f"{model.config.max_position_embeddings}")
+    model.setup_cache(batch, needed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if progress:
+        progress("warming up" + (" (compiling the decode step)" if compile else ""))
+    warm = one_run(model, batch, prompt_len, gen_len, compile, seed=0)
+    measured = []
+    for i in range(runs):
+        if progress:
+            progress(f"run {i + 1} of {runs}")
+        measured.append(one_run(model, batch, prompt_len, gen_len, compile, seed=i + 1))
+
+    def stats(key):
+        values = [m[key] for m in measured if m[key] is not None]
+        return (statistics.median(values), min(values), max(values)) if values else (None, None, None)
+
+    decode, prefill, ttft, step = stats("decode_tok_s"), stats("prefill_tok_s"), stats("ttft_s"), stats("ms_per_step")
+    nbytes = weight_bytes(model)
+    steps_per_s = decode[0] / batch if decode[0] else None
+    bandwidth = nbytes * steps_per_s / 1e9 if steps_per_s else None
+    name = device_name(device)
+    peak = peak_bw or next((bw for key, bw in PEAK_BANDWIDTH_GBS.items() if key in name), None)
+    return {
+        "decode_tok_s": decode[0], "decode_tok_s_range": decode[1:], "prefill_tok_s": prefill[0],
+        "prefill_tok_s_range": prefill[1:], "ttft_s": ttft[0], "ttft_s_range": ttft[1:], "ms_per_step": step[0],
+        "compile_s": max(0.0, warm["total_s"] - statistics.median(m["total_s"] for m in measured)) if compile else 0.0,
+        "bytes_per_token": nbytes, "bandwidth_gbs": bandwidth,
+        "mbu": bandwidth / peak if bandwidth and peak else None, "peak_bw_gbs": peak,
+        "peak_mem_bytes": peak_memory(device), "device": name, "dtype": str(model.dtype).removeprefix("torch."),
+        "quant": quant, "batch_size": batch, "prompt_len": prompt_len, "gen_len": gen_len, "compile": compile,
+        "runs": runs, "torch": torch.__version__, "python": platform.python_version(),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def table(result: dict, title: str):
+    from rich.table import Table
+
+    def rng(key, fmt):
+        lo, hi = result[f"{key}_range"]
+        return f"{format(result[key], fmt)}  ({format(lo, fmt)} .. {format(hi, fmt)})" if lo is not None else "-"
+
+    t = Table(title=title, show_header=False)
+    rows = [
+        ("decode", rng("decode_tok_s", ".1f") + " tok/s"),
+        ("ms per decode step", f"{result['ms_per_step']:.2f}" if result["ms_per_step"] else "-"),
+        ("prefill", rng("prefill_tok_s", ".0f") + " tok/s"),
+        ("time to first token", f"{result['ttft_s'] * 1000:.1f} ms"),
+        ("compile (warm-up over a run)", f"{result['compile_s']:.1f} s"),
+        ("weights read per token", f"{result['bytes_per_token'] / 2**20:.1f} MiB"),
+        ("achieved bandwidth", f"{result['bandwidth_gbs']:.1f} GB/s" if result["bandwidth_gbs"] else "-"),
+        ("MBU", f"{result['mbu'] * 100:.1f}% of {result['peak_bw_gbs']} GB/s" if result["mbu"] else
+         "unknown peak (--peak-bw GB/s)"),
+        ("peak memory", f"{result['peak_mem_bytes'] / 2**20:.0f} MiB"),
+        ("setup", f"{result['dtype']}, quant {result['quant']}, batch {result['batch_size']}, prompt "
+                  f"{result['prompt_len']}, gen {result['gen_len']}, compile {result['compile']}, {result['runs']} runs"),
+        ("device", f"{result['device']}, torch {result['torch']}"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def main(args, console, ckpt: str | None) -> int:
+    """chat.py --bench: args are chat.py's parsed arguments."""
+    device = torch.device(args.device)
+    quant = None if args.quant == "none" else args.quant
+    with console.status("Loading..."):
+        if args.shape:
+            model = random_model(args.shape, device, args.dtype)
+            if quant:
+                import quantize
+
+                model = quantize.quantize_model(model, quant)
+            title = f"{args.shape} (random weights)"
+        else:
+            model = dense.DenseDecoder.from_pretrained(ckpt, device=device, dtype=args.dtype, quant=quant)
+            title = ckpt
+    with console.status("Benchmarking...") as status:
+        result = run_benchmark(model, batch=args.batch_size, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                               compile=args.compile, runs=args.runs, peak_bw=args.peak_bw, quant=args.quant,
+                               progress=lambda s: status.update(f"Benchmarking: {s}"))
+    result["model"] = title
+    if args.json:
+        print(json.dumps(result))
+    else:
+        console.print(table(result, title))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit("run benchmarks through chat.py: python chat.py --bench ...")
