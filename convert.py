@@ -545,6 +545,18 @@ def write_native(dst: str, config: DenseConfig, tensors: dict[str, torch.Tensor]
     atomic_write(os.path.join(dst, "config.json"), lambda p: open(p, "w").write(json.dumps(values, indent=2) + "\n"))
 
 
+def report_errors(action, debug: bool) -> int:
+    """Run action(); a CheckpointError or OSError becomes one line on stderr and exit status 2 (--debug: traceback)."""
+    try:
+        action()
+    except (CheckpointError, OSError) as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Convert a checkpoint of any supported family to the native format.")
     parser.add_argument("src", help="checkpoint folder or file (.pt, .gguf, ...)")
@@ -553,15 +565,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="cast the weights")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
-    try:
-        convert(args.src, args.dst, args.force, torch_dtype(args.dtype))
-    except (CheckpointError, OSError) as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.dst}")
-    return 0
+    status = report_errors(lambda: convert(args.src, args.dst, args.force, torch_dtype(args.dtype)), args.debug)
+    if status == 0:
+        print(f"wrote {args.dst}")
+    return status
 
 
 if __name__ == "__main__":

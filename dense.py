@@ -256,8 +256,9 @@ class Attention(nn.Module):
         scale = self.head_dim**-0.5
         if input_pos is None:  # full causal pass, no cache
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:  # cached step: attend over the whole static cache; mask [T, S] hides the future and the unwritten
+        else:  # cached step: attend over the first mask.shape[-1] cache slots; the mask hides future and unwritten
             k, v = self.kv_cache.update(input_pos, k, v)
+            k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         if self.gate_proj is not None:
@@ -371,8 +372,9 @@ class DenseDecoder(nn.Module):
             raise ValueError(f"position {int(input_pos.max())} is outside the cache of {self.max_seq_len} tokens "
                              f"(context {self.config.max_position_embeddings})")
 
-    def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None):
+    def hidden_states(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states after the last norm, [B, T, C], in the model's dtype. Without input_pos: a full causal
+        pass, no cache. With input_pos [T]: a cached step writing positions input_pos (a prefill or a decode)."""
         if not torch.compiler.is_compiling():
             self._check_inputs(input_ids, input_pos)
             if input_pos is not None and input_ids.shape[1] > 1:
@@ -382,12 +384,19 @@ class DenseDecoder(nn.Module):
             cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None
         else:
             cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
-            mask = self.kv_positions[None, :] <= input_pos[:, None]  # [T, S]: query at p sees keys 0..p
+            # Attend over the cache up to the last position written: all S slots in a compiled step (fixed shapes),
+            # only the slots in use in an eager call (a prefill, or decoding without compile).
+            kv_len = self.max_seq_len if torch.compiler.is_compiling() else int(input_pos.max()) + 1
+            mask = self.kv_positions[None, :kv_len] <= input_pos[:, None]  # [T, kv_len]: query at p sees keys 0..p
         x = self.embed_tokens(input_ids)  # [B, T, C]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, input_pos, mask)
-        logits = self.lm_head(self.norm(x)).float()
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None):
+        logits = self.lm_head(self.hidden_states(input_ids, input_pos)).float()  # [B, T, vocab]
         if labels is None:
             return logits
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
@@ -590,7 +599,8 @@ def generate_tokens(model: DenseDecoder, input_ids: torch.Tensor, max_new_tokens
         model.setup_cache(max(B, model.max_batch_size), cache_length(needed, model.config.max_position_embeddings))
     device = input_ids.device
     step = compiled_decode_step(device) if compile else decode_one_token
-    logits = model(input_ids, input_pos=torch.arange(start_pos, start_pos + T, device=device))[:, -1]
+    hidden = model.hidden_states(input_ids, input_pos=torch.arange(start_pos, start_pos + T, device=device))
+    logits = model.lm_head(hidden[:, -1]).float()  # the prefill needs the head at its last position only
     token = sample(logits, temperature, top_k, top_p, vocab_limit)
     yield token
     for i in range(max_new_tokens - 1):

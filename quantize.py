@@ -374,18 +374,20 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from rich.progress import Progress
 
-    try:
+    import convert
+
+    written = []
+
+    def run():
         with Progress(transient=True) as bar:
             task = bar.add_task(f"Quantizing to {args.mode}", total=None)
-            path = quantize_checkpoint(args.ckpt, args.mode, args.out, args.group_size,
-                                       progress=lambda done, total: bar.update(task, completed=done, total=total))
-    except (CheckpointError, OSError) as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {path} ({os.path.getsize(path) / 2**20:.1f} MiB)")
-    return 0
+            written.append(quantize_checkpoint(args.ckpt, args.mode, args.out, args.group_size,
+                                               progress=lambda done, total: bar.update(task, completed=done, total=total)))
+
+    status = convert.report_errors(run, args.debug)
+    if status == 0:
+        print(f"wrote {written[0]} ({os.path.getsize(written[0]) / 2**20:.1f} MiB)")
+    return status
 
 
 if __name__ == "__main__":
