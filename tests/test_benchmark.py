@@ -1,0 +1,67 @@
+"""chat.py --bench: the JSON it prints, the published shapes it builds, and what it counts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import benchmark
+import dense
+from conftest import ROOT, fixture_path
+
+KEYS = {"decode_tok_s", "prefill_tok_s", "ttft_s", "compile_s", "bytes_per_token", "bandwidth_gbs", "mbu",
+        "peak_mem_bytes", "device", "dtype", "quant", "batch_size", "prompt_len", "gen_len"}
+
+
+def bench(*args):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--bench", "--json", *map(str, args)],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)  # stdout holds exactly one JSON object
+
+
+def test_json_has_every_key_and_consistent_numbers():
+    r = bench("--ckpt", fixture_path("llama"), "--prompt-len", 8, "--gen-len", 12, "--runs", 2, "--batch-size", 2,
+              "--peak-bw", 100)
+    assert KEYS <= set(r)
+    assert (r["batch_size"], r["prompt_len"], r["gen_len"], r["quant"], r["dtype"]) == (2, 8, 12, "none", "float32")
+    # the llama fixture ties its head to the embedding: every parameter is read once per decode step
+    model = dense.DenseDecoder.from_pretrained(fixture_path("llama"))
+    assert r["bytes_per_token"] == sum(p.numel() * 4 for p in model.parameters())
+    assert r["bandwidth_gbs"] == pytest.approx(r["bytes_per_token"] * r["decode_tok_s"] / 2 / 1e9)
+    assert r["mbu"] == pytest.approx(r["bandwidth_gbs"] / 100)
+    assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] == pytest.approx(2 * 8 / r["ttft_s"], rel=0.5)
+    assert r["peak_mem_bytes"] > 0
+
+
+def test_mbu_is_null_without_a_known_peak():
+    r = bench("--ckpt", fixture_path("gptneox"), "--prompt-len", 4, "--gen-len", 4, "--runs", 1, "--quant", "int8")
+    assert r["mbu"] is None and r["quant"] == "int8"
+    # untied: the embedding table is not read by a decode step, the int8 head is
+    model = dense.DenseDecoder.from_pretrained(fixture_path("gptneox"), quant="int8")
+    assert r["bytes_per_token"] == sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
+                                       if n != "embed_tokens.weight")
+
+
+@pytest.mark.parametrize("name, params", [("smollm2-135m", 134_515_008), ("pythia-1.4b", 1_414_647_808),
+                                          ("openelm-1.1b", 1_079_891_456), ("llama-2-7b", 6_738_415_616)])
+def test_published_shapes_have_the_published_sizes(name, params):
+    config = benchmark.shape_config(name)
+    with torch.device("meta"):
+        model = dense.DenseDecoder(config)
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_random_shape_model_keeps_tied_embeddings():
+    model = benchmark.random_model("smollm2-135m", torch.device("cpu"), torch.bfloat16)
+    assert model.lm_head.weight is model.embed_tokens.weight and model.dtype == torch.bfloat16
+    assert benchmark.weight_bytes(model) == 134_515_008 * 2
+
+
+def test_bad_bench_input():
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--shape", "llama-2-7b"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--shape needs --bench" in result.stderr
