@@ -138,7 +138,7 @@ def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
     elif ckpt.endswith(".gguf"):
         import gguf_import
 
-        extra = {k: v for k, v in gguf_import.side_files(ckpt).items()}
+        extra = gguf_import.side_files(ckpt)
         path = None
     else:
         candidates = [os.path.join(folder, n) for n in ("tokenizer.json", "20B_tokenizer.json")]
@@ -234,7 +234,7 @@ class Session:
         """Compile the decode step now (on a throwaway token) so the first reply is not slowed by it."""
         start = time.perf_counter()
         list(self.generate([0], 2, start_pos=0))
-        self.cached = []
+        self.cached, self.model.tokens_prefilled = [], 0
         return time.perf_counter() - start
 
     def generate(self, new_ids: list[int], max_new: int, start_pos: int):

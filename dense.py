@@ -314,7 +314,7 @@ class DenseDecoder(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.max_batch_size = self.max_seq_len = 0
-        self.tokens_prefilled = 0  # positions written by cached calls of more than one token (chat asserts on it)
+        self.tokens_prefilled = 0  # tokens generate_tokens has prefilled, in all (a chat's turns are checked on it)
         self.init_rope()
 
     def init_rope(self, device=None) -> None:
@@ -377,8 +377,6 @@ class DenseDecoder(nn.Module):
         pass, no cache. With input_pos [T]: a cached step writing positions input_pos (a prefill or a decode)."""
         if not torch.compiler.is_compiling():
             self._check_inputs(input_ids, input_pos)
-            if input_pos is not None and input_ids.shape[1] > 1:
-                self.tokens_prefilled += input_ids.shape[1]
         T = input_ids.shape[1]
         if input_pos is None:
             cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None
@@ -600,6 +598,7 @@ def generate_tokens(model: DenseDecoder, input_ids: torch.Tensor, max_new_tokens
     device = input_ids.device
     step = compiled_decode_step(device) if compile else decode_one_token
     hidden = model.hidden_states(input_ids, input_pos=torch.arange(start_pos, start_pos + T, device=device))
+    model.tokens_prefilled += T
     logits = model.lm_head(hidden[:, -1]).float()  # the prefill needs the head at its last position only
     token = sample(logits, temperature, top_k, top_p, vocab_limit)
     yield token

@@ -41,12 +41,36 @@ def quantized_fraction(path: str, full: dense.DenseDecoder) -> float:
     return stored / (2 * numel)
 
 
+def shape_sizes(name: str) -> int:
+    """Quantized-layer size against bfloat16 for a random model of a published shape (the tensors quantize.py
+    would store)."""
+    import benchmark
+
+    full = benchmark.random_model(name, torch.device("cpu"), torch.bfloat16)
+    layers = set(quantize.layer_modes(full, "int8"))
+    numel = sum(full.get_submodule(n).weight.numel() for n in layers)
+    for mode, group in VARIANTS:
+        if mode == "llm.int8":
+            continue
+        stored = 0
+        for layer, layer_mode in quantize.layer_modes(full, mode).items():
+            w = full.get_submodule(layer).weight
+            parts = quantize.LINEARS[layer_mode].stored(w, group_size=group)
+            stored += sum(t.numel() * t.element_size() for t in parts.values())
+        print(f"{name} {mode}{f'-g{group}' if mode == 'int4' else ''}: quantized layers {stored / (2 * numel):.3f}x "
+              f"of bfloat16 ({numel / 1e6:.0f}M weights)", flush=True)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--ckpt")
     p.add_argument("--text", default=os.path.join(HERE, "english.txt"))
     p.add_argument("--json", action="store_true")
+    p.add_argument("--shape", help="sizes only, for a random-weight model of this published shape (benchmark.py)")
     args = p.parse_args()
+    if args.shape:
+        return shape_sizes(args.shape)
     from rich.console import Console
     from rich.table import Table
     from tokenizers import Tokenizer
@@ -65,7 +89,11 @@ def main() -> int:
              "top1_agreement": 1.0, "size_vs_bf16": 2.0 if full.dtype == torch.float32 else 1.0}]
     for mode, group in VARIANTS:
         with tempfile.TemporaryDirectory() as out, console.status(f"{mode} g{group}"):
-            path = quantize.quantize_checkpoint(ckpt, mode, out=out, group_size=group)
+            try:
+                path = quantize.quantize_checkpoint(ckpt, mode, out=out, group_size=group)
+            except dense.CheckpointError as e:  # e.g. int4-g128 on widths that are not multiples of 128
+                console.print(f"[dim]{mode} g{group}: {e}[/dim]")
+                continue
             size = quantized_fraction(path, full)
             model = dense.DenseDecoder.from_pretrained(out, quant=mode)
             with torch.no_grad():
