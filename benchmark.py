@@ -150,11 +150,13 @@ def run_benchmark(model, *, batch: int, prompt_len: int, gen_len: int, compile: 
             progress(f"run {i + 1} of {runs}")
         measured.append(one_run(model, batch, prompt_len, gen_len, compile, seed=i + 1))
 
-    def stats(key):
+    def spread(key):  # (median, min, max); median_low is always one of the runs, so rates and times agree
         values = [m[key] for m in measured if m[key] is not None]
-        return (statistics.median(values), min(values), max(values)) if values else (None, None, None)
+        return (statistics.median_low(values), min(values), max(values)) if values else (None, None, None)
 
-    decode, prefill, ttft, step = stats("decode_tok_s"), stats("prefill_tok_s"), stats("ttft_s"), stats("ms_per_step")
+    ttft, step = spread("ttft_s"), spread("ms_per_step")
+    prefill = (batch * prompt_len / ttft[0], *spread("prefill_tok_s")[1:])
+    decode = (batch * 1000 / step[0], *spread("decode_tok_s")[1:]) if step[0] else (None, None, None)
     nbytes = weight_bytes(model)
     steps_per_s = decode[0] / batch if decode[0] else None
     bandwidth = nbytes * steps_per_s / 1e9 if steps_per_s else None

