@@ -1,6 +1,6 @@
 """quantize.py: weight-only int8, int4 and nf4 (and bitsandbytes' LLM.int8) variants of a checkpoint.
 
-    python quantize.py --ckpt DIR --mode int8|int4|nf4|llm.int8 [--group-size 32] [--out DIR]
+    python quantize.py --ckpt DIR --mode int8|int4|nf4|llm.int8 [--group-size 32] [--double-quant] [--out DIR]
 
 writes DIR/model.MODE.safetensors and records the mode in DIR/config.json ("quantization"), never touching
 model.safetensors. DenseDecoder.from_pretrained(DIR, quant=MODE) then loads the variant directly.
@@ -13,6 +13,7 @@ sensitive layer) and in the mode itself for int8; the embedding table stays in t
 | int8     | weight int8 [out, in], scales [out]                 | scale[o] * q                   |
 | int4     | qweight uint8 [out, in/2], scales, mins [out, in/g] | min + scale * q, q in 0..15    |
 | nf4      | weight uint8 [out*in/2, 1], absmax [out*in/64]      | absmax * NF4[q] (bitsandbytes) |
+|          | --double-quant: absmax_q uint8, absmax_scales, ...  | absmax 8-bit, blocks of 256    |
 | llm.int8 | as int8 (bitsandbytes' CB and SCB / 127)            | bitsandbytes Linear8bitLt      |
 
 int4's grid is llama.cpp's Q4_1 grid (min + scale * q per group), so a Q4_1 GGUF re-quantizes to int4-g32 without
@@ -69,8 +70,10 @@ def int4_quantize(w: torch.Tensor, group: int) -> dict:
     return {"qweight": q[:, 0::2] | (q[:, 1::2] << 4), "scales": scales, "mins": mins}
 
 
-def nf4_quantize(w: torch.Tensor, block: int = 64) -> dict:
-    """bitsandbytes' quantize_4bit(quant_type="nf4", blocksize=64), the same arithmetic step by step."""
+def nf4_quantize(w: torch.Tensor, block: int = 64, double_quant: bool = False) -> dict:
+    """bitsandbytes' quantize_4bit(quant_type="nf4", blocksize=64), the same arithmetic step by step. double_quant
+    (bitsandbytes' compress_statistics): the absmax values minus their mean are quantized again to 8 bits in
+    blocks of 256, with bitsandbytes' own quantize_blockwise."""
     flat = w.reshape(-1).float()
     if flat.numel() % block:
         raise CheckpointError(f"nf4: {flat.numel()} weights are not a multiple of the block size {block}")
@@ -78,7 +81,15 @@ def nf4_quantize(w: torch.Tensor, block: int = 64) -> dict:
     absmax = blocks.abs().amax(dim=-1)
     scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38)[:, None]), -1, 1).reshape(-1)
     q = torch.bucketize(scaled, (NF4[:-1] + NF4[1:]) / 2, out_int32=True).to(torch.uint8)
-    return {"weight": ((q[0::2] << 4) | q[1::2]).unsqueeze(1), "absmax": absmax}
+    stored = {"weight": ((q[0::2] << 4) | q[1::2]).unsqueeze(1)}
+    if not double_quant:
+        return {**stored, "absmax": absmax}
+    import bitsandbytes.functional as bnbf
+
+    offset = absmax.mean()
+    absmax_q, state = bnbf.quantize_blockwise(absmax - offset, blocksize=256)
+    return {**stored, "absmax_q": absmax_q, "absmax_scales": state.absmax, "absmax_code": state.code,
+            "absmax_offset": offset.reshape(1)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -173,25 +184,36 @@ class Int4Linear(QuantLinear):
 
 
 class NF4Linear(QuantLinear):
-    keep_dtype = ("absmax",)
+    keep_dtype = ("absmax", "absmax_scales", "absmax_code", "absmax_offset")
 
-    def __init__(self, in_features, out_features, bias, **_) -> None:
+    def __init__(self, in_features, out_features, bias, double_quant=False, **_) -> None:
         super().__init__(in_features, out_features, bias)
+        self.double_quant = double_quant
+        blocks = out_features * in_features // 64
         self.register_buffer("weight", torch.zeros(out_features * in_features // 2, 1, dtype=torch.uint8))
-        self.register_buffer("absmax", torch.ones(out_features * in_features // 64))
+        if double_quant:  # absmax = code[absmax_q] * absmax_scales[block of 256] + absmax_offset
+            self.register_buffer("absmax_q", torch.zeros(blocks, dtype=torch.uint8))
+            self.register_buffer("absmax_scales", torch.ones((blocks + 255) // 256))
+            self.register_buffer("absmax_code", torch.zeros(256))
+            self.register_buffer("absmax_offset", torch.zeros(1))
+        else:
+            self.register_buffer("absmax", torch.ones(blocks))
         self.register_buffer("code", NF4.clone(), persistent=False)
 
     @staticmethod
-    def stored(w, **_):
-        return nf4_quantize(w)
+    def stored(w, double_quant=False, **_):
+        return nf4_quantize(w, double_quant=double_quant)
 
-    def dequantize(self, dtype) -> torch.Tensor:
-        packed = self.weight.reshape(-1)
-        q = torch.stack((packed >> 4, packed & 15), dim=-1).reshape(-1, 64).long()
-        w = self.code.to(self.absmax.device)[q] * self.absmax[:, None]
-        return w.reshape(self.out_features, self.in_features).to(dtype)
+    def block_absmax(self) -> torch.Tensor:
+        """The absmax of every 64-block, float32 [blocks]."""
+        if not self.double_quant:
+            return self.absmax
+        scales = self.absmax_scales.repeat_interleave(256)[: self.absmax_q.numel()]
+        return self.absmax_code[self.absmax_q.long()] * scales + self.absmax_offset
 
     def finish_loading(self) -> None:
+        if self.double_quant:  # expanded once: double quantization saves file size, not compute
+            self.register_buffer("absmax", self.block_absmax(), persistent=False)
         # On CPU bitsandbytes' own kernel is the faster one (BENCHMARKS.md); its CPU dequantizer mishandles rows
         # that are not a whole number of 64-blocks, so those keep the fused path.
         self.bnb_state = None
@@ -201,6 +223,12 @@ class NF4Linear(QuantLinear):
             self.bnb_state = bnb.functional.QuantState(
                 absmax=self.absmax, shape=torch.Size([self.out_features, self.in_features]), code=NF4.clone(),
                 blocksize=64, quant_type="nf4", dtype=torch.float32)
+
+    def dequantize(self, dtype) -> torch.Tensor:
+        packed = self.weight.reshape(-1)
+        q = torch.stack((packed >> 4, packed & 15), dim=-1).reshape(-1, 64).long()
+        w = self.code.to(self.absmax.device)[q] * self.absmax[:, None]
+        return w.reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(self, "bnb_state", None) is not None and x.dtype == torch.float32:
@@ -269,11 +297,11 @@ def variant_file(mode: str) -> str:
     return f"model.{mode}.safetensors"
 
 
-def quantize_model(model: DenseDecoder, mode: str, group_size: int = 32) -> DenseDecoder:
+def quantize_model(model: DenseDecoder, mode: str, group_size: int = 32, double_quant: bool = False) -> DenseDecoder:
     """Quantize a loaded full-precision model in place (the weights are read from it)."""
     if mode not in MODES:
         raise CheckpointError(f"unknown quantization mode {mode!r} (choose from {', '.join(MODES)})")
-    return swap_linears(model, mode, {"group_size": group_size}, weights={})
+    return swap_linears(model, mode, {"group_size": group_size, "double_quant": double_quant}, weights={})
 
 
 def notice_stderr(message: str) -> None:
@@ -293,12 +321,13 @@ def load_quantized(path: str, mode: str, device, dtype, notice=notice_stderr) ->
         notice(f"{path}: no saved {mode} variant; quantizing at load time (python quantize.py --ckpt {path} "
                f"--mode {mode} saves one)")
         model = DenseDecoder.from_pretrained(path, device=device, dtype=dtype)
-        return quantize_model(model, mode, record.get(mode, {}).get("group_size", 32))
+        return quantize_model(model, mode, record.get(mode, {}).get("group_size") or 32)
     config, _, declared = read_checkpoint(path, weights=False)
     dtype = dtype or declared or torch.float32
     with torch.device("meta"):
         model = DenseDecoder(config)
-    swap_linears(model, mode, {"group_size": record[mode].get("group_size", 32)})
+    swap_linears(model, mode, {"group_size": record[mode].get("group_size") or 32,
+                               "double_quant": bool(record[mode].get("double_quant"))})
     model.load_tensors(open_safetensors(saved), device, dtype, source=saved)
     for module in model.modules():
         if isinstance(module, QuantLinear):
@@ -306,7 +335,8 @@ def load_quantized(path: str, mode: str, device, dtype, notice=notice_stderr) ->
     return model
 
 
-def quantize_checkpoint(src: str, mode: str, out: str | None = None, group_size: int = 32, progress=None) -> str:
+def quantize_checkpoint(src: str, mode: str, out: str | None = None, group_size: int = 32, progress=None,
+                        double_quant: bool = False) -> str:
     """Write model.MODE.safetensors (+ the config record) beside a native checkpoint, or into `out` with the config
     and tokenizer files, from any checkpoint from_pretrained reads. Returns the written file."""
     import convert
@@ -321,6 +351,8 @@ def quantize_checkpoint(src: str, mode: str, out: str | None = None, group_size:
         raise CheckpointError(f"{src}: already quantized (no full-precision model.safetensors to quantize from)")
     if not native and out is None:
         raise CheckpointError(f"{src}: not a native checkpoint; pass --out DIR for the quantized folder")
+    if double_quant and mode != "nf4":
+        raise CheckpointError("--double-quant applies to --mode nf4 only")
     if mode == "int4" and group_size not in (32, 64, 128):
         raise CheckpointError(f"--group-size must be 32, 64 or 128, got {group_size}")
     config, table, declared = read_checkpoint(src)
@@ -333,7 +365,7 @@ def quantize_checkpoint(src: str, mode: str, out: str | None = None, group_size:
         t = table[key]()
         layer = key.removesuffix(".weight")
         if key.endswith(".weight") and layer in names:
-            for part, value in LINEARS[names[layer]].stored(t, group_size=group_size).items():
+            for part, value in LINEARS[names[layer]].stored(t, group_size=group_size, double_quant=double_quant).items():
                 stored[f"{layer}.{part}"] = value.contiguous()
         else:
             stored[key] = t.contiguous()
@@ -350,7 +382,7 @@ def quantize_checkpoint(src: str, mode: str, out: str | None = None, group_size:
     else:
         values = {**config.to_dict(), **({"torch_dtype": str(declared).removeprefix("torch.")} if declared else {})}
     values.setdefault("quantization", {})[mode] = {"file": variant_file(mode), "group_size": group_size if mode == "int4"
-                                                   else None, "head": names["lm_head"]}
+                                                   else None, "double_quant": double_quant, "head": names["lm_head"]}
     convert.atomic_write(config_path, lambda p: open(p, "w").write(json.dumps(values, indent=2) + "\n"))
     if out is not None:
         for name, path in convert.tokenizer_sources(src).items():
@@ -369,6 +401,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ckpt", required=True, help="checkpoint folder or file")
     parser.add_argument("--mode", required=True, choices=MODES)
     parser.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64 or 128")
+    parser.add_argument("--double-quant", action="store_true", help="nf4: quantize the absmax values too "
+                        "(bitsandbytes' compress_statistics; 0.4 fewer bits a weight on disk)")
     parser.add_argument("--out", help="write into this folder (with config and tokenizer) instead of beside --ckpt")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
@@ -382,7 +416,8 @@ def main(argv=None) -> int:
         with Progress(transient=True) as bar:
             task = bar.add_task(f"Quantizing to {args.mode}", total=None)
             written.append(quantize_checkpoint(args.ckpt, args.mode, args.out, args.group_size,
-                                               progress=lambda done, total: bar.update(task, completed=done, total=total)))
+                                               progress=lambda done, total: bar.update(task, completed=done, total=total),
+                                               double_quant=args.double_quant))
 
     status = convert.report_errors(run, args.debug)
     if status == 0:

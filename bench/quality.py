@@ -25,7 +25,8 @@ import dense  # noqa: E402
 import quantize  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = [("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128), ("nf4", 32), ("llm.int8", 32)]
+VARIANTS = [("int8", 32, False), ("int4", 32, False), ("int4", 64, False), ("int4", 128, False), ("nf4", 32, False),
+            ("nf4", 32, True), ("llm.int8", 32, False)]
 
 
 def quantized_fraction(path: str, full: dense.DenseDecoder) -> float:
@@ -49,15 +50,15 @@ def shape_sizes(name: str) -> int:
     full = benchmark.random_model(name, torch.device("cpu"), torch.bfloat16)
     layers = set(quantize.layer_modes(full, "int8"))
     numel = sum(full.get_submodule(n).weight.numel() for n in layers)
-    for mode, group in VARIANTS:
+    for mode, group, dq in VARIANTS:
         if mode == "llm.int8":
             continue
         stored = 0
         for layer, layer_mode in quantize.layer_modes(full, mode).items():
             w = full.get_submodule(layer).weight
-            parts = quantize.LINEARS[layer_mode].stored(w, group_size=group)
+            parts = quantize.LINEARS[layer_mode].stored(w, group_size=group, double_quant=dq and layer_mode == "nf4")
             stored += sum(t.numel() * t.element_size() for t in parts.values())
-        print(f"{name} {mode}{f'-g{group}' if mode == 'int4' else ''}: quantized layers {stored / (2 * numel):.3f}x "
+        print(f"{name} {mode}{f'-g{group}' if mode == 'int4' else ''}{'-dq' if dq else ''}: quantized layers {stored / (2 * numel):.3f}x "
               f"of bfloat16 ({numel / 1e6:.0f}M weights)", flush=True)
     return 0
 
@@ -87,10 +88,10 @@ def main() -> int:
     ref_top1 = ref_logits.argmax(-1)
     rows = [{"mode": "none", "dtype": str(full.dtype), "ppl": math.exp(ref_loss), "ppl_change_pct": 0.0,
              "top1_agreement": 1.0, "size_vs_bf16": 2.0 if full.dtype == torch.float32 else 1.0}]
-    for mode, group in VARIANTS:
+    for mode, group, dq in VARIANTS:
         with tempfile.TemporaryDirectory() as out, console.status(f"{mode} g{group}"):
             try:
-                path = quantize.quantize_checkpoint(ckpt, mode, out=out, group_size=group)
+                path = quantize.quantize_checkpoint(ckpt, mode, out=out, group_size=group, double_quant=dq)
             except dense.CheckpointError as e:  # e.g. int4-g128 on widths that are not multiples of 128
                 console.print(f"[dim]{mode} g{group}: {e}[/dim]")
                 continue
@@ -99,7 +100,7 @@ def main() -> int:
             with torch.no_grad():
                 logits, loss = model(ids[:, :-1], labels=ids[:, 1:])
         ppl = math.exp(loss)
-        rows.append({"mode": mode + (f"-g{group}" if mode == "int4" else ""), "ppl": ppl,
+        rows.append({"mode": mode + (f"-g{group}" if mode == "int4" else "") + ("-double-quant" if dq else ""), "ppl": ppl,
                      "ppl_change_pct": 100 * (ppl / rows[0]["ppl"] - 1), "size_vs_bf16": size,
                      "top1_agreement": float((logits.argmax(-1) == ref_top1).float().mean())})
     if args.json:

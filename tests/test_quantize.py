@@ -164,3 +164,41 @@ def test_compiled_decode_matches_eager_tokens(mode):
     ids = expected("llama")["input_ids"][:, :8]
     eager = dense.generate(model, ids, 24)
     assert torch.equal(dense.generate(model, ids, 24, compile=True), eager)  # fullgraph: no graph breaks either
+
+
+def test_nf4_double_quant_matches_bitsandbytes():
+    import bitsandbytes.functional as bnbf
+
+    torch.manual_seed(1)
+    w = torch.randn(512, 192) * 0.05
+    ours = quantize.nf4_quantize(w, double_quant=True)
+    packed, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+    assert torch.equal(ours["weight"], packed) and torch.equal(ours["absmax_q"], state.absmax)
+    assert torch.equal(ours["absmax_scales"], state.state2.absmax) and torch.equal(ours["absmax_code"], state.state2.code)
+    assert torch.equal(ours["absmax_offset"], state.offset.reshape(1))
+    layer = quantize.NF4Linear(192, 512, False, double_quant=True)
+    layer._buffers.update(ours)
+    assert torch.allclose(layer.block_absmax(), bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset,
+                          rtol=0, atol=1e-7)
+
+
+def test_double_quant_variant_round_trip(tmp_path):
+    src = fixture_path("gptneox")
+    plain = quantize.quantize_checkpoint(src, "nf4", out=str(tmp_path / "plain"))
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "quantize.py"), "--ckpt", src, "--mode", "nf4",
+                             "--double-quant", "--out", str(tmp_path / "dq")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "dq" / "config.json").read_text())["quantization"]["nf4"]["double_quant"] is True
+    def scale_bytes(path, names):  # bytes holding the 64-block scales (the nested code table is a constant)
+        with safe_open(path, "pt") as f:
+            return sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()
+                       if k.rsplit(".", 1)[-1] in names)
+
+    dq_bytes = scale_bytes(tmp_path / "dq" / "model.nf4.safetensors", {"absmax_q", "absmax_scales", "absmax_offset"})
+    assert dq_bytes < 0.3 * scale_bytes(plain, {"absmax"})  # 8-bit instead of 32-bit block scales
+    ids = expected("gptneox")["input_ids"]
+    dq = dense.DenseDecoder.from_pretrained(str(tmp_path / "dq"), quant="nf4")
+    assert rel_err(dq(ids), dense.DenseDecoder.from_pretrained(str(tmp_path / "plain"), quant="nf4")(ids)) < 2e-2
+    assert rel_err(dq(ids), quantized_reference(dq)(ids)) < 2e-2
+    with pytest.raises(dense.CheckpointError, match="--double-quant applies to --mode nf4 only"):
+        quantize.quantize_checkpoint(src, "int8", out=str(tmp_path / "x"), double_quant=True)
