@@ -42,6 +42,17 @@ NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488
                     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
                     0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
                     0.7229568362236023, 1.0])
+def import_bitsandbytes():
+    """bitsandbytes, without its import-time warning about an optional CPU kernel fetched from the Hugging Face hub
+    (`kernels` package), which this project does not use."""
+    import logging
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    import bitsandbytes
+
+    return bitsandbytes
+
+
 BLOCK_LINEAR = re.compile(r"layers\.\d+\.(attn\.(q|k|v|gate|o)_proj|mlp\.(gate|up|down)_proj)")
 
 
@@ -84,8 +95,7 @@ def nf4_quantize(w: torch.Tensor, block: int = 64, double_quant: bool = False) -
     stored = {"weight": ((q[0::2] << 4) | q[1::2]).unsqueeze(1)}
     if not double_quant:
         return {**stored, "absmax": absmax}
-    import bitsandbytes.functional as bnbf
-
+    bnbf = import_bitsandbytes().functional
     offset = absmax.mean()
     absmax_q, state = bnbf.quantize_blockwise(absmax - offset, blocksize=256)
     return {**stored, "absmax_q": absmax_q, "absmax_scales": state.absmax, "absmax_code": state.code,
@@ -218,8 +228,7 @@ class NF4Linear(QuantLinear):
         # that are not a whole number of 64-blocks, so those keep the fused path.
         self.bnb_state = None
         if self.weight.device.type == "cpu" and self.in_features % 64 == 0:
-            import bitsandbytes as bnb
-
+            bnb = import_bitsandbytes()
             self.bnb_state = bnb.functional.QuantState(
                 absmax=self.absmax, shape=torch.Size([self.out_features, self.in_features]), code=NF4.clone(),
                 blocksize=64, quant_type="nf4", dtype=torch.float32)
@@ -232,7 +241,7 @@ class NF4Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(self, "bnb_state", None) is not None and x.dtype == torch.float32:
-            import bitsandbytes as bnb
+            import bitsandbytes as bnb  # imported (and quieted) by finish_loading already
 
             return self.add_bias(bnb.matmul_4bit(x, self.weight.t(), quant_state=self.bnb_state))
         # dequantize-and-matmul: torch.compile fuses the table lookup into the weight loads
@@ -244,8 +253,7 @@ class LLMInt8Linear(Int8Linear):
     absmax scales."""
 
     def finish_loading(self) -> None:
-        import bitsandbytes as bnb
-
+        bnb = import_bitsandbytes()
         layer = bnb.nn.Linear8bitLt(self.in_features, self.out_features, bias=self.bias is not None,
                                     has_fp16_weights=False, threshold=6.0, device="meta")
         layer.weight = bnb.nn.Int8Params(self.weight, requires_grad=False, has_fp16_weights=False)
