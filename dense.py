@@ -253,13 +253,14 @@ class Attention(nn.Module):
         k = apply_rotary(k, cos, sin, self.rope_layout)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
         gqa = self.n_kv_heads != self.n_heads  # SDPA shares each K/V head among H/K query heads, without copies
-        scale = self.head_dim**-0.5
-        if input_pos is None:  # full causal pass, no cache
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:  # cached step: attend over the first mask.shape[-1] cache slots; the mask hides future and unwritten
+        if input_pos is not None:  # cached step: write this call's keys/values, attend over the first kv_len slots
             k, v = self.kv_cache.update(input_pos, k, v)
-            k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            kv_len = T if mask is None else mask.shape[-1]
+            k, v = k[:, :, :kv_len], v[:, :, :kv_len]
+        # no mask: a plain causal pass over this call's T tokens (no cache, or a prefill from position 0);
+        # else mask [T, kv_len] hides the future and the slots not written yet
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.head_dim**-0.5,
+                                           enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         if self.gate_proj is not None:
             y = y * torch.sigmoid(self.gate_proj(x))
@@ -386,6 +387,8 @@ class DenseDecoder(nn.Module):
             # only the slots in use in an eager call (a prefill, or decoding without compile).
             kv_len = self.max_seq_len if torch.compiler.is_compiling() else int(input_pos.max()) + 1
             mask = self.kv_positions[None, :kv_len] <= input_pos[:, None]  # [T, kv_len]: query at p sees keys 0..p
+            if kv_len == T and not torch.compiler.is_compiling() and int(input_pos[0]) == 0:
+                mask = None  # a prefill of positions 0..T-1: exactly causal, SDPA's causal kernel does half the work
         x = self.embed_tokens(input_ids)  # [B, T, C]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
