@@ -91,7 +91,8 @@ def nf4_quantize(w: torch.Tensor, block: int = 64, double_quant: bool = False) -
     blocks = flat.reshape(-1, block)
     absmax = blocks.abs().amax(dim=-1)
     scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38)[:, None]), -1, 1).reshape(-1)
-    q = torch.bucketize(scaled, (NF4[:-1] + NF4[1:]) / 2, out_int32=True).to(torch.uint8)
+    code = NF4.to(scaled.device)
+    q = torch.bucketize(scaled, (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
     stored = {"weight": ((q[0::2] << 4) | q[1::2]).unsqueeze(1)}
     if not double_quant:
         return {**stored, "absmax": absmax}
