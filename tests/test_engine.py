@@ -102,15 +102,14 @@ def test_greedy_generate_equals_argmax_loop(layout):
 
 
 @pytest.mark.slow
-def test_compiled_generate_same_tokens_without_recompiling():
+def test_compiled_generate_same_tokens_without_recompiling(monkeypatch):
     model = DenseDecoder.from_pretrained(fixture_path("shellelastic"))
     ids = expected("shellelastic")["input_ids"]
     for length in (6, 11):  # prompts of different lengths share the compiled step
         want = argmax_loop(model, ids[:, :length], 32)
         got = dense.generate(model, ids[:, :length], 32, compile=True)
         assert torch.equal(got, want)
-        torch._dynamo.config.error_on_recompile = True  # from the second prompt on, a recompile is an error
-    torch._dynamo.config.error_on_recompile = False
+        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)  # from the second prompt on
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # fullgraph: the step is one graph
 
 
