@@ -12,7 +12,6 @@ of which a step reads one row); bandwidth = bytes per token x decode steps per s
 from __future__ import annotations
 
 import json
-import os
 import platform
 import resource
 import statistics
@@ -120,9 +119,8 @@ def one_run(model, batch: int, prompt_len: int, gen_len: int, compile: bool, see
     first = next(tokens)
     first.cpu()
     ttft = time.perf_counter() - start
-    for token in tokens:
+    for _ in tokens:
         pass
-    token.cpu() if gen_len > 1 else None
     sync(device)
     total = time.perf_counter() - start
     decode = total - ttft

@@ -437,14 +437,12 @@ def run(argv, console) -> int:
     if args.shape and not args.bench:
         raise UsageError("--shape needs --bench (it makes a random-weight model for measuring)")
     ckpt = None if args.shape else args.ckpt or default_checkpoint(console)
+    if ckpt is not None and not os.path.exists(ckpt):
+        raise UsageError(f"--ckpt {ckpt}: no such file or folder")
     if args.bench:
-        if ckpt is not None and not os.path.exists(ckpt):
-            raise UsageError(f"--ckpt {ckpt}: no such file or folder")
         import benchmark
 
         return benchmark.main(args, console, ckpt)
-    if not os.path.exists(ckpt):
-        raise UsageError(f"--ckpt {ckpt}: no such file or folder")
     vocab = load_vocabulary(ckpt, args.tokenizer)
     with console.status(f"Loading {ckpt} ({args.dtype}, {args.device})..."):
         quant = None if args.quant == "none" else args.quant

@@ -24,7 +24,6 @@ import argparse
 import functools
 import glob
 import json
-import math
 import os
 import pickle
 import re
@@ -504,20 +503,27 @@ def tokenizer_sources(src: str) -> dict[str, str]:
     return found
 
 
+def side_files(src: str) -> dict:
+    """{file name: writer(path)} for the tokenizer and generation files that travel with a checkpoint: copied from
+    beside SRC, or, for a GGUF, rebuilt from its metadata (tokenizer.json, tokenizer_config.json, ...)."""
+    writers = {name: (lambda p, s=path: shutil.copyfile(s, p)) for name, path in tokenizer_sources(src).items()}
+    if os.path.isfile(src) and src.endswith(".gguf"):
+        import gguf_import
+
+        writers.update({name: (lambda p, t=text: open(p, "w").write(t))
+                        for name, text in gguf_import.side_files(src).items()})
+    return writers
+
+
 def convert(src: str, dst: str, force: bool = False, dtype: torch.dtype | None = None, progress=None) -> None:
     """Write DST/config.json + DST/model.safetensors (+ tokenizer files) from any supported SRC."""
     from dense import read_checkpoint
 
     config, table, declared = read_checkpoint(src)
     dtype = dtype or declared
-    extra = {}
-    if os.path.isfile(src) and src.endswith(".gguf"):
-        import gguf_import
-
-        extra = gguf_import.side_files(src)  # tokenizer.json, tokenizer_config.json, generation_config.json
+    extra = side_files(src)
     os.makedirs(dst, exist_ok=True)
-    outputs = ["config.json", "model.safetensors", *tokenizer_sources(src), *extra]
-    clash = [n for n in outputs if os.path.exists(os.path.join(dst, n))]
+    clash = [n for n in ("config.json", "model.safetensors", *extra) if os.path.exists(os.path.join(dst, n))]
     if clash and not force:
         raise CheckpointError(f"{dst}: {clash[0]} already exists (use --force to overwrite)")
     tensors = {}
@@ -527,10 +533,8 @@ def convert(src: str, dst: str, force: bool = False, dtype: torch.dtype | None =
         if progress:
             progress(i + 1, len(table))
     write_native(dst, config, tensors, dtype)
-    for name, path in tokenizer_sources(src).items():
-        atomic_write(os.path.join(dst, name), lambda p, s=path: shutil.copyfile(s, p))
-    for name, text in extra.items():
-        atomic_write(os.path.join(dst, name), lambda p, t=text: open(p, "w").write(t))
+    for name, write in extra.items():
+        atomic_write(os.path.join(dst, name), write)
 
 
 def write_native(dst: str, config: DenseConfig, tensors: dict[str, torch.Tensor], dtype=None) -> None:

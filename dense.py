@@ -414,9 +414,10 @@ class DenseDecoder(nn.Module):
         the weights is ever held. dtype=None: the checkpoint's declared torch_dtype, else float32.
         quant="int8" | "int4" | "nf4" | "llm.int8" loads (or makes) a weight-quantized variant (quantize.py)."""
         path = os.fspath(path)
-        if quant is None and not os.path.isfile(os.path.join(path, "model.safetensors")):
-            saved = read_json(os.path.join(path, "config.json")).get("quantization", {}) \
-                if os.path.isfile(os.path.join(path, "config.json")) else {}
+        if quant is None and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "model.safetensors")):
+            import quantize
+
+            saved = quantize.saved_variants(path)
             quant = next(iter(saved)) if len(saved) == 1 else None  # a folder holding only one quantized variant
         if quant is not None:
             import quantize

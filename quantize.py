@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import sys
 
 import torch
@@ -210,6 +209,7 @@ class NF4Linear(QuantLinear):
         else:
             self.register_buffer("absmax", torch.ones(blocks))
         self.register_buffer("code", NF4.clone(), persistent=False)
+        self.bnb_state = None  # bitsandbytes' QuantState, set by finish_loading where its kernel is used
 
     @staticmethod
     def stored(w, double_quant=False, **_):
@@ -227,7 +227,6 @@ class NF4Linear(QuantLinear):
             self.register_buffer("absmax", self.block_absmax(), persistent=False)
         # On CPU bitsandbytes' own kernel is the faster one (BENCHMARKS.md); its CPU dequantizer mishandles rows
         # that are not a whole number of 64-blocks, so those keep the fused path.
-        self.bnb_state = None
         if self.weight.device.type == "cpu" and self.in_features % 64 == 0:
             bnb = import_bitsandbytes()
             self.bnb_state = bnb.functional.QuantState(
@@ -241,7 +240,7 @@ class NF4Linear(QuantLinear):
         return w.reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self, "bnb_state", None) is not None and x.dtype == torch.float32:
+        if self.bnb_state is not None and x.dtype == torch.float32:
             import bitsandbytes as bnb  # imported (and quieted) by finish_loading already
 
             return self.add_bias(bnb.matmul_4bit(x, self.weight.t(), quant_state=self.bnb_state))
@@ -278,16 +277,27 @@ def layer_modes(model: DenseDecoder, mode: str) -> dict[str, str]:
     return chosen
 
 
-def swap_linears(model: DenseDecoder, mode: str, params: dict, weights: dict | None = None) -> DenseDecoder:
-    """Replace the chosen nn.Linear layers by quantized ones: empty (on the current device) or, given `weights`
-    {name: float weight}, quantized from them."""
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise CheckpointError(f"unknown quantization mode {mode!r} (choose from {', '.join(MODES)})")
+
+
+def saved_variants(path: str) -> dict:
+    """The "quantization" record of a native folder's config.json: {mode: {file, group_size, ...}}."""
+    config_file = os.path.join(path, "config.json")
+    return read_json(config_file).get("quantization", {}) if os.path.isfile(config_file) else {}
+
+
+def swap_linears(model: DenseDecoder, mode: str, params: dict, quantize_weights: bool = False) -> DenseDecoder:
+    """Replace the chosen nn.Linear layers by quantized ones: empty (to be loaded), or quantized from the layers'
+    own weights when quantize_weights."""
     if model.config.tie_word_embeddings:  # the head gets its own quantized copy; the embedding stays as it is
         model.config.tie_word_embeddings = False
     for name, layer_mode in layer_modes(model, mode).items():
         old = model.get_submodule(name)
         parent, _, attr = name.rpartition(".")
         new = LINEARS[layer_mode](old.in_features, old.out_features, old.bias is not None, **params)
-        if weights is not None:
+        if quantize_weights:
             device = old.weight.device
             for key, t in new.stored(old.weight.detach(), **params).items():
                 new._buffers[key] = t.to(device)
@@ -308,9 +318,8 @@ def variant_file(mode: str) -> str:
 
 def quantize_model(model: DenseDecoder, mode: str, group_size: int = 32, double_quant: bool = False) -> DenseDecoder:
     """Quantize a loaded full-precision model in place (the weights are read from it)."""
-    if mode not in MODES:
-        raise CheckpointError(f"unknown quantization mode {mode!r} (choose from {', '.join(MODES)})")
-    return swap_linears(model, mode, {"group_size": group_size, "double_quant": double_quant}, weights={})
+    check_mode(mode)
+    return swap_linears(model, mode, {"group_size": group_size, "double_quant": double_quant}, quantize_weights=True)
 
 
 def notice_stderr(message: str) -> None:
@@ -321,10 +330,8 @@ def load_quantized(path: str, mode: str, device, dtype, notice=notice_stderr) ->
     """from_pretrained(path, quant=mode): the saved variant when there is one, else quantize at load time."""
     from dense import open_safetensors, read_checkpoint
 
-    if mode not in MODES:
-        raise CheckpointError(f"unknown quantization mode {mode!r} (choose from {', '.join(MODES)})")
-    config_file = os.path.join(path, "config.json")
-    record = read_json(config_file).get("quantization", {}) if os.path.isfile(config_file) else {}
+    check_mode(mode)
+    record = saved_variants(path)
     saved = os.path.join(path, variant_file(mode))
     if mode not in record or not os.path.isfile(saved):
         notice(f"{path}: no saved {mode} variant; quantizing at load time (python quantize.py --ckpt {path} "
@@ -352,10 +359,10 @@ def quantize_checkpoint(src: str, mode: str, out: str | None = None, group_size:
     from dense import read_checkpoint
     from safetensors.torch import save_file
 
-    if mode not in MODES:
-        raise CheckpointError(f"unknown quantization mode {mode!r} (choose from {', '.join(MODES)})")
-    native = os.path.isdir(src) and os.path.isfile(os.path.join(src, "config.json")) and \
-        read_json(os.path.join(src, "config.json")).get("model_type", "dense") == "dense"
+    check_mode(mode)
+    src_config = os.path.join(src, "config.json")
+    raw = read_json(src_config) if os.path.isdir(src) and os.path.isfile(src_config) else {}
+    native = bool(raw) and raw.get("model_type", "dense") == "dense"
     if native and not os.path.isfile(os.path.join(src, "model.safetensors")):
         raise CheckpointError(f"{src}: already quantized (no full-precision model.safetensors to quantize from)")
     if not native and out is None:
@@ -387,21 +394,16 @@ def quantize_checkpoint(src: str, mode: str, out: str | None = None, group_size:
     convert.atomic_write(target, lambda p: save_file(stored, p, metadata={"format": "pt", "quantization": mode}))
     config_path = os.path.join(dst, "config.json")
     if native:  # keep the release's own config.json, adding the record
-        values = read_json(os.path.join(src, "config.json"))
+        values = raw
     else:
         values = {**config.to_dict(), **({"torch_dtype": str(declared).removeprefix("torch.")} if declared else {})}
     values.setdefault("quantization", {})[mode] = {"file": variant_file(mode), "group_size": group_size if mode == "int4"
                                                    else None, "double_quant": double_quant, "head": names["lm_head"]}
     convert.atomic_write(config_path, lambda p: open(p, "w").write(json.dumps(values, indent=2) + "\n"))
-    if out is not None:
-        for name, path in convert.tokenizer_sources(src).items():
+    if out is not None:  # the tokenizer files travel too; files already in `out` stay as they are
+        for name, write in convert.side_files(src).items():
             if not os.path.exists(os.path.join(dst, name)):
-                convert.atomic_write(os.path.join(dst, name), lambda p, s=path: shutil.copyfile(s, p))
-        if src.endswith(".gguf"):
-            import gguf_import
-
-            for name, text in gguf_import.side_files(src).items():
-                convert.atomic_write(os.path.join(dst, name), lambda p, t=text: open(p, "w").write(t))
+                convert.atomic_write(os.path.join(dst, name), write)
     return target
 
 

@@ -31,7 +31,7 @@ VARIANTS = [("int8", 32, False), ("int4", 32, False), ("int4", 64, False), ("int
 
 def quantized_fraction(path: str, full: dense.DenseDecoder) -> float:
     """Bytes of the quantized layers (block linears and head) over the same layers' weights in bfloat16."""
-    layers = {name for name, _ in quantize.layer_modes(full, "int8").items()}
+    layers = set(quantize.layer_modes(full, "int8"))
     numel = sum(full.get_submodule(name).weight.numel() for name in layers)
     stored = 0
     with safe_open(path, "pt") as f:

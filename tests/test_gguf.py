@@ -13,7 +13,6 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import convert
 import dense
 import gguf_import
 from conftest import ROOT
