@@ -12,6 +12,7 @@ of which a step reads one row); bandwidth = bytes per token x decode steps per s
 from __future__ import annotations
 
 import json
+import os
 import platform
 import resource
 import statistics
@@ -21,6 +22,9 @@ import time
 import torch
 
 import dense
+import generate
+
+IMPORTED = time.perf_counter()
 
 # Published shapes, for measuring without downloads (random weights).
 SHAPES = {
@@ -71,8 +75,9 @@ def random_model(name: str, device, dtype) -> dense.DenseDecoder:
                 p.zero_()
             else:
                 p.normal_(0, 0.02, generator=generator)
-    model.init_rope(device)
-    return model.eval()
+    import quantize
+
+    return quantize.swap_linears(model, None, {}).eval()  # full precision through kernels.py, as from_pretrained
 
 
 def weight_bytes(model: dense.DenseDecoder) -> int:
@@ -109,13 +114,33 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def one_run(model, batch: int, prompt_len: int, gen_len: int, compile: bool, seed: int) -> dict:
+def process_age() -> float:
+    """Seconds since this process started (Linux: /proc), else since this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - IMPORTED
+
+
+def prompts(model, batch: int, lengths: tuple[int, int], seed: int):
+    """Random prompt ids: [batch, T] when every prompt has the same length, else a ragged list."""
+    generator = torch.Generator().manual_seed(seed)
+    lo, hi = lengths
+    if lo == hi:
+        return torch.randint(0, model.config.vocab_size, (batch, lo), generator=generator).to(model.device)
+    sizes = torch.randint(lo, hi + 1, (batch,), generator=generator).tolist()
+    return [torch.randint(0, model.config.vocab_size, (n,), generator=generator).to(model.device) for n in sizes]
+
+
+def one_run(model, steps, batch: int, lengths: tuple[int, int], gen_len: int, seed: int) -> dict:
+    prompt = prompts(model, batch, lengths, seed)
     device = model.device
-    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device,
-                           generator=torch.Generator(device=device).manual_seed(seed))
     sync(device)
     start = time.perf_counter()
-    tokens = dense.generate_tokens(model, prompt, gen_len, compile=compile)
+    tokens = generate.generate_tokens(model, prompt, gen_len, steps=steps)
     first = next(tokens)
     first.cpu()
     ttft = time.perf_counter() - start
@@ -124,36 +149,47 @@ def one_run(model, batch: int, prompt_len: int, gen_len: int, compile: bool, see
     sync(device)
     total = time.perf_counter() - start
     decode = total - ttft
-    return {"ttft_s": ttft, "prefill_tok_s": batch * prompt_len / ttft, "total_s": total,
+    prompt_tokens = prompt.numel() if isinstance(prompt, torch.Tensor) else sum(p.numel() for p in prompt)
+    return {"ttft_s": ttft, "prefill_tok_s": prompt_tokens / ttft, "total_s": total,
             "decode_tok_s": batch * (gen_len - 1) / decode if gen_len > 1 else None,
             "ms_per_step": 1000 * decode / (gen_len - 1) if gen_len > 1 else None}
 
 
-def run_benchmark(model, *, batch: int, prompt_len: int, gen_len: int, compile: bool, runs: int,
-                  peak_bw: float | None, quant: str, progress=None) -> dict:
+def run_benchmark(model, *, batch: int, prompt_len: int | tuple[int, int], gen_len: int, compile: bool, runs: int,
+                  peak_bw: float | None, quant: str, cache_len: int | None = None, progress=None) -> dict:
+    """Warm up (load or compile the steps), then `runs` measured runs. cache_len: the KV cache's length (default:
+    the model's context, as chat.py uses it; a batch gets what it needs, rounded up to a power of two)."""
     device = model.device
-    needed = prompt_len + gen_len
-    if needed > model.config.max_position_embeddings:
-        raise ValueError(f"--prompt-len {prompt_len} + --gen-len {gen_len} exceed the context of "
-                         f"{model.config.max_position_embeddings}")
-    model.setup_cache(batch, needed)
+    lengths = prompt_len if isinstance(prompt_len, tuple) else (prompt_len, prompt_len)
+    needed = lengths[1] + gen_len
+    context = model.config.max_position_embeddings
+    if needed > context:
+        raise ValueError(f"--prompt-len {lengths[1]} + --gen-len {gen_len} exceed the context of {context}")
+    cache_len = cache_len or (context if batch == 1 else generate.cache_length(needed, context))
+    if cache_len < needed:
+        raise ValueError(f"--max-seq-len {cache_len} is shorter than --prompt-len + --gen-len ({needed})")
+    model.setup_cache(batch, cache_len)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    steps = generate.Steps(model, status=progress) if compile else None
     if progress:
-        progress("warming up" + (" (compiling the decode step)" if compile else ""))
-    warm = one_run(model, batch, prompt_len, gen_len, compile, seed=0)
+        progress("warming up" + (" (loading or compiling the steps)" if compile else ""))
+    one_run(model, steps, batch, lengths, min(gen_len, 3), seed=0)
+    startup = process_age()
+    one_run(model, steps, batch, lengths, gen_len, seed=0)  # every bucket the runs reach
     measured = []
     for i in range(runs):
         if progress:
             progress(f"run {i + 1} of {runs}")
-        measured.append(one_run(model, batch, prompt_len, gen_len, compile, seed=i + 1))
+        measured.append(one_run(model, steps, batch, lengths, gen_len, seed=i + 1))
 
     def spread(key):  # (median, min, max); median_low is always one of the runs, so rates and times agree
         values = [m[key] for m in measured if m[key] is not None]
         return (statistics.median_low(values), min(values), max(values)) if values else (None, None, None)
 
     ttft, step = spread("ttft_s"), spread("ms_per_step")
-    prefill = (batch * prompt_len / ttft[0], *spread("prefill_tok_s")[1:])
+    median_run = next(m for m in measured if m["ttft_s"] == ttft[0])  # its rate agrees with the median time
+    prefill = (median_run["prefill_tok_s"], *spread("prefill_tok_s")[1:])
     decode = (batch * 1000 / step[0], *spread("decode_tok_s")[1:]) if step[0] else (None, None, None)
     nbytes = weight_bytes(model)
     steps_per_s = decode[0] / batch if decode[0] else None
@@ -161,15 +197,17 @@ def run_benchmark(model, *, batch: int, prompt_len: int, gen_len: int, compile: 
     name = device_name(device)
     peak = peak_bw or next((bw for key, bw in PEAK_BANDWIDTH_GBS.items() if key in name), None)
     return {
-        "decode_tok_s": decode[0], "decode_tok_s_range": decode[1:], "prefill_tok_s": prefill[0],
+        "decode_tok_s": decode[0], "decode_tok_s_range": decode[1:],
+        "decode_tok_s_per_row": decode[0] / batch if decode[0] else None, "prefill_tok_s": prefill[0],
         "prefill_tok_s_range": prefill[1:], "ttft_s": ttft[0], "ttft_s_range": ttft[1:], "ms_per_step": step[0],
-        "compile_s": max(0.0, warm["total_s"] - statistics.median(m["total_s"] for m in measured)) if compile else 0.0,
+        "compile_s": steps.compile_s if steps else 0.0, "startup_s": startup, "cache_len": cache_len,
+        "attended_len": generate.bucket_for(lengths[1] + gen_len - 1, cache_len) if compile else lengths[1] + gen_len - 1,
         "bytes_per_token": nbytes, "bandwidth_gbs": bandwidth,
         "mbu": bandwidth / peak if bandwidth and peak else None, "peak_bw_gbs": peak,
         "peak_mem_bytes": peak_memory(device), "device": name, "dtype": str(model.dtype).removeprefix("torch."),
-        "quant": quant, "batch_size": batch, "prompt_len": prompt_len, "gen_len": gen_len, "compile": compile,
-        "runs": runs, "torch": torch.__version__, "python": platform.python_version(),
-        "params": sum(p.numel() for p in model.parameters()),
+        "quant": quant, "batch_size": batch, "prompt_len": lengths[1] if lengths[0] == lengths[1] else list(lengths),
+        "gen_len": gen_len, "compile": compile, "runs": runs, "torch": torch.__version__,
+        "python": platform.python_version(), "params": sum(p.numel() for p in model.parameters()),
     }
 
 
@@ -186,13 +224,15 @@ def table(result: dict, title: str):
         ("ms per decode step", f"{result['ms_per_step']:.2f}" if result["ms_per_step"] else "-"),
         ("prefill", rng("prefill_tok_s", ".0f") + " tok/s"),
         ("time to first token", f"{result['ttft_s'] * 1000:.1f} ms"),
-        ("compile (warm-up over a run)", f"{result['compile_s']:.1f} s"),
+        ("compile (this process)", f"{result['compile_s']:.1f} s"),
+        ("startup (process start to ready)", f"{result['startup_s']:.1f} s"),
+        ("cache / attended slots", f"{result['cache_len']} / {result['attended_len']}"),
         ("weights read per token", f"{result['bytes_per_token'] / 2**20:.1f} MiB"),
         ("achieved bandwidth", f"{result['bandwidth_gbs']:.1f} GB/s" if result["bandwidth_gbs"] else "-"),
         ("MBU", f"{result['mbu'] * 100:.1f}% of {result['peak_bw_gbs']} GB/s" if result["mbu"] else
          "unknown peak (--peak-bw GB/s)"),
         ("peak memory", f"{result['peak_mem_bytes'] / 2**20:.0f} MiB"),
-        ("setup", f"{result['dtype']}, quant {result['quant']}, batch {result['batch_size']}, prompt "
+        ("setup", f"{result['dtype']}, quant {result['quant']} ({result.get('quant_reason', '')}), batch {result['batch_size']}, prompt "
                   f"{result['prompt_len']}, gen {result['gen_len']}, compile {result['compile']}, {result['runs']} runs"),
         ("device", f"{result['device']}, torch {result['torch']}"),
     ]
@@ -202,25 +242,30 @@ def table(result: dict, title: str):
 
 
 def main(args, console, ckpt: str | None) -> int:
-    """chat.py --bench: args are chat.py's parsed arguments."""
+    """chat.py --bench: args are chat.py's parsed arguments; the same defaults as chat (quant auto, compile, the
+    model's whole context as the cache)."""
     device = torch.device(args.device)
-    quant = None if args.quant == "none" else args.quant
     with console.status("Loading..."):
         if args.shape:
             model = random_model(args.shape, device, args.dtype)
+            quant, reason = (None, "random weights") if args.quant in ("auto", "none") else (args.quant, "--quant")
             if quant:
                 import quantize
 
                 model = quantize.quantize_model(model, quant)
             title = f"{args.shape} (random weights)"
         else:
-            model = dense.DenseDecoder.from_pretrained(ckpt, device=device, dtype=args.dtype, quant=quant)
+            import chat
+
+            model, line = chat.load_model(ckpt, args, console)
+            quant, reason = line.split(" (", 1)[0].removeprefix("weights: "), line.split(" (", 1)[1].rstrip(")")
             title = ckpt
     with console.status("Benchmarking...") as status:
         result = run_benchmark(model, batch=args.batch_size, prompt_len=args.prompt_len, gen_len=args.gen_len,
-                               compile=args.compile, runs=args.runs, peak_bw=args.peak_bw, quant=args.quant,
-                               progress=lambda s: status.update(f"Benchmarking: {s}"))
-    result["model"] = title
+                               compile=args.compile, runs=args.runs, peak_bw=args.peak_bw,
+                               quant=quant if quant and quant != "full precision" else "none",
+                               cache_len=args.max_seq_len, progress=lambda s: status.update(f"Benchmarking: {s}"))
+    result["model"], result["quant_reason"] = title, reason
     if args.json:
         print(json.dumps(result))
     else:

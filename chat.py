@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 import dense
+import generate
 from dense import CheckpointError
 
 PROJECT = "dense-engine"
@@ -47,8 +48,8 @@ def cache_dir() -> str:
 def default_checkpoint(console) -> str:
     """The native folder of the default model, fetching and converting it on first use."""
     target = os.path.join(cache_dir(), DEFAULT_NAME)
-    if os.path.isfile(os.path.join(target, "config.json")):
-        return target
+    if os.path.isfile(os.path.join(target, "model.int4.safetensors")):
+        return target  # (a folder from an older version, without the int4 variant, is converted again)
     import convert
 
     os.makedirs(cache_dir(), exist_ok=True)
@@ -62,6 +63,9 @@ def default_checkpoint(console) -> str:
             task = progress.add_task(f"Converting to {target}", total=None)
             convert.convert(gguf_path, staging, progress=lambda done, total: progress.update(task, completed=done,
                                                                                              total=total))
+        if os.path.isdir(target):  # an older conversion: set it aside, then remove it
+            old = os.path.join(work, "old")
+            os.replace(target, old)
         os.replace(staging, target)  # the folder appears whole or not at all
     console.print(f"[dim]Converted the default model into {target}[/dim]")
     return target
@@ -155,7 +159,9 @@ def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
         if name in extra:
             return json.loads(extra[name])
         file = os.path.join(folder, name)
-        return dense.read_json(file) if os.path.isfile(file) else {}
+        import convert
+
+        return convert.read_json(file) if os.path.isfile(file) else {}
 
     tok_config, gen_config, model_config = side("tokenizer_config.json"), side("generation_config.json"), side("config.json")
     vocab = Vocabulary(tokenizer, tok_config.get("chat_template"), token_text(tok_config.get("bos_token")),
@@ -213,8 +219,8 @@ class ReplyStats:
         rate = f"{(self.tokens - 1) / decode_s:.1f} tok/s" if self.tokens > 1 and decode_s > 0 else "- tok/s"
         text = (f"{self.tokens} tokens, {rate}, first token {self.ttft_s * 1000:.0f} ms, "
                 f"prefilled {self.prefilled} tokens")
-        if self.compile_s is not None:
-            text += f", decode step compiled in {self.compile_s:.1f} s"
+        if self.compile_s:
+            text += f", steps compiled in {self.compile_s:.1f} s"
         return text + (" (interrupted)" if self.interrupted else "")
 
 
@@ -222,28 +228,29 @@ class Session:
     """Generation over a cache that outlives a reply: `cached` lists the tokens whose keys/values sit in the cache
     at positions 0.. len(cached) - 1, so the next prompt prefills only what follows its common prefix with them."""
 
-    def __init__(self, model, vocab: Vocabulary, args) -> None:
+    def __init__(self, model, vocab: Vocabulary, args, status=None) -> None:
         self.model, self.vocab, self.args = model, vocab, args
         self.max_seq_len = args.max_seq_len or model.config.max_position_embeddings
         model.setup_cache(1, self.max_seq_len)
+        self.steps = generate.Steps(model, status=status) if args.compile else None
         self.cached: list[int] = []
         self.compile_s: float | None = None
         self.last = ReplyStats()
 
     def warm_up(self) -> float:
-        """Compile the decode step now (on a throwaway token) so the first reply is not slowed by it."""
-        start = time.perf_counter()
+        """Load (or, the first time on this machine, compile) the prefill and decode steps a first reply needs, on a
+        throwaway token, so that reply is not slowed by it. Returns the seconds spent compiling."""
         list(self.generate([0], 2, start_pos=0))
         self.cached, self.model.tokens_prefilled = [], 0
-        return time.perf_counter() - start
+        return self.steps.compile_s
 
     def generate(self, new_ids: list[int], max_new: int, start_pos: int):
         args = self.args
         ids = torch.tensor([new_ids], device=self.model.device)
         vocab_limit = self.vocab.size if self.vocab.size < self.model.config.vocab_size else None
-        return dense.generate_tokens(self.model, ids, max_new, temperature=args.temperature, top_k=args.top_k,
-                                     top_p=args.top_p, compile=args.compile, start_pos=start_pos,
-                                     vocab_limit=vocab_limit)
+        return generate.generate_tokens(self.model, ids, max_new, temperature=args.temperature, top_k=args.top_k,
+                                        top_p=args.top_p, start_pos=start_pos, vocab_limit=vocab_limit,
+                                        steps=self.steps)
 
     def room(self, prompt_len: int) -> int:
         return min(self.args.max_new_tokens, self.max_seq_len - prompt_len)
@@ -288,6 +295,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def length_or_range(text: str):
+    lo, sep, hi = text.partition(":")
+    lo, hi = positive_int(lo), positive_int(hi) if sep else None
+    if hi is not None and hi < lo:
+        raise argparse.ArgumentTypeError(f"range {text}: the end is below the start")
+    return lo if hi is None else (lo, hi)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Chat with a dense decoder checkpoint, or complete text.")
     p.add_argument("--ckpt", help="checkpoint folder or file (default: SmolLM2-135M-Instruct, fetched once)")
@@ -299,10 +314,11 @@ def parse_args(argv):
     mode.add_argument("--complete", dest="mode", action="store_const", const="complete", help="force completion")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: bfloat16 on cuda, else float32")
-    p.add_argument("--quant", choices=("none", "int8", "int4", "nf4", "llm.int8"), default="none",
-                   help="weight quantization (a variant saved by quantize.py, else made at load time)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the decode step (default: on for cuda)")
+    p.add_argument("--quant", choices=("auto", "none", "int8", "int4", "nf4", "llm.int8"), default="auto",
+                   help="weight quantization (a variant saved by quantize.py, else made at load time); auto: int4 "
+                        "for weights from a Q4_0/Q4_1 GGUF (held exactly), else as stored; none: full precision")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="compiled prefill and decode steps, saved in the cache folder for later runs (default: on)")
     p.add_argument("--max-new-tokens", type=positive_int, default=512)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-k", type=positive_int, default=None)
@@ -316,7 +332,8 @@ def parse_args(argv):
     bench.add_argument("--shape", choices=("smollm2-135m", "pythia-1.4b", "openelm-1.1b", "llama-2-7b", "shellelastic"),
                        help="benchmark a random-weight model of this published shape instead of --ckpt")
     bench.add_argument("--batch-size", type=positive_int, default=1)
-    bench.add_argument("--prompt-len", type=positive_int, default=128)
+    bench.add_argument("--prompt-len", type=length_or_range, default=128,
+                       help="prompt tokens, or a range LO:HI of random lengths (a ragged batch)")
     bench.add_argument("--gen-len", type=positive_int, default=128)
     bench.add_argument("--runs", type=positive_int, default=5)
     bench.add_argument("--peak-bw", type=float, help="the device's peak memory bandwidth in GB/s, for MBU")
@@ -334,7 +351,6 @@ def parse_args(argv):
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
-    args.compile = args.device.startswith("cuda") if args.compile is None else args.compile
     args.dtype = dense.torch_dtype(args.dtype) or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     return args
 
@@ -430,6 +446,21 @@ def fit_conversation(session: Session, vocab: Vocabulary, system: str | None, hi
     return None, 0
 
 
+def load_model(ckpt: str, args, console):
+    """The model as --quant asks, and one line saying what was loaded and why."""
+    import convert
+    import quantize
+
+    with console.status(f"Loading {ckpt} ({str(args.dtype).removeprefix('torch.')}, {args.device})..."):
+        checkpoint = convert.read_checkpoint(ckpt)
+        if args.quant == "auto":
+            quant, reason = quantize.auto_mode(checkpoint)
+        else:
+            quant, reason = (None if args.quant == "none" else args.quant), f"--quant {args.quant}"
+        model = dense.DenseDecoder.from_pretrained(ckpt, device=args.device, dtype=args.dtype, quant=quant or "none")
+    return model, f"weights: {quant or 'full precision'} ({reason})"
+
+
 def run(argv, console) -> int:
     args = parse_args(argv)
     if args.seed is not None:
@@ -444,19 +475,19 @@ def run(argv, console) -> int:
 
         return benchmark.main(args, console, ckpt)
     vocab = load_vocabulary(ckpt, args.tokenizer)
-    with console.status(f"Loading {ckpt} ({args.dtype}, {args.device})..."):
-        quant = None if args.quant == "none" else args.quant
-        model = dense.DenseDecoder.from_pretrained(ckpt, device=args.device, dtype=args.dtype, quant=quant)
+    model, why = load_model(ckpt, args, console)
     if args.max_seq_len and args.max_seq_len > model.config.max_position_embeddings:
         raise UsageError(f"--max-seq-len {args.max_seq_len} exceeds the model's context of "
                          f"{model.config.max_position_embeddings}")
     mode = args.mode or ("chat" if vocab.chat_template else "complete")
     if mode == "chat" and not vocab.chat_template:
         raise UsageError(f"{ckpt}: --chat needs a chat template (tokenizer_config.json has none)")
-    session = Session(model, vocab, args)
-    if args.compile:
-        with console.status("Compiling the decode step (once; cached by Inductor across runs)..."):
+    with console.status("Loading the compiled steps...") as status:
+        session = Session(model, vocab, args, status=status.update)
+        if args.compile:
             session.compile_s = session.warm_up()
+    if args.prompt is None or args.stats:
+        console.print(f"[dim]{why}[/dim]")
     if args.prompt is not None:
         return one_shot(session, vocab, args, mode)
     return interactive(session, vocab, args, mode, console)

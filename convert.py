@@ -34,7 +34,10 @@ import tempfile
 import numpy as np
 import torch
 
-from dense import CheckpointError, DenseConfig, open_safetensors, read_json, torch_dtype
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dense import CheckpointError, DenseConfig, torch_dtype
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 # Non-parameter buffers that older exports carry; recognised and skipped.
@@ -44,6 +47,87 @@ SKIPPED_BUFFERS = re.compile(r".*\.(rotary_emb\.inv_freq|attention\.bias|attenti
 
 # ----------------------------------------------------------------------------------------------------------------
 # Reading files
+
+
+@dataclass
+class Checkpoint:
+    """What loading needs from any checkpoint: its config, {native tensor name: thunk} of the full-precision weights
+    (empty when a folder holds only quantized variants), the declared dtype, and the native config.json's own record
+    (its saved quantized variants; for a checkpoint converted from a GGUF, the source tensor types). A GGUF source
+    also carries, for its Q4_0/Q4_1 linears, thunks of the int4 tensors that hold its blocks exactly."""
+    path: str
+    config: DenseConfig
+    tensors: dict[str, Callable[[], torch.Tensor]]
+    dtype: torch.dtype | None = None
+    record: dict = field(default_factory=dict)
+    source_types: dict[str, str] = field(default_factory=dict)  # native weight name -> GGUF tensor type
+    exact_int4: dict[str, Callable[[], dict]] = field(default_factory=dict)  # linear name -> its int4 tensors
+
+    @property
+    def native(self) -> bool:
+        return bool(self.record)
+
+
+def read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({getattr(e, 'msg', None) or e.reason})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: not valid JSON (nested too deeply)") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def open_safetensors(path: str) -> dict[str, Callable[[], torch.Tensor]]:
+    """{name: thunk} over a memory-mapped safetensors file; a truncated or corrupt file is a CheckpointError."""
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(path, framework="pt", device="cpu")
+        names = list(handle.keys())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except Exception as e:  # safetensors raises its own error types for bad headers and short files
+        raise CheckpointError(f"{path}: not a readable safetensors file ({first_line(e)})") from None
+
+    def reader(name: str):
+        def read() -> torch.Tensor:
+            try:
+                return handle.get_tensor(name)
+            except Exception as e:
+                raise CheckpointError(f"{path}: cannot read tensor {name!r} ({first_line(e)})") from None
+        return read
+
+    return {name: reader(name) for name in names}
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def read_checkpoint(path) -> Checkpoint:
+    """Any supported checkpoint, native or foreign, as a Checkpoint."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file or folder")
+    config_file = os.path.join(path, "config.json")
+    if os.path.isdir(path) and os.path.isfile(config_file):
+        raw = read_json(config_file)
+        if raw.get("model_type", "dense") == "dense" and "dim" not in raw:  # native (seed 000 release) format
+            config = DenseConfig.from_dict(raw, source=config_file)
+            weights = os.path.join(path, "model.safetensors")
+            if not os.path.isfile(weights) and not raw.get("quantization"):
+                raise CheckpointError(f"{path}: no model.safetensors beside config.json")
+            tensors = open_safetensors(weights) if os.path.isfile(weights) else {}
+            return Checkpoint(path, config, tensors, torch_dtype(raw.get("torch_dtype")), raw)
+    return read_foreign(path)
 
 
 def load_pickle(path: str) -> dict:
@@ -414,8 +498,8 @@ def neox_original(folder: str):
 # Dispatch
 
 
-def read_foreign(path: str):
-    """(DenseConfig, {native name: thunk}, declared dtype or None) for a non-native checkpoint."""
+def read_foreign(path: str) -> Checkpoint:
+    """A non-native checkpoint as a Checkpoint (no record)."""
     if os.path.isfile(path) and path.endswith(".gguf"):
         import gguf_import
 
@@ -424,7 +508,7 @@ def read_foreign(path: str):
         return read_torch_file(path, None)
     if glob.glob(os.path.join(path, "global_step*")):
         config, table = neox_original(path)
-        return config, table, None
+        return Checkpoint(path, config, table)
     config_file = os.path.join(path, "config.json")
     if os.path.isfile(config_file):
         raw = read_json(config_file)
@@ -433,7 +517,7 @@ def read_foreign(path: str):
         families = {"openelm": openelm, "gpt_neox": gpt_neox, "llama": llama}
         if model_type in families:
             config, table = families[model_type](path, raw, config_file)
-            return config, table, declared
+            return Checkpoint(path, config, table, declared)
         if model_type is None and "dim" in raw:  # a Sprout state dict beside its config.json
             weights = [os.path.join(path, n) for n in ("model.safetensors", "model.pt", "ckpt.pt", "pytorch_model.bin")]
             weights = [w for w in weights if os.path.isfile(w)]
@@ -451,7 +535,7 @@ def read_foreign(path: str):
     raise CheckpointError(f"{path}: not a checkpoint folder (no config.json, ckpt.pt, checkpoint.pt or .gguf)")
 
 
-def read_torch_file(path: str, raw: dict | None):
+def read_torch_file(path: str, raw: dict | None) -> Checkpoint:
     """Sprout's ckpt.pt, GermanGPT's checkpoint.pt, or a plain state dict (.pt/.safetensors) with its config."""
     if path.endswith(".safetensors"):
         state = {n: f() for n, f in open_safetensors(path).items()}
@@ -469,7 +553,7 @@ def read_torch_file(path: str, raw: dict | None):
         config, table = sprout(raw, state, path)
     else:
         raise CheckpointError(f"{path}: config has neither 'dim' (Sprout) nor 'd_model' (GermanGPT)")
-    return config, table, None
+    return Checkpoint(path, config, table)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -516,34 +600,55 @@ def side_files(src: str) -> dict:
 
 
 def convert(src: str, dst: str, force: bool = False, dtype: torch.dtype | None = None, progress=None) -> None:
-    """Write DST/config.json + DST/model.safetensors (+ tokenizer files) from any supported SRC."""
-    from dense import read_checkpoint
+    """Write DST/config.json + DST/model.safetensors (+ tokenizer files) from any supported SRC. A GGUF source's
+    tensor types are recorded in config.json, and its Q4_0 / Q4_1 blocks also become DST/model.int4.safetensors, bit
+    for bit (what `--quant auto` loads)."""
+    import quantize
 
-    config, table, declared = read_checkpoint(src)
-    dtype = dtype or declared
+    checkpoint = read_checkpoint(src)
+    dtype = dtype or checkpoint.dtype
     extra = side_files(src)
     os.makedirs(dst, exist_ok=True)
     clash = [n for n in ("config.json", "model.safetensors", *extra) if os.path.exists(os.path.join(dst, n))]
     if clash and not force:
         raise CheckpointError(f"{dst}: {clash[0]} already exists (use --force to overwrite)")
     tensors = {}
-    for i, (name, read) in enumerate(table.items()):
+    for i, (name, read) in enumerate(checkpoint.tensors.items()):
         t = read()
         tensors[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
         if progress:
-            progress(i + 1, len(table))
-    write_native(dst, config, tensors, dtype)
+            progress(i + 1, len(checkpoint.tensors))
+    write_native(dst, checkpoint.config, tensors, dtype, source_record(checkpoint))
+    del tensors
     for name, write in extra.items():
         atomic_write(os.path.join(dst, name), write)
+    blocks = {n.removesuffix(".weight") for n in checkpoint.source_types if quantize.BLOCK_LINEAR.fullmatch(n[:-7])}
+    if blocks and blocks <= set(checkpoint.exact_int4):
+        quantize.write_variant(read_checkpoint(dst), "int4", dst, {"group_size": 32}, exact=checkpoint.exact_int4)
 
 
-def write_native(dst: str, config: DenseConfig, tensors: dict[str, torch.Tensor], dtype=None) -> None:
+def source_record(checkpoint: Checkpoint) -> dict:
+    """{"source_format", "source_tensor_types": {"blocks": {type: count}, "other": {type: count}}} for a GGUF."""
+    if not checkpoint.source_types:
+        return {}
+    import collections
+
+    import quantize
+
+    kinds = {"blocks": collections.Counter(), "other": collections.Counter()}
+    for name, kind in checkpoint.source_types.items():
+        kinds["blocks" if quantize.BLOCK_LINEAR.fullmatch(name.removesuffix(".weight")) else "other"][kind] += 1
+    return {"source_format": "gguf", "source_tensor_types": {k: dict(v) for k, v in kinds.items()}}
+
+
+def write_native(dst: str, config: DenseConfig, tensors: dict[str, torch.Tensor], dtype=None,
+                 record: dict | None = None) -> None:
     """DST/model.safetensors and DST/config.json, each written to a temporary file and renamed into place."""
     from safetensors.torch import save_file
 
     os.makedirs(dst, exist_ok=True)
     atomic_write(os.path.join(dst, "model.safetensors"), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    values = config.to_dict()
+    values = {**config.to_dict(), **(record or {})}
     if dtype is not None:
         values["torch_dtype"] = str(dtype).removeprefix("torch.")
     atomic_write(os.path.join(dst, "config.json"), lambda p: open(p, "w").write(json.dumps(values, indent=2) + "\n"))

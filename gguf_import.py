@@ -12,6 +12,7 @@ Tokenizer: `tokenizer.ggml.*` (tokens, merges, token types, bos/eos, the pre-tok
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import torch
@@ -47,8 +48,11 @@ def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def read_gguf(path: str):
-    """(DenseConfig, {native name: thunk}, None) for a GGUF file of architecture llama."""
+    """A GGUF file of architecture llama as a convert.Checkpoint: the weights dequantized with gguf's own dequantizer,
+    each tensor's GGUF type, and for Q4_0 / Q4_1 linears their blocks as int4-g32 tensors (exact_int4_tensors)."""
     import gguf
+
+    from convert import Checkpoint
 
     reader = open_gguf(path)
     arch = field(reader, "general.architecture", path=path)
@@ -58,7 +62,7 @@ def read_gguf(path: str):
     hidden = int(field(reader, "llama.embedding_length", path=path))
     heads = int(field(reader, "llama.attention.head_count", path=path))
     kv_heads = int(field(reader, "llama.attention.head_count_kv", heads, path))
-    head_dim = int(field(reader, "llama.attention.key_length", hidden // heads, path))
+    head_dim = int(field(reader, "llama.attention.key_length", hidden // max(heads, 1), path))
     rope_dim = int(field(reader, "llama.rope.dimension_count", head_dim, path))
     if rope_dim != head_dim or "rope_freqs.weight" in tensors or "llama.rope.scaling.type" in reader.fields:
         raise CheckpointError(f"{path}: rotary scaling or partial rotary in a llama GGUF is not supported")
@@ -73,6 +77,9 @@ def read_gguf(path: str):
         norm_eps=float(field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5, path)), qk_norm="none",
         attn_output_gate=False, tie_word_embeddings=tied)
 
+    def shape_of(t) -> tuple[int, ...]:
+        return tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
+
     def read(name: str, permute_heads: int | None = None):
         def thunk() -> torch.Tensor:
             t = tensors[name]
@@ -81,9 +88,19 @@ def read_gguf(path: str):
             except NotImplementedError:
                 raise CheckpointError(f"{path}: tensor {name!r} has type {t.tensor_type.name}, which gguf cannot "
                                       "dequantize") from None
-            values = values.reshape(tuple(int(n) for n in reversed(t.shape)))  # GGUF lists dims innermost first
+            except (ValueError, TypeError, IndexError) as e:
+                raise CheckpointError(f"{path}: tensor {name!r} is damaged ({str(e).splitlines()[0]})") from None
+            if values.size != math.prod(shape_of(t)):
+                raise CheckpointError(f"{path}: tensor {name!r} holds {values.size} values, its shape "
+                                      f"{list(shape_of(t))} needs {math.prod(shape_of(t))}")
+            values = values.reshape(shape_of(t))
             w = torch.from_numpy(values.copy() if not values.flags.writeable else np.ascontiguousarray(values))
             return unpermute(w, permute_heads) if permute_heads else w
+        return thunk
+
+    def read_int4(name: str, permute_heads: int | None = None):
+        def thunk() -> dict:
+            return int4_tensors(tensors[name], shape_of(tensors[name]), permute_heads, path)
         return thunk
 
     names = {"token_embd.weight": ("embed_tokens.weight", None), "output_norm.weight": ("norm.weight", None),
@@ -95,13 +112,36 @@ def read_gguf(path: str):
     for i in range(config.num_hidden_layers):
         for theirs, (ours, permute) in per_layer.items():
             names[f"blk.{i}.{theirs}.weight"] = (f"layers.{i}.{ours}.weight", permute)
-    table = {}
+    table, types, exact = {}, {}, {}
     for name in tensors:
         if name not in names:
             raise CheckpointError(f"{path}: unexpected tensor {name!r}")
         native, permute = names[name]
         table[native] = read(name, permute)
-    return config, table, None
+        types[native] = tensors[name].tensor_type.name
+        if types[native] in ("Q4_0", "Q4_1") and native.startswith("layers."):
+            exact[native.removesuffix(".weight")] = read_int4(name, permute)
+    return Checkpoint(path, config, table, source_types=types, exact_int4=exact)
+
+
+def int4_tensors(t, shape: tuple[int, ...], permute_heads: int | None, path: str) -> dict:
+    """A Q4_0 / Q4_1 tensor's blocks as int4-g32's stored tensors, exactly: Q4_1 blocks are {d, m, 16 bytes} with
+    w = d * q + m, Q4_0 blocks are {d, 16 bytes} with w = d * (q - 8) = d * q + (-8 d); byte j of a block holds q[j]
+    in its low nibble and q[j + 16] in its high one."""
+    import quantize
+
+    rows, cols = shape
+    header = 4 if t.tensor_type.name == "Q4_1" else 2
+    blocks = np.asarray(t.data, dtype=np.uint8).reshape(-1, header + 16)
+    if blocks.shape[0] != rows * cols // 32:
+        raise CheckpointError(f"{path}: tensor {t.name!r} holds {blocks.shape[0]} blocks, expected {rows * cols // 32}")
+    d = torch.from_numpy(blocks[:, 0:2].copy().view(np.float16)).reshape(rows, cols // 32)
+    m = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16)).reshape(rows, cols // 32) if header == 4 else -8 * d
+    packed = torch.from_numpy(blocks[:, header:].copy())  # [blocks, 16]
+    codes = torch.cat((packed & 15, packed >> 4), dim=1).reshape(rows, cols)
+    if permute_heads:
+        codes, d, m = (unpermute(x, permute_heads) for x in (codes, d, m))
+    return quantize.int4_pack(codes, d, m)
 
 
 # ----------------------------------------------------------------------------------------------------------------

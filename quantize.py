@@ -16,14 +16,19 @@ sensitive layer) and in the mode itself for int8; the embedding table stays in t
 |          | --double-quant: absmax_q uint8, absmax_scales, ...  | absmax 8-bit, blocks of 256    |
 | llm.int8 | as int8 (bitsandbytes' CB and SCB / 127)            | bitsandbytes Linear8bitLt      |
 
-int4's grid is llama.cpp's Q4_1 grid (min + scale * q per group), so a Q4_1 GGUF re-quantizes to int4-g32 without
-loss. nf4 is bitsandbytes' layout bit for bit: blocks of 64 over the flattened weight, absmax per block, two codes
-per byte with the first in the high nibble.
+int4's grid is llama.cpp's Q4_1 grid (min + scale * q per group): a checkpoint converted from a Q4_0 or Q4_1 GGUF
+gets an int4-g32 variant made from the GGUF's own blocks, bit for bit. nf4 is bitsandbytes' layout bit for bit:
+blocks of 64 over the flattened weight, absmax per block, two codes per byte with the first in the high nibble.
+
+Files store one tensor set per checkpoint linear (q_proj, k_proj, ...); the model stacks q/k/v/gate and gate/up by
+rows when it loads them (dense.DenseDecoder.load_tensors). Every layout here is row-major per output row (nf4's
+blocks never cross a part, whose size is a multiple of 64), so the stacked tensors are the stacked layer's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -33,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dense import CheckpointError, DenseDecoder, read_json
+import kernels
+from dense import CheckpointError, DenseDecoder
 
 MODES = ("int8", "int4", "nf4", "llm.int8")
 # bitsandbytes' NF4 code (float32), in increasing order.
@@ -41,6 +47,12 @@ NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488
                     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
                     0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
                     0.7229568362236023, 1.0])
+# Checkpoint linears of the decoder blocks (what files store) and the model's linears (fused, what the model holds).
+BLOCK_LINEAR = re.compile(r"layers\.\d+\.(attn\.(q|k|v|gate|o)_proj|mlp\.(gate|up|down)_proj)")
+MODEL_LINEAR = re.compile(r"layers\.\d+\.(attn\.(qkv|o)_proj|mlp\.(gate_up|up|down)_proj)")
+EXACT_INT4_TYPES = ("Q4_0", "Q4_1")  # GGUF tensor types whose blocks int4-g32 holds exactly
+
+
 def import_bitsandbytes():
     """bitsandbytes, without its import-time warning about an optional CPU kernel fetched from the Hugging Face hub
     (`kernels` package), which this project does not use."""
@@ -50,9 +62,6 @@ def import_bitsandbytes():
     import bitsandbytes
 
     return bitsandbytes
-
-
-BLOCK_LINEAR = re.compile(r"layers\.\d+\.(attn\.(q|k|v|gate|o)_proj|mlp\.(gate|up|down)_proj)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -76,8 +85,13 @@ def int4_quantize(w: torch.Tensor, group: int) -> dict:
     # scale and min stored in float16, as llama.cpp's Q4_1 stores them; quantize against the stored values
     scales, mins = ((maxs - mins) / 15).clamp(min=1e-7).half(), mins.half()
     q = torch.round((g - mins.float()[..., None]) / scales.float()[..., None]).clamp(0, 15).to(torch.uint8)
-    q = q.reshape(out, inp)
-    return {"qweight": q[:, 0::2] | (q[:, 1::2] << 4), "scales": scales, "mins": mins}
+    return int4_pack(q.reshape(out, inp), scales, mins)
+
+
+def int4_pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> dict:
+    """codes [out, in] in 0..15 -> the stored tensors: two codes a byte, the even input in the low nibble."""
+    codes = codes.to(torch.uint8)
+    return {"qweight": codes[:, 0::2] | (codes[:, 1::2] << 4), "scales": scales.half(), "mins": mins.half()}
 
 
 def nf4_quantize(w: torch.Tensor, block: int = 64, double_quant: bool = False) -> dict:
@@ -100,6 +114,16 @@ def nf4_quantize(w: torch.Tensor, block: int = 64, double_quant: bool = False) -
     absmax_q, state = bnbf.quantize_blockwise(absmax - offset, blocksize=256)
     return {**stored, "absmax_q": absmax_q, "absmax_scales": state.absmax, "absmax_code": state.code,
             "absmax_offset": offset.reshape(1)}
+
+
+def double_quant_absmax(absmax_q, absmax_scales, absmax_code, absmax_offset) -> torch.Tensor:
+    """The absmax of every 64-block, float32, from nf4 --double-quant's stored tensors:
+    code[absmax_q] * absmax_scales[block of 256] + offset."""
+    scales = absmax_scales.float().repeat_interleave(256)[: absmax_q.numel()]
+    return absmax_code.float()[absmax_q.long()] * scales + absmax_offset.float()
+
+
+DOUBLE_QUANT = ("absmax_q", "absmax_scales", "absmax_code", "absmax_offset")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -136,19 +160,17 @@ class Int8Linear(QuantLinear):
     def stored(w, **_):
         return int8_quantize(w)
 
+    def dequantize(self, dtype) -> torch.Tensor:
+        return (self.weight.float() * self.scales.float()[:, None]).to(dtype)
+
     def finish_loading(self) -> None:
-        if self.weight.data_ptr() % 64:  # memory-mapped from safetensors at any 8-byte offset; the CPU kernel
-            self.weight = self.weight.clone()  # crashes on weights that are not 64-byte aligned (PyTorch 2.13)
-        # the CPU kernel wants bfloat16 scales; cast once here (a cast inside the graph trips Inductor's lowering)
-        self.register_buffer("scales_bf16", self.scales.to(torch.bfloat16), persistent=False)
+        if self.weight.device.type == "cpu":  # repacked for the CPU kernel (kernels.py)
+            for key, t in kernels.pack_int8(self.weight, self.scales).items():
+                self.register_buffer(key, t, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu":
-            # PyTorch's int8 weight-only CPU kernel. It is fast with bfloat16 activations only (4-20x slower with
-            # float32 ones on AVX-512 machines), so activations enter it in bfloat16: +0.1% perplexity, measured.
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight,
-                                                   self.scales_bf16)
-            return self.add_bias(y.to(x.dtype).reshape(*x.shape[:-1], self.out_features))
+        if hasattr(self, "kernel_weight"):
+            return self.add_bias(kernels.linear_int8(x, self.kernel_weight, self.kernel_scales))
         # elsewhere torch.compile fuses the int8 -> x.dtype conversion into the matmul's weight loads
         return self.add_bias(F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype))
 
@@ -163,7 +185,6 @@ class Int4Linear(QuantLinear):
         self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float16))
         self.register_buffer("mins", torch.zeros(out_features, groups, dtype=torch.float16))
-        self.packed = self.scales_and_zeros = None
 
     @staticmethod
     def stored(w, group_size=32, **_):
@@ -175,10 +196,9 @@ class Int4Linear(QuantLinear):
         return torch.stack((low, high), dim=-1).reshape(self.out_features, self.in_features)
 
     def finish_loading(self) -> None:
-        if self.qweight.device.type == "cpu":  # PyTorch's packed int4 CPU kernel: w = (q - 8) * scale + zero
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes().to(torch.int32), 1)
-            zeros = self.mins.float() + 8 * self.scales.float()
-            self.scales_and_zeros = torch.stack((self.scales.float().t(), zeros.t()), dim=-1).to(torch.bfloat16)
+        if self.qweight.device.type == "cpu":  # repacked for the CPU kernel (kernels.py)
+            for key, t in kernels.pack_int4(self.codes(), self.scales, self.mins, self.group_size).items():
+                self.register_buffer(key, t, persistent=False)
 
     def dequantize(self, dtype) -> torch.Tensor:
         g = self.codes().reshape(self.out_features, -1, self.group_size).to(torch.float32)
@@ -186,52 +206,29 @@ class Int4Linear(QuantLinear):
         return w.reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:  # the CPU kernel, fast with bfloat16 activations (+0.2% perplexity, measured)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).to(torch.bfloat16),
-                                                          self.packed, self.group_size, self.scales_and_zeros)
-            return self.add_bias(y.to(x.dtype).reshape(*x.shape[:-1], self.out_features))
+        if hasattr(self, "kernel_weight"):
+            return self.add_bias(kernels.linear_int4(x, self.kernel_weight, self.kernel_scales, self.kernel_mins,
+                                                     self.out_features, self.group_size))
+        # elsewhere: dequantize-and-matmul, which torch.compile fuses into the weight loads
         return self.add_bias(F.linear(x, self.dequantize(x.dtype)))
 
 
 class NF4Linear(QuantLinear):
-    keep_dtype = ("absmax", "absmax_scales", "absmax_code", "absmax_offset")
+    keep_dtype = ("absmax",)
 
-    def __init__(self, in_features, out_features, bias, double_quant=False, **_) -> None:
+    def __init__(self, in_features, out_features, bias, **_) -> None:
         super().__init__(in_features, out_features, bias)
-        self.double_quant = double_quant
-        blocks = out_features * in_features // 64
         self.register_buffer("weight", torch.zeros(out_features * in_features // 2, 1, dtype=torch.uint8))
-        if double_quant:  # absmax = code[absmax_q] * absmax_scales[block of 256] + absmax_offset
-            self.register_buffer("absmax_q", torch.zeros(blocks, dtype=torch.uint8))
-            self.register_buffer("absmax_scales", torch.ones((blocks + 255) // 256))
-            self.register_buffer("absmax_code", torch.zeros(256))
-            self.register_buffer("absmax_offset", torch.zeros(1))
-        else:
-            self.register_buffer("absmax", torch.ones(blocks))
+        self.register_buffer("absmax", torch.ones(out_features * in_features // 64))
         self.register_buffer("code", NF4.clone(), persistent=False)
-        self.bnb_state = None  # bitsandbytes' QuantState, set by finish_loading where its kernel is used
 
     @staticmethod
     def stored(w, double_quant=False, **_):
         return nf4_quantize(w, double_quant=double_quant)
 
-    def block_absmax(self) -> torch.Tensor:
-        """The absmax of every 64-block, float32 [blocks]."""
-        if not self.double_quant:
-            return self.absmax
-        scales = self.absmax_scales.repeat_interleave(256)[: self.absmax_q.numel()]
-        return self.absmax_code[self.absmax_q.long()] * scales + self.absmax_offset
-
     def finish_loading(self) -> None:
-        if self.double_quant:  # expanded once: double quantization saves file size, not compute
-            self.register_buffer("absmax", self.block_absmax(), persistent=False)
-        # On CPU bitsandbytes' own kernel is the faster one (BENCHMARKS.md); its CPU dequantizer mishandles rows
-        # that are not a whole number of 64-blocks, so those keep the fused path.
-        if self.weight.device.type == "cpu" and self.in_features % 64 == 0:
-            bnb = import_bitsandbytes()
-            self.bnb_state = bnb.functional.QuantState(
-                absmax=self.absmax, shape=torch.Size([self.out_features, self.in_features]), code=NF4.clone(),
-                blocksize=64, quant_type="nf4", dtype=torch.float32)
+        for key, t in (kernels.pack_nf4(self.weight, self.absmax, self.out_features, self.in_features) or {}).items():
+            self.register_buffer(key, t, persistent=False)  # bitsandbytes' CPU kernel layout (kernels.py)
 
     def dequantize(self, dtype) -> torch.Tensor:
         packed = self.weight.reshape(-1)
@@ -240,10 +237,9 @@ class NF4Linear(QuantLinear):
         return w.reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bnb_state is not None and x.dtype == torch.float32:
-            import bitsandbytes as bnb  # imported (and quieted) by finish_loading already
-
-            return self.add_bias(bnb.matmul_4bit(x, self.weight.t(), quant_state=self.bnb_state))
+        if hasattr(self, "kernel_weight"):
+            return self.add_bias(kernels.linear_nf4(x, self.kernel_weight, self.kernel_absmax, self.kernel_code,
+                                                    self.out_features, self.in_features))
         # dequantize-and-matmul: torch.compile fuses the table lookup into the weight loads
         return self.add_bias(F.linear(x, self.dequantize(x.dtype)))
 
@@ -270,85 +266,165 @@ class LLMInt8Linear(Int8Linear):
 LINEARS = {"int8": Int8Linear, "int4": Int4Linear, "nf4": NF4Linear, "llm.int8": LLMInt8Linear}
 
 
-def layer_modes(model: DenseDecoder, mode: str) -> dict[str, str]:
-    """{linear name: mode} for the layers a mode quantizes: block linears in the mode, the head in int8."""
-    chosen = {name: mode for name, m in model.named_modules() if isinstance(m, nn.Linear) and BLOCK_LINEAR.fullmatch(name)}
-    chosen["lm_head"] = "int8" if mode in ("int4", "nf4") else mode
-    return chosen
-
-
 def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise CheckpointError(f"unknown quantization mode {mode!r} (choose from {', '.join(MODES)})")
 
 
-def saved_variants(path: str) -> dict:
-    """The "quantization" record of a native folder's config.json: {mode: {file, group_size, ...}}."""
-    config_file = os.path.join(path, "config.json")
-    return read_json(config_file).get("quantization", {}) if os.path.isfile(config_file) else {}
+def head_mode(mode: str) -> str:
+    return "int8" if mode in ("int4", "nf4") else mode
 
 
-def swap_linears(model: DenseDecoder, mode: str, params: dict, quantize_weights: bool = False) -> DenseDecoder:
-    """Replace the chosen nn.Linear layers by quantized ones: empty (to be loaded), or quantized from the layers'
-    own weights when quantize_weights."""
-    if model.config.tie_word_embeddings:  # the head gets its own quantized copy; the embedding stays as it is
-        model.config.tie_word_embeddings = False
-    for name, layer_mode in layer_modes(model, mode).items():
+def layer_modes(model: DenseDecoder, mode: str) -> dict[str, str]:
+    """{model linear name: mode} for the layers a mode quantizes: block linears in the mode, the head in int8."""
+    chosen = {name: mode for name, m in model.named_modules() if isinstance(m, nn.Linear) and MODEL_LINEAR.fullmatch(name)}
+    chosen["lm_head"] = head_mode(mode)
+    return chosen
+
+
+def swap_linears(model: DenseDecoder, mode: str | None, params: dict) -> DenseDecoder:
+    """Replace the model's nn.Linear layers by empty quantized ones (mode None: by kernels.Linear, whose CPU decode
+    calls run kernels.cpp), built on the same device (meta while loading) and filled by dense.load_tensors."""
+    chosen = layer_modes(model, mode) if mode else {name: None for name, m in model.named_modules()
+                                                     if type(m) is nn.Linear}
+    for name, layer_mode in chosen.items():
         old = model.get_submodule(name)
         parent, _, attr = name.rpartition(".")
-        new = LINEARS[layer_mode](old.in_features, old.out_features, old.bias is not None, **params)
-        if quantize_weights:
-            device = old.weight.device
-            for key, t in new.stored(old.weight.detach(), **params).items():
-                new._buffers[key] = t.to(device)
-            if old.bias is not None:
-                new.bias = nn.Parameter(old.bias.detach(), requires_grad=False)
-            new.finish_loading()
+        with torch.device(old.weight.device):
+            if layer_mode is None:
+                new = kernels.Linear(old.in_features, old.out_features, old.bias is not None, dtype=old.weight.dtype)
+                new.weight, new.bias = old.weight, old.bias
+            else:
+                new = LINEARS[layer_mode](old.in_features, old.out_features, old.bias is not None, **params)
         setattr(model.get_submodule(parent) if parent else model, attr, new)
     return model
 
 
+def quantize_model(model: DenseDecoder, mode: str, group_size: int = 32, double_quant: bool = False) -> DenseDecoder:
+    """Quantize a loaded full-precision model in place (the weights are read from it). A fused projection is
+    quantized whole: every layout is row-major, so that equals quantizing its parts and stacking them."""
+    check_mode(mode)
+    params, training = {"group_size": group_size}, model.training
+    weights = {name: model.get_submodule(name) for name in layer_modes(model, mode)}
+    swap_linears(model, mode, params)
+    for name, old in weights.items():
+        new = model.get_submodule(name)
+        stored = new.stored(old.weight.detach(), **params)
+        if "absmax_q" in stored:
+            stored["absmax"] = double_quant_absmax(*(stored.pop(k) for k in DOUBLE_QUANT))
+        for key, t in stored.items():
+            new._buffers[key] = t.to(old.weight.device)
+        if old.bias is not None:
+            new.bias = nn.Parameter(old.bias.detach(), requires_grad=False)
+        new.finish_loading()
+    return model.train(training)  # the new layers (bitsandbytes' too) in the model's mode: eval computes differently
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Saving and loading variants
+# Choosing what to load: a saved variant, quantizing as the tensors load, or the full-precision weights
 
 
 def variant_file(mode: str) -> str:
     return f"model.{mode}.safetensors"
 
 
-def quantize_model(model: DenseDecoder, mode: str, group_size: int = 32, double_quant: bool = False) -> DenseDecoder:
-    """Quantize a loaded full-precision model in place (the weights are read from it)."""
-    check_mode(mode)
-    return swap_linears(model, mode, {"group_size": group_size, "double_quant": double_quant}, quantize_weights=True)
-
-
 def notice_stderr(message: str) -> None:
     print(f"note: {message}", file=sys.stderr)
 
 
-def load_quantized(path: str, mode: str, device, dtype, notice=notice_stderr) -> DenseDecoder:
-    """from_pretrained(path, quant=mode): the saved variant when there is one, else quantize at load time."""
-    from dense import open_safetensors, read_checkpoint
+def auto_mode(checkpoint) -> tuple[str | None, str]:
+    """What `--quant auto` loads, and why: int4-g32 for weights that came from a GGUF's Q4_0/Q4_1 blocks (int4
+    holds them exactly, and on CPU int4 is the fastest kernel); everything else as stored."""
+    types = checkpoint.record.get("source_tensor_types", {}).get("blocks") or {}
+    saved = checkpoint.record.get("quantization", {})
+    if types and set(types) <= set(EXACT_INT4_TYPES) and "int4" in saved:
+        return "int4", f"the weights are {'/'.join(sorted(types))} blocks from a GGUF, which int4-g32 holds exactly"
+    if not checkpoint.tensors and len(saved) == 1:
+        return next(iter(saved)), "the only variant stored"
+    what = f"{'/'.join(sorted(types))} weights from a GGUF" if types else "full-precision weights"
+    return None, f"{what}: loaded as stored (--quant int4 for the fastest CPU decode)"
 
-    check_mode(mode)
-    record = saved_variants(path)
-    saved = os.path.join(path, variant_file(mode))
-    if mode not in record or not os.path.isfile(saved):
-        notice(f"{path}: no saved {mode} variant; quantizing at load time (python quantize.py --ckpt {path} "
-               f"--mode {mode} saves one)")
-        model = DenseDecoder.from_pretrained(path, device=device, dtype=dtype)
-        return quantize_model(model, mode, record.get(mode, {}).get("group_size") or 32)
-    config, _, declared = read_checkpoint(path, weights=False)
-    dtype = dtype or declared or torch.float32
-    with torch.device("meta"):
-        model = DenseDecoder(config)
-    swap_linears(model, mode, {"group_size": record[mode].get("group_size") or 32,
-                               "double_quant": bool(record[mode].get("double_quant"))})
-    model.load_tensors(open_safetensors(saved), device, dtype, source=saved)
-    for module in model.modules():
-        if isinstance(module, QuantLinear):
-            module.finish_loading()
-    return model
+
+def select(checkpoint, quant: str | None, notice=notice_stderr) -> tuple[str | None, dict, dict]:
+    """(mode, layer params, {checkpoint name: thunk}) for from_pretrained: the saved variant of `quant` when there is
+    one, else the full-precision tensors quantized one by one as they load. quant=None loads what is stored."""
+    saved = checkpoint.record.get("quantization", {})
+    if quant == "auto":
+        quant = auto_mode(checkpoint)[0] or "none"
+    if quant is None:
+        quant = next(iter(saved)) if not checkpoint.tensors and len(saved) == 1 else "none"
+    if quant == "none":
+        if not checkpoint.tensors:
+            raise CheckpointError(f"{checkpoint.path}: holds only quantized variants ({', '.join(saved)}), no "
+                                  "full-precision weights")
+        return None, {}, checkpoint.tensors
+    check_mode(quant)
+    record = saved.get(quant, {})
+    params = {"group_size": record.get("group_size") or 32}
+    file = os.path.join(checkpoint.path, variant_file(quant))
+    if record and os.path.isfile(file):
+        import convert
+
+        return quant, params, expand_double_quant(convert.open_safetensors(file))
+    if not checkpoint.tensors:
+        raise CheckpointError(f"{checkpoint.path}: no saved {quant} variant and no full-precision weights to make one")
+    notice(f"{checkpoint.path}: no saved {quant} variant; quantizing at load time (python quantize.py --ckpt "
+           f"{checkpoint.path} --mode {quant} saves one)")
+    return quant, params, quantized_table(checkpoint, quant, params)
+
+
+def expand_double_quant(table: dict) -> dict:
+    """nf4 --double-quant stores 8-bit block scales; the model holds them expanded (double quantization saves file
+    size, not compute)."""
+    table = dict(table)
+    for name in [n for n in table if n.endswith(".absmax_q")]:
+        prefix = name.removesuffix(".absmax_q")
+        parts = [table.pop(f"{prefix}.{k}") for k in DOUBLE_QUANT if f"{prefix}.{k}" in table]
+        if len(parts) == len(DOUBLE_QUANT):
+            table[f"{prefix}.absmax"] = lambda parts=parts: double_quant_absmax(*(p() for p in parts))
+    return table
+
+
+def quantized_table(checkpoint, mode: str, params: dict, exact: dict | None = None) -> dict:
+    """The checkpoint's table with each quantized linear's weight replaced by its stored tensors, computed lazily
+    (one linear at a time, when loading reaches it). exact: {linear name: thunk of its stored tensors} to use as they
+    are (a GGUF's Q4_1 blocks)."""
+    table = dict(checkpoint.tensors)
+    names = [n.removesuffix(".weight") for n in table if n.endswith(".weight") and BLOCK_LINEAR.fullmatch(n[:-7])]
+    modes = {name: mode for name in names}
+    modes["lm_head"] = head_mode(mode)
+    if "lm_head.weight" not in table:  # tied: the head gets its own quantized copy of the embedding
+        table["lm_head.weight"] = table["embed_tokens.weight"]
+    exact = exact or {}
+
+    @functools.lru_cache(maxsize=8)  # a fused layer reads each stored tensor of its parts in turn
+    def stored(name: str) -> dict:
+        if name in exact:
+            return exact[name]()
+        result = LINEARS[modes[name]].stored(table_weights[name](), **params)
+        if "absmax_q" in result:
+            result["absmax"] = double_quant_absmax(*(result.pop(k) for k in DOUBLE_QUANT))
+        return result
+
+    table_weights = {name: table.pop(f"{name}.weight") for name in modes}
+    for name, layer_mode in modes.items():
+        keys = {"int8": ("weight", "scales"), "llm.int8": ("weight", "scales"), "int4": ("qweight", "scales", "mins"),
+                "nf4": ("weight", "absmax")}[layer_mode]
+        for key in keys:
+            table[f"{name}.{key}"] = lambda name=name, key=key: stored(name)[key]
+    return table
+
+
+def saved_variants(path: str) -> dict:
+    """The "quantization" record of a native folder's config.json: {mode: {file, group_size, ...}}."""
+    import convert
+
+    config_file = os.path.join(path, "config.json")
+    return convert.read_json(config_file).get("quantization", {}) if os.path.isfile(config_file) else {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Writing a variant
 
 
 def quantize_checkpoint(src: str, mode: str, out: str | None = None, group_size: int = 32, progress=None,
@@ -356,14 +432,12 @@ def quantize_checkpoint(src: str, mode: str, out: str | None = None, group_size:
     """Write model.MODE.safetensors (+ the config record) beside a native checkpoint, or into `out` with the config
     and tokenizer files, from any checkpoint from_pretrained reads. Returns the written file."""
     import convert
-    from dense import read_checkpoint
     from safetensors.torch import save_file
 
     check_mode(mode)
-    src_config = os.path.join(src, "config.json")
-    raw = read_json(src_config) if os.path.isdir(src) and os.path.isfile(src_config) else {}
-    native = bool(raw) and raw.get("model_type", "dense") == "dense"
-    if native and not os.path.isfile(os.path.join(src, "model.safetensors")):
+    checkpoint = convert.read_checkpoint(src)
+    native = checkpoint.native
+    if native and not checkpoint.tensors:
         raise CheckpointError(f"{src}: already quantized (no full-precision model.safetensors to quantize from)")
     if not native and out is None:
         raise CheckpointError(f"{src}: not a native checkpoint; pass --out DIR for the quantized folder")
@@ -371,37 +445,49 @@ def quantize_checkpoint(src: str, mode: str, out: str | None = None, group_size:
         raise CheckpointError("--double-quant applies to --mode nf4 only")
     if mode == "int4" and group_size not in (32, 64, 128):
         raise CheckpointError(f"--group-size must be 32, 64 or 128, got {group_size}")
-    config, table, declared = read_checkpoint(src)
-    dst = out or src
+    exact = checkpoint.exact_int4 if mode == "int4" and group_size == 32 else None
+    return write_variant(checkpoint, mode, out or src, {"group_size": group_size, "double_quant": double_quant},
+                         progress, exact)
+
+
+def write_variant(checkpoint, mode: str, dst: str, params: dict, progress=None, exact: dict | None = None) -> str:
+    """model.MODE.safetensors and the config record in dst; side files too when dst is not the source folder."""
+    import convert
+    from safetensors.torch import save_file
+
+    double_quant = params.get("double_quant", False)
     os.makedirs(dst, exist_ok=True)
-    with torch.device("meta"):
-        names = layer_modes(DenseDecoder(config), mode)
-    stored, keys = {}, [k for k in table if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    for i, key in enumerate(keys):
-        t = table[key]()
-        layer = key.removesuffix(".weight")
-        if key.endswith(".weight") and layer in names:
-            for part, value in LINEARS[names[layer]].stored(t, group_size=group_size, double_quant=double_quant).items():
-                stored[f"{layer}.{part}"] = value.contiguous()
-        else:
-            stored[key] = t.contiguous()
+    table = quantized_table(checkpoint, mode, params, exact)
+    if double_quant:  # the file keeps the 8-bit block scales: quantize again without expanding them
+        for name in [n for n in table if n.endswith(".absmax")]:
+            prefix = name.removesuffix(".absmax")
+            table.pop(name)
+            weights = checkpoint.tensors.get(f"{prefix}.weight") or checkpoint.tensors["embed_tokens.weight"]
+            dq = functools.lru_cache(maxsize=1)(lambda w=weights: nf4_quantize(w(), double_quant=True))
+            for key in DOUBLE_QUANT:
+                table[f"{prefix}.{key}"] = lambda dq=dq, key=key: dq()[key]
+    stored = {}
+    for i, (key, read) in enumerate(table.items()):
+        stored[key] = read().contiguous()
         if progress:
-            progress(i + 1, len(keys))
-    if config.tie_word_embeddings:  # the head is quantized from the shared embedding
-        for part, value in LINEARS[names["lm_head"]].stored(stored["embed_tokens.weight"]).items():
-            stored[f"lm_head.{part}"] = value.contiguous()
+            progress(i + 1, len(table))
     target = os.path.join(dst, variant_file(mode))
     convert.atomic_write(target, lambda p: save_file(stored, p, metadata={"format": "pt", "quantization": mode}))
     config_path = os.path.join(dst, "config.json")
-    if native:  # keep the release's own config.json, adding the record
-        values = raw
+    if checkpoint.native and os.path.abspath(dst) == os.path.abspath(checkpoint.path):
+        values = dict(checkpoint.record)  # keep the release's own config.json, adding the record
+    elif os.path.isfile(config_path):
+        values = convert.read_json(config_path)
     else:
-        values = {**config.to_dict(), **({"torch_dtype": str(declared).removeprefix("torch.")} if declared else {})}
-    values.setdefault("quantization", {})[mode] = {"file": variant_file(mode), "group_size": group_size if mode == "int4"
-                                                   else None, "double_quant": double_quant, "head": names["lm_head"]}
+        declared = checkpoint.dtype
+        values = {**checkpoint.config.to_dict(), **({"torch_dtype": str(declared).removeprefix("torch.")} if declared
+                                                     else {})}
+    values.setdefault("quantization", {})[mode] = {"file": variant_file(mode), "group_size": params["group_size"]
+                                                   if mode == "int4" else None, "double_quant": double_quant,
+                                                   "head": head_mode(mode)}
     convert.atomic_write(config_path, lambda p: open(p, "w").write(json.dumps(values, indent=2) + "\n"))
-    if out is not None:  # the tokenizer files travel too; files already in `out` stay as they are
-        for name, write in convert.side_files(src).items():
+    if os.path.abspath(dst) != os.path.abspath(checkpoint.path):  # tokenizer files travel; existing ones stay
+        for name, write in convert.side_files(checkpoint.path).items():
             if not os.path.exists(os.path.join(dst, name)):
                 convert.atomic_write(os.path.join(dst, name), write)
     return target

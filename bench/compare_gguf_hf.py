@@ -11,7 +11,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import dense  # noqa: E402
+import dense
+import generate  # noqa: E402
 import gguf_import  # noqa: E402
 
 TEXTS = [
@@ -55,7 +56,7 @@ def main(path: str) -> int:
         for _ in range(64):
             ref_ids = torch.cat([ref_ids, hf(ref_ids).logits[:, -1:].argmax(-1)], dim=1)
     ref_tokens = ref_ids[0, prompt.shape[1]:]
-    our_tokens = dense.generate(model, prompt, 64)[0, prompt.shape[1]:]
+    our_tokens = generate.generate(model, prompt, 64)[0, prompt.shape[1]:]
     same = int((ref_tokens == our_tokens).long().cumprod(0).sum())
     print(f"greedy continuation: {same}/64 tokens identical")
     print("continuation:", repr(ours.decode(our_tokens.tolist(), skip_special_tokens=False)))

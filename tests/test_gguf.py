@@ -72,7 +72,7 @@ def write_gguf(path, model: dense.DenseDecoder, tok: Tokenizer, pre: str, types:
     writer.add_bos_token_id(vocab["<|im_start|>"])
     writer.add_eos_token_id(vocab["<|endoftext|>"])
     writer.add_chat_template(TEMPLATE)
-    state = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    state = {k: v.float().numpy() for k, v in model.checkpoint_state_dict().items()}
     names = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = "output.weight"
@@ -152,7 +152,7 @@ def test_quantized_tensors_equal_ggufs_own_dequantization(tmp_path, tokenizer):
     path = tmp_path / "q.gguf"
     written = write_gguf(path, model, tokenizer, "gpt2", types)
     loaded = dense.DenseDecoder.from_pretrained(str(path))
-    params = dict(loaded.named_parameters())
+    params = loaded.checkpoint_state_dict()
     checked = set()
     for i in range(2):
         for ours, theirs, heads in [("attn.q_proj", "attn_q", 4), ("attn.k_proj", "attn_k", 2), ("attn.v_proj", "attn_v", 0),
@@ -161,12 +161,12 @@ def test_quantized_tensors_equal_ggufs_own_dequantization(tmp_path, tokenizer):
             raw, qtype = written[f"blk.{i}.{theirs}.weight"]
             values = gguf.quants.dequantize(raw, qtype)
             if heads:  # undo llama.cpp's permutation: permuting our weights back must give gguf's values
-                got = llama_cpp_permute(params[f"layers.{i}.{ours}.weight"].numpy(), heads)
+                got = llama_cpp_permute(params[f"layers.{i}.{ours}.weight"].detach().numpy(), heads)
             else:
-                got = params[f"layers.{i}.{ours}.weight"].numpy()
+                got = params[f"layers.{i}.{ours}.weight"].detach().numpy()
             np.testing.assert_array_equal(got, values.reshape(got.shape))
             checked.add(qtype)
-    np.testing.assert_array_equal(params["embed_tokens.weight"].numpy(),
+    np.testing.assert_array_equal(params["embed_tokens.weight"].detach().numpy(),
                                   gguf.quants.dequantize(*written["token_embd.weight"]).reshape(400, 256))
     assert {Q.Q4_0, Q.Q4_1, Q.F16, Q.BF16, Q.Q4_K, Q.Q5_K, Q.Q6_K} <= checked
 
@@ -215,3 +215,49 @@ def test_unsupported_gguf_is_a_clear_error(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 10)
     with pytest.raises(dense.CheckpointError, match="not a readable GGUF file"):
         dense.DenseDecoder.from_pretrained(str(tmp_path / "bad.gguf"))
+
+
+@pytest.mark.parametrize("block_type", [Q.Q4_1, Q.Q4_0])
+def test_quant_auto_loads_q4_blocks_as_int4_bit_for_bit(tmp_path, tokenizer, block_type):
+    import convert
+    import quantize
+
+    model = small_llama(tied=True, hidden=128, ffn=192)
+    linears = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    written = write_gguf(tmp_path / "m.gguf", model, tokenizer, "gpt2",
+                         {"token_embd": Q.Q8_0, **{name: block_type for name in linears}})
+    dst = tmp_path / "native"
+    convert.convert(str(tmp_path / "m.gguf"), str(dst))
+    record = json.loads((dst / "config.json").read_text())
+    assert record["source_tensor_types"] == {"blocks": {block_type.name: 14}, "other": {"Q8_0": 1, "F32": 5}}
+    assert record["quantization"]["int4"]["group_size"] == 32
+    mode, reason = quantize.auto_mode(convert.read_checkpoint(str(dst)))
+    assert mode == "int4" and block_type.name in reason
+    loaded = dense.DenseDecoder.from_pretrained(str(dst), quant="auto")
+    for i in range(2):
+        def gguf_rows(name, heads=0):
+            raw, qtype = written[f"blk.{i}.{name}.weight"]
+            values = torch.from_numpy(gguf.quants.dequantize(raw, qtype).copy())
+            return gguf_import.unpermute(values, heads) if heads else values
+
+        qkv = torch.cat([gguf_rows("attn_q", 4), gguf_rows("attn_k", 2), gguf_rows("attn_v")])
+        layer = loaded.layers[i].attn.qkv_proj
+        assert isinstance(layer, quantize.Int4Linear)
+        assert torch.equal(layer.dequantize(torch.float32), qkv)  # bit for bit: the GGUF's own blocks
+        gate_up = torch.cat([gguf_rows("ffn_gate"), gguf_rows("ffn_up")])
+        assert torch.equal(loaded.layers[i].mlp.gate_up_proj.dequantize(torch.float32), gate_up)
+        assert torch.equal(loaded.layers[i].mlp.down_proj.dequantize(torch.float32), gguf_rows("ffn_down"))
+    # the same model from float tensors: auto keeps full precision
+    write_gguf(tmp_path / "f.gguf", model, tokenizer, "gpt2", {})
+    convert.convert(str(tmp_path / "f.gguf"), str(tmp_path / "float"))
+    assert quantize.auto_mode(convert.read_checkpoint(str(tmp_path / "float")))[0] is None
+    assert not (tmp_path / "float" / "model.int4.safetensors").exists()
+    assert type(dense.DenseDecoder.from_pretrained(str(tmp_path / "float"), quant="auto").layers[0].attn.qkv_proj) \
+        is not quantize.Int4Linear
+    assert quantize.auto_mode(convert.read_checkpoint(fixture_dir("llama")))[0] is None  # not from a GGUF at all
+
+
+def fixture_dir(name: str) -> str:
+    from conftest import FIXTURES
+
+    return os.path.join(FIXTURES, name)

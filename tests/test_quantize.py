@@ -13,12 +13,13 @@ import torch
 from safetensors import safe_open
 
 import dense
+import generate
 import quantize
 from conftest import FIXTURES, ROOT, expected, fixture_path, rel_err
 
 # Max logit error against full precision on the random-weight fixtures, as measured (tests/fixtures draw weights
 # with large norm gains, so 4-bit errors are far larger than on trained models; see BENCHMARKS.md for perplexity).
-TOLERANCE = {"int8": 0.05, "llm.int8": 0.05, "int4": 0.45, "nf4": 0.45}
+TOLERANCE = {"int8": 0.05, "llm.int8": 0.06, "int4": 0.45, "nf4": 0.45}
 FOUR_BIT_OK = ["llama", "gptneox"]  # fixtures whose widths are multiples of 32 (int4's group)
 
 
@@ -67,10 +68,7 @@ def quantized_reference(model: dense.DenseDecoder) -> dense.DenseDecoder:
     for name, module in model.named_modules():
         if isinstance(module, quantize.QuantLinear):
             linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
-            if isinstance(module, quantize.Int8Linear):
-                linear.weight.data = module.weight.float() * module.scales.float()[:, None]
-            else:
-                linear.weight.data = module.dequantize(torch.float32)
+            linear.weight.data = module.dequantize(torch.float32)
             if module.bias is not None:
                 linear.bias.data = module.bias.data.clone()
             parent, _, attr = name.rpartition(".")
@@ -89,9 +87,10 @@ def test_round_trip_on_fixtures(layout, mode, tmp_path):
     model = dense.DenseDecoder.from_pretrained(str(out), quant=mode)
     logits = model(ids)
     assert rel_err(logits, full) < TOLERANCE[mode]
-    # the quantized layers compute what their dequantized weights say (bf16 activations on CPU for int8 / int4)
+    # the quantized layers compute what their dequantized weights say, up to the activations' rounding on CPU: int8
+    # and int4 kernels take them in 8 bits per block of 32 (tests/test_kernels.py checks that arithmetic exactly)
     if mode != "llm.int8":
-        assert rel_err(logits, quantized_reference(model)(ids)) < 2e-2
+        assert rel_err(logits, quantized_reference(model)(ids)) < 5e-2
     # a saved variant reloads to exactly what quantizing at load time gives
     on_the_fly = quantize.quantize_model(dense.DenseDecoder.from_pretrained(src), mode)
     assert torch.equal(on_the_fly(ids), logits)
@@ -154,7 +153,7 @@ def test_refuses_an_already_quantized_source_and_foreign_in_place(tmp_path):
 def test_unsaved_mode_quantizes_at_load_with_a_notice(capsys):
     model = dense.DenseDecoder.from_pretrained(fixture_path("llama"), quant="int8")
     assert "no saved int8 variant; quantizing at load time" in capsys.readouterr().err
-    assert isinstance(model.layers[0].mlp.up_proj, quantize.Int8Linear)
+    assert isinstance(model.layers[0].mlp.gate_up_proj, quantize.Int8Linear)
 
 
 @pytest.mark.slow
@@ -162,8 +161,8 @@ def test_unsaved_mode_quantizes_at_load_with_a_notice(capsys):
 def test_compiled_decode_matches_eager_tokens(mode):
     model = quantize.quantize_model(dense.DenseDecoder.from_pretrained(fixture_path("llama")), mode)
     ids = expected("llama")["input_ids"][:, :8]
-    eager = dense.generate(model, ids, 24)
-    assert torch.equal(dense.generate(model, ids, 24, compile=True), eager)  # fullgraph: no graph breaks either
+    eager = generate.generate(model, ids, 24)
+    assert torch.equal(generate.generate(model, ids, 24, compile=True), eager)  # fullgraph: no graph breaks either
 
 
 def test_nf4_double_quant_matches_bitsandbytes():
@@ -176,10 +175,8 @@ def test_nf4_double_quant_matches_bitsandbytes():
     assert torch.equal(ours["weight"], packed) and torch.equal(ours["absmax_q"], state.absmax)
     assert torch.equal(ours["absmax_scales"], state.state2.absmax) and torch.equal(ours["absmax_code"], state.state2.code)
     assert torch.equal(ours["absmax_offset"], state.offset.reshape(1))
-    layer = quantize.NF4Linear(192, 512, False, double_quant=True)
-    layer._buffers.update(ours)
-    assert torch.allclose(layer.block_absmax(), bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset,
-                          rtol=0, atol=1e-7)
+    absmax = quantize.double_quant_absmax(*(ours[k] for k in quantize.DOUBLE_QUANT))
+    assert torch.allclose(absmax, bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset, rtol=0, atol=1e-7)
 
 
 def test_double_quant_variant_round_trip(tmp_path):

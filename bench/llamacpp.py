@@ -1,0 +1,326 @@
+"""This engine against llama.cpp on the CPU, side by side: the same GGUF weights in every row, the same prompt ids,
+greedy decoding, batch 1, each engine in its own process (llama.cpp through llama-cpp-python, never a dependency).
+
+    python bench/llamacpp.py --llama-python /path/to/venv/bin/python [--model smollm2|tinyllama|both] [--runs 3]
+
+llama-cpp-python is built from source in a side virtualenv, for this machine's instruction set:
+
+    python3 -m venv ~/llamavenv
+    ~/llamavenv/bin/pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/sdist
+    CMAKE_ARGS="-DGGML_NATIVE=ON" ~/llamavenv/bin/pip install /tmp/sdist/llama_cpp_python-*.tar.gz numpy
+
+Models: "smollm2" is the default model's own Q4_1 GGUF (SmolLM2-135M-Instruct); "tinyllama" is a 1.1B Llama of
+TinyLlama's shape (22 layers, 2048 wide, GQA 32/4, FFN 5632; SmolLM2's vocabulary) with random weights, written here
+with gguf's writer. Precisions, each from the same weights: F32 and F16 (the source dequantized with the `gguf`
+package), Q8_0 (llama.cpp's own quantizer), Q4_1 (the SmolLM2 original; for tinyllama, llama.cpp's quantizer).
+This engine reads the F32 file for float32, the Q8_0 file for int8 (requantized per channel), and the Q4_1 file for
+int4-g32 and nf4 (`--quant auto` loads Q4_1 as int4-g32 bit for bit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORK = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dense-engine", "bench")
+TINYLLAMA = dict(layers=22, hidden=2048, heads=32, kv_heads=4, ffn=5632, context=2048)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Workers: one engine, one file, one process; print one JSON line
+
+
+def timed_runs(prefill_and_decode, runs: int) -> dict:
+    """prefill_and_decode() -> (ttft_s, total_s, tokens); a warm-up run first, then medians."""
+    prefill_and_decode()
+    rows = [prefill_and_decode() for _ in range(runs)]
+    decode = [(n - 1) / (total - ttft) for ttft, total, n in rows]
+    return {"decode_tok_s": statistics.median(decode), "decode_tok_s_all": decode,
+            "ttft_s": statistics.median(r[0] for r in rows), "tokens": rows[0][2]}
+
+
+def worker_llama(args) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=args.gguf, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
+                n_batch=512, verbose=False)
+    ids = json.loads(args.ids)
+    out = []
+
+    def run():
+        llm.reset()
+        out.clear()
+        start = time.perf_counter()
+        llm.eval(ids)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        ttft = time.perf_counter() - start
+        out.append(token)
+        for _ in range(args.gen - 1):
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            out.append(token)
+        return ttft, time.perf_counter() - start, len(out)
+
+    result = timed_runs(run, args.runs)
+    return {**result, "ids": list(out)}
+
+
+def worker_dense(args) -> dict:
+    import torch
+
+    sys.path.insert(0, ROOT)
+    import generate
+    import quantize
+    from dense import DenseDecoder
+
+    torch.set_num_threads(args.threads)
+    quant = None if args.quant == "none" else args.quant
+    if quant == "int8":  # per-channel int8 from the Q8_0 file's weights
+        model = quantize.quantize_model(DenseDecoder.from_pretrained(args.gguf), "int8")
+    else:
+        model = DenseDecoder.from_pretrained(args.gguf, quant=quant)
+    ids = torch.tensor([json.loads(args.ids)])
+    out = []
+    steps = generate.Steps(model)
+
+    def run():
+        out.clear()
+        start = time.perf_counter()
+        tokens = generate.generate_tokens(model, ids, args.gen, steps=steps)
+        out.append(int(next(tokens)))
+        ttft = time.perf_counter() - start
+        out.extend(int(t) for t in tokens)
+        return ttft, time.perf_counter() - start, len(out)
+
+    result = timed_runs(run, args.runs)
+    return {**result, "ids": list(out)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Files: every precision from the same weights
+
+
+def copy_metadata(reader, writer, arch_overrides: dict | None = None) -> None:
+    import gguf
+
+    skip = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.file_type",
+            "general.quantization_version"}
+    for name, field in reader.fields.items():
+        if name in skip or name in (arch_overrides or {}):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    for name, (value, vtype) in (arch_overrides or {}).items():
+        writer.add_key_value(name, value, vtype)
+
+
+def write_float_gguf(src: str, dst: str, float_type: str) -> None:
+    """The source GGUF with every tensor dequantized to F32 (or F16; 1-D tensors stay F32, as llama.cpp keeps them)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst + ".tmp", "llama")
+    copy_metadata(reader, writer)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if float_type == "F32" else gguf.LlamaFileType.MOSTLY_F16)
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
+        if float_type == "F16" and values.ndim == 2:
+            values = values.astype(np.float16)
+        writer.add_tensor(t.name, np.ascontiguousarray(values, dtype=values.dtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(dst + ".tmp", dst)
+
+
+def write_random_llama(template: str, dst: str, shape: dict) -> None:
+    """An F32 GGUF of a Llama shape with random weights (N(0, 0.02), norms 1), the template's tokenizer metadata."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(template)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    writer = gguf.GGUFWriter(dst + ".tmp", "llama")
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            vtype = field.types[0]
+            writer.add_key_value(name, field.contents(), vtype,
+                                 sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    writer.add_name("random TinyLlama-1.1B shape")
+    writer.add_block_count(shape["layers"])
+    writer.add_context_length(shape["context"])
+    writer.add_embedding_length(shape["hidden"])
+    writer.add_feed_forward_length(shape["ffn"])
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["kv_heads"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(shape["hidden"] // shape["heads"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    rng = np.random.default_rng(0)
+    C, D = shape["hidden"], shape["hidden"] // shape["heads"]
+
+    def w(rows, cols):
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float32)
+
+    writer.add_tensor("token_embd.weight", w(vocab, C))
+    writer.add_tensor("output_norm.weight", np.ones(C, dtype=np.float32))
+    writer.add_tensor("output.weight", w(vocab, C))
+    for i in range(shape["layers"]):
+        b = f"blk.{i}."
+        writer.add_tensor(b + "attn_norm.weight", np.ones(C, dtype=np.float32))
+        writer.add_tensor(b + "ffn_norm.weight", np.ones(C, dtype=np.float32))
+        writer.add_tensor(b + "attn_q.weight", w(shape["heads"] * D, C))
+        writer.add_tensor(b + "attn_k.weight", w(shape["kv_heads"] * D, C))
+        writer.add_tensor(b + "attn_v.weight", w(shape["kv_heads"] * D, C))
+        writer.add_tensor(b + "attn_output.weight", w(C, shape["heads"] * D))
+        writer.add_tensor(b + "ffn_gate.weight", w(shape["ffn"], C))
+        writer.add_tensor(b + "ffn_up.weight", w(shape["ffn"], C))
+        writer.add_tensor(b + "ffn_down.weight", w(C, shape["ffn"]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(dst + ".tmp", dst)
+
+
+def llama_quantize(llama_python: str, src: str, dst: str, ftype: str) -> None:
+    """llama.cpp's own quantizer (llama_model_quantize), run in the llama-cpp-python interpreter."""
+    code = ("import sys, llama_cpp; p = llama_cpp.llama_model_quantize_default_params(); "
+            f"p.ftype = llama_cpp.LLAMA_FTYPE_{ftype}; p.nthread = 2; "
+            "rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p); sys.exit(rc)")
+    subprocess.run([llama_python, "-c", code, src, dst + ".tmp"], check=True, capture_output=True)
+    os.replace(dst + ".tmp", dst)
+
+
+def model_files(name: str, llama_python: str, log) -> dict[str, str]:
+    """{precision: gguf path} for F32, F16, Q8_0 and Q4_1 of one model, made once under the cache folder."""
+    os.makedirs(WORK, exist_ok=True)
+    sys.path.insert(0, ROOT)
+    import tempfile
+
+    import chat
+
+    smollm2 = chat.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-bench-"))
+    files = {p: os.path.join(WORK, f"{name}-{p}.gguf") for p in ("F32", "F16", "Q8_0", "Q4_1")}
+    if name == "smollm2":
+        files["Q4_1"] = smollm2
+        for p in ("F32", "F16"):
+            if not os.path.isfile(files[p]):
+                log(f"writing {files[p]}")
+                write_float_gguf(smollm2, files[p], p)
+    else:
+        if not os.path.isfile(files["F32"]):
+            log(f"writing {files['F32']} (random weights)")
+            write_random_llama(smollm2, files["F32"], TINYLLAMA)
+        if not os.path.isfile(files["F16"]):
+            llama_quantize(llama_python, files["F32"], files["F16"], "MOSTLY_F16")
+        if not os.path.isfile(files["Q4_1"]):
+            llama_quantize(llama_python, files["F32"], files["Q4_1"], "MOSTLY_Q4_1")
+    if not os.path.isfile(files["Q8_0"]):
+        log(f"writing {files['Q8_0']} with llama.cpp's quantizer")
+        llama_quantize(llama_python, files["F32"], files["Q8_0"], "MOSTLY_Q8_0")
+    return files
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The table
+
+
+ROWS = [  # (label, llama.cpp file, this engine's file, this engine's quant)
+    ("float32", "F32", "F32", "none"),
+    ("float16 (llama.cpp only)", "F16", None, None),
+    ("8-bit", "Q8_0", "Q8_0", "int8"),
+    ("4-bit", "Q4_1", "Q4_1", "auto"),
+    ("nf4 (this engine only)", None, "Q4_1", "nf4"),
+]
+
+
+def run_worker(python: str, engine: str, gguf: str, quant: str | None, ids: list[int], args) -> dict:
+    cmd = [python, os.path.abspath(__file__), "--worker", engine, "--gguf", gguf, "--ids", json.dumps(ids),
+           "--gen", str(args.gen), "--runs", str(args.runs), "--threads", str(args.threads), "--ctx", str(args.ctx)]
+    if quant:
+        cmd += ["--quant", quant]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode or not lines:
+        return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(lines[-1])
+
+
+def prompt_ids(gguf: str) -> list[int]:
+    sys.path.insert(0, ROOT)
+    import gguf_import
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(gguf_import.side_files(gguf)["tokenizer.json"])
+    text = ("Write a short story about a lighthouse keeper who discovers that the light has been guiding something "
+            "other than ships. Keep it under two hundred words.")
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--llama-python", help="python of a virtualenv with llama-cpp-python built from source")
+    p.add_argument("--model", choices=("smollm2", "tinyllama", "both"), default="both")
+    p.add_argument("--gen", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--worker", choices=("llama", "dense"), help=argparse.SUPPRESS)
+    p.add_argument("--gguf", help=argparse.SUPPRESS)
+    p.add_argument("--quant", default="none", help=argparse.SUPPRESS)
+    p.add_argument("--ids", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps((worker_llama if args.worker == "llama" else worker_dense)(args)))
+        return 0
+    if not args.llama_python:
+        sys.exit("bench/llamacpp.py needs --llama-python: a virtualenv with llama-cpp-python built from source "
+                 "(see the top of this file for the three commands)")
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    results = []
+    for name in (("smollm2", "tinyllama") if args.model == "both" else (args.model,)):
+        files = model_files(name, args.llama_python, lambda s: console.print(f"[dim]{s}[/dim]"))
+        ids = prompt_ids(files["Q4_1"])
+        table = Table(title=f"{name}: {len(ids)}-token prompt, {args.gen} greedy tokens, batch 1, {args.threads} "
+                            f"threads, median of {args.runs}")
+        for col in ("precision", "llama.cpp tok/s", "this engine tok/s", "ratio", "TTFT llama.cpp / this (ms)"):
+            table.add_column(col)
+        for label, theirs, ours, quant in ROWS:
+            row = {"model": name, "precision": label}
+            with console.status(f"{name} {label}"):
+                if theirs:
+                    row["llama.cpp"] = run_worker(args.llama_python, "llama", files[theirs], None, ids, args)
+                if ours:
+                    row["dense"] = run_worker(sys.executable, "dense", files[ours], quant, ids, args)
+            results.append(row)
+            a, b = row.get("llama.cpp", {}), row.get("dense", {})
+            ratio = b["decode_tok_s"] / a["decode_tok_s"] if "decode_tok_s" in a and "decode_tok_s" in b else None
+            table.add_row(label, f"{a['decode_tok_s']:.1f}" if "decode_tok_s" in a else a.get("error", "-"),
+                          f"{b['decode_tok_s']:.1f}" if "decode_tok_s" in b else b.get("error", "-"),
+                          f"{ratio:.2f}" if ratio else "-",
+                          f"{a.get('ttft_s', 0) * 1000:.0f} / {b.get('ttft_s', 0) * 1000:.0f}")
+        console.print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

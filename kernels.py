@@ -1,0 +1,195 @@
+"""kernels.py: the CPU matmuls of a decode step (kernels.cpp), built once per machine, with PyTorch's kernels as the
+fallback.
+
+At M = 1 (one token) a linear layer is a matrix-vector product: every weight byte is read once and used once, so it
+runs at the speed the weights stream from memory. PyTorch's CPU kernels reach less than half of that for a few rows
+(measured in BENCHMARKS.md), so kernels.cpp has register-tiled kernels for up to 8 rows of x at a time: float32
+with FMA; int8 weights with AVX-512 VNNI on activations quantized per block of 32, as llama.cpp does; int4 weights
+dequantized in registers and multiplied with bfloat16 activations by AVX512-BF16 dot products.
+
+The library is compiled on first use with the system C++ compiler against the installed torch (about 15 s) into
+$XDG_CACHE_HOME/dense-engine/kernels/ (or ~/.cache/...), keyed by the source, torch version and CPU, and loaded
+into later processes as is. Without a compiler, or on a CPU without AVX-512 VNNI, everything runs on PyTorch's own
+kernels (`DENSE_KERNELS=0` forces that). Needs AVX-512 with VNNI and BF16 (AMD Zen 4 and later, Intel Sapphire
+Rapids and later).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
+# Up to this many rows of x our kernels beat PyTorch's (BENCHMARKS.md); a long prefill goes to BLAS. float32 stops
+# earlier: there MKL is as fast, and sums in the order the families' references do (their logits bit for bit).
+MAX_ROWS, MAX_ROWS_F32 = 64, 16
+_state: dict = {}
+
+
+def cache_dir() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dense-engine")
+
+
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def build(target: str) -> None:
+    """Compile kernels.cpp into target (written to a temporary file, then renamed: concurrent builds are safe)."""
+    import torch.utils.cpp_extension as ext
+
+    include = ext.include_paths()
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".so")
+    os.close(fd)
+    cmd = [os.environ.get("CXX", "c++"), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *(f"-I{p}" for p in include), SOURCE,
+           "-o", tmp, f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError((result.stderr.strip().splitlines() or ["compiler failed"])[-1])
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def available() -> bool:
+    """Whether the kernels are loaded; builds them the first time on a machine (a notice on stderr)."""
+    if "ok" in _state:
+        return _state["ok"]
+    _state["ok"] = False
+    flags = cpu_flags().split()
+    if os.environ.get("DENSE_KERNELS") == "0" or not {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"} <= set(flags):
+        return False
+    with open(SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + torch.__version__.encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
+    target = os.path.join(cache_dir(), "kernels", key, "libdense_kernels.so")
+    try:
+        if not os.path.isfile(target):
+            print("note: building the CPU kernels (kernels.cpp, once per machine, about 15 s)...", file=sys.stderr)
+            build(target)
+        torch.ops.load_library(target)
+        register_shapes()
+        _state["ok"] = True
+    except Exception as e:  # no compiler, a broken cache file, an incompatible torch: PyTorch's kernels serve
+        print(f"note: CPU kernels unavailable ({str(e).splitlines()[0] if str(e) else type(e).__name__}); using "
+              "PyTorch's", file=sys.stderr)
+    return _state["ok"]
+
+
+def register_shapes() -> None:
+    """Output shapes for tracing (torch.compile runs these on fake tensors)."""
+    def out(x, n):
+        return x.new_empty(*x.shape[:-1], n)
+
+    torch.library.register_fake("dense_kernels::linear_f32")(lambda x, w: out(x, w.shape[0]))
+    torch.library.register_fake("dense_kernels::linear_int8")(lambda x, w, s: out(x, w.shape[0]))
+    torch.library.register_fake("dense_kernels::linear_int4")(lambda x, q, d, m: out(x, q.shape[0]))
+
+
+def use_kernel(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
+    rows = x.numel() // x.shape[-1]
+    return x.device.type == "cpu" and x.dtype == torch.float32 and rows <= max_rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# float32
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose few-row float32 CPU calls run kernels.cpp's linear_f32 (quantize.swap_linears puts it in)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.float32 and use_kernel(x, MAX_ROWS_F32) and self.weight.is_contiguous() and \
+                available():
+            y = torch.ops.dense_kernels.linear_f32(x, self.weight)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# int8 and int4: pack_* returns the tensors a layer keeps for its CPU kernel (registered as buffers by the layer)
+
+
+def pack_int8(weight: torch.Tensor, scales: torch.Tensor) -> dict:
+    if weight.shape[1] % 64 == 0 and available():  # ours: unsigned bytes (int8 + 128)
+        return {"kernel_weight": (weight.to(torch.int16) + 128).to(torch.uint8), "kernel_scales": scales.float()}
+    # PyTorch's int8 weight-only kernel wants bfloat16 scales, and crashes on weights that are not 64-byte aligned
+    # (as memory-mapped safetensors give them); it is fast with bfloat16 activations only
+    return {"kernel_weight": weight.clone(), "kernel_scales": scales.to(torch.bfloat16)}
+
+
+def linear_int8(x: torch.Tensor, packed_weight: torch.Tensor, packed_scales: torch.Tensor) -> torch.Tensor:
+    if packed_weight.dtype == torch.uint8:
+        if use_kernel(x):
+            return torch.ops.dense_kernels.linear_int8(x, packed_weight, packed_scales)
+        w = (packed_weight.to(torch.int16) - 128).to(x.dtype)  # a long prefill: dequantize, then BLAS
+        return F.linear(x, w) * packed_scales.to(x.dtype)
+    y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), packed_weight, packed_scales)
+    return y.to(x.dtype).reshape(*x.shape[:-1], packed_weight.shape[0])
+
+
+def pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> dict:
+    """codes [N, K] in 0..15; scales, mins [N, K / group] float16."""
+    N, K = codes.shape
+    if group_size == 32 and available():  # ours: per block of 32, byte j = code j | code j + 16 << 4
+        blocks = codes.to(torch.uint8).reshape(N, K // 32, 32)
+        return {"kernel_weight": (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(N, K // 2).contiguous(),
+                "kernel_scales": scales.float().contiguous(), "kernel_mins": mins.float().contiguous()}
+    # PyTorch's int4 CPU kernel computes (q - 8) * scale + zero; fast with bfloat16 activations only
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    zeros = mins.float() + 8 * scales.float()
+    return {"kernel_weight": packed, "kernel_scales": torch.stack((scales.float().t(), zeros.t()), dim=-1).to(
+        torch.bfloat16), "kernel_mins": torch.empty(0)}
+
+
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int,
+                group_size: int) -> torch.Tensor:
+    if mins.numel():
+        if use_kernel(x):
+            return torch.ops.dense_kernels.linear_int4(x, packed, scales, mins)
+        low, high = packed & 15, packed >> 4  # a long prefill: dequantize, then BLAS
+        codes = torch.cat((low.view(n, -1, 16), high.view(n, -1, 16)), dim=-1).to(x.dtype)
+        w = codes * scales.to(x.dtype)[..., None] + mins.to(x.dtype)[..., None]
+        return F.linear(x, w.reshape(n, -1))
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), packed, group_size,
+                                                   scales)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# nf4: bitsandbytes' fused CPU kernel (AVX512-BF16) on its packed layout, repacked at load; files keep bitsandbytes'
+# standard layout
+
+
+def pack_nf4(weight: torch.Tensor, absmax: torch.Tensor, n: int, k: int) -> dict | None:
+    """None where bitsandbytes' packed kernel cannot serve (no AVX512-BF16, or N % 32, K % 64): dequantize instead."""
+    import quantize
+
+    bnb = quantize.import_bitsandbytes()
+    if weight.device.type != "cpu" or n % 32 or k % 64 or not bnb.functional.has_avx512bf16():
+        return None
+    state = bnb.functional.QuantState(absmax=absmax.float(), shape=torch.Size([n, k]), code=quantize.NF4.clone(),
+                                      blocksize=64, quant_type="nf4", dtype=torch.bfloat16)
+    packed, state = bnb.functional._convert_weight_packed_for_cpu(weight, state)
+    return {"kernel_weight": packed, "kernel_absmax": state.absmax, "kernel_code": state.code}
+
+
+def linear_nf4(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, n: int,
+               k: int) -> torch.Tensor:
+    y = torch.ops.bitsandbytes.gemv_4bit(x.to(torch.bfloat16), packed, [n, k], absmax, code, 64)
+    return y.to(x.dtype)

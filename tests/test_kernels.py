@@ -1,0 +1,109 @@
+"""kernels.cpp against independent float64 implementations of the same arithmetic (8-bit activations for int8,
+bfloat16 for int4), on shapes that exercise every
+tail (rows beyond one tile of 8, widths that are not multiples of the vector width, odd output counts), eager and
+inside a compiled graph; and nf4 on bitsandbytes' packed kernel against the dequantized weights."""
+
+import pytest
+import torch
+
+import kernels
+import quantize
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 VNNI CPU or no C++ compiler")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def quantized_rows(x: torch.Tensor):
+    """x [M, K] -> (codes [M, K/32, 32], scales [M, K/32]): per block of 32, d = max|x| / 127, q = round(x * 127 / max),
+    float32 arithmetic as the kernel does it, ties to even."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(blocks * inv[..., None]), amax / 127.0
+
+
+@needs_kernels
+@pytest.mark.parametrize("M, N, K", [(1, 5, 48), (3, 64, 100), (8, 37, 576), (13, 128, 64), (16, 9, 1536)])
+def test_f32_kernel(M, N, K):
+    torch.manual_seed(M * N + K)
+    x, w = torch.randn(M, K), torch.randn(N, K)
+    y = torch.ops.dense_kernels.linear_f32(x, w)
+    assert y.shape == (M, N) and rel(y, x.double() @ w.double().T) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("M, N, K", [(1, 7, 64), (5, 64, 128), (9, 33, 576), (20, 128, 256)])
+def test_int8_kernel_is_the_block_quantized_product(M, N, K):
+    torch.manual_seed(M + N + K)
+    x = torch.randn(M, K) * torch.rand(M, 1) * 3
+    x[0, :32] = 0.0  # an all-zero block
+    q = quantize.int8_quantize(torch.randn(N, K))
+    packed = kernels.pack_int8(q["weight"], q["scales"])
+    y = torch.ops.dense_kernels.linear_int8(x, packed["kernel_weight"], packed["kernel_scales"])
+    codes, d = quantized_rows(x)
+    w = q["weight"].double().reshape(N, K // 32, 32)
+    want = torch.einsum("mbj,nbj,mb->mn", codes.double(), w, d.double()) * q["scales"].double()
+    assert rel(y, want) < 1e-5
+    assert rel(y, x.double() @ (q["weight"].double() * q["scales"].double()[:, None]).T) < 3e-2  # 8-bit activations
+
+
+@needs_kernels
+@pytest.mark.parametrize("M, N, K", [(1, 3, 64), (4, 64, 192), (11, 29, 576), (17, 64, 128), (2, 5, 96)])
+def test_int4_kernel_is_the_bfloat16_product(M, N, K):
+    torch.manual_seed(M * K + N)
+    x = torch.randn(M, K) * 2
+    stored = quantize.int4_quantize(torch.randn(N, K) * 0.1, 32)
+    layer = quantize.Int4Linear(K, N, False, group_size=32)
+    layer._buffers.update(stored)
+    packed = kernels.pack_int4(layer.codes(), stored["scales"], stored["mins"], 32)
+    y = torch.ops.dense_kernels.linear_int4(x, packed["kernel_weight"], packed["kernel_scales"], packed["kernel_mins"])
+    # bfloat16 activations times the dequantized weights rounded to bfloat16, summed in float32
+    w = layer.dequantize(torch.float32).bfloat16().double()
+    want = x.bfloat16().double() @ w.T
+    assert rel(y, want) < 1e-5
+    assert rel(y, x.double() @ layer.dequantize(torch.float64).T) < 2e-2
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["none", "int8", "int4"])
+def test_compiled_graph_calls_the_same_kernels(mode):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 96, bias=True)
+    if mode == "none":
+        layer = kernels.Linear(128, 96, bias=True)
+        layer.load_state_dict(linear.state_dict())
+    else:
+        layer = quantize.LINEARS[mode](128, 96, True, group_size=32)
+        layer._buffers.update(layer.stored(linear.weight.detach()))
+        layer.bias = torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        layer.finish_loading()
+    x = torch.randn(4, 128)
+    eager = layer(x)
+    compiled = torch.compile(lambda t: layer(t), fullgraph=True)(x)
+    assert torch.allclose(eager, compiled, rtol=1e-6, atol=1e-6)
+    weight = linear.weight if mode == "none" else layer.dequantize(torch.float32)
+    reference = x.double() @ weight.double().T + linear.bias.double()
+    assert rel(eager, reference) < (1e-5 if mode == "none" else 3e-2)  # 8-bit activations in the integer kernels
+
+
+@pytest.mark.parametrize("out_features, in_features", [(64, 64), (96, 192), (256, 576), (48, 64), (64, 96)])
+def test_nf4_kernel_equals_the_dequantized_weights(out_features, in_features):
+    torch.manual_seed(out_features + in_features)
+    w = torch.randn(out_features, in_features) * 0.05
+    layer = quantize.NF4Linear(in_features, out_features, False)
+    stored = quantize.nf4_quantize(w)
+    layer._buffers.update({k: v.clone() for k, v in stored.items()})
+    layer.finish_loading()
+    packed = hasattr(layer, "kernel_weight")
+    import bitsandbytes.functional as bnbf
+
+    fast = bnbf.has_avx512bf16()
+    # bitsandbytes' kernel takes N % 32 == 0 and K % 64 == 0; other shapes keep our dequantize path
+    assert packed == (fast and out_features % 32 == 0 and in_features % 64 == 0)
+    x = torch.randn(3, in_features)
+    reference = x.double() @ layer.dequantize(torch.float64).T
+    assert rel(layer(x), reference) < (2e-2 if packed else 1e-5)  # the packed kernel computes in bfloat16
+    assert torch.equal(layer.weight, stored["weight"]) and torch.equal(layer.absmax, stored["absmax"])  # unchanged

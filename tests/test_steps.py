@@ -1,0 +1,89 @@
+"""Compiled steps saved across processes (generate.Steps): a second process loads what the first compiled and gets
+the same tokens; damaged or foreign artifacts are compiled again with a notice, never a crash."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import generate
+from conftest import ROOT, random_model
+
+SCRIPT = """
+import sys, torch
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+import generate
+from conftest import random_model
+model = random_model()
+model.setup_cache(1, 256)
+steps = generate.Steps(model)
+ids = torch.tensor([[5, 17, 99, 3, 250, 7]])
+out = torch.cat([ids, *generate.generate_tokens(model, ids, 24, steps=steps)], dim=1)
+print("tokens", out[0].tolist())
+print("loaded", steps.loaded, "compiled", steps.compiled)
+"""
+
+
+def run(cache) -> tuple[list[int], int, int, str]:
+    code = SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "XDG_CACHE_HOME": str(cache)})
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    tokens = eval(lines["tokens"])
+    counts = lines["loaded"].split()
+    return tokens, int(counts[0]), int(counts[2]), result.stderr
+
+
+def greedy(model, ids, n):
+    for _ in range(n):
+        ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)
+    return ids
+
+
+@pytest.mark.slow
+def test_a_second_process_loads_the_saved_steps(tmp_path):
+    first, loaded, compiled, _ = run(tmp_path)
+    assert (loaded, compiled) == (0, 2)  # the prefill and the decode step
+    second, loaded, compiled, _ = run(tmp_path)
+    assert (loaded, compiled) == (2, 0) and second == first
+    assert first == greedy(random_model(), torch.tensor([[5, 17, 99, 3, 250, 7]]), 24)[0].tolist()
+    # damaged artifacts: truncated, or random bytes -> compiled again, with a notice, same tokens
+    files = sorted(p for p in (tmp_path / "dense-engine" / "compiled").iterdir() if p.suffix == ".bin")
+    files[0].write_bytes(files[0].read_bytes()[:1000])
+    files[1].write_bytes(os.urandom(5000))
+    third, loaded, compiled, stderr = run(tmp_path)
+    assert (loaded, compiled) == (0, 2) and third == first
+    assert stderr.count("ignoring the saved compiled step") == 2 and "Traceback" not in stderr
+    fourth, loaded, compiled, _ = run(tmp_path)  # and the rebuilt ones are saved again
+    assert (loaded, compiled) == (2, 0) and fourth == first
+
+
+def test_keys_change_with_what_shapes_a_graph(tmp_path):
+    model = random_model()
+    model.setup_cache(1, 256)
+    steps = generate.Steps(model, folder=str(tmp_path))
+    sampling = generate.Sampling()
+    key = steps.key("decode", batch=1, attend=256, sampling=sampling, ragged=False)
+    assert key == steps.key("decode", batch=1, attend=256, sampling=sampling, ragged=False)
+    others = {steps.key("decode", batch=2, attend=256, sampling=sampling, ragged=False),
+              steps.key("decode", batch=1, attend=512, sampling=sampling, ragged=False),
+              steps.key("decode", batch=1, attend=256, sampling=generate.Sampling(temperature=0.7), ragged=False),
+              steps.key("prefill", batch=1, attend=256, sampling=sampling, ragged=False)}
+    assert key not in others and len(others) == 4
+    model.setup_cache(1, 512)  # another cache length is another graph (the cache is one of its inputs)
+    assert steps.key("decode", batch=1, attend=256, sampling=sampling, ragged=False) != key
+    other = random_model(num_hidden_layers=3)
+    other.setup_cache(1, 256)
+    assert generate.Steps(other, folder=str(tmp_path)).key("decode", batch=1, attend=256, sampling=sampling,
+                                                           ragged=False) != key
+
+
+def test_buckets():
+    assert generate.buckets(8192) == [256, 512, 1024, 2048, 4096, 8192]
+    assert generate.buckets(3000) == [256, 512, 1024, 2048, 3000]
+    assert generate.buckets(100) == [100]
+    assert generate.bucket_for(1, 8192) == 256 and generate.bucket_for(257, 8192) == 512
+    assert generate.bucket_for(3001, 8192) == 4096 and generate.bucket_for(2999, 3000) == 3000
