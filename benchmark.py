@@ -135,6 +135,16 @@ def prompts(model, batch: int, lengths: tuple[int, int], seed: int):
     return [torch.randint(0, model.config.vocab_size, (n,), generator=generator).to(model.device) for n in sizes]
 
 
+def attended(model, last: int, compile: bool) -> int:
+    """Cache slots the last decode step attended over: its bucket, or the slots in use (eager steps, and the CPU
+    cache whose attention reads only those)."""
+    import kernels
+
+    if not compile or isinstance(model.layers[0].attn.kv_cache, kernels.KVCache):
+        return last
+    return generate.attend_width(model, last)
+
+
 def one_run(model, steps, batch: int, lengths: tuple[int, int], gen_len: int, seed: int) -> dict:
     prompt = prompts(model, batch, lengths, seed)
     device = model.device
@@ -168,7 +178,7 @@ def run_benchmark(model, *, batch: int, prompt_len: int | tuple[int, int], gen_l
     cache_len = cache_len or (context if batch == 1 else generate.cache_length(needed, context))
     if cache_len < needed:
         raise ValueError(f"--max-seq-len {cache_len} is shorter than --prompt-len + --gen-len ({needed})")
-    model.setup_cache(batch, cache_len)
+    generate.setup_cache(model, batch, cache_len)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     steps = generate.Steps(model, status=progress) if compile else None
@@ -201,7 +211,7 @@ def run_benchmark(model, *, batch: int, prompt_len: int | tuple[int, int], gen_l
         "decode_tok_s_per_row": decode[0] / batch if decode[0] else None, "prefill_tok_s": prefill[0],
         "prefill_tok_s_range": prefill[1:], "ttft_s": ttft[0], "ttft_s_range": ttft[1:], "ms_per_step": step[0],
         "compile_s": steps.compile_s if steps else 0.0, "startup_s": startup, "cache_len": cache_len,
-        "attended_len": generate.bucket_for(lengths[1] + gen_len - 1, cache_len) if compile else lengths[1] + gen_len - 1,
+        "attended_len": attended(model, lengths[1] + gen_len - 1, compile),
         "bytes_per_token": nbytes, "bandwidth_gbs": bandwidth,
         "mbu": bandwidth / peak if bandwidth and peak else None, "peak_bw_gbs": peak,
         "peak_mem_bytes": peak_memory(device), "device": name, "dtype": str(model.dtype).removeprefix("torch."),

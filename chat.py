@@ -231,7 +231,7 @@ class Session:
     def __init__(self, model, vocab: Vocabulary, args, status=None) -> None:
         self.model, self.vocab, self.args = model, vocab, args
         self.max_seq_len = args.max_seq_len or model.config.max_position_embeddings
-        model.setup_cache(1, self.max_seq_len)
+        generate.setup_cache(model, 1, self.max_seq_len)
         self.steps = generate.Steps(model, status=status) if args.compile else None
         self.cached: list[int] = []
         self.compile_s: float | None = None

@@ -226,9 +226,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
     return torch.cat((rot, keep), dim=-1) if keep.shape[-1] else rot
 
 
+@dataclass
+class CacheStep:
+    """What a cached step tells every attention layer: it writes keys/values at slots input_pos [T] and attends
+    over slots 0..attend-1; mask [T, A] (or [B, 1, T, A]) hides the future, the slots not written yet and padding
+    (None: a causal prefill from slot 0); row_start [B] (left-padded batches): where each row's tokens begin."""
+    input_pos: torch.Tensor
+    attend: int
+    mask: torch.Tensor | None
+    row_start: torch.Tensor | None = None
+
+
 class KVCache(nn.Module):
     """Static cache: keys and values of every position so far, preallocated once: [B, K, S + 1, D] each. The extra
-    last slot is scratch: tokens that are only padding (a fixed-size chunk's tail) write there, and nothing reads it."""
+    last slot is scratch: tokens that are only padding (a fixed-size chunk's tail) write there, and nothing reads it.
+    (kernels.py subclasses it for the CPU: a layout and an attention kernel that read only the slots in use.)"""
 
     def __init__(self, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype, device) -> None:
         super().__init__()
@@ -242,6 +254,13 @@ class KVCache(nn.Module):
         k_cache.index_copy_(2, input_pos, k.to(k_cache.dtype))
         v_cache.index_copy_(2, input_pos, v.to(v_cache.dtype))
         return k_cache, v_cache
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: CacheStep, scale: float) -> torch.Tensor:
+        """Write this step's k, v [B, K, T, D]; attend q [B, H, T, D] over slots 0..attend-1 -> [B, H, T, D]."""
+        k, v = self.update(step.input_pos, k, v)
+        k, v = k[:, :, :step.attend].to(q.dtype), v[:, :, :step.attend].to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, is_causal=step.mask is None, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])  # K/V heads shared, no copies
 
 
 class Attention(nn.Module):
@@ -268,7 +287,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x, cos, sin, input_pos=None, mask=None, attend: int = 0) -> torch.Tensor:
+    def forward(self, x, cos, sin, step: CacheStep | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         parts = self.qkv_proj(x).split(list(self.parts.values()), dim=-1)
         q = parts[0].view(B, T, self.n_heads, self.head_dim)
@@ -279,13 +298,11 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin, self.rope_layout)
         k = apply_rotary(k, cos, sin, self.rope_layout)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        if input_pos is not None:  # cached step: write this call's keys/values, attend over the first `attend` slots
-            k, v = self.kv_cache.update(input_pos, k, v)
-            k, v = k[:, :, :attend].to(q.dtype), v[:, :, :attend].to(q.dtype)
-        # no mask: a plain causal pass over this call's T tokens (no cache, or a prefill from position 0);
-        # else mask [T, A] (or [B, 1, T, A]) hides the future, the slots not written yet, and padding
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.head_dim**-0.5,
-                                           enable_gqa=self.n_kv_heads != self.n_heads)  # K/V heads shared, no copies
+        if step is None:  # no cache: a plain causal pass over this call's T tokens
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5,
+                                               enable_gqa=self.n_kv_heads != self.n_heads)
+        else:  # cached step: write this call's keys/values, attend over the cache
+            y = self.kv_cache.attend(q, k, v, step, self.head_dim**-0.5)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         if len(parts) == 4:
             y = y * torch.sigmoid(parts[3])
@@ -326,11 +343,11 @@ class DecoderLayer(nn.Module):
     def branch(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.reduce is None else self.reduce(y)
 
-    def forward(self, x, cos, sin, input_pos=None, mask=None, attend: int = 0) -> torch.Tensor:
+    def forward(self, x, cos, sin, step: CacheStep | None = None) -> torch.Tensor:
         if self.parallel:  # GPT-NeoX: both branches read x; (attn + mlp) + x as the reference sums them
-            attn = self.attn(self.attn_norm(x), cos, sin, input_pos, mask, attend)
+            attn = self.attn(self.attn_norm(x), cos, sin, step)
             return x + self.branch(attn + self.mlp(self.mlp_norm(x)))
-        h = x + self.branch(self.attn(self.attn_norm(x), cos, sin, input_pos, mask, attend))
+        h = x + self.branch(self.attn(self.attn_norm(x), cos, sin, step))
         return h + self.branch(self.mlp(self.mlp_norm(h)))
 
 
@@ -367,9 +384,10 @@ class DenseDecoder(nn.Module):
         return sum(2 * max_batch_size * layer.attn.n_kv_heads * (max_seq_len + 1) * layer.attn.head_dim * elem
                    for layer in self.layers)
 
-    def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
+    def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
+                    cache_class: type[KVCache] = KVCache) -> None:
         """Allocate the static KV cache, [max_batch_size, K, max_seq_len + 1, D] per layer (in `dtype`, default the
-        model's), and the rotary tables for its slots."""
+        model's), and the rotary tables for its slots. cache_class: a KVCache subclass (kernels.py's, on CPU)."""
         if not 0 < max_seq_len <= self.config.max_position_embeddings:
             raise ValueError(f"max_seq_len {max_seq_len} must be in 1..{self.config.max_position_embeddings} "
                              "(the model's context)")
@@ -379,8 +397,8 @@ class DenseDecoder(nn.Module):
             layer.attn.kv_cache = None  # free the old cache before allocating the new one
         for layer in self.layers:
             attn = layer.attn
-            attn.kv_cache = KVCache(max_batch_size, attn.n_kv_heads, max_seq_len, attn.head_dim, dtype or self.dtype,
-                                    self.device)
+            attn.kv_cache = cache_class(max_batch_size, attn.n_kv_heads, max_seq_len, attn.head_dim,
+                                        dtype or self.dtype, self.device)
         slots = torch.arange(max_seq_len + 1, device=self.device)
         cos, sin = rope_tables(self.config, slots.float())
         self.register_buffer("kv_slots", slots, persistent=False)  # [S + 1]
@@ -425,9 +443,9 @@ class DenseDecoder(nn.Module):
         if not torch.compiler.is_compiling():
             self._check_inputs(input_ids, input_pos)
         T = input_ids.shape[1]
+        step = None
         if input_pos is None:
             cos, sin = rope_tables(self.config, torch.arange(T, device=input_ids.device, dtype=torch.float32))
-            mask, attend = None, 0
         else:
             if attend is None:
                 attend = int(input_pos.max()) + 1
@@ -443,10 +461,11 @@ class DenseDecoder(nn.Module):
                 cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, R]
                 mask = mask & (slots >= row_start[:, None, None])  # [B, T, A]: padding is never seen
                 mask = (mask | (slots == input_pos[:, None]))[:, None]  # a padding token sees itself (no empty row)
+            step = CacheStep(input_pos, attend, mask, row_start)
         x = self.embed_tokens(input_ids)  # [B, T, C]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, mask, attend)
+            x = layer(x, cos, sin, step)
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,

@@ -6,16 +6,17 @@
     rows = generate.generate(model, [[1, 2, 3], [4, 5]], 64, eos_id=2)                            # ragged: a list
 
 What makes it fast, in order:
-  * Buckets. A compiled step has fixed shapes, so it attends over a fixed number of cache slots. Instead of the whole
-    cache (the model's context, 8192 for SmolLM2) it attends over the smallest bucket that holds the positions in
-    use: 256, 512, 1024, ... up to the cache length. One graph per bucket, compiled when first reached, so decoding
-    costs what the conversation needs, not what the cache could hold.
+  * Decode cost follows the conversation, not the cache size. A compiled step has fixed shapes, so SDPA in it
+    attends over a fixed number of cache slots: instead of the whole cache (the model's context, 8192 for SmolLM2)
+    it attends over the smallest bucket that holds the positions in use, 256, 512, 1024, ... up to the cache
+    length, one graph per bucket, compiled when first reached (CUDA graphs replay one per bucket). On CPU the cache
+    is kernels.KVCache, whose attention reads only the slots in use: one graph serves every position.
   * Saved steps. Each graph is compiled ahead of time (torch.compile(...).aot_compile) and saved under
     $XDG_CACHE_HOME/dense-engine/compiled/ (or ~/.cache/...), keyed by everything that shapes it (torch version,
     this engine's code, the model config, dtype, quantized layouts, device, cache size, batch, bucket and sampling
-    settings). The next process loads it in well under a second instead of tracing and compiling again. A loaded
-    step's guards are checked on its first call and then switched off (the key already pins what they check), which
-    also takes Dynamo's per-call guard evaluation off every token. A damaged or foreign file is rebuilt, with a notice.
+    settings). The next process loads it in well under a second instead of tracing and compiling again. Steps are
+    compiled without Dynamo's guards: the key already pins what they would check, so no token pays for evaluating
+    them and no load pays for rebuilding them. A damaged or foreign file is rebuilt, with a notice.
   * The prefill is compiled too, in chunks of a fixed size (the last one padded; padding writes to the cache's
     scratch slot), so a long prompt's first token comes sooner.
 Ragged batches: prompts are left-padded to a common length; row_start tells each row where its tokens begin, so its
@@ -54,6 +55,20 @@ def buckets(cache_len: int) -> list[int]:
 def bucket_for(length: int, cache_len: int) -> int:
     """The smallest bucket holding `length` slots."""
     return next(b for b in buckets(cache_len) if b >= length)
+
+
+def setup_cache(model: dense.DenseDecoder, batch: int, seq_len: int) -> None:
+    """model.setup_cache with the cache this device runs fastest: on CPU (float32), kernels.py's."""
+    cache_class, dtype = kernels.cache_for(model)
+    model.setup_cache(batch, seq_len, dtype, cache_class=cache_class)
+
+
+def attend_width(model: dense.DenseDecoder, length: int) -> int:
+    """How many slots a compiled step over `length` slots in use attends: the bucket, or the whole cache when the
+    cache's attention reads only the slots in use anyway (kernels.KVCache: one graph serves every position)."""
+    if isinstance(model.layers[0].attn.kv_cache, kernels.KVCache):
+        return model.max_seq_len
+    return bucket_for(length, model.max_seq_len)
 
 
 def cache_length(needed: int, context: int) -> int:
@@ -155,7 +170,7 @@ class Steps:
                 with open(path, "rb") as f:
                     loaded = torch.compiler.load_compiled_function(f)
                 self.loaded += 1
-                return checked_once(loaded, lambda: self.discard(path), lambda: self.compile_now(path, kind, fn, args))
+                return loaded
             except Exception as e:  # a damaged file, another torch or python: compile it again
                 notice(f"ignoring the saved compiled step {path} ({dense_reason(e)}); compiling it again")
                 self.discard(path)
@@ -167,8 +182,10 @@ class Steps:
             self.status(f"Compiling the {kind} step for {self.model.max_seq_len}-slot cache (once per machine; about "
                         f"{estimate:.0f} s)...")
         start = time.perf_counter()
-        compiled = torch.compile(fn, fullgraph=True, dynamic=False).aot_compile((args, {}))
-        compiled.disable_guard_check()  # compiled for exactly these arguments; the key pins them from now on
+        # No guards: the key pins what they would check (every tensor's shape and dtype, the code, the versions), and
+        # rebuilding thousands of them is most of the time it takes to load a step
+        options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options).aot_compile((args, {}))
         took = time.perf_counter() - start
         self.compile_s += took
         self.compiled += 1
@@ -205,25 +222,6 @@ class Steps:
             timings = {}
         timings[kind] = round(seconds, 1)
         convert.atomic_write(path, lambda p: open(p, "w").write(json.dumps(timings)))
-
-
-def checked_once(fn, on_fail: Callable, recompile: Callable) -> Callable:
-    """A loaded step whose guards are checked on its first call (a stale artifact that slipped past the key is then
-    compiled again) and never after."""
-    state = {"fn": None}
-
-    def call(*args):
-        if state["fn"] is None:
-            if fn.guard_check(*args):
-                fn.disable_guard_check()
-                state["fn"] = fn
-            else:
-                notice("a saved compiled step did not match this model; compiling it again")
-                on_fail()
-                state["fn"] = recompile()
-        return state["fn"](*args)
-
-    return call
 
 
 def notice(message: str) -> None:
@@ -270,7 +268,7 @@ class Runner:
             slots = torch.arange(start + c, start + c + PREFILL_CHUNK, device=device)
             slots[n:] = S  # padding goes to the scratch slot
             chunk = torch.nn.functional.pad(chunk, (0, PREFILL_CHUNK - n))
-            attend = bucket_for(start + c + n, S)
+            attend = attend_width(model, start + c + n)
             last = torch.tensor([n - 1], device=device)
             args = (model, chunk, slots, row_start, attend, last)
             fn = self.steps.get("prefill", prefill_step, args, batch=B, tokens=PREFILL_CHUNK, attend=attend,
@@ -285,7 +283,7 @@ class Runner:
         input_pos = torch.tensor([pos], device=token.device)
         if self.steps is None:
             return decode_step(model, token, input_pos, row_start, None, sampling)
-        attend = bucket_for(pos + 1, model.max_seq_len)
+        attend = attend_width(model, pos + 1)
         args = (model, token, input_pos, row_start, attend, sampling)
         fn = self.steps.get("decode", decode_step, args, batch=token.shape[0], attend=attend, sampling=sampling,
                             ragged=row_start is not None)
@@ -297,7 +295,7 @@ class Runner:
         input_pos = torch.arange(pos, pos + T, device=tokens.device).clamp(max=model.max_seq_len)
         if self.steps is None:
             return logits_step(model, tokens, input_pos, row_start, None if row_start is None else pos + T)
-        attend = bucket_for(min(pos + T, model.max_seq_len), model.max_seq_len)
+        attend = attend_width(model, min(pos + T, model.max_seq_len))
         args = (model, tokens, input_pos, row_start, attend)
         fn = self.steps.get("verify", logits_step, args, batch=tokens.shape[0], tokens=T, attend=attend,
                             ragged=row_start is not None)
@@ -343,7 +341,7 @@ def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, *, 
     if model.max_seq_len < needed or model.max_batch_size < B:
         if start_pos:
             raise ValueError(f"the cache ({model.max_seq_len} tokens) is too small to continue to {needed} tokens")
-        model.setup_cache(max(B, model.max_batch_size), cache_length(needed, model.config.max_position_embeddings))
+        setup_cache(model, max(B, model.max_batch_size), cache_length(needed, model.config.max_position_embeddings))
     if row_start is not None and start_pos:
         raise ValueError("a ragged batch starts a new cache (start_pos must be 0)")
     runner = Runner(model, steps or (steps_for(model) if compile else None))

@@ -1,10 +1,11 @@
-// kernels.cpp: the CPU matmuls of a decode step, for x [M, K] with few rows (one token, a batch, a draft to verify)
+// kernels.cpp: the CPU matmuls and the attention of a decode step, for x [M, K] with few rows (one token, a batch, a draft to verify)
 // against a weight [N, K] read once from memory. Built on first use by kernels.py (g++ -O3 -march=native); needs
 // AVX-512 with VNNI. Each op is registered as a PyTorch operator, so a compiled decode step calls it directly.
 //
 //   dense_kernels::linear_f32 (x, w)          w float32 [N, K]
 //   dense_kernels::linear_int8(x, w, s)       w uint8 [N, K] = int8 weight + 128, s float32 [N]
 //   dense_kernels::linear_int4(x, q, d, m)    q uint8 [N, K/2], d and m float32 [N, K/32]: w = d * code + m
+//   dense_kernels::attention(q, k_t, v, pos, row_start, scale)   a cached step's attention, over the slots in use
 //
 // The int8 kernel quantizes x to int8 per block of 32 (scale = max|x| / 127, as llama.cpp's Q8 does) and takes 64
 // products per instruction (vpdpbusd: unsigned weight bytes times signed activation bytes); each block's sum is
@@ -57,6 +58,8 @@ void for_each_tile(int64_t M, int64_t N, int64_t K, int64_t bytes_per_weight_row
     }
   });
 }
+
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 
 at::Tensor output_like(const at::Tensor& x, int64_t N) {
   auto shape = x.sizes().vec();
@@ -183,64 +186,283 @@ at::Tensor linear_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tens
 
 // ---- int4 weights, llama.cpp's Q4_1 grid: w = d * code + m per block of 32 --------------------------------------
 // Per row and block: 16 bytes, byte j holding code j (low nibble) and code j + 16 (high nibble); d and m float32
-// [N, K/32]. Each block is dequantized through a table of its 16 values (one FMA, rounded to bfloat16, looked up with
-// one vpermw), then multiplied with bfloat16 activations by vdpbf16ps (32 products per instruction, float32 sums).
-// 8-bit activations would be faster still but cost this 4-bit grid 1% perplexity (measured); bfloat16 costs 0.2%.
+// [N, K/32]. y = sum_blocks d * dot(code, x) + m * sum(x): the codes (0..15) are exact in bfloat16, so vdpbf16ps
+// takes 32 code x activation products per instruction exactly (float32 sums), and only x is rounded, to bfloat16.
+// (8-bit activations would be faster still, but cost this 4-bit grid 1% perplexity, measured.)
 
 template <int R, int NB>
-void int4_tile(const uint16_t* x, const uint8_t* q, const float* d, const float* mn, int64_t K, float* y, int64_t N,
-               int64_t n0) {
+void int4_tile(const uint16_t* x, const float* xsum, const uint8_t* q, const float* d, const float* mn, int64_t K,
+               float* y, int64_t N, int64_t n0) {
   const int64_t G = K / 32;
-  __m512 acc[2][R][NB];  // two accumulators a row, alternating blocks: two dependency chains
-  for (int a = 0; a < 2; ++a)
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) acc[a][r][j] = _mm512_setzero_ps();
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
   const __m256i low = _mm256_set1_epi16(15);
-  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i bf16_codes = _mm512_set_epi16(  // bfloat16 of 0..15 (twice: vpermw indexes 32 words)
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000,
+      0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
+      0x4040, 0x4000, 0x3F80, 0x0000);
   for (int64_t g = 0; g < G; ++g) {
     __m512bh w[NB];
+    __m512 scale[NB];
     for (int j = 0; j < NB; ++j) {
       const uint8_t* block = q + (n0 + j) * (K / 2) + g * 16;
       _mm_prefetch((const char*)block + PREFETCH, _MM_HINT_T0);
       __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)block));
       __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low)),
                                          _mm256_srli_epi16(bytes, 4), 1);  // codes 0..31 of the block, in order
-      __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[(n0 + j) * G + g]), _mm512_set1_ps(mn[(n0 + j) * G + g]));
-      w[j] = (__m512bh)_mm512_permutexvar_epi16(codes, (__m512i)_mm512_cvtne2ps_pbh(table, table));
+      w[j] = (__m512bh)_mm512_permutexvar_epi16(codes, bf16_codes);
+      scale[j] = _mm512_set1_ps(d[(n0 + j) * G + g]);
     }
     for (int r = 0; r < R; ++r) {
       __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + g * 32);
-      for (int j = 0; j < NB; ++j) acc[g & 1][r][j] = _mm512_dpbf16_ps(acc[g & 1][r][j], xv, w[j]);
+      for (int j = 0; j < NB; ++j)
+        acc[r][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv, w[j]), scale[j], acc[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r][j], acc[1][r][j]));
+  for (int j = 0; j < NB; ++j) {  // + sum_blocks m * sum(x), 16 blocks at a time
+    const float* mrow = mn + (n0 + j) * G;
+    for (int r = 0; r < R; ++r) {
+      __m512 a = acc[r][j];
+      int64_t g = 0;
+      for (; g + 16 <= G; g += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(mrow + g), _mm512_loadu_ps(xsum + r * G + g), a);
+      if (g < G) a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes(G - g), mrow + g), _mm512_maskz_loadu_ps(lanes(G - g), xsum + r * G + g), a);
+      y[r * N + n0 + j] = _mm512_reduce_add_ps(a);
+    }
+  }
 }
 
 at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat && q.scalar_type() == at::kByte && d.scalar_type() == at::kFloat &&
               mn.scalar_type() == at::kFloat);
   auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
-  int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(K % 32 == 0 && q.size(1) == K / 2 && d.numel() == N * K / 32 && mn.numel() == N * K / 32 &&
-              q.is_contiguous() && d.is_contiguous() && mn.is_contiguous(), "linear_int4: bad shapes");
-  std::vector<uint16_t> xb(M * K);  // x in bfloat16 (round to nearest even)
+  int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && q.size(1) == K / 2 && d.numel() == N * G && mn.numel() == N * G && q.is_contiguous() &&
+              d.is_contiguous() && mn.is_contiguous(), "linear_int4: bad shapes");
+  std::vector<uint16_t> xb(M * K);  // x in bfloat16 (round to nearest even), and each block's sum of those values
+  std::vector<float> xsum(M * G);
   const float* xp = x.data_ptr<float>();
-  for (int64_t i = 0; i < M * K; i += 16)
-    _mm256_storeu_si256((__m256i*)(xb.data() + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xp + i)));
+  for (int64_t i = 0; i < M * K; i += 16) {
+    __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(xp + i));
+    _mm256_storeu_si256((__m256i*)(xb.data() + i), (__m256i)v);
+    __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)v), 16));
+    xsum[i / 32] = (i % 32 ? xsum[i / 32] : 0.f) + _mm512_reduce_add_ps(back);
+  }
   auto y = output_like(x_, N);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   for_each_tile<2>(M, N, K, K / 2, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
     if (nb == 2 && rows <= 4) {
-      DISPATCH_ROWS(rows, (int4_tile<R, 2>(xb.data() + m0 * K, qp, dp, mp, K, yp + m0 * N, N, n0)));
-    } else {  // 8 rows x 2 x 2 accumulators would not fit the registers: one weight row at a time
+      DISPATCH_ROWS(rows, (int4_tile<R, 2>(xb.data() + m0 * K, xsum.data() + m0 * G, qp, dp, mp, K, yp + m0 * N, N, n0)));
+    } else {  // 8 rows x 2 accumulators and the codes of 2 rows would crowd the registers: one weight row at a time
       for (int64_t j = 0; j < nb; ++j)
-        DISPATCH_ROWS(rows, (int4_tile<R, 1>(xb.data() + m0 * K, qp, dp, mp, K, yp + m0 * N, N, n0 + j)));
+        DISPATCH_ROWS(rows, (int4_tile<R, 1>(xb.data() + m0 * K, xsum.data() + m0 * G, qp, dp, mp, K, yp + m0 * N, N, n0 + j)));
     }
   });
   return y;
+}
+
+// ---- attention over the cache ------------------------------------------------------------------------------------
+// Keys are cached in blocks of 16 slots, k [B, K, (S + 1) / 16, D, 16]: the scores of a block are one FMA per channel
+// (the query's channel broadcast) over one contiguous D x 16 block; values stay [B, K, S + 1, D], added row by row. Each query reads only the slots it
+// can see, start..pos (start = its row's first slot in a left-padded batch), so decoding at position p costs O(p)
+// whatever the cache length. q [B, H, T, D] float32; pos [T] int64; row_start [B] int64 or empty.
+
+// e^x for x <= 0 (softmax arguments): 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5], 2^f by its degree-6 Taylor
+// polynomial (relative error below 2e-7), 2^n by vscalefps.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));  // f ln 2, in [-0.35, 0.35]
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr int GROUP = 3;   // queries scored together (GQA: the query heads of one key/value head), K and V read once
+constexpr int CHUNK = 8;   // x 16 slots scored at a time: GROUP x CHUNK accumulators
+constexpr int64_t SPLIT = 512;  // a query's slots are split across threads in parts of at least this many
+
+// 16 cached values as float32, from a float32 or a bfloat16 cache
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+struct Partial {  // one query's softmax over part of its slots: max score, sum of e^(s - max), sum of e^(s - max) v
+  float max, sum;
+  float acc[256];
+};
+
+// Up to GROUP queries of one batch row against one key/value head, over slots lo..hi (each query's own slots
+// start[i]..end[i] intersected with it): the partial results, to be combined across parts.
+template <typename T>
+void attend_part(const float* const* q, const int64_t* start, const int64_t* end, int n, int64_t lo, int64_t hi,
+                 const T* kt, const T* vv, int64_t D, float scale, Partial* out, std::vector<float>& buffer) {
+  const int64_t first = lo / 16, last = hi / 16, base = first * 16;  // whole blocks of 16 slots
+  const int64_t width = (last + 1) * 16 - base, stride = width + 16;
+  buffer.resize(GROUP * stride);
+  float* scores = buffer.data();
+  for (int64_t blk = first; blk <= last; blk += CHUNK) {  // scores: each block of keys is D x 16 contiguous values
+    const int64_t count = std::min<int64_t>(CHUNK, last + 1 - blk);
+    __m512 acc[GROUP][CHUNK];
+    for (int i = 0; i < GROUP; ++i)
+      for (int u = 0; u < CHUNK; ++u) acc[i][u] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < count; ++u) {
+      const T* keys = kt + (blk + u) * D * 16;
+      for (int64_t d = 0; d < D; ++d) {
+        const __m512 key = load16(keys + d * 16, 0xFFFF);
+        for (int i = 0; i < n; ++i) acc[i][u] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), key, acc[i][u]);
+      }
+    }
+    for (int i = 0; i < n; ++i)
+      for (int64_t u = 0; u < count; ++u)
+        _mm512_storeu_ps(scores + i * stride + (blk + u) * 16 - base, _mm512_mul_ps(acc[i][u], _mm512_set1_ps(scale)));
+  }
+  for (int i = 0; i < n; ++i) {  // e^(s - max) over the query's own slots in this part; zero elsewhere
+    float* s = scores + i * stride;
+    const int64_t a = std::max(start[i], lo) - base, b = std::min(end[i], hi) - base;
+    out[i].max = -INFINITY, out[i].sum = 0.f;
+    if (a > b) {
+      std::fill(s, s + width, 0.f);
+      continue;
+    }
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = a; j <= b; j += 16) vmax = _mm512_mask_max_ps(vmax, lanes(b + 1 - j), vmax, _mm512_loadu_ps(s + j));
+    out[i].max = _mm512_reduce_max_ps(vmax);
+    const __m512 top = _mm512_set1_ps(out[i].max);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = a; j <= b; j += 16) {
+      __mmask16 m = lanes(b + 1 - j);
+      __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top));
+      _mm512_mask_storeu_ps(s + j, m, e);
+      vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
+    }
+    std::fill(s, s + a, 0.f);
+    std::fill(s + b + 1, s + width, 0.f);
+    out[i].sum = _mm512_reduce_add_ps(vsum);
+  }
+  const int64_t DV = (D + 15) / 16;
+  __m512 acc[GROUP][4];  // 64 channels per pass: GROUP x 4 accumulators
+  for (int64_t c0 = 0; c0 < DV; c0 += 4) {  // sum of e_j v_j, each value row read once for the group
+    const int64_t cn = std::min<int64_t>(4, DV - c0);
+    for (int i = 0; i < GROUP; ++i)
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t j = lo; j <= hi; ++j) {
+      const T* row = vv + j * D;
+      __m512 value[4];
+      for (int64_t c = 0; c < cn; ++c) value[c] = load16(row + (c0 + c) * 16, lanes(D - (c0 + c) * 16));
+      for (int i = 0; i < n; ++i) {
+        const __m512 p = _mm512_set1_ps(scores[i * stride + (j - base)]);
+        for (int64_t c = 0; c < cn; ++c) acc[i][c] = _mm512_fmadd_ps(p, value[c], acc[i][c]);
+      }
+    }
+    for (int i = 0; i < n; ++i)
+      for (int64_t c = 0; c < cn; ++c) _mm512_mask_storeu_ps(out[i].acc + (c0 + c) * 16, lanes(D - (c0 + c) * 16), acc[i][c]);
+  }
+}
+
+template <typename T>
+void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor& v, const int64_t* positions,
+                    const int64_t* starts, float scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3), K = k_t.size(1), S1 = v.size(2);
+  const float* qp = q.data_ptr<float>();
+  const T* kp = reinterpret_cast<const T*>(k_t.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+  float* op = out.data_ptr<float>();
+  const int64_t G = H / K, queries = G * T_, groups = (queries + GROUP - 1) / GROUP;
+  int64_t longest = 0;
+  for (int64_t t = 0; t < T_; ++t)
+    if (positions[t] < S1 - 1) longest = std::max(longest, positions[t] + 1);
+  // work items: (batch row, key/value head, group of its queries, part of the slots); query index = t * G + g. Few
+  // items over many slots (decoding a long context) are split into parts so every thread streams its share.
+  const int64_t items = B * K * groups;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(longest / SPLIT,
+                                                               (2 * at::get_num_threads() + items - 1) / items));
+  const int64_t part_len = (longest + parts - 1) / std::max<int64_t>(parts, 1);
+  std::vector<Partial> partials(items * parts * GROUP);
+  at::parallel_for(0, items * parts, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buffer;
+    for (int64_t work = i0; work < i1; ++work) {
+      const int64_t item = work / parts, part = work % parts;
+      const int64_t b = item / (K * groups), kv = (item / groups) % K, first = (item % groups) * GROUP;
+      const T* kt = kp + b * k_t.stride(0) + kv * k_t.stride(1);
+      const T* vv = vp + b * v.stride(0) + kv * v.stride(1);
+      const float* qs[GROUP];
+      int64_t start[GROUP], end[GROUP];
+      int n = 0;
+      int64_t lo = INT64_MAX, hi = -1;
+      for (int64_t index = first; index < std::min(first + GROUP, queries); ++index) {
+        const int64_t t = index / G, h = kv * G + index % G;
+        if (positions[t] >= S1 - 1) continue;  // padding: handled below
+        qs[n] = qp + ((b * H + h) * T_ + t) * D;
+        end[n] = positions[t];
+        start[n] = std::min<int64_t>(starts ? starts[b] : 0, end[n]);
+        lo = std::min(lo, start[n]), hi = std::max(hi, end[n]);
+        ++n;
+      }
+      Partial* mine = partials.data() + work * GROUP;
+      const int64_t a = std::max(lo, part * part_len), z = std::min(hi, (part + 1) * part_len - 1);
+      if (n == 0 || a > z) {
+        for (int i = 0; i < GROUP; ++i) mine[i].max = -INFINITY, mine[i].sum = 0.f;
+        continue;
+      }
+      attend_part<T>(qs, start, end, n, a, z, kt, vv, D, scale, mine, buffer);
+    }
+  });
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {  // combine the parts: sum e^(max_p - max) * (sum, acc)
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t b = item / (K * groups), kv = (item / groups) % K, first = (item % groups) * GROUP;
+      int i = 0;
+      for (int64_t index = first; index < std::min(first + GROUP, queries); ++index) {
+        const int64_t t = index / G, h = kv * G + index % G;
+        float* o = op + ((b * H + h) * T_ + t) * D;
+        if (positions[t] >= S1 - 1) {  // padding (the scratch slot) sees only itself
+          const T* scratch = vp + b * v.stride(0) + kv * v.stride(1) + (S1 - 1) * D;
+          for (int64_t c = 0; c < D; c += 16) _mm512_mask_storeu_ps(o + c, lanes(D - c), load16(scratch + c, lanes(D - c)));
+          continue;
+        }
+        float top = -INFINITY, sum = 0.f;
+        for (int64_t p = 0; p < parts; ++p) top = std::max(top, partials[(item * parts + p) * GROUP + i].max);
+        std::fill(o, o + D, 0.f);
+        for (int64_t p = 0; p < parts; ++p) {
+          const Partial& part = partials[(item * parts + p) * GROUP + i];
+          if (part.sum == 0.f) continue;
+          const float w = std::exp(part.max - top);
+          sum += w * part.sum;
+          for (int64_t c = 0; c < D; ++c) o[c] += w * part.acc[c];
+        }
+        for (int64_t c = 0; c < D; ++c) o[c] /= sum;
+        ++i;
+      }
+    }
+  });
+}
+
+at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_t, const at::Tensor& v, const at::Tensor& pos,
+                     const at::Tensor& row_start, double scale) {
+  TORCH_CHECK(q_.scalar_type() == at::kFloat && k_t.scalar_type() == v.scalar_type() && pos.scalar_type() == at::kLong &&
+              (k_t.scalar_type() == at::kFloat || k_t.scalar_type() == at::kBFloat16));
+  auto q = q_.contiguous();
+  const int64_t D = q.size(3), S1 = v.size(2);
+  TORCH_CHECK(k_t.dim() == 5 && k_t.size(2) * 16 >= S1 && k_t.size(3) == D && k_t.size(4) == 16 && v.size(3) == D &&
+              D <= 256 && q.size(1) % k_t.size(1) == 0 && pos.numel() == q.size(2) && k_t.stride(2) == D * 16 &&
+              k_t.stride(3) == 16 && k_t.stride(4) == 1 && v.stride(3) == 1 && v.stride(2) == D,
+              "attention: bad shapes");
+  auto out = at::empty_like(q);
+  const int64_t* starts = row_start.numel() ? row_start.data_ptr<int64_t>() : nullptr;
+  if (k_t.scalar_type() == at::kFloat)
+    attention_impl<float>(q, k_t, v, pos.data_ptr<int64_t>(), starts, (float)scale, out);
+  else
+    attention_impl<uint16_t>(q, k_t, v, pos.data_ptr<int64_t>(), starts, (float)scale, out);
+  return out;
 }
 
 }  // namespace
@@ -249,10 +471,12 @@ TORCH_LIBRARY(dense_kernels, m) {
   m.def("linear_f32(Tensor x, Tensor w) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor q, Tensor d, Tensor m) -> Tensor");
+  m.def("attention(Tensor q, Tensor k_t, Tensor v, Tensor pos, Tensor row_start, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dense_kernels, CPU, m) {
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
+  m.impl("attention", &attention);
 }

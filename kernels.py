@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dense
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
 # Up to this many rows of x our kernels beat PyTorch's (BENCHMARKS.md); a long prefill goes to BLAS. float32 stops
 # earlier: there MKL is as fast, and sums in the order the families' references do (their logits bit for bit).
@@ -99,11 +101,53 @@ def register_shapes() -> None:
     torch.library.register_fake("dense_kernels::linear_f32")(lambda x, w: out(x, w.shape[0]))
     torch.library.register_fake("dense_kernels::linear_int8")(lambda x, w, s: out(x, w.shape[0]))
     torch.library.register_fake("dense_kernels::linear_int4")(lambda x, q, d, m: out(x, q.shape[0]))
+    torch.library.register_fake("dense_kernels::attention")(lambda q, k, v, pos, start, scale: torch.empty_like(
+        q, memory_format=torch.contiguous_format))
 
 
 def use_kernel(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     rows = x.numel() // x.shape[-1]
     return x.device.type == "cpu" and x.dtype == torch.float32 and rows <= max_rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The KV cache and its attention
+
+
+class KVCache(dense.KVCache):
+    """The CPU cache: keys in blocks of 16 slots, [B, K, (S + 1) / 16, D, 16], values [B, K, S + 1, D], and attention
+    by kernels.cpp, which reads only the slots each query can see, each block of keys as one contiguous run (decoding
+    at position p costs O(p), whatever the cache length, so a compiled step needs no buckets)."""
+
+    def __init__(self, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype, device) -> None:
+        nn.Module.__init__(self)
+        blocks = (seq_len + 1 + 15) // 16
+        self.register_buffer("k", torch.zeros(batch, kv_heads, blocks, head_dim, 16, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("v", torch.zeros(batch, kv_heads, seq_len + 1, head_dim, dtype=dtype, device=device),
+                             persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        B = k.shape[0]
+        k_cache, v_cache = self.k[:B], self.v[:B]
+        k_cache[:, :, input_pos // 16, :, input_pos % 16] = k.permute(2, 0, 1, 3).to(k_cache.dtype)  # [T, B, K, D]
+        v_cache.index_copy_(2, input_pos, v.to(v_cache.dtype))
+        return k_cache, v_cache
+
+    def attend(self, q, k, v, step, scale: float) -> torch.Tensor:
+        k_cache, v_cache = self.update(step.input_pos, k, v)
+        start = step.row_start if step.row_start is not None else step.input_pos.new_empty(0)
+        return torch.ops.dense_kernels.attention(q, k_cache, v_cache, step.input_pos, start, scale)
+
+
+def cache_for(model) -> tuple[type, torch.dtype | None]:
+    """The KV cache a model's cached steps should use, and its dtype: ours on CPU for float32 models, in bfloat16
+    when the model's linears are quantized (their kernels already take activations in bfloat16 or 8 bits; half the
+    bytes to read per attended slot), else dense.py's in the model's dtype."""
+    if model.device.type == "cpu" and model.dtype == torch.float32 and available():
+        quantized = any(hasattr(m, "kernel_weight") for m in model.modules())
+        return KVCache, torch.bfloat16 if quantized else None
+    return dense.KVCache, None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ inside a compiled graph; and nf4 on bitsandbytes' packed kernel against the dequ
 import pytest
 import torch
 
+import dense
 import kernels
 import quantize
 
@@ -60,9 +61,8 @@ def test_int4_kernel_is_the_bfloat16_product(M, N, K):
     layer._buffers.update(stored)
     packed = kernels.pack_int4(layer.codes(), stored["scales"], stored["mins"], 32)
     y = torch.ops.dense_kernels.linear_int4(x, packed["kernel_weight"], packed["kernel_scales"], packed["kernel_mins"])
-    # bfloat16 activations times the dequantized weights rounded to bfloat16, summed in float32
-    w = layer.dequantize(torch.float32).bfloat16().double()
-    want = x.bfloat16().double() @ w.T
+    # bfloat16 activations times the exact dequantized weights (the codes are exact; scale and min applied after)
+    want = x.bfloat16().double() @ layer.dequantize(torch.float64).T
     assert rel(y, want) < 1e-5
     assert rel(y, x.double() @ layer.dequantize(torch.float64).T) < 2e-2
 
@@ -107,3 +107,53 @@ def test_nf4_kernel_equals_the_dequantized_weights(out_features, in_features):
     reference = x.double() @ layer.dequantize(torch.float64).T
     assert rel(layer(x), reference) < (2e-2 if packed else 1e-5)  # the packed kernel computes in bfloat16
     assert torch.equal(layer.weight, stored["weight"]) and torch.equal(layer.absmax, stored["absmax"])  # unchanged
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B, H, K, T, D, S, P", [(1, 9, 3, 1, 64, 4096, 100), (1, 9, 3, 1, 64, 4096, 3000),
+                                                  (2, 4, 2, 5, 16, 64, 30), (1, 4, 4, 3, 100, 50, 20),
+                                                  (2, 6, 3, 64, 32, 600, 0)])
+def test_attention_kernel_equals_sdpa_over_the_visible_slots(dtype, B, H, K, T, D, S, P):
+    torch.manual_seed(T * D + P)
+    cache = kernels.KVCache(B, K, S, D, dtype, "cpu")
+    keys, values = torch.randn(B, K, S + 1, D), torch.randn(B, K, S + 1, D)
+    cache.update(torch.arange(S + 1), keys, values)
+    q = torch.randn(B, H, T, D)
+    pos = torch.arange(P, P + T)
+    if T == 64:
+        pos[40:] = S  # a padded chunk: padding writes to (and reads only) the scratch slot
+    start = torch.tensor([0, 7][:B]) if B == 2 else None
+    step = dense.CacheStep(pos, S, None, start)
+    out = torch.ops.dense_kernels.attention(q, cache.k, cache.v, pos, start if start is not None else pos.new_empty(0),
+                                            D ** -0.5)
+    slots = torch.arange(S + 1)
+    visible = (slots <= pos[:, None]) if start is None else (slots <= pos[:, None]) & (slots >= start[:, None, None])
+    visible = visible | (slots == pos[:, None])
+    k, v = keys.to(dtype).double(), values.to(dtype).double()  # what the cache holds
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k, v, attn_mask=visible if start is None else visible[:, None], enable_gqa=True, scale=D ** -0.5)
+    real = pos < S
+    assert (out.double() - want)[:, :, real].abs().max() < 2e-6
+    if (~real).any():
+        assert torch.equal(out[:, :, ~real], v[:, :, -1:].float().repeat_interleave(H // K, 1).expand_as(out[:, :, ~real]))
+    assert step.attend == S
+
+
+@needs_kernels
+@pytest.mark.parametrize("compile", [False, True])
+def test_generation_on_the_kernel_cache_equals_the_argmax_loop(compile, tmp_path, monkeypatch):
+    import generate
+    from conftest import random_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = random_model()
+    generate.setup_cache(model, 2, 512)
+    assert isinstance(model.layers[0].attn.kv_cache, kernels.KVCache)
+    ids = torch.randint(0, 512, (2, 37), generator=torch.Generator().manual_seed(1))
+    want = ids
+    for _ in range(40):
+        want = torch.cat([want, model(want)[:, -1:].argmax(-1)], dim=1)
+    steps = generate.Steps(model) if compile else None
+    got = torch.cat([ids, *generate.generate_tokens(model, ids, 40, steps=steps)], dim=1)
+    assert torch.equal(got, want)
