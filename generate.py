@@ -17,8 +17,8 @@ What makes it fast, in order:
     settings). The next process loads it in well under a second instead of tracing and compiling again. Steps are
     compiled without Dynamo's guards: the key already pins what they would check, so no token pays for evaluating
     them and no load pays for rebuilding them. A damaged or foreign file is rebuilt, with a notice.
-  * The prefill is compiled too, in chunks of a fixed size (the last one padded; padding writes to the cache's
-    scratch slot), so a long prompt's first token comes sooner.
+  * A short prefill (a chat turn) is one compiled step too, padded to a fixed size (padding writes to the cache's
+    scratch slot); a long prompt is one eager pass, whose large matmuls are its whole cost.
 Ragged batches: prompts are left-padded to a common length; row_start tells each row where its tokens begin, so its
 positions start at 0 and padding is never attended to. Speculative decoding lives in speculative.py.
 """
@@ -39,7 +39,7 @@ import dense
 import kernels
 
 MIN_BUCKET = 256
-PREFILL_CHUNK = 64  # prompt tokens per compiled prefill call (the last chunk is padded)
+PREFILL_CHUNK = 16  # prompts up to this long prefill in one compiled step (padded); longer ones in one eager pass
 SOURCES = ("dense.py", "quantize.py", "kernels.py", "kernels.cpp", "generate.py")  # code that shapes a graph
 
 
@@ -254,28 +254,23 @@ class Runner:
         self.model, self.steps = model, steps
 
     def prefill(self, tokens: torch.Tensor, start: int, row_start: torch.Tensor | None) -> torch.Tensor:
-        """Write tokens [B, T] at slots start.., return the float32 logits of the last one, [B, V]."""
+        """Write tokens [B, T] at slots start.., return the float32 logits of the last one, [B, V]. Up to
+        PREFILL_CHUNK tokens (a chat turn, a short prompt) run one compiled step, padded; a longer prompt runs one
+        eager pass: its large matmuls are the whole cost and run best in one piece (measured: BENCHMARKS.md)."""
         model, device = self.model, tokens.device
         B, T = tokens.shape
-        if self.steps is None:
-            hidden = model.hidden_states(tokens, torch.arange(start, start + T, device=device), row_start=row_start)
-            model.tokens_prefilled += T
-            return model.lm_head(hidden[:, -1]).float()
-        S, hidden = model.max_seq_len, None
-        for c in range(0, T, PREFILL_CHUNK):
-            chunk = tokens[:, c:c + PREFILL_CHUNK]
-            n = chunk.shape[1]
-            slots = torch.arange(start + c, start + c + PREFILL_CHUNK, device=device)
-            slots[n:] = S  # padding goes to the scratch slot
-            chunk = torch.nn.functional.pad(chunk, (0, PREFILL_CHUNK - n))
-            attend = attend_width(model, start + c + n)
-            last = torch.tensor([n - 1], device=device)
-            args = (model, chunk, slots, row_start, attend, last)
-            fn = self.steps.get("prefill", prefill_step, args, batch=B, tokens=PREFILL_CHUNK, attend=attend,
-                                ragged=row_start is not None)
-            hidden = fn(*args)
         model.tokens_prefilled += T
-        return model.lm_head(hidden).float()
+        if self.steps is None or T > PREFILL_CHUNK:
+            hidden = model.hidden_states(tokens, torch.arange(start, start + T, device=device), row_start=row_start)
+            return model.lm_head(hidden[:, -1]).float()
+        slots = torch.arange(start, start + PREFILL_CHUNK, device=device)
+        slots[T:] = model.max_seq_len  # padding goes to the scratch slot
+        chunk = torch.nn.functional.pad(tokens, (0, PREFILL_CHUNK - T))
+        attend = attend_width(model, start + T)
+        args = (model, chunk, slots, row_start, attend, torch.tensor([T - 1], device=device))
+        fn = self.steps.get("prefill", prefill_step, args, batch=B, tokens=PREFILL_CHUNK, attend=attend,
+                            ragged=row_start is not None)
+        return model.lm_head(fn(*args)).float()
 
     def decode(self, token: torch.Tensor, pos: int, row_start, sampling: Sampling) -> torch.Tensor:
         """token [B, 1] at slot pos -> next token [B, 1]."""

@@ -3,14 +3,13 @@
 // AVX-512 with VNNI. Each op is registered as a PyTorch operator, so a compiled decode step calls it directly.
 //
 //   dense_kernels::linear_f32 (x, w)          w float32 [N, K]
-//   dense_kernels::linear_int8(x, w, s)       w uint8 [N, K] = int8 weight + 128, s float32 [N]
+//   dense_kernels::linear_int8(x, w, s)       w uint8 [N, K] = int8 weight + 128, s float32 [N]: w = s * q
 //   dense_kernels::linear_int4(x, q, d, m)    q uint8 [N, K/2], d and m float32 [N, K/32]: w = d * code + m
 //   dense_kernels::attention(q, k_t, v, pos, row_start, scale)   a cached step's attention, over the slots in use
 //
-// The int8 kernel quantizes x to int8 per block of 32 (scale = max|x| / 127, as llama.cpp's Q8 does) and takes 64
-// products per instruction (vpdpbusd: unsigned weight bytes times signed activation bytes); each block's sum is
-// then scaled in float32. The int4 kernel takes x in bfloat16 (see below). A tile computes NB weight rows against
-// up to 8 rows of x, so a weight row is loaded once for all of them.
+// The integer kernels multiply near float32's precision: int8 with AVX-512 VNNI on activations written as two int8
+// digits, int4 with AVX512-BF16 on activations split into two bfloat16 halves (see each). A tile computes NB weight
+// rows against up to 8 rows of x, so a weight row is loaded once for all of them.
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__AVX512BF16__)
 #error "kernels.cpp needs AVX-512 (F, BW, VNNI, BF16); kernels.py falls back to PyTorch's kernels"
 #endif
@@ -107,65 +106,86 @@ at::Tensor linear_f32(const at::Tensor& x_, const at::Tensor& w) {
   return y;
 }
 
-// ---- activations quantized per block of 32 (the int8 kernel) ---------------------------------------------------
+// ---- activations as two bfloat16 halves (the int4 kernel) ------------------------------------------------------
+// x = hi + lo with hi = bf16(x), lo = bf16(x - hi): 16 significant bits. The int4 codes are exact in bfloat16, so
+// two vdpbf16ps (32 products each, float32 sums) give their products with x exactly: the dequantized weights'
+// product, as float32 computes it.
 
-// One row of x, K % 64 == 0 -> int8 codes; per 64 inputs, the scale of the block each of the 16 int32 lanes of a
-// vpdpbusd result covers (lanes 0-7: the first block of 32, 8-15: the second); and sum_blocks d * sum(codes).
-void quantize_row(const float* x, int64_t K, int8_t* q, float* lane_scale, float* code_sum) {
-  double total = 0;
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const float* xb = x + b * 32;
-    float amax = 0.f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    int codes = 0;
-    for (int j = 0; j < 32; ++j) {
-      int v = (int)std::nearbyint(xb[j] * inv);
-      codes += v;
-      q[b * 32 + j] = (int8_t)v;
-    }
-    total += (double)d * codes;
-    for (int lane = 0; lane < 8; ++lane) lane_scale[(b / 2) * 16 + (b % 2) * 8 + lane] = d;
-  }
-  *code_sum = (float)total;
-}
-
-struct QuantizedRows {
-  std::vector<int8_t> q;
-  std::vector<float> lane_scale, code_sum;
-  QuantizedRows(const float* x, int64_t M, int64_t K) : q(M * K), lane_scale(M * K / 4), code_sum(M) {
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m)
-        quantize_row(x + m * K, K, q.data() + m * K, lane_scale.data() + m * K / 4, code_sum.data() + m);
-    });
+struct SplitRows {
+  std::vector<uint16_t> x;  // per row of x: K hi values, then K lo values
+  std::vector<float> sum;   // per row and block of 32: the float32 sum of x (int4's min term)
+  SplitRows(const float* xp, int64_t M, int64_t K) : x(2 * M * K), sum(M * ((K + 31) / 32), 0.f) {
+    const int64_t G = (K + 31) / 32;
+    for (int64_t row = 0; row < M; ++row)
+      for (int64_t col = 0; col < K; col += 16) {
+        __mmask16 m = lanes(K - col);
+        __m512 v = _mm512_maskz_loadu_ps(m, xp + row * K + col);
+        __m256bh hi = _mm512_cvtneps_pbh(v);
+        __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
+        _mm256_mask_storeu_epi16(x.data() + row * 2 * K + col, m, (__m256i)hi);
+        _mm256_mask_storeu_epi16(x.data() + row * 2 * K + K + col, m, (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, back)));
+        sum[row * G + col / 32] += _mm512_reduce_add_ps(v);
+      }
   }
 };
 
-// ---- int8 weights, one scale per output row -----------------------------------------------------------------------
-// The weight is stored + 128 (unsigned, as vpdpbusd wants it): sum (w + 128) q = sum w q + 128 sum q, and
-// sum_blocks d * 128 * sum q is the row's code_sum, the same for every output.
+// ---- int8 weights, one scale per output row ------------------------------------------------------------------------
+// x in two int8 digits per block of 32: d = max|x| / 127, q1 = round(x / d), q2 = round((x - d q1) * 127 / d), so
+// x = d (q1 + q2 / 127) to within d / 254 (3e-5 of the block's largest value). vpdpbusd takes 64 weight x digit
+// products per instruction (the weight stored + 128, unsigned, as it wants; the 128 * sum(digits) it adds is the
+// same for every output and taken off at the end): two instructions per 64 weights, near float32's result.
+
+struct DigitRows {
+  std::vector<int8_t> q1, q2;
+  std::vector<float> lane_scale;  // per 64 inputs, the d of the block each int32 lane of a vpdpbusd result covers
+  std::vector<float> offset;      // per row: 128 * sum_blocks d (sum q1 + sum q2 / 127)
+  DigitRows(const float* x, int64_t M, int64_t K) : q1(M * K), q2(M * K), lane_scale(M * K / 4), offset(M) {
+    for (int64_t row = 0; row < M; ++row) {
+      double total = 0;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const float* xb = x + row * K + b * 32;
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int sum1 = 0, sum2 = 0;
+        for (int j = 0; j < 32; ++j) {
+          const int a = (int)std::nearbyint(xb[j] * inv);
+          const int c = (int)std::nearbyint((xb[j] * inv - a) * 127.f);
+          q1[row * K + b * 32 + j] = (int8_t)a, q2[row * K + b * 32 + j] = (int8_t)c;
+          sum1 += a, sum2 += c;
+        }
+        total += 128.0 * d * (sum1 + sum2 / 127.0);
+        for (int lane = 0; lane < 8; ++lane) lane_scale[row * K / 4 + (b / 2) * 16 + (b % 2) * 8 + lane] = d;
+      }
+      offset[row] = (float)total;
+    }
+  }
+};
 
 template <int R, int NB>
-void int8_tile(const QuantizedRows& qx, int64_t m0, const uint8_t* w, const float* s, int64_t K, float* y,
-               int64_t N, int64_t n0) {
+void int8_tile(const DigitRows& xs, int64_t m0, const uint8_t* w, const float* s, int64_t K, float* y, int64_t N,
+               int64_t n0) {
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  const __m512 inv127 = _mm512_set1_ps(1.f / 127.f);
   for (int64_t k = 0; k < K; k += 64) {
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + (n0 + j) * K + k);
     for (int r = 0; r < R; ++r) {
-      __m512i xv = _mm512_loadu_si512(qx.q.data() + (m0 + r) * K + k);
-      __m512 sc = _mm512_loadu_ps(qx.lane_scale.data() + (m0 + r) * K / 4 + k / 4);
+      const int64_t at = (m0 + r) * K + k;
+      const __m512i a = _mm512_loadu_si512(xs.q1.data() + at), c = _mm512_loadu_si512(xs.q2.data() + at);
+      const __m512 d = _mm512_loadu_ps(xs.lane_scale.data() + at / 4);
       for (int j = 0; j < NB; ++j) {
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], xv);
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[r][j]);
+        __m512 big = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], a));
+        __m512 small = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], c));
+        acc[r][j] = _mm512_fmadd_ps(_mm512_fmadd_ps(small, inv127, big), d, acc[r][j]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j)
-      y[r * N + n0 + j] = (_mm512_reduce_add_ps(acc[r][j]) - 128.f * qx.code_sum[m0 + r]) * s[n0 + j];
+      y[r * N + n0 + j] = (_mm512_reduce_add_ps(acc[r][j]) - xs.offset[m0 + r]) * s[n0 + j];
 }
 
 at::Tensor linear_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& s) {
@@ -173,22 +193,22 @@ at::Tensor linear_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tens
   auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
   int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % 64 == 0 && w.size(1) == K && w.is_contiguous() && s.numel() == N, "linear_int8: bad shapes");
-  QuantizedRows qx(x.data_ptr<float>(), M, K);
+  DigitRows digits(x.data_ptr<float>(), M, K);
   auto y = output_like(x_, N);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   for_each_tile<1>(M, N, K, K, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
-    DISPATCH_ROWS(rows, (int8_tile<R, 1>(qx, m0, wp, sp, K, yp + m0 * N, N, n0)));
+    DISPATCH_ROWS(rows, (int8_tile<R, 1>(digits, m0, wp, sp, K, yp + m0 * N, N, n0)));
   });
   return y;
 }
 
 // ---- int4 weights, llama.cpp's Q4_1 grid: w = d * code + m per block of 32 --------------------------------------
 // Per row and block: 16 bytes, byte j holding code j (low nibble) and code j + 16 (high nibble); d and m float32
-// [N, K/32]. y = sum_blocks d * dot(code, x) + m * sum(x): the codes (0..15) are exact in bfloat16, so vdpbf16ps
-// takes 32 code x activation products per instruction exactly (float32 sums), and only x is rounded, to bfloat16.
-// (8-bit activations would be faster still, but cost this 4-bit grid 1% perplexity, measured.)
+// [N, K/32]. y = sum_blocks d * dot(code, x) + m * sum(x), the dot products exact (codes and two bfloat16 halves
+// of x, see above). (8-bit activations, as llama.cpp takes them, would be faster but cost this 4-bit grid 1%
+// perplexity; bfloat16 ones flip answers of the default model that float32 gets right: both measured.)
 
 template <int R, int NB>
 void int4_tile(const uint16_t* x, const float* xsum, const uint8_t* q, const float* d, const float* mn, int64_t K,
@@ -214,10 +234,13 @@ void int4_tile(const uint16_t* x, const float* xsum, const uint8_t* q, const flo
       w[j] = (__m512bh)_mm512_permutexvar_epi16(codes, bf16_codes);
       scale[j] = _mm512_set1_ps(d[(n0 + j) * G + g]);
     }
-    for (int r = 0; r < R; ++r) {
-      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + g * 32);
-      for (int j = 0; j < NB; ++j)
-        acc[r][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv, w[j]), scale[j], acc[r][j]);
+    for (int r = 0; r < R; ++r) {  // x = hi + lo, two bfloat16 halves: 16 significant bits, products exact
+      __m512bh hi = (__m512bh)_mm512_loadu_si512(x + r * 2 * K + g * 32);
+      __m512bh lo = (__m512bh)_mm512_loadu_si512(x + r * 2 * K + K + g * 32);
+      for (int j = 0; j < NB; ++j) {
+        __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), hi, w[j]), lo, w[j]);
+        acc[r][j] = _mm512_fmadd_ps(dot, scale[j], acc[r][j]);
+      }
     }
   }
   for (int j = 0; j < NB; ++j) {  // + sum_blocks m * sum(x), 16 blocks at a time
@@ -239,28 +262,41 @@ at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tens
   int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / 32;
   TORCH_CHECK(K % 32 == 0 && q.size(1) == K / 2 && d.numel() == N * G && mn.numel() == N * G && q.is_contiguous() &&
               d.is_contiguous() && mn.is_contiguous(), "linear_int4: bad shapes");
-  std::vector<uint16_t> xb(M * K);  // x in bfloat16 (round to nearest even), and each block's sum of those values
-  std::vector<float> xsum(M * G);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t i = 0; i < M * K; i += 16) {
-    __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(xp + i));
-    _mm256_storeu_si256((__m256i*)(xb.data() + i), (__m256i)v);
-    __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)v), 16));
-    xsum[i / 32] = (i % 32 ? xsum[i / 32] : 0.f) + _mm512_reduce_add_ps(back);
-  }
+  SplitRows split(x.data_ptr<float>(), M, K);
   auto y = output_like(x_, N);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   for_each_tile<2>(M, N, K, K / 2, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
     if (nb == 2 && rows <= 4) {
-      DISPATCH_ROWS(rows, (int4_tile<R, 2>(xb.data() + m0 * K, xsum.data() + m0 * G, qp, dp, mp, K, yp + m0 * N, N, n0)));
+      DISPATCH_ROWS(rows, (int4_tile<R, 2>(split.x.data() + m0 * 2 * K, split.sum.data() + m0 * G, qp, dp, mp, K, yp + m0 * N, N, n0)));
     } else {  // 8 rows x 2 accumulators and the codes of 2 rows would crowd the registers: one weight row at a time
       for (int64_t j = 0; j < nb; ++j)
-        DISPATCH_ROWS(rows, (int4_tile<R, 1>(xb.data() + m0 * K, xsum.data() + m0 * G, qp, dp, mp, K, yp + m0 * N, N, n0 + j)));
+        DISPATCH_ROWS(rows, (int4_tile<R, 1>(split.x.data() + m0 * 2 * K, split.sum.data() + m0 * G, qp, dp, mp, K, yp + m0 * N, N, n0 + j)));
     }
   });
   return y;
+}
+
+// A long prefill's int4 weight as bfloat16 [N, K] (d * code + m), for one bfloat16 GEMM.
+at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
+  const int64_t N = q.size(0), K = q.size(1) * 2, G = K / 32;
+  auto w = at::empty({N, K}, q.options().dtype(at::kBFloat16));
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
+  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr());
+  const __m512i low = _mm512_set1_epi32(15);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t g = 0; g < G; ++g) {
+        __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qp + n * (K / 2) + g * 16)));
+        const __m512 s = _mm512_set1_ps(dp[n * G + g]), m = _mm512_set1_ps(mp[n * G + g]);
+        __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, low)), s, m);
+        __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), s, m);
+        _mm512_storeu_si512(wp + n * K + g * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+  });
+  return w;
 }
 
 // ---- attention over the cache ------------------------------------------------------------------------------------
@@ -472,6 +508,7 @@ TORCH_LIBRARY(dense_kernels, m) {
   m.def("linear_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("attention(Tensor q, Tensor k_t, Tensor v, Tensor pos, Tensor row_start, float scale) -> Tensor");
+  m.def("dequantize_int4(Tensor q, Tensor d, Tensor m) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dense_kernels, CPU, m) {
@@ -479,4 +516,5 @@ TORCH_LIBRARY_IMPL(dense_kernels, CPU, m) {
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
   m.impl("attention", &attention);
+  m.impl("dequantize_int4", &dequantize_int4);
 }

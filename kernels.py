@@ -4,8 +4,9 @@ fallback.
 At M = 1 (one token) a linear layer is a matrix-vector product: every weight byte is read once and used once, so it
 runs at the speed the weights stream from memory. PyTorch's CPU kernels reach less than half of that for a few rows
 (measured in BENCHMARKS.md), so kernels.cpp has register-tiled kernels for up to 8 rows of x at a time: float32
-with FMA; int8 weights with AVX-512 VNNI on activations quantized per block of 32, as llama.cpp does; int4 weights
-dequantized in registers and multiplied with bfloat16 activations by AVX512-BF16 dot products.
+with FMA; int8 weights with AVX-512 VNNI and int4 weights with AVX512-BF16, both on activations carried to about 16
+significant bits (two int8 digits, two bfloat16 halves), so the result is the dequantized weights' product to
+float32's precision (llama.cpp quantizes activations to 8 bits, which flips answers of the default model: measured).
 
 The library is compiled on first use with the system C++ compiler against the installed torch (about 15 s) into
 $XDG_CACHE_HOME/dense-engine/kernels/ (or ~/.cache/...), keyed by the source, torch version and CPU, and loaded
@@ -29,9 +30,10 @@ from torch import nn
 import dense
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
-# Up to this many rows of x our kernels beat PyTorch's (BENCHMARKS.md); a long prefill goes to BLAS. float32 stops
-# earlier: there MKL is as fast, and sums in the order the families' references do (their logits bit for bit).
-MAX_ROWS, MAX_ROWS_F32 = 64, 16
+# Up to this many rows of x our kernels beat PyTorch's (BENCHMARKS.md); beyond, a matmul is compute-bound and runs
+# as one BLAS GEMM (quantized weights: dequantized to bfloat16 first, at 2-3x float32's rate). For float32, MKL also
+# sums in the order the families' references do (their logits bit for bit).
+MAX_ROWS = 16
 _state: dict = {}
 
 
@@ -103,11 +105,13 @@ def register_shapes() -> None:
     torch.library.register_fake("dense_kernels::linear_int4")(lambda x, q, d, m: out(x, q.shape[0]))
     torch.library.register_fake("dense_kernels::attention")(lambda q, k, v, pos, start, scale: torch.empty_like(
         q, memory_format=torch.contiguous_format))
+    torch.library.register_fake("dense_kernels::dequantize_int4")(lambda q, d, m: q.new_empty(
+        q.shape[0], q.shape[1] * 2, dtype=torch.bfloat16))
 
 
-def use_kernel(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
+def use_kernel(x: torch.Tensor) -> bool:
     rows = x.numel() // x.shape[-1]
-    return x.device.type == "cpu" and x.dtype == torch.float32 and rows <= max_rows
+    return x.device.type == "cpu" and x.dtype == torch.float32 and rows <= MAX_ROWS
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -136,6 +140,9 @@ class KVCache(dense.KVCache):
 
     def attend(self, q, k, v, step, scale: float) -> torch.Tensor:
         k_cache, v_cache = self.update(step.input_pos, k, v)
+        if step.mask is None:  # a fresh prefill of slots 0..T-1 (eager): SDPA's causal kernel on this call's k, v
+            return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
         start = step.row_start if step.row_start is not None else step.input_pos.new_empty(0)
         return torch.ops.dense_kernels.attention(q, k_cache, v_cache, step.input_pos, start, scale)
 
@@ -158,8 +165,7 @@ class Linear(nn.Linear):
     """nn.Linear whose few-row float32 CPU calls run kernels.cpp's linear_f32 (quantize.swap_linears puts it in)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.float32 and use_kernel(x, MAX_ROWS_F32) and self.weight.is_contiguous() and \
-                available():
+        if self.weight.dtype == torch.float32 and use_kernel(x) and self.weight.is_contiguous() and available():
             y = torch.ops.dense_kernels.linear_f32(x, self.weight)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
@@ -170,7 +176,7 @@ class Linear(nn.Linear):
 
 
 def pack_int8(weight: torch.Tensor, scales: torch.Tensor) -> dict:
-    if weight.shape[1] % 64 == 0 and available():  # ours: unsigned bytes (int8 + 128)
+    if weight.shape[1] % 64 == 0 and available():  # ours: unsigned bytes (int8 + 128), float32 scales
         return {"kernel_weight": (weight.to(torch.int16) + 128).to(torch.uint8), "kernel_scales": scales.float()}
     # PyTorch's int8 weight-only kernel wants bfloat16 scales, and crashes on weights that are not 64-byte aligned
     # (as memory-mapped safetensors give them); it is fast with bfloat16 activations only
@@ -178,11 +184,12 @@ def pack_int8(weight: torch.Tensor, scales: torch.Tensor) -> dict:
 
 
 def linear_int8(x: torch.Tensor, packed_weight: torch.Tensor, packed_scales: torch.Tensor) -> torch.Tensor:
-    if packed_weight.dtype == torch.uint8:
+    if packed_scales.dtype == torch.float32:
         if use_kernel(x):
             return torch.ops.dense_kernels.linear_int8(x, packed_weight, packed_scales)
-        w = (packed_weight.to(torch.int16) - 128).to(x.dtype)  # a long prefill: dequantize, then BLAS
-        return F.linear(x, w) * packed_scales.to(x.dtype)
+        # a long prefill is compute-bound: the weight in bfloat16 once, then one bfloat16 GEMM (2-3x float32's rate)
+        w = (packed_weight.to(torch.int16) - 128).to(torch.bfloat16)
+        return (F.linear(x.to(torch.bfloat16), w).float() * packed_scales).to(x.dtype)
     y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), packed_weight, packed_scales)
     return y.to(x.dtype).reshape(*x.shape[:-1], packed_weight.shape[0])
 
@@ -206,10 +213,9 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
     if mins.numel():
         if use_kernel(x):
             return torch.ops.dense_kernels.linear_int4(x, packed, scales, mins)
-        low, high = packed & 15, packed >> 4  # a long prefill: dequantize, then BLAS
-        codes = torch.cat((low.view(n, -1, 16), high.view(n, -1, 16)), dim=-1).to(x.dtype)
-        w = codes * scales.to(x.dtype)[..., None] + mins.to(x.dtype)[..., None]
-        return F.linear(x, w.reshape(n, -1))
+        # a long prefill is compute-bound: the weight in bfloat16 once, then one bfloat16 GEMM (2-3x float32's rate)
+        w = torch.ops.dense_kernels.dequantize_int4(packed, scales, mins)
+        return F.linear(x.to(torch.bfloat16), w).to(x.dtype)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), packed, group_size,
                                                    scales)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
