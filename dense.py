@@ -490,6 +490,7 @@ class DenseDecoder(nn.Module):
         "nf4" | "llm.int8" loads that variant (saved by quantize.py, else quantized tensor by tensor as it loads);
         "auto" picks what quantize.auto_mode says; "none" forces full precision."""
         import convert
+        import kernels
         import quantize
 
         checkpoint = convert.read_checkpoint(path)
@@ -497,7 +498,9 @@ class DenseDecoder(nn.Module):
         with torch.device("meta"):
             model = cls(checkpoint.config)
         quantize.swap_linears(model, mode, params)  # quantized linears, or kernels.Linear for full precision
-        return model.load_tensors(tensors, device, dtype or checkpoint.dtype or torch.float32, source=checkpoint.path)
+        model.load_tensors(tensors, device, dtype or checkpoint.dtype or torch.float32, source=checkpoint.path)
+        kernels.place_weights(model)  # huge pages for the weights a decode step streams (CPU)
+        return model
 
     def fused_parts(self, module_name: str) -> dict[str, int]:
         """{checkpoint prefix: rows} of the tensors a module is stacked from (itself alone for most modules)."""

@@ -253,6 +253,7 @@ class Runner:
     def __init__(self, model: dense.DenseDecoder, steps: Steps | None) -> None:
         self.model, self.steps = model, steps
 
+    @torch.no_grad()  # (compiled steps are inference graphs: the cache key assumes no autograd)
     def prefill(self, tokens: torch.Tensor, start: int, row_start: torch.Tensor | None) -> torch.Tensor:
         """Write tokens [B, T] at slots start.., return the float32 logits of the last one, [B, V]. Up to
         PREFILL_CHUNK tokens (a chat turn, a short prompt) run one compiled step, padded; a longer prompt runs one
@@ -272,6 +273,7 @@ class Runner:
                             ragged=row_start is not None)
         return model.lm_head(fn(*args)).float()
 
+    @torch.no_grad()
     def decode(self, token: torch.Tensor, pos: int, row_start, sampling: Sampling) -> torch.Tensor:
         """token [B, 1] at slot pos -> next token [B, 1]."""
         model = self.model
@@ -284,6 +286,7 @@ class Runner:
                             ragged=row_start is not None)
         return fn(*args).clone()  # a CUDA graph reuses its output buffer
 
+    @torch.no_grad()
     def logits(self, tokens: torch.Tensor, pos: int, row_start=None) -> torch.Tensor:
         """Logits [B, T, V] of tokens [B, T] at slots pos.. (the verify step of speculative decoding)."""
         model, T = self.model, tokens.shape[1]

@@ -5,6 +5,7 @@
 //   dense_kernels::linear_f32 (x, w)          w float32 [N, K]
 //   dense_kernels::linear_int8(x, w, s)       w uint8 [N, K] = int8 weight + 128, s float32 [N]: w = s * q
 //   dense_kernels::linear_int4(x, q, d, m)    q uint8 [N, K/2], d and m float32 [N, K/32]: w = d * code + m
+//   dense_kernels::linear_nf4(x, q, absmax, code)   q uint8 [N, K/2], absmax float32 [N, K/64], code the 16 NF4 values
 //   dense_kernels::attention(q, k_t, v, pos, row_start, scale)   a cached step's attention, over the slots in use
 //
 // The integer kernels multiply near float32's precision: int8 with AVX-512 VNNI on activations written as two int8
@@ -278,6 +279,65 @@ at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tens
   return y;
 }
 
+// ---- nf4 weights (bitsandbytes' NF4 code), one absmax per block of 64 ----------------------------------------------
+// Per row and block: 32 bytes, byte j holding code j (low nibble) and code j + 32 (high nibble) (repacked at load
+// from bitsandbytes' layout); absmax float32 [N, K/64]. The 16 code values sit in one register and vpermps looks
+// them up; x stays float32: y = sum_blocks absmax * dot(NF4[code], x), the dequantized weights' product.
+
+template <int R, int NB>
+void nf4_tile(const float* x, const uint8_t* q, const float* absmax, const float* code, int64_t K, float* y, int64_t N,
+              int64_t n0) {
+  const int64_t G = K / 64;
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(15);
+  const __m512 table = _mm512_loadu_ps(code);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 w[NB][4], scale[NB];
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* block = q + (n0 + j) * (K / 2) + g * 32;
+      _mm_prefetch((const char*)block + PREFETCH, _MM_HINT_T0);
+      __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)block));
+      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(block + 16)));
+      w[j][0] = _mm512_permutexvar_ps(_mm512_and_si512(a, low), table);
+      w[j][1] = _mm512_permutexvar_ps(_mm512_and_si512(b, low), table);
+      w[j][2] = _mm512_permutexvar_ps(_mm512_srli_epi32(a, 4), table);
+      w[j][3] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+      scale[j] = _mm512_set1_ps(absmax[(n0 + j) * G + g]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * K + g * 64;
+      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16), x2 = _mm512_loadu_ps(xb + 32),
+                   x3 = _mm512_loadu_ps(xb + 48);
+      for (int j = 0; j < NB; ++j) {
+        __m512 dot = _mm512_fmadd_ps(x1, w[j][1], _mm512_mul_ps(x0, w[j][0]));
+        dot = _mm512_fmadd_ps(x3, w[j][3], _mm512_fmadd_ps(x2, w[j][2], dot));
+        acc[r][j] = _mm512_fmadd_ps(dot, scale[j], acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+at::Tensor linear_nf4(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && q.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat &&
+              code.scalar_type() == at::kFloat && code.numel() == 16);
+  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
+  int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(K % 64 == 0 && q.size(1) == K / 2 && absmax.numel() == N * K / 64 && q.is_contiguous() &&
+              absmax.is_contiguous(), "linear_nf4: bad shapes");
+  auto y = output_like(x_, N);
+  const float *xp = x.data_ptr<float>(), *ap = absmax.data_ptr<float>(), *cp = code.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  for_each_tile<1>(M, N, K, K / 2, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
+    DISPATCH_ROWS(rows, (nf4_tile<R, 1>(xp + m0 * K, qp, ap, cp, K, yp + m0 * N, N, n0)));
+  });
+  return y;
+}
+
 // A long prefill's int4 weight as bfloat16 [N, K] (d * code + m), for one bfloat16 GEMM.
 at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
   const int64_t N = q.size(0), K = q.size(1) * 2, G = K / 32;
@@ -422,63 +482,75 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor
   const int64_t items = B * K * groups;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(longest / SPLIT,
                                                                (2 * at::get_num_threads() + items - 1) / items));
-  const int64_t part_len = (longest + parts - 1) / std::max<int64_t>(parts, 1);
-  std::vector<Partial> partials(items * parts * GROUP);
-  at::parallel_for(0, items * parts, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> buffer;
-    for (int64_t work = i0; work < i1; ++work) {
-      const int64_t item = work / parts, part = work % parts;
-      const int64_t b = item / (K * groups), kv = (item / groups) % K, first = (item % groups) * GROUP;
-      const T* kt = kp + b * k_t.stride(0) + kv * k_t.stride(1);
-      const T* vv = vp + b * v.stride(0) + kv * v.stride(1);
-      const float* qs[GROUP];
-      int64_t start[GROUP], end[GROUP];
-      int n = 0;
-      int64_t lo = INT64_MAX, hi = -1;
-      for (int64_t index = first; index < std::min(first + GROUP, queries); ++index) {
-        const int64_t t = index / G, h = kv * G + index % G;
-        if (positions[t] >= S1 - 1) continue;  // padding: handled below
-        qs[n] = qp + ((b * H + h) * T_ + t) * D;
-        end[n] = positions[t];
-        start[n] = std::min<int64_t>(starts ? starts[b] : 0, end[n]);
-        lo = std::min(lo, start[n]), hi = std::max(hi, end[n]);
-        ++n;
-      }
-      Partial* mine = partials.data() + work * GROUP;
-      const int64_t a = std::max(lo, part * part_len), z = std::min(hi, (part + 1) * part_len - 1);
-      if (n == 0 || a > z) {
-        for (int i = 0; i < GROUP; ++i) mine[i].max = -INFINITY, mine[i].sum = 0.f;
+  const int64_t part_len = (longest + parts - 1) / parts;
+  std::vector<Partial> partials(parts > 1 ? items * parts * GROUP : 0);
+  auto finish = [&](int64_t item, const Partial* results) {  // combine a group's parts: weights e^(max_p - max)
+    const int64_t b = item / (K * groups), kv = (item / groups) % K, first = (item % groups) * GROUP;
+    int i = 0;
+    for (int64_t index = first; index < std::min(first + GROUP, queries); ++index) {
+      const int64_t t = index / G, h = kv * G + index % G;
+      float* o = op + ((b * H + h) * T_ + t) * D;
+      if (positions[t] >= S1 - 1) {  // padding (the scratch slot) sees only itself
+        const T* scratch = vp + b * v.stride(0) + kv * v.stride(1) + (S1 - 1) * D;
+        for (int64_t c = 0; c < D; c += 16) _mm512_mask_storeu_ps(o + c, lanes(D - c), load16(scratch + c, lanes(D - c)));
         continue;
       }
-      attend_part<T>(qs, start, end, n, a, z, kt, vv, D, scale, mine, buffer);
-    }
-  });
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {  // combine the parts: sum e^(max_p - max) * (sum, acc)
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t b = item / (K * groups), kv = (item / groups) % K, first = (item % groups) * GROUP;
-      int i = 0;
-      for (int64_t index = first; index < std::min(first + GROUP, queries); ++index) {
-        const int64_t t = index / G, h = kv * G + index % G;
-        float* o = op + ((b * H + h) * T_ + t) * D;
-        if (positions[t] >= S1 - 1) {  // padding (the scratch slot) sees only itself
-          const T* scratch = vp + b * v.stride(0) + kv * v.stride(1) + (S1 - 1) * D;
-          for (int64_t c = 0; c < D; c += 16) _mm512_mask_storeu_ps(o + c, lanes(D - c), load16(scratch + c, lanes(D - c)));
-          continue;
-        }
-        float top = -INFINITY, sum = 0.f;
-        for (int64_t p = 0; p < parts; ++p) top = std::max(top, partials[(item * parts + p) * GROUP + i].max);
-        std::fill(o, o + D, 0.f);
-        for (int64_t p = 0; p < parts; ++p) {
-          const Partial& part = partials[(item * parts + p) * GROUP + i];
-          if (part.sum == 0.f) continue;
-          const float w = std::exp(part.max - top);
-          sum += w * part.sum;
-          for (int64_t c = 0; c < D; ++c) o[c] += w * part.acc[c];
-        }
-        for (int64_t c = 0; c < D; ++c) o[c] /= sum;
-        ++i;
+      float top = -INFINITY, sum = 0.f;
+      for (int64_t p = 0; p < parts; ++p) top = std::max(top, results[p * GROUP + i].max);
+      std::fill(o, o + D, 0.f);
+      for (int64_t p = 0; p < parts; ++p) {
+        const Partial& part = results[p * GROUP + i];
+        if (part.sum == 0.f) continue;
+        const float w = std::exp(part.max - top);
+        sum += w * part.sum;
+        for (int64_t c = 0; c < D; ++c) o[c] += w * part.acc[c];
       }
+      for (int64_t c = 0; c < D; ++c) o[c] /= sum;
+      ++i;
     }
+  };
+  auto work_on = [&](int64_t work, Partial* mine, std::vector<float>& buffer) {
+    const int64_t item = work / parts, part = work % parts;
+    const int64_t b = item / (K * groups), kv = (item / groups) % K, first = (item % groups) * GROUP;
+    const T* kt = kp + b * k_t.stride(0) + kv * k_t.stride(1);
+    const T* vv = vp + b * v.stride(0) + kv * v.stride(1);
+    const float* qs[GROUP];
+    int64_t start[GROUP], end[GROUP];
+    int n = 0;
+    int64_t lo = INT64_MAX, hi = -1;
+    for (int64_t index = first; index < std::min(first + GROUP, queries); ++index) {
+      const int64_t t = index / G, h = kv * G + index % G;
+      if (positions[t] >= S1 - 1) continue;  // padding: in finish
+      qs[n] = qp + ((b * H + h) * T_ + t) * D;
+      end[n] = positions[t];
+      start[n] = std::min<int64_t>(starts ? starts[b] : 0, end[n]);
+      lo = std::min(lo, start[n]), hi = std::max(hi, end[n]);
+      ++n;
+    }
+    const int64_t a = std::max(lo, part * part_len), z = std::min(hi, (part + 1) * part_len - 1);
+    if (n == 0 || a > z) {
+      for (int i = 0; i < GROUP; ++i) mine[i].max = -INFINITY, mine[i].sum = 0.f;
+      return;
+    }
+    attend_part<T>(qs, start, end, n, a, z, kt, vv, D, scale, mine, buffer);
+  };
+  if (parts == 1) {  // the usual case: each work item finishes its own queries, one parallel region
+    at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+      thread_local std::vector<float> buffer;
+      Partial mine[GROUP];
+      for (int64_t item = i0; item < i1; ++item) {
+        work_on(item, mine, buffer);
+        finish(item, mine);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, items * parts, 1, [&](int64_t i0, int64_t i1) {
+    thread_local std::vector<float> buffer;
+    for (int64_t work = i0; work < i1; ++work) work_on(work, partials.data() + work * GROUP, buffer);
+  });
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; ++item) finish(item, partials.data() + item * parts * GROUP);
   });
 }
 
@@ -509,6 +581,7 @@ TORCH_LIBRARY(dense_kernels, m) {
   m.def("linear_int4(Tensor x, Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("attention(Tensor q, Tensor k_t, Tensor v, Tensor pos, Tensor row_start, float scale) -> Tensor");
   m.def("dequantize_int4(Tensor q, Tensor d, Tensor m) -> Tensor");
+  m.def("linear_nf4(Tensor x, Tensor q, Tensor absmax, Tensor code) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dense_kernels, CPU, m) {
@@ -517,4 +590,5 @@ TORCH_LIBRARY_IMPL(dense_kernels, CPU, m) {
   m.impl("linear_int4", &linear_int4);
   m.impl("attention", &attention);
   m.impl("dequantize_int4", &dequantize_int4);
+  m.impl("linear_nf4", &linear_nf4);
 }

@@ -95,6 +95,58 @@ def available() -> bool:
     return _state["ok"]
 
 
+def huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of CPU tensors in one anonymous mapping advised for transparent huge pages (Linux; elsewhere the
+    tensors as they are). A decode step streams every weight once: with 4 KB pages the TLB misses cost about a fifth
+    of the memory bandwidth (25 vs 30 GB/s here, measured), and weights read from a memory-mapped file are in 4 KB
+    pages of the page cache. Each copy keeps the mapping alive; it is unmapped with the last of them."""
+    import ctypes
+    import mmap
+
+    align, total = 64, 0
+    offsets = []
+    for t in tensors:
+        offsets.append(total)
+        total += (t.numel() * t.element_size() + align - 1) // align * align
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = mmap.mmap(-1, total + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        start = (base + (2 << 20) - 1) & ~((2 << 20) - 1)  # 2 MiB aligned
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(total), 14) != 0:  # MADV_HUGEPAGE
+            return tensors
+    except (OSError, AttributeError, ValueError):
+        return tensors
+    out = []
+    for t, offset in zip(tensors, offsets):
+        copy = torch.frombuffer(buf, dtype=torch.uint8, count=t.numel() * t.element_size(),
+                                offset=start - base + offset).view(t.dtype).view(t.shape)
+        out.append(copy.copy_(t))
+    return out
+
+
+def place_weights(model) -> None:
+    """Move a CPU model's large tensors (weights and their kernel layouts) into huge pages (see huge_pages)."""
+    if model.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return
+    chosen, seen = [], set()
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                if t is not None and t.device.type == "cpu" and t.numel() * t.element_size() >= 1 << 18:
+                    chosen.append((store, name, t))
+    unique = {}
+    for store, name, t in chosen:
+        unique.setdefault(id(t), t)
+    placed = dict(zip(unique, huge_pages(list(unique.values()))))
+    for store, name, t in chosen:
+        new = placed[id(t)]
+        store[name] = nn.Parameter(new, requires_grad=False) if isinstance(t, nn.Parameter) else new
+        seen.add(id(t))
+    if getattr(model.config, "tie_word_embeddings", False) and isinstance(model.lm_head, nn.Linear):
+        model.lm_head.weight = model.embed_tokens.weight
+
+
 def register_shapes() -> None:
     """Output shapes for tracing (torch.compile runs these on fake tensors)."""
     def out(x, n):
@@ -107,6 +159,7 @@ def register_shapes() -> None:
         q, memory_format=torch.contiguous_format))
     torch.library.register_fake("dense_kernels::dequantize_int4")(lambda q, d, m: q.new_empty(
         q.shape[0], q.shape[1] * 2, dtype=torch.bfloat16))
+    torch.library.register_fake("dense_kernels::linear_nf4")(lambda x, q, a, c: out(x, q.shape[0]))
 
 
 def use_kernel(x: torch.Tensor) -> bool:
@@ -126,10 +179,10 @@ class KVCache(dense.KVCache):
     def __init__(self, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype, device) -> None:
         nn.Module.__init__(self)
         blocks = (seq_len + 1 + 15) // 16
-        self.register_buffer("k", torch.zeros(batch, kv_heads, blocks, head_dim, 16, dtype=dtype, device=device),
-                             persistent=False)
-        self.register_buffer("v", torch.zeros(batch, kv_heads, seq_len + 1, head_dim, dtype=dtype, device=device),
-                             persistent=False)
+        k, v = huge_pages([torch.zeros(batch, kv_heads, blocks, head_dim, 16, dtype=dtype, device=device),
+                           torch.zeros(batch, kv_heads, seq_len + 1, head_dim, dtype=dtype, device=device)])
+        self.register_buffer("k", k, persistent=False)
+        self.register_buffer("v", v, persistent=False)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         B = k.shape[0]
@@ -222,24 +275,27 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# nf4: bitsandbytes' fused CPU kernel (AVX512-BF16) on its packed layout, repacked at load; files keep bitsandbytes'
-# standard layout
+# nf4: files keep bitsandbytes' layout; for our kernel each row's blocks of 64 are repacked (code j in the low nibble
+# of byte j, code j + 32 in its high nibble). bitsandbytes' own fused CPU kernel (AVX512-BF16, its packed layout)
+# measured slower: BENCHMARKS.md.
 
 
 def pack_nf4(weight: torch.Tensor, absmax: torch.Tensor, n: int, k: int) -> dict | None:
-    """None where bitsandbytes' packed kernel cannot serve (no AVX512-BF16, or N % 32, K % 64): dequantize instead."""
-    import quantize
-
-    bnb = quantize.import_bitsandbytes()
-    if weight.device.type != "cpu" or n % 32 or k % 64 or not bnb.functional.has_avx512bf16():
+    """None where our kernel cannot serve (no kernels, or K % 64: blocks would straddle rows): dequantize instead."""
+    if weight.device.type != "cpu" or k % 64 or not available():
         return None
-    state = bnb.functional.QuantState(absmax=absmax.float(), shape=torch.Size([n, k]), code=quantize.NF4.clone(),
-                                      blocksize=64, quant_type="nf4", dtype=torch.bfloat16)
-    packed, state = bnb.functional._convert_weight_packed_for_cpu(weight, state)
-    return {"kernel_weight": packed, "kernel_absmax": state.absmax, "kernel_code": state.code}
+    packed = weight.reshape(-1)
+    codes = torch.stack((packed >> 4, packed & 15), dim=-1).reshape(n, k // 64, 64)  # bitsandbytes: first code high
+    return {"kernel_weight": (codes[..., :32] | (codes[..., 32:] << 4)).reshape(n, k // 2).contiguous(),
+            "kernel_absmax": absmax.float().reshape(n, k // 64).contiguous()}
 
 
 def linear_nf4(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, n: int,
                k: int) -> torch.Tensor:
-    y = torch.ops.bitsandbytes.gemv_4bit(x.to(torch.bfloat16), packed, [n, k], absmax, code, 64)
-    return y.to(x.dtype)
+    if use_kernel(x):
+        return torch.ops.dense_kernels.linear_nf4(x, packed, absmax, code)
+    # a long prefill is compute-bound: the weight in bfloat16 once, then one bfloat16 GEMM
+    blocks = packed.view(n, k // 64, 32)
+    codes = torch.cat((blocks & 15, blocks >> 4), dim=-1)  # [n, k / 64, 64] in order
+    w = (code[codes.long()] * absmax[..., None]).reshape(n, k).to(torch.bfloat16)
+    return F.linear(x.to(torch.bfloat16), w).to(x.dtype)

@@ -228,7 +228,7 @@ class NF4Linear(QuantLinear):
 
     def finish_loading(self) -> None:
         for key, t in (kernels.pack_nf4(self.weight, self.absmax, self.out_features, self.in_features) or {}).items():
-            self.register_buffer(key, t, persistent=False)  # bitsandbytes' CPU kernel layout (kernels.py)
+            self.register_buffer(key, t, persistent=False)  # repacked for the CPU kernel (kernels.py)
 
     def dequantize(self, dtype) -> torch.Tensor:
         packed = self.weight.reshape(-1)
@@ -238,7 +238,7 @@ class NF4Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "kernel_weight"):
-            return self.add_bias(kernels.linear_nf4(x, self.kernel_weight, self.kernel_absmax, self.kernel_code,
+            return self.add_bias(kernels.linear_nf4(x, self.kernel_weight, self.kernel_absmax, self.code,
                                                     self.out_features, self.in_features))
         # dequantize-and-matmul: torch.compile fuses the table lookup into the weight loads
         return self.add_bias(F.linear(x, self.dequantize(x.dtype)))
@@ -336,8 +336,11 @@ def auto_mode(checkpoint) -> tuple[str | None, str]:
     """What `--quant auto` loads, and why: int4-g32 for weights that came from a GGUF's Q4_0/Q4_1 blocks (int4
     holds them exactly, and on CPU int4 is the fastest kernel); everything else as stored."""
     types = checkpoint.record.get("source_tensor_types", {}).get("blocks") or {}
+    if checkpoint.source_types:  # a .gguf file itself
+        types = {kind for name, kind in checkpoint.source_types.items() if BLOCK_LINEAR.fullmatch(name[:-7])}
     saved = checkpoint.record.get("quantization", {})
-    if types and set(types) <= set(EXACT_INT4_TYPES) and "int4" in saved:
+    exact = "int4" in saved or bool(checkpoint.exact_int4)
+    if types and set(types) <= set(EXACT_INT4_TYPES) and exact:
         return "int4", f"the weights are {'/'.join(sorted(types))} blocks from a GGUF, which int4-g32 holds exactly"
     if not checkpoint.tensors and len(saved) == 1:
         return next(iter(saved)), "the only variant stored"
@@ -368,9 +371,11 @@ def select(checkpoint, quant: str | None, notice=notice_stderr) -> tuple[str | N
         return quant, params, expand_double_quant(convert.open_safetensors(file))
     if not checkpoint.tensors:
         raise CheckpointError(f"{checkpoint.path}: no saved {quant} variant and no full-precision weights to make one")
-    notice(f"{checkpoint.path}: no saved {quant} variant; quantizing at load time (python quantize.py --ckpt "
-           f"{checkpoint.path} --mode {quant} saves one)")
-    return quant, params, quantized_table(checkpoint, quant, params)
+    exact = checkpoint.exact_int4 if quant == "int4" and params["group_size"] == 32 else None
+    if not exact:
+        notice(f"{checkpoint.path}: no saved {quant} variant; quantizing at load time (python quantize.py --ckpt "
+               f"{checkpoint.path} --mode {quant} saves one)")
+    return quant, params, quantized_table(checkpoint, quant, params, exact)
 
 
 def expand_double_quant(table: dict) -> dict:

@@ -58,4 +58,4 @@ def random_model(context: int = 512, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-    return quantize.swap_linears(model, None, {}).eval()
+    return quantize.swap_linears(model.requires_grad_(False), None, {}).eval()
