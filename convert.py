@@ -577,6 +577,25 @@ def atomic_write(path: str, write) -> None:
         raise
 
 
+class locked:
+    """An exclusive lock on `path` + ".lock" (fcntl.flock; released when the process dies) for read-modify-write
+    steps that other processes may run at the same time: converting the default model, recording a variant."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path + ".lock"
+
+    def __enter__(self):
+        import fcntl
+
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self.handle = open(self.path, "a")
+        fcntl.flock(self.handle, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.close()  # closing releases the lock
+
+
 def tokenizer_sources(src: str) -> dict[str, str]:
     """{native file name: source path} for the tokenizer files that travel with a checkpoint."""
     folder = src if os.path.isdir(src) else os.path.dirname(src)

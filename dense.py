@@ -395,6 +395,10 @@ class DenseDecoder(nn.Module):
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         for layer in self.layers:
             layer.attn.kv_cache = None  # free the old cache before allocating the new one
+        need, have = self.cache_bytes(max_batch_size, max_seq_len, dtype), available_memory(self.device)
+        if need > have:
+            raise ValueError(f"a KV cache of {max_seq_len} tokens x batch {max_batch_size} needs {need / 2**30:.1f} GiB; "
+                             f"{self.device.type} has {have / 2**30:.1f} GiB available (a smaller max_seq_len fits)")
         for layer in self.layers:
             attn = layer.attn
             attn.kv_cache = cache_class(max_batch_size, attn.n_kv_heads, max_seq_len, attn.head_dim,
@@ -494,11 +498,13 @@ class DenseDecoder(nn.Module):
         import quantize
 
         checkpoint = convert.read_checkpoint(path)
+        dtype = dtype or checkpoint.dtype or torch.float32
         mode, params, tensors = quantize.select(checkpoint, quant)
+        check_fits(checkpoint.config, dtype, torch.device(device), checkpoint.path, quantize.BYTES_PER_WEIGHT.get(mode))
         with torch.device("meta"):
             model = cls(checkpoint.config)
         quantize.swap_linears(model, mode, params)  # quantized linears, or kernels.Linear for full precision
-        model.load_tensors(tensors, device, dtype or checkpoint.dtype or torch.float32, source=checkpoint.path)
+        model.load_tensors(tensors, device, dtype, source=checkpoint.path)
         kernels.place_weights(model)  # huge pages for the weights a decode step streams (CPU)
         return model
 
@@ -565,6 +571,49 @@ class DenseDecoder(nn.Module):
             if hasattr(module, "finish_loading"):
                 module.finish_loading()
         return self.eval()
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes a new allocation can take on device: free GPU memory; on the CPU the OS's MemAvailable, or less under
+    an address-space limit (ulimit -v). Unknown: no limit."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    have = 1 << 62
+    try:
+        import resource
+
+        with open("/proc/meminfo") as f:
+            have = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit != resource.RLIM_INFINITY:
+            with open("/proc/self/status") as f:
+                used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+            have = min(have, max(0, limit - used))
+    except (OSError, StopIteration, ValueError, ImportError):
+        pass
+    return have
+
+
+def check_fits(config: DenseConfig, dtype: torch.dtype, device: torch.device, source: str,
+               bytes_per_weight: float | None = None) -> None:
+    """Refuse, before allocating anything, a config whose weights would not fit the device's available memory,
+    naming its largest term (a config from the internet must not make us allocate hundreds of GB).
+    bytes_per_weight: of the quantized layers (all but the embedding), when they are quantized."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    embedding = config.vocab_size * config.hidden_size
+    need = embedding * elem + (config.num_parameters() - embedding) * (bytes_per_weight or elem)
+    have = available_memory(device)
+    if need <= have:
+        return
+    C, L = config.hidden_size, config.num_hidden_layers
+    terms = {f"vocab_size {config.vocab_size} x hidden_size {C}": config.vocab_size * C,
+             f"num_hidden_layers {L} x (intermediate_size {config.ffn_width(0)} x hidden_size {C})":
+                 L * config.ffn_width(0) * C,
+             f"num_hidden_layers {L} x (attention heads {config.heads(0)} x head_dim {config.head_dim} x hidden_size "
+             f"{C})": L * config.heads(0) * config.head_dim * C}
+    raise CheckpointError(f"{source}: the config describes {config.num_parameters() / 1e9:.1f}B parameters, "
+                          f"{need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, mostly "
+                          f"{max(terms, key=terms.get)}; {device.type} has {have / 2**30:.1f} GiB available")
 
 
 def _more(names: list[str]) -> str:

@@ -323,12 +323,14 @@ def as_batch(prompts, device) -> tuple[torch.Tensor, torch.Tensor | None, list[i
 def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, *, temperature: float = 0.0,
                     top_k: int | None = None, top_p: float | None = None, compile: bool = False, start_pos: int = 0,
                     vocab_limit: int | None = None, steps: Steps | None = None, draft=None,
-                    speculate_k: int = 4, stats: dict | None = None) -> Iterator[torch.Tensor]:
+                    speculate_k: int = 4, stats: dict | None = None,
+                    context: list[int] | None = None) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens new tokens [B, 1], one per step. prompts: [B, T] ids, or a list of prompts of any
     lengths (left-padded; every row's positions start at 0). The prompt is prefilled at slots start_pos..; slots
     before start_pos must already hold this conversation (a chat continuing it). The last token yielded has not been
     fed to the model yet. compile=True (or steps) runs compiled, bucketed steps; draft (speculative.py) proposes
-    tokens that the model checks several at a time."""
+    tokens that the model checks speculate_k at a time (stats gets proposed / accepted / target_steps; context: the
+    tokens already cached at 0..start_pos - 1, which a draft model needs to follow a conversation)."""
     device = model.device
     ids, row_start, _ = as_batch(prompts, device)
     B, T = ids.shape
@@ -347,7 +349,8 @@ def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, *, 
     if draft is not None:
         import speculative
 
-        yield from speculative.generate(runner, draft, ids, start_pos, max_new_tokens, sampling, speculate_k, stats)
+        yield from speculative.generate(runner, draft, ids, start_pos, max_new_tokens, sampling, speculate_k, stats,
+                                        context)
         return
     logits = runner.prefill(ids, start_pos, row_start)
     token = dense.sample(logits, temperature, top_k, top_p, vocab_limit)

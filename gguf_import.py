@@ -39,7 +39,10 @@ def field(reader, key: str, default=None, path: str = ""):
         if default is None:
             raise CheckpointError(f"{path}: missing GGUF metadata {key!r}")
         return default
-    return f.contents()
+    try:
+        return f.contents()
+    except Exception as e:  # damaged values: undecodable strings, arrays shorter than declared
+        raise CheckpointError(f"{path}: GGUF metadata {key!r} is damaged ({type(e).__name__})") from None
 
 
 def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -167,6 +170,16 @@ def pre_tokenizer(pre: str, path: str):
 
 def build_tokenizer(reader, path: str):
     """A `tokenizers.Tokenizer` equal to the model's own, from the GGUF metadata (BPE, "gpt2" models)."""
+    try:
+        return _build_tokenizer(reader, path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # tokens or merges the tokenizers library refuses
+        raise CheckpointError(f"{path}: the GGUF's tokenizer cannot be built ({type(e).__name__}: "
+                              f"{(str(e).splitlines() or [''])[0][:200]})") from None
+
+
+def _build_tokenizer(reader, path: str):
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     model = field(reader, "tokenizer.ggml.model", path=path)
@@ -190,6 +203,9 @@ def side_files(path: str) -> dict[str, str]:
     types = field(reader, "tokenizer.ggml.token_type", [1] * len(tokens), path)
     bos = int(field(reader, "tokenizer.ggml.bos_token_id", -1, path))
     eos = int(field(reader, "tokenizer.ggml.eos_token_id", -1, path))
+    for name, value in (("bos", bos), ("eos", eos)):
+        if value >= len(tokens):
+            raise CheckpointError(f"{path}: tokenizer.ggml.{name}_token_id {value} is not among the {len(tokens)} tokens")
     stops = [eos] if eos >= 0 else []
     stops += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in END_OF_TURN and i not in stops]
     tokenizer_config = {"bos_token": tokens[bos] if bos >= 0 else None, "eos_token": tokens[eos] if eos >= 0 else None,

@@ -8,9 +8,9 @@
 //   dense_kernels::linear_nf4(x, q, absmax, code)   q uint8 [N, K/2], absmax float32 [N, K/64], code the 16 NF4 values
 //   dense_kernels::attention(q, k_t, v, pos, row_start, scale)   a cached step's attention, over the slots in use
 //
-// The integer kernels multiply near float32's precision: int8 with AVX-512 VNNI on activations written as two int8
-// digits, int4 with AVX512-BF16 on activations split into two bfloat16 halves (see each). A tile computes NB weight
-// rows against up to 8 rows of x, so a weight row is loaded once for all of them.
+// The quantized kernels multiply at float32's precision: int8 with AVX-512 VNNI on activations written as two int8
+// digits; int4 and nf4 by looking each block's float32 values up in a register. A tile computes NB weight rows
+// against up to 8 rows of x, so a weight row is loaded once for all of them.
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__AVX512BF16__)
 #error "kernels.cpp needs AVX-512 (F, BW, VNNI, BF16); kernels.py falls back to PyTorch's kernels"
 #endif
@@ -107,29 +107,6 @@ at::Tensor linear_f32(const at::Tensor& x_, const at::Tensor& w) {
   return y;
 }
 
-// ---- activations as two bfloat16 halves (the int4 kernel) ------------------------------------------------------
-// x = hi + lo with hi = bf16(x), lo = bf16(x - hi): 16 significant bits. The int4 codes are exact in bfloat16, so
-// two vdpbf16ps (32 products each, float32 sums) give their products with x exactly: the dequantized weights'
-// product, as float32 computes it.
-
-struct SplitRows {
-  std::vector<uint16_t> x;  // per row of x: K hi values, then K lo values
-  std::vector<float> sum;   // per row and block of 32: the float32 sum of x (int4's min term)
-  SplitRows(const float* xp, int64_t M, int64_t K) : x(2 * M * K), sum(M * ((K + 31) / 32), 0.f) {
-    const int64_t G = (K + 31) / 32;
-    for (int64_t row = 0; row < M; ++row)
-      for (int64_t col = 0; col < K; col += 16) {
-        __mmask16 m = lanes(K - col);
-        __m512 v = _mm512_maskz_loadu_ps(m, xp + row * K + col);
-        __m256bh hi = _mm512_cvtneps_pbh(v);
-        __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
-        _mm256_mask_storeu_epi16(x.data() + row * 2 * K + col, m, (__m256i)hi);
-        _mm256_mask_storeu_epi16(x.data() + row * 2 * K + K + col, m, (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, back)));
-        sum[row * G + col / 32] += _mm512_reduce_add_ps(v);
-      }
-  }
-};
-
 // ---- int8 weights, one scale per output row ------------------------------------------------------------------------
 // x in two int8 digits per block of 32: d = max|x| / 127, q1 = round(x / d), q2 = round((x - d q1) * 127 / d), so
 // x = d (q1 + q2 / 127) to within d / 254 (3e-5 of the block's largest value). vpdpbusd takes 64 weight x digit
@@ -207,53 +184,40 @@ at::Tensor linear_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tens
 
 // ---- int4 weights, llama.cpp's Q4_1 grid: w = d * code + m per block of 32 --------------------------------------
 // Per row and block: 16 bytes, byte j holding code j (low nibble) and code j + 16 (high nibble); d and m float32
-// [N, K/32]. y = sum_blocks d * dot(code, x) + m * sum(x), the dot products exact (codes and two bfloat16 halves
-// of x, see above). (8-bit activations, as llama.cpp takes them, would be faster but cost this 4-bit grid 1%
-// perplexity; bfloat16 ones flip answers of the default model that float32 gets right: both measured.)
+// [N, K/32]. Per block, a register holds the block's 16 values d * c + m (one FMA); vpermps looks the codes up in
+// it; x stays float32: the dequantized weights' product, as float32 computes it. (8-bit activations, as llama.cpp
+// takes them, cost this grid 1% perplexity and flip answers of the default model that float32 gets right.)
 
 template <int R, int NB>
-void int4_tile(const uint16_t* x, const float* xsum, const uint8_t* q, const float* d, const float* mn, int64_t K,
-               float* y, int64_t N, int64_t n0) {
+void int4_tile(const float* x, const uint8_t* q, const float* d, const float* mn, int64_t K, float* y, int64_t N,
+               int64_t n0) {
   const int64_t G = K / 32;
-  __m512 acc[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
-  const __m256i low = _mm256_set1_epi16(15);
-  const __m512i bf16_codes = _mm512_set_epi16(  // bfloat16 of 0..15 (twice: vpermw indexes 32 words)
-      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000,
-      0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
-      0x4040, 0x4000, 0x3F80, 0x0000);
+  __m512 acc[2][R][NB];  // two accumulators a row: the low and the high half of each block
+  for (int a = 0; a < 2; ++a)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) acc[a][r][j] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(15);
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t g = 0; g < G; ++g) {
-    __m512bh w[NB];
-    __m512 scale[NB];
+    __m512 lo[NB], hi[NB];
     for (int j = 0; j < NB; ++j) {
       const uint8_t* block = q + (n0 + j) * (K / 2) + g * 16;
       _mm_prefetch((const char*)block + PREFETCH, _MM_HINT_T0);
-      __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)block));
-      __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low)),
-                                         _mm256_srli_epi16(bytes, 4), 1);  // codes 0..31 of the block, in order
-      w[j] = (__m512bh)_mm512_permutexvar_epi16(codes, bf16_codes);
-      scale[j] = _mm512_set1_ps(d[(n0 + j) * G + g]);
+      __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)block));
+      __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[(n0 + j) * G + g]), _mm512_set1_ps(mn[(n0 + j) * G + g]));
+      lo[j] = _mm512_permutexvar_ps(_mm512_and_si512(codes, low), table);
+      hi[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
     }
-    for (int r = 0; r < R; ++r) {  // x = hi + lo, two bfloat16 halves: 16 significant bits, products exact
-      __m512bh hi = (__m512bh)_mm512_loadu_si512(x + r * 2 * K + g * 32);
-      __m512bh lo = (__m512bh)_mm512_loadu_si512(x + r * 2 * K + K + g * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xl = _mm512_loadu_ps(x + r * K + g * 32), xh = _mm512_loadu_ps(x + r * K + g * 32 + 16);
       for (int j = 0; j < NB; ++j) {
-        __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), hi, w[j]), lo, w[j]);
-        acc[r][j] = _mm512_fmadd_ps(dot, scale[j], acc[r][j]);
+        acc[0][r][j] = _mm512_fmadd_ps(xl, lo[j], acc[0][r][j]);
+        acc[1][r][j] = _mm512_fmadd_ps(xh, hi[j], acc[1][r][j]);
       }
     }
   }
-  for (int j = 0; j < NB; ++j) {  // + sum_blocks m * sum(x), 16 blocks at a time
-    const float* mrow = mn + (n0 + j) * G;
-    for (int r = 0; r < R; ++r) {
-      __m512 a = acc[r][j];
-      int64_t g = 0;
-      for (; g + 16 <= G; g += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(mrow + g), _mm512_loadu_ps(xsum + r * G + g), a);
-      if (g < G) a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes(G - g), mrow + g), _mm512_maskz_loadu_ps(lanes(G - g), xsum + r * G + g), a);
-      y[r * N + n0 + j] = _mm512_reduce_add_ps(a);
-    }
-  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r][j], acc[1][r][j]));
 }
 
 at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
@@ -263,17 +227,15 @@ at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tens
   int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / 32;
   TORCH_CHECK(K % 32 == 0 && q.size(1) == K / 2 && d.numel() == N * G && mn.numel() == N * G && q.is_contiguous() &&
               d.is_contiguous() && mn.is_contiguous(), "linear_int4: bad shapes");
-  SplitRows split(x.data_ptr<float>(), M, K);
   auto y = output_like(x_, N);
+  const float *xp = x.data_ptr<float>(), *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   for_each_tile<2>(M, N, K, K / 2, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
     if (nb == 2 && rows <= 4) {
-      DISPATCH_ROWS(rows, (int4_tile<R, 2>(split.x.data() + m0 * 2 * K, split.sum.data() + m0 * G, qp, dp, mp, K, yp + m0 * N, N, n0)));
-    } else {  // 8 rows x 2 accumulators and the codes of 2 rows would crowd the registers: one weight row at a time
-      for (int64_t j = 0; j < nb; ++j)
-        DISPATCH_ROWS(rows, (int4_tile<R, 1>(split.x.data() + m0 * 2 * K, split.sum.data() + m0 * G, qp, dp, mp, K, yp + m0 * N, N, n0 + j)));
+      DISPATCH_ROWS(rows, (int4_tile<R, 2>(xp + m0 * K, qp, dp, mp, K, yp + m0 * N, N, n0)));
+    } else {  // 8 rows x 2 x 2 accumulators would not fit the registers: one weight row at a time
+      for (int64_t j = 0; j < nb; ++j) DISPATCH_ROWS(rows, (int4_tile<R, 1>(xp + m0 * K, qp, dp, mp, K, yp + m0 * N, N, n0 + j)));
     }
   });
   return y;

@@ -4,9 +4,10 @@ fallback.
 At M = 1 (one token) a linear layer is a matrix-vector product: every weight byte is read once and used once, so it
 runs at the speed the weights stream from memory. PyTorch's CPU kernels reach less than half of that for a few rows
 (measured in BENCHMARKS.md), so kernels.cpp has register-tiled kernels for up to 8 rows of x at a time: float32
-with FMA; int8 weights with AVX-512 VNNI and int4 weights with AVX512-BF16, both on activations carried to about 16
-significant bits (two int8 digits, two bfloat16 halves), so the result is the dequantized weights' product to
-float32's precision (llama.cpp quantizes activations to 8 bits, which flips answers of the default model: measured).
+with FMA; int8 weights with AVX-512 VNNI on activations written as two int8 digits (16 significant bits); int4 and
+nf4 by looking each block's float32 values up in a register (vpermps). The result is the dequantized weights'
+product to float32's precision (llama.cpp quantizes activations to 8 bits, which flips answers of the default
+model: measured).
 
 The library is compiled on first use with the system C++ compiler against the installed torch (about 15 s) into
 $XDG_CACHE_HOME/dense-engine/kernels/ (or ~/.cache/...), keyed by the source, torch version and CPU, and loaded
@@ -95,11 +96,12 @@ def available() -> bool:
     return _state["ok"]
 
 
-def huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def huge_pages(tensors: list[torch.Tensor], zeros: bool = False) -> list[torch.Tensor]:
     """Copies of CPU tensors in one anonymous mapping advised for transparent huge pages (Linux; elsewhere the
     tensors as they are). A decode step streams every weight once: with 4 KB pages the TLB misses cost about a fifth
     of the memory bandwidth (25 vs 30 GB/s here, measured), and weights read from a memory-mapped file are in 4 KB
-    pages of the page cache. Each copy keeps the mapping alive; it is unmapped with the last of them."""
+    pages of the page cache. zeros=True: the tensors are all zeros (a new cache), so nothing is copied and pages
+    are only committed as they are written. Each copy keeps the mapping alive; it is unmapped with the last one."""
     import ctypes
     import mmap
 
@@ -119,9 +121,9 @@ def huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return tensors
     out = []
     for t, offset in zip(tensors, offsets):
-        copy = torch.frombuffer(buf, dtype=torch.uint8, count=t.numel() * t.element_size(),
+        view = torch.frombuffer(buf, dtype=torch.uint8, count=t.numel() * t.element_size(),
                                 offset=start - base + offset).view(t.dtype).view(t.shape)
-        out.append(copy.copy_(t))
+        out.append(view if zeros else view.copy_(t))
     return out
 
 
@@ -179,8 +181,11 @@ class KVCache(dense.KVCache):
     def __init__(self, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype, device) -> None:
         nn.Module.__init__(self)
         blocks = (seq_len + 1 + 15) // 16
-        k, v = huge_pages([torch.zeros(batch, kv_heads, blocks, head_dim, 16, dtype=dtype, device=device),
-                           torch.zeros(batch, kv_heads, seq_len + 1, head_dim, dtype=dtype, device=device)])
+        k, v = huge_pages([torch.empty(batch, kv_heads, blocks, head_dim, 16, dtype=dtype, device="meta"),
+                           torch.empty(batch, kv_heads, seq_len + 1, head_dim, dtype=dtype, device="meta")],
+                          zeros=True)
+        if k.device.type == "meta":  # no huge pages here
+            k, v = torch.zeros_like(k, device=device), torch.zeros_like(v, device=device)
         self.register_buffer("k", k, persistent=False)
         self.register_buffer("v", v, persistent=False)
 

@@ -51,6 +51,7 @@ NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488
 BLOCK_LINEAR = re.compile(r"layers\.\d+\.(attn\.(q|k|v|gate|o)_proj|mlp\.(gate|up|down)_proj)")
 MODEL_LINEAR = re.compile(r"layers\.\d+\.(attn\.(qkv|o)_proj|mlp\.(gate_up|up|down)_proj)")
 EXACT_INT4_TYPES = ("Q4_0", "Q4_1")  # GGUF tensor types whose blocks int4-g32 holds exactly
+BYTES_PER_WEIGHT = {"int8": 1.0, "llm.int8": 1.0, "int4": 0.65, "nf4": 0.6}  # stored, scales included (about)
 
 
 def import_bitsandbytes():
@@ -479,18 +480,17 @@ def write_variant(checkpoint, mode: str, dst: str, params: dict, progress=None, 
     target = os.path.join(dst, variant_file(mode))
     convert.atomic_write(target, lambda p: save_file(stored, p, metadata={"format": "pt", "quantization": mode}))
     config_path = os.path.join(dst, "config.json")
-    if checkpoint.native and os.path.abspath(dst) == os.path.abspath(checkpoint.path):
-        values = dict(checkpoint.record)  # keep the release's own config.json, adding the record
-    elif os.path.isfile(config_path):
-        values = convert.read_json(config_path)
-    else:
-        declared = checkpoint.dtype
-        values = {**checkpoint.config.to_dict(), **({"torch_dtype": str(declared).removeprefix("torch.")} if declared
-                                                     else {})}
-    values.setdefault("quantization", {})[mode] = {"file": variant_file(mode), "group_size": params["group_size"]
-                                                   if mode == "int4" else None, "double_quant": double_quant,
-                                                   "head": head_mode(mode)}
-    convert.atomic_write(config_path, lambda p: open(p, "w").write(json.dumps(values, indent=2) + "\n"))
+    with convert.locked(config_path):  # another process may be recording another variant
+        if os.path.isfile(config_path):
+            values = convert.read_json(config_path)  # keep the release's own config.json, adding the record
+        else:
+            declared = checkpoint.dtype
+            values = {**checkpoint.config.to_dict(), **({"torch_dtype": str(declared).removeprefix("torch.")}
+                                                         if declared else {})}
+        values.setdefault("quantization", {})[mode] = {"file": variant_file(mode), "group_size": params["group_size"]
+                                                       if mode == "int4" else None, "double_quant": double_quant,
+                                                       "head": head_mode(mode)}
+        convert.atomic_write(config_path, lambda p: open(p, "w").write(json.dumps(values, indent=2) + "\n"))
     if os.path.abspath(dst) != os.path.abspath(checkpoint.path):  # tokenizer files travel; existing ones stay
         for name, write in convert.side_files(checkpoint.path).items():
             if not os.path.exists(os.path.join(dst, name)):

@@ -77,15 +77,10 @@ def worker_dense(args) -> dict:
 
     sys.path.insert(0, ROOT)
     import generate
-    import quantize
     from dense import DenseDecoder
 
     torch.set_num_threads(args.threads)
-    quant = None if args.quant == "none" else args.quant
-    if quant == "int8":  # per-channel int8 from the Q8_0 file's weights
-        model = quantize.quantize_model(DenseDecoder.from_pretrained(args.gguf), "int8")
-    else:
-        model = DenseDecoder.from_pretrained(args.gguf, quant=quant)
+    model = DenseDecoder.from_pretrained(args.gguf, quant=args.quant)  # int8: per channel, from the Q8_0 file
     ids = torch.tensor([json.loads(args.ids)])
     out = []
     steps = generate.Steps(model)

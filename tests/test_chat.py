@@ -69,7 +69,7 @@ def test_one_shot_chat_renders_template_and_stops_at_eos():
 @pytest.mark.parametrize("args, message", [
     (["--ckpt", "/no/such/ckpt"], "--ckpt /no/such/ckpt: no such file or folder"),
     (["--ckpt", os.path.join(FIXTURES, "openelm")], "no tokenizer.json beside the checkpoint; pass --tokenizer"),
-    (["--ckpt", LLAMA, "--temperature", "-0.5"], "--temperature must be >= 0"),
+    (["--ckpt", LLAMA, "--temperature", "-0.5"], "--temperature must be a number >= 0"),
     (["--ckpt", LLAMA, "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--ckpt", LLAMA, "--top-p", "1.01"], "--top-p must be in (0, 1]"),
     (["--ckpt", LLAMA, "--top-k", "0"], "--top-k: must be at least 1"),
@@ -142,7 +142,7 @@ def test_padded_vocabulary_is_never_sampled(tmp_path):
     vocab = chat.load_vocabulary(str(ckpt), None)
     assert vocab.size == 256
     args = argparse.Namespace(max_seq_len=None, max_new_tokens=120, temperature=2.0, top_k=None, top_p=None,
-                              compile=False)
+                              compile=False, speculate_k=4)
     torch.manual_seed(3)
     reply, _ = chat.Session(model, vocab, args).reply([97, 98, 99], lambda s: None)
     assert len(reply) == 120 and max(reply) < 256
@@ -248,3 +248,75 @@ def test_context_overflow_drops_oldest_turns(tmp_path):
     child.expect(">>> ")
     child.sendline("/exit")
     child.expect(pexpect.EOF)
+
+
+# -- the hostile and careless inputs of issue 12, one test each: one line on stderr, exit status 2 -------------------
+
+
+def one_line_exit_2(result, *needles):
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == "" and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+def test_template_that_reaches_for_python_internals_is_one_line(tmp_path):
+    ckpt = tmp_path / "llama"
+    shutil.copytree(LLAMA, ckpt)
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    one_line_exit_2(run_chat("--ckpt", ckpt, "--prompt", "hi", "--no-compile"), "chat template", "SecurityError")
+    config["chat_template"] = "{{ raise_exception('only user messages, please') }}"
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    one_line_exit_2(run_chat("--ckpt", ckpt, "--prompt", "hi", "--no-compile"), "only user messages, please")
+    config["chat_template"] = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    one_line_exit_2(run_chat("--ckpt", ckpt, "--prompt", "hi", "--no-compile"), "still rendering after")
+
+
+def test_huge_declared_context_fails_before_allocating(tmp_path):
+    import resource
+
+    ckpt = tmp_path / "shell"
+    shutil.copytree(os.path.join(FIXTURES, "shellelastic"), ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["max_position_embeddings"] = 2147483648
+    (ckpt / "config.json").write_text(json.dumps(config))
+    one_line_exit_2(run_chat("--ckpt", ckpt, "--prompt", "hi"), "max_position_embeddings")
+    config["max_position_embeddings"] = 16_000_000  # allowed by the config, but its cache would not fit: a smaller one
+    config["vocab_size"] = 512
+    (ckpt / "config.json").write_text(json.dumps(config))
+    result = run_chat("--ckpt", ckpt, "--prompt", "the cat", "--max-new-tokens", 3, "--temperature", 0, "--no-compile")
+    assert result.returncode == 0 and "the cache holds" in result.stderr, result.stderr
+    config["vocab_size"] = 2 ** 24
+    config["hidden_size"] = 2 ** 20  # 16M x 1M embedding: refused by its size, before any allocation
+    (ckpt / "config.json").write_text(json.dumps(config))
+    limited = subprocess.run([sys.executable, CHAT, "--ckpt", str(ckpt), "--prompt", "hi"], capture_output=True, text=True,
+                             cwd=ROOT, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30)))
+    one_line_exit_2(limited, "vocab_size 16777216 x hidden_size 1048576", "GiB")  # named, within a 6 GiB limit
+
+
+@pytest.mark.parametrize("flag, value, needle", [("--temperature", "nan", "--temperature must be a number >= 0"),
+                                                 ("--temperature", "inf", "--temperature must be a number >= 0"),
+                                                 ("--top-p", "nan", "--top-p must be in (0, 1]"),
+                                                 ("--device", "tpu", "--device tpu: not a device"),
+                                                 ("--device", "cuda:7", "--device cuda:7")])
+def test_bad_sampling_values_and_devices_are_one_line(flag, value, needle):
+    one_line_exit_2(run_chat("--ckpt", LLAMA, "--prompt", "hi", flag, value), needle)
+
+
+@pytest.mark.slow
+def test_two_first_runs_at_once_both_succeed(tmp_path):
+    """Two `python chat.py` on a fresh machine: one fetches and converts the default model, the other waits for it."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONIOENCODING": "utf-8"}
+    cmd = [sys.executable, CHAT, "--prompt", "What is the capital of France?", "--max-new-tokens", "8",
+           "--temperature", "0", "--no-compile"]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    second = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    (out1, err1), (out2, err2) = first.communicate(timeout=600), second.communicate(timeout=600)
+    assert first.returncode == 0 and second.returncode == 0, err1 + err2
+    assert out1 == out2 and "Paris" in out1
+    assert (err1 + err2).count("Converted the default model") == 1  # converted once
+    folder = tmp_path / "dense-engine"
+    assert not [p for p in os.listdir(folder) if p.startswith(".fetch-")]  # no half-written folder left behind

@@ -48,8 +48,7 @@ def test_int4_kernel_is_the_dequantized_weights_product(M, N, K):
     layer._buffers.update(stored)
     packed = kernels.pack_int4(layer.codes(), stored["scales"], stored["mins"], 32)
     y = torch.ops.dense_kernels.linear_int4(x, packed["kernel_weight"], packed["kernel_scales"], packed["kernel_mins"])
-    # the dequantized weights' product: codes exact, activations to 16 significant bits (two bfloat16 halves)
-    assert rel(y, x.double() @ layer.dequantize(torch.float64).T) < 2e-5
+    assert rel(y, x.double() @ layer.dequantize(torch.float64).T) < 1e-5  # the dequantized weights' product
 
 
 @needs_kernels

@@ -1,0 +1,198 @@
+"""speculative.py: speculative decoding, the target model's exact output in fewer target steps.
+
+At batch 1 a decode step is bound by reading the weights once; checking k + 1 tokens in one step costs little more.
+A draft proposes k tokens; the target scores [current token, draft_1 .. draft_k] in one step (k + 1 positions, a
+fixed shape, compiled once) and keeps the longest prefix it agrees with, plus one token of its own.
+
+    import generate, speculative
+    draft = speculative.ModelDraft(small_model)                   # a separate small model, same tokenizer
+    draft = speculative.ModelDraft(speculative.quantized_copy(target, "int4"))   # self-speculation
+    draft = speculative.LookupDraft(max_ngram=3)                   # prompt lookup: copies from the context
+    out = generate.generate(target, ids, 128, draft=draft, speculate_k=4)
+
+Greedy: a draft token is kept when it is the target's argmax, so the output is plain greedy decoding's, token for
+token. Sampling: the standard rule (Leviathan et al. 2023): keep draft token x with probability min(1, p(x) / q(x)),
+else draw from max(0, p - q) renormalized; q is one-hot for a deterministic draft (prompt lookup). The output
+distribution is the target's. Rejected positions stay in the caches and are overwritten when decoding reaches them
+(a step attends only to positions up to its own), so nothing is copied or rolled back.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import dense
+
+
+class ModelDraft:
+    """A model that drafts: a separate small model sharing the tokenizer, or a quantized copy of the target.
+    `cached` is the token sequence whose keys/values its cache holds at positions 0.. len(cached) - 1."""
+
+    def __init__(self, model: dense.DenseDecoder) -> None:
+        self.model = model
+        self.cached: list[int] = []
+        self.runner = None
+
+    def reset(self) -> None:
+        self.cached = []
+
+    def attach(self, target_runner) -> None:
+        """Take the target's cache length and compile setting (called by generate_tokens)."""
+        import generate
+
+        target, model = target_runner.model, self.model
+        if model.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"the draft's vocabulary ({model.config.vocab_size}) is not the target's "
+                             f"({target.config.vocab_size}): a draft must share the tokenizer")
+        if model.config.max_position_embeddings < target.max_seq_len:
+            raise ValueError(f"the draft's context ({model.config.max_position_embeddings}) is shorter than the "
+                             f"target's cache ({target.max_seq_len})")
+        if model.max_seq_len != target.max_seq_len:
+            generate.setup_cache(model, 1, target.max_seq_len)
+            self.cached = []
+        steps = None if target_runner.steps is None else generate.steps_for(model)
+        if self.runner is None or self.runner.steps is not steps:
+            self.runner = generate.Runner(model, steps)
+
+    def sync(self, context: list[int]) -> torch.Tensor:
+        """Feed the tokens of `context` its cache lacks (a new prompt, or the target's last accepted tokens);
+        return the draft's logits after the last one [V]."""
+        common = 0
+        while common < min(len(self.cached), len(context) - 1) and self.cached[common] == context[common]:
+            common += 1
+        new = torch.tensor([context[common:]], device=self.model.device)
+        if new.shape[1] == 1:
+            logits = self.runner.logits(new, common)[0, -1]
+        else:
+            logits = self.runner.prefill(new, common, None)[0]
+        self.cached = list(context)
+        return logits.float()
+
+    def propose(self, context: list[int], k: int, sampling) -> tuple[list[int], torch.Tensor | None]:
+        """k draft tokens after context, and their distributions q [k, V] (None when greedy)."""
+        logits = self.sync(context)
+        tokens, dists = [], []
+        for i in range(k):
+            q = dense.probabilities(logits[None], sampling.temperature, sampling.top_k, sampling.top_p,
+                                    sampling.vocab_limit)
+            if q is None:
+                token = int(dense.mask_vocab(logits[None], sampling.vocab_limit).argmax())
+            else:
+                token = int(torch.multinomial(q[0], 1))
+                dists.append(q[0])
+            tokens.append(token)
+            if i + 1 < k:
+                logits = self.runner.logits(torch.tensor([[token]], device=self.model.device),
+                                            len(self.cached))[0, -1].float()
+                self.cached.append(token)
+        return tokens, (torch.stack(dists) if dists else None)
+
+
+class LookupDraft:
+    """Prompt lookup: the draft is what followed the most recent earlier occurrence of the context's last n tokens
+    (n = max_ngram down to 1), copied from the context itself. No model, no cache; q is one-hot."""
+
+    def __init__(self, max_ngram: int = 3) -> None:
+        self.max_ngram = max_ngram
+
+    def reset(self) -> None:
+        pass
+
+    def attach(self, target_runner) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int, sampling) -> tuple[list[int], None]:
+        for n in range(min(self.max_ngram, len(context) - 1), 0, -1):
+            tail = context[-n:]
+            for start in range(len(context) - n - 1, -1, -1):  # the most recent match first
+                if context[start:start + n] == tail:
+                    follow = context[start + n:start + n + k]
+                    if follow:
+                        return follow + [follow[-1]] * (k - len(follow)), None  # fixed k: pad the last one
+        return [context[-1]] * k, None
+
+
+def quantized_copy(model: dense.DenseDecoder, mode: str) -> dense.DenseDecoder:
+    """Self-speculation's draft: the target's weights quantized in memory (no second read from disk); the embedding
+    table is shared, not copied."""
+    import quantize
+
+    embedding = model.embed_tokens
+    model.embed_tokens = None  # keep the table out of the deep copy
+    try:
+        draft = copy.deepcopy(model)
+    finally:
+        model.embed_tokens = embedding
+    draft.embed_tokens = embedding
+    for layer in draft.layers:
+        layer.attn.kv_cache = None
+    draft.max_batch_size = draft.max_seq_len = 0
+    return quantize.quantize_model(draft, mode)
+
+
+def accept(target_logits: torch.Tensor, draft_tokens: list[int], q: torch.Tensor | None, sampling
+           ) -> tuple[list[int], int]:
+    """target_logits [k + 1, V] at [current, draft_1 .. draft_k]; -> (new tokens: the accepted drafts and one of the
+    target's own, accepted count)."""
+    k = len(draft_tokens)
+    p = dense.probabilities(target_logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.vocab_limit)
+    if p is None:  # greedy: keep drafts while they are the target's argmax
+        best = dense.mask_vocab(target_logits, sampling.vocab_limit).argmax(-1).tolist()
+        n = 0
+        while n < k and draft_tokens[n] == best[n]:
+            n += 1
+        return draft_tokens[:n] + [best[n]], n
+    for i, token in enumerate(draft_tokens):
+        q_token = q[i, token] if q is not None else torch.tensor(1.0)
+        if torch.rand(()) < torch.clamp(p[i, token] / q_token, max=1.0):
+            continue
+        residual = torch.clamp(p[i] - (q[i] if q is not None else torch.nn.functional.one_hot(
+            torch.tensor(token), p.shape[-1]).to(p.dtype)), min=0)
+        if residual.sum() <= 0:  # p == q: any draw from p is exact
+            residual = p[i]
+        return draft_tokens[:i] + [int(torch.multinomial(residual / residual.sum(), 1))], i
+    return draft_tokens + [int(torch.multinomial(p[k], 1))], k
+
+
+def generate(runner, draft, ids: torch.Tensor, start_pos: int, max_new_tokens: int, sampling, k: int,
+             stats: dict | None, context: list[int] | None = None):
+    """Yield new tokens [1, 1] one by one, k at a time from the draft and checked by the target (see the module's
+    docstring). context: the tokens already in the target's cache at 0..start_pos - 1 (a chat's conversation)."""
+    if ids.shape[0] != 1:
+        raise ValueError("speculative decoding runs at batch 1")
+    if k < 1:
+        raise ValueError(f"speculate_k must be at least 1, got {k}")
+    model = runner.model
+    device = ids.device
+    context = (list(context) if context is not None else [0] * start_pos) + ids[0].tolist()
+    if len(context) != start_pos + ids.shape[1]:
+        raise ValueError("the context given to speculative decoding does not match start_pos")
+    draft.attach(runner)
+    stats = stats if stats is not None else {}
+    stats.update(proposed=0, accepted=0, target_steps=0)
+    logits = runner.prefill(ids, start_pos, None)[0]
+    token = dense.sample(logits[None], sampling.temperature, sampling.top_k, sampling.top_p, sampling.vocab_limit)
+    produced = 1
+    yield token
+    context.append(int(token))
+    while produced < max_new_tokens:
+        pos = len(context) - 1  # the current token's position: written by this verify step
+        n = min(k, max_new_tokens - produced - 1, model.max_seq_len - 1 - pos)
+        if n < 1:  # no room to speculate: one plain step
+            token = runner.decode(torch.tensor([[context[-1]]], device=device), pos, None, sampling)
+            new = [int(token)]
+        else:
+            proposal, q = draft.propose(context, n, sampling)
+            proposal = proposal + [proposal[-1]] * (k - n)  # the verify step has a fixed width: k + 1
+            block = torch.tensor([[context[-1]] + proposal], device=device)
+            target_logits = runner.logits(block, pos)[0, : n + 1].float()
+            new, accepted = accept(target_logits, proposal[:n], None if q is None else q[:n], sampling)
+            stats["proposed"] += n
+            stats["accepted"] += accepted
+        stats["target_steps"] += 1
+        for t in new:
+            yield torch.tensor([[t]], device=device)
+            context.append(t)
+            produced += 1
