@@ -125,8 +125,10 @@ def process_age() -> float:
         return time.perf_counter() - IMPORTED
 
 
-def prompts(model, batch: int, lengths: tuple[int, int], seed: int):
-    """Random prompt ids: [batch, T] when every prompt has the same length, else a ragged list."""
+def prompts(model, batch: int, lengths: tuple[int, int], seed: int, given: list[int] | None = None):
+    """Random prompt ids: [batch, T] when every prompt has the same length, else a ragged list (or `given` ids)."""
+    if given is not None:
+        return torch.tensor([given] * batch, device=model.device)
     generator = torch.Generator().manual_seed(seed)
     lo, hi = lengths
     if lo == hi:
@@ -145,12 +147,15 @@ def attended(model, last: int, compile: bool) -> int:
     return generate.attend_width(model, last)
 
 
-def one_run(model, steps, batch: int, lengths: tuple[int, int], gen_len: int, seed: int) -> dict:
-    prompt = prompts(model, batch, lengths, seed)
+def one_run(model, steps, batch: int, lengths: tuple[int, int], gen_len: int, seed: int, given=None, draft=None,
+            speculate_k: int = 4) -> dict:
+    prompt = prompts(model, batch, lengths, seed, given)
     device = model.device
+    stats = {}
     sync(device)
     start = time.perf_counter()
-    tokens = generate.generate_tokens(model, prompt, gen_len, steps=steps)
+    tokens = generate.generate_tokens(model, prompt, gen_len, steps=steps, draft=draft, speculate_k=speculate_k,
+                                      stats=stats)
     first = next(tokens)
     first.cpu()
     ttft = time.perf_counter() - start
@@ -162,14 +167,20 @@ def one_run(model, steps, batch: int, lengths: tuple[int, int], gen_len: int, se
     prompt_tokens = prompt.numel() if isinstance(prompt, torch.Tensor) else sum(p.numel() for p in prompt)
     return {"ttft_s": ttft, "prefill_tok_s": prompt_tokens / ttft, "total_s": total,
             "decode_tok_s": batch * (gen_len - 1) / decode if gen_len > 1 else None,
-            "ms_per_step": 1000 * decode / (gen_len - 1) if gen_len > 1 else None}
+            "ms_per_step": 1000 * decode / (gen_len - 1) if gen_len > 1 else None, **stats}
 
 
 def run_benchmark(model, *, batch: int, prompt_len: int | tuple[int, int], gen_len: int, compile: bool, runs: int,
-                  peak_bw: float | None, quant: str, cache_len: int | None = None, progress=None) -> dict:
+                  peak_bw: float | None, quant: str, cache_len: int | None = None, progress=None,
+                  prompt_ids: list[int] | None = None, draft=None, speculate_k: int = 4) -> dict:
     """Warm up (load or compile the steps), then `runs` measured runs. cache_len: the KV cache's length (default:
-    the model's context, as chat.py uses it; a batch gets what it needs, rounded up to a power of two)."""
+    the model's context, as chat.py uses it; a batch gets what it needs, rounded up to a power of two). prompt_ids:
+    a real prompt instead of random ids; draft: speculative decoding (speculative.py) with speculate_k."""
     device = model.device
+    if prompt_ids is not None:
+        prompt_len = len(prompt_ids)
+    if draft is not None and batch != 1:
+        raise ValueError("speculative decoding runs at batch 1 (--batch-size 1)")
     lengths = prompt_len if isinstance(prompt_len, tuple) else (prompt_len, prompt_len)
     needed = lengths[1] + gen_len
     context = model.config.max_position_embeddings
@@ -184,14 +195,15 @@ def run_benchmark(model, *, batch: int, prompt_len: int | tuple[int, int], gen_l
     steps = generate.Steps(model, status=progress) if compile else None
     if progress:
         progress("warming up" + (" (loading or compiling the steps)" if compile else ""))
-    one_run(model, steps, batch, lengths, min(gen_len, 3), seed=0)
+    run = dict(given=prompt_ids, draft=draft, speculate_k=speculate_k)
+    one_run(model, steps, batch, lengths, min(gen_len, 3), seed=0, **run)
     startup = process_age()
-    one_run(model, steps, batch, lengths, gen_len, seed=0)  # every bucket the runs reach
+    one_run(model, steps, batch, lengths, gen_len, seed=0, **run)  # every bucket the runs reach
     measured = []
     for i in range(runs):
         if progress:
             progress(f"run {i + 1} of {runs}")
-        measured.append(one_run(model, steps, batch, lengths, gen_len, seed=i + 1))
+        measured.append(one_run(model, steps, batch, lengths, gen_len, seed=i + 1, **run))
 
     def spread(key):  # (median, min, max); median_low is always one of the runs, so rates and times agree
         values = [m[key] for m in measured if m[key] is not None]
@@ -206,7 +218,15 @@ def run_benchmark(model, *, batch: int, prompt_len: int | tuple[int, int], gen_l
     bandwidth = nbytes * steps_per_s / 1e9 if steps_per_s else None
     name = device_name(device)
     peak = peak_bw or next((bw for key, bw in PEAK_BANDWIDTH_GBS.items() if key in name), None)
+    target_steps = sum(m.get("target_steps", 0) for m in measured)
+    speculation = {
+        "speculate_k": speculate_k if draft is not None else None,
+        "acceptance_rate": (sum(m["accepted"] for m in measured) / max(1, sum(m["proposed"] for m in measured))
+                            if draft is not None else None),
+        "tokens_per_target_step": (runs * (gen_len - 1) / target_steps if target_steps else 1.0),
+    }
     return {
+        **speculation, "draft": type(draft).__name__ if draft is not None else None,
         "decode_tok_s": decode[0], "decode_tok_s_range": decode[1:],
         "decode_tok_s_per_row": decode[0] / batch if decode[0] else None, "prefill_tok_s": prefill[0],
         "prefill_tok_s_range": prefill[1:], "ttft_s": ttft[0], "ttft_s_range": ttft[1:], "ms_per_step": step[0],
@@ -242,6 +262,9 @@ def table(result: dict, title: str):
         ("MBU", f"{result['mbu'] * 100:.1f}% of {result['peak_bw_gbs']} GB/s" if result["mbu"] else
          "unknown peak (--peak-bw GB/s)"),
         ("peak memory", f"{result['peak_mem_bytes'] / 2**20:.0f} MiB"),
+        ("speculation", f"{result['draft']}, k {result['speculate_k']}: drafts accepted "
+                        f"{result['acceptance_rate']:.0%}, {result['tokens_per_target_step']:.2f} tokens per target "
+                        "step" if result["draft"] else "none"),
         ("setup", f"{result['dtype']}, quant {result['quant']} ({result.get('quant_reason', '')}), batch {result['batch_size']}, prompt "
                   f"{result['prompt_len']}, gen {result['gen_len']}, compile {result['compile']}, {result['runs']} runs"),
         ("device", f"{result['device']}, torch {result['torch']}"),
@@ -254,7 +277,10 @@ def table(result: dict, title: str):
 def main(args, console, ckpt: str | None) -> int:
     """chat.py --bench: args are chat.py's parsed arguments; the same defaults as chat (quant auto, compile, the
     model's whole context as the cache)."""
+    import chat
+
     device = torch.device(args.device)
+    prompt_ids = None
     with console.status("Loading..."):
         if args.shape:
             model = random_model(args.shape, device, args.dtype)
@@ -265,16 +291,21 @@ def main(args, console, ckpt: str | None) -> int:
                 model = quantize.quantize_model(model, quant)
             title = f"{args.shape} (random weights)"
         else:
-            import chat
-
             model, line = chat.load_model(ckpt, args, console)
             quant, reason = line.split(" (", 1)[0].removeprefix("weights: "), line.split(" (", 1)[1].rstrip(")")
             title = ckpt
+            if args.prompt is not None:  # a real prompt (prompt lookup needs one): its ids, as one-shot would
+                vocab = chat.load_vocabulary(ckpt, args.tokenizer)
+                mode = args.mode or ("chat" if vocab.chat_template else "complete")
+                text = sys.stdin.read() if args.prompt == "-" else args.prompt
+                prompt_ids = chat.prompt_ids(vocab, text, mode, args.system)
+    draft = chat.make_draft(args, model, console)
     with console.status("Benchmarking...") as status:
         result = run_benchmark(model, batch=args.batch_size or 1, prompt_len=args.prompt_len, gen_len=args.gen_len,
                                compile=args.compile, runs=args.runs, peak_bw=args.peak_bw,
                                quant=quant if quant and quant != "full precision" else "none",
-                               cache_len=args.max_seq_len, progress=lambda s: status.update(f"Benchmarking: {s}"))
+                               cache_len=args.max_seq_len, progress=lambda s: status.update(f"Benchmarking: {s}"),
+                               prompt_ids=prompt_ids, draft=draft, speculate_k=args.speculate_k)
     result["model"], result["quant_reason"] = title, reason
     if args.json:
         print(json.dumps(result))

@@ -498,8 +498,9 @@ def interactive(session: Session, vocab: Vocabulary, args, mode: str, console) -
                 system, history = rest or None, []
                 console.print(f"[dim]system message {'set' if rest else 'cleared'}; new conversation[/dim]")
             elif command == "/stats":
-                console.print(f"[dim]{session.last.line()}; {len(session.cached)} of {session.max_seq_len} cache "
-                              f"positions in use; {session.model.tokens_prefilled} tokens prefilled in all[/dim]")
+                console.print(f"[dim]last reply: {session.last.line()}\ncache: {len(session.cached)} of "
+                              f"{session.max_seq_len} positions in use; {session.model.tokens_prefilled} tokens "
+                              "prefilled in all[/dim]", soft_wrap=True)
             else:
                 console.print(f"[red]unknown command {command}[/red] (/help lists them)")
             continue
@@ -526,7 +527,7 @@ def turn(session: Session, vocab: Vocabulary, mode: str, system: str | None, his
         ids = vocab.encode(line, special=True)[: session.max_seq_len - 1]
     reply, stats = session.reply(ids, lambda s: (console.file.write(s), console.file.flush()))
     console.print()
-    console.print(f"[dim]{stats.line()}[/dim]")
+    console.print(f"[dim]{stats.line()}[/dim]", soft_wrap=True)
     if mode == "chat":
         history = history + [{"role": "assistant", "content": vocab.decode(reply)}]
     return history
@@ -596,17 +597,17 @@ def prompt_file(model, vocab: Vocabulary, args, mode: str, console) -> int:
     prompts = read_prompts(args.prompt_file, console)
     batch = args.batch_size or 8
     encoded = []
-    for number, text in prompts:
+    for index, (number, text) in enumerate(prompts):
         ids = prompt_ids(vocab, text, mode, args.system)
         if not ids or len(ids) >= model.config.max_position_embeddings:
             console.print(f"[yellow]{args.prompt_file}: line {number}: the prompt has {len(ids)} tokens; skipped"
                           "[/yellow]")
             continue
-        encoded.append((number, text, ids))
+        encoded.append((index, number, text, ids))
     if not encoded:
         raise UsageError(f"--prompt-file {args.prompt_file}: no prompts")
     context = model.config.max_position_embeddings
-    longest = max(len(ids) for _, _, ids in encoded)
+    longest = max(len(ids) for *_, ids in encoded)
     max_new = min(args.max_new_tokens, context - longest)
     generate.setup_cache(model, batch, generate.cache_length(longest + max_new, context))  # one cache for the file
     steps = generate.Steps(model) if args.compile else None
@@ -619,7 +620,7 @@ def prompt_file(model, vocab: Vocabulary, args, mode: str, console) -> int:
             rows = encoded[first:first + batch]
             outputs = [[] for _ in rows]
             finished = [None] * len(rows)
-            for token in generate.generate_tokens(model, [ids for _, _, ids in rows], max_new,
+            for token in generate.generate_tokens(model, [ids for *_, ids in rows], max_new,
                                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                                   vocab_limit=vocab_limit, steps=steps):
                 for i, t in enumerate(token[:, 0].tolist()):
@@ -632,9 +633,9 @@ def prompt_file(model, vocab: Vocabulary, args, mode: str, console) -> int:
                 if all(finished):
                     break
                 progress.update(task, rate=f"{done_tokens / (time.perf_counter() - start):.1f} tok/s")
-            for (number, text, _), ids, reason in zip(rows, outputs, finished):
-                record = {"index": number, "prompt": text, "completion": vocab.decode(ids), "tokens": len(ids),
-                          "finish_reason": reason or "length"}
+            for (index, number, text, _), ids, reason in zip(rows, outputs, finished):
+                record = {"index": index, "line": number, "prompt": text, "completion": vocab.decode(ids),
+                          "tokens": len(ids), "finish_reason": reason or "length"}
                 sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
             sys.stdout.flush()
             progress.advance(task, len(rows))

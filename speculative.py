@@ -62,40 +62,46 @@ class ModelDraft:
         common = 0
         while common < min(len(self.cached), len(context) - 1) and self.cached[common] == context[common]:
             common += 1
-        new = torch.tensor([context[common:]], device=self.model.device)
-        if new.shape[1] == 1:
-            logits = self.runner.logits(new, common)[0, -1]
-        else:
-            logits = self.runner.prefill(new, common, None)[0]
+        new = context[common:]
+        if len(new) <= 2:  # after a verify: its token, and the last draft token when all were accepted
+            # one fixed-width step (a padded second token writes a future slot, overwritten before it is read)
+            block = torch.tensor([new + new[-1:] * (2 - len(new))], device=self.model.device)
+            logits = self.runner.logits(block, common)[0, len(new) - 1]
+        else:  # a new prompt, or a chat turn
+            logits = self.runner.prefill(torch.tensor([new], device=self.model.device), common, None)[0]
         self.cached = list(context)
         return logits.float()
 
     def propose(self, context: list[int], k: int, sampling) -> tuple[list[int], torch.Tensor | None]:
         """k draft tokens after context, and their distributions q [k, V] (None when greedy)."""
         logits = self.sync(context)
+        device = self.model.device
+        if sampling.temperature == 0:  # greedy: the ordinary decode step, the argmax inside its graph
+            tokens = [int(dense.mask_vocab(logits[None], sampling.vocab_limit).argmax())]
+            while len(tokens) < k:
+                fed = torch.tensor([[tokens[-1]]], device=device)
+                tokens.append(int(self.runner.decode(fed, len(self.cached), None, sampling)))
+                self.cached.append(tokens[-2])
+            return tokens, None
         tokens, dists = [], []
         for i in range(k):
             q = dense.probabilities(logits[None], sampling.temperature, sampling.top_k, sampling.top_p,
-                                    sampling.vocab_limit)
-            if q is None:
-                token = int(dense.mask_vocab(logits[None], sampling.vocab_limit).argmax())
-            else:
-                token = int(torch.multinomial(q[0], 1))
-                dists.append(q[0])
-            tokens.append(token)
+                                    sampling.vocab_limit)[0]
+            tokens.append(int(torch.multinomial(q, 1)))
+            dists.append(q)
             if i + 1 < k:
-                logits = self.runner.logits(torch.tensor([[token]], device=self.model.device),
-                                            len(self.cached))[0, -1].float()
-                self.cached.append(token)
-        return tokens, (torch.stack(dists) if dists else None)
+                logits = self.runner.logits(torch.tensor([[tokens[-1]]], device=device), len(self.cached))[0, -1]
+                logits = logits.float()
+                self.cached.append(tokens[-1])
+        return tokens, torch.stack(dists)
 
 
 class LookupDraft:
     """Prompt lookup: the draft is what followed the most recent earlier occurrence of the context's last n tokens
     (n = max_ngram down to 1), copied from the context itself. No model, no cache; q is one-hot."""
 
-    def __init__(self, max_ngram: int = 3) -> None:
-        self.max_ngram = max_ngram
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def reset(self) -> None:
         pass
@@ -104,14 +110,14 @@ class LookupDraft:
         pass
 
     def propose(self, context: list[int], k: int, sampling) -> tuple[list[int], None]:
-        for n in range(min(self.max_ngram, len(context) - 1), 0, -1):
+        for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
             tail = context[-n:]
             for start in range(len(context) - n - 1, -1, -1):  # the most recent match first
                 if context[start:start + n] == tail:
                     follow = context[start + n:start + n + k]
                     if follow:
                         return follow + [follow[-1]] * (k - len(follow)), None  # fixed k: pad the last one
-        return [context[-1]] * k, None
+        return [], None  # no match: nothing to check, a plain decode step is cheaper
 
 
 def quantized_copy(model: dense.DenseDecoder, mode: str) -> dense.DenseDecoder:
@@ -180,11 +186,11 @@ def generate(runner, draft, ids: torch.Tensor, start_pos: int, max_new_tokens: i
     while produced < max_new_tokens:
         pos = len(context) - 1  # the current token's position: written by this verify step
         n = min(k, max_new_tokens - produced - 1, model.max_seq_len - 1 - pos)
-        if n < 1:  # no room to speculate: one plain step
+        proposal, q = draft.propose(context, n, sampling) if n >= 1 else ([], None)
+        if not proposal:  # no room to speculate, or nothing proposed: one plain step
             token = runner.decode(torch.tensor([[context[-1]]], device=device), pos, None, sampling)
             new = [int(token)]
         else:
-            proposal, q = draft.propose(context, n, sampling)
             proposal = proposal + [proposal[-1]] * (k - n)  # the verify step has a fixed width: k + 1
             block = torch.tensor([[context[-1]] + proposal], device=device)
             target_logits = runner.logits(block, pos)[0, : n + 1].float()

@@ -69,3 +69,16 @@ def test_bad_bench_input():
     result = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--shape", "llama-2-7b"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "--shape needs --bench" in result.stderr
+
+
+def test_speculative_bench_reports_acceptance_and_tokens_per_target_step():
+    # the target drafting for itself: every draft is accepted; 11 decode tokens at k = 4 take steps of 5, 5 and 1
+    r = bench("--ckpt", fixture_path("llama"), "--draft", fixture_path("llama"), "--speculate-k", 4, "--prompt-len", 6,
+              "--gen-len", 12, "--runs", 2, "--no-compile")
+    assert (r["draft"], r["speculate_k"], r["acceptance_rate"]) == ("ModelDraft", 4, 1.0)
+    assert r["tokens_per_target_step"] == pytest.approx(11 / 3)
+    plain = bench("--ckpt", fixture_path("llama"), "--prompt-len", 6, "--gen-len", 12, "--runs", 1, "--no-compile")
+    assert plain["draft"] is None and plain["tokens_per_target_step"] == 1.0 and plain["acceptance_rate"] is None
+    lookup = bench("--ckpt", fixture_path("llama"), "--lookup", "--prompt", "a b c a b c a b c a b", "--complete",
+                   "--gen-len", 12, "--runs", 1, "--no-compile")
+    assert 0.0 <= lookup["acceptance_rate"] <= 1.0 and lookup["prompt_len"] > 6

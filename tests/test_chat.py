@@ -166,7 +166,8 @@ def random_chat_model(folder, layers=4, hidden=256, context=4096, seed=0):
 
 def spawn(*args):
     child = pexpect.spawn(sys.executable, [CHAT, *map(str, args)], cwd=ROOT, encoding="utf-8", timeout=120,
-                          env={**os.environ, "TERM": "dumb", "PYTHONUNBUFFERED": "1"}, dimensions=(40, 200))
+                          env={**os.environ, "TERM": "dumb", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
+                          dimensions=(40, 200))
     return child
 
 
@@ -320,3 +321,85 @@ def test_two_first_runs_at_once_both_succeed(tmp_path):
     assert (err1 + err2).count("Converted the default model") == 1  # converted once
     folder = tmp_path / "dense-engine"
     assert not [p for p in os.listdir(folder) if p.startswith(".fetch-")]  # no half-written folder left behind
+
+
+def test_prompt_file_writes_one_line_per_prompt_in_input_order(tmp_path):
+    ckpt = os.path.join(FIXTURES, "shellelastic")
+    tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
+    texts = ["the cat sat", "a", "once upon a time there was a dog that"]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(f"{texts[0]}\n\n" + json.dumps({"prompt": texts[1], "id": 7}) + "\n{\"prompt\": oops}\n"
+                    + json.dumps({"prompt": texts[2]}) + "\n")
+    result = run_chat("--ckpt", ckpt, "--prompt-file", path, "--batch-size", 2, "--max-new-tokens", 10,
+                      "--temperature", 0, "--no-compile")
+    assert result.returncode == 0, result.stderr
+    assert "line 4" in result.stderr  # the malformed JSON line, by its number, skipped
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["index"] for r in records] == [0, 1, 2] and [r["line"] for r in records] == [1, 3, 5]
+    for record, text in zip(records, texts):
+        want, ids = expected_text(ckpt, tok.encode(text).ids, 10, set())
+        assert record["prompt"] == text and record["completion"] == want
+        assert record["tokens"] == len(ids) == 10 and record["finish_reason"] == "length"
+
+
+def test_prompt_file_rows_stop_at_their_own_eos(tmp_path):
+    tok = Tokenizer.from_file(os.path.join(LLAMA, "tokenizer.json"))
+    texts = ["hello", "the weather today is", "x y z"]
+    free = [expected_text(LLAMA, tok.encode(t).ids, 40, set())[1] for t in texts]
+    eos = free[1][12]  # a token the second prompt produces (the random fixture never meets its own eos)
+    ckpt = tmp_path / "llama"
+    shutil.copytree(LLAMA, ckpt)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    stops = {eos, tok.token_to_id("<|im_end|>"), 2}
+    result = run_chat("--ckpt", ckpt, "--prompt-file", "-", "--complete", "--max-new-tokens", 40,
+                      "--temperature", 0, "--no-compile", stdin="\n".join(texts) + "\n")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["finish_reason"] for r in records][1] == "eos" and len(records) == 3
+    assert any(r["finish_reason"] == "length" for r in records)
+    for record, text in zip(records, texts):
+        want, ids = expected_text(LLAMA, tok.encode(text).ids, 40, stops)
+        assert record["completion"] == want and record["tokens"] == len(ids)
+        assert record["finish_reason"] == ("length" if len(ids) == 40 else "eos")
+
+
+def session_replies(*flags, lines=("hello", "tell me more")):
+    """The reply texts and stats lines of a chat session on the llama fixture, one turn per line."""
+    child = spawn("--ckpt", LLAMA, "--temperature", "0", "--max-new-tokens", "24", "--no-compile", *flags)
+    replies, stats = [], []
+    for line in lines:
+        child.expect(">>> ")
+        child.sendline(line)
+        child.expect(re.escape(line) + "\r\n")
+        child.expect(r"\r\n(\d+ tokens, [^\r\n]*)\r\n")
+        replies.append(child.before)
+        stats.append(child.match.group(1))
+    child.expect(">>> ")
+    child.sendline("/stats")
+    child.expect(r"last reply: ([^\r\n]*)\r\n")
+    stats.append(child.match.group(1))
+    child.expect(r"tokens prefilled in all")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    return replies, stats
+
+
+@pytest.mark.parametrize("flags", [("--draft-quant", "int8", "--quant", "none"), ("--lookup",),
+                                   ("--draft", LLAMA, "--speculate-k", "3")])
+def test_speculative_chat_gives_the_plain_replies_across_turns(flags):
+    want, _ = session_replies()
+    got, stats = session_replies(*flags)
+    assert got == want and all(want)
+    assert all("drafts accepted" in line for line in stats)
+    if flags[0] == "--draft":  # the model drafting for itself: every draft is accepted, in every turn
+        assert all("drafts accepted 100%" in line for line in stats)
+
+
+def test_speculative_one_shot_prints_the_plain_text():
+    args = ("--ckpt", LLAMA, "--prompt", "the the the", "--complete", "--temperature", 0, "--max-new-tokens", 20,
+            "--no-compile")
+    plain = run_chat(*args)
+    spec = run_chat(*args, "--lookup", "--stats")
+    assert spec.returncode == 0 and spec.stdout == plain.stdout != ""
+    assert re.search(r"drafts accepted \d+% \([\d.]+ tokens per target step\)", spec.stderr)

@@ -94,7 +94,7 @@ def test_lookup_copies_what_followed_the_last_match():
     draft = speculative.LookupDraft(max_ngram=3)
     context = [1, 2, 3, 4, 5, 9, 9, 2, 3]  # "2 3" occurred before, followed by 4 5 9
     assert draft.propose(context, 3, None)[0] == [4, 5, 9]
-    assert draft.propose([7, 8], 2, None)[0] == [8, 8]  # no match: repeat the last token
+    assert draft.propose([7, 8], 2, None)[0] == []  # no match: no proposal (a plain decode step)
 
 
 def test_cache_holds_the_right_keys_after_rejections(target, prompt):
