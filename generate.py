@@ -118,8 +118,9 @@ def code_version() -> str:
     digest = hashlib.sha256()
     here = os.path.dirname(os.path.abspath(__file__))
     for name in SOURCES:
-        with open(os.path.join(here, name), "rb") as f:
-            digest.update(f.read())
+        if os.path.isfile(os.path.join(here, name)):
+            with open(os.path.join(here, name), "rb") as f:
+                digest.update(f.read())
     return digest.hexdigest()[:16]
 
 

@@ -80,6 +80,8 @@ def available() -> bool:
     flags = cpu_flags().split()
     if os.environ.get("DENSE_KERNELS") == "0" or not {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"} <= set(flags):
         return False
+    if not os.path.isfile(SOURCE):  # installed without its source (pip install -e . keeps it beside this file)
+        return False
     with open(SOURCE, "rb") as f:
         key = hashlib.sha256(f.read() + torch.__version__.encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
     target = os.path.join(cache_dir(), "kernels", key, "libdense_kernels.so")

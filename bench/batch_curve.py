@@ -28,6 +28,7 @@ def main() -> int:
     p.add_argument("--quant", nargs="+", default=["none", "int4"])
     p.add_argument("--batch", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--json", help="also write every result to this file")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw the curve as a bar chart (needs matplotlib)")
     p.add_argument("chat_args", nargs=argparse.REMAINDER)
     args = p.parse_args()
     extra = [a for a in args.chat_args if a != "--"]
@@ -46,6 +47,14 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.plot:
+        sys.path.insert(0, ROOT)
+        import benchmark
+
+        rate = {(r["quant"], r["batch_size"]): r["decode_tok_s"] for r in results}
+        benchmark.bar_chart(args.plot, [str(b) for b in args.batch],
+                            {q: [rate.get((q, b)) for b in args.batch] for q in {r["quant"]: 0 for r in results}},
+                            f"{results[0]['model']}: aggregate decode tok/s by batch size", "tok/s")
     return 0
 
 

@@ -273,6 +273,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw the table as a bar chart (one per model: "
+                   "FILE-smollm2.png ...); needs matplotlib")
     p.add_argument("--worker", choices=("llama", "dense"), help=argparse.SUPPRESS)
     p.add_argument("--gguf", help=argparse.SUPPRESS)
     p.add_argument("--quant", default="none", help=argparse.SUPPRESS)
@@ -311,6 +313,15 @@ def main() -> int:
                           f"{ratio:.2f}" if ratio else "-",
                           f"{a.get('ttft_s', 0) * 1000:.0f} / {b.get('ttft_s', 0) * 1000:.0f}")
         console.print(table)
+        if args.plot:
+            import benchmark
+
+            rows = [r for r in results if r["model"] == name]
+            rate = lambda r, key: r.get(key, {}).get("decode_tok_s")  # noqa: E731
+            benchmark.bar_chart(args.plot.removesuffix(".png") + f"-{name}.png", [r["precision"] for r in rows],
+                                {"llama.cpp": [rate(r, "llama.cpp") for r in rows],
+                                 "this engine": [rate(r, "dense") for r in rows]},
+                                f"{name}: decode, batch 1, {args.threads} threads", "tok/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

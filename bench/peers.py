@@ -68,6 +68,7 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--modes", default="none,int8,int4")
     p.add_argument("--skip-hf-compile", action="store_true")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw the table as a bar chart (needs matplotlib)")
     args = p.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -114,6 +115,12 @@ def main() -> int:
     for name, weights, ttft, rate in rows:
         t.add_row(name, weights, f"{rate:.1f}", f"{rate / base:.2f}", f"{ttft * 1000:.0f}")
     console.print(t)
+    if args.plot:
+        import benchmark
+
+        benchmark.bar_chart(args.plot, [f"{name}\n{weights}".replace("transformers ", "transformers\n")
+                                        for name, weights, _, _ in rows], {"decode": [r[3] for r in rows]},
+                            f"{os.path.basename(path)}: decode tok/s, batch 1", "tok/s")
     return 0
 
 

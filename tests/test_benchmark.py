@@ -82,3 +82,28 @@ def test_speculative_bench_reports_acceptance_and_tokens_per_target_step():
     lookup = bench("--ckpt", fixture_path("llama"), "--lookup", "--prompt", "a b c a b c a b c a b", "--complete",
                    "--gen-len", 12, "--runs", 1, "--no-compile")
     assert 0.0 <= lookup["acceptance_rate"] <= 1.0 and lookup["prompt_len"] > 6
+
+
+def test_plot_writes_a_png_of_the_measured_curve(tmp_path):
+    pytest.importorskip("matplotlib")  # the 'plot' extra (CI installs it)
+    from matplotlib import image
+
+    path = tmp_path / "decode.png"
+    r = bench("--ckpt", fixture_path("llama"), "--prompt-len", 8, "--gen-len", 40, "--runs", 1, "--no-compile",
+              "--plot", path)
+    assert r["gen_len"] == 40
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    pixels = image.imread(path)
+    assert pixels.shape[0] >= 300 and pixels.shape[1] >= 500 and pixels.std() > 0.05  # drawn, not blank
+    benchmark.bar_chart(str(tmp_path / "bars.png"), ["float32", "int4"], {"a": [1.0, 2.0], "b": [3.0, None]}, "t",
+                        "tok/s")
+    assert image.imread(tmp_path / "bars.png").shape[1] >= 500
+    assert sorted(os.listdir(tmp_path)) == ["bars.png", "decode.png"]  # no temporary files left behind
+
+
+def test_plot_to_a_missing_folder_fails_before_measuring(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--bench", "--ckpt", fixture_path("llama"),
+                             "--plot", str(tmp_path / "nope" / "x.png")], capture_output=True, text=True)
+    assert result.returncode == 2 and "--plot" in result.stderr and "no such folder" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -1,0 +1,113 @@
+"""terminal.py: what chat.py's interactive mode does at the terminal: reading messages with line editing and a
+history that outlives the program, and showing replies as Markdown while they stream.
+
+Input: GNU readline (the standard library's) edits the line and recalls earlier messages with the arrow keys; the
+history is kept in the cache folder. A pasted block of several lines is one message: lines already waiting on the
+terminal when one is read belong to it. To type several lines, end each but the last with a backslash.
+Output: on a terminal, a reply is rendered as Markdown (code highlighted) in a rich Live view that redraws as tokens
+arrive, with a dim status line under it; piped, on a dumb terminal, or with --plain it streams as plain text.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+import time
+
+try:
+    import readline
+except ImportError:  # (not on every platform: plain input() then)
+    readline = None
+
+
+class LineReader:
+    def __init__(self, history_file: str | None, terminal: bool) -> None:
+        self.history_file, self.terminal = history_file, terminal
+        if readline is not None and history_file and terminal:
+            readline.set_history_length(1000)
+            try:
+                readline.read_history_file(history_file)
+            except OSError:  # none yet, or unreadable: start empty
+                pass
+
+    def read(self, prompt: str) -> str:
+        """One message: a line, the lines pasted with it, and the lines a trailing backslash continues to."""
+        lines = [input(prompt)]
+        while True:
+            if lines[-1].endswith("\\"):
+                lines[-1] = lines[-1][:-1]
+                lines.append(input("... "))
+            elif self.terminal and self.waiting():
+                lines.append(input(""))
+            else:
+                break
+        if len(lines) > 1 and readline is not None and self.terminal:  # one history entry for the whole message
+            for _ in range(min(len(lines), readline.get_current_history_length())):
+                readline.remove_history_item(readline.get_current_history_length() - 1)
+            readline.add_history("\n".join(lines))
+        return "\n".join(lines)
+
+    def waiting(self) -> bool:
+        """Whether more input has already arrived (the rest of a paste; typing is far slower than 20 ms)."""
+        try:
+            return bool(select.select([sys.stdin], [], [], 0.02)[0])
+        except (OSError, ValueError):
+            return False
+
+    def save(self) -> None:
+        if readline is None or not self.history_file or not self.terminal:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.history_file), exist_ok=True)
+            readline.write_history_file(self.history_file)
+        except OSError:  # a read-only cache: the history is only lost
+            pass
+
+
+def prompt_text(console) -> str:
+    """The input prompt: bold green on a color terminal (the escapes marked for readline, so it knows the prompt's
+    width), plain otherwise."""
+    if console.is_terminal and not console.is_dumb_terminal and console.color_system:
+        return "\001\033[1;32m\002>>> \001\033[0m\002"
+    return ">>> "
+
+
+class ReplyView:
+    """Shows one reply while it streams; write(text) for each piece, finish(stats_line) at the end."""
+
+    def __init__(self, console, markdown: bool) -> None:
+        self.console, self.markdown = console, markdown
+        self.text, self.pieces, self.start = "", 0, time.perf_counter()
+        self.live = None
+        if markdown:
+            from rich.live import Live
+
+            self.live = Live(console=console, refresh_per_second=8, vertical_overflow="visible", transient=False)
+            self.live.start()
+
+    def write(self, text: str) -> None:
+        self.text += text
+        self.pieces += 1
+        if self.live is None:
+            self.console.file.write(text)
+            self.console.file.flush()
+            return
+        rate = self.pieces / max(time.perf_counter() - self.start, 1e-9)
+        self.live.update(self.render(f"{self.pieces} tokens, {rate:.1f} tok/s"))
+
+    def render(self, status: str | None):
+        from rich.console import Group
+        from rich.markdown import Markdown
+        from rich.text import Text
+
+        body = Markdown(self.text, code_theme="monokai")
+        return Group(body, Text(status, style="dim")) if status else body
+
+    def finish(self, stats_line: str) -> None:
+        if self.live is not None:
+            self.live.update(self.render(None), refresh=True)
+            self.live.stop()
+        else:
+            self.console.print()
+        self.console.print(f"[dim]{stats_line}[/dim]", soft_wrap=True)
