@@ -375,6 +375,12 @@ def main(args, console, ckpt: str | None) -> int:
                                cache_len=args.max_seq_len, progress=lambda s: status.update(f"Benchmarking: {s}"),
                                prompt_ids=prompt_ids, draft=draft, speculate_k=args.speculate_k)
     result["model"], result["quant_reason"] = title, reason
+    import tp
+
+    if tp.world()[1] > 1:  # tensor parallel: what each rank holds
+        result["rank_weight_bytes"] = tp.gather(sum(t.numel() * t.element_size() for t in
+                                                    {t.data_ptr(): t for t in model.state_dict().values()}.values()))
+        result["rank_peak_mem_bytes"] = tp.gather(peak_memory(device))
     if args.plot:  # decode speed against the position in the cache, one synchronized step at a time
         lengths = args.prompt_len if isinstance(args.prompt_len, tuple) else (args.prompt_len, args.prompt_len)
         steps = generate.Steps(model) if args.compile else None

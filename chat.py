@@ -23,6 +23,7 @@ import torch
 
 import dense
 import generate
+import tp
 import kernels
 from dense import CheckpointError
 
@@ -469,7 +470,7 @@ def parse_args(argv):
 
 
 def one_shot(session: Session, vocab: Vocabulary, args, mode: str) -> int:
-    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    text = tp.broadcast(sys.stdin.read() if args.prompt == "-" and tp.world()[0] == 0 else args.prompt)
     ids = prompt_ids(vocab, text, mode, args.system)
     if not ids:
         raise UsageError("the prompt is empty")
@@ -481,6 +482,9 @@ def one_shot(session: Session, vocab: Vocabulary, args, mode: str) -> int:
     if args.stats:
         print(stats.line(), file=sys.stderr)
     return 0
+
+
+EOF = "\x04"  # what interactive mode's reader gives for Ctrl-D (sent to the other ranks too)
 
 
 @dataclass
@@ -497,15 +501,19 @@ def interactive(session: Session, vocab: Vocabulary, args, mode: str, console, c
 
     talk = Conversation(mode, args.system)
     markdown = console.is_terminal and not console.is_dumb_terminal and not args.plain
-    reader = terminal.LineReader(os.path.join(cache_dir(), "history"), sys.stdin.isatty())
+    reader = terminal.LineReader(os.path.join(cache_dir(), "history") if tp.world()[0] == 0 else None,
+                                 sys.stdin.isatty())
     if session.steps is not None:  # a later compile (a /set that changes sampling) says so
         session.steps.status = lambda message: console.print(f"[dim]{message}[/dim]")
     console.print(f"[dim]{mode} mode, cache {session.max_seq_len} tokens. /help for commands.[/dim]")
     try:
         while True:
             try:
-                line = reader.read(terminal.prompt_text(console))
+                line = reader.read(terminal.prompt_text(console)) if tp.world()[0] == 0 else None
             except (EOFError, KeyboardInterrupt):  # Ctrl-D, or Ctrl-C at the prompt
+                line = EOF
+            line = tp.broadcast(line)  # tensor parallel: rank 0 reads, every rank runs the turn
+            if line == EOF:
                 console.print()
                 return 0
             if not line.strip():
@@ -558,7 +566,8 @@ def command(session: Session, vocab: Vocabulary, talk: Conversation, line: str, 
             else:
                 console.print("[yellow]nothing to undo[/yellow]")
         elif name == "/save":
-            save_conversation(rest, talk, session.args, ckpt)
+            if tp.world()[0] == 0:
+                save_conversation(rest, talk, session.args, ckpt)
             console.print(f"[dim]saved {len(talk.messages)} messages to {rest}[/dim]")
         elif name == "/load":
             note = load_conversation(rest, talk, session.args, ckpt)
@@ -721,7 +730,8 @@ def load_model(ckpt: str, args, console):
             quant, reason = quantize.auto_mode(checkpoint)
         else:
             quant, reason = (None if args.quant == "none" else args.quant), f"--quant {args.quant}"
-        model = dense.DenseDecoder.from_pretrained(ckpt, device=args.device, dtype=args.dtype, quant=quant or "none")
+        load = tp.from_pretrained if tp.world()[1] > 1 else dense.DenseDecoder.from_pretrained
+        model = load(ckpt, device=args.device, dtype=args.dtype, quant=quant or "none")
     return model, f"weights: {quant or 'full precision'} ({reason})"
 
 
@@ -729,7 +739,8 @@ def read_prompts(path: str, console) -> list[tuple[int, str]]:
     """(line number, prompt) for each line of the file: a JSON object with a string "prompt", or the line itself.
     Blank lines are skipped; a bad JSON line is reported with its number and skipped."""
     try:
-        lines = sys.stdin.read().splitlines() if path == "-" else open(path, encoding="utf-8").read().splitlines()
+        lines = (tp.broadcast(sys.stdin.read() if tp.world()[0] == 0 else None) if path == "-" else
+                 open(path, encoding="utf-8").read()).splitlines()
     except OSError as e:
         raise UsageError(f"--prompt-file {path}: {e.strerror}") from None
     except UnicodeDecodeError:
@@ -842,6 +853,9 @@ def make_draft(args, model, console):
 
 def run(argv, console) -> int:
     args = parse_args(argv)
+    if tp.world()[1] > 1:  # under torchrun: join the group; every rank samples with rank 0's seed
+        tp.setup(torch.device(args.device).type)
+        args.seed = tp.broadcast(args.seed if args.seed is not None else int(torch.randint(2**62, ())))
     if args.seed is not None:
         torch.manual_seed(args.seed)
     if args.shape and not args.bench:
@@ -882,6 +896,9 @@ def main(argv=None) -> int:
     one_shot_mode = any(a in ("--prompt", "--json", "--prompt-file") or a.startswith(("--prompt=", "--prompt-file="))
                         for a in argv)
     console = Console(stderr=one_shot_mode, highlight=False)  # one-shot: stdout holds only the generated text
+    if tp.world()[0] != 0:  # tensor parallel: rank 0 owns the terminal; the others print only their errors
+        sys.stdout = open(os.devnull, "w")
+        console = Console(file=sys.stdout)
     try:
         return run(argv, console)
     except (UsageError, CheckpointError, ValueError, OSError) as e:

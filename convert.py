@@ -21,6 +21,7 @@ from such a table one tensor at a time, so no family ever needs a second full co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import glob
 import json
@@ -434,10 +435,11 @@ def neox_yaml(folder: str) -> dict:
     return values
 
 
-def neox_original(folder: str):
+def neox_original(folder: str, rank: int | None = None):
     """Seed 004's merge: column-parallel weights/biases, the embedding and the readout concatenated on dim 0,
     row-parallel weights on dim 1, row-parallel biases summed, norms checked equal across the shards. Files are read
-    a layer (two shards) at a time."""
+    a layer (two shards) at a time. rank 0 or 1 (two-way tensor parallel, tp.py): the blocks' tensors are that
+    shard's own, unmerged (its row-parallel bias too: the ranks' all-reduce sums them as the merge would)."""
     steps = sorted(glob.glob(os.path.join(folder, "global_step*")))
     latest = os.path.join(folder, "latest")
     if os.path.isfile(latest):
@@ -455,8 +457,14 @@ def neox_original(folder: str):
                 raise CheckpointError(f"{step}: missing shard {os.path.basename(f)}")
         return load_pickle(files[0]), load_pickle(files[1])
 
+    @functools.lru_cache(maxsize=1)
+    def own(layer: int):  # this rank's shard of a layer
+        return load_pickle(os.path.join(step, f"layer_{layer:02d}-model_0{rank}-model_states.pt"))
+
     def merged(layer: int, name: str, how: str):
         def read():
+            if rank is not None and 2 <= layer < layers + 2:  # a block's tensor: this shard's own
+                return own(layer)[name]
             p1, p2 = shards(layer)
             if name not in p1 or name not in p2:
                 raise CheckpointError(f"{step}: layer {layer:02d} shards lack tensor {name!r}")
@@ -490,7 +498,7 @@ def neox_original(folder: str):
     table["norm.bias"] = merged(layers + 3, "norm.bias", "same")
     if not tied:
         table["lm_head.weight"] = merged(layers + 4, "final_linear.weight", "dim0")
-    split_neox_qkv(table, config)
+    split_neox_qkv(table, config if rank is None else dataclasses.replace(config, num_attention_heads=heads // 2))
     return config, table
 
 

@@ -485,14 +485,15 @@ class DenseDecoder(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype: torch.dtype | None = None,
-                        quant: str | None = None) -> "DenseDecoder":
+                        quant: str | None = None, shard: Callable | None = None) -> "DenseDecoder":
         """Load a checkpoint folder (or file) in one pass: read the checkpoint (convert.py: the native format and
         every foreign layout) -> build the model on the meta device -> swap in quantized linears when asked
         (quantize.py) -> read each tensor (memory-mapped), check it, cast it and move it to `device`, one at a time.
         dtype=None: the checkpoint's declared torch_dtype, else float32. quant=None loads what is stored (the
         full-precision weights, or the only quantized variant of a folder that has no other); "int8" | "int4" |
         "nf4" | "llm.int8" loads that variant (saved by quantize.py, else quantized tensor by tensor as it loads);
-        "auto" picks what quantize.auto_mode says; "none" forces full precision."""
+        "auto" picks what quantize.auto_mode says; "none" forces full precision. shard: tensor parallel's hook
+        (tp.py), (checkpoint, tensors, mode) -> one rank's config and tensor slices."""
         import convert
         import kernels
         import quantize
@@ -500,9 +501,12 @@ class DenseDecoder(nn.Module):
         checkpoint = convert.read_checkpoint(path)
         dtype = dtype or checkpoint.dtype or torch.float32
         mode, params, tensors = quantize.select(checkpoint, quant)
-        check_fits(checkpoint.config, dtype, torch.device(device), checkpoint.path, quantize.BYTES_PER_WEIGHT.get(mode))
+        config = checkpoint.config
+        if shard is not None:
+            config, tensors = shard(checkpoint, tensors, mode)
+        check_fits(config, dtype, torch.device(device), checkpoint.path, quantize.BYTES_PER_WEIGHT.get(mode))
         with torch.device("meta"):
-            model = cls(checkpoint.config)
+            model = cls(config)
         quantize.swap_linears(model, mode, params)  # quantized linears, or kernels.Linear for full precision
         model.load_tensors(tensors, device, dtype, source=checkpoint.path)
         kernels.place_weights(model)  # huge pages for the weights a decode step streams (CPU)

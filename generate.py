@@ -165,6 +165,8 @@ class Steps:
     def load_or_compile(self, key: str, kind: str, fn: Callable, args: tuple) -> Callable:
         if self.model.device.type == "cuda":  # CUDA graphs: one replay per step, compiled in process
             return torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # tensor parallel: the graph
+            return torch.compile(fn, fullgraph=True, dynamic=False)  # holds collectives of this process group
         path = os.path.join(self.folder, key + ".bin")
         if os.path.isfile(path):
             try:

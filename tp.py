@@ -1,0 +1,207 @@
+"""tp.py: tensor parallelism over torch.distributed, Megatron style. N processes (launched by torchrun) each hold
+1/N of every block's attention heads and FFN width, and add up their partial outputs with one all-reduce per
+residual branch.
+
+    torchrun --nproc-per-node 2 my_script.py          # each process:
+    tp.setup("cpu")                                     # gloo on CPU, NCCL on CUDA
+    model = tp.from_pretrained(path)                    # this rank's shard; logits equal the single-process model's
+
+A rank's shard, per block (rank r of N):
+  q, k, v, the output gate, the MLP's gate and up: split by output rows, whole heads for attention: rank r keeps
+      query heads [r H/N, (r+1) H/N) and the key/value heads they use. With fewer key/value heads than ranks each
+      rank keeps the one its queries use (replicated).
+  o_proj, down_proj: split by input columns, so each rank's product is a partial sum; the all-reduce adds them (a
+      bias is added by rank 0 only). GPT-NeoX's parallel residual adds attention and MLP first: one all-reduce.
+  embedding, norms, output head: replicated (whole logits on every rank, no gather; every rank samples the same token
+      from the same logits with the same seed).
+dense.py knows none of this: a shard is an ordinary DenseDecoder whose config has H/N heads and W/N FFN width per
+layer, loaded through dense's one hook (`shard=` in from_pretrained), and DecoderLayer.reduce is the all-reduce
+(a functional collective, so a compiled step stays one graph).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import dense
+from dense import CheckpointError
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size): of the process group, else what torchrun set in the environment, else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def setup(device_type: str) -> tuple[int, int]:
+    """Join the process group torchrun describes (gloo on CPU, NCCL on CUDA); (rank, world size)."""
+    rank, size = world()
+    if size > 1 and not dist.is_initialized():
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return world()
+
+
+def broadcast(value):
+    """Rank 0's value on every rank (what rank 0 read from the terminal or stdin); the value itself when alone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather(value) -> list:
+    """Every rank's value, in rank order (on every rank)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What each rank keeps
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShard:
+    heads: tuple[int, int]  # query heads [start, stop)
+    kv_heads: tuple[int, int]  # key/value heads
+    ffn: tuple[int, int]  # FFN columns
+
+
+def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
+    """Each layer's slice for this rank; a width that does not divide by the number of ranks is an error naming the
+    layer and the numbers (before any weight is read)."""
+    shards = []
+    for i in range(config.num_hidden_layers):
+        H, K, W = config.heads(i), config.kv_heads(i), config.ffn_width(i)
+        if H % size:
+            raise CheckpointError(f"layer {i}: {H} attention heads do not divide over {size} ranks")
+        if K % size and size % K:
+            raise CheckpointError(f"layer {i}: {K} key/value heads can neither be split nor replicated over {size} "
+                                  "ranks (one must divide the other)")
+        if W % size:
+            raise CheckpointError(f"layer {i}: FFN width {W} does not divide over {size} ranks")
+        h = H // size
+        if K >= size:
+            k = K // size
+            kv = (rank * k, rank * k + k)
+        else:  # replicated: the one key/value head this rank's queries use
+            group = H // K
+            kv = (rank * h // group, rank * h // group + 1)
+        w = W // size
+        shards.append(LayerShard((rank * h, rank * h + h), kv, (rank * w, rank * w + w)))
+    return shards
+
+
+def shard_config(config: dense.DenseConfig, shards: list[LayerShard]) -> dense.DenseConfig:
+    """The config of one rank's model: per-layer head counts and FFN widths of its slice."""
+    return dataclasses.replace(config, num_attention_heads=[s.heads[1] - s.heads[0] for s in shards],
+                               num_key_value_heads=[s.kv_heads[1] - s.kv_heads[0] for s in shards],
+                               intermediate_size=[s.ffn[1] - s.ffn[0] for s in shards])
+
+
+# Which slice of a checkpoint tensor a rank reads: (pattern, how). "heads"/"kv_heads"/"ffn": rows of those units;
+# "in_heads"/"in_ffn": columns; "rank0": whole on rank 0, zeros elsewhere (a bias added after the partial sums).
+RULES = [
+    (r"layers\.(\d+)\.attn\.(q_proj|gate_proj)\.(weight|bias|qweight|scales|mins|absmax)", "heads"),
+    (r"layers\.(\d+)\.attn\.(k_proj|v_proj)\.(weight|bias|qweight|scales|mins|absmax)", "kv_heads"),
+    (r"layers\.(\d+)\.attn\.q_norm\.weight", "norm_heads"),
+    (r"layers\.(\d+)\.attn\.k_norm\.weight", "norm_kv_heads"),
+    (r"layers\.(\d+)\.attn\.o_proj\.(weight|qweight|scales|mins)", "in_heads"),
+    (r"layers\.(\d+)\.mlp\.(gate_proj|up_proj)\.(weight|bias|qweight|scales|mins|absmax)", "ffn"),
+    (r"layers\.(\d+)\.mlp\.down_proj\.(weight|qweight|scales|mins)", "in_ffn"),
+    (r"layers\.(\d+)\.(attn\.o_proj|mlp\.down_proj)\.bias", "rank0"),
+]
+
+
+def slicer(name: str, config: dense.DenseConfig, shards: list[LayerShard], rank: int, mode: str | None):
+    """A function cutting this rank's part out of checkpoint tensor `name` (None: the rank keeps it whole)."""
+    for pattern, how in RULES:
+        m = re.fullmatch(pattern, name)
+        if m:
+            break
+    else:
+        return None
+    i = int(m.group(1))
+    s = shards[i]
+    if how == "rank0":
+        return lambda t: t if rank == 0 else torch.zeros_like(t)
+    if how in ("norm_heads", "norm_kv_heads"):
+        if config.qk_norm != "per_channel":  # one gain shared by every head: replicated
+            return None
+        units, (a, b) = (config.heads(i), s.heads) if how == "norm_heads" else (config.kv_heads(i), s.kv_heads)
+        return lambda t: t.reshape(units, -1)[a:b].reshape(-1, *t.shape[1:])
+    units, (a, b) = {"heads": (config.heads(i), s.heads), "kv_heads": (config.kv_heads(i), s.kv_heads),
+                     "in_heads": (config.heads(i), s.heads), "ffn": (config.ffn_width(i), s.ffn),
+                     "in_ffn": (config.ffn_width(i), s.ffn)}[how]
+    if not how.startswith("in_"):  # rows (every stored layout is row-major per output row)
+        return lambda t: t.narrow(0, a * t.shape[0] // units, (b - a) * t.shape[0] // units)
+    if mode == "nf4":  # nf4's blocks run along the flattened weight: they cannot be cut by columns
+        raise CheckpointError(f"{name}: nf4 weights cannot be split by input columns; use int8 or int4 with "
+                              "tensor parallel")
+
+    inputs = config.heads(i) * config.head_dim if how == "in_heads" else config.ffn_width(i)
+
+    def columns(t: torch.Tensor) -> torch.Tensor:  # weight [N, K], qweight [N, K/2], int4 scales/mins [N, K/group]
+        if t.ndim < 2:  # int8's per-row scales: every rank needs them whole
+            return t
+        width = t.shape[1]
+        if width * (b - a) % units:
+            raise CheckpointError(f"{name}: int4 groups of {inputs // width} inputs do not divide a rank's "
+                                  f"{inputs * (b - a) // units} inputs ({inputs} over {units // (b - a)} ranks); "
+                                  "quantize with a smaller --group-size")
+        return t.narrow(1, a * width // units, (b - a) * width // units).contiguous()
+
+    return columns
+
+
+def shard(rank: int, size: int) -> Callable:
+    """dense.DenseDecoder.from_pretrained's `shard` hook: (config, {name: thunk}, mode) -> this rank's config and
+    thunks that read only its slices (memory-mapped tensors: only the pages of those slices are read)."""
+
+    def hook(checkpoint, tensors: dict, mode: str | None):
+        config = checkpoint.config
+        try:
+            shards = plan(config, rank, size)
+        except CheckpointError as e:
+            raise CheckpointError(f"{checkpoint.path}: {e} (torchrun --nproc-per-node {size})") from None
+        if size == 2 and mode in (None, "none") and glob.glob(os.path.join(checkpoint.path, "global_step*")):
+            import convert  # GPT-NeoX's original two-way release: rank r reads shard r's files, merges nothing
+
+            return shard_config(config, shards), convert.neox_original(checkpoint.path, rank)[1]
+        sliced = {}
+        for name, thunk in tensors.items():
+            cut = slicer(name, config, shards, rank, mode)
+            sliced[name] = thunk if cut is None else (lambda thunk=thunk, cut=cut: cut(thunk()))
+        return shard_config(config, shards), sliced
+
+    return hook
+
+
+def all_reduce(y: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, traceable (a functional collective: torch.compile keeps the step one graph)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(y, "sum", dist.group.WORLD)
+
+
+def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant: str | None = None):
+    """This rank's shard of the checkpoint at path (every process of the group calls it)."""
+    rank, size = world()
+    model = dense.DenseDecoder.from_pretrained(path, device=device, dtype=dtype, quant=quant, shard=shard(rank, size))
+    if size > 1:
+        for layer in model.layers:
+            layer.reduce = all_reduce
+    return model
