@@ -396,6 +396,7 @@ def main(args, console, ckpt: str | None) -> int:
                          f"{'compiled' if args.compile else 'eager'}, {result['device']}", fontsize=9)
 
         save_plot(args.plot, draw)
+        result["plot_positions"], result["plot_tok_s"] = positions, rates
     if args.json:
         print(json.dumps(result))
     else:

@@ -696,15 +696,29 @@ def set_option(args, text: str) -> str:
 
 
 def describe_model(session: Session, ckpt: str, why: str) -> str:
+    """/model: what is loaded (the parameter count of the full model, whatever its storage)."""
     model, config = session.model, session.model.config
-    params = sum(p.numel() for p in model.parameters())
-    family = config.to_dict().get("source_format") or "dense"
-    return (f"{ckpt}\n  family {family}, {params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers, "
-            f"vocabulary {config.vocab_size}, context {config.max_position_embeddings}\n"
+    with torch.device("meta"):
+        params = sum(p.numel() for p in dense.DenseDecoder(config).parameters())
+    source = os.path.join(ckpt, "config.json")
+    origin = (read_json_quietly(source).get("source_format") if os.path.isfile(source) else None) or "native"
+    heads = f"{config.heads(0)} heads ({config.kv_heads(0)} key/value)"
+    return (f"{ckpt} ({origin})\n  {params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers, {heads}, "
+            f"{config.norm}, {config.mlp}{', parallel residual' if config.parallel_residual else ''}, vocabulary "
+            f"{config.vocab_size}, context {config.max_position_embeddings}\n"
             f"  {str(model.dtype).removeprefix('torch.')} on {model.device}, {why.removeprefix('weights: ')}\n"
             f"  cache {session.max_seq_len} tokens ({len(session.cached)} in use), "
             f"{'compiled steps' if session.steps is not None else 'eager'}"
             f"{', draft ' + type(session.draft).__name__ if session.draft is not None else ''}")
+
+
+def read_json_quietly(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def fit_conversation(session: Session, vocab: Vocabulary, system: str | None, history: list[dict]):

@@ -131,7 +131,7 @@ def test_set_temperature_zero_makes_replies_deterministic(tmp_path):
     child.expect("top-p 7 is out of range")
     child.expect(">>> ")
     child.sendline("/model")
-    child.expect(r"parameters.*\r\n.*float32 on cpu.*\r\n.*cache \d+ tokens")
+    child.expect(r"0\.1M parameters, 2 layers, 4 heads \(2 key/value\).*\r\n.*float32 on cpu.*\r\n.*cache \d+ tokens")
     child.expect(">>> ")
     close(child)
 
