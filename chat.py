@@ -874,6 +874,11 @@ def run(argv, console) -> int:
         torch.manual_seed(args.seed)
     if args.shape and not args.bench:
         raise UsageError("--shape needs --bench (it makes a random-weight model for measuring)")
+    if args.plot and not args.bench:
+        raise UsageError("--plot needs --bench (it draws what the benchmark measured)")
+    if args.prompt_file is not None and (args.draft or args.draft_quant or args.lookup):
+        raise UsageError("--prompt-file runs batches; speculative decoding (--draft, --draft-quant, --lookup) runs at "
+                         "batch 1")
     ckpt = None if args.shape else args.ckpt or default_checkpoint(console)
     if ckpt is not None and not os.path.exists(ckpt):
         raise UsageError(f"--ckpt {ckpt}: no such file or folder")

@@ -76,6 +76,8 @@ def test_one_shot_chat_renders_template_and_stops_at_eos():
     (["--ckpt", LLAMA, "--max-new-tokens", "0"], "--max-new-tokens: must be at least 1"),
     (["--ckpt", LLAMA, "--max-new-tokens", "many"], "--max-new-tokens: invalid positive_int value"),
     (["--ckpt", LLAMA, "--prompt", "word " * 300], "the prompt has"),
+    (["--ckpt", LLAMA, "--plot", "x.png"], "--plot needs --bench"),
+    (["--ckpt", LLAMA, "--prompt-file", "-", "--lookup"], "speculative decoding (--draft, --draft-quant, --lookup) runs"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     if "--prompt" not in args:
