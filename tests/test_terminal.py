@@ -19,8 +19,21 @@ LLAMA = os.path.join(FIXTURES, "llama")
 UP = "\x1b[A"
 
 
-def start(tmp_path, *flags, term="dumb"):
-    env = {**os.environ, "TERM": term, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "XDG_CACHE_HOME": str(tmp_path)}
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One cache folder for these tests (the CPU kernels are built into it once), its history emptied per test."""
+    return tmp_path_factory.mktemp("xdg")
+
+
+@pytest.fixture(autouse=True)
+def fresh_history(cache):
+    history = cache / "dense-engine" / "history"
+    if history.exists():
+        history.unlink()
+
+
+def start(cache, *flags, term="dumb"):
+    env = {**os.environ, "TERM": term, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "XDG_CACHE_HOME": str(cache)}
     child = pexpect.spawn(sys.executable, [CHAT, "--ckpt", LLAMA, "--temperature", "0", "--max-new-tokens", "8",
                                            "--no-compile", *flags], cwd=ROOT, encoding="utf-8", timeout=60, env=env,
                           dimensions=(40, 200))
@@ -55,24 +68,24 @@ def users(record):
     return [m["content"] for m in record["messages"] if m["role"] == "user"]
 
 
-def test_up_arrow_recalls_the_previous_message_in_this_run_and_the_next(tmp_path):
-    child = start(tmp_path)
+def test_up_arrow_recalls_the_previous_message_in_this_run_and_the_next(tmp_path, cache):
+    child = start(cache)
     first = say(child, "what is up")
     again = say(child, UP)  # up arrow, then enter: the same message again
     assert users(saved(child, tmp_path / "a.json")) == ["what is up", "what is up"]
     close(child)
-    child = start(tmp_path)  # a new process: the history was kept in the cache folder
+    child = start(cache)  # a new process: the history was kept in the cache folder
     child.sendline(UP * 3)  # (the newest entries are the /exit and /save lines)
     child.expect(r"\r\n(\d+ tokens, [^\r\n]*)\r\n")
     child.expect(">>> ")
     assert users(saved(child, tmp_path / "b.json")) == ["what is up"]
     close(child)
     assert first and again
-    assert os.path.isfile(tmp_path / "dense-engine" / "history")
+    assert os.path.isfile(cache / "dense-engine" / "history")
 
 
-def test_pasted_lines_are_one_message_and_backslash_continues(tmp_path):
-    child = start(tmp_path)
+def test_pasted_lines_are_one_message_and_backslash_continues(tmp_path, cache):
+    child = start(cache)
     child.send("line one\nline two\n")  # one write: what a paste delivers
     child.expect(r"\r\n(\d+ tokens, [^\r\n]*)\r\n")
     child.expect(">>> ")
@@ -84,8 +97,8 @@ def test_pasted_lines_are_one_message_and_backslash_continues(tmp_path):
     close(child)
 
 
-def test_retry_regenerates_from_the_cache_and_undo_drops_the_exchange(tmp_path):
-    child = start(tmp_path)
+def test_retry_regenerates_from_the_cache_and_undo_drops_the_exchange(tmp_path, cache):
+    child = start(cache)
     first = say(child, "hello")
     child.sendline("/retry")
     child.expect(r"\r\n(\d+ tokens, [^\r\n]*)\r\n")
@@ -102,15 +115,15 @@ def test_retry_regenerates_from_the_cache_and_undo_drops_the_exchange(tmp_path):
     close(child)
 
 
-def test_save_then_load_in_a_new_process_continues_the_conversation(tmp_path):
-    child = start(tmp_path, "--system", "be brief")
+def test_save_then_load_in_a_new_process_continues_the_conversation(tmp_path, cache):
+    child = start(cache, "--system", "be brief")
     say(child, "hello")
     record = saved(child, tmp_path / "conv.json")
     want = say(child, "how are you")
     close(child)
     assert record["system"] == "be brief" and record["sampling"]["temperature"] == 0.0
     assert record["model"] == os.path.abspath(LLAMA)
-    child = start(tmp_path, "--temperature", "1.0")  # the saved sampling settings come back with the conversation
+    child = start(cache, "--temperature", "1.0")  # the saved sampling settings come back with the conversation
     child.sendline(f"/load {tmp_path / 'conv.json'}")
     child.expect("loaded 2 messages")
     child.expect(">>> ")
@@ -118,11 +131,11 @@ def test_save_then_load_in_a_new_process_continues_the_conversation(tmp_path):
     close(child)
 
 
-def test_set_temperature_zero_makes_replies_deterministic(tmp_path):
-    child = start(tmp_path)
+def test_set_temperature_zero_makes_replies_deterministic(tmp_path, cache):
+    child = start(cache)
     want = say(child, "tell me")
     close(child)
-    child = start(tmp_path, "--temperature", "1.5")
+    child = start(cache, "--temperature", "1.5")
     child.sendline("/set temperature 0")
     child.expect("temperature = 0.0")
     child.expect(">>> ")
@@ -136,10 +149,10 @@ def test_set_temperature_zero_makes_replies_deterministic(tmp_path):
     close(child)
 
 
-def test_output_to_a_pipe_carries_no_escape_codes(tmp_path):
+def test_output_to_a_pipe_carries_no_escape_codes(tmp_path, cache):
     result = subprocess.run([sys.executable, CHAT, "--ckpt", LLAMA, "--temperature", "0", "--max-new-tokens", "8",
                              "--no-compile"], input="hello\n/model\n/help\n/exit\n", capture_output=True, text=True,
-                            cwd=ROOT, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path), "TERM": "xterm-256color"})
+                            cwd=ROOT, env={**os.environ, "XDG_CACHE_HOME": str(cache), "TERM": "xterm-256color"})
     assert result.returncode == 0, result.stderr
     assert "8 tokens" in result.stdout and "/retry" in result.stdout
     assert "\x1b" not in result.stdout + result.stderr
