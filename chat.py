@@ -939,4 +939,7 @@ def one_line(e: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if tp.world()[1] > 1:  # under torchrun
+        tp.exit(code)
+    sys.exit(code)

@@ -25,6 +25,7 @@ import dataclasses
 import glob
 import os
 import re
+import sys
 from typing import Callable
 
 import torch
@@ -49,6 +50,16 @@ def setup(device_type: str) -> tuple[int, int]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     return world()
+
+
+def exit(code: int) -> None:
+    """End a rank's process: leave the group, flush, and skip the interpreter's teardown (destroying the process
+    group's C++ threads at exit aborts now and then: 'terminate called without an active exception')."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def broadcast(value):

@@ -48,7 +48,7 @@ def worker(rank, size, rdzv, out, jobs):
     dist.all_gather_object(gathered, results)
     if rank == 0:
         torch.save(gathered, out)
-    dist.destroy_process_group()
+    tp.exit(0)  # (as chat.py does under torchrun: no C++ teardown of the group's threads at exit)
 
 
 def run_two(tmp_path, jobs):
@@ -102,7 +102,7 @@ def test_two_ranks_equal_one_process(tmp_path, bigger):
 
 
 def torchrun(*args, n=2):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                            os.path.join(ROOT, "chat.py"), *map(str, args)], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **loopback()}, timeout=300)
 
@@ -114,7 +114,7 @@ def test_torchrun_chat_prints_the_single_process_text_and_bad_n_fails_on_every_r
     alone = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), *map(str, args)], capture_output=True,
                            text=True, cwd=ROOT)
     both = torchrun(*args)
-    assert both.returncode == 0, both.stderr[-2000:]
+    assert both.returncode == 0, both.stderr[-6000:]
     assert both.stdout == alone.stdout != ""  # printed once, by rank 0
     sampled = torchrun(*args[:-5], "--temperature", 1.0, "--max-new-tokens", 12, "--no-compile", "--seed", 3)
     one = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), *map(str, args[:-5]), "--temperature",
