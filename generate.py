@@ -110,10 +110,6 @@ def logits_step(model, tokens, input_pos, row_start, attend: int):
 # Compiled steps, saved across processes
 
 
-def cache_dir() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dense-engine")
-
-
 def code_version() -> str:
     digest = hashlib.sha256()
     here = os.path.dirname(os.path.abspath(__file__))
@@ -140,7 +136,7 @@ class Steps:
     def __init__(self, model: dense.DenseDecoder, status: Callable[[str], None] | None = None,
                  folder: str | None = None) -> None:
         self.model, self.status = model, status
-        self.folder = folder or os.path.join(cache_dir(), "compiled")
+        self.folder = folder or os.path.join(kernels.cache_dir(), "compiled")
         self.functions: dict[str, Callable] = {}
         self.base = None  # the part of the key shared by every step of this model and cache
         self.compile_s = 0.0  # seconds spent compiling (not loading) in this process

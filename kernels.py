@@ -39,6 +39,7 @@ _state: dict = {}
 
 
 def cache_dir() -> str:
+    """The project's cache folder (built kernels, compiled steps, the default model, chat history)."""
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dense-engine")
 
 

@@ -12,17 +12,13 @@ import torch
 import torch.distributed as dist
 
 import convert
+from benchmark import stored_bytes
 import dense
 import generate
 import tp
 from conftest import ROOT, expected, fixture_path, random_model, rel_err
 
 LAYOUTS = ["shellelastic", "gptneox", "llama", "openelm", "neox_original"]
-
-
-def weight_bytes(model) -> int:
-    unique = {t.data_ptr(): t for t in model.state_dict().values()}
-    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def loopback() -> dict:
@@ -42,7 +38,7 @@ def worker(rank, size, rdzv, out, jobs):
             logits = model(ids)
         greedy = generate.generate(model, ids[:, :6], 16)
         compiled = generate.generate(model, ids[:, :6], 16, compile=True) if compile else None
-        results[name] = {"logits": logits, "greedy": greedy, "compiled": compiled, "bytes": weight_bytes(model),
+        results[name] = {"logits": logits, "greedy": greedy, "compiled": compiled, "bytes": stored_bytes(model),
                          "o_proj": model.layers[0].attn.o_proj.state_dict()}
     gathered = [None] * size
     dist.all_gather_object(gathered, results)
@@ -91,7 +87,7 @@ def test_two_ranks_equal_one_process(tmp_path, bigger):
             if compile:
                 assert torch.equal(got["compiled"], greedy), name
         if name == "bigger":  # each rank holds about half of the blocks, the embedding and norms whole
-            assert all(r[name]["bytes"] <= 0.6 * weight_bytes(model) for r in ranks)
+            assert all(r[name]["bytes"] <= 0.6 * stored_bytes(model) for r in ranks)
     # GPT-NeoX's original two-way release: rank r holds shard r's tensors as they are in its files
     for r, result in enumerate(ranks):
         shard = convert.load_pickle(os.path.join(fixture_path("neox_original"), "global_step150000",
