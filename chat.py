@@ -314,6 +314,7 @@ class Session:
         self.cached: list[int] = []
         self.compile_s: float | None = None
         self.last = ReplyStats()
+        self.stop = None  # under torchrun: a function every rank calls after each token; True stops the reply
 
     def warm_up(self) -> float:
         """Load (or, the first time on this machine, compile) the prefill and decode steps a first reply needs, on a
@@ -362,6 +363,9 @@ class Session:
                     break
                 generated.append(token)
                 write(stream.push(token))
+                if self.stop is not None and self.stop():
+                    stats.interrupted = True
+                    break
         except KeyboardInterrupt:
             stats.interrupted = True
         write(stream.finish())
@@ -496,15 +500,23 @@ def interactive(session: Session, vocab: Vocabulary, args, mode: str, console, c
 
     talk = Conversation(mode, args.system)
     markdown = console.is_terminal and not console.is_dumb_terminal and not args.plain
-    reader = terminal.LineReader(os.path.join(kernels.cache_dir(), "history") if tp.world()[0] == 0 else None,
+    rank, size = tp.world()
+    reader = terminal.LineReader(os.path.join(kernels.cache_dir(), "history") if rank == 0 else None,
                                  sys.stdin.isatty())
     if session.steps is not None:  # a later compile (a /set that changes sampling) says so
         session.steps.status = lambda message: console.print(f"[dim]{message}[/dim]")
     console.print(f"[dim]{mode} mode, cache {session.max_seq_len} tokens. /help for commands.[/dim]")
+    keys = terminal.CtrlCAsKey(sys.stdin.fileno()) if terminal.CtrlCAsKey.wanted(rank, size) else None
+    if size > 1:  # Ctrl-C reaches rank 0 as a key (torchrun would end the job on the signal); all ranks stop together
+        session.stop = lambda: tp.agree(keys is not None and keys.pressed(), session.model.device)
     try:
+        if keys is not None:
+            keys.start()
         while True:
             try:
-                line = reader.read(terminal.prompt_text(console)) if tp.world()[0] == 0 else None
+                if keys is not None:
+                    keys.line()
+                line = reader.read(terminal.prompt_text(console)) if rank == 0 else None
             except (EOFError, KeyboardInterrupt):  # Ctrl-D, or Ctrl-C at the prompt
                 line = EOF
             line = tp.broadcast(line)  # tensor parallel: rank 0 reads, every rank runs the turn
@@ -523,6 +535,8 @@ def interactive(session: Session, vocab: Vocabulary, args, mode: str, console, c
                 console.print("[dim](interrupted)[/dim]")
     finally:
         reader.save()
+        if keys is not None:
+            keys.restore()
 
 
 def command(session: Session, vocab: Vocabulary, talk: Conversation, line: str, console, ckpt: str, why: str,

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import sys
 import time
 
 try:
     import readline
+    import termios
 except ImportError:  # (not on every platform: plain input() then)
-    readline = None
+    readline = termios = None
 
 
 class LineReader:
@@ -63,6 +65,61 @@ class LineReader:
             readline.write_history_file(self.history_file)
         except OSError:  # a read-only cache: the history is only lost
             pass
+
+
+class CtrlCAsKey:
+    """Ctrl-C for rank 0 under torchrun, which runs every rank in a session of its own and takes the terminal's
+    SIGINT itself (it ends the whole job). While the session runs, rank 0 turns the terminal's signal keys off (ISIG),
+    so Ctrl-C arrives as the byte 0x03: at the prompt readline turns it into Ctrl-D on an emptied line (the session
+    ends, as Ctrl-C at the prompt ends it in one process); during a reply the terminal hands keys over as they are
+    typed and rank 0 looks for it between tokens (pressed()), and every rank stops at the same token. SIGTERM or
+    SIGHUP (torchrun ending the job) restore the terminal first."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.saved, self.keys = fd, termios.tcgetattr(fd), False
+
+    @staticmethod
+    def wanted(rank: int, size: int) -> bool:
+        return size > 1 and rank == 0 and readline is not None and sys.stdin.isatty()
+
+    def start(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, lambda signum, frame: (self.restore(), os._exit(128 + signum)))
+        readline.parse_and_bind(r'"\C-c": "\C-e\C-u\C-d"')
+        readline.set_pre_input_hook(lambda: self.set(None))  # readline turns ISIG on while it reads: off again
+        self.line()
+
+    def set(self, keys: bool | None) -> None:
+        """ISIG off; keys: one key at a time, unechoed (what was typed before becomes readable too); not keys: lines,
+        echoed, as the terminal had them; None: the rest as it is."""
+        attrs = termios.tcgetattr(self.fd)
+        attrs[3] &= ~termios.ISIG
+        if keys:
+            attrs[3] &= ~(termios.ICANON | termios.ECHO)
+        elif keys is not None:
+            attrs[3] |= self.saved[3] & (termios.ICANON | termios.ECHO)
+        termios.tcsetattr(self.fd, termios.TCSANOW, attrs)
+        self.keys = bool(keys)
+
+    def line(self) -> None:
+        """Before a prompt: lines again (readline edits them)."""
+        self.set(False)
+
+    def pressed(self) -> bool:
+        """Whether Ctrl-C was typed since the reply started or the last look (other keys typed meanwhile are
+        dropped)."""
+        if not self.keys:
+            self.set(True)
+        seen = False
+        while select.select([self.fd], [], [], 0)[0]:
+            data = os.read(self.fd, 256)
+            seen = seen or b"\x03" in data
+            if not data:
+                break
+        return seen
+
+    def restore(self) -> None:
+        termios.tcsetattr(self.fd, termios.TCSANOW, self.saved)
 
 
 def prompt_text(console) -> str:

@@ -71,6 +71,13 @@ def broadcast(value):
     return box[0]
 
 
+def agree(flag: bool, device) -> bool:
+    """Rank 0's flag on every rank (one small broadcast: cheap enough to ask after every token)."""
+    box = torch.tensor([int(flag)], device=device)
+    dist.broadcast(box, src=0)
+    return bool(box.item())
+
+
 def gather(value) -> list:
     """Every rank's value, in rank order (on every rank)."""
     if not (dist.is_available() and dist.is_initialized()):

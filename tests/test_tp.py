@@ -121,3 +121,32 @@ def test_torchrun_chat_prints_the_single_process_text_and_bad_n_fails_on_every_r
     errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
     assert bad.returncode != 0 and len(errors) == 3
     assert all("4 attention heads do not divide over 3 ranks" in e for e in errors)
+
+
+@pytest.mark.slow
+def test_torchrun_ctrl_c_stops_a_reply_on_every_rank_and_ends_the_session_at_the_prompt(tmp_path):
+    import pexpect
+    from test_chat import random_chat_model
+
+    ckpt = random_chat_model(tmp_path / "big")
+    child = pexpect.spawn(sys.executable, ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                           os.path.join(ROOT, "chat.py"), "--ckpt", str(ckpt), "--temperature", "1.0",
+                                           "--seed", "0", "--max-new-tokens", "4000", "--no-compile"],
+                          cwd=ROOT, encoding="utf-8", timeout=120, dimensions=(40, 200),
+                          env={**os.environ, "TERM": "dumb", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                               **loopback()})
+    child.expect(">>> ")
+    child.sendline("tell me a long story")
+    child.expect(r"\S{3}")  # the reply has started streaming
+    child.sendintr()  # torchrun would end the job on SIGINT: rank 0 reads the key and every rank stops
+    child.expect(r"(\d+) tokens, .*\(interrupted\)")
+    assert int(child.match.group(1)) < 4000
+    child.expect(">>> ")
+    child.sendline("/help")  # both ranks are still in step
+    child.expect("/reset")
+    child.expect(">>> ")
+    child.send("half a line")
+    child.sendintr()  # Ctrl-C at the prompt ends the session cleanly, as in one process
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0, child.before
