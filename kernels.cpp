@@ -70,9 +70,10 @@ at::Tensor output_like(const at::Tensor& x, int64_t N) {
 // ---- float32 weights --------------------------------------------------------------------------------------------
 
 // One accumulator per (row of x, weight row), summed over K in order: a row's result is the same bits whatever the
-// tile shape or the number of rows (a batch never changes a row). PF > 0: prefetch each weight row that many bytes
-// ahead, which pays when a tile computes long enough for the hardware prefetcher to fall behind (several rows of x).
-template <int R, int NB, int PF = 0>
+// tile shape or the number of rows (a batch never changes a row). Each step also prefetches the next tile's weight
+// rows at the same column: the hardware prefetcher alone falls behind while the FMAs run (8 rows: 1.2x faster; 1
+// row: 1.1x).
+template <int R, int NB>
 void f32_tile(const float* x, const float* w, int64_t K, float* y, int64_t N, int64_t n0) {
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
@@ -81,7 +82,7 @@ void f32_tile(const float* x, const float* w, int64_t K, float* y, int64_t N, in
   for (; k + 16 <= K; k += 16) {  // plain loads here: masked ones cost 1.4x at 8 rows
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) {
-      if (PF) _mm_prefetch((const char*)(w + (n0 + j) * K + k) + PF, _MM_HINT_T0);
+      _mm_prefetch((const char*)(w + (n0 + NB + j) * K + k), _MM_HINT_T0);  // (past the end: no fault)
       wv[j] = _mm512_loadu_ps(w + (n0 + j) * K + k);
     }
     for (int r = 0; r < R; ++r) {
@@ -109,16 +110,16 @@ at::Tensor linear_f32(const at::Tensor& x_, const at::Tensor& w) {
   auto y = output_like(x_, N);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (M == 1) {  // one weight row at a time: one stream per thread, which the hardware prefetcher follows best
+  if (M == 1) {  // one weight row at a time, the next one prefetched: measured best at one row
     for_each_tile<1>(M, N, K, K, [&](int64_t, int64_t, int64_t n0, int64_t) { f32_tile<1, 1>(xp, wp, K, yp, N, n0); });
     return y;
   }
-  // 3 weight rows against up to 8 rows of x (24 accumulators; 11 loads per 24 FMAs), each weight row read once
-  for_each_tile<3>(M, N, K, 3 * K, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
-    if (nb == 3) {
-      DISPATCH_ROWS(rows, (f32_tile<R, 3, 512>(xp + m0 * K, wp, K, yp + m0 * N, N, n0)));
+  // 4 weight rows against up to 8 rows of x, each weight row read once (measured best of 2, 3 and 4 rows)
+  for_each_tile<4>(M, N, K, 4 * K, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
+    if (nb == 4) {
+      DISPATCH_ROWS(rows, (f32_tile<R, 4>(xp + m0 * K, wp, K, yp + m0 * N, N, n0)));
     } else {
-      for (int64_t j = 0; j < nb; ++j) DISPATCH_ROWS(rows, (f32_tile<R, 1, 512>(xp + m0 * K, wp, K, yp + m0 * N, N, n0 + j)));
+      for (int64_t j = 0; j < nb; ++j) DISPATCH_ROWS(rows, (f32_tile<R, 1>(xp + m0 * K, wp, K, yp + m0 * N, N, n0 + j)));
     }
   });
   return y;
