@@ -194,7 +194,12 @@ class Steps:
             self.record(kind, took)
         except Exception as e:  # a full disk or a read-only cache: the step still works in this process
             notice(f"could not save the compiled step to {path} ({dense_reason(e)})")
-        return compiled
+            return compiled
+        try:  # run the step as saved, as later processes load it: the object compile returns decodes ~12% slower
+            with open(path, "rb") as f:  # (measured: 38-39 against 43-44 tok/s, float32 SmolLM2)
+                return torch.compiler.load_compiled_function(f)
+        except Exception:
+            return compiled
 
     def discard(self, path: str) -> None:
         try:
