@@ -469,16 +469,36 @@ def parse_args(argv):
     return args
 
 
+def ctrl_c_as_key(session: Session):
+    """Under torchrun, which ends the whole job on the terminal's SIGINT: rank 0 reads Ctrl-C as a key
+    (terminal.CtrlCAsKey) and every rank stops the reply at the same token. Returns what to restore() at the end."""
+    import terminal
+
+    rank, size = tp.world()
+    if size == 1:
+        return None
+    keys = terminal.CtrlCAsKey(sys.stdin.fileno()) if terminal.CtrlCAsKey.wanted(rank, size) else None
+    session.stop = lambda: tp.agree(keys is not None and keys.pressed(), session.model.device)
+    if keys is not None:
+        keys.start()
+    return keys
+
+
 def one_shot(session: Session, vocab: Vocabulary, args, mode: str) -> int:
     ids = prompt_ids(vocab, prompt_text(args), mode, args.system)
     if not ids:
         raise UsageError("the prompt is empty")
     if len(ids) >= session.max_seq_len:
         raise UsageError(f"the prompt has {len(ids)} tokens; the context (--max-seq-len) holds {session.max_seq_len}")
-    _, stats = session.reply(ids, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    keys = ctrl_c_as_key(session)
+    try:
+        _, stats = session.reply(ids, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    finally:
+        if keys is not None:
+            keys.restore()
     if sys.stdout.isatty():
         sys.stdout.write("\n")
-    if args.stats:
+    if args.stats and tp.world()[0] == 0:
         print(stats.line(), file=sys.stderr)
     return 0
 
@@ -500,18 +520,14 @@ def interactive(session: Session, vocab: Vocabulary, args, mode: str, console, c
 
     talk = Conversation(mode, args.system)
     markdown = console.is_terminal and not console.is_dumb_terminal and not args.plain
-    rank, size = tp.world()
+    rank = tp.world()[0]
     reader = terminal.LineReader(os.path.join(kernels.cache_dir(), "history") if rank == 0 else None,
                                  sys.stdin.isatty())
     if session.steps is not None:  # a later compile (a /set that changes sampling) says so
         session.steps.status = lambda message: console.print(f"[dim]{message}[/dim]")
     console.print(f"[dim]{mode} mode, cache {session.max_seq_len} tokens. /help for commands.[/dim]")
-    keys = terminal.CtrlCAsKey(sys.stdin.fileno()) if terminal.CtrlCAsKey.wanted(rank, size) else None
-    if size > 1:  # Ctrl-C reaches rank 0 as a key (torchrun would end the job on the signal); all ranks stop together
-        session.stop = lambda: tp.agree(keys is not None and keys.pressed(), session.model.device)
+    keys = ctrl_c_as_key(session)
     try:
-        if keys is not None:
-            keys.start()
         while True:
             try:
                 if keys is not None:

@@ -125,16 +125,30 @@ def test_torchrun_chat_prints_the_single_process_text_and_bad_n_fails_on_every_r
 
 @pytest.mark.slow
 def test_torchrun_ctrl_c_stops_a_reply_on_every_rank_and_ends_the_session_at_the_prompt(tmp_path):
+    """torchrun ends the job on the terminal's SIGINT: rank 0 reads Ctrl-C as a key instead (one-shot and chat)."""
     import pexpect
     from test_chat import random_chat_model
 
     ckpt = random_chat_model(tmp_path / "big")
-    child = pexpect.spawn(sys.executable, ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                           os.path.join(ROOT, "chat.py"), "--ckpt", str(ckpt), "--temperature", "1.0",
-                                           "--seed", "0", "--max-new-tokens", "4000", "--no-compile"],
-                          cwd=ROOT, encoding="utf-8", timeout=120, dimensions=(40, 200),
-                          env={**os.environ, "TERM": "dumb", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                               **loopback()})
+
+    def spawn(*args):
+        return pexpect.spawn(sys.executable, ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                              os.path.join(ROOT, "chat.py"), "--ckpt", str(ckpt), "--temperature",
+                                              "1.0", "--seed", "0", "--max-new-tokens", "4000", "--no-compile", *args],
+                             cwd=ROOT, encoding="utf-8", timeout=120, dimensions=(40, 200),
+                             env={**os.environ, "TERM": "dumb", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                                  **loopback()})
+
+    one = spawn("--prompt", "tell me a long story", "--stats")  # one-shot: Ctrl-C ends the reply, exit status 0
+    one.expect(r"weights: [\s\S]*?\)\)")  # the load's notice: the reply comes next
+    one.expect(r"\S{3}")
+    one.sendintr()
+    one.expect(r"(\d+) tokens, .*\(interrupted\)")
+    assert int(one.match.group(1)) < 4000
+    one.expect(pexpect.EOF)
+    one.close()
+    assert one.exitstatus == 0, one.before
+    child = spawn()
     child.expect(">>> ")
     child.sendline("tell me a long story")
     child.expect(r"\S{3}")  # the reply has started streaming
