@@ -339,6 +339,35 @@ at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& d, const at::T
   return w;
 }
 
+// nf4 [N, K/2] (our repacked layout) -> bfloat16 [N, K], rounded as PyTorch rounds float32 code * absmax
+at::Tensor dequantize_nf4(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat && code.scalar_type() == at::kFloat &&
+              code.numel() == 16 && q.is_contiguous() && absmax.is_contiguous() && q.size(1) % 32 == 0 &&
+              absmax.numel() == q.size(0) * q.size(1) / 32, "dequantize_nf4: bad shapes");
+  const int64_t N = q.size(0), K = q.size(1) * 2, B = K / 64;
+  auto w = at::empty({N, K}, q.options().dtype(at::kBFloat16));
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* ap = absmax.data_ptr<float>();
+  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr());
+  const __m512 table = _mm512_loadu_ps(code.contiguous().data_ptr<float>());
+  const __m512i low = _mm512_set1_epi32(15);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = 0; b < B; ++b) {
+        const __m512 s = _mm512_set1_ps(ap[n * B + b]);
+        for (int half = 0; half < 2; ++half) {  // bytes 16 half .. +16: codes 16 half.. (low), 32 + 16 half.. (high)
+          __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qp + n * (K / 2) + b * 32 + half * 16)));
+          __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, low), table), s);
+          __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table), s);
+          uint16_t* out = wp + n * K + b * 64 + half * 16;
+          _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(lo));
+          _mm256_storeu_si256((__m256i*)(out + 32), (__m256i)_mm512_cvtneps_pbh(hi));
+        }
+      }
+  });
+  return w;
+}
+
 // ---- attention over the cache ------------------------------------------------------------------------------------
 // Keys are cached in blocks of 16 slots, k [B, K, (S + 1) / 16, D, 16]: the scores of a block are one FMA per channel
 // (the query's channel broadcast) over one contiguous D x 16 block; values stay [B, K, S + 1, D], added row by row. Each query reads only the slots it
@@ -561,6 +590,7 @@ TORCH_LIBRARY(dense_kernels, m) {
   m.def("linear_int4(Tensor x, Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("attention(Tensor q, Tensor k_t, Tensor v, Tensor pos, Tensor row_start, float scale) -> Tensor");
   m.def("dequantize_int4(Tensor q, Tensor d, Tensor m) -> Tensor");
+  m.def("dequantize_nf4(Tensor q, Tensor absmax, Tensor code) -> Tensor");
   m.def("linear_nf4(Tensor x, Tensor q, Tensor absmax, Tensor code) -> Tensor");
 }
 
@@ -570,5 +600,6 @@ TORCH_LIBRARY_IMPL(dense_kernels, CPU, m) {
   m.impl("linear_int4", &linear_int4);
   m.impl("attention", &attention);
   m.impl("dequantize_int4", &dequantize_int4);
+  m.impl("dequantize_nf4", &dequantize_nf4);
   m.impl("linear_nf4", &linear_nf4);
 }

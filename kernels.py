@@ -162,8 +162,9 @@ def register_shapes() -> None:
     torch.library.register_fake("dense_kernels::linear_int4")(lambda x, q, d, m: out(x, q.shape[0]))
     torch.library.register_fake("dense_kernels::attention")(lambda q, k, v, pos, start, scale: torch.empty_like(
         q, memory_format=torch.contiguous_format))
-    torch.library.register_fake("dense_kernels::dequantize_int4")(lambda q, d, m: q.new_empty(
-        q.shape[0], q.shape[1] * 2, dtype=torch.bfloat16))
+    for name in ("dequantize_int4", "dequantize_nf4"):
+        torch.library.register_fake(f"dense_kernels::{name}")(lambda q, *_: q.new_empty(
+            q.shape[0], q.shape[1] * 2, dtype=torch.bfloat16))
     torch.library.register_fake("dense_kernels::linear_nf4")(lambda x, q, a, c: out(x, q.shape[0]))
 
 
@@ -303,7 +304,5 @@ def linear_nf4(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     if use_kernel(x):
         return torch.ops.dense_kernels.linear_nf4(x, packed, absmax, code)
     # a long prefill is compute-bound: the weight in bfloat16 once, then one bfloat16 GEMM
-    blocks = packed.view(n, k // 64, 32)
-    codes = torch.cat((blocks & 15, blocks >> 4), dim=-1)  # [n, k / 64, 64] in order
-    w = (code[codes.long()] * absmax[..., None]).reshape(n, k).to(torch.bfloat16)
+    w = torch.ops.dense_kernels.dequantize_nf4(packed, absmax, code)
     return F.linear(x.to(torch.bfloat16), w).to(x.dtype)

@@ -88,6 +88,9 @@ def test_nf4_kernel_equals_the_dequantized_weights(out_features, in_features):
         reference = x.double() @ layer.dequantize(torch.float64).T
         tolerance = 1e-5 if rows <= kernels.MAX_ROWS or not hasattr(layer, "kernel_weight") else 1e-2
         assert rel(layer(x), reference) < tolerance
+    if hasattr(layer, "kernel_weight"):  # a long prefill's bfloat16 weights: the same bits as PyTorch's rounding
+        assert torch.equal(torch.ops.dense_kernels.dequantize_nf4(layer.kernel_weight, layer.kernel_absmax, layer.code),
+                           layer.dequantize(torch.bfloat16))
     assert torch.equal(layer.weight, stored["weight"]) and torch.equal(layer.absmax, stored["absmax"])  # unchanged
 
 
