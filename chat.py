@@ -960,14 +960,14 @@ def main(argv=None) -> int:
     except (UsageError, CheckpointError, ValueError, OSError) as e:
         if "--debug" in argv:
             raise
-        print(f"error: {one_line(e)}", file=sys.stderr)
+        sys.stderr.write(f"error: {one_line(e)}\n")  # one write: ranks of a tensor-parallel run share stderr
         return 2
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # anything else is a bug of ours: still one line, the traceback with --debug
         if "--debug" in argv:
             raise
-        print(f"error: {type(e).__name__}: {one_line(e)} (--debug shows where)", file=sys.stderr)
+        sys.stderr.write(f"error: {type(e).__name__}: {one_line(e)} (--debug shows where)\n")
         return 2
 
 

@@ -192,9 +192,14 @@ def shard(rank: int, size: int) -> Callable:
     def hook(checkpoint, tensors: dict, mode: str | None):
         config = checkpoint.config
         try:
-            shards = plan(config, rank, size)
+            shards, problem = plan(config, rank, size), None
         except CheckpointError as e:
-            raise CheckpointError(f"{checkpoint.path}: {e} (torchrun --nproc-per-node {size})") from None
+            shards, problem = None, str(e)
+        # every rank reaches this point: all learn of a failure together and each reports it (the first rank to exit
+        # makes torchrun stop the others, which would otherwise be killed before they say why)
+        problem = next((p for p in gather(problem) if p), None)
+        if problem:
+            raise CheckpointError(f"{checkpoint.path}: {problem} (torchrun --nproc-per-node {size})")
         if size == 2 and mode in (None, "none") and glob.glob(os.path.join(checkpoint.path, "global_step*")):
             import convert  # GPT-NeoX's original two-way release: rank r reads shard r's files, merges nothing
 
