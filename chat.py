@@ -40,6 +40,13 @@ HELP = """/help          this text               /exit          quit (or Ctrl-D)
 /model         what is loaded          /stats         cache and speed of the last reply
 Up/down recall earlier messages. A pasted block is one message; end a line with \\ to type another."""
 
+# The sampling settings: (type, valid value, what is expected). parse_args checks the flags with them, /set the
+# values typed in a session, /save and /load keep them.
+SETTINGS = {"temperature": (float, lambda v: 0 <= v < float("inf"), "a number >= 0"),  # (NaN fails every comparison)
+            "top-k": (int, lambda v: v >= 1, "a whole number >= 1"),
+            "top-p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
+            "max-new-tokens": (int, lambda v: v >= 1, "a whole number >= 1")}
+
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
@@ -452,10 +459,10 @@ def parse_args(argv):
 
     p.error = one_line_error
     args = p.parse_args(argv)
-    if not 0 <= args.temperature < float("inf"):  # (NaN fails every comparison)
-        raise UsageError(f"--temperature must be a number >= 0, got {args.temperature}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    for name, (_, valid, expected) in SETTINGS.items():
+        value = getattr(args, name.replace("-", "_"))
+        if value is not None and not valid(value):
+            raise UsageError(f"--{name} must be {expected}, got {value}")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -475,9 +482,9 @@ def ctrl_c_as_key(session: Session):
     import terminal
 
     rank, size = tp.world()
-    if size == 1:
-        return None
     keys = terminal.CtrlCAsKey(sys.stdin.fileno()) if terminal.CtrlCAsKey.wanted(rank, size) else None
+    if size == 1 or not tp.broadcast(keys is not None):  # no terminal to watch: no broadcast after every token
+        return None
     session.stop = lambda: tp.agree(keys is not None and keys.pressed(), session.model.device)
     if keys is not None:
         keys.start()
@@ -639,7 +646,6 @@ def turn(session: Session, vocab: Vocabulary, talk: Conversation, line: str | No
 
 
 CONVERSATION_FORMAT = "dense-engine conversation"
-SETTINGS = {"temperature": float, "top-k": int, "top-p": float, "max-new-tokens": int}
 
 
 def save_conversation(path: str, talk: Conversation, args, ckpt: str) -> None:
@@ -709,13 +715,11 @@ def set_option(args, text: str) -> str:
         parsed = None
     else:
         try:
-            parsed = SETTINGS[name](value)
+            parsed = SETTINGS[name][0](value)
         except ValueError:
-            raise UsageError(f"{name} must be {'a number' if SETTINGS[name] is float else 'a whole number'}, "
+            raise UsageError(f"{name} must be {'a number' if SETTINGS[name][0] is float else 'a whole number'}, "
                              f"got {value!r}") from None
-        ok = {"temperature": lambda v: 0 <= v < float("inf"), "top-k": lambda v: v >= 1,
-              "top-p": lambda v: 0 < v <= 1, "max-new-tokens": lambda v: v >= 1}[name]
-        if not ok(parsed):
+        if not SETTINGS[name][1](parsed):
             raise UsageError(f"{name} {value} is out of range")
     setattr(args, name.replace("-", "_"), parsed)
     return f"{name} = {parsed}"

@@ -299,8 +299,7 @@ def pack_nf4(weight: torch.Tensor, absmax: torch.Tensor, n: int, k: int) -> dict
             "kernel_absmax": absmax.float().reshape(n, k // 64).contiguous()}
 
 
-def linear_nf4(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, n: int,
-               k: int) -> torch.Tensor:
+def linear_nf4(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     if use_kernel(x):
         return torch.ops.dense_kernels.linear_nf4(x, packed, absmax, code)
     # a long prefill is compute-bound: the weight in bfloat16 once, then one bfloat16 GEMM

@@ -239,8 +239,7 @@ class NF4Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "kernel_weight"):
-            return self.add_bias(kernels.linear_nf4(x, self.kernel_weight, self.kernel_absmax, self.code,
-                                                    self.out_features, self.in_features))
+            return self.add_bias(kernels.linear_nf4(x, self.kernel_weight, self.kernel_absmax, self.code))
         # dequantize-and-matmul: torch.compile fuses the table lookup into the weight loads
         return self.add_bias(F.linear(x, self.dequantize(x.dtype)))
 
