@@ -4,7 +4,7 @@ fallback.
 At M = 1 (one token) a linear layer is a matrix-vector product: every weight byte is read once and used once, so it
 runs at the speed the weights stream from memory. PyTorch's CPU kernels reach less than half of that for a few rows
 (measured in BENCHMARKS.md), so kernels.cpp has register-tiled kernels for up to 8 rows of x at a time: float32
-with FMA; int8 weights with AVX-512 VNNI on activations written as two int8 digits (16 significant bits); int4 and
+with FMA; int8 weights with AVX-512 VNNI on activations written as two int8 digits (16 bits of the row's range); int4 and
 nf4 by looking each block's float32 values up in a register (vpermps). The result is the dequantized weights'
 product to float32's precision (llama.cpp quantizes activations to 8 bits, which flips answers of the default
 model: measured).

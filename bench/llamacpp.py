@@ -1,7 +1,11 @@
 """This engine against llama.cpp on the CPU, side by side: the same GGUF weights in every row, the same prompt ids,
 greedy decoding, batch 1, each engine in its own process (llama.cpp through llama-cpp-python, never a dependency).
 
-    python bench/llamacpp.py --llama-python /path/to/venv/bin/python [--model smollm2|tinyllama|both] [--runs 3]
+    python bench/llamacpp.py --llama-python /path/to/venv/bin/python [--model smollm2|tinyllama|both] [--rounds 3]
+
+The machine's speed drifts between minutes, so each row runs the two engines in alternation, --rounds times (each
+time a new process per engine, which runs first alternating too): an engine's figure is the median over its
+processes, the ratio the median of the rounds' ratios.
 
 llama-cpp-python is built from source in a side virtualenv, for this machine's instruction set:
 
@@ -253,6 +257,16 @@ def run_worker(python: str, engine: str, gguf: str, quant: str | None, ids: list
     return json.loads(lines[-1])
 
 
+def summarize(runs: list[dict]) -> dict:
+    """One engine's processes in one row: medians over them (the first error if any failed)."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    return {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+            "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+            "decode_tok_s_by_process": [r["decode_tok_s"] for r in runs], "ids": runs[0]["ids"]}
+
+
 def prompt_ids(gguf: str) -> list[int]:
     sys.path.insert(0, ROOT)
     import gguf_import
@@ -269,7 +283,8 @@ def main() -> int:
     p.add_argument("--llama-python", help="python of a virtualenv with llama-cpp-python built from source")
     p.add_argument("--model", choices=("smollm2", "tinyllama", "both"), default="both")
     p.add_argument("--gen", type=int, default=128)
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=2, help="timed generations per process (after one warm-up)")
+    p.add_argument("--rounds", type=int, default=3, help="processes per engine and row, the engines alternating")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--json", help="also write the rows to this file")
@@ -295,19 +310,28 @@ def main() -> int:
         files = model_files(name, args.llama_python, lambda s: console.print(f"[dim]{s}[/dim]"))
         ids = prompt_ids(files["Q4_1"])
         table = Table(title=f"{name}: {len(ids)}-token prompt, {args.gen} greedy tokens, batch 1, {args.threads} "
-                            f"threads, median of {args.runs}")
+                            f"threads, {args.rounds} alternating rounds of {args.runs} runs")
         for col in ("precision", "llama.cpp tok/s", "this engine tok/s", "ratio", "TTFT llama.cpp / this (ms)"):
             table.add_column(col)
         for label, theirs, ours, quant in ROWS:
             row = {"model": name, "precision": label}
-            with console.status(f"{name} {label}"):
-                if theirs:
-                    row["llama.cpp"] = run_worker(args.llama_python, "llama", files[theirs], None, ids, args)
-                if ours:
-                    row["dense"] = run_worker(sys.executable, "dense", files[ours], quant, ids, args)
+            workers = {"llama.cpp": (args.llama_python, "llama", theirs and files[theirs], None),
+                       "dense": (sys.executable, "dense", ours and files[ours], quant)}
+            rounds = {engine: [] for engine, (_, _, gguf, _) in workers.items() if gguf}
+            for r in range(args.rounds):
+                for engine in (list(rounds) if r % 2 == 0 else list(rounds)[::-1]):
+                    python, kind, gguf, q = workers[engine]
+                    with console.status(f"{name} {label}: {engine}, round {r + 1} of {args.rounds}"):
+                        rounds[engine].append(run_worker(python, kind, gguf, q, ids, args))
+            for engine, results_of in rounds.items():
+                row[engine] = summarize(results_of)
             results.append(row)
             a, b = row.get("llama.cpp", {}), row.get("dense", {})
-            ratio = b["decode_tok_s"] / a["decode_tok_s"] if "decode_tok_s" in a and "decode_tok_s" in b else None
+            ratio = None
+            if "decode_tok_s" in a and "decode_tok_s" in b:  # per round, then the median
+                ratio = statistics.median(d["decode_tok_s"] / l["decode_tok_s"]
+                                          for l, d in zip(rounds["llama.cpp"], rounds["dense"]))
+                row["ratio"] = ratio
             table.add_row(label, f"{a['decode_tok_s']:.1f}" if "decode_tok_s" in a else a.get("error", "-"),
                           f"{b['decode_tok_s']:.1f}" if "decode_tok_s" in b else b.get("error", "-"),
                           f"{ratio:.2f}" if ratio else "-",

@@ -34,8 +34,12 @@ def test_int8_kernel_is_the_dequantized_weights_product(M, N, K):
     q = quantize.int8_quantize(torch.randn(N, K))
     packed = kernels.pack_int8(q["weight"], q["scales"])
     y = torch.ops.dense_kernels.linear_int8(x, packed["kernel_weight"], packed["kernel_scales"])
-    want = x.double() @ (q["weight"].double() * q["scales"].double()[:, None]).T
-    assert rel(y, want) < 5e-5  # activations in two int8 digits: within 1/32258 of each block's largest value
+    weight = q["weight"].double() * q["scales"].double()[:, None]
+    want = x.double() @ weight.T
+    # activations in two int8 digits a row: each within 1/32258 of the row's largest value, so each output within
+    # sum_k |w_k| of that; and well inside it, as the rounding errors mostly cancel
+    bound = weight.abs().sum(1)[None, :] * x.abs().amax(1, keepdim=True).double() / 32258
+    assert ((y.double() - want).abs() <= bound).all() and rel(y, want) < 1e-4
 
 
 @needs_kernels
