@@ -182,9 +182,9 @@ class Steps:
                         f"{estimate:.0f} s)...")
         start = time.perf_counter()
         # No guards: the key pins what they would check (every tensor's shape and dtype, the code, the versions), and
-        # rebuilding thousands of them is most of the time it takes to load a step. A C++ wrapper calls the step's
-        # ~250 kernels instead of Python (int8 SmolLM2: 1.09x tok/s, float32 1.01x, alternating in one process)
-        options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "cpp_wrapper": True}
+        # rebuilding thousands of them is most of the time it takes to load a step. (Inductor's C++ wrapper decoded
+        # int8 SmolLM2 1.09x faster but compiled 3x slower, 77 against 25 s: a first run would wait a minute more.)
+        options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
         compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options).aot_compile((args, {}))
         took = time.perf_counter() - start
         self.compile_s += took
