@@ -182,9 +182,12 @@ class Steps:
                         f"{estimate:.0f} s)...")
         start = time.perf_counter()
         # No guards: the key pins what they would check (every tensor's shape and dtype, the code, the versions), and
-        # rebuilding thousands of them is most of the time it takes to load a step. (Inductor's C++ wrapper decoded
-        # int8 SmolLM2 1.09x faster but compiled 3x slower, 77 against 25 s: a first run would wait a minute more.)
-        options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+        # rebuilding thousands of them is most of the time it takes to load a step. No size or alignment asserts
+        # either, for the same reason: one Python-to-C++ call each per tensor per token (0.3-0.6 ms of a 20 ms float32
+        # SmolLM2 token). (Inductor's C++ wrapper decoded int8 SmolLM2 1.09x faster but compiled 3x slower, 77
+        # against 25 s: a first run would wait a minute more.)
+        options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False,
+                   "alignment_asserts": False}
         compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options).aot_compile((args, {}))
         took = time.perf_counter() - start
         self.compile_s += took

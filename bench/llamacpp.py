@@ -50,6 +50,7 @@ def timed_runs(prefill_and_decode, runs: int) -> dict:
 
 
 def worker_llama(args) -> dict:
+    import llama_cpp
     import numpy as np
     from llama_cpp import Llama
 
@@ -58,17 +59,21 @@ def worker_llama(args) -> dict:
     ids = json.loads(args.ids)
     out = []
 
+    def next_token() -> int:  # the last position's logits (llm.scores stays zero unless logits_all=True)
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+        return int(np.argmax(logits))
+
     def run():
         llm.reset()
         out.clear()
         start = time.perf_counter()
         llm.eval(ids)
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = next_token()
         ttft = time.perf_counter() - start
         out.append(token)
         for _ in range(args.gen - 1):
             llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = next_token()
             out.append(token)
         return ttft, time.perf_counter() - start, len(out)
 
@@ -311,7 +316,8 @@ def main() -> int:
         ids = prompt_ids(files["Q4_1"])
         table = Table(title=f"{name}: {len(ids)}-token prompt, {args.gen} greedy tokens, batch 1, {args.threads} "
                             f"threads, {args.rounds} alternating rounds of {args.runs} runs")
-        for col in ("precision", "llama.cpp tok/s", "this engine tok/s", "ratio", "TTFT llama.cpp / this (ms)"):
+        for col in ("precision", "llama.cpp tok/s", "this engine tok/s", "ratio", "TTFT llama.cpp / this (ms)",
+                    "same tokens"):
             table.add_column(col)
         for label, theirs, ours, quant in ROWS:
             row = {"model": name, "precision": label}
@@ -332,10 +338,15 @@ def main() -> int:
                 ratio = statistics.median(d["decode_tok_s"] / l["decode_tok_s"]
                                           for l, d in zip(rounds["llama.cpp"], rounds["dense"]))
                 row["ratio"] = ratio
+            same = None
+            if "ids" in a and "ids" in b:  # greedy tokens both engines agree on, from the first (rounding differs)
+                same = next((i for i, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y), len(b["ids"]))
+                row["same_tokens"] = same
             table.add_row(label, f"{a['decode_tok_s']:.1f}" if "decode_tok_s" in a else a.get("error", "-"),
                           f"{b['decode_tok_s']:.1f}" if "decode_tok_s" in b else b.get("error", "-"),
                           f"{ratio:.2f}" if ratio else "-",
-                          f"{a.get('ttft_s', 0) * 1000:.0f} / {b.get('ttft_s', 0) * 1000:.0f}")
+                          f"{a.get('ttft_s', 0) * 1000:.0f} / {b.get('ttft_s', 0) * 1000:.0f}",
+                          f"{same} of {len(b['ids'])}" if same is not None else "-")
         console.print(table)
         if args.plot:
             import benchmark

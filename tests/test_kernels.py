@@ -18,12 +18,25 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @needs_kernels
-@pytest.mark.parametrize("M, N, K", [(1, 5, 48), (3, 64, 100), (8, 37, 576), (13, 128, 64), (16, 9, 1536)])
+@pytest.mark.parametrize("M, N, K", [(1, 5, 48), (1, 9, 2050), (3, 64, 100), (8, 37, 576), (13, 128, 64),
+                                     (16, 9, 1536)])
 def test_f32_kernel(M, N, K):
     torch.manual_seed(M * N + K)
     x, w = torch.randn(M, K), torch.randn(N, K)
     y = torch.ops.dense_kernels.linear_f32(x, w)
     assert y.shape == (M, N) and rel(y, x.double() @ w.double().T) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("K", [40, 576, 2048, 2064])
+def test_f32_kernel_rows_do_not_depend_on_the_batch(K):
+    # one row of x takes its own tiling (one weight row at a time up to K = 2048), a batch 4 weight rows a tile:
+    # each output must still be the same bits, so a row generates the same tokens alone or in a batch
+    torch.manual_seed(K)
+    x, w = torch.randn(11, K), torch.randn(67, K)
+    batch = torch.ops.dense_kernels.linear_f32(x, w)
+    for row in range(11):
+        assert torch.equal(batch[row], torch.ops.dense_kernels.linear_f32(x[row:row + 1], w)[0])
 
 
 @needs_kernels
