@@ -40,6 +40,36 @@ def test_f32_kernel_rows_do_not_depend_on_the_batch(K):
 
 
 @needs_kernels
+@pytest.mark.parametrize("threads", [3, 8])
+def test_kernels_compute_each_output_once_whatever_the_threads(threads):
+    # the threads share a matmul's tiles and take over the rest of each other's share (for_each_tile_shared); more
+    # threads than cores get preempted mid-share, so shares are split while in use (measured: 4-14 splits a call).
+    # Each output must still be the bits one thread alone computes; a new x every call, so a missed output (left
+    # as whatever the allocator returned) cannot match
+    torch.manual_seed(threads)
+    N, K = 16387, 64  # 64 blocks of 256 weight rows (64 KB of float32) and a tail
+    w = torch.randn(N, K)
+    i8 = quantize.int8_quantize(w)
+    i8 = kernels.pack_int8(i8["weight"], i8["scales"])
+    layer = quantize.Int4Linear(K, N, False, group_size=32)
+    layer._buffers.update(quantize.int4_quantize(w, 32))
+    i4 = kernels.pack_int4(layer.codes(), layer.scales, layer.mins, 32)
+    ops = [lambda x: torch.ops.dense_kernels.linear_f32(x, w),
+           lambda x: torch.ops.dense_kernels.linear_int8(x, i8["kernel_weight"], i8["kernel_scales"]),
+           lambda x: torch.ops.dense_kernels.linear_int4(x, i4["kernel_weight"], i4["kernel_scales"], i4["kernel_mins"])]
+    xs = [torch.randn(1 + i % 3, K) for i in range(12)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = [op(x) for op in ops for x in xs]
+        torch.set_num_threads(threads)
+        got = [op(x) for op in ops for x in xs]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@needs_kernels
 @pytest.mark.parametrize("M, N, K", [(1, 7, 64), (5, 64, 128), (9, 33, 576), (16, 128, 256), (3, 5, 192)])
 def test_int8_kernel_is_the_dequantized_weights_product(M, N, K):
     torch.manual_seed(M + N + K)
