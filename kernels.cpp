@@ -48,9 +48,10 @@ constexpr int MAX_ROWS = 8;  // rows of x per tile: 8 x NB accumulators stay in 
 
 // The threads' shares of a matmul's tiles. A thread claims its share a block at a time from the front, so its weights
 // are one long stream; when its share is done it takes the back half of the largest share left. A static split waits
-// for the slower thread, which then streams alone at well under the memory's speed: on this 2-core VM one core is
-// often slowed by the host, and the 1B shape's float32 decode ran 1.2x faster with the halves rebalanced (measured in
-// BENCHMARKS.md). Every tile is still computed once, by one thread, in the same order: the bits don't change.
+// for the slower thread, which then streams alone at well under the memory's speed. On a 2-core VM, where the host
+// often slows one core, the 1B shape's float32 decode ran 1.07x (a fast hour) to 1.28x (a slow one) faster, SmolLM2's
+// 1.03-1.08x, the quantized modes the same (BENCHMARKS.md). Every tile is still computed once, by one thread, in the
+// same order: the bits don't change.
 struct alignas(64) Share { std::atomic<uint64_t> range; };  // [front, back) in tiles: front in the low 32 bits
 inline uint64_t pack(uint64_t front, uint64_t back) { return front | back << 32; }
 inline uint64_t front_of(uint64_t range) { return range & 0xffffffffu; }
