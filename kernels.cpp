@@ -75,17 +75,16 @@ void for_each_tile_shared(int64_t tiles, int64_t block, Tile tile) {
           continue;
         }
         int victim = -1;  // ours is done: the largest share left, if worth splitting
-        uint64_t most = 2 * block;
+        uint64_t seen = 0, most = 2 * block;
         for (int i = 0; i < threads; ++i) {
           uint64_t other = shares[i].range.load();
-          if (back_of(other) > front_of(other) + most) most = back_of(other) - front_of(other), victim = i;
+          uint64_t left = back_of(other) - std::min(front_of(other), back_of(other));
+          if (left > most) most = left, victim = i, seen = other;
         }
         if (victim < 0) break;
-        uint64_t other = shares[victim].range.load(), of = front_of(other), ob = back_of(other);
-        if (ob <= of + 2 * block) continue;
-        uint64_t middle = of + (ob - of + 1) / 2;
-        if (shares[victim].range.compare_exchange_strong(other, pack(of, middle)))
-          mine = pack(middle, ob);  // nobody else writes an empty share
+        uint64_t middle = front_of(seen) + (back_of(seen) - front_of(seen) + 1) / 2;
+        if (shares[victim].range.compare_exchange_strong(seen, pack(front_of(seen), middle)))  // unless it moved
+          mine = pack(middle, back_of(seen));  // nobody else writes an empty share
       }
     }
   });
