@@ -7,6 +7,7 @@ Warm-up first (its extra time over a measured run is reported as compile_s), the
 prefill of --prompt-len tokens and --gen-len decode steps at --batch-size; medians with min..max spread.
 Bytes per token counts the weights one decode step reads (every linear and norm, the head; not the embedding table,
 of which a step reads one row); bandwidth = bytes per token x decode steps per second, as gpt-fast reports it.
+Stands on session.py (loading as chat.py does) and generate.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ import time
 import torch
 
 import dense
+import families
 import generate
+import kernels
+import quantized
+import session
+import speculative
+import tp
+from checkpoint import atomic_write
 
 IMPORTED = time.perf_counter()
 
@@ -45,11 +53,9 @@ PEAK_BANDWIDTH_GBS = {"H200": 4800, "H100": 3350, "A100": 2039, "L4": 300, "RTX 
 def shape_config(name: str) -> dense.DenseConfig:
     spec = SHAPES[name]
     if spec == "openelm":  # OpenELM-1_1B's per-layer widths, derived as its config does
-        import convert
-
         raw = dict(num_transformer_layers=28, model_dim=2048, head_dim=64, num_gqa_groups=4, ffn_multipliers=(0.5, 4.0),
                    qkv_multipliers=(0.5, 1.0), ffn_dim_divisor=256)
-        heads, kv, ffn = convert.openelm_widths(raw, name)
+        heads, kv, ffn = families.openelm_widths(raw, name)
         return dense.DenseConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=28, num_attention_heads=heads,
                                  num_key_value_heads=kv, head_dim=64, intermediate_size=ffn, rope_precision="float32",
                                  norm_eps=1e-6, qk_norm="shared", attn_output_gate=False, tie_word_embeddings=True)
@@ -75,9 +81,7 @@ def random_model(name: str, device, dtype) -> dense.DenseDecoder:
                 p.zero_()
             else:
                 p.normal_(0, 0.02, generator=generator)
-    import quantize
-
-    return quantize.swap_linears(model, None, {}).eval()  # full precision through kernels.py, as from_pretrained
+    return quantized.swap_linears(model, None, {}).eval()  # full precision through kernels.py, as from_pretrained
 
 
 def weight_bytes(model: dense.DenseDecoder) -> int:
@@ -146,8 +150,6 @@ def prompts(model, batch: int, lengths: tuple[int, int], seed: int, given: list[
 def attended(model, last: int, compile: bool) -> int:
     """Cache slots the last decode step attended over: its bucket, or the slots in use (eager steps, and the CPU
     cache whose attention reads only those)."""
-    import kernels
-
     if not compile or isinstance(model.layers[0].attn.kv_cache, kernels.KVCache):
         return last
     return generate.attend_width(model, last)
@@ -160,8 +162,9 @@ def one_run(model, steps, batch: int, lengths: tuple[int, int], gen_len: int, se
     stats = {}
     sync(device)
     start = time.perf_counter()
-    tokens = generate.generate_tokens(model, prompt, gen_len, steps=steps, draft=draft, speculate_k=speculate_k,
-                                      stats=stats)
+    tokens = (generate.generate_tokens(model, prompt, gen_len, steps=steps) if draft is None else
+              speculative.generate_tokens(model, prompt, gen_len, draft, steps=steps, speculate_k=speculate_k,
+                                          stats=stats))
     first = next(tokens)
     first.cpu()
     ttft = time.perf_counter() - start
@@ -277,14 +280,12 @@ def save_plot(path: str, draw) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install -e '.[plot]'") from None
-    import convert
-
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     draw(ax)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     try:
-        convert.atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
     finally:
         plt.close(fig)
 
@@ -352,8 +353,6 @@ def table(result: dict, title: str):
 def main(args, console, ckpt: str | None) -> int:
     """chat.py --bench: args are chat.py's parsed arguments; the same defaults as chat (quant auto, compile, the
     model's whole context as the cache)."""
-    import chat
-
     device = torch.device(args.device)
     prompt_ids = None
     with console.status("Loading..."):
@@ -361,19 +360,17 @@ def main(args, console, ckpt: str | None) -> int:
             model = random_model(args.shape, device, args.dtype)
             quant, reason = (None, "random weights") if args.quant in ("auto", "none") else (args.quant, "--quant")
             if quant:
-                import quantize
-
-                model = quantize.quantize_model(model, quant)
+                model = quantized.quantize_model(model, quant)
             title = f"{args.shape} (random weights)"
         else:
-            model, line = chat.load_model(ckpt, args, console)
+            model, line = session.load_model(ckpt, args, console)
             quant, reason = line.split(" (", 1)[0].removeprefix("weights: "), line.split(" (", 1)[1].rstrip(")")
             title = ckpt
             if args.prompt is not None:  # a real prompt (prompt lookup needs one): its ids, as one-shot would
-                vocab = chat.load_vocabulary(ckpt, args.tokenizer)
-                prompt_ids = chat.prompt_ids(vocab, chat.prompt_text(args), chat.prompt_mode(args, vocab, ckpt),
+                vocab = session.load_vocabulary(ckpt, args.tokenizer)
+                prompt_ids = session.prompt_ids(vocab, session.prompt_text(args), session.prompt_mode(args, vocab, ckpt),
                                              args.system)
-    draft = chat.make_draft(args, model, console)
+    draft = session.make_draft(args, model, console)
     check_plot_path(args.plot)
     with console.status("Benchmarking...") as status:
         result = run_benchmark(model, batch=args.batch_size or 1, prompt_len=args.prompt_len, gen_len=args.gen_len,
@@ -382,8 +379,6 @@ def main(args, console, ckpt: str | None) -> int:
                                cache_len=args.max_seq_len, progress=lambda s: status.update(f"Benchmarking: {s}"),
                                prompt_ids=prompt_ids, draft=draft, speculate_k=args.speculate_k)
     result["model"], result["quant_reason"] = title, reason
-    import tp
-
     if tp.world()[1] > 1:  # tensor parallel: what each rank holds
         result["rank_weight_bytes"] = tp.gather(stored_bytes(model))
         result["rank_peak_mem_bytes"] = tp.gather(peak_memory(device))

@@ -3,7 +3,7 @@
 Read it top to bottom:
   1. DenseConfig: every architectural switch the supported families need (defaults = the ShellElastic model).
   2. The layers: norms, rotary embeddings, the static KV cache, attention, MLP, the decoder block.
-  3. DenseDecoder: the model, its cache, and loading a checkpoint in one downward pass.
+  3. DenseDecoder: the model, its cache, and filling it from a table of checkpoint tensors.
   4. Sampling: logits -> next token, on the device, without a host sync.
 
 How generation uses it (generate.py): a prefill writes the prompt's keys and values into the cache, then each decode
@@ -11,8 +11,9 @@ step feeds one token at a fixed shape. A step attends over a fixed number of cac
 torch.compile turns it into one graph per slot count, replayed for every token.
 
 Shapes: B batch, T tokens in this call, S cache length, A slots attended, H query heads, K key/value heads,
-D head_dim, C hidden size. Foreign checkpoint layouts (Sprout, GermanGPT, OpenELM, GPT-NeoX, Llama, GGUF) are mapped
-in convert.py; quantized linears live in quantize.py; this file only knows its own tensor names.
+D head_dim, C hidden size. This file imports nothing of the project but torch: foreign checkpoint layouts are mapped to
+its tensor names in families.py and gguf_import.py, quantized linears live in quantized.py, and load.py puts a
+checkpoint into a model (load.from_pretrained); generate.py runs it.
 """
 
 from __future__ import annotations
@@ -482,35 +483,6 @@ class DenseDecoder(nn.Module):
         return logits, loss
 
     # -- loading ---------------------------------------------------------------------------------------------------
-
-    @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype: torch.dtype | None = None,
-                        quant: str | None = None, shard: Callable | None = None) -> "DenseDecoder":
-        """Load a checkpoint folder (or file) in one pass: read the checkpoint (convert.py: the native format and
-        every foreign layout) -> build the model on the meta device -> swap in quantized linears when asked
-        (quantize.py) -> read each tensor (memory-mapped), check it, cast it and move it to `device`, one at a time.
-        dtype=None: the checkpoint's declared torch_dtype, else float32. quant=None loads what is stored (the
-        full-precision weights, or the only quantized variant of a folder that has no other); "int8" | "int4" |
-        "nf4" | "llm.int8" loads that variant (saved by quantize.py, else quantized tensor by tensor as it loads);
-        "auto" picks what quantize.auto_mode says; "none" forces full precision. shard: tensor parallel's hook
-        (tp.py), (checkpoint, tensors, mode) -> one rank's config and tensor slices."""
-        import convert
-        import kernels
-        import quantize
-
-        checkpoint = convert.read_checkpoint(path)
-        dtype = dtype or checkpoint.dtype or torch.float32
-        mode, params, tensors = quantize.select(checkpoint, quant)
-        config = checkpoint.config
-        if shard is not None:
-            config, tensors = shard(checkpoint, tensors, mode)
-        check_fits(config, dtype, torch.device(device), checkpoint.path, quantize.BYTES_PER_WEIGHT.get(mode))
-        with torch.device("meta"):
-            model = cls(config)
-        quantize.swap_linears(model, mode, params)  # quantized linears, or kernels.Linear for full precision
-        model.load_tensors(tensors, device, dtype, source=checkpoint.path)
-        kernels.place_weights(model)  # huge pages for the weights a decode step streams (CPU)
-        return model
 
     def fused_parts(self, module_name: str) -> dict[str, int]:
         """{checkpoint prefix: rows} of the tensors a module is stacked from (itself alone for most modules)."""

@@ -7,6 +7,7 @@ so the weights match the Hugging Face layout, rotate-half pairs (i, i + D/2). Th
 
 Tokenizer: `tokenizer.ggml.*` (tokens, merges, token types, bos/eos, the pre-tokenizer) rebuilt as a Hugging Face
 `tokenizers` tokenizer; the chat template is kept for tokenizer_config.json.
+Stands on dense.py, checkpoint.py and quantized.py (int4's stored layout); convert.py dispatches .gguf files here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import math
 import numpy as np
 import torch
 
+import quantized
+from checkpoint import Checkpoint
 from dense import CheckpointError, DenseConfig
 
 # Token texts that end a turn in common chat formats (llama.cpp recognises them the same way).
@@ -54,8 +57,6 @@ def read_gguf(path: str):
     """A GGUF file of architecture llama as a convert.Checkpoint: the weights dequantized with gguf's own dequantizer,
     each tensor's GGUF type, and for Q4_0 / Q4_1 linears their blocks as int4-g32 tensors (exact_int4_tensors)."""
     import gguf
-
-    from convert import Checkpoint
 
     reader = open_gguf(path)
     arch = field(reader, "general.architecture", path=path)
@@ -131,8 +132,6 @@ def int4_tensors(t, shape: tuple[int, ...], permute_heads: int | None, path: str
     """A Q4_0 / Q4_1 tensor's blocks as int4-g32's stored tensors, exactly: Q4_1 blocks are {d, m, 16 bytes} with
     w = d * q + m, Q4_0 blocks are {d, 16 bytes} with w = d * (q - 8) = d * q + (-8 d); byte j of a block holds q[j]
     in its low nibble and q[j + 16] in its high one."""
-    import quantize
-
     rows, cols = shape
     header = 4 if t.tensor_type.name == "Q4_1" else 2
     blocks = np.asarray(t.data, dtype=np.uint8).reshape(-1, header + 16)
@@ -144,7 +143,7 @@ def int4_tensors(t, shape: tuple[int, ...], permute_heads: int | None, path: str
     codes = torch.cat((packed & 15, packed >> 4), dim=1).reshape(rows, cols)
     if permute_heads:
         codes, d, m = (unpermute(x, permute_heads) for x in (codes, d, m))
-    return quantize.int4_pack(codes, d, m)
+    return quantized.int4_pack(codes, d, m)
 
 
 # ----------------------------------------------------------------------------------------------------------------

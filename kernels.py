@@ -13,7 +13,7 @@ The library is compiled on first use with the system C++ compiler against the in
 $XDG_CACHE_HOME/dense-engine/kernels/ (or ~/.cache/...), keyed by the source, torch version and CPU, and loaded
 into later processes as is. Without a compiler, or on a CPU without AVX-512 VNNI, everything runs on PyTorch's own
 kernels (`DENSE_KERNELS=0` forces that). Needs AVX-512 with VNNI and BF16 (AMD Zen 4 and later, Intel Sapphire
-Rapids and later).
+Rapids and later). Stands on dense.py (its KV cache, which this file's CPU cache subclasses).
 """
 
 from __future__ import annotations

@@ -8,13 +8,14 @@ fixed shape, compiled once) and keeps the longest prefix it agrees with, plus on
     draft = speculative.ModelDraft(small_model)                   # a separate small model, same tokenizer
     draft = speculative.ModelDraft(speculative.quantized_copy(target, "int4"))   # self-speculation
     draft = speculative.LookupDraft(max_ngram=3)                   # prompt lookup: copies from the context
-    out = generate.generate(target, ids, 128, draft=draft, speculate_k=4)
+    out = speculative.generate(target, ids, 128, draft, speculate_k=4)    # as generate.generate, with a draft
 
 Greedy: a draft token is kept when it is the target's argmax, so the output is plain greedy decoding's, token for
 token. Sampling: the standard rule (Leviathan et al. 2023): keep draft token x with probability min(1, p(x) / q(x)),
 else draw from max(0, p - q) renormalized; q is one-hot for a deterministic draft (prompt lookup). The output
 distribution is the target's. Rejected positions stay in the caches and are overwritten when decoding reaches them
 (a step attends only to positions up to its own), so nothing is copied or rolled back.
+Stands on generate.py (its Runner runs the target's and the draft's steps) and quantized.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import copy
 import torch
 
 import dense
+import quantized
+from generate import Runner, Sampling, Steps, collect, prepare, setup_cache, steps_for
 
 
 class ModelDraft:
@@ -40,8 +43,6 @@ class ModelDraft:
 
     def attach(self, target_runner) -> None:
         """Take the target's cache length and compile setting (called by generate_tokens)."""
-        import generate
-
         target, model = target_runner.model, self.model
         if model.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"the draft's vocabulary ({model.config.vocab_size}) is not the target's "
@@ -50,11 +51,11 @@ class ModelDraft:
             raise ValueError(f"the draft's context ({model.config.max_position_embeddings}) is shorter than the "
                              f"target's cache ({target.max_seq_len})")
         if model.max_seq_len != target.max_seq_len:
-            generate.setup_cache(model, 1, target.max_seq_len)
+            setup_cache(model, 1, target.max_seq_len)
             self.cached = []
-        steps = None if target_runner.steps is None else generate.steps_for(model)
+        steps = None if target_runner.steps is None else steps_for(model)
         if self.runner is None or self.runner.steps is not steps:
-            self.runner = generate.Runner(model, steps)
+            self.runner = Runner(model, steps)
 
     def sync(self, context: list[int]) -> torch.Tensor:
         """Feed the tokens of `context` its cache lacks (a new prompt, or the target's last accepted tokens);
@@ -123,8 +124,6 @@ class LookupDraft:
 def quantized_copy(model: dense.DenseDecoder, mode: str) -> dense.DenseDecoder:
     """Self-speculation's draft: the target's weights quantized in memory (no second read from disk); the embedding
     table is shared, not copied."""
-    import quantize
-
     embedding = model.embed_tokens
     model.embed_tokens = None  # keep the table out of the deep copy
     try:
@@ -135,7 +134,7 @@ def quantized_copy(model: dense.DenseDecoder, mode: str) -> dense.DenseDecoder:
     for layer in draft.layers:
         layer.attn.kv_cache = None
     draft.max_batch_size = draft.max_seq_len = 0
-    return quantize.quantize_model(draft, mode)
+    return quantized.quantize_model(draft, mode)
 
 
 def accept(target_logits: torch.Tensor, draft_tokens: list[int], q: torch.Tensor | None, sampling
@@ -162,15 +161,23 @@ def accept(target_logits: torch.Tensor, draft_tokens: list[int], q: torch.Tensor
     return draft_tokens + [int(torch.multinomial(p[k], 1))], k
 
 
-def generate(runner, draft, ids: torch.Tensor, start_pos: int, max_new_tokens: int, sampling, k: int,
-             stats: dict | None, context: list[int] | None = None):
-    """Yield new tokens [1, 1] one by one, k at a time from the draft and checked by the target (see the module's
-    docstring). context: the tokens already in the target's cache at 0..start_pos - 1 (a chat's conversation)."""
+@torch.no_grad()
+def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, draft, *, speculate_k: int = 4,
+                    temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                    compile: bool = False, start_pos: int = 0, vocab_limit: int | None = None,
+                    steps: Steps | None = None, stats: dict | None = None,
+                    context: list[int] | None = None):
+    """generate.generate_tokens with a draft: yield new tokens [1, 1] one by one, k at a time from the draft and
+    checked by the target (see the module's docstring). stats gets proposed / accepted / target_steps; context: the
+    tokens already in the target's cache at 0..start_pos - 1 (a chat's conversation), which a draft model needs to
+    follow it."""
+    runner, ids, _ = prepare(model, prompts, max_new_tokens, start_pos, compile, steps)
+    sampling = Sampling(temperature, top_k, top_p, vocab_limit)
     if ids.shape[0] != 1:
         raise ValueError("speculative decoding runs at batch 1")
+    k = speculate_k
     if k < 1:
         raise ValueError(f"speculate_k must be at least 1, got {k}")
-    model = runner.model
     device = ids.device
     context = (list(context) if context is not None else [0] * start_pos) + ids[0].tolist()
     if len(context) != start_pos + ids.shape[1]:
@@ -202,3 +209,13 @@ def generate(runner, draft, ids: torch.Tensor, start_pos: int, max_new_tokens: i
             yield torch.tensor([[t]], device=device)
             context.append(t)
             produced += 1
+
+
+@torch.no_grad()
+def generate(model: dense.DenseDecoder, prompts, max_new_tokens: int, draft, *, speculate_k: int = 4,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, eos_id=None,
+             compile: bool = False, vocab_limit: int | None = None, stats: dict | None = None):
+    """generate.generate with a draft: the same result (greedy: token for token), in fewer target steps."""
+    tokens = generate_tokens(model, prompts, max_new_tokens, draft, speculate_k=speculate_k, temperature=temperature,
+                             top_k=top_k, top_p=top_p, compile=compile, vocab_limit=vocab_limit, stats=stats)
+    return collect(tokens, prompts, eos_id, model.device)

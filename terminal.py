@@ -6,6 +6,7 @@ history is kept in the cache folder. A pasted block of several lines is one mess
 terminal when one is read belong to it. To type several lines, end each but the last with a backslash.
 Output: on a terminal, a reply is rendered as Markdown (code highlighted) in a rich Live view that redraws as tokens
 arrive, with a dim status line under it; piped, on a dumb terminal, or with --plain it streams as plain text.
+Imports nothing of the project (readline, termios and rich only).
 """
 
 from __future__ import annotations

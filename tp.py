@@ -15,8 +15,8 @@ A rank's shard, per block (rank r of N):
   embedding, norms, output head: replicated (whole logits on every rank, no gather; every rank samples the same token
       from the same logits with the same seed).
 dense.py knows none of this: a shard is an ordinary DenseDecoder whose config has H/N heads and W/N FFN width per
-layer, loaded through dense's one hook (`shard=` in from_pretrained), and DecoderLayer.reduce is the all-reduce
-(a functional collective, so a compiled step stays one graph).
+layer, loaded through the loader's one hook (`shard=` in load.from_pretrained), and DecoderLayer.reduce is the
+all-reduce (a functional collective, so a compiled step stays one graph). Stands on dense.py, families.py and load.py.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 import dense
+import families
+import load
 from dense import CheckpointError
 
 
@@ -186,7 +188,7 @@ def slicer(name: str, config: dense.DenseConfig, shards: list[LayerShard], rank:
 
 
 def shard(rank: int, size: int) -> Callable:
-    """dense.DenseDecoder.from_pretrained's `shard` hook: (config, {name: thunk}, mode) -> this rank's config and
+    """load.from_pretrained's `shard` hook: (config, {name: thunk}, mode) -> this rank's config and
     thunks that read only its slices (memory-mapped tensors: only the pages of those slices are read)."""
 
     def hook(checkpoint, tensors: dict, mode: str | None):
@@ -201,9 +203,8 @@ def shard(rank: int, size: int) -> Callable:
         if problem:
             raise CheckpointError(f"{checkpoint.path}: {problem} (torchrun --nproc-per-node {size})")
         if size == 2 and mode in (None, "none") and glob.glob(os.path.join(checkpoint.path, "global_step*")):
-            import convert  # GPT-NeoX's original two-way release: rank r reads shard r's files, merges nothing
-
-            return shard_config(config, shards), convert.neox_original(checkpoint.path, rank)[1]
+            # GPT-NeoX's original two-way release: rank r reads shard r's files, merges nothing
+            return shard_config(config, shards), families.neox_original(checkpoint.path, rank)[1]
         sliced = {}
         for name, thunk in tensors.items():
             cut = slicer(name, config, shards, rank, mode)
@@ -223,7 +224,7 @@ def all_reduce(y: torch.Tensor) -> torch.Tensor:
 def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant: str | None = None):
     """This rank's shard of the checkpoint at path (every process of the group calls it)."""
     rank, size = world()
-    model = dense.DenseDecoder.from_pretrained(path, device=device, dtype=dtype, quant=quant, shard=shard(rank, size))
+    model = load.from_pretrained(path, device=device, dtype=dtype, quant=quant, shard=shard(rank, size))
     if size > 1:
         for layer in model.layers:
             layer.reduce = all_reduce

@@ -11,9 +11,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import dense
+import dense  # noqa: E402
 import generate  # noqa: E402
 import gguf_import  # noqa: E402
+import load  # noqa: E402
+import session  # noqa: E402
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It was 1999, and 42 people cheered!",
@@ -43,7 +45,7 @@ def main(path: str) -> int:
     print(f"tokenizer: {len(TEXTS) - mismatches}/{len(TEXTS)} texts give identical ids")
 
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    model = dense.DenseDecoder.from_pretrained(path, dtype=torch.float32)
+    model = load.from_pretrained(path, dtype=torch.float32)
     ids = torch.tensor([ours.encode(TEXTS[0] + " " + TEXTS[1]).ids])
     with torch.no_grad():
         ref = hf(ids).logits.float()
@@ -70,6 +72,5 @@ if __name__ == "__main__":
         sys.exit(main(sys.argv[1]))
     import tempfile
 
-    import chat
 
-    sys.exit(main(chat.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-compare-"))))
+    sys.exit(main(session.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-compare-"))))

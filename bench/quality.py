@@ -22,7 +22,10 @@ from safetensors import safe_open
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dense  # noqa: E402
+import load  # noqa: E402
 import quantize  # noqa: E402
+import quantized  # noqa: E402
+import session  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = [("int8", 32, False), ("int4", 32, False), ("int4", 64, False), ("int4", 128, False), ("nf4", 32, False),
@@ -31,7 +34,7 @@ VARIANTS = [("int8", 32, False), ("int4", 32, False), ("int4", 64, False), ("int
 
 def quantized_fraction(path: str, full: dense.DenseDecoder) -> float:
     """Bytes of the quantized layers (block linears and head) over the same layers' weights in bfloat16."""
-    layers = set(quantize.layer_modes(full, "int8"))
+    layers = set(quantized.layer_modes(full, "int8"))
     numel = sum(full.get_submodule(name).weight.numel() for name in layers)
     stored = 0
     with safe_open(path, "pt") as f:
@@ -48,15 +51,15 @@ def shape_sizes(name: str) -> int:
     import benchmark
 
     full = benchmark.random_model(name, torch.device("cpu"), torch.bfloat16)
-    layers = set(quantize.layer_modes(full, "int8"))
+    layers = set(quantized.layer_modes(full, "int8"))
     numel = sum(full.get_submodule(n).weight.numel() for n in layers)
     for mode, group, dq in VARIANTS:
         if mode == "llm.int8":
             continue
         stored = 0
-        for layer, layer_mode in quantize.layer_modes(full, mode).items():
+        for layer, layer_mode in quantized.layer_modes(full, mode).items():
             w = full.get_submodule(layer).weight
-            parts = quantize.LINEARS[layer_mode].stored(w, group_size=group, double_quant=dq and layer_mode == "nf4")
+            parts = quantized.LINEARS[layer_mode].stored(w, group_size=group, double_quant=dq and layer_mode == "nf4")
             stored += sum(t.numel() * t.element_size() for t in parts.values())
         print(f"{name} {mode}{f'-g{group}' if mode == 'int4' else ''}{'-dq' if dq else ''}: quantized layers {stored / (2 * numel):.3f}x "
               f"of bfloat16 ({numel / 1e6:.0f}M weights)", flush=True)
@@ -76,13 +79,11 @@ def main() -> int:
     from rich.table import Table
     from tokenizers import Tokenizer
 
-    import chat
-
     console = Console(stderr=args.json)
-    ckpt = args.ckpt or chat.default_checkpoint(console)
+    ckpt = args.ckpt or session.default_checkpoint(console)
     tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
     ids = torch.tensor([tok.encode(open(args.text).read()).ids])
-    full = dense.DenseDecoder.from_pretrained(ckpt)
+    full = load.from_pretrained(ckpt)
     with torch.no_grad():
         ref_logits, ref_loss = full(ids[:, :-1], labels=ids[:, 1:])
     ref_top1 = ref_logits.argmax(-1)
@@ -96,7 +97,7 @@ def main() -> int:
                 console.print(f"[dim]{mode} g{group}: {e}[/dim]")
                 continue
             size = quantized_fraction(path, full)
-            model = dense.DenseDecoder.from_pretrained(out, quant=mode)
+            model = load.from_pretrained(out, quant=mode)
             with torch.no_grad():
                 logits, loss = model(ids[:, :-1], labels=ids[:, 1:])
         ppl = math.exp(loss)

@@ -21,7 +21,9 @@ sys.path.insert(0, ROOT)
 
 import chat  # noqa: E402
 import generate  # noqa: E402
+import session  # noqa: E402
 import speculative  # noqa: E402
+from steps import Steps  # noqa: E402
 
 PARAGRAPH = ("The quick brwn fox jumpd over the lazy dog. It was a sunny day in the vilage, and the childen were "
              "playing in the park near the rivr. Their parents sat on the benchs, talking about the wether and the "
@@ -36,8 +38,10 @@ def run(model, ids, max_new, steps, stops, draft=None, k=4):
     stats = {}
     tokens = []
     start = time.perf_counter()
-    for i, t in enumerate(generate.generate_tokens(model, torch.tensor([ids]), max_new, steps=steps, draft=draft,
-                                                   speculate_k=k, stats=stats)):
+    ids = torch.tensor([ids])
+    tokens_out = (generate.generate_tokens(model, ids, max_new, steps=steps) if draft is None else
+                  speculative.generate_tokens(model, ids, max_new, draft, steps=steps, speculate_k=k, stats=stats))
+    for i, t in enumerate(tokens_out):
         t = int(t)
         if i == 0:
             first = time.perf_counter()
@@ -62,12 +66,12 @@ def main() -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
-    ckpt = args.ckpt or chat.default_checkpoint(console)
+    ckpt = args.ckpt or session.default_checkpoint(console)
     flags = chat.parse_args(["--ckpt", ckpt, "--quant", args.quant])
-    model, why = chat.load_model(ckpt, flags, console)
-    vocab = chat.load_vocabulary(ckpt, None)
+    model, why = session.load_model(ckpt, flags, console)
+    vocab = session.load_vocabulary(ckpt, None)
     generate.setup_cache(model, 1, model.config.max_position_embeddings)  # chat.py's default cache
-    steps = generate.Steps(model)
+    steps = Steps(model)
     self_draft = speculative.ModelDraft(speculative.quantized_copy(model, args.draft_quant))
     configs = [("plain", None, 1)]
     configs += [] if args.no_self_draft else [(f"{args.draft_quant} self-draft", self_draft, k) for k in args.k]
@@ -76,7 +80,7 @@ def main() -> int:
     print(f"{'prompt':9} {'draft':22} {'k':>2} {'tok/s':>7} {'vs plain':>8} {'accepted':>8} {'tok/step':>8} "
           f"{'tokens':>6} same")
     for name, text in PROMPTS.items():
-        ids = chat.prompt_ids(vocab, text, "chat", None)
+        ids = session.prompt_ids(vocab, text, "chat", None)
         plain = None
         for label, draft, k in configs:
             run(model, ids, args.max_new, steps, vocab.stop_ids, draft, k)  # warm-up: load or compile the steps

@@ -21,13 +21,13 @@ SHAPES = {"SmolLM2-135M": (49152, 576), "TinyLlama-1.1B": (32000, 2048)}
 
 def head(mode: str, vocab: int, hidden: int):
     import kernels
-    import quantize
+    import quantized
 
     if mode == "float32":
         layer = kernels.Linear(hidden, vocab, bias=False) if kernels.available() else torch.nn.Linear(hidden, vocab,
                                                                                                        bias=False)
         return layer.requires_grad_(False)
-    cls = {"int8": quantize.Int8Linear, "int4": quantize.Int4Linear}[mode]
+    cls = {"int8": quantized.Int8Linear, "int4": quantized.Int4Linear}[mode]
     layer = cls(hidden, vocab, False)
     for name, t in cls.stored(torch.randn(vocab, hidden) * 0.02).items():
         getattr(layer, name).copy_(t)

@@ -47,7 +47,7 @@ def random_model(context: int = 512, seed: int = 0, **overrides):
     """A small random-weight model (GQA, q/k norm, output gate) with a longer context than the fixtures, whose full
     precision linears run kernels.py as from_pretrained's do."""
     import dense
-    import quantize
+    import quantized
 
     torch.manual_seed(seed)
     config = dense.DenseConfig(**{"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -58,4 +58,4 @@ def random_model(context: int = 512, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-    return quantize.swap_linears(model.requires_grad_(False), None, {}).eval()
+    return quantized.swap_linears(model.requires_grad_(False), None, {}).eval()

@@ -6,7 +6,7 @@ import torch
 
 import generate
 from conftest import expected, fixture_path, rel_err
-from dense import DenseDecoder
+from load import from_pretrained
 
 LENGTHS = [7, 1, 12, 4]  # row 1 is a single token
 
@@ -22,7 +22,7 @@ def alone(model, prompt, n, **kw):
 
 @pytest.mark.parametrize("layout", ["llama", "gptneox", "openelm"])
 def test_each_row_of_a_ragged_batch_equals_its_prompt_alone(layout):
-    model = DenseDecoder.from_pretrained(fixture_path(layout))
+    model = from_pretrained(fixture_path(layout))
     prompts = prompts_of(layout)
     want = [alone(model, p, 20) for p in prompts]
     got = generate.generate(model, prompts, 20)
@@ -33,7 +33,7 @@ def test_each_row_of_a_ragged_batch_equals_its_prompt_alone(layout):
 @pytest.mark.slow
 def test_compiled_ragged_batch_equals_prompts_alone(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    model = DenseDecoder.from_pretrained(fixture_path("llama"))
+    model = from_pretrained(fixture_path("llama"))
     prompts = prompts_of("llama")
     want = [alone(model, p, 20) for p in prompts]  # eager, batch 1
     got = generate.generate(model, prompts, 20, compile=True)
@@ -42,7 +42,7 @@ def test_compiled_ragged_batch_equals_prompts_alone(tmp_path, monkeypatch):
 
 
 def test_rows_stop_at_their_own_eos_while_the_others_go_on():
-    model = DenseDecoder.from_pretrained(fixture_path("llama"))
+    model = from_pretrained(fixture_path("llama"))
     prompts = prompts_of("llama")
     free = [alone(model, p, 20) for p in prompts]
     eos = int(free[1][3])  # the fourth token of the one-token row
@@ -56,7 +56,7 @@ def test_rows_stop_at_their_own_eos_while_the_others_go_on():
 
 @pytest.mark.parametrize("layout", ["llama", "gptneox"])
 def test_padding_never_changes_a_rows_logits(layout):
-    model = DenseDecoder.from_pretrained(fixture_path(layout))
+    model = from_pretrained(fixture_path(layout))
     prompts = prompts_of(layout)
     ids, row_start, lengths = generate.as_batch(prompts, model.device)
     model.setup_cache(len(prompts), 64)
@@ -79,7 +79,7 @@ def test_padding_never_changes_a_rows_logits(layout):
 
 
 def test_sampled_ragged_batch_is_reproducible_with_a_seed():
-    model = DenseDecoder.from_pretrained(fixture_path("llama"))
+    model = from_pretrained(fixture_path("llama"))
     prompts = prompts_of("llama")
     torch.manual_seed(3)
     a = generate.generate(model, prompts, 12, temperature=1.0, top_k=50)

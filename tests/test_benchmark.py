@@ -10,6 +10,7 @@ import torch
 
 import benchmark
 import dense
+import load
 from conftest import ROOT, fixture_path
 
 KEYS = {"decode_tok_s", "prefill_tok_s", "ttft_s", "compile_s", "bytes_per_token", "bandwidth_gbs", "mbu",
@@ -29,7 +30,7 @@ def test_json_has_every_key_and_consistent_numbers():
     assert KEYS <= set(r)
     assert (r["batch_size"], r["prompt_len"], r["gen_len"], r["quant"], r["dtype"]) == (2, 8, 12, "none", "float32")
     # the llama fixture ties its head to the embedding: every parameter is read once per decode step
-    model = dense.DenseDecoder.from_pretrained(fixture_path("llama"))
+    model = load.from_pretrained(fixture_path("llama"))
     assert r["bytes_per_token"] == sum(p.numel() * 4 for p in model.parameters())
     assert r["bandwidth_gbs"] == pytest.approx(r["bytes_per_token"] * r["decode_tok_s"] / 2 / 1e9)
     assert r["mbu"] == pytest.approx(r["bandwidth_gbs"] / 100)
@@ -45,7 +46,7 @@ def test_mbu_is_null_without_a_known_peak():
     r = bench("--ckpt", fixture_path("gptneox"), "--prompt-len", 4, "--gen-len", 4, "--runs", 1, "--quant", "int8")
     assert r["mbu"] is None and r["quant"] == "int8"
     # untied: the embedding table is not read by a decode step, the int8 head is
-    model = dense.DenseDecoder.from_pretrained(fixture_path("gptneox"), quant="int8")
+    model = load.from_pretrained(fixture_path("gptneox"), quant="int8")
     assert r["bytes_per_token"] == sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
                                        if n != "embed_tokens.weight")
 

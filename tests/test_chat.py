@@ -12,10 +12,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-import chat
 import convert
 import dense
 import generate
+import load
+import session
 from conftest import FIXTURES, ROOT
 
 CHAT = os.path.join(ROOT, "chat.py")
@@ -29,7 +30,7 @@ def run_chat(*args, stdin=None):
 
 def expected_text(ckpt, ids, max_new, stop_ids):
     """generate.generate's greedy tokens after ids, cut at the first stop id, decoded."""
-    model = dense.DenseDecoder.from_pretrained(ckpt)
+    model = load.from_pretrained(ckpt)
     out = generate.generate(model, torch.tensor([ids]), max_new)[0, len(ids):].tolist()
     for i, t in enumerate(out):
         if t in stop_ids:
@@ -118,11 +119,11 @@ def byte_tokenizer() -> Tokenizer:
 
 
 def test_streaming_never_shows_broken_characters():
-    vocab = chat.Vocabulary(byte_tokenizer())
+    vocab = session.Vocabulary(byte_tokenizer())
     text = "naïve 日本語 🙂 ok"
     ids = vocab.encode(text, special=False)
     assert len(ids) == len(text.encode("utf-8"))  # multi-byte characters really are split across tokens
-    stream = chat.TextStream(vocab)
+    stream = session.TextStream(vocab)
     pieces = [stream.push(t) for t in ids] + [stream.finish()]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == vocab.decode(ids) == text
@@ -137,16 +138,16 @@ def test_padded_vocabulary_is_never_sampled(tmp_path):
     ckpt = tmp_path / "padded"
     shutil.copytree(os.path.join(FIXTURES, "shellelastic"), ckpt)
     byte_tokenizer().save(str(ckpt / "tokenizer.json"))
-    model = dense.DenseDecoder.from_pretrained(ckpt)
+    model = load.from_pretrained(ckpt)
     torch.manual_seed(3)
     unrestricted = generate.generate(model, torch.tensor([[97, 98, 99]]), 120, temperature=2.0)
     assert (unrestricted >= 256).any()  # without the limit this model does pick padded ids
-    vocab = chat.load_vocabulary(str(ckpt), None)
+    vocab = session.load_vocabulary(str(ckpt), None)
     assert vocab.size == 256
     args = argparse.Namespace(max_seq_len=None, max_new_tokens=120, temperature=2.0, top_k=None, top_p=None,
                               compile=False, speculate_k=4)
     torch.manual_seed(3)
-    reply, _ = chat.Session(model, vocab, args).reply([97, 98, 99], lambda s: None)
+    reply, _ = session.Session(model, vocab, args).reply([97, 98, 99], lambda s: None)
     assert len(reply) == 120 and max(reply) < 256
     result = run_chat("--ckpt", ckpt, "--prompt", "abc", "--max-new-tokens", 60, "--temperature", 2.0, "--seed", 3)
     assert result.returncode == 0 and result.stdout  # and the program streams it
@@ -180,7 +181,7 @@ def prefilled(child) -> int:
 
 def test_chat_keeps_the_cache_across_turns():
     tok = Tokenizer.from_file(os.path.join(LLAMA, "tokenizer.json"))
-    vocab = chat.load_vocabulary(LLAMA, None)
+    vocab = session.load_vocabulary(LLAMA, None)
     child = spawn("--ckpt", LLAMA, "--temperature", "0", "--max-new-tokens", "6")
     child.expect(">>> ")
     child.sendline("hello")

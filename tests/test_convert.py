@@ -11,8 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import convert
+import families
 from conftest import FIXTURES, LAYOUTS, ROOT, expected, fixture_path, rel_err
-from dense import CheckpointError, DenseDecoder
+from dense import CheckpointError
+from load import from_pretrained
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -21,8 +23,8 @@ def test_converted_folder_loads_to_the_same_logits(layout, tmp_path):
     convert.convert(fixture_path(layout), str(dst))
     assert json.loads((dst / "config.json").read_text()).get("model_type", "dense") == "dense"
     ids = expected(layout)["input_ids"]
-    direct = DenseDecoder.from_pretrained(fixture_path(layout))(ids)
-    native = DenseDecoder.from_pretrained(dst)(ids)
+    direct = from_pretrained(fixture_path(layout))(ids)
+    native = from_pretrained(dst)(ids)
     assert torch.equal(direct, native)
     assert rel_err(native, expected(layout)["logits"]) < 1e-4
 
@@ -49,14 +51,14 @@ def test_cli_never_overwrites_without_force(tmp_path):
     assert result.stderr.strip().count("\n") == 0 and "--force" in result.stderr
     assert (dst / "model.safetensors").read_text() == "mine"
     assert run_cli(fixture_path("sprout"), dst, "--force").returncode == 0
-    assert DenseDecoder.from_pretrained(dst).config.hidden_size == 64
+    assert from_pretrained(dst).config.hidden_size == 64
     assert not [p for p in os.listdir(dst) if p.startswith(".tmp")]
 
 
 def test_cli_casts_dtype(tmp_path):
     assert run_cli(fixture_path("llama"), tmp_path / "bf", "--dtype", "bfloat16").returncode == 0
     assert load_file(tmp_path / "bf" / "model.safetensors")["norm.weight"].dtype == torch.bfloat16
-    assert DenseDecoder.from_pretrained(tmp_path / "bf").dtype == torch.bfloat16  # torch_dtype is the default
+    assert from_pretrained(tmp_path / "bf").dtype == torch.bfloat16  # torch_dtype is the default
 
 
 class Payload:
@@ -71,7 +73,7 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path, monkeypatch):
     folder.mkdir()
     torch.save({"model": {"x": Payload()}, "config": {"dim": 64}}, folder / "ckpt.pt")
     with pytest.raises(CheckpointError, match="refused to unpickle") as info:
-        DenseDecoder.from_pretrained(folder)
+        from_pretrained(folder)
     assert "ckpt.pt" in str(info.value) and "\n" not in str(info.value)
     assert not mark.exists()
 
@@ -93,10 +95,10 @@ def test_sharded_safetensors_index(tmp_path):
     index = {"weight_map": {k: s for s, keys in shards.items() for k in keys}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     ids = expected("llama")["input_ids"]
-    assert rel_err(DenseDecoder.from_pretrained(folder)(ids), expected("llama")["logits"]) < 1e-4
+    assert rel_err(from_pretrained(folder)(ids), expected("llama")["logits"]) < 1e-4
     os.remove(folder / "model-00002-of-00002.safetensors")
     with pytest.raises(CheckpointError, match="shard 'model-00002-of-00002.safetensors' is named in the index"):
-        DenseDecoder.from_pretrained(folder)
+        from_pretrained(folder)
 
 
 def test_pytorch_model_bin_and_old_buffers(tmp_path):
@@ -108,11 +110,11 @@ def test_pytorch_model_bin_and_old_buffers(tmp_path):
     state["gpt_neox.layers.0.attention.masked_bias"] = torch.tensor(-1e9)
     torch.save(state, folder / "pytorch_model.bin")
     ids = expected("gptneox")["input_ids"]
-    assert rel_err(DenseDecoder.from_pretrained(folder)(ids), expected("gptneox")["logits"]) < 1e-4
+    assert rel_err(from_pretrained(folder)(ids), expected("gptneox")["logits"]) < 1e-4
     state["gpt_neox.layers.0.attention.surprise"] = torch.ones(1)
     torch.save(state, folder / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="unexpected tensor 'gpt_neox.layers.0.attention.surprise'"):
-        DenseDecoder.from_pretrained(folder)
+        from_pretrained(folder)
 
 
 def test_newer_rope_parameters_config(tmp_path):
@@ -121,7 +123,7 @@ def test_newer_rope_parameters_config(tmp_path):
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": config.pop("rotary_emb_base"),
                                  "partial_rotary_factor": config.pop("rotary_pct")}
     (folder / "config.json").write_text(json.dumps(config))
-    model = DenseDecoder.from_pretrained(folder)
+    model = from_pretrained(folder)
     assert model.config.rotary_dim == 4
     assert rel_err(model(expected("gptneox")["input_ids"]), expected("gptneox")["logits"]) < 1e-4
 
@@ -137,7 +139,7 @@ def test_sprout_state_dict_beside_config_json(tmp_path):
             torch.save(state, folder / "model.pt")
         else:
             save_file(state, folder / "model.safetensors")
-        logits = DenseDecoder.from_pretrained(folder)(expected("sprout")["input_ids"])
+        logits = from_pretrained(folder)(expected("sprout")["input_ids"])
         assert rel_err(logits, expected("sprout")["logits"]) < 1e-4
 
 
@@ -146,7 +148,7 @@ def test_unknown_model_type(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
     with pytest.raises(CheckpointError, match=r"config.json: unknown model_type 'mamba'"):
-        DenseDecoder.from_pretrained(folder)
+        from_pretrained(folder)
 
 
 def test_missing_family_field(tmp_path):
@@ -155,14 +157,14 @@ def test_missing_family_field(tmp_path):
     del config["model_dim"]
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"config.json: missing config field 'model_dim'"):
-        DenseDecoder.from_pretrained(folder)
+        from_pretrained(folder)
 
 
 def test_openelm_widths_follow_seed_003():
     # OpenELM-270M's published per-layer sizes, derived from its config as seed 003 does.
     raw = dict(num_transformer_layers=16, model_dim=1280, head_dim=64, num_gqa_groups=4, ffn_multipliers=(0.5, 4.0),
                qkv_multipliers=(0.5, 1.0), ffn_dim_divisor=256)
-    q, kv, ffn = convert.openelm_widths(raw, "cfg")
+    q, kv, ffn = families.openelm_widths(raw, "cfg")
     assert q == [12, 12, 12, 12, 12, 16, 16, 16, 16, 16, 16, 16, 20, 20, 20, 20]
     assert kv == [h // 4 for h in q]
     assert ffn[0] == 768 and ffn[-1] == 5120 and len(ffn) == 16
@@ -175,19 +177,19 @@ def test_neox_original_norms_must_agree(tmp_path):
     state["input_layernorm.weight"] = state["input_layernorm.weight"] + 1
     torch.save(state, shard)
     with pytest.raises(CheckpointError, match="'input_layernorm.weight' of layer 03 differs between the two shards"):
-        DenseDecoder.from_pretrained(folder)
+        from_pretrained(folder)
 
 
 def test_neox_original_reads_one_layer_at_a_time(tmp_path, monkeypatch):
     loaded = []
-    real = convert.load_pickle
+    real = families.load_pickle
 
     def spy(path):
         state = real(path)
         loaded.append(os.path.basename(path)[:8])
         return state
 
-    monkeypatch.setattr(convert, "load_pickle", spy)
-    DenseDecoder.from_pretrained(fixture_path("neox_original"))
+    monkeypatch.setattr(families, "load_pickle", spy)
+    from_pretrained(fixture_path("neox_original"))
     # every layer file is read once, in order, so at most two layers are held at a time
     assert loaded == [f"layer_{i:02d}" for i in (0, 0, 2, 2, 3, 3, 5, 5, 6, 6)]

@@ -10,13 +10,15 @@ import torch._dynamo
 import dense
 import generate
 from conftest import LAYOUTS, expected, fixture_path, random_model, rel_err
-from dense import DenseConfig, DenseDecoder
+from dense import DenseConfig
+from load import from_pretrained
+from steps import Steps
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_float32_logits_match_reference(layout):
     exp = expected(layout)
-    model = DenseDecoder.from_pretrained(fixture_path(layout))
+    model = from_pretrained(fixture_path(layout))
     logits = model(exp["input_ids"])
     assert logits.dtype == torch.float32 and logits.shape == exp["logits"].shape
     assert rel_err(logits, exp["logits"]) < 1e-4
@@ -25,7 +27,7 @@ def test_float32_logits_match_reference(layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_bfloat16_logits_match_reference(layout):
     exp = expected(layout)
-    model = DenseDecoder.from_pretrained(fixture_path(layout), dtype=torch.bfloat16)
+    model = from_pretrained(fixture_path(layout), dtype=torch.bfloat16)
     assert model.embed_tokens.weight.dtype == torch.bfloat16
     logits = model(exp["input_ids"])
     assert logits.dtype == torch.float32
@@ -35,8 +37,8 @@ def test_bfloat16_logits_match_reference(layout):
 def test_shellelastic_is_exact_in_both_precisions():
     # Same arithmetic as seed 000, op for op: the bf16 run is not merely within tolerance.
     exp = expected("shellelastic")
-    assert rel_err(DenseDecoder.from_pretrained(fixture_path("shellelastic"))(exp["input_ids"]), exp["logits"]) == 0
-    bf16 = DenseDecoder.from_pretrained(fixture_path("shellelastic"), dtype=torch.bfloat16)
+    assert rel_err(from_pretrained(fixture_path("shellelastic"))(exp["input_ids"]), exp["logits"]) == 0
+    bf16 = from_pretrained(fixture_path("shellelastic"), dtype=torch.bfloat16)
     assert rel_err(bf16(exp["input_ids"]), exp["logits_bf16"]) < 1e-3
 
 
@@ -55,7 +57,7 @@ def test_rope_precision_bfloat16_rounds_every_step():
 
 def test_labels_give_mean_cross_entropy_ignoring_minus_100():
     exp = expected("shellelastic")
-    model = DenseDecoder.from_pretrained(fixture_path("shellelastic"))
+    model = from_pretrained(fixture_path("shellelastic"))
     ids = exp["input_ids"]
     labels = ids[:, 1:].clone()
     labels[0, :5] = -100
@@ -69,7 +71,7 @@ def test_labels_give_mean_cross_entropy_ignoring_minus_100():
 @pytest.mark.parametrize("layout", ["shellelastic", "openelm", "gptneox", "germangpt"])
 def test_cached_prefill_and_decode_equal_no_cache(layout):
     exp = expected(layout)
-    model = DenseDecoder.from_pretrained(fixture_path(layout))
+    model = from_pretrained(fixture_path(layout))
     ids = exp["input_ids"]
     full = model(ids)
     model.setup_cache(max_batch_size=2, max_seq_len=64)
@@ -81,7 +83,7 @@ def test_cached_prefill_and_decode_equal_no_cache(layout):
 
 
 def test_cache_is_static_and_written_in_place():
-    model = DenseDecoder.from_pretrained(fixture_path("llama"))
+    model = from_pretrained(fixture_path("llama"))
     model.setup_cache(2, 32)
     cache = model.layers[0].attn.kv_cache
     k_ptr = cache.k.data_ptr()
@@ -98,7 +100,7 @@ def argmax_loop(model, ids, n):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_greedy_generate_equals_argmax_loop(layout):
-    model = DenseDecoder.from_pretrained(fixture_path(layout))
+    model = from_pretrained(fixture_path(layout))
     ids = expected(layout)["input_ids"][:, :6]
     assert torch.equal(generate.generate(model, ids, 32), argmax_loop(model, ids, 32))
 
@@ -112,7 +114,7 @@ def test_compiled_generate_same_tokens_across_a_bucket_boundary(tmp_path, monkey
     want = argmax_loop(model, ids, 40)
     model.setup_cache(1, 300)
     assert generate.buckets(300) == [256, 300]
-    steps = generate.Steps(model)
+    steps = Steps(model)
     got = torch.cat([ids, *generate.generate_tokens(model, ids, 40, steps=steps)], dim=1)
     assert torch.equal(got, want)
     kinds = sorted(name.split("-")[0] for name in os.listdir(tmp_path / "dense-engine" / "compiled") if name.endswith(".bin"))
@@ -126,7 +128,7 @@ def test_compiled_generate_same_tokens_across_a_bucket_boundary(tmp_path, monkey
 
 
 def test_generate_stops_at_eos_and_pads_finished_rows():
-    model = DenseDecoder.from_pretrained(fixture_path("llama"))
+    model = from_pretrained(fixture_path("llama"))
     ids = expected("llama")["input_ids"][:, :6]
     free = generate.generate(model, ids, 20)
     eos = int(free[0, 8])  # the third token row 0 produces
@@ -154,7 +156,7 @@ def test_sampling_follows_the_distribution():
 
 
 def test_temperature_sampling_reproducible_with_seed():
-    model = DenseDecoder.from_pretrained(fixture_path("llama"))
+    model = from_pretrained(fixture_path("llama"))
     ids = expected("llama")["input_ids"][:, :4]
     torch.manual_seed(1)
     a = generate.generate(model, ids, 16, temperature=1.0, top_k=40, top_p=0.95)

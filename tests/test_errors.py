@@ -8,9 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURES
 import generate
-from dense import CheckpointError, DenseConfig, DenseDecoder
+from conftest import FIXTURES
+from dense import CheckpointError, DenseConfig
+from load import from_pretrained
 
 SHELL = os.path.join(FIXTURES, "shellelastic")
 
@@ -31,29 +32,29 @@ def raises_one_line(exc, match, fn, *args, **kwargs):
 
 
 def test_missing_path():
-    raises_one_line(CheckpointError, "no such file or folder", DenseDecoder.from_pretrained, "/nonexistent/x")
+    raises_one_line(CheckpointError, "no such file or folder", from_pretrained, "/nonexistent/x")
 
 
 def test_missing_config(ckpt):
     os.remove(ckpt / "config.json")
-    raises_one_line(CheckpointError, str(ckpt), DenseDecoder.from_pretrained, ckpt)
+    raises_one_line(CheckpointError, str(ckpt), from_pretrained, ckpt)
 
 
 def test_unreadable_config(ckpt):
     (ckpt / "config.json").write_text("{ not json")
-    msg = raises_one_line(CheckpointError, "not valid JSON", DenseDecoder.from_pretrained, ckpt)
+    msg = raises_one_line(CheckpointError, "not valid JSON", from_pretrained, ckpt)
     assert "config.json" in msg
 
 
 def test_missing_weights(ckpt):
     os.remove(ckpt / "model.safetensors")
-    raises_one_line(CheckpointError, "no model.safetensors", DenseDecoder.from_pretrained, ckpt)
+    raises_one_line(CheckpointError, "no model.safetensors", from_pretrained, ckpt)
 
 
 def test_truncated_safetensors(ckpt):
     data = (ckpt / "model.safetensors").read_bytes()
     (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
-    msg = raises_one_line(CheckpointError, "model.safetensors", DenseDecoder.from_pretrained, ckpt)
+    msg = raises_one_line(CheckpointError, "model.safetensors", from_pretrained, ckpt)
     assert "safetensors" in msg
 
 
@@ -65,20 +66,20 @@ def rewrite(ckpt, change):
 
 def test_missing_tensor(ckpt):
     rewrite(ckpt, lambda s: s.pop("layers.1.attn.gate_proj.weight"))
-    raises_one_line(CheckpointError, r"missing tensor 'layers.1.attn.gate_proj.weight'", DenseDecoder.from_pretrained,
+    raises_one_line(CheckpointError, r"missing tensor 'layers.1.attn.gate_proj.weight'", from_pretrained,
                     ckpt)
 
 
 def test_unexpected_tensor(ckpt):
     rewrite(ckpt, lambda s: s.__setitem__("layers.0.attn.extra.weight", torch.zeros(2)))
-    raises_one_line(CheckpointError, r"unexpected tensor 'layers.0.attn.extra.weight'", DenseDecoder.from_pretrained,
+    raises_one_line(CheckpointError, r"unexpected tensor 'layers.0.attn.extra.weight'", from_pretrained,
                     ckpt)
 
 
 def test_wrong_shape_names_tensor_and_shapes(ckpt):
     rewrite(ckpt, lambda s: s.__setitem__("layers.2.mlp.up_proj.weight", torch.zeros(100, 48)))
     raises_one_line(CheckpointError, r"'layers.2.mlp.up_proj.weight' has shape \[100, 48\], expected \[160, 48\]",
-                    DenseDecoder.from_pretrained, ckpt)
+                    from_pretrained, ckpt)
 
 
 def edit_config(ckpt, **changes):
@@ -89,18 +90,18 @@ def edit_config(ckpt, **changes):
 
 def test_heads_that_do_not_divide(ckpt):
     edit_config(ckpt, num_key_value_heads=3)
-    raises_one_line(CheckpointError, "4 query heads do not divide into 3 key/value heads", DenseDecoder.from_pretrained,
+    raises_one_line(CheckpointError, "4 query heads do not divide into 3 key/value heads", from_pretrained,
                     ckpt)
 
 
 def test_odd_head_dim_with_rotary(ckpt):
     edit_config(ckpt, head_dim=15)
-    raises_one_line(CheckpointError, "rotary dimension 15 must be even", DenseDecoder.from_pretrained, ckpt)
+    raises_one_line(CheckpointError, "rotary dimension 15 must be even", from_pretrained, ckpt)
 
 
 def test_unknown_config_key_is_not_ignored(ckpt):
     edit_config(ckpt, num_layers=3)
-    raises_one_line(CheckpointError, "unknown config key 'num_layers'", DenseDecoder.from_pretrained, ckpt)
+    raises_one_line(CheckpointError, "unknown config key 'num_layers'", from_pretrained, ckpt)
 
 
 def test_bad_choice_value():
@@ -113,19 +114,19 @@ def test_release_keys_are_ignored():
 
 
 def test_token_ids_out_of_range():
-    model = DenseDecoder.from_pretrained(SHELL)
+    model = from_pretrained(SHELL)
     raises_one_line(ValueError, "token id 512 is out of range for the vocabulary of 512", model,
                     torch.tensor([[1, 512]]))
     raises_one_line(ValueError, "token id -1 is out of range", model, torch.tensor([[-1, 2]]))
 
 
 def test_more_tokens_than_context():
-    model = DenseDecoder.from_pretrained(SHELL)
+    model = from_pretrained(SHELL)
     raises_one_line(ValueError, "129 tokens exceed the context of 128", model, torch.zeros(1, 129, dtype=torch.long))
 
 
 def test_cached_step_errors():
-    model = DenseDecoder.from_pretrained(SHELL)
+    model = from_pretrained(SHELL)
     raises_one_line(ValueError, "call setup_cache", model, torch.zeros(1, 2, dtype=torch.long),
                     input_pos=torch.arange(2))
     raises_one_line(ValueError, "must be in 1..128", model.setup_cache, 1, 129)
@@ -139,6 +140,6 @@ def test_cached_step_errors():
 def test_generate_beyond_context():
     import dense
 
-    model = DenseDecoder.from_pretrained(SHELL)
+    model = from_pretrained(SHELL)
     raises_one_line(ValueError, "exceed the context of 128", lambda: list(generate.generate_tokens(
         model, torch.zeros(1, 100, dtype=torch.long), 40)))

@@ -184,12 +184,13 @@ def make_sources(work: str) -> tuple[str, str]:
 
 def attempt(folder: str, kind: str) -> None:
     """What a user's first command does with a checkpoint: load it, read its tokenizer, render its template."""
-    import chat
     import dense
+    import load
+    import session
 
     path = folder if kind == "native" else os.path.join(folder, "model.gguf")
-    model = dense.DenseDecoder.from_pretrained(path)
-    vocab = chat.load_vocabulary(path, None)
+    model = load.from_pretrained(path)
+    vocab = session.load_vocabulary(path, None)
     if vocab.chat_template:
         text = vocab.render([{"role": "user", "content": "hi"}])
         vocab.encode(text, special=False)
@@ -203,8 +204,8 @@ def run(work: str, cases: int, seed: int) -> dict:
 
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
     sys.path.insert(0, ROOT)
-    import chat
     import dense
+    import session
 
     native, gguf_dir = make_sources(work)
 
@@ -235,7 +236,7 @@ def run(work: str, cases: int, seed: int) -> dict:
         try:
             attempt(folder, kind)
             result = "loaded"
-        except (dense.CheckpointError, chat.UsageError) as e:
+        except (dense.CheckpointError, session.UsageError) as e:
             result = "one-line error" if "\n" not in str(e) else "multi-line error"
             if "\n" in str(e):
                 failures.append({"case": case, "mutation": name, "error": str(e)[:300]})

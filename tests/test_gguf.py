@@ -15,6 +15,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import dense
 import gguf_import
+import load
+import quantized
 from conftest import ROOT
 
 Q = gguf.GGMLQuantizationType
@@ -137,7 +139,7 @@ def test_float32_gguf_gives_the_source_models_logits(tmp_path, tokenizer, tied):
     model = small_llama(tied)
     path = tmp_path / "m.gguf"
     write_gguf(path, model, tokenizer, "gpt2", {})
-    loaded = dense.DenseDecoder.from_pretrained(str(path))
+    loaded = load.from_pretrained(str(path))
     assert loaded.config.tie_word_embeddings == tied and loaded.config.num_key_value_heads == 2
     ids = torch.randint(0, 400, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -151,7 +153,7 @@ def test_quantized_tensors_equal_ggufs_own_dequantization(tmp_path, tokenizer):
              "ffn_gate": Q.Q4_K, "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K, "output": Q.Q8_0}
     path = tmp_path / "q.gguf"
     written = write_gguf(path, model, tokenizer, "gpt2", types)
-    loaded = dense.DenseDecoder.from_pretrained(str(path))
+    loaded = load.from_pretrained(str(path))
     params = loaded.checkpoint_state_dict()
     checked = set()
     for i in range(2):
@@ -192,8 +194,8 @@ def test_convert_writes_a_native_folder_with_tokenizer_and_template(tmp_path, to
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     ids = torch.randint(0, 400, (1, 16), generator=torch.Generator().manual_seed(3))
-    assert torch.equal(dense.DenseDecoder.from_pretrained(str(dst))(ids),
-                       dense.DenseDecoder.from_pretrained(str(tmp_path / "m.gguf"))(ids))
+    assert torch.equal(load.from_pretrained(str(dst))(ids),
+                       load.from_pretrained(str(tmp_path / "m.gguf"))(ids))
     saved = Tokenizer.from_file(str(dst / "tokenizer.json"))
     assert saved.encode(TEXTS[1]).ids == tokenizer.encode(TEXTS[1]).ids
     tok_config = json.loads((dst / "tokenizer_config.json").read_text())
@@ -211,16 +213,15 @@ def test_unsupported_gguf_is_a_clear_error(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(dense.CheckpointError, match="GGUF architecture 'mamba' is not supported"):
-        dense.DenseDecoder.from_pretrained(str(tmp_path / "x.gguf"))
+        load.from_pretrained(str(tmp_path / "x.gguf"))
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 10)
     with pytest.raises(dense.CheckpointError, match="not a readable GGUF file"):
-        dense.DenseDecoder.from_pretrained(str(tmp_path / "bad.gguf"))
+        load.from_pretrained(str(tmp_path / "bad.gguf"))
 
 
 @pytest.mark.parametrize("block_type", [Q.Q4_1, Q.Q4_0])
 def test_quant_auto_loads_q4_blocks_as_int4_bit_for_bit(tmp_path, tokenizer, block_type):
     import convert
-    import quantize
 
     model = small_llama(tied=True, hidden=128, ffn=192)
     linears = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -231,9 +232,9 @@ def test_quant_auto_loads_q4_blocks_as_int4_bit_for_bit(tmp_path, tokenizer, blo
     record = json.loads((dst / "config.json").read_text())
     assert record["source_tensor_types"] == {"blocks": {block_type.name: 14}, "other": {"Q8_0": 1, "F32": 5}}
     assert record["quantization"]["int4"]["group_size"] == 32
-    mode, reason = quantize.auto_mode(convert.read_checkpoint(str(dst)))
+    mode, reason = load.auto_mode(convert.read_checkpoint(str(dst)))
     assert mode == "int4" and block_type.name in reason
-    loaded = dense.DenseDecoder.from_pretrained(str(dst), quant="auto")
+    loaded = load.from_pretrained(str(dst), quant="auto")
     for i in range(2):
         def gguf_rows(name, heads=0):
             raw, qtype = written[f"blk.{i}.{name}.weight"]
@@ -242,7 +243,7 @@ def test_quant_auto_loads_q4_blocks_as_int4_bit_for_bit(tmp_path, tokenizer, blo
 
         qkv = torch.cat([gguf_rows("attn_q", 4), gguf_rows("attn_k", 2), gguf_rows("attn_v")])
         layer = loaded.layers[i].attn.qkv_proj
-        assert isinstance(layer, quantize.Int4Linear)
+        assert isinstance(layer, quantized.Int4Linear)
         assert torch.equal(layer.dequantize(torch.float32), qkv)  # bit for bit: the GGUF's own blocks
         gate_up = torch.cat([gguf_rows("ffn_gate"), gguf_rows("ffn_up")])
         assert torch.equal(loaded.layers[i].mlp.gate_up_proj.dequantize(torch.float32), gate_up)
@@ -250,11 +251,11 @@ def test_quant_auto_loads_q4_blocks_as_int4_bit_for_bit(tmp_path, tokenizer, blo
     # the same model from float tensors: auto keeps full precision
     write_gguf(tmp_path / "f.gguf", model, tokenizer, "gpt2", {})
     convert.convert(str(tmp_path / "f.gguf"), str(tmp_path / "float"))
-    assert quantize.auto_mode(convert.read_checkpoint(str(tmp_path / "float")))[0] is None
+    assert load.auto_mode(convert.read_checkpoint(str(tmp_path / "float")))[0] is None
     assert not (tmp_path / "float" / "model.int4.safetensors").exists()
-    assert type(dense.DenseDecoder.from_pretrained(str(tmp_path / "float"), quant="auto").layers[0].attn.qkv_proj) \
-        is not quantize.Int4Linear
-    assert quantize.auto_mode(convert.read_checkpoint(fixture_dir("llama")))[0] is None  # not from a GGUF at all
+    assert type(load.from_pretrained(str(tmp_path / "float"), quant="auto").layers[0].attn.qkv_proj) \
+        is not quantized.Int4Linear
+    assert load.auto_mode(convert.read_checkpoint(fixture_dir("llama")))[0] is None  # not from a GGUF at all
 
 
 def fixture_dir(name: str) -> str:

@@ -8,7 +8,8 @@ import torch
 
 import dense
 import kernels
-import quantize
+import quantized
+from steps import Steps
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 VNNI CPU or no C++ compiler")
 
@@ -49,10 +50,10 @@ def test_kernels_compute_each_output_once_whatever_the_threads(threads):
     torch.manual_seed(threads)
     N, K = 16387, 64  # 64 blocks of 256 weight rows (64 KB of float32) and a tail
     w = torch.randn(N, K)
-    i8 = quantize.int8_quantize(w)
+    i8 = quantized.int8_quantize(w)
     i8 = kernels.pack_int8(i8["weight"], i8["scales"])
-    layer = quantize.Int4Linear(K, N, False, group_size=32)
-    layer._buffers.update(quantize.int4_quantize(w, 32))
+    layer = quantized.Int4Linear(K, N, False, group_size=32)
+    layer._buffers.update(quantized.int4_quantize(w, 32))
     i4 = kernels.pack_int4(layer.codes(), layer.scales, layer.mins, 32)
     ops = [lambda x: torch.ops.dense_kernels.linear_f32(x, w),
            lambda x: torch.ops.dense_kernels.linear_int8(x, i8["kernel_weight"], i8["kernel_scales"]),
@@ -74,7 +75,7 @@ def test_kernels_compute_each_output_once_whatever_the_threads(threads):
 def test_int8_kernel_is_the_dequantized_weights_product(M, N, K):
     torch.manual_seed(M + N + K)
     x = torch.randn(M, K) * torch.rand(M, 1) * 3
-    q = quantize.int8_quantize(torch.randn(N, K))
+    q = quantized.int8_quantize(torch.randn(N, K))
     packed = kernels.pack_int8(q["weight"], q["scales"])
     y = torch.ops.dense_kernels.linear_int8(x, packed["kernel_weight"], packed["kernel_scales"])
     weight = q["weight"].double() * q["scales"].double()[:, None]
@@ -90,8 +91,8 @@ def test_int8_kernel_is_the_dequantized_weights_product(M, N, K):
 def test_int4_kernel_is_the_dequantized_weights_product(M, N, K):
     torch.manual_seed(M * K + N)
     x = torch.randn(M, K) * 2
-    stored = quantize.int4_quantize(torch.randn(N, K) * 0.1, 32)
-    layer = quantize.Int4Linear(K, N, False, group_size=32)
+    stored = quantized.int4_quantize(torch.randn(N, K) * 0.1, 32)
+    layer = quantized.Int4Linear(K, N, False, group_size=32)
     layer._buffers.update(stored)
     packed = kernels.pack_int4(layer.codes(), stored["scales"], stored["mins"], 32)
     y = torch.ops.dense_kernels.linear_int4(x, packed["kernel_weight"], packed["kernel_scales"], packed["kernel_mins"])
@@ -107,7 +108,7 @@ def test_compiled_graph_calls_the_same_kernels(mode):
         layer = kernels.Linear(128, 96, bias=True)
         layer.load_state_dict(linear.state_dict())
     else:
-        layer = quantize.LINEARS[mode](128, 96, True, group_size=32)
+        layer = quantized.LINEARS[mode](128, 96, True, group_size=32)
         layer._buffers.update(layer.stored(linear.weight.detach()))
         layer.bias = torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
         layer.finish_loading()
@@ -124,8 +125,8 @@ def test_compiled_graph_calls_the_same_kernels(mode):
 def test_nf4_kernel_equals_the_dequantized_weights(out_features, in_features):
     torch.manual_seed(out_features + in_features)
     w = torch.randn(out_features, in_features) * 0.05
-    layer = quantize.NF4Linear(in_features, out_features, False)
-    stored = quantize.nf4_quantize(w)
+    layer = quantized.NF4Linear(in_features, out_features, False)
+    stored = quantized.nf4_quantize(w)
     layer._buffers.update({k: v.clone() for k, v in stored.items()})
     layer.finish_loading()
     # our kernel takes rows that are whole 64-blocks; other shapes keep the dequantize path
@@ -186,6 +187,6 @@ def test_generation_on_the_kernel_cache_equals_the_argmax_loop(compile, tmp_path
     want = ids
     for _ in range(40):
         want = torch.cat([want, model(want)[:, -1:].argmax(-1)], dim=1)
-    steps = generate.Steps(model) if compile else None
+    steps = Steps(model) if compile else None
     got = torch.cat([ids, *generate.generate_tokens(model, ids, 40, steps=steps)], dim=1)
     assert torch.equal(got, want)

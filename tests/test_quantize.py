@@ -14,7 +14,9 @@ from safetensors import safe_open
 
 import dense
 import generate
+import load
 import quantize
+import quantized
 from conftest import FIXTURES, ROOT, expected, fixture_path, rel_err
 
 # Max logit error against full precision on the random-weight fixtures, as measured (tests/fixtures draw weights
@@ -30,7 +32,7 @@ def test_nf4_is_bit_exact_with_bitsandbytes(shape):
     torch.manual_seed(0)
     w = torch.randn(shape) * torch.rand(shape[0], 1) * 0.1
     w[0, 0] = 0.0  # ties and zeros included
-    ours = quantize.nf4_quantize(w)
+    ours = quantized.nf4_quantize(w)
     packed, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4")
     assert torch.equal(ours["weight"], packed) and torch.equal(ours["absmax"], state.absmax)
 
@@ -38,11 +40,11 @@ def test_nf4_is_bit_exact_with_bitsandbytes(shape):
 def test_nf4_table_is_bitsandbytes():
     from bitsandbytes.functional import get_4bit_type
 
-    assert torch.equal(quantize.NF4, get_4bit_type("nf4", device="cpu").float())
+    assert torch.equal(quantized.NF4, get_4bit_type("nf4", device="cpu").float())
 
 
 def test_int8_known_values():
-    q = quantize.int8_quantize(torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]]))
+    q = quantized.int8_quantize(torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]]))
     assert q["weight"].tolist() == [[64, -127, 32], [0, 0, 0]]  # 63.5 rounds to even; a zero row stays zero
     assert torch.allclose(q["scales"][0], torch.tensor(2.0 / 127))
 
@@ -55,8 +57,8 @@ def test_int4_is_lossless_on_its_own_grid():
     q = torch.randint(0, 16, (8, 4, 32))
     q[..., 0], q[..., 1] = 0, 15  # each group spans the whole grid, as Q4_1's blocks do
     w = (mins[..., None] + scales[..., None] * q).reshape(8, 128)
-    layer = quantize.Int4Linear(128, 8, False, group_size=32)
-    layer._buffers.update(quantize.int4_quantize(w, 32))
+    layer = quantized.Int4Linear(128, 8, False, group_size=32)
+    layer._buffers.update(quantized.int4_quantize(w, 32))
     assert torch.equal(layer.dequantize(torch.float32), w)
 
 
@@ -66,7 +68,7 @@ def quantized_reference(model: dense.DenseDecoder) -> dense.DenseDecoder:
 
     ref = copy.deepcopy(model)
     for name, module in model.named_modules():
-        if isinstance(module, quantize.QuantLinear):
+        if isinstance(module, quantized.QuantLinear):
             linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
             linear.weight.data = module.dequantize(torch.float32)
             if module.bias is not None:
@@ -76,15 +78,15 @@ def quantized_reference(model: dense.DenseDecoder) -> dense.DenseDecoder:
     return ref
 
 
-@pytest.mark.parametrize("layout, mode", [(lay, mode) for mode in quantize.MODES for lay in
+@pytest.mark.parametrize("layout, mode", [(lay, mode) for mode in quantized.MODES for lay in
                                           (FOUR_BIT_OK if mode in ("int4", "nf4") else ["shellelastic", "gptneox", "openelm"])])
 def test_round_trip_on_fixtures(layout, mode, tmp_path):
     src = fixture_path(layout)
     ids = expected(layout)["input_ids"]
-    full = dense.DenseDecoder.from_pretrained(src)(ids)
+    full = load.from_pretrained(src)(ids)
     out = tmp_path / "q"
     quantize.quantize_checkpoint(src, mode, out=str(out))
-    model = dense.DenseDecoder.from_pretrained(str(out), quant=mode)
+    model = load.from_pretrained(str(out), quant=mode)
     logits = model(ids)
     assert rel_err(logits, full) < TOLERANCE[mode]
     # the quantized layers compute what their dequantized weights say, up to the activations' rounding on CPU: int8
@@ -92,7 +94,7 @@ def test_round_trip_on_fixtures(layout, mode, tmp_path):
     if mode != "llm.int8":
         assert rel_err(logits, quantized_reference(model)(ids)) < 5e-2
     # a saved variant reloads to exactly what quantizing at load time gives
-    on_the_fly = quantize.quantize_model(dense.DenseDecoder.from_pretrained(src), mode)
+    on_the_fly = quantized.quantize_model(load.from_pretrained(src), mode)
     assert torch.equal(on_the_fly(ids), logits)
 
 
@@ -109,7 +111,7 @@ def test_layers_chosen_and_file_sizes(tmp_path):
                          if not n.startswith("lm_head"))
             assert f.get_tensor("embed_tokens.weight").dtype == torch.float32  # the embedding stays as it was
             head = f.get_tensor("lm_head.weight").dtype
-        block_weights = sum(p.numel() for n, p in dense.DenseDecoder.from_pretrained(src).named_parameters()
+        block_weights = sum(p.numel() for n, p in load.from_pretrained(src).named_parameters()
                             if n.startswith("layers.") and n.endswith("proj.weight"))
         sizes[mode] = stored / (2 * block_weights)  # against the same layers in bfloat16
         assert head == torch.int8  # the head is int8 in every mode
@@ -132,15 +134,15 @@ def test_in_place_variant_never_touches_the_original(tmp_path):
     assert config["quantization"]["int8"]["file"] == "model.int8.safetensors" and config["tier"] == "S"
     assert not [p for p in os.listdir(ckpt) if p.startswith(".tmp")]
     ids = expected("shellelastic")["input_ids"]
-    full = dense.DenseDecoder.from_pretrained(ckpt)(ids)  # plain loading still gives full precision
-    assert torch.equal(full, dense.DenseDecoder.from_pretrained(fixture_path("shellelastic"))(ids))
-    assert not torch.equal(dense.DenseDecoder.from_pretrained(ckpt, quant="int8")(ids), full)
+    full = load.from_pretrained(ckpt)(ids)  # plain loading still gives full precision
+    assert torch.equal(full, load.from_pretrained(fixture_path("shellelastic"))(ids))
+    assert not torch.equal(load.from_pretrained(ckpt, quant="int8")(ids), full)
 
 
 def test_refuses_an_already_quantized_source_and_foreign_in_place(tmp_path):
     out = tmp_path / "q"
     quantize.quantize_checkpoint(fixture_path("llama"), "int8", out=str(out))
-    assert dense.DenseDecoder.from_pretrained(str(out)).lm_head.__class__ is quantize.Int8Linear  # the only variant
+    assert load.from_pretrained(str(out)).lm_head.__class__ is quantized.Int8Linear  # the only variant
     result = subprocess.run([sys.executable, os.path.join(ROOT, "quantize.py"), "--ckpt", str(out), "--mode", "int4"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "already quantized" in result.stderr and result.stderr.count("\n") == 1
@@ -151,15 +153,15 @@ def test_refuses_an_already_quantized_source_and_foreign_in_place(tmp_path):
 
 
 def test_unsaved_mode_quantizes_at_load_with_a_notice(capsys):
-    model = dense.DenseDecoder.from_pretrained(fixture_path("llama"), quant="int8")
+    model = load.from_pretrained(fixture_path("llama"), quant="int8")
     assert "no saved int8 variant; quantizing at load time" in capsys.readouterr().err
-    assert isinstance(model.layers[0].mlp.gate_up_proj, quantize.Int8Linear)
+    assert isinstance(model.layers[0].mlp.gate_up_proj, quantized.Int8Linear)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["int8", "int4", "nf4"])
 def test_compiled_decode_matches_eager_tokens(mode):
-    model = quantize.quantize_model(dense.DenseDecoder.from_pretrained(fixture_path("llama")), mode)
+    model = quantized.quantize_model(load.from_pretrained(fixture_path("llama")), mode)
     ids = expected("llama")["input_ids"][:, :8]
     eager = generate.generate(model, ids, 24)
     assert torch.equal(generate.generate(model, ids, 24, compile=True), eager)  # fullgraph: no graph breaks either
@@ -170,12 +172,12 @@ def test_nf4_double_quant_matches_bitsandbytes():
 
     torch.manual_seed(1)
     w = torch.randn(512, 192) * 0.05
-    ours = quantize.nf4_quantize(w, double_quant=True)
+    ours = quantized.nf4_quantize(w, double_quant=True)
     packed, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
     assert torch.equal(ours["weight"], packed) and torch.equal(ours["absmax_q"], state.absmax)
     assert torch.equal(ours["absmax_scales"], state.state2.absmax) and torch.equal(ours["absmax_code"], state.state2.code)
     assert torch.equal(ours["absmax_offset"], state.offset.reshape(1))
-    absmax = quantize.double_quant_absmax(*(ours[k] for k in quantize.DOUBLE_QUANT))
+    absmax = quantized.double_quant_absmax(*(ours[k] for k in quantized.DOUBLE_QUANT))
     assert torch.allclose(absmax, bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset, rtol=0, atol=1e-7)
 
 
@@ -194,8 +196,8 @@ def test_double_quant_variant_round_trip(tmp_path):
     dq_bytes = scale_bytes(tmp_path / "dq" / "model.nf4.safetensors", {"absmax_q", "absmax_scales", "absmax_offset"})
     assert dq_bytes < 0.3 * scale_bytes(plain, {"absmax"})  # 8-bit instead of 32-bit block scales
     ids = expected("gptneox")["input_ids"]
-    dq = dense.DenseDecoder.from_pretrained(str(tmp_path / "dq"), quant="nf4")
-    assert rel_err(dq(ids), dense.DenseDecoder.from_pretrained(str(tmp_path / "plain"), quant="nf4")(ids)) < 2e-2
+    dq = load.from_pretrained(str(tmp_path / "dq"), quant="nf4")
+    assert rel_err(dq(ids), load.from_pretrained(str(tmp_path / "plain"), quant="nf4")(ids)) < 2e-2
     assert rel_err(dq(ids), quantized_reference(dq)(ids)) < 2e-2
     with pytest.raises(dense.CheckpointError, match="--double-quant applies to --mode nf4 only"):
         quantize.quantize_checkpoint(src, "int8", out=str(tmp_path / "x"), double_quant=True)

@@ -2,7 +2,6 @@
 draft, eager and compiled, with drafts that are always wrong, always right, and right for exactly j tokens for every
 j in 0..k; the sampling rule's output distribution against the target's (chi-square); and the cache after rejections."""
 
-import math
 
 import pytest
 import torch
@@ -20,8 +19,8 @@ def plain(model, ids, n):
 
 def spec(model, ids, n, draft, compile=False, k=K):
     stats = {}
-    out = torch.cat([ids, *generate.generate_tokens(model, ids, n, draft=draft, speculate_k=k, compile=compile,
-                                                   stats=stats)], dim=1)
+    out = torch.cat([ids, *speculative.generate_tokens(model, ids, n, draft, speculate_k=k, compile=compile,
+                                                      stats=stats)], dim=1)
     return out, stats
 
 
@@ -149,8 +148,8 @@ def test_sampled_speculative_generation_follows_the_target(target):
     counts = {"plain": torch.zeros(512), "spec": torch.zeros(512)}
     for _ in range(1500):
         counts["plain"][int(list(generate.generate_tokens(target, prompt, 2, **sampling))[1])] += 1
-        counts["spec"][int(list(generate.generate_tokens(target, prompt, 3, draft=draft, speculate_k=1,
-                                                        **sampling))[1])] += 1
+        counts["spec"][int(list(speculative.generate_tokens(target, prompt, 3, draft, speculate_k=1,
+                                                           **sampling))[1])] += 1
     keep = (counts["plain"] + counts["spec"]) > 20
     a, b = counts["plain"][keep], counts["spec"][keep]
     stat, dof = float((((a - b) ** 2) / (a + b)).sum()), int(keep.sum()) - 1

@@ -10,15 +10,17 @@ import torch
 
 import generate
 from conftest import ROOT, random_model
+from steps import Steps
 
 SCRIPT = """
 import sys, torch
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 import generate
 from conftest import random_model
+from steps import Steps
 model = random_model()
 model.setup_cache(1, 256)
-steps = generate.Steps(model)
+steps = Steps(model)
 ids = torch.tensor([[5, 17, 99, 3, 250, 7]])
 out = torch.cat([ids, *generate.generate_tokens(model, ids, 24, steps=steps)], dim=1)
 print("tokens", out[0].tolist())
@@ -64,7 +66,7 @@ def test_a_second_process_loads_the_saved_steps(tmp_path):
 def test_keys_change_with_what_shapes_a_graph(tmp_path):
     model = random_model()
     model.setup_cache(1, 256)
-    steps = generate.Steps(model, folder=str(tmp_path))
+    steps = Steps(model, folder=str(tmp_path))
     sampling = generate.Sampling()
     key = steps.key("decode", batch=1, attend=256, sampling=sampling, ragged=False)
     assert key == steps.key("decode", batch=1, attend=256, sampling=sampling, ragged=False)
@@ -77,7 +79,7 @@ def test_keys_change_with_what_shapes_a_graph(tmp_path):
     assert steps.key("decode", batch=1, attend=256, sampling=sampling, ragged=False) != key
     other = random_model(num_hidden_layers=3)
     other.setup_cache(1, 256)
-    assert generate.Steps(other, folder=str(tmp_path)).key("decode", batch=1, attend=256, sampling=sampling,
+    assert Steps(other, folder=str(tmp_path)).key("decode", batch=1, attend=256, sampling=sampling,
                                                            ragged=False) != key
 
 

@@ -11,11 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import convert
-from benchmark import stored_bytes
 import dense
 import generate
+import load
 import tp
+from benchmark import stored_bytes
 from conftest import ROOT, expected, fixture_path, random_model, rel_err
 
 LAYOUTS = ["shellelastic", "gptneox", "llama", "openelm", "neox_original"]
@@ -54,7 +56,7 @@ def run_two(tmp_path, jobs):
 
 
 def single(path, quant=None):
-    model = dense.DenseDecoder.from_pretrained(path, quant=quant)
+    model = load.from_pretrained(path, quant=quant)
     ids = torch.arange(3, 40).reshape(1, -1) % model.config.vocab_size
     with torch.no_grad():
         return model, model(ids), generate.generate(model, ids[:, :6], 16)
@@ -90,7 +92,7 @@ def test_two_ranks_equal_one_process(tmp_path, bigger):
             assert all(r[name]["bytes"] <= 0.6 * stored_bytes(model) for r in ranks)
     # GPT-NeoX's original two-way release: rank r holds shard r's tensors as they are in its files
     for r, result in enumerate(ranks):
-        shard = convert.load_pickle(os.path.join(fixture_path("neox_original"), "global_step150000",
+        shard = checkpoint.load_pickle(os.path.join(fixture_path("neox_original"), "global_step150000",
                                                  f"layer_02-model_0{r}-model_states.pt"))
         assert torch.equal(result["neox_original"]["o_proj"]["weight"], shard["attention.dense.weight"])
         # its own row-parallel bias, as stored (a merge would give rank 0 the sum and rank 1 zeros)

@@ -1,0 +1,312 @@
+"""quantized.py: weight-only int8, int4 and nf4 (and bitsandbytes' LLM.int8) linears, and the quantizers that make
+their stored tensors. Stands on dense.py and kernels.py (whose CPU kernels the layers call).
+
+Which layers: every linear of the decoder blocks; the output head in int8 for the 4-bit modes (it is the most
+sensitive layer) and in the mode itself for int8; the embedding table stays in the model's dtype.
+
+| mode     | stored per linear                                   | value                          |
+| -------- | --------------------------------------------------- | ------------------------------ |
+| int8     | weight int8 [out, in], scales [out]                 | scale[o] * q                   |
+| int4     | qweight uint8 [out, in/2], scales, mins [out, in/g] | min + scale * q, q in 0..15    |
+| nf4      | weight uint8 [out*in/2, 1], absmax [out*in/64]      | absmax * NF4[q] (bitsandbytes) |
+|          | --double-quant: absmax_q uint8, absmax_scales, ...  | absmax 8-bit, blocks of 256    |
+| llm.int8 | as int8 (bitsandbytes' CB and SCB / 127)            | bitsandbytes Linear8bitLt      |
+
+int4's grid is llama.cpp's Q4_1 grid (min + scale * q per group): a checkpoint converted from a Q4_0 or Q4_1 GGUF
+gets an int4-g32 variant made from the GGUF's own blocks, bit for bit. nf4 is bitsandbytes' layout bit for bit:
+blocks of 64 over the flattened weight, absmax per block, two codes per byte with the first in the high nibble.
+
+Files store one tensor set per checkpoint linear (q_proj, k_proj, ...); the model stacks q/k/v/gate and gate/up by
+rows when it loads them (dense.DenseDecoder.load_tensors). Every layout here is row-major per output row (nf4's
+blocks never cross a part, whose size is a multiple of 64), so the stacked tensors are the stacked layer's own.
+Files of variants are written by convert.py (convert.write_variant; the command line is quantize.py), and chosen at
+load time by load.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from dense import CheckpointError, DenseDecoder
+
+MODES = ("int8", "int4", "nf4", "llm.int8")
+# bitsandbytes' NF4 code (float32), in increasing order.
+NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                    0.7229568362236023, 1.0])
+# Checkpoint linears of the decoder blocks (what files store) and the model's linears (fused, what the model holds).
+BLOCK_LINEAR = re.compile(r"layers\.\d+\.(attn\.(q|k|v|gate|o)_proj|mlp\.(gate|up|down)_proj)")
+MODEL_LINEAR = re.compile(r"layers\.\d+\.(attn\.(qkv|o)_proj|mlp\.(gate_up|up|down)_proj)")
+BYTES_PER_WEIGHT = {"int8": 1.0, "llm.int8": 1.0, "int4": 0.65, "nf4": 0.6}  # stored, scales included (about)
+
+
+def import_bitsandbytes():
+    """bitsandbytes, without its import-time warning about an optional CPU kernel fetched from the Hugging Face hub
+    (`kernels` package), which this project does not use."""
+    import logging
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    import bitsandbytes
+
+    return bitsandbytes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Quantizers: float weight [out, in] -> the tensors stored for it
+
+
+def int8_quantize(w: torch.Tensor) -> dict:
+    """Symmetric, per output channel: q = round(w / s), s = max|w_row| / 127."""
+    w = w.float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    return {"weight": torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8), "scales": scales}
+
+
+def int4_quantize(w: torch.Tensor, group: int) -> dict:
+    """Asymmetric, per group of `group` inputs: w ~ min + scale * q, q = round((w - min) / scale) in 0..15."""
+    out, inp = w.shape
+    if inp % group:
+        raise CheckpointError(f"int4: input width {inp} is not a multiple of the group size {group}")
+    g = w.float().reshape(out, inp // group, group)
+    mins, maxs = g.amin(dim=-1), g.amax(dim=-1)
+    # scale and min stored in float16, as llama.cpp's Q4_1 stores them; quantize against the stored values
+    scales, mins = ((maxs - mins) / 15).clamp(min=1e-7).half(), mins.half()
+    q = torch.round((g - mins.float()[..., None]) / scales.float()[..., None]).clamp(0, 15).to(torch.uint8)
+    return int4_pack(q.reshape(out, inp), scales, mins)
+
+
+def int4_pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> dict:
+    """codes [out, in] in 0..15 -> the stored tensors: two codes a byte, the even input in the low nibble."""
+    codes = codes.to(torch.uint8)
+    return {"qweight": codes[:, 0::2] | (codes[:, 1::2] << 4), "scales": scales.half(), "mins": mins.half()}
+
+
+def nf4_quantize(w: torch.Tensor, block: int = 64, double_quant: bool = False) -> dict:
+    """bitsandbytes' quantize_4bit(quant_type="nf4", blocksize=64), the same arithmetic step by step. double_quant
+    (bitsandbytes' compress_statistics): the absmax values minus their mean are quantized again to 8 bits in
+    blocks of 256, with bitsandbytes' own quantize_blockwise."""
+    flat = w.reshape(-1).float()
+    if flat.numel() % block:
+        raise CheckpointError(f"nf4: {flat.numel()} weights are not a multiple of the block size {block}")
+    blocks = flat.reshape(-1, block)
+    absmax = blocks.abs().amax(dim=-1)
+    scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38)[:, None]), -1, 1).reshape(-1)
+    code = NF4.to(scaled.device)
+    q = torch.bucketize(scaled, (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
+    stored = {"weight": ((q[0::2] << 4) | q[1::2]).unsqueeze(1)}
+    if not double_quant:
+        return {**stored, "absmax": absmax}
+    bnbf = import_bitsandbytes().functional
+    offset = absmax.mean()
+    absmax_q, state = bnbf.quantize_blockwise(absmax - offset, blocksize=256)
+    return {**stored, "absmax_q": absmax_q, "absmax_scales": state.absmax, "absmax_code": state.code,
+            "absmax_offset": offset.reshape(1)}
+
+
+def double_quant_absmax(absmax_q, absmax_scales, absmax_code, absmax_offset) -> torch.Tensor:
+    """The absmax of every 64-block, float32, from nf4 --double-quant's stored tensors:
+    code[absmax_q] * absmax_scales[block of 256] + offset."""
+    scales = absmax_scales.float().repeat_interleave(256)[: absmax_q.numel()]
+    return absmax_code.float()[absmax_q.long()] * scales + absmax_offset.float()
+
+
+DOUBLE_QUANT = ("absmax_q", "absmax_scales", "absmax_code", "absmax_offset")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Quantized linears. Each holds its stored tensors as buffers; keep_dtype names those that load as stored.
+
+
+class QuantLinear(nn.Module):
+    keep_dtype: tuple[str, ...] = ()
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+    def finish_loading(self) -> None:
+        """Repack for this device's kernel, once the stored tensors are in place."""
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(QuantLinear):
+    keep_dtype = ("scales",)
+
+    def __init__(self, in_features, out_features, bias, **_) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(out_features))
+
+    @staticmethod
+    def stored(w, **_):
+        return int8_quantize(w)
+
+    def dequantize(self, dtype) -> torch.Tensor:
+        return (self.weight.float() * self.scales.float()[:, None]).to(dtype)
+
+    def finish_loading(self) -> None:
+        if self.weight.device.type == "cpu":  # repacked for the CPU kernel (kernels.py)
+            for key, t in kernels.pack_int8(self.weight, self.scales).items():
+                self.register_buffer(key, t, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "kernel_weight"):
+            return self.add_bias(kernels.linear_int8(x, self.kernel_weight, self.kernel_scales))
+        # elsewhere torch.compile fuses the int8 -> x.dtype conversion into the matmul's weight loads
+        return self.add_bias(F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype))
+
+
+class Int4Linear(QuantLinear):
+    keep_dtype = ("scales", "mins")
+
+    def __init__(self, in_features, out_features, bias, group_size=32, **_) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.group_size = group_size
+        groups = in_features // group_size
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float16))
+        self.register_buffer("mins", torch.zeros(out_features, groups, dtype=torch.float16))
+
+    @staticmethod
+    def stored(w, group_size=32, **_):
+        return int4_quantize(w, group_size)
+
+    def codes(self) -> torch.Tensor:
+        """q in 0..15, [out, in]."""
+        low, high = self.qweight & 15, self.qweight >> 4
+        return torch.stack((low, high), dim=-1).reshape(self.out_features, self.in_features)
+
+    def finish_loading(self) -> None:
+        if self.qweight.device.type == "cpu":  # repacked for the CPU kernel (kernels.py)
+            for key, t in kernels.pack_int4(self.codes(), self.scales, self.mins, self.group_size).items():
+                self.register_buffer(key, t, persistent=False)
+
+    def dequantize(self, dtype) -> torch.Tensor:
+        g = self.codes().reshape(self.out_features, -1, self.group_size).to(torch.float32)
+        w = self.mins.float()[..., None] + self.scales.float()[..., None] * g
+        return w.reshape(self.out_features, self.in_features).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "kernel_weight"):
+            return self.add_bias(kernels.linear_int4(x, self.kernel_weight, self.kernel_scales, self.kernel_mins,
+                                                     self.out_features, self.group_size))
+        # elsewhere: dequantize-and-matmul, which torch.compile fuses into the weight loads
+        return self.add_bias(F.linear(x, self.dequantize(x.dtype)))
+
+
+class NF4Linear(QuantLinear):
+    keep_dtype = ("absmax",)
+
+    def __init__(self, in_features, out_features, bias, **_) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("weight", torch.zeros(out_features * in_features // 2, 1, dtype=torch.uint8))
+        self.register_buffer("absmax", torch.ones(out_features * in_features // 64))
+        self.register_buffer("code", NF4.clone(), persistent=False)
+
+    @staticmethod
+    def stored(w, double_quant=False, **_):
+        return nf4_quantize(w, double_quant=double_quant)
+
+    def finish_loading(self) -> None:
+        for key, t in (kernels.pack_nf4(self.weight, self.absmax, self.out_features, self.in_features) or {}).items():
+            self.register_buffer(key, t, persistent=False)  # repacked for the CPU kernel (kernels.py)
+
+    def dequantize(self, dtype) -> torch.Tensor:
+        packed = self.weight.reshape(-1)
+        q = torch.stack((packed >> 4, packed & 15), dim=-1).reshape(-1, 64).long()
+        w = self.code.to(self.absmax.device)[q] * self.absmax[:, None]
+        return w.reshape(self.out_features, self.in_features).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "kernel_weight"):
+            return self.add_bias(kernels.linear_nf4(x, self.kernel_weight, self.kernel_absmax, self.code))
+        # dequantize-and-matmul: torch.compile fuses the table lookup into the weight loads
+        return self.add_bias(F.linear(x, self.dequantize(x.dtype)))
+
+
+class LLMInt8Linear(Int8Linear):
+    """bitsandbytes' Linear8bitLt (LLM.int8 with outlier threshold 6.0, as seed 004 uses), from int8 rows and their
+    absmax scales."""
+
+    def finish_loading(self) -> None:
+        bnb = import_bitsandbytes()
+        layer = bnb.nn.Linear8bitLt(self.in_features, self.out_features, bias=self.bias is not None,
+                                    has_fp16_weights=False, threshold=6.0, device="meta")
+        layer.weight = bnb.nn.Int8Params(self.weight, requires_grad=False, has_fp16_weights=False)
+        layer.weight.CB, layer.weight.SCB = self.weight, (self.scales * 127).float()
+        layer.state.CB, layer.state.SCB = layer.weight.CB, layer.weight.SCB
+        if self.bias is not None:
+            layer.bias = self.bias
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+LINEARS = {"int8": Int8Linear, "int4": Int4Linear, "nf4": NF4Linear, "llm.int8": LLMInt8Linear}
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise CheckpointError(f"unknown quantization mode {mode!r} (choose from {', '.join(MODES)})")
+
+
+def head_mode(mode: str) -> str:
+    return "int8" if mode in ("int4", "nf4") else mode
+
+
+def layer_modes(model: DenseDecoder, mode: str) -> dict[str, str]:
+    """{model linear name: mode} for the layers a mode quantizes: block linears in the mode, the head in int8."""
+    chosen = {name: mode for name, m in model.named_modules() if isinstance(m, nn.Linear) and MODEL_LINEAR.fullmatch(name)}
+    chosen["lm_head"] = head_mode(mode)
+    return chosen
+
+
+def swap_linears(model: DenseDecoder, mode: str | None, params: dict) -> DenseDecoder:
+    """Replace the model's nn.Linear layers by empty quantized ones (mode None: by kernels.Linear, whose CPU decode
+    calls run kernels.cpp), built on the same device (meta while loading) and filled by dense.load_tensors."""
+    chosen = layer_modes(model, mode) if mode else {name: None for name, m in model.named_modules()
+                                                     if type(m) is nn.Linear}
+    for name, layer_mode in chosen.items():
+        old = model.get_submodule(name)
+        parent, _, attr = name.rpartition(".")
+        with torch.device(old.weight.device):
+            if layer_mode is None:
+                new = kernels.Linear(old.in_features, old.out_features, old.bias is not None, dtype=old.weight.dtype)
+                new.weight, new.bias = old.weight, old.bias
+            else:
+                new = LINEARS[layer_mode](old.in_features, old.out_features, old.bias is not None, **params)
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+    return model
+
+
+def quantize_model(model: DenseDecoder, mode: str, group_size: int = 32, double_quant: bool = False) -> DenseDecoder:
+    """Quantize a loaded full-precision model in place (the weights are read from it). A fused projection is
+    quantized whole: every layout is row-major, so that equals quantizing its parts and stacking them."""
+    check_mode(mode)
+    params, training = {"group_size": group_size}, model.training
+    weights = {name: model.get_submodule(name) for name in layer_modes(model, mode)}
+    swap_linears(model, mode, params)
+    for name, old in weights.items():
+        new = model.get_submodule(name)
+        stored = new.stored(old.weight.detach(), **params)
+        if "absmax_q" in stored:
+            stored["absmax"] = double_quant_absmax(*(stored.pop(k) for k in DOUBLE_QUANT))
+        for key, t in stored.items():
+            new._buffers[key] = t.to(old.weight.device)
+        if old.bias is not None:
+            new.bias = nn.Parameter(old.bias.detach(), requires_grad=False)
+        new.finish_loading()
+    return model.train(training)  # the new layers (bitsandbytes' too) in the model's mode: eval computes differently

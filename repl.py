@@ -1,0 +1,258 @@
+"""repl.py: chat.py's interactive mode: read a message, stream the reply, keep the conversation; slash commands
+(/retry, /undo, /save, /load, /set, ...). Stands on session.py (the Session and its vocabulary) and terminal.py
+(line editing, Markdown rendering).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+import convert
+import dense
+import kernels
+import terminal
+import tp
+from session import SETTINGS, Session, UsageError, Vocabulary, ctrl_c_as_key, set_option
+
+HELP = """/help          this text               /exit          quit (or Ctrl-D); Ctrl-C stops a reply
+/retry         a new reply to the last message (its prompt is already in the cache)
+/undo          drop the last exchange  /reset         new conversation
+/system TEXT   set the system message (starts a new conversation)
+/save FILE     the conversation as JSON (messages, system message, model, sampling settings)
+/load FILE     continue a saved conversation
+/set NAME VAL  temperature, top-k, top-p (none: off), max-new-tokens, for the rest of the session
+/model         what is loaded          /stats         cache and speed of the last reply
+Up/down recall earlier messages. A pasted block is one message; end a line with \\ to type another."""
+
+# The sampling settings: (type, valid value, what is expected). parse_args checks the flags with them, /set the
+# values typed in a session, /save and /load keep them.
+
+EOF = "\x04"  # what interactive mode's reader gives for Ctrl-D (sent to the other ranks too)
+
+
+@dataclass
+class Conversation:
+    """What interactive mode keeps between turns: the messages (chat) or the last line (completion)."""
+    mode: str
+    system: str | None = None
+    messages: list[dict] = field(default_factory=list)
+    last_line: str | None = None
+
+
+def interactive(session: Session, vocab: Vocabulary, args, mode: str, console, ckpt: str, why: str) -> int:
+    talk = Conversation(mode, args.system)
+    markdown = console.is_terminal and not console.is_dumb_terminal and not args.plain
+    rank = tp.world()[0]
+    reader = terminal.LineReader(os.path.join(kernels.cache_dir(), "history") if rank == 0 else None,
+                                 sys.stdin.isatty())
+    if session.steps is not None:  # a later compile (a /set that changes sampling) says so
+        session.steps.status = lambda message: console.print(f"[dim]{message}[/dim]")
+    console.print(f"[dim]{mode} mode, cache {session.max_seq_len} tokens. /help for commands.[/dim]")
+    keys = ctrl_c_as_key(session)
+    try:
+        while True:
+            try:
+                if keys is not None:
+                    keys.line()
+                line = reader.read(terminal.prompt_text(console)) if rank == 0 else None
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D, or Ctrl-C at the prompt
+                line = EOF
+            line = tp.broadcast(line)  # tensor parallel: rank 0 reads, every rank runs the turn
+            if line == EOF:
+                console.print()
+                return 0
+            if not line.strip():
+                continue
+            if line.startswith("/"):
+                if command(session, vocab, talk, line, console, ckpt, why, markdown) == "exit":
+                    return 0
+                continue
+            try:
+                turn(session, vocab, talk, line, console, markdown)
+            except KeyboardInterrupt:  # Ctrl-C before the reply started: back to the prompt
+                console.print("[dim](interrupted)[/dim]")
+    finally:
+        reader.save()
+        if keys is not None:
+            keys.restore()
+
+
+def command(session: Session, vocab: Vocabulary, talk: Conversation, line: str, console, ckpt: str, why: str,
+            markdown: bool) -> str | None:
+    """One slash command. Bad arguments print one line and the session goes on."""
+    name, _, rest = line.strip().partition(" ")
+    rest = rest.strip()
+    if name in ("/exit", "/quit"):
+        return "exit"
+    try:
+        if name == "/help":
+            console.print(HELP, markup=False)
+        elif name == "/reset":
+            talk.messages, talk.last_line = [], None
+            console.print("[dim]new conversation[/dim]")
+        elif name == "/system":
+            talk.system, talk.messages = rest or None, []
+            console.print(f"[dim]system message {'set' if rest else 'cleared'}; new conversation[/dim]")
+        elif name == "/stats":
+            console.print(f"[dim]last reply: {session.last.line()}\ncache: {len(session.cached)} of "
+                          f"{session.max_seq_len} positions in use; {session.model.tokens_prefilled} tokens "
+                          "prefilled in all[/dim]", soft_wrap=True)
+        elif name == "/retry":
+            if talk.mode == "chat" and talk.messages and talk.messages[-1]["role"] == "assistant":
+                talk.messages = talk.messages[:-1]
+                turn(session, vocab, talk, None, console, markdown)
+            elif talk.mode == "complete" and talk.last_line is not None:
+                turn(session, vocab, talk, talk.last_line, console, markdown)
+            else:
+                console.print("[yellow]no reply to retry yet[/yellow]")
+        elif name == "/undo":
+            if talk.mode == "chat" and talk.messages:
+                drop = 2 if talk.messages[-1]["role"] == "assistant" and len(talk.messages) > 1 else 1
+                talk.messages = talk.messages[:-drop]
+                console.print(f"[dim]dropped the last exchange; {len(talk.messages)} messages left[/dim]")
+            else:
+                console.print("[yellow]nothing to undo[/yellow]")
+        elif name == "/save":
+            if tp.world()[0] == 0:
+                save_conversation(rest, talk, session.args, ckpt)
+            console.print(f"[dim]saved {len(talk.messages)} messages to {rest}[/dim]")
+        elif name == "/load":
+            note = load_conversation(rest, talk, session.args, ckpt)
+            console.print(f"[dim]loaded {len(talk.messages)} messages from {rest}{note}[/dim]")
+        elif name == "/set":
+            console.print(f"[dim]{set_option(session.args, rest)}[/dim]")
+        elif name == "/model":
+            console.print(describe_model(session, ckpt, why), markup=False)
+        else:
+            console.print(f"[red]unknown command {name}[/red] (/help lists them)")
+    except UsageError as e:
+        console.print(f"[red]{name}: {e}[/red]", markup=True, highlight=False)
+    return None
+
+
+def turn(session: Session, vocab: Vocabulary, talk: Conversation, line: str | None, console, markdown: bool) -> None:
+    """One exchange: prompt -> streamed reply -> stats line. line None: reply again to the conversation as it is
+    (/retry: its prompt is all in the cache, so only its last token is fed again)."""
+    if talk.mode == "chat":
+        messages = talk.messages + ([{"role": "user", "content": line}] if line is not None else [])
+        ids, dropped = fit_conversation(session, vocab, talk.system, messages)
+        if ids is None:
+            console.print("[red]that message does not fit in the context[/red]")
+            return
+        if dropped:
+            messages = messages[dropped:]
+            console.print(f"[yellow]dropped the {dropped} oldest messages to fit the context; rebuilding the "
+                          "cache[/yellow]")
+        talk.messages = messages
+    else:
+        talk.last_line = line
+        ids = vocab.encode(line, special=True)[: session.max_seq_len - 1]
+    view = terminal.ReplyView(console, markdown)
+    try:
+        reply, stats = session.reply(ids, view.write)
+    except BaseException:
+        view.finish("(stopped)")
+        raise
+    view.finish(stats.line())
+    if talk.mode == "chat":
+        talk.messages = talk.messages + [{"role": "assistant", "content": vocab.decode(reply)}]
+
+
+CONVERSATION_FORMAT = "dense-engine conversation"
+
+
+def save_conversation(path: str, talk: Conversation, args, ckpt: str) -> None:
+    """The conversation as JSON, written to a temporary file and renamed; an existing file is replaced only when it is
+    a saved conversation itself."""
+    if not path:
+        raise UsageError("which file? /save FILE")
+    path = os.path.expanduser(path)
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                ours = json.load(f).get("format") == CONVERSATION_FORMAT
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise UsageError(f"{path} exists and is not a saved conversation; choose another name")
+    record = {"format": CONVERSATION_FORMAT, "version": 1, "model": os.path.abspath(ckpt), "mode": talk.mode,
+              "system": talk.system, "messages": talk.messages,
+              "sampling": {key: getattr(args, key.replace("-", "_")) for key in SETTINGS}}
+    try:
+        convert.atomic_write(path, lambda p: open(p, "w", encoding="utf-8").write(json.dumps(record, indent=1,
+                                                                                             ensure_ascii=False)))
+    except OSError as e:
+        raise UsageError(f"{path}: {e.strerror or e}") from None
+
+
+def load_conversation(path: str, talk: Conversation, args, ckpt: str) -> str:
+    """Restore a saved conversation (messages, system message, sampling settings); returns a note for the user."""
+    if not path:
+        raise UsageError("which file? /load FILE")
+    path = os.path.expanduser(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except OSError as e:
+        raise UsageError(f"{path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise UsageError(f"{path}: not JSON ({e})") from None
+    messages = record.get("messages") if isinstance(record, dict) else None
+    valid = isinstance(messages, list) and record.get("format") == CONVERSATION_FORMAT and all(
+        isinstance(m, dict) and m.get("role") in ("user", "assistant", "system") and isinstance(m.get("content"), str)
+        for m in messages)
+    if not valid:
+        raise UsageError(f"{path}: not a conversation saved by /save")
+    system = record.get("system")
+    talk.messages, talk.system = messages, system if isinstance(system, str) else None
+    for key, value in (record.get("sampling") or {}).items():
+        if key in SETTINGS:
+            try:
+                set_option(args, f"{key} {'none' if value is None else value}")
+            except UsageError:
+                pass
+    other = record.get("model")
+    return f" (saved with {other})" if isinstance(other, str) and other != os.path.abspath(ckpt) else ""
+
+
+def describe_model(session: Session, ckpt: str, why: str) -> str:
+    """/model: what is loaded (the parameter count of the full model, whatever its storage)."""
+    model, config = session.model, session.model.config
+    with torch.device("meta"):
+        params = sum(p.numel() for p in dense.DenseDecoder(config).parameters())
+    source = os.path.join(ckpt, "config.json")
+    origin = (read_json_quietly(source).get("source_format") if os.path.isfile(source) else None) or "native"
+    heads = f"{config.heads(0)} heads ({config.kv_heads(0)} key/value)"
+    return (f"{ckpt} ({origin})\n  {params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers, {heads}, "
+            f"{config.norm}, {config.mlp}{', parallel residual' if config.parallel_residual else ''}, vocabulary "
+            f"{config.vocab_size}, context {config.max_position_embeddings}\n"
+            f"  {str(model.dtype).removeprefix('torch.')} on {model.device}, {why.removeprefix('weights: ')}\n"
+            f"  cache {session.max_seq_len} tokens ({len(session.cached)} in use), "
+            f"{'compiled steps' if session.steps is not None else 'eager'}"
+            f"{', draft ' + type(session.draft).__name__ if session.draft is not None else ''}")
+
+
+def read_json_quietly(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def fit_conversation(session: Session, vocab: Vocabulary, system: str | None, history: list[dict]):
+    """Token ids of the rendered conversation, dropping the oldest messages (never the system message) until the
+    prompt and a reply fit the cache. Returns (ids, messages dropped), or (None, 0) when even the last message
+    alone does not fit."""
+    head = [{"role": "system", "content": system}] if system else []
+    for dropped in range(0, len(history), 2):
+        ids = vocab.encode(vocab.render(head + history[dropped:]), special=False)
+        if len(ids) + min(session.args.max_new_tokens, 64) <= session.max_seq_len:
+            return ids, dropped
+    return None, 0
