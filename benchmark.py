@@ -46,6 +46,30 @@ SHAPES = {
     "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                        num_attention_heads=32, head_dim=128, max_position_embeddings=4096, norm_eps=1e-5),
     "shellelastic": {},  # DenseConfig's defaults: the ShellElastic default model
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                         rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                            "high_freq_factor": 4.0,
+                                                            "original_max_position_embeddings": 8192},
+                         tie_word_embeddings=True),
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
+                         rope_theta=1e6, norm_eps=1e-6, qkv_bias=True, tie_word_embeddings=True),
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                       rope_theta=1e6, norm_eps=1e-6, qk_norm="shared", tie_word_embeddings=True),
+    "gemma-3-1b": dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+                       rope_theta=1e6, rope_local_theta=1e4, sliding_window=512,
+                       layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(26)],
+                       attn_scale=256 ** -0.5, norm_eps=1e-6, norm_unit_offset=True, qk_norm="shared", mlp="geglu",
+                       post_norms=True, embed_scale=1152 ** 0.5, tie_word_embeddings=True),
+    "phi-4-mini": dict(vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                       num_attention_heads=24, num_key_value_heads=8, head_dim=128, rotary_dim=96,
+                       max_position_embeddings=131072, rope_scaling={
+                           "rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0 + i / 8 for i in
+                                                                                                range(48)],
+                           "original_max_position_embeddings": 4096}, tie_word_embeddings=True),
 }
 PEAK_BANDWIDTH_GBS = {"H200": 4800, "H100": 3350, "A100": 2039, "L4": 300, "RTX 4090": 1008}
 
@@ -195,7 +219,7 @@ def run_benchmark(model, *, batch: int, prompt_len: int | tuple[int, int], gen_l
     context = model.config.max_position_embeddings
     if needed > context:
         raise ValueError(f"--prompt-len {lengths[1]} + --gen-len {gen_len} exceed the context of {context}")
-    cache_len = cache_len or (context if batch == 1 else generate.cache_length(needed, context))
+    cache_len = cache_len or (session.fitting_cache(model) if batch == 1 else generate.cache_length(needed, context))
     if cache_len < needed:
         raise ValueError(f"--max-seq-len {cache_len} is shorter than --prompt-len + --gen-len ({needed})")
     generate.setup_cache(model, batch, cache_len)

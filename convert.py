@@ -65,6 +65,7 @@ def read_foreign(path: str) -> Checkpoint:
         raw = read_json(config_file)
         declared = torch_dtype(raw.get("torch_dtype") or raw.get("dtype"))
         model_type = raw.get("model_type")
+        families.refuse_moe(raw, config_file)
         if model_type in families.HF_FAMILIES:
             config, table = families.HF_FAMILIES[model_type](path, raw, config_file)
             return Checkpoint(path, config, table, declared)

@@ -264,33 +264,258 @@ def gpt_neox(folder: str, raw: dict, source: str):
     return config, table
 
 
-def llama(folder: str, raw: dict, source: str):
-    """Hugging Face Llama (SmolLM2, TinyLlama, Llama 2/3 layout): GQA, RMSNorm, rotate-half RoPE, rope_theta."""
-    if raw.get("rope_scaling"):
-        raise CheckpointError(f"{source}: rope_scaling {raw['rope_scaling']!r} is not supported")
-    if raw.get("attention_bias") or raw.get("mlp_bias"):
-        raise CheckpointError(f"{source}: attention_bias / mlp_bias are not supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
-    hidden, heads = int(need(raw, "hidden_size", source)), int(need(raw, "num_attention_heads", source))
-    tied = bool(raw.get("tie_word_embeddings", False))
-    rope = raw.get("rope_parameters") or {}
-    config = DenseConfig(
-        vocab_size=int(need(raw, "vocab_size", source)), hidden_size=hidden,
-        num_hidden_layers=int(need(raw, "num_hidden_layers", source)), num_attention_heads=heads,
-        num_key_value_heads=int(raw.get("num_key_value_heads") or heads), head_dim=int(raw.get("head_dim") or hidden // heads),
-        intermediate_size=int(need(raw, "intermediate_size", source)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))), rope_precision="float32",
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)), qk_norm="none", attn_output_gate=False, tie_word_embeddings=tied)
-    table = rename(hf_weights(folder), [
-        (r"model\.embed_tokens\.weight", "embed_tokens.weight"), (r"model\.norm\.weight", "norm.weight"),
-        (r"lm_head\.weight", None if tied else "lm_head.weight"),
-        (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
-        (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
-        (r"model\.layers\.(\d+)\.self_attn\.([qkvo]_proj)\.weight", r"layers.\1.attn.\2.weight"),
-        (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.weight")], source)
-    return config, table
+# -- Hugging Face Llama and its descendants ---------------------------------------------------------------------
+# One reader for every family laid out as Llama is (model.layers.N.self_attn.q_proj, ...); each difference is read
+# where it applies. A config key that no rule reads and that is not known to leave the math alone is refused, so a
+# model is never loaded with part of its math missing.
+
+# Keys that describe a release, its training or its generation defaults, never the forward pass.
+HARMLESS_KEYS = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "auto_map",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "initializer_range",
+    "use_cache", "attention_dropout", "hidden_dropout", "embd_pdrop", "resid_pdrop", "classifier_dropout",
+    "pretraining_tp", "output_attentions", "output_hidden_states", "return_dict", "use_return_dict", "torchscript",
+    "tie_encoder_decoder", "is_encoder_decoder", "is_decoder", "add_cross_attention", "chunk_size_feed_forward",
+    "finetuning_task", "id2label", "label2id", "problem_type", "tokenizer_class", "prefix", "task_specific_params",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "pruned_heads",
+    "cross_attention_hidden_size", "use_bfloat16", "tf_legacy_loss", "_attn_implementation_autoset",
+    "cache_implementation", "unsloth_version", "unsloth_fixed", "quantization_config_null", "attn_implementation"}
+# Mixtures of experts and other designs this dense engine does not run.
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+# Defaults transformers uses when a key is absent: (rms eps, tied embeddings, rope base)
+HF_DEFAULTS = {"llama": (1e-6, False, 1e4), "mistral": (1e-6, False, 1e4), "qwen2": (1e-6, False, 1e4),
+               "qwen3": (1e-6, False, 1e4), "gemma": (1e-6, True, 1e4), "gemma2": (1e-6, True, 1e4),
+               "gemma3_text": (1e-6, True, 1e6), "phi3": (1e-5, False, 1e4), "smollm3": (1e-6, True, 2e6),
+               "granite": (1e-6, False, 1e4), "olmo2": (1e-5, False, 1e4), "stablelm": (1e-5, False, 1e4)}
+GEMMAS = ("gemma", "gemma2", "gemma3_text")
+
+
+class ConfigReader:
+    """A config.json's values, remembering which keys were read, so that the rest can be refused."""
+
+    def __init__(self, raw: dict, source: str) -> None:
+        self.raw, self.source, self.read = raw, source, set()
+
+    def get(self, key: str, default=None):
+        self.read.add(key)
+        value = self.raw.get(key)
+        return default if value is None else value
+
+    def need(self, key: str):
+        if self.raw.get(key) is None:
+            raise CheckpointError(f"{self.source}: missing config field {key!r}")
+        return self.get(key)
+
+    def refuse(self, key: str, why: str):
+        raise CheckpointError(f"{self.source}: {key} {self.raw.get(key)!r} is not supported ({why})")
+
+    def check_unread(self) -> None:
+        for key, value in self.raw.items():  # (a key set to null or false turns a feature off)
+            if key not in self.read and key not in HARMLESS_KEYS and not key.startswith("_") and value not in (
+                    None, False):
+                raise CheckpointError(f"{self.source}: config key {key!r} is not supported (it may change the "
+                                      "model's math, and this engine does not read it)")
+
+
+def hf_rope(cfg: ConfigReader, default_theta: float, head_dim: int,
+            default_fraction: float = 1.0) -> tuple[float, dict | None, int, float | None]:
+    """(base, scaling, rotary channels, local base) from either form transformers reads: the Hub's rope_theta /
+    rope_scaling / partial_rotary_factor / rope_local_base_freq, or transformers 5's rope_parameters (flat, or by
+    layer type: Gemma 3's sliding_attention / full_attention)."""
+    params = cfg.get("rope_parameters") or {}
+    local = None
+    if "full_attention" in params or "sliding_attention" in params:
+        local = (params.get("sliding_attention") or {}).get("rope_theta", 1e4)
+        if (params.get("sliding_attention") or {}).get("rope_type", "default") != "default":
+            raise CheckpointError(f"{cfg.source}: rope_parameters.sliding_attention: only default rope is supported")
+        params = params.get("full_attention") or {}
+    elif cfg.get("rope_local_base_freq") is not None:
+        local = cfg.get("rope_local_base_freq")
+    scaling = dict(cfg.get("rope_scaling") or {})
+    params = {**params, **scaling}
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", default_theta)))
+    fraction = float(params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", default_fraction)))
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    kind = {"su": "longrope"}.get(kind, kind)
+    if kind == "yarn" and cfg.raw.get("model_type") == "phi3":
+        kind = "longrope"  # transformers reads Phi-3's legacy "yarn" as longrope
+    cfg.get("original_max_position_embeddings")  # read where a scaling uses it; without one it changes nothing
+    if kind == "default":
+        params = None
+    else:
+        params = {"rope_type": kind, **params}
+        if kind in ("llama3", "yarn", "longrope"):
+            params["original_max_position_embeddings"] = int(
+                cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or
+                cfg.need("max_position_embeddings"))
+    if local is not None:
+        local = float(local)
+    return theta, params, int(head_dim * fraction), local
+
+
+def hf_layer_types(cfg: ConfigReader, kind: str, layers: int, window: int | None,
+                   nope: list[int] | None) -> list[str] | None:
+    """Which layers use the sliding window: transformers 5's layer_types, else each family's rule (None: every
+    layer, when there is a window)."""
+    given = cfg.get("layer_types")
+    if kind == "gemma3_text":
+        pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+        rule = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    elif kind == "gemma2":
+        rule = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    elif kind in ("qwen2", "qwen3"):
+        first = int(cfg.get("max_window_layers", 28))
+        rule = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
+    elif kind == "smollm3":  # the layers without rope slide
+        rule = ["sliding_attention" if i in (nope or ()) else "full_attention" for i in range(layers)]
+    else:
+        rule = None
+    types = given or rule
+    if window is None:
+        return None
+    return types
+
+
+def hf_decoder(folder: str, raw: dict, source: str):
+    """Hugging Face Llama and the families that share its layout, exactly as transformers runs them:
+    Llama 2/3.x (rope scalings), Mistral (a sliding window on every layer), Qwen2/2.5 (q/k/v biases), Qwen3 (q/k
+    norms per head), Gemma 1/2/3 ((1 + w) norms, scaled embeddings, tanh-GELU gates; 2 and 3: post-norms, a
+    query scale, sliding windows on some layers; 2: soft-capped scores and logits; 3: q/k norms and a local rope
+    base), Phi-3/3.5/4-mini (fused projections, partial rotary, longrope), SmolLM3 (layers without rope), Granite
+    (multipliers), OLMo 2 (post-norms only, q/k norms over the projection), StableLM 2 (layer norms, partial
+    rotary, per-head q/k layer norms, parallel blocks)."""
+    kind = raw["model_type"]
+    cfg = ConfigReader(raw, source)
+    eps_default, tied_default, theta_default = HF_DEFAULTS[kind]
+    hidden, heads = int(cfg.need("hidden_size")), int(cfg.need("num_attention_heads"))
+    layers = int(cfg.need("num_hidden_layers"))
+    head_dim = int(cfg.get("head_dim") or {"gemma": 256, "gemma2": 256, "gemma3_text": 256, "qwen3": 128}.get(
+        kind, hidden // heads))
+    if kind in ("phi3", "stablelm"):  # transformers derives it, whatever the config says
+        head_dim = hidden // heads
+    tied = bool(cfg.get("tie_word_embeddings", tied_default))
+    theta, scaling, rotary, local_theta = hf_rope(cfg, theta_default, head_dim, 0.25 if kind == "stablelm" else 1.0)
+    if kind == "gemma3_text" and local_theta is None:
+        local_theta = 1e4
+    elif kind != "gemma3_text" and local_theta is not None:
+        cfg.refuse("rope_local_base_freq", "only Gemma 3 has a local rope base")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "gelu_pytorch_tanh" if kind in GEMMAS else "silu")
+    if kind in GEMMAS:
+        if act not in ("gelu_pytorch_tanh", "gelu") or (act == "gelu" and kind != "gemma"):
+            cfg.refuse("hidden_activation", "Gemma's MLP is gelu_pytorch_tanh")
+        mlp = "geglu"
+    elif act in ("silu", "swish"):
+        mlp = "swiglu"
+    else:
+        cfg.refuse("hidden_act", "only silu for this family")
+    window = cfg.get("sliding_window")
+    if kind in ("qwen2", "qwen3", "smollm3") and not cfg.get("use_sliding_window", False):
+        window = None  # a window in the config is off unless use_sliding_window says so
+    elif kind in ("llama", "granite", "olmo2", "stablelm", "gemma") and window is not None:
+        cfg.refuse("sliding_window", f"{kind} has no sliding window")
+    nope = None
+    if kind == "smollm3":  # no_rope_layers[i] is 1 where layer i uses rope
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+        nope = [i for i, use_rope in enumerate(flags) if not use_rope]
+    layer_types = hf_layer_types(cfg, kind, layers, window, nope)
+    attn_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
+    if attn_bias != mlp_bias:
+        cfg.refuse("attention_bias" if attn_bias else "mlp_bias", "biases on attention or MLP alone")
+    if cfg.get("use_bidirectional_attention"):
+        cfg.refuse("use_bidirectional_attention", "a decoder attends causally")
+    scalar = cfg.get("query_pre_attn_scalar") if kind in ("gemma2", "gemma3_text") else None
+    config = make_config(
+        source, vocab_size=int(cfg.need("vocab_size")), hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads", heads)), head_dim=head_dim,
+        intermediate_size=int(cfg.need("intermediate_size")),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)), rope_theta=theta,
+        rope_precision="float32", rotary_dim=rotary, rope_scaling=scaling, rope_local_theta=local_theta,
+        nope_layers=nope, attn_scale=float(cfg.get("attention_multiplier")) if kind == "granite" else (
+            float(scalar) ** -0.5 if scalar else None),
+        attn_softcap=cfg.get("attn_logit_softcapping") if kind == "gemma2" else None,
+        sliding_window=window, layer_types=layer_types,
+        qkv_bias=kind == "qwen2" or (kind == "stablelm" and bool(cfg.get("use_qkv_bias"))),
+        norm="layernorm" if kind == "stablelm" else "rmsnorm",
+        norm_eps=float(cfg.get("layer_norm_eps" if kind == "stablelm" else "rms_norm_eps", eps_default)),
+        norm_gain_in_float32=kind == "olmo2", norm_unit_offset=kind in GEMMAS,
+        qk_norm={"qwen3": "shared", "gemma3_text": "shared", "olmo2": "whole"}.get(kind, "per_channel" if (
+            kind == "stablelm" and cfg.get("qk_layernorm")) else "none"),
+        attn_output_gate=False, mlp=mlp, bias=attn_bias,
+        parallel_residual=kind == "stablelm" and bool(cfg.get("use_parallel_residual")),
+        pre_norms=kind != "olmo2", post_norms=kind in ("gemma2", "gemma3_text", "olmo2"),
+        residual_scale=float(cfg.get("residual_multiplier", 1.0)) if kind == "granite" else 1.0,
+        tie_word_embeddings=tied,
+        embed_scale=hidden ** 0.5 if kind in GEMMAS else (float(cfg.get("embedding_multiplier", 1.0))
+                                                          if kind == "granite" else None),
+        logits_divisor=float(cfg.get("logits_scaling", 1.0)) if kind == "granite" else 1.0,
+        final_softcap=cfg.get("final_logit_softcapping") if kind == "gemma2" else None)
+    for key in ("max_window_layers", "use_sliding_window"):
+        cfg.get(key)  # read above where they apply; without a window they change nothing
+    cfg.check_unread()
+    return config, hf_decoder_tensors(folder, kind, config, source)
+
+
+def make_config(source: str, **values) -> DenseConfig:
+    """A DenseConfig whose errors name the config file."""
+    try:
+        return DenseConfig(**values)
+    except CheckpointError as e:
+        raise CheckpointError(f"{source}: {str(e).removeprefix('config: ')}") from None
+
+
+def hf_decoder_tensors(folder: str, kind: str, config: DenseConfig, source: str) -> dict:
+    """{native name: thunk} of a Llama-layout folder. Where the families' names differ: Gemma 2/3's
+    post_attention_layernorm is the attention's post-norm (Llama's is the MLP's pre-norm), OLMo 2 has post-norms
+    only, Phi-3 fuses q|k|v and gate|up, StableLM keeps one layer norm per head for q and k."""
+    post_norms = kind in ("gemma2", "gemma3_text", "olmo2")
+    after_attention = "attn_post_norm" if post_norms else "mlp_norm"
+    layer = r"model\.layers\.(\d+)\."
+    rules = [
+        (r"model\.embed_tokens\.weight", "embed_tokens.weight"), (r"model\.norm\.(weight|bias)", r"norm.\1"),
+        (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight"),
+        (layer + r"input_layernorm\.(weight|bias)", r"layers.\1.attn_norm.\2"),
+        (layer + r"post_attention_layernorm\.(weight|bias)", rf"layers.\1.{after_attention}.\2"),
+        (layer + r"pre_feedforward_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
+        (layer + r"post_feedforward_layernorm\.weight", r"layers.\1.mlp_post_norm.weight"),
+        (layer + r"self_attn\.([qkvo]_proj)\.(weight|bias)", r"layers.\1.attn.\2.\3"),
+        (layer + r"self_attn\.([qk])_norm\.weight", r"layers.\1.attn.\2_norm.weight"),
+        (layer + r"self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight", r"layers.\1.attn.\2_norm.head\3"),
+        (layer + r"self_attn\.qkv_proj\.weight", r"layers.\1.attn.qkv.weight"),
+        (layer + r"mlp\.gate_up_proj\.weight", r"layers.\1.mlp.gate_up.weight"),
+        (layer + r"mlp\.(gate|up|down)_proj\.(weight|bias)", r"layers.\1.mlp.\2_proj.\3")]
+    table = rename(hf_weights(folder), rules, source)
+    H, K, D, W = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size
+    for i in range(config.num_hidden_layers):
+        a, m = f"layers.{i}.attn.", f"layers.{i}.mlp."
+        if a + "qkv.weight" in table:  # Phi-3: rows are q | k | v
+            split_rows(table, a + "qkv.weight", {a + "q_proj.weight": (0, H * D), a + "k_proj.weight": (
+                H * D, (H + K) * D), a + "v_proj.weight": ((H + K) * D, (H + 2 * K) * D)})
+        if m + "gate_up.weight" in table:  # Phi-3: rows are gate | up
+            split_rows(table, m + "gate_up.weight", {m + "gate_proj.weight": (0, W), m + "up_proj.weight": (W, 2 * W)})
+        for part, count in (("q", H), ("k", K)):  # StableLM: one [D] gain per head, stacked into [heads * D]
+            heads = [table.pop(f"{a}{part}_norm.head{h}", None) for h in range(count)]
+            if any(heads):
+                if not all(heads):
+                    raise CheckpointError(f"{source}: layer {i} lacks some of its per-head {part} norms")
+                table[f"{a}{part}_norm.weight"] = lambda heads=heads: torch.cat([read() for read in heads])
+        if config.parallel_residual and f"layers.{i}.attn_norm.weight" in table:  # StableLM's one norm, both branches
+            for p in ("weight", "bias"):
+                table[f"layers.{i}.mlp_norm.{p}"] = table[f"layers.{i}.attn_norm.{p}"]
+    return table
+
+
+def refuse_moe(raw: dict, source: str) -> None:
+    """Mixtures of experts are not dense models: one line, before anything is read."""
+    key = next((k for k in MOE_KEYS if raw.get(k)), None)
+    kind = raw.get("model_type", "")
+    if key or "moe" in str(kind) or kind in ("mixtral", "dbrx", "deepseek_v2", "deepseek_v3", "jamba"):
+        raise CheckpointError(f"{source}: model_type {kind!r}{f' ({key})' if key else ''} is a mixture of experts; "
+                              "this engine runs dense models only")
 
 
 # -- GPT-NeoX original two-way tensor-parallel release ------------------------------------------------------------
@@ -404,4 +629,4 @@ def read_torch_file(path: str, raw: dict | None) -> Checkpoint:
 
 
 # Hugging Face folders by config.json's model_type: (folder, raw config, config path) -> (DenseConfig, table)
-HF_FAMILIES = {"openelm": openelm, "gpt_neox": gpt_neox, "llama": llama}
+HF_FAMILIES = {"openelm": openelm, "gpt_neox": gpt_neox, **{kind: hf_decoder for kind in HF_DEFAULTS}}

@@ -117,7 +117,7 @@ class Runner:
         model.tokens_prefilled += T
         if self.steps is None or T > PREFILL_CHUNK:
             hidden = model.hidden_states(tokens, torch.arange(start, start + T, device=device), row_start=row_start)
-            return model.lm_head(hidden[:, -1]).float()
+            return model.logits(hidden[:, -1])
         slots = torch.arange(start, start + PREFILL_CHUNK, device=device)
         slots[T:] = model.max_seq_len  # padding goes to the scratch slot
         chunk = torch.nn.functional.pad(tokens, (0, PREFILL_CHUNK - T))
@@ -125,7 +125,7 @@ class Runner:
         args = (model, chunk, slots, row_start, attend, torch.tensor([T - 1], device=device))
         fn = self.steps.get("prefill", prefill_step, args, batch=B, tokens=PREFILL_CHUNK, attend=attend,
                             ragged=row_start is not None)
-        return model.lm_head(fn(*args)).float()
+        return model.logits(fn(*args))
 
     @torch.no_grad()
     def decode(self, token: torch.Tensor, pos: int, row_start, sampling: Sampling) -> torch.Tensor:

@@ -1,13 +1,21 @@
-"""gguf_import.py: llama.cpp's GGUF files (architecture "llama") as native checkpoints, and their tokenizers.
+"""gguf_import.py: llama.cpp's GGUF files as native checkpoints, and their tokenizers, read as llama.cpp reads them.
 
-Weights: read with the `gguf` package (llama.cpp's own reader, memory-mapped) and dequantized with its own
-dequantizer (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...). llama.cpp's converter permutes the rows of
-the q and k projections so that its rotary embedding can rotate adjacent pairs (2i, 2i+1); we undo that permutation
-so the weights match the Hugging Face layout, rotate-half pairs (i, i + D/2). The two are the same model.
+Architectures: llama (Llama 1/2/3.x, SmolLM2, TinyLlama), qwen2, qwen3, gemma, gemma2, gemma3, phi3. What llama.cpp's
+converter (convert_hf_to_gguf.py) did that an importer must undo or honour, and what llama.cpp's model code decides
+beyond the file (llama-model.cpp), each where it is read below:
+  * llama: q and k rows permuted so rotary can turn adjacent pairs (2i, 2i+1); undone here, back to rotate-half
+    pairs (i, i + D/2), the same model. `rope_freqs.weight` holds Llama 3.x's divisor of each frequency.
+  * gemma, gemma2, gemma3: every norm weight has the `+1` of Gemma's `(1 + w)` baked in; embeddings times sqrt(hidden);
+    tanh-GELU gates. gemma2/3: post-norms, soft-caps (2), windows on the layers llama.cpp's pattern picks (2: every
+    other layer; 3: five of six, with `rope.freq_base_swa`), and a query scale fixed by llama.cpp's code, not the file.
+  * phi3: q|k|v fused in attn_qkv and gate|up in ffn_up (split here); partial rotary; LongRoPE factors as tensors,
+    the long ones for a cache longer than `rope.scaling.original_context_length` (as llama.cpp picks by its context).
 
-Tokenizer: `tokenizer.ggml.*` (tokens, merges, token types, bos/eos, the pre-tokenizer) rebuilt as a Hugging Face
-`tokenizers` tokenizer; the chat template is kept for tokenizer_config.json.
-Stands on dense.py, checkpoint.py and quantized.py (int4's stored layout); convert.py dispatches .gguf files here.
+Weights are read with the `gguf` package (llama.cpp's own reader, memory-mapped) and dequantized with its own
+dequantizer (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...); Q4_0 / Q4_1 linears also keep their blocks,
+which int4-g32 holds exactly. Tokenizers: `tokenizer.ggml.*` rebuilt with the `tokenizers` library: byte-level BPE
+("gpt2", with llama.cpp's pre-tokenizers) or SentencePiece ("llama": scores, byte fallback, "▁" for spaces). The chat
+template is kept for tokenizer_config.json. Stands on dense.py, checkpoint.py and quantized.py (int4's layout).
 """
 
 from __future__ import annotations
@@ -22,9 +30,17 @@ import quantized
 from checkpoint import Checkpoint
 from dense import CheckpointError, DenseConfig
 
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
+GEMMAS = ("gemma", "gemma2", "gemma3")
 # Token texts that end a turn in common chat formats (llama.cpp recognises them the same way).
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "</s>")
-CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type values
+# Per-layer GGUF tensors -> native names (q|k|v and Phi-3's gate|up are split where they are read)
+LAYER_TENSORS = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "post_attention_norm": "attn_post_norm",
+                 "post_ffw_norm": "mlp_post_norm", "attn_q": "attn.q_proj", "attn_k": "attn.k_proj",
+                 "attn_v": "attn.v_proj", "attn_output": "attn.o_proj", "attn_q_norm": "attn.q_norm",
+                 "attn_k_norm": "attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj"}
 
 
 def open_gguf(path: str):
@@ -53,78 +69,156 @@ def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: str):
-    """A GGUF file of architecture llama as a convert.Checkpoint: the weights dequantized with gguf's own dequantizer,
-    each tensor's GGUF type, and for Q4_0 / Q4_1 linears their blocks as int4-g32 tensors (exact_int4_tensors)."""
+def shape_of(t) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
+
+
+def dequantized(t, path: str) -> torch.Tensor:
+    """A GGUF tensor as float32 values in its shape, by gguf's own dequantizer."""
     import gguf
 
+    try:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise CheckpointError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which gguf cannot "
+                              "dequantize") from None
+    except (ValueError, TypeError, IndexError) as e:
+        raise CheckpointError(f"{path}: tensor {t.name!r} is damaged ({str(e).splitlines()[0]})") from None
+    if values.size != math.prod(shape_of(t)):
+        raise CheckpointError(f"{path}: tensor {t.name!r} holds {values.size} values, its shape {list(shape_of(t))} "
+                              f"needs {math.prod(shape_of(t))}")
+    values = values.reshape(shape_of(t))
+    return torch.from_numpy(values.copy() if not values.flags.writeable else np.ascontiguousarray(values))
+
+
+def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
+    """The model's config from the file's `ARCH.*` metadata and what llama.cpp's model code fixes beyond it."""
+    def key(name: str, default=None):
+        return field(reader, f"{arch}.{name}", default, path)
+
+    if int(key("expert_count", 0)):
+        raise CheckpointError(f"{path}: GGUF metadata {arch}.expert_count {key('expert_count')}: a mixture of experts; "
+                              "this engine runs dense models only")
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    layers = int(key("block_count"))
+    head_dim = int(key("attention.key_length", hidden // max(heads, 1)))
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise CheckpointError(f"{path}: GGUF metadata {arch}.attention.value_length differs from key_length")
+    rope_dim = int(key("rope.dimension_count", head_dim))
+    if arch == "llama" and rope_dim != head_dim:  # llama.cpp refuses it too
+        raise CheckpointError(f"{path}: GGUF metadata {arch}.rope.dimension_count {rope_dim} must equal the head size "
+                              f"{head_dim} for llama")
+    context = int(key("context_length", 2048))
+    scaling = rope_scaling(reader, arch, tensors, path, context, rope_dim)
+    window = int(key("attention.sliding_window", 4096 if arch == "gemma2" else 0)) if arch in ("gemma2", "gemma3") else 0
+    layer_types = None
+    if window:  # llama.cpp: layer il slides if il % n < n - 1 (n = 2 for gemma2, 6 for gemma3), or the file's flags
+        pattern = key("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+        flags = pattern if isinstance(pattern, list) else [il % pattern < pattern - 1 for il in range(layers)]
+        layer_types = ["sliding_attention" if f else "full_attention" for f in flags]
+    big = layers == {"gemma2": 46, "gemma3": 62}.get(arch)  # llama.cpp's 27B: the query scale of hidden / heads
+    bias = "blk.0.attn_q.bias" in tensors
+    return DenseConfig(
+        vocab_size=int(key("vocab_size", 0) or len(field(reader, "tokenizer.ggml.tokens", path=path))),
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)), head_dim=head_dim,
+        intermediate_size=int(key("feed_forward_length")), max_position_embeddings=context,
+        rope_theta=float(key("rope.freq_base", 10000.0)), rope_precision="float32",
+        rotary_dim=rope_dim if rope_dim != head_dim else None, rope_scaling=scaling,
+        rope_local_theta=float(key("rope.freq_base_swa", 10000.0)) if arch == "gemma3" and window else None,
+        attn_scale=(hidden // heads) ** -0.5 if big else None,
+        attn_softcap=float(key("attn_logit_softcapping", 50.0)) if arch == "gemma2" else None,
+        sliding_window=window or None, layer_types=layer_types, qkv_bias=bias,
+        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        qk_norm="shared" if "blk.0.attn_q_norm.weight" in tensors else "none", attn_output_gate=False,
+        mlp="geglu" if arch in GEMMAS else "swiglu", post_norms=arch in ("gemma2", "gemma3"),
+        tie_word_embeddings="output.weight" not in tensors or arch in ("gemma", "gemma2"), embed_scale=math.sqrt(hidden) if arch in GEMMAS else None,
+        final_softcap=float(key("final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0)) or None)
+
+
+def rope_scaling(reader, arch: str, tensors: dict, path: str, context: int, rope_dim: int) -> dict | None:
+    """Llama 3.x's rope_freqs tensor, Phi-3's LongRoPE factor tensors, or a linear rope.scaling.factor."""
+    def key(name: str, default=None):
+        return field(reader, f"{arch}.{name}", default, path)
+
+    kind = key("rope.scaling.type", "")
+    factor = float(key("rope.scaling.factor", 0.0) or key("rope.scale_linear", 0.0))
+    if "rope_freqs.weight" in tensors:
+        return {"rope_type": "factors", "factors": dequantized(tensors["rope_freqs.weight"], path).tolist()}
+    if "rope_factors_long.weight" in tensors:
+        if "rope_factors_short.weight" not in tensors:
+            raise CheckpointError(f"{path}: tensor 'rope_factors_long.weight' without 'rope_factors_short.weight'")
+        return {"rope_type": "longrope", "long_factor": dequantized(tensors["rope_factors_long.weight"], path).tolist(),
+                "short_factor": dequantized(tensors["rope_factors_short.weight"], path).tolist(),
+                "original_max_position_embeddings": int(key("rope.scaling.original_context_length", context)),
+                "attention_factor": float(key("rope.scaling.attn_factor", 1.0))}
+    if kind in ("", "linear", "none") and factor in (0.0, 1.0) or kind == "none":
+        return None
+    if kind in ("", "linear"):
+        return {"rope_type": "linear", "factor": factor}
+    raise CheckpointError(f"{path}: GGUF metadata {arch}.rope.scaling.type {kind!r} is not supported (linear, and "
+                          "the factor tensors of Llama 3 and Phi-3)")
+
+
+def read_gguf(path: str) -> Checkpoint:
+    """A GGUF file as a Checkpoint: the weights dequantized with gguf's own dequantizer, each tensor's GGUF type, and
+    for Q4_0 / Q4_1 linears their blocks as int4-g32 tensors (int4_tensors)."""
     reader = open_gguf(path)
     arch = field(reader, "general.architecture", path=path)
-    if arch != "llama":
-        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
+                              f"{', '.join(ARCHITECTURES)})")
     tensors = {t.name: t for t in reader.tensors}
-    hidden = int(field(reader, "llama.embedding_length", path=path))
-    heads = int(field(reader, "llama.attention.head_count", path=path))
-    kv_heads = int(field(reader, "llama.attention.head_count_kv", heads, path))
-    head_dim = int(field(reader, "llama.attention.key_length", hidden // max(heads, 1), path))
-    rope_dim = int(field(reader, "llama.rope.dimension_count", head_dim, path))
-    if rope_dim != head_dim or "rope_freqs.weight" in tensors or "llama.rope.scaling.type" in reader.fields:
-        raise CheckpointError(f"{path}: rotary scaling or partial rotary in a llama GGUF is not supported")
-    vocab = int(field(reader, "llama.vocab_size", 0, path) or len(field(reader, "tokenizer.ggml.tokens", path=path)))
-    tied = "output.weight" not in tensors
-    config = DenseConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=int(field(reader, "llama.block_count", path=path)),
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=int(field(reader, "llama.feed_forward_length", path=path)),
-        max_position_embeddings=int(field(reader, "llama.context_length", 2048, path)),
-        rope_theta=float(field(reader, "llama.rope.freq_base", 10000.0, path)), rope_precision="float32",
-        norm_eps=float(field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5, path)), qk_norm="none",
-        attn_output_gate=False, tie_word_embeddings=tied)
+    config = read_config(reader, arch, tensors, path)
+    H, K, D, W = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size
+    permute = {"attn_q": H, "attn_k": K} if arch == "llama" else {}
+    # Phi-3's fused tensors: rows [start, stop) of each part
+    fused = {"attn_qkv": {"attn.q_proj": (0, H * D), "attn.k_proj": (H * D, (H + K) * D),
+                          "attn.v_proj": ((H + K) * D, (H + 2 * K) * D)},
+             "ffn_up": {"mlp.gate_proj": (0, W), "mlp.up_proj": (W, 2 * W)} if arch == "phi3" else None}
 
-    def shape_of(t) -> tuple[int, ...]:
-        return tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
-
-    def read(name: str, permute_heads: int | None = None):
+    def read(name: str, heads: int | None = None, rows: tuple[int, int] | None = None):
         def thunk() -> torch.Tensor:
-            t = tensors[name]
-            try:
-                values = gguf.quants.dequantize(t.data, t.tensor_type)
-            except NotImplementedError:
-                raise CheckpointError(f"{path}: tensor {name!r} has type {t.tensor_type.name}, which gguf cannot "
-                                      "dequantize") from None
-            except (ValueError, TypeError, IndexError) as e:
-                raise CheckpointError(f"{path}: tensor {name!r} is damaged ({str(e).splitlines()[0]})") from None
-            if values.size != math.prod(shape_of(t)):
-                raise CheckpointError(f"{path}: tensor {name!r} holds {values.size} values, its shape "
-                                      f"{list(shape_of(t))} needs {math.prod(shape_of(t))}")
-            values = values.reshape(shape_of(t))
-            w = torch.from_numpy(values.copy() if not values.flags.writeable else np.ascontiguousarray(values))
-            return unpermute(w, permute_heads) if permute_heads else w
+            w = dequantized(tensors[name], path)
+            w = unpermute(w, heads) if heads else w
+            return w[rows[0]:rows[1]] if rows else w
         return thunk
 
-    def read_int4(name: str, permute_heads: int | None = None):
+    def read_int4(name: str, heads: int | None = None, rows: tuple[int, int] | None = None):
         def thunk() -> dict:
-            return int4_tensors(tensors[name], shape_of(tensors[name]), permute_heads, path)
+            stored = int4_tensors(tensors[name], shape_of(tensors[name]), heads, path)
+            return {k: v[rows[0]:rows[1]] for k, v in stored.items()} if rows else stored
         return thunk
 
-    names = {"token_embd.weight": ("embed_tokens.weight", None), "output_norm.weight": ("norm.weight", None),
-             "output.weight": ("lm_head.weight", None)}
-    per_layer = {"attn_norm": ("attn_norm", None), "ffn_norm": ("mlp_norm", None), "attn_q": ("attn.q_proj", heads),
-                 "attn_k": ("attn.k_proj", kv_heads), "attn_v": ("attn.v_proj", None),
-                 "attn_output": ("attn.o_proj", None), "ffn_gate": ("mlp.gate_proj", None),
-                 "ffn_up": ("mlp.up_proj", None), "ffn_down": ("mlp.down_proj", None)}
-    for i in range(config.num_hidden_layers):
-        for theirs, (ours, permute) in per_layer.items():
-            names[f"blk.{i}.{theirs}.weight"] = (f"layers.{i}.{ours}.weight", permute)
     table, types, exact = {}, {}, {}
-    for name in tensors:
-        if name not in names:
-            raise CheckpointError(f"{path}: unexpected tensor {name!r}")
-        native, permute = names[name]
-        table[native] = read(name, permute)
+
+    def add(native: str, name: str, heads: int | None = None, rows: tuple[int, int] | None = None) -> None:
+        table[native] = read(name, heads, rows)
         types[native] = tensors[name].tensor_type.name
-        if types[native] in ("Q4_0", "Q4_1") and native.startswith("layers."):
-            exact[native.removesuffix(".weight")] = read_int4(name, permute)
+        if types[native] in quantized.EXACT_INT4_TYPES and native.startswith("layers.") and native.endswith(".weight"):
+            exact[native.removesuffix(".weight")] = read_int4(name, heads, rows)
+
+    skip = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}  # read into the config
+    for name in tensors:
+        if name in skip:
+            continue
+        if name in ("token_embd.weight", "output_norm.weight", "output.weight"):
+            add({"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+                 "output.weight": "lm_head.weight"}[name], name)
+            continue
+        parts = name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or int(parts[1]) >= config.num_hidden_layers:
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
+        layer, kind, suffix = int(parts[1]), parts[2], parts[3]
+        if fused.get(kind) is not None and suffix == "weight":
+            for native, rows in fused[kind].items():
+                add(f"layers.{layer}.{native}.weight", name, rows=rows)
+        elif kind in LAYER_TENSORS and (suffix == "weight" or kind in ("attn_q", "attn_k", "attn_v")):
+            add(f"layers.{layer}.{LAYER_TENSORS[kind]}.{suffix}", name, permute.get(kind))
+        else:
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
+    if arch in ("gemma", "gemma2"):  # llama.cpp reads the head from the embedding, whatever else the file holds
+        table.pop("lm_head.weight", None)
     return Checkpoint(path, config, table, source_types=types, exact_int4=exact)
 
 
@@ -149,6 +243,12 @@ def int4_tensors(t, shape: tuple[int, ...], permute_heads: int | None, path: str
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer
 
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2's split: as Llama 3's, but digits one at a time
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
 
 def pre_tokenizer(pre: str, path: str):
     """The pre-tokenizer llama.cpp uses for tokenizer.ggml.pre, in `tokenizers` terms."""
@@ -159,16 +259,16 @@ def pre_tokenizer(pre: str, path: str):
         return byte_level
     if pre == "smollm":  # every digit alone, then GPT-2's split
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe"):
-        llama3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(llama3), behavior="isolated"),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    raise CheckpointError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported")
+    split = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "dbrx": LLAMA3_SPLIT,
+             "smaug-bpe": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}.get(pre)
+    if split is None:
+        raise CheckpointError(f"{path}: GGUF metadata tokenizer.ggml.pre {pre!r} is not supported")
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def build_tokenizer(reader, path: str):
-    """A `tokenizers.Tokenizer` equal to the model's own, from the GGUF metadata (BPE, "gpt2" models)."""
+    """A `tokenizers.Tokenizer` equal to llama.cpp's tokenizer of the file (BPE "gpt2" or SentencePiece "llama")."""
     try:
         return _build_tokenizer(reader, path)
     except CheckpointError:
@@ -181,17 +281,62 @@ def build_tokenizer(reader, path: str):
 def _build_tokenizer(reader, path: str):
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
-    model = field(reader, "tokenizer.ggml.model", path=path)
-    if model != "gpt2":
-        raise CheckpointError(f"{path}: tokenizer.ggml.model {model!r} is not supported (only BPE 'gpt2')")
+    kind = field(reader, "tokenizer.ggml.model", path=path)
     tokens = field(reader, "tokenizer.ggml.tokens", path=path)
-    types = field(reader, "tokenizer.ggml.token_type", [1] * len(tokens), path)
-    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges", path=path)]
-    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    tokenizer.pre_tokenizer = pre_tokenizer(field(reader, "tokenizer.ggml.pre", "default", path), path)
-    tokenizer.decoder = decoders.ByteLevel()
+    types = field(reader, "tokenizer.ggml.token_type", [NORMAL] * len(tokens), path)
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges", path=path)]
+        tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+        tokenizer.pre_tokenizer = pre_tokenizer(field(reader, "tokenizer.ggml.pre", "default", path), path)
+        tokenizer.decoder = decoders.ByteLevel()
+    elif kind == "llama":
+        tokenizer = sentencepiece_tokenizer(reader, tokens, types, path)
+    else:
+        raise CheckpointError(f"{path}: GGUF metadata tokenizer.ggml.model {kind!r} is not supported ('gpt2' BPE "
+                              "or 'llama' SentencePiece)")
+    # control tokens (and user-defined ones) are matched whole, before the model sees the text, as llama.cpp does
     tokenizer.add_tokens([AddedToken(t, special=ty == CONTROL, normalized=False)
                           for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)])
+    bos = int(field(reader, "tokenizer.ggml.bos_token_id", -1, path))
+    if add_bos(reader, path) and 0 <= bos < len(tokens):  # encode(text, add_special_tokens=True) starts with BOS
+        from tokenizers import processors
+
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
+                                                                 special_tokens=[(tokens[bos], bos)])
+    return tokenizer
+
+
+def add_bos(reader, path: str) -> bool:
+    """Whether llama.cpp starts a tokenized text with BOS: the file's add_bos_token, else yes for SentencePiece."""
+    return bool(field(reader, "tokenizer.ggml.add_bos_token",
+                      field(reader, "tokenizer.ggml.model", path=path) == "llama", path))
+
+
+def sentencepiece_tokenizer(reader, tokens: list[str], types: list[int], path: str):
+    """llama.cpp's SentencePiece tokenizer as a `tokenizers` BPE: spaces become "▁" (a "▁" before the text, and after
+    every special token, when add_space_prefix), adjacent pieces merge into the highest-scoring piece first, and what
+    no piece covers falls back to its UTF-8 bytes (<0xXX> tokens). A merge is ranked by the score of the piece it
+    makes, so the BPE's merge order is llama.cpp's."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = field(reader, "tokenizer.ggml.scores", [0.0] * len(tokens), path)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, ty in zip(tokens, types):
+        if ty not in (NORMAL, USER_DEFINED) or len(piece) < 2:
+            continue
+        merges += [(piece[:i], piece[i:], scores[vocab[piece]]) for i in range(1, len(piece))
+                   if piece[:i] in vocab and piece[i:] in vocab]
+    merges.sort(key=lambda m: -m[2])  # (stable: equal scores keep the shorter left part first)
+    unk = int(field(reader, "tokenizer.ggml.unknown_token_id", 0, path))
+    model = models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in merges], unk_token=tokens[unk], fuse_unk=True,
+                       byte_fallback=True)
+    tokenizer = Tokenizer(model)
+    prefix = bool(field(reader, "tokenizer.ggml.add_space_prefix", True, path))
+    steps = [normalizers.Prepend("▁")] if prefix else []
+    tokenizer.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
+    decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(decode + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return tokenizer
 
 
@@ -199,7 +344,7 @@ def side_files(path: str) -> dict[str, str]:
     """tokenizer.json, tokenizer_config.json and generation_config.json texts for a GGUF's native folder."""
     reader = open_gguf(path)
     tokens = field(reader, "tokenizer.ggml.tokens", path=path)
-    types = field(reader, "tokenizer.ggml.token_type", [1] * len(tokens), path)
+    types = field(reader, "tokenizer.ggml.token_type", [NORMAL] * len(tokens), path)
     bos = int(field(reader, "tokenizer.ggml.bos_token_id", -1, path))
     eos = int(field(reader, "tokenizer.ggml.eos_token_id", -1, path))
     for name, value in (("bos", bos), ("eos", eos)):
@@ -207,8 +352,10 @@ def side_files(path: str) -> dict[str, str]:
             raise CheckpointError(f"{path}: tokenizer.ggml.{name}_token_id {value} is not among the {len(tokens)} tokens")
     stops = [eos] if eos >= 0 else []
     stops += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in END_OF_TURN and i not in stops]
+    arch = field(reader, "general.architecture", path=path)
     tokenizer_config = {"bos_token": tokens[bos] if bos >= 0 else None, "eos_token": tokens[eos] if eos >= 0 else None,
-                        "add_bos_token": False, "model_max_length": int(field(reader, "llama.context_length", 2048, path))}
+                        "add_bos_token": add_bos(reader, path),
+                        "model_max_length": int(field(reader, f"{arch}.context_length", 2048, path))}
     template = field(reader, "tokenizer.chat_template", "", path)
     if template:
         tokenizer_config["chat_template"] = template

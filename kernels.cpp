@@ -6,7 +6,8 @@
 //   dense_kernels::linear_int8(x, w, s)       w uint8 [N, K] = int8 weight + 128, s float32 [N]: w = s * q
 //   dense_kernels::linear_int4(x, q, d, m)    q uint8 [N, K/2], d and m float32 [N, K/32]: w = d * code + m
 //   dense_kernels::linear_nf4(x, q, absmax, code)   q uint8 [N, K/2], absmax float32 [N, K/64], code the 16 NF4 values
-//   dense_kernels::attention(q, k_t, v, pos, row_start, scale)   a cached step's attention, over the slots in use
+//   dense_kernels::attention(q, k_t, v, pos, row_start, rows, scale, window, softcap)   a cached step's attention,
+//                                             over the slots in use
 //
 // The quantized kernels multiply at float32's precision: int8 with AVX-512 VNNI on activations written as two int8
 // digits a row; int4 and nf4 by looking each block's float32 values up in a register. A tile computes NB weight rows
@@ -446,8 +447,11 @@ at::Tensor dequantize_nf4(const at::Tensor& q, const at::Tensor& absmax, const a
 // ---- attention over the cache ------------------------------------------------------------------------------------
 // Keys are cached in blocks of 16 slots, k [B, K, (S + 1) / 16, D, 16]: the scores of a block are one FMA per channel
 // (the query's channel broadcast) over one contiguous D x 16 block; values stay [B, K, S + 1, D], added row by row. Each query reads only the slots it
-// can see, start..pos (start = its row's first slot in a left-padded batch), so decoding at position p costs O(p)
-// whatever the cache length. q [B, H, T, D] float32; pos [T] int64; row_start [B] int64 or empty.
+// can see, start..pos (start = its row's first slot in a left-padded batch, or the first slot of its sliding window),
+// so decoding at position p costs O(p), or O(window), whatever the cache length. q [B, H, T, D] float32; pos [T]
+// int64 (every row at the same slots) or [B, T] (a slot per row: a server's batch); row_start [B] int64 or empty;
+// rows [B] int64 or empty: the cache row of each batch row (a server prefilling one request in its row); window 0 or
+// the sliding window; softcap 0 or the cap of cap * tanh(score / cap) (Gemma 2).
 
 // e^x for x <= 0 (softmax arguments): 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5], 2^f by its degree-6 Taylor
 // polynomial (relative error below 2e-7), 2^n by vscalefps.
@@ -464,6 +468,16 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// cap * tanh(x / cap) = cap * sign(x) (1 - e) / (1 + e), e = e^(-2 |x| / cap): softcapped attention scores
+inline __m512 softcap16(__m512 x, float cap) {
+  const __m512 a = _mm512_abs_ps(x);
+  const __m512 e = exp_nonpositive(_mm512_mul_ps(a, _mm512_set1_ps(-2.f / cap)));
+  __m512 t = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.f), e), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  t = _mm512_mul_ps(t, _mm512_set1_ps(cap));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(_mm512_castps_si512(x),
+                                                                                       _mm512_set1_epi32(INT32_MIN))));
 }
 
 constexpr int GROUP = 3;   // queries scored together (GQA: the query heads of one key/value head), K and V read once
@@ -485,7 +499,8 @@ struct Partial {  // one query's softmax over part of its slots: max score, sum 
 // start[i]..end[i] intersected with it): the partial results, to be combined across parts.
 template <typename T>
 void attend_part(const float* const* q, const int64_t* start, const int64_t* end, int n, int64_t lo, int64_t hi,
-                 const T* kt, const T* vv, int64_t D, float scale, Partial* out, std::vector<float>& buffer) {
+                 const T* kt, const T* vv, int64_t D, float scale, float softcap, Partial* out,
+                 std::vector<float>& buffer) {
   const int64_t first = lo / 16, last = hi / 16, base = first * 16;  // whole blocks of 16 slots
   const int64_t width = (last + 1) * 16 - base, stride = width + 16;
   buffer.resize(GROUP * stride);
@@ -503,8 +518,10 @@ void attend_part(const float* const* q, const int64_t* start, const int64_t* end
       }
     }
     for (int i = 0; i < n; ++i)
-      for (int64_t u = 0; u < count; ++u)
-        _mm512_storeu_ps(scores + i * stride + (blk + u) * 16 - base, _mm512_mul_ps(acc[i][u], _mm512_set1_ps(scale)));
+      for (int64_t u = 0; u < count; ++u) {
+        __m512 s = _mm512_mul_ps(acc[i][u], _mm512_set1_ps(scale));
+        _mm512_storeu_ps(scores + i * stride + (blk + u) * 16 - base, softcap > 0.f ? softcap16(s, softcap) : s);
+      }
   }
   for (int i = 0; i < n; ++i) {  // e^(s - max) over the query's own slots in this part; zero elsewhere
     float* s = scores + i * stride;
@@ -551,16 +568,20 @@ void attend_part(const float* const* q, const int64_t* start, const int64_t* end
 
 template <typename T>
 void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor& v, const int64_t* positions,
-                    const int64_t* starts, float scale, at::Tensor& out) {
+                    int64_t pos_stride, const int64_t* starts, const int64_t* rows, int64_t window, float scale,
+                    float softcap, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3), K = k_t.size(1), S1 = v.size(2);
   const float* qp = q.data_ptr<float>();
   const T* kp = reinterpret_cast<const T*>(k_t.data_ptr());
   const T* vp = reinterpret_cast<const T*>(v.data_ptr());
   float* op = out.data_ptr<float>();
   const int64_t G = H / K, queries = G * T_, groups = (queries + GROUP - 1) / GROUP;
+  auto position = [&](int64_t b, int64_t t) { return positions[b * pos_stride + t]; };  // slot of token t of row b
+  auto cache_row = [&](int64_t b) { return rows ? rows[b] : b; };
   int64_t longest = 0;
-  for (int64_t t = 0; t < T_; ++t)
-    if (positions[t] < S1 - 1) longest = std::max(longest, positions[t] + 1);
+  for (int64_t b = 0; b < (pos_stride ? B : 1); ++b)
+    for (int64_t t = 0; t < T_; ++t)
+      if (position(b, t) < S1 - 1) longest = std::max(longest, position(b, t) + 1);
   // work items: (batch row, key/value head, group of its queries, part of the slots); query index = t * G + g. Few
   // items over many slots (decoding a long context) are split into parts so every thread streams its share.
   const int64_t items = B * K * groups;
@@ -574,8 +595,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor
     for (int64_t index = first; index < std::min(first + GROUP, queries); ++index) {
       const int64_t t = index / G, h = kv * G + index % G;
       float* o = op + ((b * H + h) * T_ + t) * D;
-      if (positions[t] >= S1 - 1) {  // padding (the scratch slot) sees only itself
-        const T* scratch = vp + b * v.stride(0) + kv * v.stride(1) + (S1 - 1) * D;
+      if (position(b, t) >= S1 - 1) {  // padding (the scratch slot) sees only itself
+        const T* scratch = vp + cache_row(b) * v.stride(0) + kv * v.stride(1) + (S1 - 1) * D;
         for (int64_t c = 0; c < D; c += 16) _mm512_mask_storeu_ps(o + c, lanes(D - c), load16(scratch + c, lanes(D - c)));
         continue;
       }
@@ -596,18 +617,19 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor
   auto work_on = [&](int64_t work, Partial* mine, std::vector<float>& buffer) {
     const int64_t item = work / parts, part = work % parts;
     const int64_t b = item / (K * groups), kv = (item / groups) % K, first = (item % groups) * GROUP;
-    const T* kt = kp + b * k_t.stride(0) + kv * k_t.stride(1);
-    const T* vv = vp + b * v.stride(0) + kv * v.stride(1);
+    const T* kt = kp + cache_row(b) * k_t.stride(0) + kv * k_t.stride(1);
+    const T* vv = vp + cache_row(b) * v.stride(0) + kv * v.stride(1);
     const float* qs[GROUP];
     int64_t start[GROUP], end[GROUP];
     int n = 0;
     int64_t lo = INT64_MAX, hi = -1;
     for (int64_t index = first; index < std::min(first + GROUP, queries); ++index) {
       const int64_t t = index / G, h = kv * G + index % G;
-      if (positions[t] >= S1 - 1) continue;  // padding: in finish
+      if (position(b, t) >= S1 - 1) continue;  // padding: in finish
       qs[n] = qp + ((b * H + h) * T_ + t) * D;
-      end[n] = positions[t];
+      end[n] = position(b, t);
       start[n] = std::min<int64_t>(starts ? starts[b] : 0, end[n]);
+      if (window > 0) start[n] = std::max(start[n], end[n] - window + 1);
       lo = std::min(lo, start[n]), hi = std::max(hi, end[n]);
       ++n;
     }
@@ -616,7 +638,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor
       for (int i = 0; i < GROUP; ++i) mine[i].max = -INFINITY, mine[i].sum = 0.f;
       return;
     }
-    attend_part<T>(qs, start, end, n, a, z, kt, vv, D, scale, mine, buffer);
+    attend_part<T>(qs, start, end, n, a, z, kt, vv, D, scale, softcap, mine, buffer);
   };
   if (parts == 1) {  // the usual case: each work item finishes its own queries, one parallel region
     at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
@@ -638,22 +660,28 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor
   });
 }
 
-at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_t, const at::Tensor& v, const at::Tensor& pos,
-                     const at::Tensor& row_start, double scale) {
-  TORCH_CHECK(q_.scalar_type() == at::kFloat && k_t.scalar_type() == v.scalar_type() && pos.scalar_type() == at::kLong &&
+at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_t, const at::Tensor& v, const at::Tensor& pos_,
+                     const at::Tensor& row_start, const at::Tensor& rows_, double scale, int64_t window, double softcap) {
+  TORCH_CHECK(q_.scalar_type() == at::kFloat && k_t.scalar_type() == v.scalar_type() && pos_.scalar_type() == at::kLong &&
               (k_t.scalar_type() == at::kFloat || k_t.scalar_type() == at::kBFloat16));
-  auto q = q_.contiguous();
+  auto q = q_.contiguous(), pos = pos_.contiguous(), rows = rows_.contiguous();
+  const bool per_row = pos.dim() == 2;
   const int64_t D = q.size(3), S1 = v.size(2);
   TORCH_CHECK(k_t.dim() == 5 && k_t.size(2) * 16 >= S1 && k_t.size(3) == D && k_t.size(4) == 16 && v.size(3) == D &&
-              D <= 256 && q.size(1) % k_t.size(1) == 0 && pos.numel() == q.size(2) && k_t.stride(2) == D * 16 &&
+              D <= 256 && q.size(1) % k_t.size(1) == 0 && pos.size(-1) == q.size(2) && (!per_row || pos.size(0) == q.size(0)) &&
+              (rows.numel() == 0 || rows.numel() == q.size(0)) && k_t.stride(2) == D * 16 &&
               k_t.stride(3) == 16 && k_t.stride(4) == 1 && v.stride(3) == 1 && v.stride(2) == D,
               "attention: bad shapes");
   auto out = at::empty_like(q);
   const int64_t* starts = row_start.numel() ? row_start.data_ptr<int64_t>() : nullptr;
+  const int64_t* row_of = rows.numel() ? rows.data_ptr<int64_t>() : nullptr;
+  const int64_t stride = per_row ? q.size(2) : 0;
   if (k_t.scalar_type() == at::kFloat)
-    attention_impl<float>(q, k_t, v, pos.data_ptr<int64_t>(), starts, (float)scale, out);
+    attention_impl<float>(q, k_t, v, pos.data_ptr<int64_t>(), stride, starts, row_of, window, (float)scale,
+                          (float)softcap, out);
   else
-    attention_impl<uint16_t>(q, k_t, v, pos.data_ptr<int64_t>(), starts, (float)scale, out);
+    attention_impl<uint16_t>(q, k_t, v, pos.data_ptr<int64_t>(), stride, starts, row_of, window, (float)scale,
+                             (float)softcap, out);
   return out;
 }
 
@@ -663,7 +691,8 @@ TORCH_LIBRARY(dense_kernels, m) {
   m.def("linear_f32(Tensor x, Tensor w) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor q, Tensor d, Tensor m) -> Tensor");
-  m.def("attention(Tensor q, Tensor k_t, Tensor v, Tensor pos, Tensor row_start, float scale) -> Tensor");
+  m.def("attention(Tensor q, Tensor k_t, Tensor v, Tensor pos, Tensor row_start, Tensor rows, float scale, "
+        "int window, float softcap) -> Tensor");
   m.def("dequantize_int4(Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("dequantize_nf4(Tensor q, Tensor absmax, Tensor code) -> Tensor");
   m.def("linear_nf4(Tensor x, Tensor q, Tensor absmax, Tensor code) -> Tensor");

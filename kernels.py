@@ -160,8 +160,8 @@ def register_shapes() -> None:
     torch.library.register_fake("dense_kernels::linear_f32")(lambda x, w: out(x, w.shape[0]))
     torch.library.register_fake("dense_kernels::linear_int8")(lambda x, w, s: out(x, w.shape[0]))
     torch.library.register_fake("dense_kernels::linear_int4")(lambda x, q, d, m: out(x, q.shape[0]))
-    torch.library.register_fake("dense_kernels::attention")(lambda q, k, v, pos, start, scale: torch.empty_like(
-        q, memory_format=torch.contiguous_format))
+    torch.library.register_fake("dense_kernels::attention")(lambda q, k, v, pos, start, rows, scale, window, cap:
+                                                             torch.empty_like(q, memory_format=torch.contiguous_format))
     for name in ("dequantize_int4", "dequantize_nf4"):
         torch.library.register_fake(f"dense_kernels::{name}")(lambda q, *_: q.new_empty(
             q.shape[0], q.shape[1] * 2, dtype=torch.bfloat16))
@@ -193,20 +193,27 @@ class KVCache(dense.KVCache):
         self.register_buffer("k", k, persistent=False)
         self.register_buffer("v", v, persistent=False)
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        B = k.shape[0]
-        k_cache, v_cache = self.k[:B], self.v[:B]
-        k_cache[:, :, input_pos // 16, :, input_pos % 16] = k.permute(2, 0, 1, 3).to(k_cache.dtype)  # [T, B, K, D]
-        v_cache.index_copy_(2, input_pos, v.to(v_cache.dtype))
-        return k_cache, v_cache
+    def update(self, step, k: torch.Tensor, v: torch.Tensor) -> None:
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+        if step.input_pos.ndim == 1 and step.rows is None:  # every row writes the same slots
+            pos, B = step.input_pos, k.shape[0]
+            self.k[:B, :, pos // 16, :, pos % 16] = k.permute(2, 0, 1, 3)  # [T, B, K, D]
+            self.v[:B].index_copy_(2, pos, v)
+            return
+        rows, pos = dense.row_slots(step, k.shape[0], k.shape[2])  # [B, T] each
+        self.k[rows, :, pos // 16, :, pos % 16] = k.transpose(1, 2)  # [B, T, K, D] by (row, slot)
+        self.v[rows, :, pos] = v.transpose(1, 2)
 
-    def attend(self, q, k, v, step, scale: float) -> torch.Tensor:
-        k_cache, v_cache = self.update(step.input_pos, k, v)
+    def attend(self, q, k, v, step, scale: float, window: int | None = None, softcap: float | None = None):
+        self.update(step, k, v)
         if step.mask is None:  # a fresh prefill of slots 0..T-1 (eager): SDPA's causal kernel on this call's k, v
-            return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
-                                                  enable_gqa=k.shape[1] != q.shape[1])
-        start = step.row_start if step.row_start is not None else step.input_pos.new_empty(0)
-        return torch.ops.dense_kernels.attention(q, k_cache, v_cache, step.input_pos, start, scale)
+            mask = None if window is None else step.window_mask
+            return dense.attention(q, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap)
+        empty = step.input_pos.new_empty(0)
+        start = step.row_start if step.row_start is not None else empty
+        rows = step.rows if step.rows is not None else empty
+        return torch.ops.dense_kernels.attention(q, self.k, self.v, step.input_pos, start, rows, scale, window or 0,
+                                                 softcap or 0.0)
 
 
 def cache_for(model) -> tuple[type, torch.dtype | None]:

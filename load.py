@@ -24,9 +24,6 @@ import kernels
 import quantized
 from dense import CheckpointError
 
-EXACT_INT4_TYPES = ("Q4_0", "Q4_1")  # GGUF tensor types whose blocks int4-g32 holds exactly
-
-
 def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant: str | None = None,
                     shard: Callable | None = None) -> dense.DenseDecoder:
     """A checkpoint folder (or file) as a DenseDecoder. dtype=None: the checkpoint's declared torch_dtype, else
@@ -65,7 +62,7 @@ def auto_mode(checkpoint) -> tuple[str | None, str]:
         types = {kind for name, kind in checkpoint.source_types.items() if quantized.BLOCK_LINEAR.fullmatch(name[:-7])}
     saved = checkpoint.record.get("quantization", {})
     exact = "int4" in saved or bool(checkpoint.exact_int4)
-    if types and set(types) <= set(EXACT_INT4_TYPES) and exact:
+    if types and set(types) <= set(quantized.EXACT_INT4_TYPES) and exact:
         return "int4", f"the weights are {'/'.join(sorted(types))} blocks from a GGUF, which int4-g32 holds exactly"
     if not checkpoint.tensors and len(saved) == 1:
         return next(iter(saved)), "the only variant stored"

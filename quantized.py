@@ -43,6 +43,7 @@ NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488
 # Checkpoint linears of the decoder blocks (what files store) and the model's linears (fused, what the model holds).
 BLOCK_LINEAR = re.compile(r"layers\.\d+\.(attn\.(q|k|v|gate|o)_proj|mlp\.(gate|up|down)_proj)")
 MODEL_LINEAR = re.compile(r"layers\.\d+\.(attn\.(qkv|o)_proj|mlp\.(gate_up|up|down)_proj)")
+EXACT_INT4_TYPES = ("Q4_0", "Q4_1")  # GGUF tensor types whose blocks int4-g32 holds exactly
 BYTES_PER_WEIGHT = {"int8": 1.0, "llm.int8": 1.0, "int4": 0.65, "nf4": 0.6}  # stored, scales included (about)
 
 

@@ -42,6 +42,10 @@ class UsageError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
 
 
+class TemplateRefused(UsageError):
+    """A chat template's own raise_exception(): it refuses these messages."""
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The default model: a GGUF inside a PyPI wheel, converted once into the user's cache
 
@@ -113,6 +117,7 @@ class Vocabulary:
     bos_token: str | None = None
     eos_token: str | None = None
     stop_ids: set[int] = field(default_factory=set)
+    merged_system: bool = False  # a system message was merged into a template without a system role (noted once)
 
     @property
     def size(self) -> int:
@@ -125,11 +130,27 @@ class Vocabulary:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def render(self, messages: list[dict]) -> str:
-        """The chat template rendered as Hugging Face renders tokenizer_config.json's chat_template."""
+        """The chat template rendered as Hugging Face renders tokenizer_config.json's chat_template. A template that
+        refuses a system message (Gemma 1 and 2 have no system role) gets it at the start of the first user message
+        instead, with a note the first time: transformers would stop with the template's error."""
+        try:
+            return self.render_as_is(messages)
+        except TemplateRefused:
+            if len(messages) < 2 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
+                raise
+            merged = [{"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}]
+            text = self.render_as_is(merged + messages[2:])
+            if not self.merged_system:
+                print("note: this chat template has no system role; the system message goes at the start of the "
+                      "first user message", file=sys.stderr)
+                self.merged_system = True
+            return text
+
+    def render_as_is(self, messages: list[dict]) -> str:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
-            raise UsageError(f"chat template: {message}")
+            raise TemplateRefused(f"chat template: {message}")
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)

@@ -103,6 +103,9 @@ class LayerShard:
 def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
     """Each layer's slice for this rank; a width that does not divide by the number of ranks is an error naming the
     layer and the numbers (before any weight is read)."""
+    if config.qk_norm == "whole" and size > 1:
+        raise CheckpointError("its q/k norms are taken over every head's channels at once (OLMo 2): they cannot be "
+                              "split across ranks")
     shards = []
     for i in range(config.num_hidden_layers):
         H, K, W = config.heads(i), config.kv_heads(i), config.ffn_width(i)

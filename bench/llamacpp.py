@@ -14,8 +14,10 @@ llama-cpp-python is built from source in a side virtualenv, for this machine's i
     CMAKE_ARGS="-DGGML_NATIVE=ON" ~/llamavenv/bin/pip install /tmp/sdist/llama_cpp_python-*.tar.gz numpy
 
 Models: "smollm2" is the default model's own Q4_1 GGUF (SmolLM2-135M-Instruct); "tinyllama" is a 1.1B Llama of
-TinyLlama's shape (22 layers, 2048 wide, GQA 32/4, FFN 5632; SmolLM2's vocabulary) with random weights, written here
-with gguf's writer. Precisions, each from the same weights: F32 and F16 (the source dequantized with the `gguf`
+TinyLlama's shape (22 layers, 2048 wide, GQA 32/4, FFN 5632; SmolLM2's vocabulary), "llama-3.2-1b" one of Llama 3.2
+1B's (16 layers, 2048 wide, GQA 32/8, FFN 8192, its 128256-token vocabulary, tied head, Llama 3's rope_freqs), and
+"qwen2.5-0.5b" a qwen2 architecture of Qwen2.5-0.5B's shape (24 layers, 896 wide, GQA 14/2, FFN 4864, q/k/v biases,
+151936-token vocabulary, tied head), each with random weights, written here with gguf's writer. Precisions, each from the same weights: F32 and F16 (the source dequantized with the `gguf`
 package), Q8_0 (llama.cpp's own quantizer), Q4_1 (the SmolLM2 original; for tinyllama, llama.cpp's quantizer).
 This engine reads the F32 file for float32, the Q8_0 file for int8 (requantized per channel), and the Q4_1 file for
 int4-g32 and nf4 (`--quant auto` loads Q4_1 as int4-g32 bit for bit).
@@ -33,7 +35,16 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORK = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dense-engine", "bench")
-TINYLLAMA = dict(layers=22, hidden=2048, heads=32, kv_heads=4, ffn=5632, context=2048)
+# Random-weight models of published shapes (SmolLM2's vocabulary, padded with reserved tokens to the shape's size)
+SHAPES = {
+    "tinyllama": dict(arch="llama", layers=22, hidden=2048, heads=32, kv_heads=4, ffn=5632, context=2048, vocab=None,
+                      theta=10000.0, eps=1e-5, tied=False),
+    "llama-3.2-1b": dict(arch="llama", layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, context=131072,
+                         vocab=128256, theta=500000.0, eps=1e-5, tied=True, llama3=dict(factor=32.0, low=1.0, high=4.0,
+                                                                                        original=8192)),
+    "qwen2.5-0.5b": dict(arch="qwen2", layers=24, hidden=896, heads=14, kv_heads=2, ffn=4864, context=32768,
+                         vocab=151936, theta=1e6, eps=1e-6, tied=True, bias=True),
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -148,28 +159,39 @@ def write_float_gguf(src: str, dst: str, float_type: str) -> None:
     os.replace(dst + ".tmp", dst)
 
 
-def write_random_llama(template: str, dst: str, shape: dict) -> None:
-    """An F32 GGUF of a Llama shape with random weights (N(0, 0.02), norms 1), the template's tokenizer metadata."""
+def write_random(template: str, dst: str, name: str) -> None:
+    """An F32 GGUF of a published shape with random weights (N(0, 0.02), norms 1, biases 0.01), the template's
+    tokenizer (its token list padded with reserved control tokens to the shape's vocabulary)."""
+    import math
+
     import gguf
     import numpy as np
 
+    shape = SHAPES[name]
     reader = gguf.GGUFReader(template)
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
-    writer = gguf.GGUFWriter(dst + ".tmp", "llama")
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer."):
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    vocab = shape["vocab"] or len(tokens)
+    padding = vocab - len(tokens)
+    writer = gguf.GGUFWriter(dst + ".tmp", shape["arch"])
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
             vtype = field.types[0]
-            writer.add_key_value(name, field.contents(), vtype,
-                                 sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    writer.add_name("random TinyLlama-1.1B shape")
+            value = field.contents()
+            if key == "tokenizer.ggml.tokens":
+                value = value + [f"<|reserved_{i}|>" for i in range(padding)]
+            elif key == "tokenizer.ggml.token_type":
+                value = value + [3] * padding
+            writer.add_key_value(key, value, vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY
+                                 else None)
+    writer.add_name(f"random {name} shape")
     writer.add_block_count(shape["layers"])
     writer.add_context_length(shape["context"])
     writer.add_embedding_length(shape["hidden"])
     writer.add_feed_forward_length(shape["ffn"])
     writer.add_head_count(shape["heads"])
     writer.add_head_count_kv(shape["kv_heads"])
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(shape["theta"])
+    writer.add_layer_norm_rms_eps(shape["eps"])
     writer.add_rope_dimension_count(shape["hidden"] // shape["heads"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     rng = np.random.default_rng(0)
@@ -180,7 +202,17 @@ def write_random_llama(template: str, dst: str, shape: dict) -> None:
 
     writer.add_tensor("token_embd.weight", w(vocab, C))
     writer.add_tensor("output_norm.weight", np.ones(C, dtype=np.float32))
-    writer.add_tensor("output.weight", w(vocab, C))
+    if not shape["tied"]:
+        writer.add_tensor("output.weight", w(vocab, C))
+    if shape.get("llama3"):  # Llama 3.x: the divisor of each rotary frequency, as llama.cpp's converter writes it
+        r = shape["llama3"]
+        factors = []
+        for i in range(0, D, 2):
+            wavelen = 2 * math.pi * shape["theta"] ** (i / D)
+            smooth = (r["original"] / wavelen - r["low"]) / (r["high"] - r["low"])
+            factors.append(1.0 if wavelen < r["original"] / r["high"] else r["factor"] if wavelen > r["original"] /
+                           r["low"] else 1 / ((1 - smooth) / r["factor"] + smooth))
+        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
     for i in range(shape["layers"]):
         b = f"blk.{i}."
         writer.add_tensor(b + "attn_norm.weight", np.ones(C, dtype=np.float32))
@@ -188,6 +220,9 @@ def write_random_llama(template: str, dst: str, shape: dict) -> None:
         writer.add_tensor(b + "attn_q.weight", w(shape["heads"] * D, C))
         writer.add_tensor(b + "attn_k.weight", w(shape["kv_heads"] * D, C))
         writer.add_tensor(b + "attn_v.weight", w(shape["kv_heads"] * D, C))
+        if shape.get("bias"):
+            for part, heads in (("q", shape["heads"]), ("k", shape["kv_heads"]), ("v", shape["kv_heads"])):
+                writer.add_tensor(b + f"attn_{part}.bias", np.full(heads * D, 0.01, dtype=np.float32))
         writer.add_tensor(b + "attn_output.weight", w(C, shape["heads"] * D))
         writer.add_tensor(b + "ffn_gate.weight", w(shape["ffn"], C))
         writer.add_tensor(b + "ffn_up.weight", w(shape["ffn"], C))
@@ -227,7 +262,7 @@ def model_files(name: str, llama_python: str, log) -> dict[str, str]:
     else:
         if not os.path.isfile(files["F32"]):
             log(f"writing {files['F32']} (random weights)")
-            write_random_llama(smollm2, files["F32"], TINYLLAMA)
+            write_random(smollm2, files["F32"], name)
         if not os.path.isfile(files["F16"]):
             llama_quantize(llama_python, files["F32"], files["F16"], "MOSTLY_F16")
         if not os.path.isfile(files["Q4_1"]):
@@ -287,7 +322,8 @@ def prompt_ids(gguf: str) -> list[int]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-python", help="python of a virtualenv with llama-cpp-python built from source")
-    p.add_argument("--model", choices=("smollm2", "tinyllama", "both"), default="both")
+    p.add_argument("--model", default="both", help="smollm2, tinyllama, llama-3.2-1b, qwen2.5-0.5b, a comma list, "
+                   "or both (smollm2 and tinyllama)")
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--runs", type=int, default=2, help="timed generations per process (after one warm-up)")
     p.add_argument("--rounds", type=int, default=3, help="processes per engine and row, the engines alternating")
@@ -312,7 +348,11 @@ def main() -> int:
 
     console = Console()
     results = []
-    for name in (("smollm2", "tinyllama") if args.model == "both" else (args.model,)):
+    names = ["smollm2", "tinyllama"] if args.model == "both" else args.model.split(",")
+    unknown = [n for n in names if n != "smollm2" and n not in SHAPES]
+    if unknown:
+        sys.exit(f"--model {unknown[0]}: not one of smollm2, {', '.join(SHAPES)}")
+    for name in names:
         files = model_files(name, args.llama_python, lambda s: console.print(f"[dim]{s}[/dim]"))
         ids = prompt_ids(files["Q4_1"])
         table = Table(title=f"{name}: {len(ids)}-token prompt, {args.gen} greedy tokens, batch 1, {args.threads} "

@@ -1,6 +1,8 @@
-"""GGUF import against expectations computed independently: a small GGUF written with the gguf package's own writer
-(random weights, several quantization types, a small BPE vocabulary); values from gguf's dequantizer, ids from the
-original `tokenizers` tokenizer, logits from the model the GGUF was made from."""
+"""GGUF import against expectations computed independently: small GGUF files written with the gguf package's own
+writer (random weights, several quantization types, BPE and SentencePiece vocabularies); values from gguf's
+dequantizer, ids from the original `tokenizers` tokenizer, logits from the model the GGUF was made from, and, for
+every architecture (tests/gguf_cases.py), llama.cpp's own logits and token ids on the same files, checked in by
+bench/gguf_reference.py."""
 
 import json
 import os
@@ -14,6 +16,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import dense
+import generate
 import gguf_import
 import load
 import quantized
@@ -262,3 +265,166 @@ def fixture_dir(name: str) -> str:
     from conftest import FIXTURES
 
     return os.path.join(FIXTURES, name)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Every architecture against llama.cpp (references made once by bench/gguf_reference.py)
+
+REFERENCE = os.path.join(os.path.dirname(__file__), "fixtures", "gguf")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from safetensors.torch import load_file
+
+    with open(os.path.join(REFERENCE, "reference.json")) as f:
+        record = json.load(f)
+    return record, load_file(os.path.join(REFERENCE, "reference.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    """{name: path} of every reference file, written again here (the test checks each is the same file)."""
+    import gguf_cases
+
+    root = tmp_path_factory.mktemp("gguf")
+    files = {}
+    for name, (case, qtype) in ({c: (c, None) for c in gguf_cases.CASES} | gguf_cases.QUANTIZED).items():
+        path = str(root / f"{name}.gguf")
+        files[name] = (path, gguf_cases.write(case, path, qtype))
+    return files
+
+
+def compare(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(largest difference relative to the largest reference logit, share of positions with the same argmax)"""
+    return float((got - want).abs().max() / want.abs().max()), float((got.argmax(-1) == want.argmax(-1)).float().mean())
+
+
+@pytest.mark.parametrize("name", ["llama3", "llama-spm", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3"])
+def test_every_architecture_gives_llama_cpps_logits(reference, gguf_files, name):
+    record, logits = reference
+    path, digest = gguf_files[name]
+    assert digest == record["cases"][name]["digest"]  # the very file the reference was made from
+    ids = torch.tensor([record["cases"][name]["ids"]])
+    model = load.from_pretrained(path)
+    err, same = compare(model(ids)[0], logits[name])
+    assert err <= 2e-3 and same >= 0.95, (err, same)
+    generate.setup_cache(model, 1, 128)  # llama.cpp's context: 128 (Phi-3: past the original 16, the long factors)
+    steps = [model(ids[:, :24], input_pos=torch.arange(24))]
+    steps += [model(ids[:, t:t + 1], input_pos=torch.tensor([t])) for t in range(24, ids.shape[1])]
+    err, same = compare(torch.cat(steps, dim=1)[0], logits[name])
+    assert err <= 2e-3 and same >= 0.95, (err, same)
+
+
+@pytest.mark.parametrize("name", ["llama3", "llama-spm", "qwen2", "gemma"])
+def test_tokenizers_give_llama_cpps_ids(reference, gguf_files, name):
+    """Byte-level BPE with Llama 3's and Qwen2's pre-tokenizers, SentencePiece with and without the space prefix:
+    the ids of llama.cpp's tokenize for ordinary text, whitespace runs, digits, emoji and text around special
+    tokens, without and with BOS."""
+    record, _ = reference
+    path, _ = gguf_files[name]
+    tokenizer = gguf_import.build_tokenizer(gguf_import.open_gguf(path), path)
+    for text, (plain, with_bos) in record["cases"][name]["tokens"].items():
+        assert tokenizer.encode(text, add_special_tokens=False).ids == plain, text
+        assert tokenizer.encode(text, add_special_tokens=True).ids == with_bos, text
+        if "<" not in text:  # (special tokens are dropped when decoding)
+            assert tokenizer.decode(plain, skip_special_tokens=True) == text, text
+
+
+@pytest.mark.parametrize("name", ["qwen2-q8_0", "gemma2-q4_1"])
+def test_quantized_files_of_other_architectures(reference, gguf_files, name):
+    """Q8_0 and Q4_1 block linears of non-llama files read as gguf dequantizes them (Q4_1: --quant auto keeps the
+    blocks exactly as int4-g32). The logits stay near llama.cpp's, not within 2e-3: llama.cpp also rounds each
+    activation to 8 bits before a quantized matmul, which this engine does not."""
+    import gguf_cases
+
+    record, logits = reference
+    path, _ = gguf_files[name]
+    case, qtype = gguf_cases.QUANTIZED[name]
+    model = load.from_pretrained(path, quant="auto")
+    reader = gguf_import.open_gguf(path)
+    raw = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(
+        gguf_import.shape_of(t)) for t in reader.tensors}
+    qkv = torch.cat([raw[f"blk.1.attn_{p}.weight"] for p in "qkv"])
+    layer = model.layers[1].attn.qkv_proj
+    got = layer.dequantize(torch.float32) if isinstance(layer, quantized.QuantLinear) else layer.weight
+    assert torch.equal(got, qkv)
+    assert isinstance(layer, quantized.Int4Linear) == (qtype == Q.Q4_1)
+    err, same = compare(model(torch.tensor([record["cases"][name]["ids"]]))[0], logits[name])
+    assert err <= 0.1 and same >= 0.85, (err, same)
+
+
+def test_chat_and_convert_take_a_gguf_of_another_architecture(gguf_files, tmp_path):
+    """chat.py --ckpt FILE.gguf (a SentencePiece Phi-3 with a chat template) prints what generate gives for the
+    rendered prompt; convert.py FILE.gguf DIR writes a folder that loads to the same model."""
+    from jinja2 import Template
+
+    import gguf_cases
+
+    path, _ = gguf_files["phi3"]
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", path, "--prompt", "hello",
+                             "--temperature", "0", "--max-new-tokens", "10", "--no-compile"], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    tokenizer = gguf_import.build_tokenizer(gguf_import.open_gguf(path), path)
+    text = Template(gguf_cases.TEMPLATE).render(messages=[{"role": "user", "content": "hello"}],
+                                                add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    model = load.from_pretrained(path)
+    out = generate.generate(model, torch.tensor([ids]), 10)[0, len(ids):].tolist()
+    stops = {2, tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<end_of_turn>")}  # eos, ends of turn
+    out = out[:next((i for i, t in enumerate(out) if t in stops), len(out))]
+    assert result.stdout == tokenizer.decode(out, skip_special_tokens=True)
+    dst = tmp_path / "native"
+    assert subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), gguf_files["gemma3"][0], str(dst)],
+                          capture_output=True).returncode == 0
+    ids = torch.tensor([ids])
+    assert torch.equal(load.from_pretrained(str(dst))(ids), load.from_pretrained(gguf_files["gemma3"][0])(ids))
+
+
+def rewrite(source: str, target: str, drop=(), add=None, tensors=None) -> str:
+    """A copy of a float32 GGUF file with metadata keys dropped or added (and extra tensors)."""
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(target, arch)
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop:
+            continue
+        value = f.contents()
+        kind = f.types[0]
+        sub = f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, kind, sub_type=sub)
+    for key, (value, kind) in (add or {}).items():
+        writer.add_key_value(key, value, kind)
+    for t in reader.tensors:  # (float32 sources: their data are the tensors as they are)
+        writer.add_tensor(t.name, np.asarray(t.data))
+    for name, value in (tensors or {}).items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+S = gguf.GGUFValueType.STRING
+
+
+@pytest.mark.parametrize("source, change, message", [
+    ("qwen2", {"add": {"qwen2.rope.scaling.type": ("yarn", S), "qwen2.rope.scaling.factor": (4.0,
+                                                                                              gguf.GGUFValueType.FLOAT32)}},
+     "qwen2.rope.scaling.type 'yarn' is not supported"),
+    ("qwen2", {"add": {"qwen2.expert_count": (8, gguf.GGUFValueType.UINT32)}}, "qwen2.expert_count"),
+    ("qwen2", {"drop": ("tokenizer.ggml.pre",), "add": {"tokenizer.ggml.pre": ("chatglm-bpe", S)}},
+     "tokenizer.ggml.pre 'chatglm-bpe' is not supported"),
+    ("gemma", {"drop": ("tokenizer.ggml.model",), "add": {"tokenizer.ggml.model": ("rwkv", S)}},
+     "tokenizer.ggml.model 'rwkv' is not supported"),
+    ("qwen2", {"tensors": {"blk.0.attn_output.bias": np.zeros(64, dtype=np.float32)}},
+     "unexpected tensor 'blk.0.attn_output.bias' for architecture 'qwen2'"),
+])
+def test_what_llama_cpp_would_not_read_is_one_line(gguf_files, tmp_path, source, change, message):
+    path = rewrite(gguf_files[source][0], str(tmp_path / "x.gguf"), **change)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", path, "--prompt", "hi"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr and "x.gguf" in result.stderr

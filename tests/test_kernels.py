@@ -142,35 +142,64 @@ def test_nf4_kernel_equals_the_dequantized_weights(out_features, in_features):
     assert torch.equal(layer.weight, stored["weight"]) and torch.equal(layer.absmax, stored["absmax"])  # unchanged
 
 
+def reference_attention(q, k, v, visible, scale, softcap):
+    """float64 attention written out: q [B, H, T, D] over k, v [B, K, S, D]; visible [B, T, S] bool."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q.double() @ k.transpose(-1, -2) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    return scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1) @ v
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B, H, K, T, D, S, P", [(1, 9, 3, 1, 64, 4096, 100), (1, 9, 3, 1, 64, 4096, 3000),
-                                                  (2, 4, 2, 5, 16, 64, 30), (1, 4, 4, 3, 100, 50, 20),
-                                                  (2, 6, 3, 64, 32, 600, 0)])
-def test_attention_kernel_equals_sdpa_over_the_visible_slots(dtype, B, H, K, T, D, S, P):
-    torch.manual_seed(T * D + P)
-    cache = kernels.KVCache(B, K, S, D, dtype, "cpu")
-    keys, values = torch.randn(B, K, S + 1, D), torch.randn(B, K, S + 1, D)
-    cache.update(torch.arange(S + 1), keys, values)
+@pytest.mark.parametrize("B, H, K, T, D, S, P, window, softcap, per_row", [
+    (1, 9, 3, 1, 64, 4096, 100, 0, 0.0, False), (1, 9, 3, 1, 64, 4096, 3000, 0, 0.0, False),
+    (2, 4, 2, 5, 16, 64, 30, 0, 0.0, False), (1, 4, 4, 3, 100, 50, 20, 0, 0.0, False),
+    (2, 6, 3, 64, 32, 600, 0, 0, 0.0, False),
+    (1, 9, 3, 1, 64, 4096, 3000, 700, 0.0, False), (2, 4, 2, 5, 16, 64, 30, 8, 2.5, False),
+    (1, 8, 4, 3, 256, 300, 200, 0, 1.0, False), (3, 4, 2, 1, 16, 600, 0, 0, 0.0, True),
+    (3, 4, 2, 2, 32, 600, 0, 20, 3.0, True)])
+def test_attention_kernel_equals_the_reference_over_the_visible_slots(dtype, B, H, K, T, D, S, P, window, softcap,
+                                                                     per_row):
+    """kernels.cpp's attention against float64 attention over exactly the slots each query may see: its row's own
+    slots (left padding, or a row of a server's batch at its own position, in its own cache row), its sliding window,
+    soft-capped scores."""
+    torch.manual_seed(T * D + P + window)
+    rows_in_cache = B + 1 if per_row else B
+    cache = kernels.KVCache(rows_in_cache, K, S, D, dtype, "cpu")
+    keys, values = torch.randn(rows_in_cache, K, S + 1, D), torch.randn(rows_in_cache, K, S + 1, D)
+    cache.update(dense.CacheStep(torch.arange(S + 1), S, None), keys, values)
     q = torch.randn(B, H, T, D)
     pos = torch.arange(P, P + T)
     if T == 64:
         pos[40:] = S  # a padded chunk: padding writes to (and reads only) the scratch slot
     start = torch.tensor([0, 7][:B]) if B == 2 else None
-    step = dense.CacheStep(pos, S, None, start)
-    out = torch.ops.dense_kernels.attention(q, cache.k, cache.v, pos, start if start is not None else pos.new_empty(0),
-                                            D ** -0.5)
+    rows = None
+    if per_row:  # batch rows at their own positions, in cache rows 3, 0, 1 (row 2 is another request's)
+        pos = torch.stack([torch.arange(p, p + T) for p in (17, 450, 3)])
+        rows = torch.tensor([3, 0, 1])
+    empty = pos.new_empty(0)
+    out = torch.ops.dense_kernels.attention(q, cache.k, cache.v, pos, start if start is not None else empty,
+                                            rows if rows is not None else empty, D ** -0.5, window, softcap)
     slots = torch.arange(S + 1)
-    visible = (slots <= pos[:, None]) if start is None else (slots <= pos[:, None]) & (slots >= start[:, None, None])
-    visible = visible | (slots == pos[:, None])
-    k, v = keys.to(dtype).double(), values.to(dtype).double()  # what the cache holds
-    want = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), k, v, attn_mask=visible if start is None else visible[:, None], enable_gqa=True, scale=D ** -0.5)
-    real = pos < S
-    assert (out.double() - want)[:, :, real].abs().max() < 2e-6
+    pos_bt = pos.expand(B, T)
+    visible = slots <= pos_bt[..., None]  # [B, T, S + 1]
+    if start is not None:
+        visible &= slots >= start[:, None, None]
+    if window:
+        visible &= slots > pos_bt[..., None] - window
+    visible |= slots == pos_bt[..., None]
+    cache_rows = rows if rows is not None else torch.arange(B)
+    k, v = keys.to(dtype).double()[cache_rows], values.to(dtype).double()[cache_rows]  # what the cache holds
+    want = reference_attention(q, k, v, visible, D ** -0.5, softcap)
+    real = pos_bt < S  # [B, T]
+    err = (out.double() - want).abs().amax(dim=(1, 3))[real].max()
+    assert err < 2e-6
     if (~real).any():
-        assert torch.equal(out[:, :, ~real], v[:, :, -1:].float().repeat_interleave(H // K, 1).expand_as(out[:, :, ~real]))
-    assert step.attend == S
+        scratch = v[:, :, -1:].float().repeat_interleave(H // K, 1)  # [B, H, 1, D]
+        assert torch.equal(out[:, :, ~real[0]], scratch.expand_as(out[:, :, ~real[0]]))
 
 
 @needs_kernels

@@ -73,9 +73,28 @@ def bigger(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """Checkpoints of families whose switches meet the shards: Gemma 2 (soft-caps, windows, post-norms), Qwen2 (q/k/v
+    biases split by heads), StableLM (per-head q/k norms split by heads, partial rotary)."""
+    from test_families import write_checkpoint
+
+    root = tmp_path_factory.mktemp("families")
+    return {case: write_checkpoint(case, str(root / case)) and str(root / case) for case in ("gemma2", "qwen2",
+                                                                                           "stablelm")}
+
+
+def test_qk_norms_over_every_head_refuse_to_shard():
+    config = dense.DenseConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               hidden_size=64, qk_norm="whole")
+    with pytest.raises(dense.CheckpointError, match="cannot be split across ranks"):
+        tp.plan(config, 0, 2)
+
+
 @pytest.mark.slow
-def test_two_ranks_equal_one_process(tmp_path, bigger):
+def test_two_ranks_equal_one_process(tmp_path, bigger, families):
     jobs = [(layout, fixture_path(layout), None, layout != "neox_original") for layout in LAYOUTS]
+    jobs += [(case, path, None, False) for case, path in families.items()]
     jobs += [("bigger", bigger, None, False), ("int8", bigger, "int8", False), ("int4", bigger, "int4", False)]
     ranks = run_two(tmp_path, jobs)
     for name, path, quant, compile in jobs:

@@ -1,0 +1,137 @@
+"""The llama.cpp references tests/test_gguf.py compares with: for each tiny GGUF file of tests/gguf_cases.py (every
+architecture and tokenizer kind gguf_import reads), llama.cpp's logits at every position of a fixed prompt and its
+token ids for a set of texts. Made once; the files they come from are rewritten by the tests, bit for bit.
+
+    python bench/gguf_reference.py --llama-python VENV/bin/python      # -> tests/fixtures/gguf/reference.*
+
+llama-cpp-python runs in its own process and virtualenv (how to build it: bench/llamacpp.py), never in the project.
+Its KV cache is kept in float32 (llama.cpp's default, float16, would round every key and value). Each file is also
+checked against transformers' forward of the same weights in their Hugging Face layout, which shows that the files
+are laid out as llama.cpp's converter lays them out (a wrong permutation or a missing Gemma +1 shows as a large
+difference); the differences are recorded beside the references.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, ROOT)
+
+import gguf_cases  # noqa: E402
+
+OUT = os.path.join(ROOT, "tests", "fixtures", "gguf")
+
+WORKER = r"""
+import json, sys
+import numpy as np
+import llama_cpp
+path, ids, texts, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+llm = llama_cpp.Llama(model_path=path, n_ctx=128, n_batch=128, logits_all=True, type_k=0, type_v=0,
+                      flash_attn=False, verbose=False, n_threads=2)
+llm.eval(ids)
+np.save(out, np.asarray(llm.scores[: len(ids)], dtype=np.float32))
+tokens = {t: [llm.tokenize(t.encode(), add_bos=False, special=True),
+              llm.tokenize(t.encode(), add_bos=True, special=True)] for t in texts}
+print(json.dumps(tokens))
+"""
+
+
+def llama_cpp(python: str, path: str, ids: list[int], texts: list[str]):
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as work:
+        out = os.path.join(work, "logits.npy")
+        result = subprocess.run([python, "-c", WORKER, path, json.dumps(ids), json.dumps(texts), out],
+                                capture_output=True, text=True)
+        if result.returncode:
+            sys.exit(f"llama.cpp failed on {path}:\n{result.stderr[-3000:]}")
+        return np.load(out), json.loads(result.stdout.splitlines()[-1])
+
+
+def transformers_logits(case: str, ids: list[int]):
+    """transformers' forward of the case's weights in their Hugging Face layout (the model llama.cpp's converter
+    would have read)."""
+    import torch
+    import transformers
+
+    s = gguf_cases.spec(case)
+    arch, V = s["arch"], gguf_cases.vocab_size(case)
+    values = dict(vocab_size=V, hidden_size=s["hidden"], intermediate_size=s["ffn"], num_hidden_layers=s["layers"],
+                  num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
+                  max_position_embeddings=s["context"], rms_norm_eps=s["eps"], pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)
+    rope = {"rope_type": "default", "rope_theta": s["theta"]}
+    model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
+                  "gemma3": "gemma3_text", "phi3": "phi3"}[arch]
+    if s.get("llama3"):
+        rope = {"rope_type": "llama3", "rope_theta": s["theta"], "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    if arch == "gemma2":
+        values.update(sliding_window=s["window"], query_pre_attn_scalar=s["head_dim"],
+                      attn_logit_softcapping=s["attn_softcap"], final_logit_softcapping=s["final_softcap"])
+    if arch == "gemma3":
+        values.update(sliding_window=s["window"], query_pre_attn_scalar=s["head_dim"], sliding_window_pattern=6)
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": s["theta"], "factor": s["linear_factor"]}}
+    if arch == "phi3":
+        short, long = gguf_cases.longrope_factors(s)
+        values.update(original_max_position_embeddings=s["original_context"],
+                      partial_rotary_factor=s["rotary"] / s["head_dim"])
+        rope = {"rope_type": "longrope", "rope_theta": s["theta"], "partial_rotary_factor": s["rotary"] / s["head_dim"],
+                "short_factor": short.tolist(), "long_factor": long.tolist()}
+    if arch in ("llama", "qwen2", "qwen3", "phi3"):
+        values["tie_word_embeddings"] = False
+    config = transformers.AutoConfig.for_model(model_type, rope_parameters=rope, **values)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    state = {k: torch.from_numpy(v) for k, v in gguf_cases.hf_weights(case).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        sys.exit(f"{case}: the Hugging Face layout does not fit transformers' model: {missing} {unexpected}")
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def main() -> int:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--llama-python", required=True, help="python of a virtualenv with llama-cpp-python")
+    args = p.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    record, arrays = {"cases": {}, "texts": gguf_cases.TEXTS}, {}
+    cases = {case: (case, None) for case in gguf_cases.CASES} | gguf_cases.QUANTIZED
+    with tempfile.TemporaryDirectory() as work:
+        for name, (case, qtype) in cases.items():
+            path = os.path.join(work, f"{name}.gguf")
+            digest = gguf_cases.write(case, path, qtype)
+            ids = gguf_cases.input_ids(case)
+            logits, tokens = llama_cpp(args.llama_python, path, ids, gguf_cases.TEXTS)
+            hf = transformers_logits(case, ids)
+            versus_hf = float(np.abs(logits - hf).max() / np.abs(hf).max())
+            argmax = float((logits.argmax(-1) == hf.argmax(-1)).mean())
+            print(f"{name:12s} digest {digest}  llama.cpp vs transformers: rel err {versus_hf:.2e}, same argmax "
+                  f"{argmax:.0%}")
+            if qtype is None and versus_hf > 1e-2:
+                sys.exit(f"{name}: llama.cpp and transformers disagree: the file is not laid out as llama.cpp's "
+                         "converter would")
+            arrays[name] = logits
+            record["cases"][name] = {"digest": digest, "ids": ids, "tokens": tokens,
+                                     "llama_cpp_vs_transformers": round(versus_hf, 6)}
+    save_file(arrays, os.path.join(OUT, "reference.safetensors"))
+    with open(os.path.join(OUT, "reference.json"), "w") as f:
+        json.dump(record, f, indent=1, ensure_ascii=False)
+    print(f"wrote {OUT}/reference.json and reference.safetensors")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
