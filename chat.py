@@ -251,10 +251,10 @@ def run(argv, console) -> int:
     if args.prompt_file is not None:
         return prompt_file(model, vocab, args, mode, console)
     draft = make_draft(args, model, console)
-    with console.status("Loading the compiled steps...") as status:
-        session = Session(model, vocab, args, status=status.update, draft=draft)
-        if args.compile:
-            session.compile_s = session.warm_up()
+    with console.status("Loading the compiled steps..." if args.compile else "Warming up...") as status:
+        session = Session(model, vocab, args, status=status.update, draft=draft,
+                          note=lambda message: console.print(f"[dim]note: {message}[/dim]"))
+        session.compile_s = session.warm_up()
     if args.prompt is None or args.stats:
         console.print(f"[dim]{why}[/dim]")
     if args.prompt is not None:

@@ -884,15 +884,19 @@ def torch_dtype(name) -> torch.dtype | None:
 # 4. Sampling
 
 
-def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-           vocab_limit: int | None = None) -> torch.Tensor:
-    """logits [B, V] -> next ids [B, 1]. Greedy at temperature 0. Everything stays on the device (no host sync):
-    drawing argmax(p / q) with q ~ Exp(1) samples from p without torch.multinomial."""
+def sample(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, vocab_limit: int | None = None,
+           noise: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] -> next ids [B, 1]. temperature, top_k and top_p: numbers for every row, or [B] tensors, a value
+    per row (inputs of a compiled step, so new values need no new graph; per row, temperature 0 is greedy, top_k 0
+    and top_p 1 are off). Everything stays on the device (no host sync): argmax(p / q) with q ~ Exp(1) samples from
+    p without torch.multinomial; noise [B, V] gives those draws (default: drawn here from torch's generator)."""
+    greedy = mask_vocab(logits, vocab_limit).argmax(dim=-1, keepdim=True)
     probs = probabilities(logits, temperature, top_k, top_p, vocab_limit)
     if probs is None:
-        return mask_vocab(logits, vocab_limit).argmax(dim=-1, keepdim=True)
-    noise = torch.empty_like(probs).exponential_(1)
-    return (probs / noise).argmax(dim=-1, keepdim=True)
+        return greedy
+    noise = torch.empty_like(probs).exponential_(1) if noise is None else noise
+    sampled = (probs / noise).argmax(dim=-1, keepdim=True)
+    return torch.where(temperature[:, None] == 0, greedy, sampled) if torch.is_tensor(temperature) else sampled
 
 
 def mask_vocab(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
@@ -902,18 +906,27 @@ def mask_vocab(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
     return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= vocab_limit, -math.inf)
 
 
-def probabilities(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+def probabilities(logits: torch.Tensor, temperature, top_k=None, top_p=None,
                   vocab_limit: int | None = None) -> torch.Tensor | None:
-    """The distribution sample() draws from, [..., V] float32 (None at temperature 0: greedy)."""
-    if temperature == 0:
+    """The distribution sample() draws from, [..., V] float32 (None at temperature 0: greedy). Settings as in
+    sample(); [B] tensors apply to the rows of [B, V] logits."""
+    per_row = torch.is_tensor(temperature)
+    if not per_row and temperature == 0:
         return None
-    logits = mask_vocab(logits.float(), vocab_limit) / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+    V = logits.shape[-1]
+    logits = mask_vocab(logits.float(), vocab_limit)
+    logits = logits / (temperature.clamp(min=1e-6)[:, None] if per_row else temperature)  # (greedy rows: unused)
+    if torch.is_tensor(top_k):  # the k-th largest of each row, k = V where off
+        k = torch.where(top_k > 0, top_k, V).clamp(max=V)
+        kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, -math.inf)
-    if top_p is not None and top_p < 1.0:
+    elif top_k is not None:
+        kth = torch.topk(logits, min(top_k, V), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if torch.is_tensor(top_p) or (top_p is not None and top_p < 1.0):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        limit = top_p[:, None] if torch.is_tensor(top_p) else top_p
+        drop = probs.cumsum(dim=-1) - probs > limit  # keep the smallest prefix whose mass reaches top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
     return logits.softmax(dim=-1)

@@ -69,26 +69,61 @@ def cache_length(needed: int, context: int) -> int:
 
 @dataclass(frozen=True)
 class Sampling:
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
+    """How the next token is picked: settings for every row, or tuples with one per row (a server's requests). A
+    compiled step depends only on kind() and vocab_limit; the values are its inputs (inputs()), so a new temperature
+    reuses the step. generators: one torch.Generator per row for the noise (a request's seed), else torch's own."""
+    temperature: float | tuple = 0.0
+    top_k: int | None | tuple = None
+    top_p: float | None | tuple = None
     vocab_limit: int | None = None
+    generators: tuple | None = None
+
+    def per_row(self, name: str, batch: int) -> list:
+        value = getattr(self, name)
+        return list(value) if isinstance(value, tuple) else [value] * batch
+
+    def kind(self, batch: int = 1) -> str:
+        """"greedy" (no noise, no sort), "sampled", or "filtered" (top-k or top-p: a sort of each row)."""
+        if all(t == 0 for t in self.per_row("temperature", batch)):
+            return "greedy"
+        filtered = any(self.per_row("top_k", batch)) or any(p is not None and p < 1 for p in self.per_row("top_p", batch))
+        return "filtered" if filtered else "sampled"
+
+    def inputs(self, batch: int, vocab: int, device) -> tuple:
+        """(temperature [B], top_k [B] (0: off), top_p [B] (1: off), noise [B, V] Exp(1) draws) for a step of kind
+        "sampled" or "filtered"."""
+        temperature = torch.tensor(self.per_row("temperature", batch), dtype=torch.float32, device=device)
+        top_k = torch.tensor([k or 0 for k in self.per_row("top_k", batch)], device=device)
+        top_p = torch.tensor([1.0 if p is None else p for p in self.per_row("top_p", batch)], device=device)
+        noise = torch.empty(batch, vocab, device=device)
+        if self.generators is None:
+            noise.exponential_(1)
+        else:
+            for row, generator in zip(noise, self.generators):
+                row.exponential_(1, generator=generator)
+        return temperature, top_k, top_p, noise
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The step functions (traced whole by torch.compile; every Python number in them is a constant of the graph)
 
 
-def decode_step(model, token, input_pos, row_start, attend: int, sampling: Sampling):
-    """token [B, 1] at slot input_pos [1] -> the next token [B, 1]."""
+def decode_step(model, token, input_pos, row_start, attend: int, kind: str, vocab_limit: int | None,
+                temperature, top_k, top_p, noise):
+    """token [B, 1] at slot input_pos [1] (or [B, 1]: a slot per row) -> the next token [B, 1]. kind and vocab_limit
+    shape the graph; the sampling values (Sampling.inputs, or None when greedy) are its inputs."""
     logits = model(token, input_pos, attend=attend, row_start=row_start)[:, -1]
-    return dense.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.vocab_limit)
+    if kind == "greedy":
+        return dense.sample(logits, 0.0, vocab_limit=vocab_limit)
+    filtered = kind == "filtered"
+    return dense.sample(logits, temperature, top_k if filtered else None, top_p if filtered else None, vocab_limit,
+                        noise)
 
 
-def prefill_step(model, tokens, input_pos, row_start, attend: int, last):
-    """tokens [B, T] at slots input_pos [T] -> hidden state [B, C] of the token at index `last` [1] (the head is
-    applied to one position only, by the caller)."""
-    hidden = model.hidden_states(tokens, input_pos, attend, row_start)
+def prefill_step(model, tokens, input_pos, row_start, attend: int, last, rows=None):
+    """tokens [B, T] at slots input_pos [T] (of cache rows `rows`) -> hidden state [B, C] of the token at index
+    `last` [1] (the head is applied to one position only, by the caller)."""
+    hidden = model.hidden_states(tokens, input_pos, attend, row_start, rows)
     return hidden.index_select(1, last)[:, 0]
 
 
@@ -108,36 +143,46 @@ class Runner:
         self.model, self.steps = model, steps
 
     @torch.no_grad()  # (compiled steps are inference graphs: the cache key assumes no autograd)
-    def prefill(self, tokens: torch.Tensor, start: int, row_start: torch.Tensor | None) -> torch.Tensor:
-        """Write tokens [B, T] at slots start.., return the float32 logits of the last one, [B, V]. Up to
-        PREFILL_CHUNK tokens (a chat turn, a short prompt) run one compiled step, padded; a longer prompt runs one
-        eager pass: its large matmuls are the whole cost and run best in one piece (measured: BENCHMARKS.md)."""
+    def prefill(self, tokens: torch.Tensor, start: int, row_start: torch.Tensor | None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Write tokens [B, T] at slots start.. (of cache rows `rows`, default 0..B-1), return the float32 logits of
+        the last one, [B, V]. Up to PREFILL_CHUNK tokens (a chat turn, a short prompt) run one compiled step, padded;
+        a longer prompt runs one eager pass: its large matmuls are the whole cost and run best in one piece
+        (measured: BENCHMARKS.md)."""
         model, device = self.model, tokens.device
         B, T = tokens.shape
         model.tokens_prefilled += T
-        if self.steps is None or T > PREFILL_CHUNK:
-            hidden = model.hidden_states(tokens, torch.arange(start, start + T, device=device), row_start=row_start)
+        fn = None
+        if self.steps is not None and T <= PREFILL_CHUNK:
+            slots = torch.arange(start, start + PREFILL_CHUNK, device=device)
+            slots[T:] = model.max_seq_len  # padding goes to the scratch slot
+            chunk = torch.nn.functional.pad(tokens, (0, PREFILL_CHUNK - T))
+            attend = attend_width(model, start + T)
+            args = (model, chunk, slots, row_start, attend, torch.tensor([T - 1], device=device), rows)
+            fn = self.steps.get("prefill", prefill_step, args, batch=B, tokens=PREFILL_CHUNK, attend=attend,
+                                ragged=row_start is not None, rows=rows is not None)
+        if fn is None:  # eager (also while the step compiles in the background)
+            hidden = model.hidden_states(tokens, torch.arange(start, start + T, device=device), row_start=row_start,
+                                         rows=rows)
             return model.logits(hidden[:, -1])
-        slots = torch.arange(start, start + PREFILL_CHUNK, device=device)
-        slots[T:] = model.max_seq_len  # padding goes to the scratch slot
-        chunk = torch.nn.functional.pad(tokens, (0, PREFILL_CHUNK - T))
-        attend = attend_width(model, start + T)
-        args = (model, chunk, slots, row_start, attend, torch.tensor([T - 1], device=device))
-        fn = self.steps.get("prefill", prefill_step, args, batch=B, tokens=PREFILL_CHUNK, attend=attend,
-                            ragged=row_start is not None)
         return model.logits(fn(*args))
 
     @torch.no_grad()
-    def decode(self, token: torch.Tensor, pos: int, row_start, sampling: Sampling) -> torch.Tensor:
-        """token [B, 1] at slot pos -> next token [B, 1]."""
-        model = self.model
-        input_pos = torch.tensor([pos], device=token.device)
-        if self.steps is None:
-            return decode_step(model, token, input_pos, row_start, None, sampling)
-        attend = attend_width(model, pos + 1)
-        args = (model, token, input_pos, row_start, attend, sampling)
-        fn = self.steps.get("decode", decode_step, args, batch=token.shape[0], attend=attend, sampling=sampling,
-                            ragged=row_start is not None)
+    def decode(self, token: torch.Tensor, pos, row_start, sampling: Sampling) -> torch.Tensor:
+        """token [B, 1] at slot pos (an int, or a list: a slot per row) -> next token [B, 1]."""
+        model, B = self.model, token.shape[0]
+        per_row = isinstance(pos, (list, tuple))
+        input_pos = torch.tensor([[p] for p in pos] if per_row else [pos], device=token.device)
+        kind = sampling.kind(B)
+        values = (None,) * 4 if kind == "greedy" else sampling.inputs(B, model.config.vocab_size, token.device)
+        last = max(pos) if per_row else pos
+        attend = None if self.steps is None else attend_width(model, min(last + 1, model.max_seq_len))
+        args = (model, token, input_pos, row_start, attend, kind, sampling.vocab_limit, *values)
+        fn = None if self.steps is None else self.steps.get(
+            "decode", decode_step, args, batch=B, attend=attend, sampling=kind, vocab_limit=sampling.vocab_limit,
+            ragged=row_start is not None, per_row=per_row)
+        if fn is None:  # eager (also while the step compiles in the background): attend over the slots in use
+            return decode_step(model, token, input_pos, row_start, None, kind, sampling.vocab_limit, *values)
         return fn(*args).clone()  # a CUDA graph reuses its output buffer
 
     @torch.no_grad()
@@ -145,12 +190,14 @@ class Runner:
         """Logits [B, T, V] of tokens [B, T] at slots pos.. (the verify step of speculative decoding)."""
         model, T = self.model, tokens.shape[1]
         input_pos = torch.arange(pos, pos + T, device=tokens.device).clamp(max=model.max_seq_len)
-        if self.steps is None:
+        fn = None
+        if self.steps is not None:
+            attend = attend_width(model, min(pos + T, model.max_seq_len))
+            args = (model, tokens, input_pos, row_start, attend)
+            fn = self.steps.get("verify", logits_step, args, batch=tokens.shape[0], tokens=T, attend=attend,
+                                ragged=row_start is not None)
+        if fn is None:
             return logits_step(model, tokens, input_pos, row_start, None if row_start is None else pos + T)
-        attend = attend_width(model, min(pos + T, model.max_seq_len))
-        args = (model, tokens, input_pos, row_start, attend)
-        fn = self.steps.get("verify", logits_step, args, batch=tokens.shape[0], tokens=T, attend=attend,
-                            ragged=row_start is not None)
         return fn(*args)
 
 

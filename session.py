@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import background
 import convert
 import dense
 import generate
@@ -298,6 +299,17 @@ class ReplyStats:
         return text + (" (interrupted)" if self.interrupted else "")
 
 
+def steps_for_program(model, batch: int, seq_len: int, status=None, note=None) -> generate.Steps:
+    """The compiled steps of a program's model: a step not compiled yet on this machine is compiled by a background
+    process while the program answers eagerly (background.py), where that can be done (a model loaded from a
+    checkpoint, on the CPU, in one process); else compiled here, before answering. note(message): one line about
+    background compiles."""
+    compiler = None
+    if background.enabled() and getattr(model, "source", None) and model.device.type == "cpu" and tp.world()[1] == 1:
+        compiler = background.Compiler(**model.source, batch=batch, seq_len=seq_len, status=note)
+    return generate.Steps(model, status=status, background=compiler)
+
+
 def fitting_cache(model) -> int:
     """The default cache: the model's whole context, or the largest power of two that fits in a quarter of the memory
     still available (with a note). (Its pages are committed only as positions are used.)"""
@@ -318,24 +330,27 @@ class Session:
     """Generation over a cache that outlives a reply: `cached` lists the tokens whose keys/values sit in the cache
     at positions 0.. len(cached) - 1, so the next prompt prefills only what follows its common prefix with them."""
 
-    def __init__(self, model, vocab: Vocabulary, args, status=None, draft=None) -> None:
+    def __init__(self, model, vocab: Vocabulary, args, status=None, draft=None, note=None) -> None:
         self.model, self.vocab, self.args, self.draft = model, vocab, args, draft
         self.max_seq_len = args.max_seq_len or fitting_cache(model)
         generate.setup_cache(model, 1, self.max_seq_len)
-        self.steps = generate.Steps(model, status=status) if args.compile else None
+        self.steps = steps_for_program(model, 1, self.max_seq_len, status, note) if args.compile else None
         self.cached: list[int] = []
         self.compile_s: float | None = None
         self.last = ReplyStats()
         self.stop = None  # under torchrun: a function every rank calls after each token; True stops the reply
 
     def warm_up(self) -> float:
-        """Load (or, the first time on this machine, compile) the prefill and decode steps a first reply needs, on a
-        throwaway token, so that reply is not slowed by it. Returns the seconds spent compiling."""
+        """Load (or compile: in the background the first time on this machine) the prefill and decode steps a first
+        reply needs, and run the eager prefill once (its first call sets up the matmul libraries: 0.3 s), on
+        throwaway tokens, so that the first reply is not slowed by it. Returns the seconds spent compiling here."""
+        list(self.generate([0] * (generate.PREFILL_CHUNK + 1), 2, start_pos=0))
         list(self.generate([0], 3, start_pos=0))
         self.cached, self.model.tokens_prefilled = [], 0
         if self.draft is not None:
             self.draft.reset()
-        return self.steps.compile_s + (self.draft_steps_compile_s() if self.draft is not None else 0.0)
+        compiled = self.steps.compile_s if self.steps is not None else 0.0
+        return compiled + (self.draft_steps_compile_s() if self.draft is not None else 0.0)
 
     def draft_steps_compile_s(self) -> float:
         runner = getattr(self.draft, "runner", None)

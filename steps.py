@@ -28,6 +28,14 @@ from checkpoint import atomic_write
 SOURCES = ("dense.py", "quantized.py", "kernels.py", "kernels.cpp", "generate.py", "steps.py")  # code that shapes a graph
 
 
+def trust_the_cpu_flags() -> None:
+    """Inductor checks each vector instruction set by compiling and loading a probe in 6 child processes, 1.1 s at
+    every process start (measured); when kernels.cpp built with -march=native, the compiler handles the CPU's
+    instruction sets, and its flags (/proc/cpuinfo) say which: Inductor is told to trust them."""
+    if kernels.available():
+        torch._inductor.config.cpp.vec_isa_ok = True
+
+
 def code_version() -> str:
     digest = hashlib.sha256()
     here = os.path.dirname(os.path.abspath(__file__))
@@ -49,11 +57,16 @@ def model_signature(model: dense.DenseDecoder) -> dict:
 
 class Steps:
     """The compiled steps of one model, by (kind, batch, tokens, bucket, options): loaded from the cache folder or
-    compiled there on first use. status(message) is called before a compile that will take a while."""
+    compiled there on first use. status(message) is called before a compile that will take a while.
+
+    background(job) (programs set it: background.py): a step not compiled yet on this machine is compiled by another
+    process, described by `job` (the step function's name, its arguments' shapes, the key); until its file appears,
+    get() returns None and the caller runs the step eagerly, so the answer never waits for a compile."""
 
     def __init__(self, model: dense.DenseDecoder, status: Callable[[str], None] | None = None,
-                 folder: str | None = None) -> None:
-        self.model, self.status = model, status
+                 folder: str | None = None, background: Callable[[dict], None] | None = None) -> None:
+        self.model, self.status, self.background = model, status, background
+        self.pending: set[str] = set()  # keys being compiled by a background process
         self.folder = folder or os.path.join(kernels.cache_dir(), "compiled")
         self.functions: dict[str, Callable] = {}
         self.base = None  # the part of the key shared by every step of this model and cache
@@ -69,14 +82,45 @@ class Steps:
         detail = json.dumps(shape, sort_keys=True, default=str)
         return f"{kind}-{self.base[1]}-{hashlib.sha256(detail.encode()).hexdigest()[:16]}"
 
-    def get(self, kind: str, fn: Callable, args: tuple, **shape) -> Callable:
+    def get(self, kind: str, fn: Callable, args: tuple, **shape) -> Callable | None:
         key = self.key(kind, **shape)
         compiled = self.functions.get(key)
-        if compiled is None:
-            compiled = self.functions[key] = self.load_or_compile(key, kind, fn, args)
-        return compiled
+        if compiled is not None:
+            return compiled
+        path = os.path.join(self.folder, key + ".bin")
+        if self.background is not None and self.in_background(key, path, kind, fn, args, shape):
+            return None
+        if key not in self.functions:
+            self.functions[key] = self.load_or_compile(key, kind, fn, args)
+        return self.functions[key]
+
+    def in_background(self, key: str, path: str, kind: str, fn: Callable, args: tuple, shape: dict) -> bool:
+        """Whether the step is still being compiled elsewhere (then the caller runs it eagerly): started now if its file
+        is missing, loaded here once the file is complete."""
+        if os.path.isfile(path):
+            trust_the_cpu_flags()
+            try:
+                with open(path, "rb") as f:
+                    self.functions[key] = torch.compiler.load_compiled_function(f)
+                self.loaded += 1
+                self.pending.discard(key)
+                if not self.pending and hasattr(self.background, "done"):
+                    self.background.done()
+                if self.status:
+                    self.status(f"switched to the compiled {kind} step")
+                return False
+            except Exception as e:  # damaged: compile it again, in the background too
+                notice(f"ignoring the saved compiled step {path} ({dense_reason(e)}); compiling it again")
+                self.discard(path)
+                self.pending.discard(key)
+        if key not in self.pending:
+            self.pending.add(key)
+            self.background({"key": key, "kind": kind, "function": fn.__name__, "args": describe(args),
+                             "shape": shape, "folder": self.folder, "estimate": self.estimate(kind)})
+        return True
 
     def load_or_compile(self, key: str, kind: str, fn: Callable, args: tuple) -> Callable:
+        trust_the_cpu_flags()
         if self.model.device.type == "cuda":  # CUDA graphs: one replay per step, compiled in process
             return torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
         if torch.distributed.is_available() and torch.distributed.is_initialized():  # tensor parallel: the graph
@@ -146,6 +190,33 @@ class Steps:
             timings = {}
         timings[kind] = round(seconds, 1)
         atomic_write(path, lambda p: open(p, "w").write(json.dumps(timings)))
+
+
+def describe(args: tuple) -> list:
+    """A step's arguments as JSON a background process rebuilds them from (steps are traced from shapes and dtypes,
+    never values): the model, tensors by shape and dtype, Python values as they are."""
+    out = []
+    for a in args:
+        if isinstance(a, dense.DenseDecoder):
+            out.append({"model": True})
+        elif torch.is_tensor(a):
+            out.append({"shape": list(a.shape), "dtype": str(a.dtype).removeprefix("torch."), "device": a.device.type})
+        else:
+            out.append({"value": a})
+    return out
+
+
+def rebuild(described: list, model: dense.DenseDecoder) -> tuple:
+    """describe()'s arguments again, zeros in each tensor's shape (ones for sampling noise, which divides)."""
+    out = []
+    for d in described:
+        if "model" in d:
+            out.append(model)
+        elif "shape" in d:
+            out.append(torch.ones(d["shape"], dtype=getattr(torch, d["dtype"]), device=d["device"]))
+        else:
+            out.append(d["value"])
+    return tuple(out)
 
 
 def notice(message: str) -> None:

@@ -6,6 +6,9 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Programs started by the tests compile their steps before answering, as they did before background compiles
+# (tests/test_background.py turns them on where it tests them): no worker process outlives a test.
+os.environ.setdefault("DENSE_BACKGROUND_COMPILE", "0")
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 sys.path.insert(0, ROOT)
 

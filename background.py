@@ -1,0 +1,110 @@
+"""background.py: compile steps in another process while the program answers eagerly.
+
+The first time a step is needed on a machine (or with a new model, cache size, batch or sampling kind), compiling it
+takes 25-60 s. Instead of waiting, a program's steps.Steps hands the job to Compiler: a worker process (this file, run
+as a script) loads the same checkpoint the same way, rebuilds the step's arguments from their shapes, compiles the
+step and saves it into the cache folder. The program answers on the eager path meanwhile and switches to the compiled
+step as soon as its file is there; later processes load it. A worker outlives a short run (a one-shot --prompt), so
+the next run is fast. Workers take turns (a lock), the decode step first; each step is compiled once (a lock per
+step; saves are atomic, so a killed worker leaves no file a later run would mistake for complete).
+
+DENSE_BACKGROUND_COMPILE=0 compiles in the program itself, before answering (the tests do). Stands on load.py,
+generate.py, steps.py and checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+import generate
+import load
+from checkpoint import atomic_write, locked
+from steps import Steps, rebuild
+
+ORDER = ("decode", "prefill", "verify")  # what a reply spends its time in first
+
+
+def enabled() -> bool:
+    return os.environ.get("DENSE_BACKGROUND_COMPILE", "1") != "0"
+
+
+class Compiler:
+    """Steps' background hook for a model loaded from a checkpoint: how to load it again (path, quant, dtype,
+    device) and the cache its steps run over (batch, length)."""
+
+    def __init__(self, ckpt: str, quant: str | None, dtype: torch.dtype, device: str, batch: int, seq_len: int,
+                 status=None) -> None:
+        self.recipe = {"ckpt": os.path.abspath(ckpt), "quant": quant or "none",
+                       "dtype": str(dtype).removeprefix("torch."), "device": device, "batch": batch,
+                       "seq_len": seq_len}
+        self.status = status
+        self.started: list[str] = []
+        self.threads = torch.get_num_threads()
+
+    def __call__(self, job: dict) -> None:
+        folder = job["folder"]
+        os.makedirs(os.path.join(folder, "jobs"), exist_ok=True)
+        path = os.path.join(folder, "jobs", job["key"] + ".json")
+        atomic_write(path, lambda p: open(p, "w").write(json.dumps({**job, **self.recipe})))
+        log = open(os.path.join(folder, "jobs", "worker.log"), "a")
+        subprocess.Popen([sys.executable, os.path.abspath(__file__), folder], stdin=subprocess.DEVNULL, stdout=log,
+                         stderr=log, start_new_session=True)  # (its own session: it outlives this process)
+        self.started.append(job["kind"])
+        # the worker takes one core: this process leaves it (threads waiting at a barrier for a thread the worker
+        # displaced cost 10x its decode speed on 2 cores, measured), until the steps are loaded (done())
+        torch.set_num_threads(max(1, self.threads - 1))
+        if self.status:
+            self.status(f"compiling the {' and '.join(self.started)} step{'s' * (len(self.started) > 1)} in the "
+                        f"background (about {job['estimate']:.0f} s; answering eagerly meanwhile)")
+
+
+    def done(self) -> None:
+        """Every step is loaded: this process takes all its threads again."""
+        torch.set_num_threads(self.threads)
+
+
+def work(folder: str) -> int:
+    """The worker: compile every pending job of the folder, one worker at a time, the decode steps first."""
+    jobs = os.path.join(folder, "jobs")
+    with locked(os.path.join(jobs, "worker")):  # (waits for a worker already running)
+        os.nice(10)
+        torch.set_num_threads(1)  # one core; the program answering keeps the others (Compiler.threads)
+        torch._inductor.config.compile_threads = 1
+        while True:
+            pending = sorted((f for f in os.listdir(jobs) if f.endswith(".json")),
+                             key=lambda f: (ORDER.index(f.split("-", 1)[0]) if f.split("-", 1)[0] in ORDER else 9, f))
+            if not pending:
+                return 0
+            path = os.path.join(jobs, pending[0])
+            with open(path) as f:
+                job = json.load(f)
+            try:
+                compile_job(job)
+            finally:
+                os.unlink(path)
+
+
+def compile_job(job: dict) -> None:
+    target = os.path.join(job["folder"], job["key"] + ".bin")
+    if os.path.isfile(target):
+        return
+    start = time.perf_counter()
+    model = load.from_pretrained(job["ckpt"], device=job["device"], dtype=getattr(torch, job["dtype"]),
+                                 quant=job["quant"])
+    generate.setup_cache(model, job["batch"], job["seq_len"])
+    steps = Steps(model, folder=job["folder"])
+    if steps.key(job["kind"], **job["shape"]) != job["key"]:
+        print(f"{job['key']}: the model loaded here differs from the program's; not compiled", flush=True)
+        return
+    steps.compile_now(target, job["kind"], getattr(generate, job["function"]), rebuild(job["args"], model))
+    print(f"{job['key']}: compiled in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(work(sys.argv[1]))
