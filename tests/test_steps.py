@@ -67,20 +67,49 @@ def test_keys_change_with_what_shapes_a_graph(tmp_path):
     model = random_model()
     model.setup_cache(1, 256)
     steps = Steps(model, folder=str(tmp_path))
-    sampling = generate.Sampling()
-    key = steps.key("decode", batch=1, attend=256, sampling=sampling, ragged=False)
-    assert key == steps.key("decode", batch=1, attend=256, sampling=sampling, ragged=False)
-    others = {steps.key("decode", batch=2, attend=256, sampling=sampling, ragged=False),
-              steps.key("decode", batch=1, attend=512, sampling=sampling, ragged=False),
-              steps.key("decode", batch=1, attend=256, sampling=generate.Sampling(temperature=0.7), ragged=False),
-              steps.key("prefill", batch=1, attend=256, sampling=sampling, ragged=False)}
+    kind = generate.Sampling().kind()
+    key = steps.key("decode", batch=1, attend=256, sampling=kind, ragged=False)
+    assert key == steps.key("decode", batch=1, attend=256, sampling=kind, ragged=False)
+    others = {steps.key("decode", batch=2, attend=256, sampling=kind, ragged=False),
+              steps.key("decode", batch=1, attend=512, sampling=kind, ragged=False),
+              steps.key("decode", batch=1, attend=256, sampling=generate.Sampling(temperature=0.7).kind(),
+                        ragged=False),
+              steps.key("prefill", batch=1, attend=256, sampling=kind, ragged=False)}
     assert key not in others and len(others) == 4
     model.setup_cache(1, 512)  # another cache length is another graph (the cache is one of its inputs)
-    assert steps.key("decode", batch=1, attend=256, sampling=sampling, ragged=False) != key
+    assert steps.key("decode", batch=1, attend=256, sampling=kind, ragged=False) != key
     other = random_model(num_hidden_layers=3)
     other.setup_cache(1, 256)
-    assert Steps(other, folder=str(tmp_path)).key("decode", batch=1, attend=256, sampling=sampling,
-                                                           ragged=False) != key
+    assert Steps(other, folder=str(tmp_path)).key("decode", batch=1, attend=256, sampling=kind,
+                                                  ragged=False) != key
+    # sampling values are inputs: a new temperature, top-k or top-p is the same graph
+    assert generate.Sampling(temperature=0.7).kind() == generate.Sampling(temperature=1.3).kind() == "sampled"
+    assert generate.Sampling(0.7, top_k=5).kind() == generate.Sampling(0.9, top_p=0.5).kind() == "filtered"
+
+
+@pytest.mark.slow
+def test_one_compiled_step_serves_every_sampling_value(tmp_path):
+    """Temperatures, top-k and top-p changed between replies (chat's /set, a server's requests) reuse one compiled
+    step per kind, and give the tokens an eager step gives from the same noise; rows of one batch may differ."""
+    model = random_model()
+    generate.setup_cache(model, 3, 256)
+    steps = Steps(model, folder=str(tmp_path))
+    ids = torch.tensor([[5, 17, 99, 3, 250, 7]] * 3)
+    settings = [generate.Sampling(0.7), generate.Sampling(1.3), generate.Sampling(0.9, top_k=5, top_p=0.8),
+                generate.Sampling(0.6, top_k=40), generate.Sampling((0.0, 0.8, 1.5), (None, 3, None), (None, None, 0.7))]
+    for sampling in settings:
+        runs = []
+        for runner in (generate.Runner(model, steps), generate.Runner(model, None)):
+            sampling_run = generate.Sampling(sampling.temperature, sampling.top_k, sampling.top_p,
+                                             generators=tuple(torch.Generator().manual_seed(r) for r in range(3)))
+            token = runner.prefill(ids, 0, None).argmax(-1, keepdim=True)
+            out = []
+            for i in range(12):
+                token = runner.decode(token, 6 + i, None, sampling_run)
+                out.append(token[:, 0].tolist())
+            runs.append(out)
+        assert runs[0] == runs[1], sampling
+    assert steps.compiled == 3  # one prefill, one "sampled" and one "filtered" decode step for all five
 
 
 def test_buckets():

@@ -1,0 +1,90 @@
+"""Compiling in the background (background.py): the program answers eagerly while a worker process compiles a step,
+then switches to it; the compiled step gives eager decoding's tokens, and so does the same step loaded by a later
+process; a worker killed mid-compile leaves no file a later run would take for complete."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import background
+import generate
+from conftest import ROOT, fixture_path
+from load import from_pretrained
+from steps import Steps
+
+LLAMA = fixture_path("llama")
+
+
+def greedy(runner: generate.Runner, ids: torch.Tensor, n: int) -> list[int]:
+    generate.setup_cache(runner.model, 1, 128)
+    token = generate.dense.sample(runner.prefill(ids, 0, None), 0.0)
+    out = [int(token)]
+    for i in range(n - 1):
+        token = runner.decode(token, ids.shape[1] + i, None, generate.Sampling())
+        out.append(int(token))
+    return out
+
+
+def wait_for(steps: Steps, kind: str, args: tuple, timeout: float = 240, **shape):
+    """Steps.get until the background worker's step is there."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        fn = steps.get(kind, generate.decode_step, args, **shape)
+        if fn is not None:
+            return fn
+        time.sleep(0.5)
+    raise AssertionError(f"no compiled {kind} step after {timeout} s")
+
+
+@pytest.mark.slow
+def test_a_step_compiled_in_the_background_gives_eager_tokens_here_and_in_a_later_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = from_pretrained(LLAMA)
+    generate.setup_cache(model, 1, 128)
+    notes = []
+    compiler = background.Compiler(**model.source, batch=1, seq_len=128, status=notes.append)
+    steps = Steps(model, folder=str(tmp_path / "compiled"), background=compiler)
+    ids = torch.tensor([[5, 17, 99, 3, 250, 7, 31, 8, 2, 77, 410, 6, 45, 90, 13, 200, 11, 4]])
+    want = greedy(generate.Runner(model, None), ids, 24)
+    # the first use starts the worker and answers eagerly: the same tokens, at once
+    start = time.monotonic()
+    assert greedy(generate.Runner(model, steps), ids, 24) == want
+    assert time.monotonic() - start < 10 and steps.pending and "in the background" in notes[0]
+    args = (model, torch.tensor([[1]]), torch.tensor([20]), None, 128, "greedy", None, None, None, None, None)
+    wait_for(steps, "decode", args, batch=1, attend=128, sampling="greedy", vocab_limit=None, ragged=False,
+             per_row=False)
+    assert steps.loaded == 1 and not steps.pending
+    assert greedy(generate.Runner(model, steps), ids, 24) == want  # switched: the compiled step, the same tokens
+    later = Steps(model, folder=str(tmp_path / "compiled"))  # a later process: loads the file
+    assert greedy(generate.Runner(model, later), ids, 24) == want and later.loaded == 1 and later.compiled == 0
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_compiling_leaves_no_broken_step(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "DENSE_BACKGROUND_COMPILE": "1"}
+    run = [sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", LLAMA, "--prompt", "hi", "--temperature", "0",
+           "--max-new-tokens", "8"]
+    first = subprocess.run(run, capture_output=True, text=True, env=env)
+    assert first.returncode == 0 and "compiling the decode step in the background" in first.stderr
+    time.sleep(4)  # the worker is loading or compiling: kill it (its own process group)
+    workers = subprocess.run(["pgrep", "-f", "background.py " + str(tmp_path)], capture_output=True, text=True)
+    for pid in workers.stdout.split():
+        os.killpg(int(pid), signal.SIGKILL)
+    compiled = tmp_path / "dense-engine" / "compiled"
+    for step in (p for p in compiled.iterdir() if p.suffix == ".bin"):  # a step's name holds a whole step or nothing
+        with open(step, "rb") as f:
+            torch.compiler.load_compiled_function(f)
+    # the next run starts the compile again and answers the same
+    second = subprocess.run(run, capture_output=True, text=True, env=env)
+    assert second.returncode == 0 and second.stdout == first.stdout
+    assert "in the background" in second.stderr
+    end = time.monotonic() + 240
+    while time.monotonic() < end and len([p for p in compiled.iterdir() if p.suffix == ".bin"]) < 2:
+        time.sleep(1)
+    third = subprocess.run(run, capture_output=True, text=True, env=env)  # loads both steps
+    assert third.returncode == 0 and third.stdout == first.stdout and "background" not in third.stderr
