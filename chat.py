@@ -20,23 +20,16 @@ import time
 import torch
 
 import benchmark
-import dense
 import generate
 import tp
 from dense import CheckpointError
 from repl import interactive
-from session import (SETTINGS, Session, UsageError, Vocabulary, ctrl_c_as_key, default_checkpoint, load_model,
-                     load_vocabulary, make_draft, prompt_ids, prompt_mode, prompt_text)
+from session import (SETTINGS, Session, UsageError, Vocabulary, add_model_flags, ctrl_c_as_key, default_checkpoint,
+                     load_model, load_vocabulary, make_draft, parse_flags, positive_int, prompt_ids, prompt_mode,
+                     prompt_text)
 
 # ----------------------------------------------------------------------------------------------------------------
 # The program
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def length_or_range(text: str):
@@ -49,8 +42,7 @@ def length_or_range(text: str):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Chat with a dense decoder checkpoint, or complete text.")
-    p.add_argument("--ckpt", help="checkpoint folder or file (default: SmolLM2-135M-Instruct, fetched once)")
-    p.add_argument("--tokenizer", help="tokenizer.json (or its folder) when the checkpoint has none")
+    add_model_flags(p)
     p.add_argument("--prompt", help="generate once for this text ('-' reads stdin), print it and exit")
     p.add_argument("--prompt-file", metavar="FILE", help="generate for every prompt in FILE (one a line, or JSONL with "
                    "a \"prompt\" field; '-' reads stdin), in batches: one JSON line per prompt on stdout")
@@ -58,31 +50,13 @@ def parse_args(argv):
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="mode", action="store_const", const="chat", help="force chat mode")
     mode.add_argument("--complete", dest="mode", action="store_const", const="complete", help="force completion")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: bfloat16 on cuda, else float32")
-    p.add_argument("--quant", choices=("auto", "none", "int8", "int4", "nf4", "llm.int8"), default="auto",
-                   help="weight quantization (a variant saved by quantize.py, else made at load time); auto: int4 "
-                        "for weights from a Q4_0/Q4_1 GGUF (held exactly), else as stored; none: full precision")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="compiled prefill and decode steps, saved in the cache folder for later runs (default: on)")
     p.add_argument("--max-new-tokens", type=positive_int, default=512)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-seq-len", type=positive_int, default=None,
-                   help="KV cache length (default: the model's context; smaller is faster)")
     p.add_argument("--stats", action="store_true", help="one-shot: print speed to stderr")
     p.add_argument("--plain", action="store_true", help="chat: stream replies as plain text, not rendered Markdown")
-    spec = p.add_argument_group("speculative decoding (the same output as without, in fewer target steps)")
-    drafts = spec.add_mutually_exclusive_group()
-    drafts.add_argument("--draft", metavar="CKPT", help="a small model with the same tokenizer drafts tokens")
-    drafts.add_argument("--draft-quant", choices=("int8", "int4", "nf4"),
-                        help="a quantized copy of the model drafts (made in memory; use with --quant none)")
-    drafts.add_argument("--lookup", action="store_true", help="drafts copied from earlier in the context "
-                        "(prompt lookup: for edits, summaries, code)")
-    spec.add_argument("--lookup-ngram", type=positive_int, default=3, help="longest n-gram prompt lookup matches")
-    spec.add_argument("--speculate-k", type=positive_int, default=4, help="draft tokens checked per target step")
     bench = p.add_argument_group("benchmark (--bench)")
     bench.add_argument("--bench", action="store_true", help="measure prefill and decode speed, then exit")
     bench.add_argument("--shape", choices=tuple(benchmark.SHAPES),
@@ -97,27 +71,11 @@ def parse_args(argv):
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bench.add_argument("--plot", metavar="FILE.png", help="also draw decode tok/s against the position in the cache "
                        "(needs matplotlib: pip install -e '.[plot]')")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-
-    def one_line_error(message):
-        raise UsageError(message)
-
-    p.error = one_line_error
-    args = p.parse_args(argv)
+    args = parse_flags(p, argv)
     for name, (_, valid, expected) in SETTINGS.items():
         value = getattr(args, name.replace("-", "_"))
         if value is not None and not valid(value):
             raise UsageError(f"--{name} must be {expected}, got {value}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise UsageError(f"--device {args.device}: not a device (cpu, cuda, cuda:N, mps)") from None
-    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
-    if not available.get(device.type, False):
-        raise UsageError(f"--device {args.device}: {device.type} is not available on this machine")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
-    args.dtype = dense.torch_dtype(args.dtype) or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     return args
 
 

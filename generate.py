@@ -175,7 +175,7 @@ class Runner:
         input_pos = torch.tensor([[p] for p in pos] if per_row else [pos], device=token.device)
         kind = sampling.kind(B)
         values = (None,) * 4 if kind == "greedy" else sampling.inputs(B, model.config.vocab_size, token.device)
-        last = max(pos) if per_row else pos
+        last = max((p for p in pos if p < model.max_seq_len), default=0) if per_row else pos  # (idle rows: scratch)
         attend = None if self.steps is None else attend_width(model, min(last + 1, model.max_seq_len))
         args = (model, token, input_pos, row_start, attend, kind, sampling.vocab_limit, *values)
         fn = None if self.steps is None else self.steps.get(

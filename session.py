@@ -7,6 +7,7 @@ Stands on load.py, generate.py, speculative.py, tp.py, convert.py and kernels.py
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -310,19 +311,20 @@ def steps_for_program(model, batch: int, seq_len: int, status=None, note=None) -
     return generate.Steps(model, status=status, background=compiler)
 
 
-def fitting_cache(model) -> int:
+def fitting_cache(model, batch: int = 1) -> int:
     """The default cache: the model's whole context, or the largest power of two that fits in a quarter of the memory
-    still available (with a note). (Its pages are committed only as positions are used.)"""
+    still available (with a note), for `batch` rows. (Its pages are committed only as positions are used.)"""
     context = model.config.max_position_embeddings
     dtype = kernels.cache_for(model)[1]
     budget = dense.available_memory(model.device) // 4
-    if model.cache_bytes(1, context, dtype) <= budget:
+    if model.cache_bytes(batch, context, dtype) <= budget:
         return context
     length = 256
-    while length * 2 < context and model.cache_bytes(1, length * 2, dtype) <= budget:
+    while length * 2 < context and model.cache_bytes(batch, length * 2, dtype) <= budget:
         length *= 2
-    print(f"note: the cache holds {length} tokens: the model's context of {context} would need "
-          f"{model.cache_bytes(1, context, dtype) / 2**30:.1f} GiB (--max-seq-len sets it)", file=sys.stderr)
+    rows = f" x {batch} rows" if batch > 1 else ""
+    print(f"note: the cache holds {length} tokens{rows}: the model's context of {context} would need "
+          f"{model.cache_bytes(batch, context, dtype) / 2**30:.1f} GiB (--max-seq-len sets it)", file=sys.stderr)
     return length
 
 
@@ -438,6 +440,58 @@ def set_option(args, text: str) -> str:
             raise UsageError(f"{name} {value} is out of range")
     setattr(args, name.replace("-", "_"), parsed)
     return f"{name} = {parsed}"
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that choose and load the model, shared by chat.py and serve.py."""
+    p.add_argument("--ckpt", help="checkpoint folder or file (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--tokenizer", help="tokenizer.json (or its folder) when the checkpoint has none")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: bfloat16 on cuda, else float32")
+    p.add_argument("--quant", choices=("auto", "none", "int8", "int4", "nf4", "llm.int8"), default="auto",
+                   help="weight quantization (a variant saved by quantize.py, else made at load time); auto: int4 "
+                        "for weights from a Q4_0/Q4_1 GGUF (held exactly), else as stored; none: full precision")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="compiled prefill and decode steps, saved in the cache folder for later runs (default: on)")
+    p.add_argument("--max-seq-len", type=positive_int, default=None,
+                   help="KV cache length (default: the model's context; smaller is faster)")
+    spec = p.add_argument_group("speculative decoding (the same output as without, in fewer target steps)")
+    drafts = spec.add_mutually_exclusive_group()
+    drafts.add_argument("--draft", metavar="CKPT", help="a small model with the same tokenizer drafts tokens")
+    drafts.add_argument("--draft-quant", choices=("int8", "int4", "nf4"),
+                        help="a quantized copy of the model drafts (made in memory; use with --quant none)")
+    drafts.add_argument("--lookup", action="store_true", help="drafts copied from earlier in the context "
+                        "(prompt lookup: for edits, summaries, code)")
+    spec.add_argument("--lookup-ngram", type=positive_int, default=3, help="longest n-gram prompt lookup matches")
+    spec.add_argument("--speculate-k", type=positive_int, default=4, help="draft tokens checked per target step")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def parse_flags(p: argparse.ArgumentParser, argv):
+    """Parse, a bad flag being one line (UsageError), and check the device and dtype."""
+    def one_line_error(message):
+        raise UsageError(message)
+
+    p.error = one_line_error
+    args = p.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"--device {args.device}: not a device (cpu, cuda, cuda:N, mps)") from None
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(device.type, False):
+        raise UsageError(f"--device {args.device}: {device.type} is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
+    args.dtype = dense.torch_dtype(args.dtype) or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    return args
 
 
 def load_model(ckpt: str, args, console):
