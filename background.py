@@ -23,6 +23,7 @@ import time
 import torch
 
 import generate
+import kernels
 import load
 from checkpoint import atomic_write, locked
 from steps import Steps, rebuild
@@ -92,7 +93,7 @@ def work(folder: str) -> int:
 
 def compile_job(job: dict) -> None:
     target = os.path.join(job["folder"], job["key"] + ".bin")
-    if os.path.isfile(target):
+    if kernels.intact(target):
         return
     start = time.perf_counter()
     model = load.from_pretrained(job["ckpt"], device=job["device"], dtype=getattr(torch, job["dtype"]),

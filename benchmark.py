@@ -392,7 +392,8 @@ def main(args, console, ckpt: str | None) -> int:
             title = ckpt
             if args.prompt is not None:  # a real prompt (prompt lookup needs one): its ids, as one-shot would
                 vocab = session.load_vocabulary(ckpt, args.tokenizer)
-                prompt_ids = session.prompt_ids(vocab, session.prompt_text(args), session.prompt_mode(args, vocab, ckpt),
+                mode = session.prompt_mode(args, vocab, ckpt)
+                prompt_ids = session.prompt_ids(vocab, session.prompt_text(args, mode), mode,
                                              args.system)
     draft = session.make_draft(args, model, console)
     check_plot_path(args.plot)

@@ -24,9 +24,9 @@ import generate
 import tp
 from dense import CheckpointError
 from repl import interactive
-from session import (SETTINGS, Session, UsageError, Vocabulary, add_model_flags, ctrl_c_as_key, default_checkpoint,
-                     load_model, load_vocabulary, make_draft, parse_flags, positive_int, prompt_ids, prompt_mode,
-                     prompt_text)
+from session import (SETTINGS, Session, UsageError, Vocabulary, add_model_flags, check_environment, ctrl_c_as_key,
+                     default_checkpoint, fitting_cache, load_model, load_vocabulary, make_draft, parse_flags,
+                     positive_int, prompt_ids, prompt_mode, prompt_text)
 
 # ----------------------------------------------------------------------------------------------------------------
 # The program
@@ -54,7 +54,8 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling noise: any integer in -2**63..2**64-1 "
+                   "(default: a new one each run)")
     p.add_argument("--stats", action="store_true", help="one-shot: print speed to stderr")
     p.add_argument("--plain", action="store_true", help="chat: stream replies as plain text, not rendered Markdown")
     bench = p.add_argument_group("benchmark (--bench)")
@@ -67,11 +68,15 @@ def parse_args(argv):
                        help="prompt tokens, or a range LO:HI of random lengths (a ragged batch)")
     bench.add_argument("--gen-len", type=positive_int, default=128)
     bench.add_argument("--runs", type=positive_int, default=5)
-    bench.add_argument("--peak-bw", type=float, help="the device's peak memory bandwidth in GB/s, for MBU")
+    bench.add_argument("--peak-bw", type=float, help="the device's peak memory bandwidth in GB/s (above 0), for MBU")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bench.add_argument("--plot", metavar="FILE.png", help="also draw decode tok/s against the position in the cache "
                        "(needs matplotlib: pip install -e '.[plot]')")
     args = parse_flags(p, argv)
+    if args.seed is not None and not -2**63 <= args.seed < 2**64:
+        raise UsageError(f"--seed must be in -2**63..2**64-1, got {args.seed}")
+    if args.peak_bw is not None and not 0 < args.peak_bw < float("inf"):
+        raise UsageError(f"--peak-bw must be a number of GB/s above 0, got {args.peak_bw}")
     for name, (_, valid, expected) in SETTINGS.items():
         value = getattr(args, name.replace("-", "_"))
         if value is not None and not valid(value):
@@ -80,7 +85,7 @@ def parse_args(argv):
 
 
 def one_shot(session: Session, vocab: Vocabulary, args, mode: str) -> int:
-    ids = prompt_ids(vocab, prompt_text(args), mode, args.system)
+    ids = prompt_ids(vocab, prompt_text(args, mode), mode, args.system)
     if not ids:
         raise UsageError("the prompt is empty")
     if len(ids) >= session.max_seq_len:
@@ -98,86 +103,106 @@ def one_shot(session: Session, vocab: Vocabulary, args, mode: str) -> int:
     return 0
 
 
-def read_prompts(path: str, console) -> list[tuple[int, str]]:
-    """(line number, prompt) for each line of the file: a JSON object with a string "prompt", or the line itself.
-    Blank lines are skipped; a bad JSON line is reported with its number and skipped."""
+def read_prompts(path: str, console):
+    """(line number, prompt) for each prompt of the file, read a line at a time (a file of any length in bounded
+    memory): a JSON object with a string "prompt", or the line itself. A line break separates prompts and is never
+    part of one. Blank lines are skipped; a line that is not UTF-8, not valid JSON, or has no string "prompt" is
+    reported with its number and skipped. Under torchrun rank 0 reads stdin and sends each line to the others."""
+    rank, size = tp.world()
     try:
-        lines = (tp.broadcast(sys.stdin.read() if tp.world()[0] == 0 else None) if path == "-" else
-                 open(path, encoding="utf-8").read()).splitlines()
+        source = (sys.stdin.buffer if rank == 0 else iter(())) if path == "-" else open(path, "rb")
     except OSError as e:
         raise UsageError(f"--prompt-file {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"--prompt-file {path}: not UTF-8 text") from None
-    prompts = []
-    for number, line in enumerate(lines, 1):
+    lines = source if path != "-" or size == 1 else shared_lines(source)
+    for number, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError:
+            console.print(f"[yellow]{path}: line {number}: not UTF-8 text; skipped[/yellow]")
+            continue
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
             try:
                 value = json.loads(line)
-            except json.JSONDecodeError as e:
-                console.print(f"[yellow]{path}: line {number}: not valid JSON ({e.msg}); skipped[/yellow]")
+            except (json.JSONDecodeError, RecursionError) as e:
+                console.print(f"[yellow]{path}: line {number}: not valid JSON ({getattr(e, 'msg', 'nested too deeply')}"
+                              "); skipped[/yellow]")
                 continue
             if not isinstance(value, dict) or not isinstance(value.get("prompt"), str):
                 console.print(f"[yellow]{path}: line {number}: expected an object with a string \"prompt\"; "
                               "skipped[/yellow]")
                 continue
             line = value["prompt"]
-        prompts.append((number, line))
-    return prompts
+        yield number, line
+
+
+def shared_lines(source):
+    """Rank 0's lines of stdin on every rank, one broadcast each (None: the end)."""
+    for line in source:
+        yield tp.broadcast(line)
+    tp.broadcast(None)
 
 
 def prompt_file(model, vocab: Vocabulary, args, mode: str, console) -> int:
     """--prompt-file: every prompt in batches of --batch-size (left-padded, each row stopping at its own end of
-    text); one JSON line per prompt on stdout, in input order, written as each batch finishes. A row's completion
-    is what --prompt prints for that prompt alone with the same settings (greedy: token for token)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    text), read and answered a batch at a time; one JSON line per prompt on stdout, in input order, written as each
+    batch finishes. A row's completion is what --prompt prints for that prompt alone with the same settings (greedy:
+    token for token)."""
+    from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
-    prompts = read_prompts(args.prompt_file, console)
     batch = args.batch_size or 8
-    encoded = []
-    for index, (number, text) in enumerate(prompts):
-        ids = prompt_ids(vocab, text, mode, args.system)
-        if not ids or len(ids) >= model.config.max_position_embeddings:
-            console.print(f"[yellow]{args.prompt_file}: line {number}: the prompt has {len(ids)} tokens; skipped"
-                          "[/yellow]")
-            continue
-        encoded.append((index, number, text, ids))
-    if not encoded:
-        raise UsageError(f"--prompt-file {args.prompt_file}: no prompts")
     context = model.config.max_position_embeddings
-    longest = max(len(ids) for *_, ids in encoded)
-    max_new = min(args.max_new_tokens, context - longest)
-    generate.setup_cache(model, batch, generate.cache_length(longest + max_new, context))  # one cache for the file
+    generate.setup_cache(model, batch, args.max_seq_len or fitting_cache(model, batch))  # one cache for the file
     steps = generate.Steps(model) if args.compile else None
     vocab_limit = vocab.size if vocab.size < model.config.vocab_size else None
-    done_tokens, start = 0, time.perf_counter()
-    with Progress(TextColumn("prompts"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task("prompts", total=len(encoded), rate="")
-        for first in range(0, len(encoded), batch):
-            rows = encoded[first:first + batch]
-            outputs = [[] for _ in rows]
-            finished = [None] * len(rows)
-            for token in generate.generate_tokens(model, [ids for *_, ids in rows], max_new,
-                                                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                                  vocab_limit=vocab_limit, steps=steps):
-                for i, t in enumerate(token[:, 0].tolist()):
-                    if finished[i] is None:
-                        if t in vocab.stop_ids:
-                            finished[i] = "eos"
-                        else:
-                            outputs[i].append(t)
-                            done_tokens += 1
-                if all(finished):
-                    break
-                progress.update(task, rate=f"{done_tokens / (time.perf_counter() - start):.1f} tok/s")
-            for (index, number, text, _), ids, reason in zip(rows, outputs, finished):
-                record = {"index": index, "line": number, "prompt": text, "completion": vocab.decode(ids),
-                          "tokens": len(ids), "finish_reason": reason or "length"}
-                sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
-            sys.stdout.flush()
-            progress.advance(task, len(rows))
+    counts = {"prompts": 0, "tokens": 0}
+    start = time.perf_counter()
+
+    def answer(rows, progress, task) -> None:
+        longest = max(len(ids) for *_, ids in rows)
+        max_new = min(args.max_new_tokens, model.max_seq_len - longest)
+        outputs, finished = [[] for _ in rows], [None] * len(rows)
+        for token in generate.generate_tokens(model, [ids for *_, ids in rows], max_new, temperature=args.temperature,
+                                              top_k=args.top_k, top_p=args.top_p, vocab_limit=vocab_limit,
+                                              steps=steps):
+            for i, t in enumerate(token[:, 0].tolist()):
+                if finished[i] is None:
+                    if t in vocab.stop_ids:
+                        finished[i] = "eos"
+                    else:
+                        outputs[i].append(t)
+                        counts["tokens"] += 1
+            if all(finished):
+                break
+            progress.update(task, rate=f"{counts['tokens'] / (time.perf_counter() - start):.1f} tok/s")
+        for (index, number, text, _), ids, reason in zip(rows, outputs, finished):
+            record = {"index": index, "line": number, "prompt": text, "completion": vocab.decode(ids),
+                      "tokens": len(ids), "finish_reason": reason or "length"}
+            sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")  # (one write: a signal ends lines whole)
+        sys.stdout.flush()
+        counts["prompts"] += len(rows)
+        progress.update(task, completed=counts["prompts"])
+
+    with Progress(TextColumn("prompts {task.completed}"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("prompts", total=None, rate="")
+        rows, read = [], 0
+        for index, (number, text) in enumerate(read_prompts(args.prompt_file, console)):
+            read += 1
+            ids = prompt_ids(vocab, text, mode, args.system)
+            if not ids or len(ids) >= min(context, model.max_seq_len):
+                console.print(f"[yellow]{args.prompt_file}: line {number}: the prompt has {len(ids)} tokens; the "
+                              f"cache holds {model.max_seq_len}; skipped[/yellow]")
+                continue
+            rows.append((index, number, text, ids))
+            if len(rows) == batch:
+                answer(rows, progress, task)
+                rows = []
+        if rows:
+            answer(rows, progress, task)
+    if counts["prompts"] == 0:
+        raise UsageError(f"--prompt-file {args.prompt_file}: no prompts")
     return 0
 
 
@@ -195,6 +220,7 @@ def run(argv, console) -> int:
     if args.prompt_file is not None and (args.draft or args.draft_quant or args.lookup):
         raise UsageError("--prompt-file runs batches; speculative decoding (--draft, --draft-quant, --lookup) runs at "
                          "batch 1")
+    check_environment(args, console)
     ckpt = None if args.shape else args.ckpt or default_checkpoint(console)
     if ckpt is not None and not os.path.exists(ckpt):
         raise UsageError(f"--ckpt {ckpt}: no such file or folder")
@@ -220,9 +246,25 @@ def run(argv, console) -> int:
     return interactive(session, vocab, args, mode, console, ckpt, why)
 
 
+class Terminated(Exception):
+    """SIGTERM or SIGHUP: unwind (the terminal restored, written lines whole) and exit 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def on_signal(signum, frame):
+    raise Terminated(signum)
+
+
 def main(argv=None) -> int:
+    import signal
+
     from rich.console import Console
 
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     argv = sys.argv[1:] if argv is None else argv
     one_shot_mode = any(a in ("--prompt", "--json", "--prompt-file") or a.startswith(("--prompt=", "--prompt-file="))
                         for a in argv)
@@ -241,6 +283,8 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Terminated as e:
+        return 128 + e.signum
     except Exception as e:  # anything else is a bug of ours: still one line, the traceback with --debug
         if "--debug" in argv:
             raise

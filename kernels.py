@@ -43,6 +43,56 @@ def cache_dir() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dense-engine")
 
 
+def unwritable_cache() -> str | None:
+    """Why the cache folder cannot be written (read-only, full, a file in its place), or None: then the programs
+    answer without saving anything there (one note, session.py), and the kernels are built in a temporary folder."""
+    if "unwritable" not in _state:
+        folder = cache_dir()
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-"):
+                pass
+            _state["unwritable"] = None
+        except OSError as e:
+            _state["unwritable"] = e.strerror or type(e).__name__
+    return _state["unwritable"]
+
+
+def compiler() -> str | None:
+    """The C++ compiler the kernels and compiled steps are built with ($CXX, else c++, g++ or clang++), or None."""
+    import shutil
+
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    return next((shutil.which(n) for n in names if shutil.which(n)), None)
+
+
+def digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def intact(path: str) -> bool:
+    """Whether a built file is complete and undamaged: its digest is the one written beside it (path + ".sha256",
+    written last, after the file is in place), so a killed build or a damaged file is never loaded (a truncated
+    library would kill the process with SIGBUS inside dlopen)."""
+    try:
+        with open(path + ".sha256") as f:
+            return f.read().strip() == digest(path)
+    except OSError:
+        return False
+
+
+def seal(path: str) -> None:
+    """Write the digest beside a file that is complete (the marker intact() checks)."""
+    tmp = f"{path}.sha256.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(digest(path))
+    os.replace(tmp, path + ".sha256")
+
+
 def cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -52,7 +102,8 @@ def cpu_flags() -> str:
 
 
 def build(target: str) -> None:
-    """Compile kernels.cpp into target (written to a temporary file, then renamed: concurrent builds are safe)."""
+    """Compile kernels.cpp into target (written to a temporary file, then renamed, then sealed: concurrent builds are
+    safe, and a killed one leaves nothing that looks complete)."""
     import torch.utils.cpp_extension as ext
 
     include = ext.include_paths()
@@ -60,7 +111,7 @@ def build(target: str) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".so")
     os.close(fd)
-    cmd = [os.environ.get("CXX", "c++"), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
+    cmd = [compiler() or "c++", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *(f"-I{p}" for p in include), SOURCE,
            "-o", tmp, f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
     try:
@@ -68,13 +119,16 @@ def build(target: str) -> None:
         if result.returncode:
             raise RuntimeError((result.stderr.strip().splitlines() or ["compiler failed"])[-1])
         os.replace(tmp, target)
+        seal(target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
 def available() -> bool:
-    """Whether the kernels are loaded; builds them the first time on a machine (a notice on stderr)."""
+    """Whether the kernels are loaded; builds them the first time on a machine (a notice on stderr), again when the
+    built library is damaged or incomplete (checked before it is loaded), in a temporary folder when the cache
+    folder cannot be written."""
     if "ok" in _state:
         return _state["ok"]
     _state["ok"] = False
@@ -85,15 +139,20 @@ def available() -> bool:
         return False
     with open(SOURCE, "rb") as f:
         key = hashlib.sha256(f.read() + torch.__version__.encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
-    target = os.path.join(cache_dir(), "kernels", key, "libdense_kernels.so")
+    folder = cache_dir() if unwritable_cache() is None else tempfile.mkdtemp(prefix="dense-kernels-")
+    target = os.path.join(folder, "kernels", key, "libdense_kernels.so")
+    if not intact(target) and compiler() is None:  # nothing built to load (session.py says so once)
+        return False
     try:
-        if not os.path.isfile(target):
+        if not intact(target):
+            if os.path.exists(target):
+                print(f"note: {target} is damaged or incomplete; building it again", file=sys.stderr)
             print("note: building the CPU kernels (kernels.cpp, once per machine, about 15 s)...", file=sys.stderr)
             build(target)
         torch.ops.load_library(target)
         register_shapes()
         _state["ok"] = True
-    except Exception as e:  # no compiler, a broken cache file, an incompatible torch: PyTorch's kernels serve
+    except Exception as e:  # a failing compiler, an incompatible torch: PyTorch's kernels serve
         print(f"note: CPU kernels unavailable ({str(e).splitlines()[0] if str(e) else type(e).__name__}); using "
               "PyTorch's", file=sys.stderr)
     return _state["ok"]

@@ -39,8 +39,9 @@ import dense
 import generate
 import speculative
 import tp
-from session import (TextStream, UsageError, Vocabulary, add_model_flags, default_checkpoint, fitting_cache,
-                     load_model, load_vocabulary, make_draft, parse_flags, positive_int, steps_for_program)
+from session import (TextStream, UsageError, Vocabulary, add_model_flags, check_environment, default_checkpoint,
+                     fitting_cache, load_model, load_vocabulary, make_draft, parse_flags, positive_int,
+                     steps_for_program)
 
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 # Parameters that change results and are not implemented: refused by name (400), never ignored.
@@ -360,6 +361,7 @@ class Server:
     def load(self, console) -> None:
         """Load the model and start the scheduler (a thread of its own; /health answers 503 meanwhile)."""
         args = self.args
+        check_environment(args, console)
         ckpt = args.ckpt or default_checkpoint(console)
         self.name = os.path.basename(os.path.normpath(ckpt))
         self.vocab = load_vocabulary(ckpt, args.tokenizer)

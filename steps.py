@@ -25,6 +25,7 @@ import dense
 import kernels
 from checkpoint import atomic_write
 
+_state: dict = {}
 SOURCES = ("dense.py", "quantized.py", "kernels.py", "kernels.cpp", "generate.py", "steps.py")  # code that shapes a graph
 
 
@@ -67,6 +68,7 @@ class Steps:
                  folder: str | None = None, background: Callable[[dict], None] | None = None) -> None:
         self.model, self.status, self.background = model, status, background
         self.pending: set[str] = set()  # keys being compiled by a background process
+        self.failed: set[str] = set()  # keys that could not be compiled here: eager
         self.folder = folder or os.path.join(kernels.cache_dir(), "compiled")
         self.functions: dict[str, Callable] = {}
         self.base = None  # the part of the key shared by every step of this model and cache
@@ -83,61 +85,69 @@ class Steps:
         return f"{kind}-{self.base[1]}-{hashlib.sha256(detail.encode()).hexdigest()[:16]}"
 
     def get(self, kind: str, fn: Callable, args: tuple, **shape) -> Callable | None:
+        """The compiled step, or None: the caller runs it eagerly (while it compiles in the background, or when it
+        cannot be compiled here: no working C++ compiler)."""
         key = self.key(kind, **shape)
         compiled = self.functions.get(key)
-        if compiled is not None:
+        if compiled is not None or key in self.failed:
             return compiled
         path = os.path.join(self.folder, key + ".bin")
         if self.background is not None and self.in_background(key, path, kind, fn, args, shape):
             return None
         if key not in self.functions:
             self.functions[key] = self.load_or_compile(key, kind, fn, args)
+            if self.functions[key] is None:
+                self.failed.add(key)
         return self.functions[key]
 
     def in_background(self, key: str, path: str, kind: str, fn: Callable, args: tuple, shape: dict) -> bool:
         """Whether the step is still being compiled elsewhere (then the caller runs it eagerly): started now if its file
         is missing, loaded here once the file is complete."""
-        if os.path.isfile(path):
-            trust_the_cpu_flags()
-            try:
-                with open(path, "rb") as f:
-                    self.functions[key] = torch.compiler.load_compiled_function(f)
-                self.loaded += 1
-                self.pending.discard(key)
-                if not self.pending and hasattr(self.background, "done"):
-                    self.background.done()
-                if self.status:
-                    self.status(f"switched to the compiled {kind} step")
-                return False
-            except Exception as e:  # damaged: compile it again, in the background too
-                notice(f"ignoring the saved compiled step {path} ({dense_reason(e)}); compiling it again")
-                self.discard(path)
-                self.pending.discard(key)
+        loaded = self.load(path)
+        if loaded is not None:
+            self.functions[key] = loaded
+            self.pending.discard(key)
+            if not self.pending and hasattr(self.background, "done"):
+                self.background.done()
+            if self.status:
+                self.status(f"switched to the compiled {kind} step")
+            return False
         if key not in self.pending:
             self.pending.add(key)
             self.background({"key": key, "kind": kind, "function": fn.__name__, "args": describe(args),
                              "shape": shape, "folder": self.folder, "estimate": self.estimate(kind)})
         return True
 
-    def load_or_compile(self, key: str, kind: str, fn: Callable, args: tuple) -> Callable:
+    def load(self, path: str) -> Callable | None:
+        """A saved step, or None when there is none: a file without its seal (a killed or failed save) or whose
+        digest differs (damaged) is removed, with a note, so that it is compiled again."""
+        if not os.path.exists(path) or not os.path.exists(path + ".sha256"):  # none, or still being saved
+            return None
+        trust_the_cpu_flags()
+        try:
+            if not kernels.intact(path):
+                raise ValueError("damaged: its digest is not the one written when it was saved")
+            with open(path, "rb") as f:
+                loaded = torch.compiler.load_compiled_function(f)
+            self.loaded += 1
+            return loaded
+        except Exception as e:  # a damaged file, another torch or python: compile it again
+            notice(f"ignoring the saved compiled step {path} ({dense_reason(e)}); compiling it again")
+            self.discard(path)
+            return None
+
+    def load_or_compile(self, key: str, kind: str, fn: Callable, args: tuple) -> Callable | None:
         trust_the_cpu_flags()
         if self.model.device.type == "cuda":  # CUDA graphs: one replay per step, compiled in process
             return torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
         if torch.distributed.is_available() and torch.distributed.is_initialized():  # tensor parallel: the graph
             return torch.compile(fn, fullgraph=True, dynamic=False)  # holds collectives of this process group
         path = os.path.join(self.folder, key + ".bin")
-        if os.path.isfile(path):
-            try:
-                with open(path, "rb") as f:
-                    loaded = torch.compiler.load_compiled_function(f)
-                self.loaded += 1
-                return loaded
-            except Exception as e:  # a damaged file, another torch or python: compile it again
-                notice(f"ignoring the saved compiled step {path} ({dense_reason(e)}); compiling it again")
-                self.discard(path)
-        return self.compile_now(path, kind, fn, args)
+        return self.load(path) or self.compile_now(path, kind, fn, args)
 
-    def compile_now(self, path: str, kind: str, fn: Callable, args: tuple) -> Callable:
+    def compile_now(self, path: str, kind: str, fn: Callable, args: tuple) -> Callable | None:
+        """Compile the step and save it (sealed: its digest written last); None if it cannot be compiled here (the
+        step then runs eagerly, with one note)."""
         estimate = self.estimate(kind)
         if self.status:
             self.status(f"Compiling the {kind} step for {self.model.max_seq_len}-slot cache (once per machine; about "
@@ -150,16 +160,24 @@ class Steps:
         # against 25 s: a first run would wait a minute more.)
         options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False,
                    "alignment_asserts": False}
-        compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options).aot_compile((args, {}))
+        try:
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options).aot_compile((args, {}))
+        except Exception as e:  # a failing C++ compiler (Inductor builds with it too): eager, said once
+            if not _state.get("compile_failed"):
+                notice(f"compiling the {kind} step failed ({dense_reason(e)}); running eagerly (slower)")
+                _state["compile_failed"] = True
+            return None
         took = time.perf_counter() - start
         self.compile_s += took
         self.compiled += 1
         try:
             os.makedirs(self.folder, exist_ok=True)
             compiled.save_compiled_function(path)  # written to a temporary file and renamed: concurrent runs are safe
+            kernels.seal(path)  # the completion marker, last
             self.record(kind, took)
         except Exception as e:  # a full disk or a read-only cache: the step still works in this process
-            notice(f"could not save the compiled step to {path} ({dense_reason(e)})")
+            if kernels.unwritable_cache() is None:  # (an unwritable cache folder was already said, once)
+                notice(f"could not save the compiled step to {path} ({dense_reason(e)})")
             return compiled
         try:  # run the step as saved, as later processes load it: the object compile returns decodes ~12% slower
             with open(path, "rb") as f:  # (measured: 38-39 against 43-44 tok/s, float32 SmolLM2)
@@ -168,10 +186,11 @@ class Steps:
             return compiled
 
     def discard(self, path: str) -> None:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        for name in (path, path + ".sha256"):
+            try:
+                os.unlink(name)
+            except OSError:
+                pass
 
     def estimate(self, kind: str) -> float:
         try:

@@ -61,11 +61,14 @@ class LineReader:
     def save(self) -> None:
         if readline is None or not self.history_file or not self.terminal:
             return
-        try:
+        tmp = f"{self.history_file}.{os.getpid()}.tmp"
+        try:  # written aside, then renamed: a run killed while writing leaves the old history whole
             os.makedirs(os.path.dirname(self.history_file), exist_ok=True)
-            readline.write_history_file(self.history_file)
-        except OSError:  # a read-only cache: the history is only lost
-            pass
+            readline.write_history_file(tmp)
+            os.replace(tmp, self.history_file)
+        except OSError:  # a read-only cache: the history is only lost (said once at the start)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 class CtrlCAsKey:

