@@ -45,6 +45,8 @@ SHAPES = {
     "openelm-1.1b": "openelm",
     "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                        num_attention_heads=32, head_dim=128, max_position_embeddings=4096, norm_eps=1e-5),
+    "tiny": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=32, max_position_embeddings=2048),  # (dry runs: bench/gpu.py)
     "shellelastic": {},  # DenseConfig's defaults: the ShellElastic default model
     "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,

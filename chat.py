@@ -163,10 +163,10 @@ def prompt_file(model, vocab: Vocabulary, args, mode: str, console) -> int:
         longest = max(len(ids) for *_, ids in rows)
         max_new = min(args.max_new_tokens, model.max_seq_len - longest)
         outputs, finished = [[] for _ in rows], [None] * len(rows)
-        for token in generate.generate_tokens(model, [ids for *_, ids in rows], max_new, temperature=args.temperature,
-                                              top_k=args.top_k, top_p=args.top_p, vocab_limit=vocab_limit,
-                                              steps=steps):
-            for i, t in enumerate(token[:, 0].tolist()):
+        tokens = generate.generate_tokens(model, [ids for *_, ids in rows], max_new, temperature=args.temperature,
+                                          top_k=args.top_k, top_p=args.top_p, vocab_limit=vocab_limit, steps=steps)
+        for token in generate.ahead(tokens):
+            for i, t in enumerate(token):
                 if finished[i] is None:
                     if t in vocab.stop_ids:
                         finished[i] = "eos"

@@ -166,10 +166,10 @@ def variant_file(mode: str) -> str:
     return f"model.{mode}.safetensors"
 
 
-def quantized_table(checkpoint, mode: str, params: dict, exact: dict | None = None) -> dict:
+def quantized_table(checkpoint, mode: str, params: dict, exact: dict | None = None, device="cpu") -> dict:
     """The checkpoint's table with each quantized linear's weight replaced by its stored tensors, computed lazily
-    (one linear at a time, when loading reaches it). exact: {linear name: thunk of its stored tensors} to use as they
-    are (a GGUF's Q4_1 blocks)."""
+    (one linear at a time, when loading reaches it, on `device`). exact: {linear name: thunk of its stored tensors} to
+    use as they are (a GGUF's Q4_1 blocks)."""
     table = dict(checkpoint.tensors)
     names = [n.removesuffix(".weight") for n in table if n.endswith(".weight") and quantized.BLOCK_LINEAR.fullmatch(n[:-7])]
     modes = {name: mode for name in names}
@@ -182,7 +182,7 @@ def quantized_table(checkpoint, mode: str, params: dict, exact: dict | None = No
     def stored(name: str) -> dict:
         if name in exact:
             return exact[name]()
-        result = quantized.LINEARS[modes[name]].stored(table_weights[name](), **params)
+        result = quantized.LINEARS[modes[name]].stored(table_weights[name]().to(device), **params)
         if "absmax_q" in result:
             result["absmax"] = quantized.double_quant_absmax(*(result.pop(k) for k in quantized.DOUBLE_QUANT))
         return result

@@ -414,18 +414,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
               softcap: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v for q [B, H, T, D] over k, v [B, K, A, D]; mask [T, A] or [B, 1, T, A] (True: seen),
     None: causal with A == T. Grouped-query heads share K/V without copies."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                              enable_gqa=k.shape[1] != q.shape[1])
-    # SDPA cannot soft-cap its scores (Gemma 2): written out, softmax in float32
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    B, H, T, D = q.shape
+    K, A = k.shape[1], k.shape[2]
+    if mask is None and softcap is None:  # a causal prefill: SDPA's flash kernels take grouped heads as they are
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=K != H)
     if mask is None:
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~mask, -math.inf)
-    return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v
+        mask = torch.ones(T, A, dtype=torch.bool, device=q.device).tril()
+    # With a mask, SDPA's grouped-query support falls back to a path that copies K/V per head. Instead, the G query
+    # heads of each K/V head become G * T query rows of that head (head h reads K/V head h // G): equal head counts,
+    # the mask repeated per group, [B, K, G*T, D] against [B, K, A, D].
+    G = H // K
+    q = q.reshape(B, K, G * T, D)
+    mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], G, T, A).reshape(*mask.shape[:-2], G * T, A)
+    if softcap is None:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:  # SDPA cannot soft-cap its scores (Gemma 2): written out, softmax in float32
+        scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+        scores = scores.masked_fill(~mask, -math.inf)
+        y = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    return y.reshape(B, H, T, D)
 
 
 class KVCache(nn.Module):
@@ -737,7 +744,7 @@ class DenseDecoder(nn.Module):
                     for kind in self.rope_kinds()}  # [T, R] or [B, T, R] each
         x = self.embed_tokens(input_ids)  # [B, T, C]
         if self.config.embed_scale is not None:  # the scale rounded to the model's dtype first, as Gemma does
-            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
         rope = {kind: (cos.to(x.dtype), sin.to(x.dtype)) for kind, (cos, sin) in rope.items()}
         for layer in self.layers:
             x = layer(x, rope, step)

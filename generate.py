@@ -70,8 +70,8 @@ def cache_length(needed: int, context: int) -> int:
 @dataclass(frozen=True)
 class Sampling:
     """How the next token is picked: settings for every row, or tuples with one per row (a server's requests). A
-    compiled step depends only on kind() and vocab_limit; the values are its inputs (inputs()), so a new temperature
-    reuses the step. generators: one torch.Generator per row for the noise (a request's seed), else torch's own."""
+    compiled step depends only on kind() and vocab_limit; the values are its inputs (settings(), noise()), so a new
+    temperature reuses the step. generators: one torch.Generator per row for the noise (a request's seed)."""
     temperature: float | tuple = 0.0
     top_k: int | None | tuple = None
     top_p: float | None | tuple = None
@@ -89,19 +89,25 @@ class Sampling:
         filtered = any(self.per_row("top_k", batch)) or any(p is not None and p < 1 for p in self.per_row("top_p", batch))
         return "filtered" if filtered else "sampled"
 
-    def inputs(self, batch: int, vocab: int, device) -> tuple:
-        """(temperature [B], top_k [B] (0: off), top_p [B] (1: off), noise [B, V] Exp(1) draws) for a step of kind
-        "sampled" or "filtered"."""
+    def settings(self, batch: int, device) -> tuple:
+        """(temperature [B], top_k [B] (0: off), top_p [B] (1: off)): inputs of a step of kind "sampled" or
+        "filtered", with noise()."""
         temperature = torch.tensor(self.per_row("temperature", batch), dtype=torch.float32, device=device)
         top_k = torch.tensor([k or 0 for k in self.per_row("top_k", batch)], device=device)
         top_p = torch.tensor([1.0 if p is None else p for p in self.per_row("top_p", batch)], device=device)
+        return temperature, top_k, top_p
+
+    def noise(self, batch: int, vocab: int, device) -> torch.Tensor:
+        """Exp(1) draws [B, V] on `device`, each row from its generator (drawn on the generator's own device)."""
         noise = torch.empty(batch, vocab, device=device)
         if self.generators is None:
-            noise.exponential_(1)
-        else:
-            for row, generator in zip(noise, self.generators):
+            return noise.exponential_(1)
+        for row, generator in zip(noise, self.generators):
+            if generator.device.type == noise.device.type:
                 row.exponential_(1, generator=generator)
-        return temperature, top_k, top_p, noise
+            else:
+                row.copy_(torch.empty(vocab, device=generator.device).exponential_(1, generator=generator))
+        return noise
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -111,7 +117,7 @@ class Sampling:
 def decode_step(model, token, input_pos, row_start, attend: int, kind: str, vocab_limit: int | None,
                 temperature, top_k, top_p, noise):
     """token [B, 1] at slot input_pos [1] (or [B, 1]: a slot per row) -> the next token [B, 1]. kind and vocab_limit
-    shape the graph; the sampling values (Sampling.inputs, or None when greedy) are its inputs."""
+    shape the graph; the sampling values (Sampling.settings and noise, or None when greedy) are its inputs."""
     logits = model(token, input_pos, attend=attend, row_start=row_start)[:, -1]
     if kind == "greedy":
         return dense.sample(logits, 0.0, vocab_limit=vocab_limit)
@@ -141,6 +147,25 @@ class Runner:
 
     def __init__(self, model: dense.DenseDecoder, steps: Steps | None) -> None:
         self.model, self.steps = model, steps
+        self.sampling_inputs: dict = {}  # (settings, batch) -> their tensors, made once (no copy to the GPU per token)
+        self.slot_ids = torch.empty(0, dtype=torch.long)
+
+    def slots(self, start: int, end: int) -> torch.Tensor:
+        """Slot numbers start..end-1 [end - start], a view of one tensor on the model's device: a step's positions
+        without a host-to-device copy (on a GPU, one per token would wait for the queue to drain)."""
+        if self.slot_ids.numel() < end or self.slot_ids.device != self.model.device:
+            self.slot_ids = torch.arange(max(end, self.model.max_seq_len + 1), device=self.model.device)
+        return self.slot_ids[start:end]
+
+    def sampling_values(self, sampling: Sampling, batch: int) -> tuple:
+        """The step's sampling inputs: (None,) * 4 when greedy, else the settings' tensors (kept) and fresh noise."""
+        if sampling.kind(batch) == "greedy":
+            return (None,) * 4
+        V, device = self.model.config.vocab_size, self.model.device
+        key = (sampling.temperature, sampling.top_k, sampling.top_p, batch)
+        if key not in self.sampling_inputs:
+            self.sampling_inputs = {key: sampling.settings(batch, device)}
+        return (*self.sampling_inputs[key], sampling.noise(batch, V, device))
 
     @torch.no_grad()  # (compiled steps are inference graphs: the cache key assumes no autograd)
     def prefill(self, tokens: torch.Tensor, start: int, row_start: torch.Tensor | None,
@@ -158,7 +183,7 @@ class Runner:
             slots[T:] = model.max_seq_len  # padding goes to the scratch slot
             chunk = torch.nn.functional.pad(tokens, (0, PREFILL_CHUNK - T))
             attend = attend_width(model, start + T)
-            args = (model, chunk, slots, row_start, attend, torch.tensor([T - 1], device=device), rows)
+            args = (model, chunk, slots, row_start, attend, self.slots(T - 1, T), rows)
             fn = self.steps.get("prefill", prefill_step, args, batch=B, tokens=PREFILL_CHUNK, attend=attend,
                                 ragged=row_start is not None, rows=rows is not None)
         if fn is None:  # eager (also while the step compiles in the background)
@@ -171,10 +196,10 @@ class Runner:
     def decode(self, token: torch.Tensor, pos, row_start, sampling: Sampling) -> torch.Tensor:
         """token [B, 1] at slot pos (an int, or a list: a slot per row) -> next token [B, 1]."""
         model, B = self.model, token.shape[0]
-        per_row = isinstance(pos, (list, tuple))
-        input_pos = torch.tensor([[p] for p in pos] if per_row else [pos], device=token.device)
+        per_row = isinstance(pos, (list, tuple))  # (a server's rows: one small copy per step)
+        input_pos = torch.tensor([[p] for p in pos], device=token.device) if per_row else self.slots(pos, pos + 1)
         kind = sampling.kind(B)
-        values = (None,) * 4 if kind == "greedy" else sampling.inputs(B, model.config.vocab_size, token.device)
+        values = self.sampling_values(sampling, B)
         last = max((p for p in pos if p < model.max_seq_len), default=0) if per_row else pos  # (idle rows: scratch)
         attend = None if self.steps is None else attend_width(model, min(last + 1, model.max_seq_len))
         args = (model, token, input_pos, row_start, attend, kind, sampling.vocab_limit, *values)
@@ -208,12 +233,12 @@ def as_batch(prompts, device) -> tuple[torch.Tensor, torch.Tensor | None, list[i
         if prompts.ndim != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got {list(prompts.shape)}")
         return prompts, None, [prompts.shape[1]] * prompts.shape[0]
-    rows = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
+    rows = [torch.as_tensor(p, dtype=torch.long, device="cpu").reshape(-1) for p in prompts]
     if not rows or any(r.numel() == 0 for r in rows):
         raise ValueError("every prompt needs at least one token")
     lengths = [r.numel() for r in rows]
     T = max(lengths)
-    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    ids = torch.zeros(len(rows), T, dtype=torch.long, device="cpu")  # (filled on the host, then moved once)
     for i, r in enumerate(rows):
         ids[i, T - r.numel():] = r
     start = torch.tensor([T - n for n in lengths], device=device)
@@ -234,9 +259,35 @@ def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, *, 
     logits = runner.prefill(ids, start_pos, row_start)
     token = dense.sample(logits, temperature, top_k, top_p, vocab_limit)
     yield token
-    for i in range(max_new_tokens - 1):
+    for i in range(max_new_tokens - 1):  # the token stays on the device: nothing here waits for the GPU
         token = runner.decode(token, start_pos + T + i, row_start, sampling)
         yield token
+
+
+def ahead(tokens: Iterable[torch.Tensor]) -> Iterator[list[int]]:
+    """Each token [B, 1] of a stream as host ints, one step late: the next step is queued before the host waits for
+    this one's copy, so a GPU never idles while the host prints (on the CPU there is nothing to overlap: as is)."""
+    pending = None
+    for token in tokens:
+        if token.device.type == "cpu":
+            yield token[:, 0].tolist()
+            continue
+        copy = token[:, 0].to("cpu", non_blocking=True)
+        done = torch.cuda.Event() if token.device.type == "cuda" else None
+        if done is not None:
+            done.record()
+        if pending is not None:
+            yield wait(pending)
+        pending = (copy, done)
+    if pending is not None:
+        yield wait(pending)
+
+
+def wait(pending: tuple) -> list[int]:
+    copy, done = pending
+    if done is not None:
+        done.synchronize()
+    return copy.tolist()
 
 
 def prepare(model: dense.DenseDecoder, prompts, max_new_tokens: int, start_pos: int, compile: bool,
@@ -249,7 +300,9 @@ def prepare(model: dense.DenseDecoder, prompts, max_new_tokens: int, start_pos: 
     if needed > model.config.max_position_embeddings:
         raise ValueError(f"{start_pos + T} tokens + {max_new_tokens} new exceed the context of "
                          f"{model.config.max_position_embeddings}")
-    if model.max_seq_len < needed or model.max_batch_size < B:
+    cache = model.layers[0].attn.kv_cache
+    moved = cache is not None and next(cache.buffers()).device != model.device  # (model.to(): a cache for the device)
+    if model.max_seq_len < needed or model.max_batch_size < B or moved:
         if start_pos:
             raise ValueError(f"the cache ({model.max_seq_len} tokens) is too small to continue to {needed} tokens")
         setup_cache(model, max(B, model.max_batch_size), cache_length(needed, model.config.max_position_embeddings))
@@ -261,19 +314,23 @@ def prepare(model: dense.DenseDecoder, prompts, max_new_tokens: int, start_pos: 
 @torch.no_grad()
 def generate(model: dense.DenseDecoder, prompts, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, eos_id: int | Sequence[int] | None = None,
-             compile: bool = False, vocab_limit: int | None = None):
+             compile: bool = False, vocab_limit: int | None = None, steps: Steps | None = None):
     """[B, T] prompt -> [B, T + new] ids; rows that produced an eos id are padded with it, and generation stops once
     every row has. A list of prompts -> a list of 1-D tensors of each row's new ids, up to and including its eos."""
     tokens = generate_tokens(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                             compile=compile, vocab_limit=vocab_limit)
+                             compile=compile, vocab_limit=vocab_limit, steps=steps)
     return collect(tokens, prompts, eos_id, model.device)
 
 
-def collect(tokens: Iterable[torch.Tensor], prompts, eos_id: int | Sequence[int] | None, device):
-    """generate()'s result from a stream of new tokens [B, 1] (this file's, or speculative.py's)."""
+def collect(tokens: Iterable[torch.Tensor], prompts, eos_id: int | Sequence[int] | None, device,
+            check_every: int | None = None):
+    """generate()'s result from a stream of new tokens [B, 1] (this file's, or speculative.py's). Whether every row
+    is done is read every check_every tokens (default: 1 on the CPU, 8 elsewhere, where a read waits for the device);
+    the result is the same either way."""
     ids, _, _ = as_batch(prompts, device)
     eos = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id or []), device=device)
     done = torch.zeros(ids.shape[0], 1, dtype=torch.bool, device=device)
+    check_every = check_every or (1 if torch.device(device).type == "cpu" else 8)
     new = []
     for token in tokens:
         if len(eos):
@@ -281,9 +338,11 @@ def collect(tokens: Iterable[torch.Tensor], prompts, eos_id: int | Sequence[int]
                 token = torch.where(done, new[-1], token)  # a finished row repeats its eos
             done = done | torch.isin(token, eos)
         new.append(token)
-        if len(eos) and bool(done.all()):
+        if len(eos) and len(new) % check_every == 0 and bool(done.all()):
             break
     out = torch.cat(new, dim=1) if new else ids[:, :0]
+    if len(eos) and len(new) and bool(done.all()):  # (tokens past the step where the last row finished: dropped)
+        out = out[:, : int(torch.isin(out, eos).int().argmax(dim=1).max()) + 1]
     if isinstance(prompts, torch.Tensor):
         return torch.cat([ids, out], dim=1)
     rows = []

@@ -18,6 +18,7 @@ Rapids and later). Stands on dense.py (its KV cache, which this file's CPU cache
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import subprocess
@@ -304,6 +305,8 @@ class Linear(nn.Linear):
 
 
 def pack_int8(weight: torch.Tensor, scales: torch.Tensor) -> dict:
+    if weight.device.type == "cuda":  # torch's int8 weight-only matmul (a CUDA kernel): the weight as is
+        return {"kernel_weight": weight, "kernel_scales": scales.to(torch.bfloat16)} if cuda_int8_mm() else {}
     if weight.shape[1] % 64 == 0 and available():  # ours: unsigned bytes (int8 + 128), float32 scales
         return {"kernel_weight": (weight.to(torch.int16) + 128).to(torch.uint8), "kernel_scales": scales.float()}
     # PyTorch's int8 weight-only kernel wants bfloat16 scales, and crashes on weights that are not 64-byte aligned
@@ -311,7 +314,23 @@ def pack_int8(weight: torch.Tensor, scales: torch.Tensor) -> dict:
     return {"kernel_weight": weight.clone(), "kernel_scales": scales.to(torch.bfloat16)}
 
 
+@functools.cache
+def cuda_int8_mm() -> bool:
+    """Whether this torch has _weight_int8pack_mm for CUDA (else: dequantize-and-matmul, compiled)."""
+    try:
+        torch.ops.aten._weight_int8pack_mm(torch.ones(1, 64, dtype=torch.bfloat16, device="cuda"),
+                                           torch.ones(8, 64, dtype=torch.int8, device="cuda"),
+                                           torch.ones(8, dtype=torch.bfloat16, device="cuda"))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 def linear_int8(x: torch.Tensor, packed_weight: torch.Tensor, packed_scales: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    if x.device.type == "cuda" and rows > 16:  # a prefill: tensor cores on the weight in bfloat16
+        w = packed_weight.to(torch.bfloat16) * packed_scales[:, None]
+        return F.linear(x.to(torch.bfloat16), w).to(x.dtype)
     if packed_scales.dtype == torch.float32:
         if use_kernel(x):
             return torch.ops.dense_kernels.linear_int8(x, packed_weight, packed_scales)
@@ -323,17 +342,34 @@ def linear_int8(x: torch.Tensor, packed_weight: torch.Tensor, packed_scales: tor
 
 
 def pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> dict:
-    """codes [N, K] in 0..15; scales, mins [N, K / group] float16."""
+    """codes [N, K] in 0..15; scales, mins [N, K / group] float16. {} where no kernel serves: dequantize instead."""
     N, K = codes.shape
+    if codes.device.type == "cuda":  # tinygemm (gpt-fast's int4): its own tiled layout, (q - 8) * scale + zero
+        inner = next((t for t in (8, 4, 2) if K % (16 * t) == 0), None)
+        if N % 8 or inner is None or group_size not in (32, 64, 128, 256):
+            return {}
+        pairs = (codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8)  # [N, K / 2], the even input high
+        try:
+            packed = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner)
+        except (RuntimeError, NotImplementedError):  # (tinygemm needs an Ampere or later GPU)
+            return {}
+        return {"kernel_weight": packed, "kernel_scales": int4_scales_and_zeros(scales, mins), "kernel_mins":
+                torch.empty(0, device=codes.device)}
     if group_size == 32 and available():  # ours: per block of 32, byte j = code j | code j + 16 << 4
         blocks = codes.to(torch.uint8).reshape(N, K // 32, 32)
         return {"kernel_weight": (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(N, K // 2).contiguous(),
                 "kernel_scales": scales.float().contiguous(), "kernel_mins": mins.float().contiguous()}
     # PyTorch's int4 CPU kernel computes (q - 8) * scale + zero; fast with bfloat16 activations only
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    return {"kernel_weight": packed, "kernel_scales": int4_scales_and_zeros(scales, mins), "kernel_mins":
+            torch.empty(0)}
+
+
+def int4_scales_and_zeros(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """torch's int4 kernels compute (q - 8) * scale + zero: our min + q * scale with zero = min + 8 * scale,
+    [K / group, N, 2] bfloat16 (rounded: bfloat16 keeps 8 bits of float16's 11)."""
     zeros = mins.float() + 8 * scales.float()
-    return {"kernel_weight": packed, "kernel_scales": torch.stack((scales.float().t(), zeros.t()), dim=-1).to(
-        torch.bfloat16), "kernel_mins": torch.empty(0)}
+    return torch.stack((scales.float().t(), zeros.t()), dim=-1).to(torch.bfloat16).contiguous()
 
 
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int,
@@ -344,8 +380,9 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
         # a long prefill is compute-bound: the weight in bfloat16 once, then one bfloat16 GEMM (2-3x float32's rate)
         w = torch.ops.dense_kernels.dequantize_int4(packed, scales, mins)
         return F.linear(x.to(torch.bfloat16), w).to(x.dtype)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), packed, group_size,
-                                                   scales)
+    aten = torch.ops.aten
+    op = aten._weight_int4pack_mm if packed.device.type == "cuda" else aten._weight_int4pack_mm_for_cpu
+    y = op(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), packed, group_size, scales)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 

@@ -27,13 +27,14 @@ from dense import CheckpointError
 def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant: str | None = None,
                     shard: Callable | None = None) -> dense.DenseDecoder:
     """A checkpoint folder (or file) as a DenseDecoder. dtype=None: the checkpoint's declared torch_dtype, else
-    float32. quant=None loads what is stored (the full-precision weights, or the only quantized variant of a folder
+    float32 (bfloat16 on a GPU, whatever the checkpoint declares: its tensor cores' type). quant=None loads what is stored (the full-precision weights, or the only quantized variant of a folder
     that has no other); "int8" | "int4" | "nf4" | "llm.int8" loads that variant (saved by quantize.py, else quantized
     tensor by tensor as it loads); "auto" picks what auto_mode says; "none" forces full precision. shard: tensor
     parallel's hook (tp.py), (checkpoint, tensors, mode) -> one rank's config and tensor slices."""
     checkpoint = convert.read_checkpoint(path)
-    dtype = dtype or checkpoint.dtype or torch.float32
-    mode, params, tensors = select(checkpoint, quant)
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else checkpoint.dtype or torch.float32)
+    mode, params, tensors = select(checkpoint, quant, device=device)
     config = checkpoint.config
     if shard is not None:
         config, tensors = shard(checkpoint, tensors, mode)
@@ -72,28 +73,31 @@ def notice_stderr(message: str) -> None:
     print(f"note: {message}", file=sys.stderr)
 
 
-def auto_mode(checkpoint) -> tuple[str | None, str]:
+def auto_mode(checkpoint, device="cpu") -> tuple[str | None, str]:
     """What `--quant auto` loads, and why: int4-g32 for weights that came from a GGUF's Q4_0/Q4_1 blocks (int4
-    holds them exactly, and on CPU int4 is the fastest kernel); everything else as stored."""
+    holds them exactly, and int4 is the fastest kernel: ours on CPU, tinygemm on CUDA, whose bfloat16 scales round
+    the blocks' float16 ones); everything else as stored."""
     types = checkpoint.record.get("source_tensor_types", {}).get("blocks") or {}
     if checkpoint.source_types:  # a .gguf file itself
         types = {kind for name, kind in checkpoint.source_types.items() if quantized.BLOCK_LINEAR.fullmatch(name[:-7])}
     saved = checkpoint.record.get("quantization", {})
     exact = "int4" in saved or bool(checkpoint.exact_int4)
     if types and set(types) <= set(quantized.EXACT_INT4_TYPES) and exact:
-        return "int4", f"the weights are {'/'.join(sorted(types))} blocks from a GGUF, which int4-g32 holds exactly"
+        held = "exactly" if torch.device(device).type != "cuda" else "(on CUDA with bfloat16 scales)"
+        return "int4", f"the weights are {'/'.join(sorted(types))} blocks from a GGUF, which int4-g32 holds {held}"
     if not checkpoint.tensors and len(saved) == 1:
         return next(iter(saved)), "the only variant stored"
     what = f"{'/'.join(sorted(types))} weights from a GGUF" if types else "full-precision weights"
     return None, f"{what}: loaded as stored (--quant int4 for the fastest CPU decode)"
 
 
-def select(checkpoint, quant: str | None, notice=notice_stderr) -> tuple[str | None, dict, dict]:
+def select(checkpoint, quant: str | None, notice=notice_stderr, device="cpu") -> tuple[str | None, dict, dict]:
     """(mode, layer params, {checkpoint name: thunk}) for from_pretrained: the saved variant of `quant` when there is
-    one, else the full-precision tensors quantized one by one as they load. quant=None loads what is stored."""
+    one, else the full-precision tensors quantized one by one as they load, on `device` (a GPU's minutes are a CPU's
+    seconds). quant=None loads what is stored."""
     saved = checkpoint.record.get("quantization", {})
     if quant == "auto":
-        quant = auto_mode(checkpoint)[0] or "none"
+        quant = auto_mode(checkpoint, device)[0] or "none"
     if quant is None:
         quant = next(iter(saved)) if not checkpoint.tensors and len(saved) == 1 else "none"
     if quant == "none":
@@ -113,7 +117,7 @@ def select(checkpoint, quant: str | None, notice=notice_stderr) -> tuple[str | N
     if not exact:
         notice(f"{checkpoint.path}: no saved {quant} variant; quantizing at load time (python quantize.py --ckpt "
                f"{checkpoint.path} --mode {quant} saves one)")
-    return quant, params, convert.quantized_table(checkpoint, quant, params, exact)
+    return quant, params, convert.quantized_table(checkpoint, quant, params, exact, device)
 
 
 def expand_double_quant(table: dict) -> dict:

@@ -136,7 +136,25 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
     def finish_loading(self) -> None:
-        """Repack for this device's kernel, once the stored tensors are in place."""
+        """Repack for this device's kernel (buffers kernel_*), once the stored tensors are in place."""
+
+    def _apply(self, fn, recurse=True):
+        """A move or a cast (model.to("cuda", torch.bfloat16)): the stored scales (keep_dtype) and the nf4 code table
+        move but keep their dtype, and the kernel layouts, which belong to a device, are made again from the stored
+        tensors."""
+        kept = {n: self._buffers.pop(n) for n in (*self.keep_dtype, "code") if self._buffers.get(n) is not None}
+        for name in [n for n in self._buffers if n.startswith("kernel_")]:
+            del self._buffers[name]
+        super()._apply(fn, recurse)
+        if kept:
+            device = fn(torch.empty(0, device=next(iter(kept.values())).device)).device  # where fn moves things
+            self._buffers.update({n: t.to(device) for n, t in kept.items()})
+        self.finish_loading()
+        return self
+
+    def register_kernel(self, packed: dict) -> None:
+        for key, t in packed.items():
+            self.register_buffer(key, t, persistent=False)
 
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
@@ -158,14 +176,13 @@ class Int8Linear(QuantLinear):
         return (self.weight.float() * self.scales.float()[:, None]).to(dtype)
 
     def finish_loading(self) -> None:
-        if self.weight.device.type == "cpu":  # repacked for the CPU kernel (kernels.py)
-            for key, t in kernels.pack_int8(self.weight, self.scales).items():
-                self.register_buffer(key, t, persistent=False)
+        if self.weight.device.type in ("cpu", "cuda"):  # repacked for the kernel (kernels.py)
+            self.register_kernel(kernels.pack_int8(self.weight, self.scales))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "kernel_weight"):
             return self.add_bias(kernels.linear_int8(x, self.kernel_weight, self.kernel_scales))
-        # elsewhere torch.compile fuses the int8 -> x.dtype conversion into the matmul's weight loads
+        # elsewhere: dequantize-and-matmul (torch.compile may fuse the conversion into the matmul's weight loads)
         return self.add_bias(F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype))
 
 
@@ -190,9 +207,8 @@ class Int4Linear(QuantLinear):
         return torch.stack((low, high), dim=-1).reshape(self.out_features, self.in_features)
 
     def finish_loading(self) -> None:
-        if self.qweight.device.type == "cpu":  # repacked for the CPU kernel (kernels.py)
-            for key, t in kernels.pack_int4(self.codes(), self.scales, self.mins, self.group_size).items():
-                self.register_buffer(key, t, persistent=False)
+        if self.qweight.device.type in ("cpu", "cuda"):  # repacked for the kernel (kernels.py)
+            self.register_kernel(kernels.pack_int4(self.codes(), self.scales, self.mins, self.group_size))
 
     def dequantize(self, dtype) -> torch.Tensor:
         g = self.codes().reshape(self.out_features, -1, self.group_size).to(torch.float32)
@@ -221,13 +237,13 @@ class NF4Linear(QuantLinear):
         return nf4_quantize(w, double_quant=double_quant)
 
     def finish_loading(self) -> None:
-        for key, t in (kernels.pack_nf4(self.weight, self.absmax, self.out_features, self.in_features) or {}).items():
-            self.register_buffer(key, t, persistent=False)  # repacked for the CPU kernel (kernels.py)
+        self.code = self.code.to(self.absmax.device)  # (made on the CPU; a copy per call on a GPU otherwise)
+        self.register_kernel(kernels.pack_nf4(self.weight, self.absmax, self.out_features, self.in_features) or {})
 
     def dequantize(self, dtype) -> torch.Tensor:
         packed = self.weight.reshape(-1)
         q = torch.stack((packed >> 4, packed & 15), dim=-1).reshape(-1, 64).long()
-        w = self.code.to(self.absmax.device)[q] * self.absmax[:, None]
+        w = self.code[q] * self.absmax[:, None]
         return w.reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -251,6 +267,10 @@ class LLMInt8Linear(Int8Linear):
         if self.bias is not None:
             layer.bias = self.bias
         self.layer = layer
+
+    def _apply(self, fn, recurse=True):
+        self._modules.pop("layer", None)  # bitsandbytes' layer is made again from the stored tensors
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x)

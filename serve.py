@@ -108,6 +108,7 @@ class Scheduler:
         self.waiting: queue.Queue[Request] = queue.Queue()
         self.vocab_limit = vocab.size if vocab.size < model.config.vocab_size else None
         self.stopping = threading.Event()
+        self.idle_generator = torch.Generator(model.device)  # (an idle row's noise, never used)
         generate.setup_cache(model, max_batch, max_seq_len)
         self.max_seq_len = max_seq_len
         steps = steps_for_program(model, max_batch, max_seq_len) if compile else None
@@ -158,7 +159,7 @@ class Scheduler:
         sampling = generate.Sampling(
             tuple(r.temperature if r else 0.0 for r in self.rows), tuple(r.top_k if r else None for r in self.rows),
             tuple(r.top_p if r else None for r in self.rows), self.vocab_limit,
-            tuple(r.generator if r else torch.Generator() for r in self.rows))
+            tuple(r.generator if r else self.idle_generator for r in self.rows))
         out = step(self.runner, ("decode", tokens, positions, sampling))[:, 0].tolist()
         for row in busy:
             self.positions[row] += 1
@@ -335,7 +336,7 @@ def parse_request(body, kind: str, state: "Server") -> dict:
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise BadRequest("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
     seed = number(body, "seed", int, None)
-    generator = torch.Generator()
+    generator = torch.Generator(state.scheduler.model.device if state.scheduler else "cpu")  # (the noise's device)
     generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, ())))
     top_p = number(body, "top_p", float, None, low=0, high=1, low_open=True)
     return {"prompt": prompt, "max_tokens": max_tokens, "stop": stop, "stream": stream,
@@ -378,7 +379,7 @@ class Server:
 
 def warm_up(scheduler: Scheduler) -> None:
     """Run the steps a first request needs (prefill and decode, eager or compiled) on a throwaway prompt."""
-    request = Request([1] * (generate.PREFILL_CHUNK + 1), 2, 0.0, None, None, [], torch.Generator(), None, None)
+    request = Request([1] * (generate.PREFILL_CHUNK + 1), 2, 0.0, None, None, [], scheduler.idle_generator, None, None)
     request.send = lambda *event: None
     for prompt in ([1] * (generate.PREFILL_CHUNK + 1), [1]):
         request.prompt, request.generated = prompt, []

@@ -439,9 +439,9 @@ class Session:
         stream, generated, yielded = TextStream(self.vocab), [], 0
         start = time.perf_counter()
         try:
-            for token in self.generate(prompt_ids[common:], self.room(len(prompt_ids)), common, prompt_ids[:common],
-                                       stats.speculation):
-                token = int(token)
+            tokens = self.generate(prompt_ids[common:], self.room(len(prompt_ids)), common, prompt_ids[:common],
+                                   stats.speculation)
+            for (token,) in generate.ahead(tokens):  # (on a GPU the next step is queued before this one is read)
                 yielded += 1
                 if yielded == 1:
                     stats.ttft_s = time.perf_counter() - start
@@ -545,6 +545,9 @@ def parse_flags(p: argparse.ArgumentParser, argv):
     available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
     if not available.get(device.type, False):
         raise UsageError(f"--device {args.device}: {device.type} is not available on this machine")
+    if device.type == "cuda" and tp.world()[1] > 1:  # under torchrun each rank takes its own GPU, whatever cuda:N says
+        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', tp.world()[0]))}"
+        device = torch.device(args.device)
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
     args.dtype = dense.torch_dtype(args.dtype) or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
@@ -556,7 +559,7 @@ def load_model(ckpt: str, args, console):
     with console.status(f"Loading {ckpt} ({str(args.dtype).removeprefix('torch.')}, {args.device})..."):
         checkpoint = convert.read_checkpoint(ckpt)
         if args.quant == "auto":
-            quant, reason = load.auto_mode(checkpoint)
+            quant, reason = load.auto_mode(checkpoint, args.device)
         else:
             quant, reason = (None if args.quant == "none" else args.quant), f"--quant {args.quant}"
         loader = tp.from_pretrained if tp.world()[1] > 1 else load.from_pretrained

@@ -140,8 +140,9 @@ def quantized_copy(model: dense.DenseDecoder, mode: str) -> dense.DenseDecoder:
 def accept(target_logits: torch.Tensor, draft_tokens: list[int], q: torch.Tensor | None, sampling
            ) -> tuple[list[int], int]:
     """target_logits [k + 1, V] at [current, draft_1 .. draft_k]; -> (new tokens: the accepted drafts and one of the
-    target's own, accepted count)."""
-    k = len(draft_tokens)
+    target's own, accepted count). Every tensor made here is on the logits' device; the host reads two numbers (how
+    many were accepted, and the token drawn), not one per draft."""
+    k, device = len(draft_tokens), target_logits.device
     p = dense.probabilities(target_logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.vocab_limit)
     if p is None:  # greedy: keep drafts while they are the target's argmax
         best = dense.mask_vocab(target_logits, sampling.vocab_limit).argmax(-1).tolist()
@@ -149,16 +150,18 @@ def accept(target_logits: torch.Tensor, draft_tokens: list[int], q: torch.Tensor
         while n < k and draft_tokens[n] == best[n]:
             n += 1
         return draft_tokens[:n] + [best[n]], n
-    for i, token in enumerate(draft_tokens):
-        q_token = q[i, token] if q is not None else torch.tensor(1.0)
-        if torch.rand(()) < torch.clamp(p[i, token] / q_token, max=1.0):
-            continue
-        residual = torch.clamp(p[i] - (q[i] if q is not None else torch.nn.functional.one_hot(
-            torch.tensor(token), p.shape[-1]).to(p.dtype)), min=0)
-        if residual.sum() <= 0:  # p == q: any draw from p is exact
-            residual = p[i]
-        return draft_tokens[:i] + [int(torch.multinomial(residual / residual.sum(), 1))], i
-    return draft_tokens + [int(torch.multinomial(p[k], 1))], k
+    drafts = torch.tensor(draft_tokens, device=device)  # [k]
+    if q is None:  # a deterministic draft (prompt lookup): q is one-hot at each draft token
+        q = torch.nn.functional.one_hot(drafts, p.shape[-1]).to(p.dtype)
+    rows = torch.arange(k, device=device)
+    # draft i is kept with probability min(1, p_i(t_i) / q_i(t_i)), while every draft before it was kept
+    kept = torch.rand(k, device=device) < (p[rows, drafts] / q[rows, drafts]).clamp(max=1.0)
+    n = int(kept.int().cumprod(0).sum()) if k else 0
+    if n == k:
+        return draft_tokens + [int(torch.multinomial(p[k], 1))], k
+    residual = (p[n] - q[n]).clamp(min=0)  # the first rejected draft's replacement: drawn from max(0, p - q)
+    residual = torch.where(residual.sum() > 0, residual, p[n])  # (p == q: any draw from p is exact)
+    return draft_tokens[:n] + [int(torch.multinomial(residual / residual.sum(), 1))], n
 
 
 @torch.no_grad()
@@ -214,8 +217,10 @@ def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, dra
 @torch.no_grad()
 def generate(model: dense.DenseDecoder, prompts, max_new_tokens: int, draft, *, speculate_k: int = 4,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, eos_id=None,
-             compile: bool = False, vocab_limit: int | None = None, stats: dict | None = None):
+             compile: bool = False, vocab_limit: int | None = None, stats: dict | None = None,
+             steps: Steps | None = None):
     """generate.generate with a draft: the same result (greedy: token for token), in fewer target steps."""
     tokens = generate_tokens(model, prompts, max_new_tokens, draft, speculate_k=speculate_k, temperature=temperature,
-                             top_k=top_k, top_p=top_p, compile=compile, vocab_limit=vocab_limit, stats=stats)
+                             top_k=top_k, top_p=top_p, compile=compile, vocab_limit=vocab_limit, stats=stats,
+                             steps=steps)
     return collect(tokens, prompts, eos_id, model.device)

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+import types
 from typing import Callable
 
 import torch
@@ -65,7 +66,8 @@ class Steps:
     get() returns None and the caller runs the step eagerly, so the answer never waits for a compile."""
 
     def __init__(self, model: dense.DenseDecoder, status: Callable[[str], None] | None = None,
-                 folder: str | None = None, background: Callable[[dict], None] | None = None) -> None:
+                 folder: str | None = None, background: Callable[[dict], None] | None = None,
+                 saved: bool | None = None) -> None:
         self.model, self.status, self.background = model, status, background
         self.pending: set[str] = set()  # keys being compiled by a background process
         self.failed: set[str] = set()  # keys that could not be compiled here: eager
@@ -74,6 +76,12 @@ class Steps:
         self.base = None  # the part of the key shared by every step of this model and cache
         self.compile_s = 0.0  # seconds spent compiling (not loading) in this process
         self.loaded = self.compiled = 0
+        # Saved steps (aot_compile) on CPU. On CUDA, steps are compiled in the process (LazyStep): a step's worth
+        # there is its CUDA graph, which is recorded per process and cannot be saved; Inductor's own caches (FX graph,
+        # Triton kernels and their tuning, in torch's cache folder) make a later process's compile short. Tensor
+        # parallel steps too: their graphs hold collectives of this process group.
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.saved = model.device.type == "cpu" and not distributed if saved is None else saved
 
     def key(self, kind: str, **shape) -> str:
         if self.base is None or self.base[0] != (self.model.max_batch_size, self.model.max_seq_len):
@@ -92,7 +100,7 @@ class Steps:
         if compiled is not None or key in self.failed:
             return compiled
         path = os.path.join(self.folder, key + ".bin")
-        if self.background is not None and self.in_background(key, path, kind, fn, args, shape):
+        if self.background is not None and self.saved and self.in_background(key, path, kind, fn, args, shape):
             return None
         if key not in self.functions:
             self.functions[key] = self.load_or_compile(key, kind, fn, args)
@@ -138,10 +146,8 @@ class Steps:
 
     def load_or_compile(self, key: str, kind: str, fn: Callable, args: tuple) -> Callable | None:
         trust_the_cpu_flags()
-        if self.model.device.type == "cuda":  # CUDA graphs: one replay per step, compiled in process
-            return torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
-        if torch.distributed.is_available() and torch.distributed.is_initialized():  # tensor parallel: the graph
-            return torch.compile(fn, fullgraph=True, dynamic=False)  # holds collectives of this process group
+        if not self.saved:
+            return LazyStep(self, kind, fn)
         path = os.path.join(self.folder, key + ".bin")
         return self.load(path) or self.compile_now(path, kind, fn, args)
 
@@ -209,6 +215,49 @@ class Steps:
             timings = {}
         timings[kind] = round(seconds, 1)
         atomic_write(path, lambda p: open(p, "w").write(json.dumps(timings)))
+
+
+# How a step compiled in the process is compiled, by device: CUDA graphs on CUDA (one replay per step: a decode
+# step is hundreds of small kernels, whose launches would otherwise cost more than they run).
+LAZY_OPTIONS = {"cuda": {"mode": "reduce-overhead"}, "cpu": {}}
+
+
+def tune_for_cuda() -> None:
+    """gpt-fast's Inductor settings: coordinate descent tuning is what fuses a one-row matmul with the dequantizing
+    of its weight (nf4 here), and a little faster everywhere."""
+    torch._inductor.config.coordinate_descent_tuning = True
+    torch._inductor.config.triton.unique_kernel_names = True
+    torch._inductor.config.fx_graph_cache = True
+
+
+class LazyStep:
+    """A step compiled in this process at its first call (CUDA, tensor parallel; Steps(saved=False) on CPU). Each has
+    its own copy of the step function's code: Dynamo counts a function's variants per code object, and one shared
+    code object would reach its recompile limit (8) after eight buckets, batch sizes or sampling kinds."""
+
+    def __init__(self, steps: Steps, kind: str, fn: Callable) -> None:
+        self.steps, self.kind, self.first = steps, kind, True
+        device = steps.model.device.type
+        if device == "cuda":
+            tune_for_cuda()
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        self.compiled = torch.compile(own, fullgraph=True, dynamic=False, **LAZY_OPTIONS.get(device, {}))
+
+    def __call__(self, *args):
+        if not self.first:
+            return self.compiled(*args)
+        steps = self.steps
+        if steps.status:
+            steps.status(f"Compiling the {self.kind} step for {steps.model.max_seq_len}-slot cache (this process; "
+                         f"about {steps.estimate(self.kind):.0f} s)...")
+        start = time.perf_counter()
+        out = self.compiled(*args)
+        if steps.model.device.type == "cuda":
+            torch.cuda.synchronize(steps.model.device)
+        steps.compile_s += time.perf_counter() - start
+        steps.compiled += 1
+        self.first = False
+        return out
 
 
 def describe(args: tuple) -> list:

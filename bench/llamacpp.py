@@ -2,6 +2,7 @@
 greedy decoding, batch 1, each engine in its own process (llama.cpp through llama-cpp-python, never a dependency).
 
     python bench/llamacpp.py --llama-python /path/to/venv/bin/python [--model smollm2|tinyllama|both] [--rounds 3]
+    python bench/llamacpp.py --llama-python ... --prefill 128,512      # prompt processing instead of decoding
 
 The machine's speed drifts between minutes, so each row runs the two engines in alternation, --rounds times (each
 time a new process per engine, which runs first alternating too): an engine's figure is the median over its
@@ -55,8 +56,8 @@ def timed_runs(prefill_and_decode, runs: int) -> dict:
     """prefill_and_decode() -> (ttft_s, total_s, tokens); a warm-up run first, then medians."""
     prefill_and_decode()
     rows = [prefill_and_decode() for _ in range(runs)]
-    decode = [(n - 1) / (total - ttft) for ttft, total, n in rows]
-    return {"decode_tok_s": statistics.median(decode), "decode_tok_s_all": decode,
+    decode = [(n - 1) / (total - ttft) for ttft, total, n in rows if n > 1]
+    return {"decode_tok_s": statistics.median(decode) if decode else None, "decode_tok_s_all": decode,
             "ttft_s": statistics.median(r[0] for r in rows), "tokens": rows[0][2]}
 
 
@@ -303,7 +304,7 @@ def summarize(runs: list[dict]) -> dict:
     failed = [r for r in runs if "error" in r]
     if failed:
         return failed[0]
-    return {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+    return {"decode_tok_s": statistics.median(r["decode_tok_s"] or 0 for r in runs),
             "ttft_s": statistics.median(r["ttft_s"] for r in runs),
             "decode_tok_s_by_process": [r["decode_tok_s"] for r in runs], "ids": runs[0]["ids"]}
 
@@ -319,6 +320,47 @@ def prompt_ids(gguf: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False).ids
 
 
+def prefill_tables(args, names: list[str], console) -> int:
+    """--prefill: prompt tokens per second (prompt length / time to the first token), the engines alternating per
+    round as for decoding; the ratio is the median of the rounds' ratios."""
+    from rich.table import Table
+
+    lengths = [int(n) for n in args.prefill.split(",")]
+    args.gen = 1
+    results = []
+    for name in names:
+        files = model_files(name, args.llama_python, lambda s: console.print(f"[dim]{s}[/dim]"))
+        text_ids = prompt_ids(files["Q4_1"])
+        table = Table(title=f"{name}: prefill, batch 1, {args.threads} threads, {args.rounds} alternating rounds of "
+                            f"{args.runs} runs")
+        for col in ("precision", "prompt", "llama.cpp tok/s", "this engine tok/s", "ratio"):
+            table.add_column(col)
+        for label, theirs, ours, quant in [r for r in ROWS if r[1] and r[2]]:
+            for n in lengths:
+                ids = (text_ids * (n // len(text_ids) + 1))[:n]
+                rounds = {"llama.cpp": [], "dense": []}
+                for r in range(args.rounds):
+                    order = [("llama.cpp", args.llama_python, "llama", files[theirs], None),
+                             ("dense", sys.executable, "dense", files[ours], quant)]
+                    for engine, python, kind, gguf, q in (order if r % 2 == 0 else order[::-1]):
+                        with console.status(f"{name} {label} {n} tokens: {engine}, round {r + 1} of {args.rounds}"):
+                            rounds[engine].append(run_worker(python, kind, gguf, q, ids, args))
+                rates = {e: [n / x["ttft_s"] for x in runs if "ttft_s" in x] for e, runs in rounds.items()}
+                errors = [x["error"] for runs in rounds.values() for x in runs if "error" in x]
+                ratio = statistics.median(d / l for l, d in zip(rates["llama.cpp"], rates["dense"])) if not errors \
+                    else None
+                row = {"model": name, "precision": label, "prompt": n, "ratio": ratio, "error": errors[:1] or None,
+                       **{f"{e}_prefill_tok_s": statistics.median(v) if v else None for e, v in rates.items()}}
+                results.append(row)
+                table.add_row(label, str(n), *(f"{row[f'{e}_prefill_tok_s']:.0f}" if rates[e] else errors[0]
+                                               for e in ("llama.cpp", "dense")), f"{ratio:.2f}" if ratio else "-")
+        console.print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-python", help="python of a virtualenv with llama-cpp-python built from source")
@@ -329,6 +371,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="processes per engine and row, the engines alternating")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--prefill", metavar="N[,N]", help="prompt processing instead of decoding: prompts of N tokens "
+                   "(e.g. 128,512), one new token; rows float32, 8-bit, 4-bit")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the table as a bar chart (one per model: "
                    "FILE-smollm2.png ...); needs matplotlib")
@@ -352,6 +396,8 @@ def main() -> int:
     unknown = [n for n in names if n != "smollm2" and n not in SHAPES]
     if unknown:
         sys.exit(f"--model {unknown[0]}: not one of smollm2, {', '.join(SHAPES)}")
+    if args.prefill:
+        return prefill_tables(args, names, console)
     for name in names:
         files = model_files(name, args.llama_python, lambda s: console.print(f"[dim]{s}[/dim]"))
         ids = prompt_ids(files["Q4_1"])
