@@ -152,14 +152,17 @@ class Scheduler:
             self.deliver(row, token)
 
     def decode(self, busy: list[int]) -> None:
-        tokens, positions = list(self.last), list(self.positions)
-        for row, request in enumerate(self.rows):
+        # A request alone (admitted to row 0, the first free one) decodes in a batch-1 step, at batch 1's speed;
+        # otherwise every row steps (two compiled graphs in all, whatever the load).
+        rows = self.rows[:1] if busy == [0] else self.rows
+        tokens, positions = self.last[:len(rows)], self.positions[:len(rows)]
+        for row, request in enumerate(rows):
             if request is None:  # an idle row writes to the scratch slot, which nothing reads
                 tokens[row], positions[row] = 0, self.max_seq_len
         sampling = generate.Sampling(
-            tuple(r.temperature if r else 0.0 for r in self.rows), tuple(r.top_k if r else None for r in self.rows),
-            tuple(r.top_p if r else None for r in self.rows), self.vocab_limit,
-            tuple(r.generator if r else self.idle_generator for r in self.rows))
+            tuple(r.temperature if r else 0.0 for r in rows), tuple(r.top_k if r else None for r in rows),
+            tuple(r.top_p if r else None for r in rows), self.vocab_limit,
+            tuple(r.generator if r else self.idle_generator for r in rows))
         out = step(self.runner, ("decode", tokens, positions, sampling))[:, 0].tolist()
         for row in busy:
             self.positions[row] += 1
@@ -230,13 +233,7 @@ def step(runner: generate.Runner, action: tuple):
     """One model call of the scheduler; under tensor parallel every rank makes it (rank 0 says which)."""
     if tp.world()[1] > 1:
         tp.broadcast(action)
-    model = runner.model
-    if action[0] == "prefill":
-        _, row, prompt = action
-        ids = torch.tensor([prompt], device=model.device)
-        return runner.prefill(ids, 0, None, rows=torch.tensor([row], device=model.device))
-    _, tokens, positions, sampling = action
-    return runner.decode(torch.tensor(tokens, device=model.device)[:, None], positions, None, sampling)
+    return step_local(runner, action)
 
 
 def follow(runner: generate.Runner) -> None:
@@ -248,15 +245,14 @@ def follow(runner: generate.Runner) -> None:
         step_local(runner, action)
 
 
-def step_local(runner, action) -> None:
+def step_local(runner, action) -> torch.Tensor:
     model = runner.model
     if action[0] == "prefill":
         _, row, prompt = action
-        runner.prefill(torch.tensor([prompt], device=model.device), 0, None,
-                       rows=torch.tensor([row], device=model.device))
-    else:
-        _, tokens, positions, sampling = action
-        runner.decode(torch.tensor(tokens, device=model.device)[:, None], positions, None, sampling)
+        return runner.prefill(torch.tensor([prompt], device=model.device), 0, None,
+                              rows=torch.tensor([row], device=model.device))
+    _, tokens, positions, sampling = action
+    return runner.decode(torch.tensor(tokens, device=model.device)[:, None], positions, None, sampling)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -379,11 +375,16 @@ class Server:
 
 def warm_up(scheduler: Scheduler) -> None:
     """Run the steps a first request needs (prefill and decode, eager or compiled) on a throwaway prompt."""
-    request = Request([1] * (generate.PREFILL_CHUNK + 1), 2, 0.0, None, None, [], scheduler.idle_generator, None, None)
-    request.send = lambda *event: None
-    for prompt in ([1] * (generate.PREFILL_CHUNK + 1), [1]):
-        request.prompt, request.generated = prompt, []
-        scheduler.submit(request)
+    def throwaway(prompt: list[int]) -> Request:
+        request = Request(prompt, 2, 0.0, None, None, [], scheduler.idle_generator, None, None)
+        request.send = lambda *event: None
+        return request
+
+    # a long prompt (eager prefill) twice: the all-rows decode step; a short one alone: the compiled prefill chunk and
+    # the batch-1 decode step
+    for prompts in ([[1] * (generate.PREFILL_CHUNK + 1)] * min(2, len(scheduler.rows)), [[1]]):
+        for prompt in prompts:
+            scheduler.submit(throwaway(prompt))
         scheduler.admit()
         for _ in range(2):
             busy = [r for r, q in enumerate(scheduler.rows) if q is not None]

@@ -45,7 +45,8 @@ def start(engine: str, args) -> tuple[subprocess.Popen, int]:
             cmd += ["--ckpt", args.gguf]
     else:
         cmd = [args.llama_python, "-m", "llama_cpp.server", "--model", args.gguf, "--port", str(port), "--n_ctx",
-               str(args.ctx), "--n_threads", str(os.cpu_count())]
+               str(args.ctx), "--n_threads", str(os.cpu_count()), "--interrupt_requests", "False"]
+        # (by default a new request interrupts the one being generated: under load, streams end cut off)
     log = open(os.path.join(tempfile.gettempdir(), f"serve-load-{engine}.log"), "w")
     process = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=ROOT)
     import urllib.request
