@@ -95,7 +95,7 @@ def test_a_default_model_conversion_killed_or_damaged_is_redone(tmp_path):
     script = (f"import sys; sys.path[:0] = [{ROOT!r}]\n"
               "import session, rich.console\n"
               f"session.fetch_default_gguf = lambda work: {source!r}\n"
-              "print(session.default_checkpoint(rich.console.Console(stderr=True)))\n")
+              "print(session.default_checkpoint(rich.console.Console(stderr=True, soft_wrap=True)))\n")
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     cache = tmp_path / "cache" / "dense-engine"
     fetching = lambda: any(cache.glob(".fetch-*"))  # noqa: E731  (its fetch or conversion under way)
