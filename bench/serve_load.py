@@ -4,11 +4,13 @@ serve.py and llama.cpp's server (llama-cpp-python's `llama_cpp.server`) on the s
 by side, each in its own process (started here, stopped after its rows).
 
     python bench/serve_load.py [--clients 1,4,8,16] [--seconds 60] [--engines dense,llama] \
-        [--llama-python VENV/bin/python] [--quant auto] [--gguf FILE]
+        [--llama-python VENV/bin/python] [--quant auto] [--gguf FILE] [--replies short|long]
 
 Also measures the same 8 requests sent one after another (one client, 8 requests), the reference for the batching
 gain: aggregate tokens/s with 8 clients over it. Greedy (temperature 0), 128 tokens a request, prompts from a fixed
-list (chat template applied by each server).
+list (chat template applied by each server): `--replies short` (the default) asks questions the default model
+answers in about 35 tokens, so a request costs as much prefill as decode; `--replies long` asks for essays and stories,
+which run to the 128-token limit, the shape of a chat reply or a throughput benchmark (vLLM's, with its ignore-eos).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import asyncio
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis simply.",
            "List three uses of copper.", "Why is the sky blue?", "Tell me a short story about a cat.",
            "What does a compiler do?", "Give me a recipe for pancakes."]
+LONG_PROMPTS = ["Write a long story about a cat who sails around the world.",
+                "Write a detailed essay on the history of the printing press.",
+                "Explain in detail, step by step, how a car engine works.",
+                "Write a long letter to a friend describing your summer holiday.",
+                "Describe in detail the water cycle and why it matters for farming.",
+                "Write a long story about a robot who learns to paint.",
+                "Write a detailed guide to starting a vegetable garden.",
+                "Write a long essay about the importance of sleep for students."]
 
 
 def free_port() -> int:
@@ -79,7 +88,8 @@ async def one_request(client, prompt: str, tokens: int) -> dict:
             "tokens": usage if usage is not None else len(times), "end": time.perf_counter()}
 
 
-async def load(port: int, clients: int, seconds: float, tokens: int, requests: int | None = None) -> dict:
+async def load(port: int, clients: int, seconds: float, tokens: int, requests: int | None = None,
+               prompts: list[str] = PROMPTS) -> dict:
     """clients loops for `seconds` (or `requests` in all, one client); the metrics over completed requests."""
     from openai import AsyncOpenAI
 
@@ -90,7 +100,7 @@ async def load(port: int, clients: int, seconds: float, tokens: int, requests: i
         i = index
         while (requests is None and time.perf_counter() - start < seconds) or (requests is not None and
                                                                               len(results) < requests):
-            results.append(await one_request(client, PROMPTS[i % len(PROMPTS)], tokens))
+            results.append(await one_request(client, prompts[i % len(prompts)], tokens))
             i += clients
 
     await asyncio.gather(*(user(i) for i in range(clients)))
@@ -119,6 +129,8 @@ def main() -> int:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--replies", choices=["short", "long"], default="short",
+                   help="questions answered in ~35 tokens, or essays that run to --tokens")
     args = p.parse_args()
     if not args.gguf:
         sys.path.insert(0, ROOT)
@@ -130,14 +142,15 @@ def main() -> int:
         if engine == "llama" and not args.llama_python:
             sys.exit("--engines llama needs --llama-python")
         process, port = start(engine, args)
+        prompts = LONG_PROMPTS if args.replies == "long" else PROMPTS
         try:
             asyncio.run(load(port, 1, 0, 8, requests=1))  # warm-up
-            sequential = asyncio.run(load(port, 1, 0, args.tokens, requests=8))
+            sequential = asyncio.run(load(port, 1, 0, args.tokens, requests=8, prompts=prompts))
             sequential.update(engine=engine, mode="8 requests one after another")
             rows.append(sequential)
             print(json.dumps(sequential), flush=True)
             for clients in map(int, args.clients.split(",")):
-                row = asyncio.run(load(port, clients, args.seconds, args.tokens))
+                row = asyncio.run(load(port, clients, args.seconds, args.tokens, prompts=prompts))
                 row.update(engine=engine, mode=f"{clients} clients, {args.seconds:.0f} s")
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -153,15 +153,21 @@ def test_padded_vocabulary_is_never_sampled(tmp_path):
     assert result.returncode == 0 and result.stdout  # and the program streams it
 
 
-def random_chat_model(folder, layers=4, hidden=256, context=4096, seed=0):
-    """A random-weight model large enough that a long reply takes seconds, with the llama fixture's tokenizer."""
+def random_chat_model(folder, layers=4, hidden=256, context=16384, seed=0):
+    """A random-weight model with the llama fixture's tokenizer whose replies never end by themselves: its end-of-turn
+    logit is 0 while the largest of the others is over 40 (so a Ctrl-C test always lands in a reply, however fast the
+    step); --max-new-tokens up to the context runs for seconds."""
     torch.manual_seed(seed)
     config = dense.DenseConfig(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden,
                                num_hidden_layers=layers, num_attention_heads=4, head_dim=hidden // 4,
                                max_position_embeddings=context, rope_precision="float32", qk_norm="none",
                                attn_output_gate=False)
     model = dense.DenseDecoder(config)
-    convert.write_native(str(folder), config, {k: v.contiguous() for k, v in model.checkpoint_state_dict().items()})
+    state = {k: v.contiguous() for k, v in model.checkpoint_state_dict().items()}
+    end = Tokenizer.from_file(os.path.join(LLAMA, "tokenizer.json")).token_to_id("<|im_end|>")
+    state["lm_head.weight"] = state["lm_head.weight"] * 30
+    state["lm_head.weight"][end] = 0
+    convert.write_native(str(folder), config, state)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(LLAMA, name), folder / name)
     return folder
@@ -213,7 +219,7 @@ def test_chat_keeps_the_cache_across_turns():
 @pytest.mark.slow
 def test_ctrl_c_stops_a_reply_and_keeps_the_session(tmp_path):
     ckpt = random_chat_model(tmp_path / "big")
-    child = spawn("--ckpt", ckpt, "--temperature", "1.0", "--seed", "0", "--max-new-tokens", "4000")
+    child = spawn("--ckpt", ckpt, "--temperature", "1.0", "--seed", "0", "--max-new-tokens", "16000")
     child.expect(">>> ")
     child.sendline("tell me a long story")
     child.expect("story\r\n")  # the terminal's echo of the line
