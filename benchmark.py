@@ -111,9 +111,11 @@ def random_model(name: str, device, dtype) -> dense.DenseDecoder:
 
 
 def weight_bytes(model: dense.DenseDecoder) -> int:
-    """Bytes of weights one decode step reads (the embedding table excluded unless the head shares it)."""
+    """Bytes of weights one decode step reads (the embedding table excluded unless the head is that very tensor: a
+    quantized head of a tied model is a copy, and the float table then serves only the one-row lookup)."""
     seen, total = set(), 0
-    skip = set() if model.config.tie_word_embeddings else {"embed_tokens.weight"}
+    shared = getattr(model.lm_head, "weight", None) is model.embed_tokens.weight
+    skip = set() if shared else {"embed_tokens.weight"}
     for name, t in model.state_dict().items():
         if name in skip or t.data_ptr() in seen:
             continue

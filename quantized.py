@@ -320,7 +320,8 @@ def quantize_model(model: DenseDecoder, mode: str, group_size: int = 32, double_
     params, training = {"group_size": group_size}, model.training
     weights = {name: model.get_submodule(name) for name in layer_modes(model, mode)}
     swap_linears(model, mode, params)
-    for name, old in weights.items():
+    for name in list(weights):
+        old = weights.pop(name)  # its float weight is freed once quantized: peak memory is the float model's, not 2x
         new = model.get_submodule(name)
         stored = new.stored(old.weight.detach(), **params)
         if "absmax_q" in stored:

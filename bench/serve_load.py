@@ -103,7 +103,8 @@ async def load(port: int, clients: int, seconds: float, tokens: int, requests: i
             results.append(await one_request(client, prompts[i % len(prompts)], tokens))
             i += clients
 
-    await asyncio.gather(*(user(i) for i in range(clients)))
+    async with client:  # closed inside this event loop (asyncio.run closes the loop next)
+        await asyncio.gather(*(user(i) for i in range(clients)))
     elapsed = max(r["end"] for r in results) - start
     ttft = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     gaps = sorted(g for r in results for g in r["gaps"])

@@ -11,6 +11,7 @@ import torch
 import benchmark
 import dense
 import load
+import quantized
 from conftest import ROOT, fixture_path
 
 KEYS = {"decode_tok_s", "prefill_tok_s", "ttft_s", "compile_s", "bytes_per_token", "bandwidth_gbs", "mbu",
@@ -64,6 +65,9 @@ def test_random_shape_model_keeps_tied_embeddings():
     model = benchmark.random_model("smollm2-135m", torch.device("cpu"), torch.bfloat16)
     assert model.lm_head.weight is model.embed_tokens.weight and model.dtype == torch.bfloat16
     assert benchmark.weight_bytes(model) == 134_515_008 * 2
+    quantized.quantize_model(model, "int4")  # the head becomes an int8 copy: the table is no longer read a token
+    assert benchmark.weight_bytes(model) == sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
+                                                if n != "embed_tokens.weight")
 
 
 def test_bad_bench_input():
