@@ -263,20 +263,25 @@ def write(case: str, path: str, qtype=None) -> str:
     return digest.hexdigest()[:16]
 
 
+def write_bpe_vocabulary(writer, tok, pre: str, specials: list[str]) -> None:
+    """A byte-level BPE tokenizer (tokenizers' Tokenizer) as llama.cpp's "gpt2" vocabulary: tokens in id order, the
+    special ones typed 3 (control), merges, <|im_start|> as BOS and <|endoftext|> as EOS."""
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
+    merges = __import__("json").loads(tok.to_str())["model"]["merges"]
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    writer.add_bos_token_id(vocab["<|im_start|>"])
+    writer.add_eos_token_id(vocab["<|endoftext|>"])
+
+
 def write_vocabulary(writer, tokenizer: tuple) -> None:
     kind, option = tokenizer
     if kind == "bpe":
-        tok = bpe_tokenizer(option)
-        vocab = tok.get_vocab()
-        tokens = sorted(vocab, key=vocab.get)
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(option)
-        writer.add_token_list(tokens)
-        writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-        merges = __import__("json").loads(tok.to_str())["model"]["merges"]
-        writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-        writer.add_bos_token_id(vocab["<|im_start|>"])
-        writer.add_eos_token_id(vocab["<|endoftext|>"])
+        write_bpe_vocabulary(writer, bpe_tokenizer(option), option, SPECIALS)
         writer.add_add_bos_token(False)
     else:
         tokens, scores, types = spm_vocabulary()

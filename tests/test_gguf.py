@@ -20,6 +20,7 @@ import generate
 import gguf_import
 import load
 import quantized
+import gguf_cases
 from conftest import ROOT
 
 Q = gguf.GGMLQuantizationType
@@ -66,16 +67,7 @@ def write_gguf(path, model: dense.DenseDecoder, tok: Tokenizer, pre: str, types:
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
     writer.add_rope_dimension_count(cfg.head_dim)
-    vocab = tok.get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    merges = json.loads(tok.to_str())["model"]["merges"]
-    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-    writer.add_bos_token_id(vocab["<|im_start|>"])
-    writer.add_eos_token_id(vocab["<|endoftext|>"])
+    gguf_cases.write_bpe_vocabulary(writer, tok, pre, SPECIALS)
     writer.add_chat_template(TEMPLATE)
     state = {k: v.float().numpy() for k, v in model.checkpoint_state_dict().items()}
     names = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
@@ -285,7 +277,6 @@ def reference():
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory):
     """{name: path} of every reference file, written again here (the test checks each is the same file)."""
-    import gguf_cases
 
     root = tmp_path_factory.mktemp("gguf")
     files = {}
@@ -336,7 +327,6 @@ def test_quantized_files_of_other_architectures(reference, gguf_files, name):
     """Q8_0 and Q4_1 block linears of non-llama files read as gguf dequantizes them (Q4_1: --quant auto keeps the
     blocks exactly as int4-g32). The logits stay near llama.cpp's, not within 2e-3: llama.cpp also rounds each
     activation to 8 bits before a quantized matmul, which this engine does not."""
-    import gguf_cases
 
     record, logits = reference
     path, _ = gguf_files[name]
@@ -359,7 +349,6 @@ def test_chat_and_convert_take_a_gguf_of_another_architecture(gguf_files, tmp_pa
     rendered prompt; convert.py FILE.gguf DIR writes a folder that loads to the same model."""
     from jinja2 import Template
 
-    import gguf_cases
 
     path, _ = gguf_files["phi3"]
     result = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", path, "--prompt", "hello",
