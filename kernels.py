@@ -291,13 +291,21 @@ def cache_for(model) -> tuple[type, torch.dtype | None]:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose few-row float32 CPU calls run kernels.cpp's linear_f32 (quantize.swap_linears puts it in)."""
+    """nn.Linear whose few-row float32 CPU calls run kernels.cpp's linear_f32 (quantize.swap_linears puts it in), and
+    whose many-row eager float32 CPU calls (a prefill) run oneDNN's matmul: 1.15-1.6x MKL's sgemm, which F.linear
+    calls, at 17-512 rows of these widths (BENCHMARKS.md), on the weight as it is (no second, packed copy)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.float32 and use_kernel(x) and self.weight.is_contiguous() and available():
             y = torch.ops.dense_kernels.linear_f32(x, self.weight)
             return y if self.bias is None else y + self.bias
+        if (x.device.type == "cpu" and x.dtype == self.weight.dtype == torch.float32 and ONEDNN
+                and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and self.weight.requires_grad)):
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 # ----------------------------------------------------------------------------------------------------------------

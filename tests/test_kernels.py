@@ -40,6 +40,25 @@ def test_f32_kernel_rows_do_not_depend_on_the_batch(K):
         assert torch.equal(batch[row], torch.ops.dense_kernels.linear_f32(x[row:row + 1], w)[0])
 
 
+@pytest.mark.parametrize("shape, bias", [((1, 17, 576), False), ((2, 128, 1536), True), ((3, 40, 100), True)])
+def test_many_row_float32_linear_is_the_float64_product(shape, bias, monkeypatch):
+    """A prefill's float32 linear (oneDNN's matmul where torch has it, else F.linear): the float64 product, with and
+    without oneDNN, and with autograd on (then F.linear, which has a backward)."""
+    torch.manual_seed(shape[1])
+    layer = kernels.Linear(shape[-1], 64 + shape[1], bias=bias)
+    x = torch.randn(shape)
+    want = x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
+    with torch.no_grad():
+        fast = layer(x)
+        monkeypatch.setattr(kernels, "ONEDNN", False)
+        plain = layer(x)
+    assert fast.shape == want.shape and rel(fast, want) < 1e-5 and rel(plain, want) < 1e-5
+    monkeypatch.setattr(kernels, "ONEDNN", True)
+    trained = layer(x)
+    trained.sum().backward()
+    assert rel(trained.detach(), want) < 1e-5 and layer.weight.grad is not None
+
+
 @needs_kernels
 @pytest.mark.parametrize("threads", [3, 8])
 def test_kernels_compute_each_output_once_whatever_the_threads(threads):
