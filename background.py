@@ -53,9 +53,9 @@ class Compiler:
         os.makedirs(os.path.join(folder, "jobs"), exist_ok=True)
         path = os.path.join(folder, "jobs", job["key"] + ".json")
         atomic_write(path, lambda p: open(p, "w").write(json.dumps({**job, **self.recipe})))
-        log = open(os.path.join(folder, "jobs", "worker.log"), "a")
-        subprocess.Popen([sys.executable, os.path.abspath(__file__), folder], stdin=subprocess.DEVNULL, stdout=log,
-                         stderr=log, start_new_session=True)  # (its own session: it outlives this process)
+        with open(os.path.join(folder, "jobs", "worker.log"), "a") as log:  # (the worker keeps its own handle)
+            subprocess.Popen([sys.executable, os.path.abspath(__file__), folder], stdin=subprocess.DEVNULL,
+                             stdout=log, stderr=log, start_new_session=True)  # (its own session: outlives this one)
         self.started.append(job["kind"])
         # the worker takes one core: this process leaves it (threads waiting at a barrier for a thread the worker
         # displaced cost 10x its decode speed on 2 cores, measured), until the steps are loaded (done())
@@ -63,7 +63,6 @@ class Compiler:
         if self.status:
             self.status(f"compiling the {' and '.join(self.started)} step{'s' * (len(self.started) > 1)} in the "
                         f"background (about {job['estimate']:.0f} s; answering eagerly meanwhile)")
-
 
     def done(self) -> None:
         """Every step is loaded: this process takes all its threads again."""
@@ -77,6 +76,7 @@ def work(folder: str) -> int:
         os.nice(10)
         torch.set_num_threads(1)  # one core; the program answering keeps the others (Compiler.threads)
         torch._inductor.config.compile_threads = 1
+        loaded: dict = {}  # the last model loaded, by its recipe: a program's decode and prefill jobs share one load
         while True:
             pending = sorted((f for f in os.listdir(jobs) if f.endswith(".json")),
                              key=lambda f: (ORDER.index(f.split("-", 1)[0]) if f.split("-", 1)[0] in ORDER else 9, f))
@@ -86,19 +86,23 @@ def work(folder: str) -> int:
             with open(path) as f:
                 job = json.load(f)
             try:
-                compile_job(job)
+                compile_job(job, loaded)
             finally:
                 os.unlink(path)
 
 
-def compile_job(job: dict) -> None:
+def compile_job(job: dict, loaded: dict) -> None:
     target = os.path.join(job["folder"], job["key"] + ".bin")
     if kernels.intact(target):
         return
     start = time.perf_counter()
-    model = load.from_pretrained(job["ckpt"], device=job["device"], dtype=getattr(torch, job["dtype"]),
-                                 quant=job["quant"])
-    generate.setup_cache(model, job["batch"], job["seq_len"])
+    recipe = tuple(job[k] for k in ("ckpt", "quant", "dtype", "device", "batch", "seq_len"))
+    if recipe not in loaded:
+        loaded.clear()  # (one model in memory at a time)
+        loaded[recipe] = load.from_pretrained(job["ckpt"], device=job["device"], dtype=getattr(torch, job["dtype"]),
+                                              quant=job["quant"])
+        generate.setup_cache(loaded[recipe], job["batch"], job["seq_len"])
+    model = loaded[recipe]
     steps = Steps(model, folder=job["folder"])
     if steps.key(job["kind"], **job["shape"]) != job["key"]:
         print(f"{job['key']}: the model loaded here differs from the program's; not compiled", flush=True)

@@ -187,9 +187,8 @@ def prompt_file(model, vocab: Vocabulary, args, mode: str, console) -> int:
     with Progress(TextColumn("prompts {task.completed}"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task("prompts", total=None, rate="")
-        rows, read = [], 0
+        rows = []
         for index, (number, text) in enumerate(read_prompts(args.prompt_file, console)):
-            read += 1
             ids = prompt_ids(vocab, text, mode, args.system)
             if not ids or len(ids) >= min(context, model.max_seq_len):
                 console.print(f"[yellow]{args.prompt_file}: line {number}: the prompt has {len(ids)} tokens; the "

@@ -653,11 +653,10 @@ class DenseDecoder(nn.Module):
                                         dtype or self.dtype, self.device)
         slots = torch.arange(max_seq_len + 1, device=self.device)
         self.register_buffer("kv_slots", slots, persistent=False)  # [S + 1]
-        for kind in ("global", "local"):  # [S + 1, R] float32 each
-            tables = rope_tables(self.config, slots.float(), max_seq_len, kind == "local") if kind == "global" or \
-                self.config.rope_local_theta is not None else (None, None)
-            self.register_buffer(f"rope_cos_{kind}", tables[0], persistent=False)
-            self.register_buffer(f"rope_sin_{kind}", tables[1], persistent=False)
+        for kind in self.rope_kinds():  # [S + 1, R] float32 each
+            cos, sin = rope_tables(self.config, slots.float(), max_seq_len, kind == "local")
+            self.register_buffer(f"rope_cos_{kind}", cos, persistent=False)
+            self.register_buffer(f"rope_sin_{kind}", sin, persistent=False)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
     def rope_kinds(self) -> tuple[str, ...]:
@@ -897,13 +896,15 @@ def sample(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, vocab_
     per row (inputs of a compiled step, so new values need no new graph; per row, temperature 0 is greedy, top_k 0
     and top_p 1 are off). Everything stays on the device (no host sync): argmax(p / q) with q ~ Exp(1) samples from
     p without torch.multinomial; noise [B, V] gives those draws (default: drawn here from torch's generator)."""
-    greedy = mask_vocab(logits, vocab_limit).argmax(dim=-1, keepdim=True)
     probs = probabilities(logits, temperature, top_k, top_p, vocab_limit)
     if probs is None:
-        return greedy
+        return mask_vocab(logits, vocab_limit).argmax(dim=-1, keepdim=True)
     noise = torch.empty_like(probs).exponential_(1) if noise is None else noise
     sampled = (probs / noise).argmax(dim=-1, keepdim=True)
-    return torch.where(temperature[:, None] == 0, greedy, sampled) if torch.is_tensor(temperature) else sampled
+    if not torch.is_tensor(temperature):
+        return sampled
+    greedy = mask_vocab(logits, vocab_limit).argmax(dim=-1, keepdim=True)  # the rows whose temperature is 0
+    return torch.where(temperature[:, None] == 0, greedy, sampled)
 
 
 def mask_vocab(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:

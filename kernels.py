@@ -64,7 +64,7 @@ def compiler() -> str | None:
     import shutil
 
     names = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
-    return next((shutil.which(n) for n in names if shutil.which(n)), None)
+    return next(filter(None, map(shutil.which, names)), None)
 
 
 def digest(path: str) -> str:

@@ -24,13 +24,15 @@ import kernels
 import quantized
 from dense import CheckpointError
 
+
 def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant: str | None = None,
                     shard: Callable | None = None) -> dense.DenseDecoder:
     """A checkpoint folder (or file) as a DenseDecoder. dtype=None: the checkpoint's declared torch_dtype, else
-    float32 (bfloat16 on a GPU, whatever the checkpoint declares: its tensor cores' type). quant=None loads what is stored (the full-precision weights, or the only quantized variant of a folder
-    that has no other); "int8" | "int4" | "nf4" | "llm.int8" loads that variant (saved by quantize.py, else quantized
-    tensor by tensor as it loads); "auto" picks what auto_mode says; "none" forces full precision. shard: tensor
-    parallel's hook (tp.py), (checkpoint, tensors, mode) -> one rank's config and tensor slices."""
+    float32 (bfloat16 on a GPU, whatever the checkpoint declares: its tensor cores' type). quant=None loads what is
+    stored (the full-precision weights, or the only quantized variant of a folder that has no other); "int8" | "int4"
+    | "nf4" | "llm.int8" loads that variant (saved by quantize.py, else quantized tensor by tensor as it loads);
+    "auto" picks what auto_mode says; "none" forces full precision. shard: tensor parallel's hook (tp.py),
+    (checkpoint, tensors, mode) -> one rank's config and tensor slices."""
     checkpoint = convert.read_checkpoint(path)
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else checkpoint.dtype or torch.float32)

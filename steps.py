@@ -275,7 +275,7 @@ def describe(args: tuple) -> list:
 
 
 def rebuild(described: list, model: dense.DenseDecoder) -> tuple:
-    """describe()'s arguments again, zeros in each tensor's shape (ones for sampling noise, which divides)."""
+    """describe()'s arguments again, ones in each tensor's shape (not zeros: sampling noise divides)."""
     out = []
     for d in described:
         if "model" in d:
