@@ -313,8 +313,9 @@ ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_li
 
 
 def pack_int8(weight: torch.Tensor, scales: torch.Tensor) -> dict:
-    if weight.device.type == "cuda":  # torch's int8 weight-only matmul (a CUDA kernel): the weight as is
-        return {"kernel_weight": weight, "kernel_scales": scales.to(torch.bfloat16)} if cuda_int8_mm() else {}
+    """{} where the layer's own dequantize-and-matmul serves (CUDA: see quantized.Int8Linear.forward)."""
+    if weight.device.type != "cpu":
+        return {}
     if weight.shape[1] % 64 == 0 and available():  # ours: unsigned bytes (int8 + 128), float32 scales
         return {"kernel_weight": (weight.to(torch.int16) + 128).to(torch.uint8), "kernel_scales": scales.float()}
     # PyTorch's int8 weight-only kernel wants bfloat16 scales, and crashes on weights that are not 64-byte aligned
@@ -322,23 +323,7 @@ def pack_int8(weight: torch.Tensor, scales: torch.Tensor) -> dict:
     return {"kernel_weight": weight.clone(), "kernel_scales": scales.to(torch.bfloat16)}
 
 
-@functools.cache
-def cuda_int8_mm() -> bool:
-    """Whether this torch has _weight_int8pack_mm for CUDA (else: dequantize-and-matmul, compiled)."""
-    try:
-        torch.ops.aten._weight_int8pack_mm(torch.ones(1, 64, dtype=torch.bfloat16, device="cuda"),
-                                           torch.ones(8, 64, dtype=torch.int8, device="cuda"),
-                                           torch.ones(8, dtype=torch.bfloat16, device="cuda"))
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
 def linear_int8(x: torch.Tensor, packed_weight: torch.Tensor, packed_scales: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1]
-    if x.device.type == "cuda" and rows > 16:  # a prefill: tensor cores on the weight in bfloat16
-        w = packed_weight.to(torch.bfloat16) * packed_scales[:, None]
-        return F.linear(x.to(torch.bfloat16), w).to(x.dtype)
     if packed_scales.dtype == torch.float32:
         if use_kernel(x):
             return torch.ops.dense_kernels.linear_int8(x, packed_weight, packed_scales)

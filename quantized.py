@@ -176,14 +176,19 @@ class Int8Linear(QuantLinear):
         return (self.weight.float() * self.scales.float()[:, None]).to(dtype)
 
     def finish_loading(self) -> None:
-        if self.weight.device.type in ("cpu", "cuda"):  # repacked for the kernel (kernels.py)
+        if self.weight.device.type == "cpu":  # repacked for the CPU kernel (kernels.py)
             self.register_kernel(kernels.pack_int8(self.weight, self.scales))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "kernel_weight"):
             return self.add_bias(kernels.linear_int8(x, self.kernel_weight, self.kernel_scales))
-        # elsewhere: dequantize-and-matmul (torch.compile may fuse the conversion into the matmul's weight loads)
-        return self.add_bias(F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype))
+        # Elsewhere (CUDA): gpt-fast's dequantize-and-matmul. Compiled with coordinate descent tuning, Inductor turns a
+        # one-row matmul into one reduction that converts each int8 weight as it loads it: the weight is read once,
+        # at int8's size. The scales stay float32 on purpose: with bfloat16 scales Inductor's weight-only-int8
+        # pattern routes the matmul to aten._weight_int8pack_mm, whose CUDA kernel loops over K in one thread per
+        # output (a fraction of the bandwidth). Rows > 1 (prefill) are a GEMM on the converted weight.
+        y = F.linear(x, self.weight.to(x.dtype)) * self.scales.float()
+        return self.add_bias(y.to(x.dtype))
 
 
 class Int4Linear(QuantLinear):

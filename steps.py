@@ -298,6 +298,11 @@ def dense_reason(e: BaseException) -> str:
 _steps: dict[int, Steps] = {}
 
 
+def forget(model: dense.DenseDecoder) -> None:
+    """Drop a model's Steps (and with them the last reference this module holds to the model and its graphs)."""
+    _steps.pop(id(model), None)
+
+
 def steps_for(model: dense.DenseDecoder) -> Steps:
     """The Steps of a model (one per model object, so compiled steps are shared by every generate call)."""
     steps = _steps.get(id(model))

@@ -1,18 +1,24 @@
-"""bench/gpu.py: the GPU plan, in stages that each fit one device call (bench/gpu.sh runs them). Installs nothing.
+"""bench/gpu.py: the GPU plan's stages (bench/gpu.sh runs them all in one device call). Installs nothing.
 
-    python bench/gpu.py check [--dry-run]     correctness on CUDA of every mode and path, against CPU float32
-    python bench/gpu.py time [--dry-run]      decode/prefill at batch 1, 1B- and 7B-class shapes, each quant mode
-    python bench/gpu.py table FILE            the JSON lines of `time` as BENCHMARKS.md rows
+    python bench/gpu.py time [--dry-run] [--budget S]   decode/prefill at batch 1: the 7B shape first (bf16, int4,
+                                                        int8, nf4), then one-row linears, then the 1B shape
+    python bench/gpu.py check [--dry-run]               correctness on CUDA against CPU float32, on a 4-layer model
+                                                        of SmolLM2-135M's widths: every quant mode eager, one
+                                                        compiled mode, two sampling kinds, lookup speculation, a
+                                                        ragged batch, llm.int8
+    python bench/gpu.py table FILE                      the JSON lines as BENCHMARKS.md rows
 
-Every result is one JSON line appended to OUT/gpu.json (--out, default /tmp/gpu-bench) as soon as it is known, so
-a stage cut short by its time limit keeps what it measured. --dry-run runs the same plan on the CPU with a tiny
-shape (the `tiny` benchmark shape), to find mistakes before a GPU's minutes are spent on them.
+Every result is one JSON line appended to OUT/gpu.json (--out, default $OUT or /tmp/gpu-bench) as soon as it is
+known, so a stage cut short by its time limit keeps what it measured. Each timed row builds its model, measures it,
+then frees it (its steps, Dynamo's caches, the CUDA allocator's cache) and reports its own peak memory. --dry-run
+runs the same plan on the CPU with the tiny shape, to find mistakes before a GPU's minutes are spent on them.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import sys
@@ -27,10 +33,11 @@ import benchmark  # noqa: E402
 import generate  # noqa: E402
 import quantized  # noqa: E402
 import speculative  # noqa: E402
-from steps import Steps  # noqa: E402
+import steps as steps_module  # noqa: E402
 
-MODES = ("none", "int8", "int4", "nf4")
-TOLERANCE = 3e-2  # bfloat16 against float32, relative to the largest logit
+MODES = ("none", "int4", "int8", "nf4")  # the order rows are timed in: the comparable gpt-fast rows first
+TOLERANCE = 3e-2  # bfloat16 against float32, relative to the largest logit (the CPU tests' tolerance)
+CHECK_SHAPE, CHECK_LAYERS = "smollm2-135m", 4  # its widths (GQA 9/3, head_dim 64), 4 layers: short compiles
 
 
 class Plan:
@@ -40,6 +47,7 @@ class Plan:
         os.makedirs(args.out, exist_ok=True)
         self.path = os.path.join(args.out, "gpu.json")
         self.failures = 0
+        self.started = time.perf_counter()
 
     def record(self, **row) -> None:
         row.setdefault("device", benchmark.device_name(self.device))
@@ -49,8 +57,8 @@ class Plan:
         if row.get("ok") is False:
             self.failures += 1
 
-    def guarded(self, name: str, fn) -> None:
-        """One check or timing; an exception is recorded as its result and the plan goes on."""
+    def guarded(self, name: str, fn) -> float:
+        """One check or timing; an exception is recorded as its result and the plan goes on. Returns its seconds."""
         start = time.perf_counter()
         try:
             fn()
@@ -58,9 +66,24 @@ class Plan:
             self.record(check=name, ok=False, error=f"{type(e).__name__}: {str(e)[:300]}",
                         where=traceback.format_exc().strip().splitlines()[-3][:200])
         finally:
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            print(f"# {name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+            free_device(self.device)
+        seconds = time.perf_counter() - start
+        print(f"# {name}: {seconds:.1f} s", file=sys.stderr, flush=True)
+        return seconds
+
+
+def free_device(device: torch.device) -> None:
+    """What a finished row leaves behind goes: compiled graphs (and their CUDA graph pools), then the memory."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def on_device(model, plan: Plan, dtype=None):
+    """A copy of a CPU model on the plan's device (Module.to works in place: the CPU model stays the reference)."""
+    return copy.deepcopy(model).to(plan.device, dtype or plan.dtype)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -73,8 +96,9 @@ def near_best(reference, rows, start: int) -> tuple[int, int]:
     TOLERANCE (relative to its largest logit) of its best token. A bfloat16 path may pick the other one of two
     near-equal tokens, and then the sequences go apart; every pick must still be one of the best."""
     good = total = 0
+    ref_device = next(reference.parameters()).device
     for row in rows:
-        row = row.cpu().reshape(-1)
+        row = row.reshape(-1).to(ref_device)
         with torch.no_grad():
             logits = reference(row[None, :-1])[0].float()  # [T - 1, V]: position p predicts row[p + 1]
         chosen = logits[start - 1:].gather(-1, row[start:, None])[:, 0]
@@ -84,126 +108,30 @@ def near_best(reference, rows, start: int) -> tuple[int, int]:
     return good, total
 
 
-def lazy_steps(model) -> Steps:
-    return Steps(model, saved=False)  # CUDA's path (the default there); on a dry run the same, on the CPU
-
-
 def quantize(model, mode: str):
     return model if mode == "none" else quantized.quantize_model(model, mode)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Stage a: correctness
+# Stage: timing
 
 
-def check(plan: Plan, shape: str) -> None:
-    dev, dtype = plan.device, plan.dtype
-    # weights that bfloat16 holds exactly: quantized from float32 or from bfloat16, the codes are the same
-    base = benchmark.random_model(shape, "cpu", torch.bfloat16).float()
-    V = base.config.vocab_size
-    ids = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(0))
-    for mode in MODES:
-        def one_mode(mode=mode):
-            cpu = quantize(copy.deepcopy(base), mode)
-            with torch.no_grad():
-                reference = cpu(ids)  # CPU float32, no cache
-            moved = copy.deepcopy(cpu).to(dev, dtype)  # quantized on the CPU, then moved: repacked for the device
-            direct = quantize(copy.deepcopy(base).to(dev, dtype), mode)  # quantized on the device
-            for how, model in (("moved", moved), ("direct", direct)):
-                with torch.no_grad():
-                    full = model(ids.to(dev))
-                plan.record(check=f"{mode} {how}: logits vs CPU float32", value=rel_err(full, reference),
-                            ok=rel_err(full, reference) < TOLERANCE)
-            model = direct
-            with torch.no_grad():  # the cache: a prefill of 30, then 10 single steps, against one pass without it
-                full = model(ids.to(dev))
-                generate.setup_cache(model, 2, 64)
-                parts = [model(ids[:, :30].to(dev), input_pos=torch.arange(30, device=dev))]
-                parts += [model(ids[:, p:p + 1].to(dev), input_pos=torch.tensor([p], device=dev)) for p in range(30, 40)]
-            err = rel_err(torch.cat(parts, 1), full)
-            plan.record(check=f"{mode}: cached vs no cache", value=err, ok=err < TOLERANCE)
-            prompt = ids[:, :20].to(dev)
-            for name, steps in (("eager", None), ("compiled", lazy_steps(model))):
-                good, total = near_best(cpu, generate.generate(model, prompt, 16, steps=steps), 20)
-                plan.record(check=f"{mode}: {name} greedy picks near CPU float32's best", value=f"{good}/{total}",
-                            ok=good == total)
-        plan.guarded(f"mode {mode}", one_mode)
-
-    model = base.to(dev, dtype)
-    steps = lazy_steps(model)
-
-    def sampling():
-        prompt = ids[:1, :20].to(dev)
-        seeded = lambda: (torch.Generator(dev).manual_seed(1),)  # noqa: E731
-        runs = {}
-        for name, use in (("eager", None), ("compiled", steps)):
-            generate.setup_cache(model, 1, 1024)
-            runner = generate.Runner(model, use)
-            out = []
-            for pos, setting in ((20, dict(temperature=0.8, top_k=50)), (300, dict(temperature=0.7)),
-                                 (700, dict(temperature=0.0)), (701, dict(temperature=1.0, top_p=0.9))):
-                token = runner.decode(prompt[:, -1:], pos, None, generate.Sampling(**setting, generators=seeded()))
-                out.append(int(token))
-            runs[name] = out
-        plan.record(check="sampling kinds x buckets: compiled vs eager tokens", value=runs,
-                    ok=runs["eager"] == runs["compiled"])
-    plan.guarded("sampling", sampling)
-
-    def speculation():
-        prompt = torch.tensor([[5, 6, 7, 8] * 6], device=dev)
-        for name, draft in (("lookup", speculative.LookupDraft()),
-                            ("int8 self-draft", speculative.ModelDraft(speculative.quantized_copy(model, "int8")))):
-            out = speculative.generate(model, prompt, 24, draft, steps=steps)
-            good, total = near_best(base, out, prompt.shape[1])
-            plan.record(check=f"speculative ({name}) greedy picks near CPU float32's best", value=f"{good}/{total}",
-                        ok=good == total)
-        out = speculative.generate(model, prompt, 24, speculative.LookupDraft(), temperature=1.0)  # one-hot q
-        plan.record(check="speculative sampling (lookup) runs on the device", value=out.shape[1] - prompt.shape[1],
-                    ok=out.shape[1] == prompt.shape[1] + 24)
-    plan.guarded("speculative", speculation)
-
-    def batch():
-        rows = [ids[0, :25].tolist(), ids[1, :9].tolist()]
-        together = generate.generate(model, rows, 12, steps=steps)
-        for (row, new), start in zip(zip(rows, together), (25, 9)):
-            good, total = near_best(base, [torch.cat([torch.tensor(row), new.cpu()])], start)
-            plan.record(check=f"ragged batch row of {start}: picks near CPU float32's best", value=f"{good}/{total}",
-                        ok=good == total)
-    plan.guarded("batch", batch)
-
-    def llm_int8():
-        try:
-            quantized.import_bitsandbytes()
-        except ImportError:
-            plan.record(check="llm.int8", ok=None, skipped="bitsandbytes is not installed here")
-            return
-        cpu = quantize(copy.deepcopy(base), "int8")
-        with torch.no_grad():
-            reference = cpu(ids)
-            model8 = quantize(copy.deepcopy(base).to(dev, torch.float16 if dev.type == "cuda" else torch.float32), "llm.int8")
-            err = rel_err(model8(ids.to(dev)), reference)
-        plan.record(check="llm.int8 logits vs CPU int8 float32", value=err, ok=err < 5e-2)
-    plan.guarded("llm.int8", llm_int8)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Stage b: timing
-
-
-def time_shapes(plan: Plan, shapes: list[str], runs: int, gen_len: int) -> None:
-    for shape in shapes:
-        for mode in MODES:
-            def one(shape=shape, mode=mode):
-                model = quantize(benchmark.random_model(shape, plan.device, plan.dtype), mode)  # on the device
-                result = benchmark.run_benchmark(model, batch=1, prompt_len=128, gen_len=gen_len, compile=True,
-                                                 runs=runs, peak_bw=None, quant=mode)
-                plan.record(stage="time", model=shape, **result)
-            plan.guarded(f"time {shape} {mode}", one)
+def time_row(plan: Plan, shape: str, mode: str, runs: int, gen_len: int) -> None:
+    free_device(plan.device)
+    model = quantize(benchmark.random_model(shape, plan.device, plan.dtype), mode)  # built and quantized there
+    try:
+        result = benchmark.run_benchmark(model, batch=1, prompt_len=128, gen_len=gen_len, compile=True, runs=runs,
+                                         peak_bw=None, quant=mode)
+        result["peak_mem_bytes"] = benchmark.peak_memory(plan.device)  # this row's: weights, cache, activations
+        plan.record(stage="time", model=shape, **result)
+    finally:
+        steps_module.forget(model)
+        del model
 
 
 def time_linears(plan: Plan, sizes: list[tuple[int, int]]) -> None:
-    """One-row linears (a decode step's matmuls) alone: bfloat16, int8 through _weight_int8pack_mm and as a compiled
-    dequantize-and-matmul, int4 through tinygemm; microseconds each, to choose the int8 path with numbers."""
+    """One-row linears (a decode step's matmuls) alone: bfloat16, the int8 layer (compiled dequantize-and-matmul),
+    aten._weight_int8pack_mm (the kernel it replaced), int4 through tinygemm; microseconds each."""
     dev = plan.device
     for n, k in sizes:
         def one(n=n, k=k):
@@ -214,22 +142,138 @@ def time_linears(plan: Plan, sizes: list[tuple[int, int]]) -> None:
                 for key, t in layer.stored(w, group_size=128).items():
                     layer._buffers[key] = t.to(dev)
                 layer.finish_loading()
-            dequant = torch.compile(lambda x: torch.nn.functional.linear(x, q8.weight.to(x.dtype)) *
-                                    q8.scales.to(x.dtype))
-            cases = {"bf16": lambda: torch.nn.functional.linear(x, w), "int8 (layer)": lambda: q8(x),
-                     "int8 compiled dequant": lambda: dequant(x), "int4 (layer)": lambda: q4(x)}
+            int8_layer = torch.compile(q8, dynamic=False)  # (dynamic=False: each size its own static graph)
+            scales16 = q8.scales.to(torch.bfloat16)
+            cases = {"bf16": lambda: torch.nn.functional.linear(x, w), "int8 (layer, compiled)": lambda: int8_layer(x),
+                     "int8 _weight_int8pack_mm": lambda: torch.ops.aten._weight_int8pack_mm(x, q8.weight, scales16),
+                     "int4 (layer)": lambda: q4(x)}
             row = {}
             for name, fn in cases.items():
-                for _ in range(3):
-                    fn()
-                benchmark.sync(dev)
-                start = time.perf_counter()
-                for _ in range(50):
-                    fn()
-                benchmark.sync(dev)
-                row[name] = round((time.perf_counter() - start) / 50 * 1e6, 1)
-            plan.record(stage="linear", n=n, k=k, us=row)
+                try:
+                    for _ in range(3):
+                        fn()
+                    benchmark.sync(dev)
+                    start = time.perf_counter()
+                    for _ in range(50):
+                        fn()
+                    benchmark.sync(dev)
+                    row[name] = round((time.perf_counter() - start) / 50 * 1e6, 1)
+                except (RuntimeError, NotImplementedError) as e:  # (an op this device lacks)
+                    row[name] = f"unavailable: {str(e).splitlines()[0][:80] if str(e) else type(e).__name__}"
+            err = rel_err(int8_layer(x), torch.nn.functional.linear(x.float(), q8.dequantize(torch.float32)))
+            plan.record(stage="linear", n=n, k=k, us=row, int8_rel_err=err, ok=err < TOLERANCE)
         plan.guarded(f"linear {n}x{k}", one)
+
+
+def time_stage(plan: Plan, shapes: list[str], runs: int, gen_len: int, sizes, budget: float) -> None:
+    """The rows in order while the budget lasts: a row starts only if the longest row so far still fits."""
+    longest = 0.0
+    rows = [(shape, mode) for mode in MODES for shape in shapes[:1]]
+    rows += [("linears", None)] + [(shape, mode) for shape in shapes[1:] for mode in MODES]
+    for shape, mode in rows:
+        left = budget - (time.perf_counter() - plan.started)
+        if left < longest:
+            plan.record(stage="skipped", model=shape, quant=mode, why=f"{left:.0f} s of the budget left, a row took "
+                                                                      f"up to {longest:.0f} s")
+            continue
+        if shape == "linears":
+            spent = time.perf_counter()
+            time_linears(plan, sizes)
+            longest = max(longest, (time.perf_counter() - spent) / 2)
+            continue
+        longest = max(longest, plan.guarded(f"time {shape} {mode}",
+                                            lambda s=shape, m=mode: time_row(plan, s, m, runs, gen_len)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage: correctness
+
+
+def check(plan: Plan, shape: str, layers: int | None) -> torch.nn.Module:
+    """Returns the CPU float32 reference model, which every check leaves as it was (on the CPU, in float32)."""
+    dev = plan.device
+    # weights that bfloat16 holds exactly: quantized from float32 or from bfloat16, the codes are the same
+    base = benchmark.random_model(shape, "cpu", torch.bfloat16, layers).float()
+    V = base.config.vocab_size
+    ids = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(0))
+
+    for mode in MODES:  # eager: logits of a model moved and of one quantized on the device; the cache
+        def one_mode(mode=mode):
+            cpu = quantize(copy.deepcopy(base), mode)
+            with torch.no_grad():
+                reference = cpu(ids)  # CPU float32, no cache
+            moved = on_device(cpu, plan)  # quantized on the CPU, then moved: repacked for the device
+            direct = quantize(on_device(base, plan), mode)  # quantized on the device
+            for how, model in (("moved", moved), ("direct", direct)):
+                with torch.no_grad():
+                    err = rel_err(model(ids.to(dev)), reference)
+                plan.record(check=f"{mode} {how}: logits vs CPU float32", value=err, ok=err < TOLERANCE)
+            model = direct
+            with torch.no_grad():  # the cache: a prefill of 30, then 10 single steps, against one pass without it
+                full = model(ids.to(dev))
+                generate.setup_cache(model, 2, 64)
+                parts = [model(ids[:, :30].to(dev), input_pos=torch.arange(30, device=dev))]
+                parts += [model(ids[:, p:p + 1].to(dev), input_pos=torch.tensor([p], device=dev)) for p in range(30, 40)]
+            err = rel_err(torch.cat(parts, 1), full)
+            plan.record(check=f"{mode}: cached vs no cache", value=err, ok=err < TOLERANCE)
+        plan.guarded(f"mode {mode}", one_mode)
+
+    def compiled():  # one compiled mode (int8: the fused dequantize-and-matmul) and the paths built on its steps
+        model = quantize(on_device(base, plan), "int8")
+        generate.setup_cache(model, 2, 256)
+        steps = steps_module.Steps(model, saved=False)  # CUDA's path: compiled in this process
+        cpu8 = quantize(copy.deepcopy(base), "int8")
+        for name, use in (("eager", None), ("compiled", steps)):
+            good, total = near_best(cpu8, generate.generate(model, ids[:, :20].to(dev), 16, steps=use), 20)
+            plan.record(check=f"int8: {name} greedy picks near CPU's best", value=f"{good}/{total}", ok=good == total)
+        prompt = torch.tensor([[5, 6, 7, 8] * 6], device=dev)
+        out = speculative.generate(model, prompt, 24, speculative.LookupDraft(), steps=steps)
+        good, total = near_best(cpu8, out, prompt.shape[1])
+        plan.record(check="int8: speculative (lookup) greedy picks near CPU's best", value=f"{good}/{total}",
+                    ok=good == total)
+        rows = [ids[0, :25].tolist(), ids[1, :9].tolist()]
+        for (row, new), start in zip(zip(rows, generate.generate(model, rows, 12, steps=steps)), (25, 9)):
+            good, total = near_best(cpu8, [torch.cat([torch.tensor(row), new.cpu()])], start)
+            plan.record(check=f"int8: ragged batch row of {start}: picks near CPU's best", value=f"{good}/{total}",
+                        ok=good == total)
+        steps_module.forget(model)
+    plan.guarded("compiled int8", compiled)
+
+    def sampling():
+        """Two sampling kinds, compiled against eager with the same noise. In float32: bfloat16's different
+        reductions would flip near-ties, and this checks the sampling inputs, not the rounding."""
+        model = on_device(base, plan, torch.float32)
+        prompt = ids[:1, :20].to(dev)
+        steps = steps_module.Steps(model, saved=False)
+        runs = {}
+        for name, use in (("eager", None), ("compiled", steps)):
+            generate.setup_cache(model, 1, 256)
+            runner = generate.Runner(model, use)
+            out = []
+            for pos, setting in ((20, dict(temperature=0.0)), (21, dict(temperature=0.8, top_k=50)),
+                                 (22, dict(temperature=0.0)), (23, dict(temperature=1.0, top_k=50))):
+                sampling = generate.Sampling(**setting, generators=(torch.Generator(dev).manual_seed(pos),))
+                out.append(int(runner.decode(prompt[:, -1:], pos, None, sampling)))
+            runs[name] = out
+        plan.record(check="float32 greedy and top-k sampling: compiled vs eager tokens", value=runs,
+                    ok=runs["eager"] == runs["compiled"])
+        steps_module.forget(model)
+    plan.guarded("sampling", sampling)
+
+    def llm_int8():
+        try:
+            quantized.import_bitsandbytes()
+        except ImportError:
+            plan.record(check="llm.int8", ok=None, skipped="bitsandbytes is not installed here")
+            return
+        cpu = quantize(copy.deepcopy(base), "int8")
+        with torch.no_grad():
+            reference = cpu(ids)
+            model8 = quantize(on_device(base, plan, torch.float16 if dev.type == "cuda" else torch.float32), "llm.int8")
+            err = rel_err(model8(ids.to(dev)), reference)
+        plan.record(check="llm.int8 logits vs CPU int8 float32", value=err, ok=err < 5e-2)
+    plan.guarded("llm.int8", llm_int8)
+    return base
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -249,8 +293,13 @@ def table(path: str) -> None:
     for r in rows:
         if r.get("stage") == "linear":
             print(f"linear {r['n']}x{r['k']} (1 row), us: {r['us']}")
+        elif r.get("stage") == "skipped":
+            print(f"skipped {r['model']} {r['quant'] or ''}: {r['why']}")
         elif "check" in r and r.get("ok") is not True:
             print(f"check {r['check']}: {r.get('ok')} {r.get('value', '')} {r.get('error', r.get('skipped', ''))}")
+    checks = [r for r in rows if "check" in r]
+    print(f"checks: {sum(r.get('ok') is True for r in checks)} passed, {sum(r.get('ok') is False for r in checks)} "
+          f"failed")
 
 
 def main(argv=None) -> int:
@@ -259,7 +308,9 @@ def main(argv=None) -> int:
     p.add_argument("file", nargs="?", help="table: the gpu.json to print")
     p.add_argument("--dry-run", action="store_true", help="the whole plan on the CPU with a tiny shape")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu-bench"))
-    p.add_argument("--shapes", default="llama-3.2-1b,llama-2-7b", help="time: the shapes, comma-separated")
+    p.add_argument("--shapes", default="llama-2-7b,llama-3.2-1b", help="time: the shapes, comma-separated; the "
+                                                                       "first is timed first in every mode")
+    p.add_argument("--budget", type=float, default=270, help="time: seconds; no row starts that would not fit")
     args = p.parse_args(argv)
     if args.stage == "table":
         table(args.file or os.path.join(args.out, "gpu.json"))
@@ -269,11 +320,12 @@ def main(argv=None) -> int:
         return 2
     plan = Plan(args)
     if args.stage == "check":
-        check(plan, "tiny" if args.dry_run else "smollm2-135m")
+        check(plan, "tiny", None) if args.dry_run else check(plan, CHECK_SHAPE, CHECK_LAYERS)
+    elif args.dry_run:
+        time_stage(plan, ["tiny", "tiny"], runs=1, gen_len=8, sizes=[(64, 256)], budget=args.budget)
     else:
-        time_shapes(plan, ["tiny"] if args.dry_run else args.shapes.split(","), runs=1 if args.dry_run else 3,
-                    gen_len=8 if args.dry_run else 128)
-        time_linears(plan, [(64, 256)] if args.dry_run else [(4096, 4096), (11008, 4096), (4096, 11008)])
+        time_stage(plan, args.shapes.split(","), runs=2, gen_len=128,
+                   sizes=[(4096, 4096), (11008, 4096), (4096, 11008)], budget=args.budget)
     print(f"{plan.failures} failed", file=sys.stderr)
     return 1 if plan.failures else 0
 
