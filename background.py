@@ -23,7 +23,7 @@ import time
 import torch
 
 import generate
-import kernels
+import machine
 import load
 from checkpoint import atomic_write, locked
 from steps import Steps, rebuild
@@ -93,7 +93,7 @@ def work(folder: str) -> int:
 
 def compile_job(job: dict, loaded: dict) -> None:
     target = os.path.join(job["folder"], job["key"] + ".bin")
-    if kernels.intact(target):
+    if machine.intact(target):
         return
     start = time.perf_counter()
     recipe = tuple(job[k] for k in ("ckpt", "quant", "dtype", "device", "batch", "seq_len"))

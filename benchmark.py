@@ -30,6 +30,7 @@ import quantized
 import session
 import speculative
 import tp
+import checkpoint
 from checkpoint import atomic_write
 
 IMPORTED = time.perf_counter()
@@ -47,7 +48,7 @@ SHAPES = {
                        num_attention_heads=32, head_dim=128, max_position_embeddings=4096, norm_eps=1e-5),
     "tiny": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, head_dim=32, max_position_embeddings=2048),  # (dry runs: bench/gpu.py)
-    "shellelastic": {},  # DenseConfig's defaults: the ShellElastic default model
+    "shellelastic": checkpoint.NATIVE_DEFAULTS,  # the native format's defaults: the ShellElastic model
     "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
                          rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
@@ -83,10 +84,8 @@ def shape_config(name: str) -> dense.DenseConfig:
                    qkv_multipliers=(0.5, 1.0), ffn_dim_divisor=256)
         heads, kv, ffn = families.openelm_widths(raw, name)
         return dense.DenseConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=28, num_attention_heads=heads,
-                                 num_key_value_heads=kv, head_dim=64, intermediate_size=ffn, rope_precision="float32",
-                                 norm_eps=1e-6, qk_norm="shared", attn_output_gate=False, tie_word_embeddings=True)
-    if spec:
-        spec = {"rope_precision": "float32", "qk_norm": "none", "attn_output_gate": False, **spec}
+                                 num_key_value_heads=kv, head_dim=64, intermediate_size=ffn, norm_eps=1e-6,
+                                 qk_norm="shared", tie_word_embeddings=True)
     return dense.DenseConfig(**spec)
 
 

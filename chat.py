@@ -22,7 +22,7 @@ import torch
 import benchmark
 import generate
 import tp
-from dense import CheckpointError
+from checkpoint import CheckpointError
 from repl import interactive
 from session import (SETTINGS, Session, UsageError, Vocabulary, add_model_flags, check_environment, ctrl_c_as_key,
                      default_checkpoint, fitting_cache, load_model, load_vocabulary, make_draft, parse_flags,

@@ -1,6 +1,7 @@
 """checkpoint.py: what loading needs from any checkpoint (the Checkpoint record), and the safe file operations every
-reader and writer shares: JSON, memory-mapped safetensors, weights-only pickles, atomic writes, a lock file.
-Stands on dense.py (CheckpointError, DenseConfig).
+reader and writer shares: JSON, memory-mapped safetensors, weights-only pickles, atomic writes, a lock file; and the
+checking of a config read from a file (make_config, config_from_dict: every error one line naming the file).
+Stands on dense.py (DenseConfig) and machine.py.
 
 A Checkpoint is a config plus {native tensor name: thunk}: a thunk reads, slices or merges tensors only when called,
 so loading builds the model one tensor at a time and never holds a second copy of the weights.
@@ -12,12 +13,18 @@ import json
 import os
 import pickle
 import tempfile
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
 
-from dense import CheckpointError, DenseConfig
+from dense import DenseConfig
+from machine import first_line
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or config that cannot be used; the message is one line naming the file and what is wrong."""
 
 
 @dataclass
@@ -79,10 +86,6 @@ def open_safetensors(path: str) -> dict[str, Callable[[], torch.Tensor]]:
     return {name: reader(name) for name in names}
 
 
-def first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
 def load_pickle(path: str) -> dict:
     """torch.load with weights_only=True: tensors and plain containers only; a pickle that would run code is refused."""
     try:
@@ -99,7 +102,7 @@ def load_pickle(path: str) -> dict:
         raise CheckpointError(f"{path}: refused to unpickle: it holds something other than tensors and plain "
                               f"containers (weights_only=True; {detail})") from None
     except Exception as e:
-        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({first_line(e)})") from None
 
 
 def eager(tensors: dict[str, torch.Tensor]) -> dict:
@@ -140,3 +143,131 @@ class locked:
 
     def __exit__(self, *exc) -> None:
         self.handle.close()  # closing releases the lock
+
+
+def torch_dtype(name) -> torch.dtype | None:
+    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    return table.get(str(name).removeprefix("torch.")) if name else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configs read from files: checked before anything is built
+
+# The rotary scalings (rope_scaling["rope_type"]) and the keys each reads, the required ones first (a count); a key
+# not listed here is refused, so a scaling is never half applied. What each computes: dense.rope_frequencies.
+ROPE_SCALINGS = {
+    "linear": (1, ("factor",)),
+    "dynamic": (1, ("factor",)),
+    "llama3": (4, ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")),
+    "yarn": (2, ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                 "attention_factor", "truncate")),
+    "longrope": (3, ("short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor")),
+    "factors": (1, ("factors",)),
+}
+# The native format is the ShellElastic release's (seed 000, the model this project began with): its config.json
+# leaves out what its own defaults say, and those differ from DenseConfig's Llama defaults.
+NATIVE_DEFAULTS = dict(vocab_size=50432, hidden_size=384, intermediate_size=1536, num_hidden_layers=32,
+                       num_attention_heads=6, head_dim=64, max_position_embeddings=2048, rope_precision="bfloat16",
+                       qk_norm="per_channel", attn_output_gate=True)
+# Keys of a native config.json that describe the release, not the model; all other unknown keys are errors.
+RELEASE_KEYS = ("method", "tier", "paper_table", "architectures", "model_type", "torch_dtype", "transformers_version",
+                "_name_or_path", "bos_token_id", "eos_token_id", "pad_token_id", "quantization", "source_format",
+                "source_tensor_types")
+ALIASES = {"rms_norm_eps": "norm_eps"}  # the ShellElastic release's name for the eps
+MAX_SIZE = 1 << 24  # no width, count or context of a real model comes near this; a bigger one is a broken config
+
+
+def config_from_dict(values: dict, source: str = "config") -> DenseConfig:
+    """A native config.json's values (absent keys: the native format's defaults) as a checked DenseConfig."""
+    known = {f.name for f in fields(DenseConfig)}
+    kwargs = dict(NATIVE_DEFAULTS)
+    for key, value in values.items():
+        key = ALIASES.get(key, key)
+        if key in known:
+            kwargs[key] = value
+        elif key not in RELEASE_KEYS:
+            raise CheckpointError(f"{source}: unknown config key {key!r}")
+    return make_config(source, **kwargs)
+
+
+def make_config(source: str = "config", **values) -> DenseConfig:
+    """A DenseConfig from values read from a file, checked: an error names the file."""
+    try:
+        config = DenseConfig(**values)
+    except TypeError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+    check_config(config, source)
+    return config
+
+
+def check_config(config: DenseConfig, source: str = "config") -> None:
+    """Refuse a config the model cannot be built from, or would build wrongly, in one line."""
+    def bad(msg: str):
+        raise CheckpointError(f"{source}: {msg}")
+
+    choices = {"rope_precision": ("bfloat16", "float32"), "rope_layout": ("half", "interleaved"),
+               "norm": ("rmsnorm", "layernorm"), "qk_norm": ("none", "per_channel", "shared", "whole"),
+               "mlp": ("swiglu", "geglu", "gelu")}
+    for name, allowed in choices.items():
+        if getattr(config, name) not in allowed:
+            bad(f"{name} must be one of {', '.join(allowed)}, got {getattr(config, name)!r}")
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "head_dim", "max_position_embeddings"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_SIZE:
+            bad(f"{name} must be an integer in 1..{MAX_SIZE}, got {value!r}")
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values if v is not None):
+            bad(f"{name} must be an integer or a list of integers, got {value!r}")
+        if isinstance(value, (list, tuple)) and len(value) != config.num_hidden_layers:
+            bad(f"{name} has {len(value)} entries, expected num_hidden_layers={config.num_hidden_layers}")
+    positive = ("norm_eps", "rope_theta", "rope_local_theta", "attn_scale", "attn_softcap", "residual_scale",
+                "embed_scale", "logits_divisor", "final_softcap")
+    for name in positive:
+        value = getattr(config, name)
+        if value is None and name not in ("norm_eps", "rope_theta", "residual_scale", "logits_divisor"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            bad(f"{name} must be a positive number, got {value!r}")
+    for layer in range(config.num_hidden_layers):
+        heads, kv, width = config.heads(layer), config.kv_heads(layer), config.ffn_width(layer)
+        if not (0 < heads <= MAX_SIZE and 0 < kv <= MAX_SIZE and 0 < width <= MAX_SIZE):
+            bad(f"layer {layer}: heads ({heads}), key/value heads ({kv}) and FFN width ({width}) must be in "
+                f"1..{MAX_SIZE}")
+        if heads % kv:
+            bad(f"layer {layer}: {heads} query heads do not divide into {kv} key/value heads")
+    if not isinstance(config.rope_dim, int) or not 0 < config.rope_dim <= config.head_dim or config.rope_dim % 2:
+        bad(f"rotary dimension {config.rope_dim} must be even and in 1..head_dim={config.head_dim}")
+    if config.sliding_window is not None and (not isinstance(config.sliding_window, int) or config.sliding_window < 1):
+        bad(f"sliding_window must be a whole number >= 1, got {config.sliding_window!r}")
+    if config.layer_types is not None:
+        if len(config.layer_types) != config.num_hidden_layers or not set(config.layer_types) <= {
+                "full_attention", "sliding_attention"}:
+            bad(f"layer_types must list {config.num_hidden_layers} of 'full_attention' / 'sliding_attention'")
+        if "sliding_attention" in config.layer_types and config.sliding_window is None:
+            bad("layer_types has sliding_attention layers but no sliding_window is set")
+    if config.nope_layers is not None and not all(isinstance(i, int) and 0 <= i < config.num_hidden_layers
+                                                  for i in config.nope_layers):
+        bad(f"nope_layers must list layer indices in 0..{config.num_hidden_layers - 1}")
+    if config.parallel_residual and (config.post_norms or not config.pre_norms):
+        bad("parallel_residual has no post-norm form")
+    if config.qkv_bias and config.attn_output_gate:
+        bad("qkv_bias with attn_output_gate is not a known layout")
+    if config.rope_scaling is not None:
+        kind = config.rope_scaling.get("rope_type") if isinstance(config.rope_scaling, dict) else None
+        if kind not in ROPE_SCALINGS:
+            bad(f"rope_scaling type {kind!r} is not implemented (implemented: {', '.join(ROPE_SCALINGS)})")
+        required, known = ROPE_SCALINGS[kind]
+        extra = sorted(set(config.rope_scaling) - {"rope_type", *known})
+        if extra:
+            bad(f"rope_scaling {kind!r}: key {extra[0]!r} is not implemented")
+        missing = [key for key in known[:required] if config.rope_scaling.get(key) is None]
+        if missing:
+            bad(f"rope_scaling {kind!r} needs {missing[0]!r}")
+        for key in [k for k in ("short_factor", "long_factor", "factors") if k in config.rope_scaling]:
+            if len(config.rope_scaling[key]) != config.rope_dim // 2:
+                bad(f"rope_scaling {key} has {len(config.rope_scaling[key])} entries, expected rotary dimension / 2"
+                    f" = {config.rope_dim // 2}")
+        if config.rope_precision != "float32":
+            bad("rope_scaling needs rope_precision 'float32'")

@@ -23,8 +23,9 @@ import torch
 import families
 import gguf_import
 import quantized
-from checkpoint import Checkpoint, CheckpointError, atomic_write, locked, open_safetensors, read_json
-from dense import DenseConfig, torch_dtype
+from checkpoint import (Checkpoint, CheckpointError, atomic_write, config_from_dict, locked, open_safetensors, read_json,
+                        torch_dtype)
+from dense import DenseConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
@@ -38,7 +39,7 @@ def read_checkpoint(path) -> Checkpoint:
     if os.path.isdir(path) and os.path.isfile(config_file):
         raw = read_json(config_file)
         if raw.get("model_type", "dense") == "dense" and "dim" not in raw:  # native (seed 000 release) format
-            config = DenseConfig.from_dict(raw, source=config_file)
+            config = config_from_dict(raw, config_file)
             weights = os.path.join(path, "model.safetensors")
             if not os.path.isfile(weights) and not raw.get("quantization"):
                 raise CheckpointError(f"{path}: no model.safetensors beside config.json")

@@ -1,137 +1,103 @@
 """dense.py: one config-driven dense decoder-only transformer, with a static KV cache for fast decoding.
 
-Read it top to bottom:
-  1. DenseConfig: every architectural switch the supported families need (defaults = the ShellElastic model).
-  2. The layers: norms, rotary embeddings, the static KV cache, attention, MLP, the decoder block.
-  3. DenseDecoder: the model, its cache, and filling it from a table of checkpoint tensors.
-  4. Sampling: logits -> next token, on the device, without a host sync.
+Read it top to bottom: the config -> rotary embeddings -> attention and its cache -> the MLP -> the decoder layer ->
+the model (and the one place where a step's masks and rotary rows are decided) -> sampling.
 
 How generation uses it (generate.py): a prefill writes the prompt's keys and values into the cache, then each decode
 step feeds one token at a fixed shape. A step attends over a fixed number of cache slots (`attend`), so
 torch.compile turns it into one graph per slot count, replayed for every token.
 
 Shapes: B batch, T tokens in this call, S cache length, A slots attended, H query heads, K key/value heads,
-D head_dim, C hidden size, R rotary channels. This file imports nothing of the project but torch: foreign checkpoint
-layouts are mapped to its tensor names in families.py and gguf_import.py, quantized linears live in quantized.py, and
-load.py puts a checkpoint into a model (load.from_pretrained); generate.py runs it.
+D head_dim, C hidden size, R rotary channels, V vocabulary. This file imports nothing of the project but torch:
+checkpoints are read, checked and mapped to these tensor names in checkpoint.py, families.py and gguf_import.py,
+loaded by load.py; quantized linears live in quantized.py; tensor parallel (tp.py) hooks into a built model.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
-from typing import Callable
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DenseConfig", "DenseDecoder", "CheckpointError", "sample"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint or config that cannot be used; the message is one line naming the file and what is wrong."""
+__all__ = ["DenseConfig", "DenseDecoder", "sample"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 1. Config
-
-# The rotary scalings (rope_scaling["rope_type"]) and the keys each reads, the required ones first (a count); a key
-# not listed here is refused, so a scaling is never half applied. What each computes: rope_frequencies below.
-ROPE_SCALINGS = {
-    "linear": (1, ("factor",)),
-    "dynamic": (1, ("factor",)),
-    "llama3": (4, ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")),
-    "yarn": (2, ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-                 "attention_factor", "truncate")),
-    "longrope": (3, ("short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor")),
-    "factors": (1, ("factors",)),
-}
+# 1. Config. The defaults are a plain Llama-2-7B; each switch names the families that turn it.
 
 
 @dataclass
 class DenseConfig:
-    vocab_size: int = 50432
-    hidden_size: int = 384
-    intermediate_size: int | list[int] = 1536  # FFN width; a list gives one width per layer (OpenELM)
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int | list[int] = 11008  # FFN width; a list gives one width per layer (OpenELM)
     num_hidden_layers: int = 32
-    num_attention_heads: int | list[int] = 6  # a list gives one count per layer (OpenELM)
-    num_key_value_heads: int | list[int] | None = None  # GQA; None = as many as query heads
-    head_dim: int = 64  # independent of hidden_size / heads
-    max_position_embeddings: int = 2048
+    num_attention_heads: int | list[int] = 32  # a list gives one count per layer (OpenELM)
+    num_key_value_heads: int | list[int] | None = None  # grouped-query attention; None: as many as query heads
+    head_dim: int = 128  # independent of hidden_size / heads (Gemma, Qwen3)
+    max_position_embeddings: int = 4096
     # rotary position embeddings
     rope_theta: float = 10000.0
-    rope_precision: str = "bfloat16"  # "bfloat16": every step of the tables rounded (seed 000); "float32"
-    rope_layout: str = "half"  # "half": rotate-half pairs (i, i + D/2); "interleaved": pairs (2i, 2i + 1)
-    rotary_dim: int | None = None  # rotate only the first rotary_dim channels of each head; None = all
-    rope_scaling: dict | None = None  # {"rope_type": one of ROPE_SCALINGS, its keys}: longer contexts (Llama 3, Phi-3)
+    rope_precision: str = "float32"  # "bfloat16": every step of the tables rounded (the native ShellElastic model)
+    rope_layout: str = "half"  # "half": rotate pairs (i, i + D/2) | "interleaved": pairs (2i, 2i + 1) (GermanGPT)
+    rotary_dim: int | None = None  # rotate only the first rotary_dim channels of each head (GPT-NeoX, Phi-3)
+    rope_scaling: dict | None = None  # {"rope_type": ..., its keys}: longer contexts (Llama 3, Phi-3, yarn)
     rope_local_theta: float | None = None  # sliding-window layers rotate with this base, unscaled (Gemma 3)
-    nope_layers: list[int] | None = None  # layers whose attention has no rotary embedding at all (SmolLM3)
+    nope_layers: list[int] | None = None  # layers with no rotary embedding at all (SmolLM3)
     # attention
-    attn_scale: float | None = None  # scores = q.k * attn_scale; None = 1/sqrt(head_dim)
+    attn_scale: float | None = None  # scores = q.k * attn_scale; None: 1/sqrt(head_dim) (Gemma 2/3, Granite)
     attn_softcap: float | None = None  # scores = cap * tanh(scores / cap) before the softmax (Gemma 2)
-    sliding_window: int | None = None  # a token sees itself and the sliding_window - 1 tokens before it
-    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"; None: all sliding if a
-    #                                       window is set (Mistral), else all full
+    sliding_window: int | None = None  # a token sees itself and the window - 1 tokens before it (Mistral, Gemma 2/3)
+    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"; None: every layer
+    #                                       slides if a window is set (Mistral)
     qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2, StableLM)
+    qk_norm: str = "none"  # "per_channel": per head, a gain per (head, channel) (ShellElastic, StableLM) |
+    #                        "shared": per head, one [D] gain (OpenELM, Qwen3, Gemma 3) | "whole": over all heads (OLMo 2)
+    attn_output_gate: bool = False  # attention output *= sigmoid(x W_gate^T), x the attention input (ShellElastic)
     # the block
-    norm: str = "rmsnorm"  # "rmsnorm" | "layernorm" (with bias)
+    norm: str = "rmsnorm"  # "layernorm" (with bias: GPT-NeoX, StableLM)
     norm_eps: float = 1e-5
-    norm_gain_in_float32: bool = False  # RMSNorm: gain applied in float32, then cast (torch.nn.RMSNorm, Sprout);
-    #                                     False: cast to the compute dtype first, then the gain (seed 000, Llama)
-    norm_unit_offset: bool = False  # RMSNorm gain is 1 + weight (Gemma: weights stored as offsets from 1)
-    qk_norm: str = "per_channel"  # "none" | "per_channel": a norm per head, one gain per channel | "shared": per
-    #                               head, one [D] gain for all heads | "whole": over all heads' channels (OLMo 2)
-    attn_output_gate: bool = True  # attention output *= sigmoid(x W_gate^T), x the attention input
-    mlp: str = "swiglu"  # "swiglu": down(silu(gate(x)) * up(x)) | "geglu": the same with tanh-approximated gelu
-    #                      (Gemma) | "gelu": down(gelu(up(x))), exact gelu
-    bias: bool = False  # biases on every linear of the blocks (not on lm_head)
-    parallel_residual: bool = False  # x + attn(n1(x)) + mlp(n2(x)) instead of two sequential residuals
-    pre_norms: bool = True  # norm the input of attention and MLP (every family but OLMo 2)
-    post_norms: bool = False  # norm the output of attention and MLP before the residual add (Gemma 2/3, OLMo 2)
+    norm_gain_in_float32: bool = False  # RMSNorm's gain applied in float32, then cast (Sprout, OLMo 2); False: cast
+    #                                     to the compute dtype first, then the gain (Llama)
+    norm_unit_offset: bool = False  # RMSNorm's gain is 1 + weight (Gemma stores offsets from 1)
+    mlp: str = "swiglu"  # down(silu(gate(x)) * up(x)) | "geglu": tanh-GELU instead of silu (Gemma) |
+    #                      "gelu": down(gelu(up(x))), exact GELU (GPT-NeoX)
+    bias: bool = False  # biases on every linear of the blocks (GPT-NeoX)
+    parallel_residual: bool = False  # x + attn(n1(x)) + mlp(n2(x)) (GPT-NeoX, StableLM 2)
+    pre_norms: bool = True  # norm each branch's input (every family but OLMo 2)
+    post_norms: bool = False  # norm each branch's output before the residual add (Gemma 2/3, OLMo 2)
     residual_scale: float = 1.0  # each branch's output times this before the residual add (Granite)
     # embeddings and head
     tie_word_embeddings: bool = False
-    embed_scale: float | None = None  # embeddings times this, rounded to the model's dtype (Gemma: sqrt(hidden))
-    logits_divisor: float = 1.0  # logits / this (Granite's logits_scaling)
+    embed_scale: float | None = None  # embeddings times this, rounded to the model's dtype (Gemma: sqrt(C), Granite)
+    logits_divisor: float = 1.0  # logits / this (Granite)
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2)
 
-    # Keys of a release's config.json that describe the release, not the model; all other unknown keys are errors.
-    RELEASE_KEYS = ("method", "tier", "paper_table", "architectures", "model_type", "torch_dtype",
-                    "transformers_version", "_name_or_path", "bos_token_id", "eos_token_id", "pad_token_id",
-                    "quantization", "source_format", "source_tensor_types")
-    ALIASES = {"rms_norm_eps": "norm_eps"}  # seed 000's name for the eps
-    MAX_SIZE = 1 << 24  # no width, count or context of a real model comes near this; a bigger one is a broken config
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def _per_layer(self, value, name: str) -> list[int]:
-        if isinstance(value, (list, tuple)):
-            if len(value) != self.num_hidden_layers:
-                raise CheckpointError(f"config: {name} has {len(value)} entries, expected num_hidden_layers="
-                                      f"{self.num_hidden_layers}")
-            return [int(v) for v in value]
-        return [int(value)] * self.num_hidden_layers
+    def per_layer(self, value) -> list[int]:
+        return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)] * self.num_hidden_layers
 
     def heads(self, layer: int) -> int:
-        return self._per_layer(self.num_attention_heads, "num_attention_heads")[layer]
+        return self.per_layer(self.num_attention_heads)[layer]
 
     def kv_heads(self, layer: int) -> int:
         kv = self.num_key_value_heads if self.num_key_value_heads is not None else self.num_attention_heads
-        return self._per_layer(kv, "num_key_value_heads")[layer]
+        return self.per_layer(kv)[layer]
 
     def ffn_width(self, layer: int) -> int:
-        return self._per_layer(self.intermediate_size, "intermediate_size")[layer]
+        return self.per_layer(self.intermediate_size)[layer]
 
     def window(self, layer: int) -> int | None:
         """The sliding window of a layer's attention, or None (it sees every earlier token)."""
-        if self.sliding_window is None:
-            return None
         sliding = self.layer_types is None or self.layer_types[layer] == "sliding_attention"
         return self.sliding_window if sliding else None
 
-    def rope_of(self, layer: int) -> str | None:
+    def attention_kind(self, layer: int) -> str:
+        return "full" if self.window(layer) is None else "sliding"
+
+    def rope_kind(self, layer: int) -> str | None:
         """Which rotary tables a layer uses: "global", "local" (sliding layers with their own base), or None."""
         if self.nope_layers and layer in self.nope_layers:
             return None
@@ -140,74 +106,6 @@ class DenseConfig:
     @property
     def rope_dim(self) -> int:
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
-
-    def validate(self) -> None:
-        def bad(msg: str):
-            raise CheckpointError(f"config: {msg}")
-
-        choices = {"rope_precision": ("bfloat16", "float32"), "rope_layout": ("half", "interleaved"),
-                   "norm": ("rmsnorm", "layernorm"), "qk_norm": ("none", "per_channel", "shared", "whole"),
-                   "mlp": ("swiglu", "geglu", "gelu")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                bad(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= self.MAX_SIZE:
-                bad(f"{name} must be an integer in 1..{self.MAX_SIZE}, got {value!r}")
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            value = getattr(self, name)
-            values = value if isinstance(value, (list, tuple)) else [value]
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in values if v is not None):
-                bad(f"{name} must be an integer or a list of integers, got {value!r}")
-        positive = ("norm_eps", "rope_theta", "rope_local_theta", "attn_scale", "attn_softcap", "residual_scale",
-                    "embed_scale", "logits_divisor", "final_softcap")
-        for name in positive:
-            value = getattr(self, name)
-            if value is None and name not in ("norm_eps", "rope_theta", "residual_scale", "logits_divisor"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                bad(f"{name} must be a positive number, got {value!r}")
-        for layer in range(self.num_hidden_layers):
-            heads, kv, width = self.heads(layer), self.kv_heads(layer), self.ffn_width(layer)
-            if not (0 < heads <= self.MAX_SIZE and 0 < kv <= self.MAX_SIZE and 0 < width <= self.MAX_SIZE):
-                bad(f"layer {layer}: heads ({heads}), key/value heads ({kv}) and FFN width ({width}) must be in "
-                    f"1..{self.MAX_SIZE}")
-            if heads % kv:
-                bad(f"layer {layer}: {heads} query heads do not divide into {kv} key/value heads")
-        if not isinstance(self.rope_dim, int) or not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
-            bad(f"rotary dimension {self.rope_dim} must be even and in 1..head_dim={self.head_dim}")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
-            bad(f"sliding_window must be a whole number >= 1, got {self.sliding_window!r}")
-        if self.layer_types is not None:
-            if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {
-                    "full_attention", "sliding_attention"}:
-                bad(f"layer_types must list {self.num_hidden_layers} of 'full_attention' / 'sliding_attention'")
-            if "sliding_attention" in self.layer_types and self.sliding_window is None:
-                bad("layer_types has sliding_attention layers but no sliding_window is set")
-        if self.nope_layers is not None and not all(isinstance(i, int) and 0 <= i < self.num_hidden_layers
-                                                    for i in self.nope_layers):
-            bad(f"nope_layers must list layer indices in 0..{self.num_hidden_layers - 1}")
-        if self.parallel_residual and (self.post_norms or not self.pre_norms):
-            bad("parallel_residual has no post-norm form")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type") if isinstance(self.rope_scaling, dict) else None
-            if kind not in ROPE_SCALINGS:
-                bad(f"rope_scaling type {kind!r} is not implemented (implemented: {', '.join(ROPE_SCALINGS)})")
-            required, known = ROPE_SCALINGS[kind]
-            extra = sorted(set(self.rope_scaling) - {"rope_type", *known})
-            if extra:
-                bad(f"rope_scaling {kind!r}: key {extra[0]!r} is not implemented")
-            missing = [key for key in known[:required] if self.rope_scaling.get(key) is None]
-            if missing:
-                bad(f"rope_scaling {kind!r} needs {missing[0]!r}")
-            lists = [key for key in ("short_factor", "long_factor", "factors") if key in self.rope_scaling]
-            for key in lists:
-                if len(self.rope_scaling[key]) != self.rope_dim // 2:
-                    bad(f"rope_scaling {key} has {len(self.rope_scaling[key])} entries, expected rotary dimension / 2"
-                        f" = {self.rope_dim // 2}")
-            if self.rope_precision != "float32":
-                bad("rope_scaling needs rope_precision 'float32'")
 
     def num_parameters(self) -> int:
         """Parameters the config describes (norm gains and biases included), without building the model."""
@@ -218,47 +116,30 @@ class DenseConfig:
             total += C * w * (2 if self.mlp == "gelu" else 3) + 4 * C
         return total + 2 * C
 
-    @classmethod
-    def from_dict(cls, values: dict, source: str = "config") -> "DenseConfig":
-        known = {f.name for f in fields(cls)}
-        kwargs = {}
-        for key, value in values.items():
-            key = cls.ALIASES.get(key, key)
-            if key in known:
-                kwargs[key] = value
-            elif key not in cls.RELEASE_KEYS:
-                raise CheckpointError(f"{source}: unknown config key {key!r}")
-        try:
-            return cls(**kwargs)
-        except CheckpointError as e:
-            raise CheckpointError(f"{source}: {str(e).removeprefix('config: ')}") from None
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{source}: {e}") from None
-
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 2. Layers
+# 2. Norms and rotary embeddings
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * gain over the last dim. Statistics in float32; the result is cast back to x's dtype before the
-    gain (seed 000), or after it when gain_in_float32 (torch.nn.RMSNorm). The two differ only below float32.
-    unit_offset: the gain is 1 + weight, in float32 (Gemma). gain_shape lets a flat per-channel gain [H * D] act on
-    per-head input [..., H, D]."""
+    """x / rms(x) * gain, statistics in float32 over the last `dims` dims (2: over all heads at once). The result is
+    cast back to x's dtype before the gain (Llama), or after it when gain_in_float32 (torch.nn.RMSNorm); the two differ
+    only below float32. unit_offset: the gain is 1 + weight, in float32 (Gemma). gain_shape lets a flat gain [H * D]
+    act on per-head input [..., H, D]."""
 
     def __init__(self, dim: int, eps: float, gain_shape: tuple[int, ...] | None = None,
-                 gain_in_float32: bool = False, unit_offset: bool = False) -> None:
+                 gain_in_float32: bool = False, unit_offset: bool = False, dims: int = 1) -> None:
         super().__init__()
         self.eps, self.gain_in_float32, self.unit_offset = eps, gain_in_float32 or unit_offset, unit_offset
-        self.gain_shape = gain_shape or (dim,)
+        self.gain_shape, self.dims = gain_shape or (dim,), tuple(range(-dims, 0))
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * torch.rsqrt(h.pow(2).mean(self.dims, keepdim=True) + self.eps)
         gain = self.weight.view(self.gain_shape)
         if self.unit_offset:
             gain = 1.0 + gain.float()
@@ -266,26 +147,39 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """(x - mean) / std * gain + bias over the last dim; gain_shape as in RMSNorm (a gain per head: StableLM's
-    per-head q/k norms, which have no bias)."""
+    """(x - mean) / std * gain + bias over the last dim (or `dims` dims); gain_shape as in RMSNorm (StableLM's
+    per-head q/k norms: a gain per head, no bias)."""
 
-    def __init__(self, dim: int, eps: float, gain_shape: tuple[int, ...] | None = None, bias: bool = True) -> None:
+    def __init__(self, dim: int, eps: float, gain_shape: tuple[int, ...] | None = None, bias: bool = True,
+                 dims: int = 1) -> None:
         super().__init__()
-        self.eps, self.gain_shape = eps, gain_shape or (dim,)
+        self.eps, self.gain_shape, self.dims = eps, gain_shape or (dim,), dims
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gain_shape == (x.shape[-1],):  # one fused kernel, as nn.LayerNorm
             return F.layer_norm(x, self.gain_shape, self.weight, self.bias, self.eps)
-        return F.layer_norm(x, x.shape[-1:], eps=self.eps) * self.weight.view(self.gain_shape)
+        return F.layer_norm(x, x.shape[-self.dims:], eps=self.eps) * self.weight.view(self.gain_shape)
 
 
-def make_norm(config: DenseConfig, dim: int, gain_shape: tuple[int, ...] | None = None,
-              bias: bool = True) -> nn.Module:
+def make_norm(config: DenseConfig, dim: int, gain_shape: tuple[int, ...] | None = None, bias: bool = True,
+              dims: int = 1) -> nn.Module:
     if config.norm == "layernorm":
-        return LayerNorm(dim, config.norm_eps, gain_shape, bias)
-    return RMSNorm(dim, config.norm_eps, gain_shape, config.norm_gain_in_float32, config.norm_unit_offset)
+        return LayerNorm(dim, config.norm_eps, gain_shape, bias, dims)
+    return RMSNorm(dim, config.norm_eps, gain_shape, config.norm_gain_in_float32, config.norm_unit_offset, dims)
+
+
+def qk_norm(config: DenseConfig, heads: int) -> nn.Module:
+    """The norm of queries or keys [B, T, heads, D] before rotary (Identity when the family has none)."""
+    D = config.head_dim
+    if config.qk_norm == "per_channel":  # within each head, a gain per (head, channel)
+        return make_norm(config, heads * D, (heads, D), bias=False)
+    if config.qk_norm == "shared":  # within each head, one [D] gain for all heads
+        return make_norm(config, D, bias=False)
+    if config.qk_norm == "whole":  # over all heads' channels together (OLMo 2)
+        return make_norm(config, heads * D, (heads, D), bias=False, dims=2)
+    return nn.Identity()
 
 
 def rope_frequencies(config: DenseConfig, seq_len: int, local: bool = False) -> tuple[torch.Tensor, float]:
@@ -353,8 +247,8 @@ def rope_frequencies(config: DenseConfig, seq_len: int, local: bool = False) -> 
 
 def rope_tables(config: DenseConfig, positions: torch.Tensor, seq_len: int | None = None,
                 local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [P, rope_dim] float32 for float positions [P], laid out to match config.rope_layout, for a sequence
-    (or cache) of seq_len slots (default P). Each row depends only on its position, so a table for positions 0..P-1
+    """cos, sin: [P, R] float32 for float positions [P], laid out to match config.rope_layout, for a sequence (or
+    cache) of seq_len slots (default P). Each row depends only on its position, so a table for positions 0..P-1
     equals these rows computed one at a time."""
     inv_freq, attention_factor = rope_frequencies(config, len(positions) if seq_len is None else seq_len, local)
     inv_freq = inv_freq.to(positions.device)
@@ -377,6 +271,17 @@ def rope_tables(config: DenseConfig, positions: torch.Tensor, seq_len: int | Non
     return cos * attention_factor, sin * attention_factor
 
 
+class Rotary(nn.Module):
+    """The rotary tables of one kind ("global", or Gemma 3's "local"), for every slot of the cache: [S + 1, R] float32
+    cos and sin; a step looks up its positions' rows."""
+
+    def __init__(self, config: DenseConfig, slots: torch.Tensor, seq_len: int, local: bool) -> None:
+        super().__init__()
+        cos, sin = rope_tables(config, slots.float(), seq_len, local)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
     """x: [B, T, heads, D]; cos, sin: [T, R] (or [B, T, R]: a position per row) in x's dtype, R <= D. Rotates the
     first R channels of each head."""
@@ -391,23 +296,35 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
     return torch.cat((rot, keep), dim=-1) if keep.shape[-1] else rot
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# 3. Attention and the KV cache
+
+
 @dataclass
-class CacheStep:
-    """What a cached step tells every attention layer: it writes keys/values at slots input_pos ([T], the same for
-    every row, or [B, T], a slot per row and token: rows of a server's batch are at different positions) and
-    attends over slots 0..attend-1. mask [T, A] (or [B, 1, T, A]) hides the future, the slots not written yet and
-    padding (None: a causal prefill from slot 0). row_start [B] (left-padded batches): where each row's tokens begin.
-    rows [B] (None: 0..B-1): the cache rows this call's batch rows live in (a server prefilling one request).
-    Sliding-window layers use window_mask instead; a decode step gives them only their window's slots,
-    window_slots [B, W] (else None: slots 0..A-1 as the others)."""
-    input_pos: torch.Tensor
-    attend: int
+class View:
+    """What the layers of one attention kind ("full" or "sliding") see in a step.
+    own_keys: the step sees only its own keys and values (a plain pass, or a prefill from slot 0): attention runs on
+    them directly, causal (mask None: SDPA's causal kernel) or with mask [T, T]. Else it reads the cache: slots
+    0..attend-1 through mask [T, A] or [B, 1, T, A] (True: seen), or only the W slots `slots` [B or 1, W] (a sliding
+    layer's decode step) through mask [B or 1, 1, 1, W]."""
+    own_keys: bool
     mask: torch.Tensor | None
-    row_start: torch.Tensor | None = None
-    rows: torch.Tensor | None = None
+    attend: int
     window: int | None = None
-    window_mask: torch.Tensor | None = None
-    window_slots: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+
+
+@dataclass
+class Step:
+    """Everything a forward call tells its layers, decided once (DenseDecoder.step): where this call's keys and values
+    go (input_pos [T], or [B, T]: a slot per row; None: nowhere, a plain pass), the cache rows its batch rows use
+    (rows [B], None: 0..B-1), where left-padded rows begin (row_start [B]), a View per attention kind, and the
+    (cos, sin) rows [T, R] or [B, T, R] per rotary kind."""
+    input_pos: torch.Tensor | None
+    rows: torch.Tensor | None
+    row_start: torch.Tensor | None
+    views: dict[str, View]
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -416,7 +333,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     None: causal with A == T. Grouped-query heads share K/V without copies."""
     B, H, T, D = q.shape
     K, A = k.shape[1], k.shape[2]
-    if mask is None and softcap is None:  # a causal prefill: SDPA's flash kernels take grouped heads as they are
+    if mask is None and softcap is None:  # a causal pass: SDPA's flash kernels take grouped heads as they are
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=K != H)
     if mask is None:
         mask = torch.ones(T, A, dtype=torch.bool, device=q.device).tril()
@@ -435,7 +352,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return y.reshape(B, H, T, D)
 
 
-class KVCache(nn.Module):
+def row_slots(step: Step, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cache row, slot) of every token of a step, [B, T] each."""
+    rows = step.rows if step.rows is not None else torch.arange(B, device=step.input_pos.device)
+    return rows[:, None].expand(B, T), step.input_pos.expand(B, T)
+
+
+class NoCache(nn.Module):
+    """A layer's cache before setup_cache: a plain pass attends over its own keys and values and keeps nothing."""
+
+    def attend(self, q, k, v, step: Step, view: View, scale: float, softcap: float | None) -> torch.Tensor:
+        return attention(q, k, v, view.mask, scale, softcap)
+
+
+class KVCache(NoCache):
     """Static cache: keys and values of every position so far, preallocated once: [B, K, S + 1, D] each. The extra
     last slot is scratch: tokens that are only padding (a fixed-size chunk's tail, an idle row of a server's batch)
     write there, and nothing reads it. (kernels.py subclasses it for the CPU: a layout and an attention kernel that
@@ -447,7 +377,7 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, step: CacheStep, k: torch.Tensor, v: torch.Tensor) -> None:
+    def update(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v [B, K, T, D] at the step's slots, in place."""
         k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         if step.input_pos.ndim == 1 and step.rows is None:  # every row writes the same slots
@@ -458,34 +388,20 @@ class KVCache(nn.Module):
         self.k[rows, :, pos] = k.transpose(1, 2)  # [B, T, K, D] by (row, slot)
         self.v[rows, :, pos] = v.transpose(1, 2)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: CacheStep, scale: float,
-               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        """Write this step's k, v [B, K, T, D]; attend q [B, H, T, D] over slots 0..attend-1 (a sliding layer: over
-        its window) -> [B, H, T, D]."""
-        self.update(step, k, v)
+    def attend(self, q, k, v, step: Step, view: View, scale: float, softcap: float | None) -> torch.Tensor:
+        """Write this step's k, v [B, K, T, D] (a plain pass writes nothing); attend q [B, H, T, D] over what the view
+        shows -> [B, H, T, D]."""
+        if step.input_pos is not None:
+            self.update(step, k, v)
+        if view.own_keys:
+            return attention(q, k, v, view.mask, scale, softcap)
         B = q.shape[0]
-        if window is not None and step.window_slots is not None:  # decode: only the window's slots, [B, K, W, D]
-            index = step.window_slots[:, None, :, None].expand(B, self.k.shape[1], -1, self.k.shape[3])
-            keys, values = (c[:B] if step.rows is None else c.index_select(0, step.rows) for c in (self.k, self.v))
+        cache = (self.k, self.v) if view.slots is not None else (self.k[:, :, :view.attend], self.v[:, :, :view.attend])
+        keys, values = (c[:B] if step.rows is None else c.index_select(0, step.rows) for c in cache)
+        if view.slots is not None:  # a sliding layer's decode step: only its window's slots, [B, K, W, D]
+            index = view.slots[:, None, :, None].expand(B, self.k.shape[1], -1, self.k.shape[3])
             keys, values = keys.gather(2, index), values.gather(2, index)
-        else:
-            keys, values = (c[:B, :, :step.attend] if step.rows is None else
-                            c[:, :, :step.attend].index_select(0, step.rows) for c in (self.k, self.v))
-        mask = step.window_mask if window is not None else step.mask
-        return attention(q, keys.to(q.dtype), values.to(q.dtype), mask, scale, softcap)
-
-
-def sliding_mask(input_pos: torch.Tensor, attend: int, window: int) -> torch.Tensor:
-    """[..., T, A]: which of slots 0..A-1 a token at slot input_pos [..., T] sees through a causal sliding window:
-    itself and the window - 1 slots before it."""
-    slots = torch.arange(attend, device=input_pos.device)
-    return (slots <= input_pos[..., None]) & (slots > input_pos[..., None] - window)
-
-
-def row_slots(step: CacheStep, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cache row, slot) of every token of a step, [B, T] each."""
-    rows = step.rows if step.rows is not None else torch.arange(B, device=step.input_pos.device)
-    return rows[:, None].expand(B, T), step.input_pos.expand(B, T)
+        return attention(q, keys.to(q.dtype), values.to(q.dtype), view.mask, scale, softcap)
 
 
 class Attention(nn.Module):
@@ -495,112 +411,106 @@ class Attention(nn.Module):
     def __init__(self, config: DenseConfig, layer: int) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.heads(layer), config.kv_heads(layer), config.head_dim
-        self.rope_layout, self.rope = config.rope_layout, config.rope_of(layer)
-        self.scale = config.attn_scale or self.head_dim**-0.5
-        self.softcap, self.window = config.attn_softcap, config.window(layer)
+        self.kind, self.rope_kind, self.rope_layout = config.attention_kind(layer), config.rope_kind(layer), \
+            config.rope_layout
+        self.scale, self.softcap = config.attn_scale or self.head_dim**-0.5, config.attn_softcap
         q_width, kv_width, C = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, config.hidden_size
-        self.parts = {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}
+        self.parts = {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}  # checkpoint name: rows
         if config.attn_output_gate:
             self.parts["gate_proj"] = q_width
         self.qkv_proj = nn.Linear(C, sum(self.parts.values()), bias=config.bias or config.qkv_bias)
-        if config.qkv_bias and config.attn_output_gate:
-            raise CheckpointError("config: qkv_bias with attn_output_gate is not a known layout")
         self.o_proj = nn.Linear(q_width, C, bias=config.bias)
-        D = self.head_dim
-        self.q_norm = self.k_norm = None
-        self.qk_norm = config.qk_norm
-        if config.qk_norm == "per_channel":  # per head, a gain per channel (no bias: StableLM's layer norms)
-            self.q_norm = make_norm(config, q_width, (self.n_heads, D), bias=False)
-            self.k_norm = make_norm(config, kv_width, (self.n_kv_heads, D), bias=False)
-        elif config.qk_norm == "shared":
-            self.q_norm, self.k_norm = make_norm(config, D, bias=False), make_norm(config, D, bias=False)
-        elif config.qk_norm == "whole":  # over the whole projection, before it is split into heads (OLMo 2)
-            self.q_norm, self.k_norm = make_norm(config, q_width, bias=False), make_norm(config, kv_width, bias=False)
-        self.kv_cache: KVCache | None = None
+        self.q_norm, self.k_norm = qk_norm(config, self.n_heads), qk_norm(config, self.n_kv_heads)
+        self.kv_cache: NoCache = NoCache()
 
-    def forward(self, x, rope: dict, step: CacheStep | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         B, T, _ = x.shape
-        parts = self.qkv_proj(x).split(list(self.parts.values()), dim=-1)
-        q, k, v = parts[0], parts[1], parts[2]
-        if self.qk_norm == "whole":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        q, k, v, *gate = self.qkv_proj(x).split(list(self.parts.values()), dim=-1)
+        q = self.q_norm(q.view(B, T, self.n_heads, self.head_dim))
+        k = self.k_norm(k.view(B, T, self.n_kv_heads, self.head_dim))
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
-        if self.qk_norm in ("per_channel", "shared"):  # q/k normalized within each head, before rotary
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope is not None:
-            cos, sin = rope[self.rope]
-            q = apply_rotary(q, cos, sin, self.rope_layout)
-            k = apply_rotary(k, cos, sin, self.rope_layout)
+        if self.rope_kind is not None:
+            cos, sin = step.rope[self.rope_kind]
+            q, k = apply_rotary(q, cos, sin, self.rope_layout), apply_rotary(k, cos, sin, self.rope_layout)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        if step is None:  # no cache: a plain causal pass over this call's T tokens
-            mask = None if self.window is None else sliding_mask(torch.arange(T, device=x.device), T, self.window)
-            y = attention(q, k, v, mask, self.scale, self.softcap)
-        else:  # cached step: write this call's keys/values, attend over the cache
-            y = self.kv_cache.attend(q, k, v, step, self.scale, self.window, self.softcap)
+        y = self.kv_cache.attend(q, k, v, step, step.views[self.kind], self.scale, self.softcap)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        if len(parts) == 4:
-            y = y * torch.sigmoid(parts[3])
+        for g in gate:  # (ShellElastic's output gate)
+            y = y * torch.sigmoid(g)
         return self.o_proj(y)
 
 
-class MLP(nn.Module):
-    """The gated MLPs' gate and up projections are fused like q/k/v (one matmul); GELU MLPs have up and down only."""
+# ----------------------------------------------------------------------------------------------------------------
+# 4. MLP and the decoder layer
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)); gate and up are fused like q/k/v (one matmul). act: silu (SwiGLU) or tanh-GELU
+    (GeGLU, Gemma)."""
 
     def __init__(self, config: DenseConfig, layer: int) -> None:
         super().__init__()
-        C, W = config.hidden_size, config.ffn_width(layer)
-        self.width, self.kind = W, config.mlp
-        if config.mlp == "gelu":
-            self.up_proj = nn.Linear(C, W, bias=config.bias)
-        else:
-            self.parts = {"gate_proj": W, "up_proj": W}
-            self.gate_up_proj = nn.Linear(C, 2 * W, bias=config.bias)
-        self.down_proj = nn.Linear(W, C, bias=config.bias)
+        C, self.width = config.hidden_size, config.ffn_width(layer)
+        self.parts = {"gate_proj": self.width, "up_proj": self.width}
+        self.gate_up_proj = nn.Linear(C, 2 * self.width, bias=config.bias)
+        self.down_proj = nn.Linear(self.width, C, bias=config.bias)
+        self.act = nn.SiLU() if config.mlp == "swiglu" else nn.GELU(approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "gelu":
-            return self.down_proj(F.gelu(self.up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.width, dim=-1)
-        gate = F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate="tanh")
-        return self.down_proj(gate * up)
+        return self.down_proj(self.act(gate) * up)
+
+
+class MLP(nn.Module):
+    """down(gelu(up(x))), exact GELU (GPT-NeoX)."""
+
+    def __init__(self, config: DenseConfig, layer: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.ffn_width(layer), bias=config.bias)
+        self.down_proj = nn.Linear(config.ffn_width(layer), config.hidden_size, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.up_proj(x)))
+
+
+class Scale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
 
 
 class DecoderLayer(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(.)): norms before each branch (pre_norms), on each branch's output
-    (post_norms), or both; or GPT-NeoX's parallel form, both branches reading x."""
+    """x + attn(norm(x)), then + mlp(norm(.)): norms on each branch's input (pre-norms), on its output (post-norms),
+    or both; or GPT-NeoX's parallel form, both branches reading x. A norm a family does not have is an Identity, so
+    is a residual scale of 1. (tp.py sums each branch's partial output over ranks as it enters its post-norm: a
+    forward pre-hook on attn_post_norm and mlp_post_norm.)"""
 
     def __init__(self, config: DenseConfig, layer: int) -> None:
         super().__init__()
-        self.parallel, self.residual_scale = config.parallel_residual, config.residual_scale
 
-        def norm(present: bool):
-            return make_norm(config, config.hidden_size) if present else None
+        def norm(present: bool) -> nn.Module:
+            return make_norm(config, config.hidden_size) if present else nn.Identity()
 
+        self.parallel = config.parallel_residual
         self.attn_norm, self.mlp_norm = norm(config.pre_norms), norm(config.pre_norms)
-        self.attn_post_norm, self.mlp_post_norm = norm(config.post_norms), norm(config.post_norms)
         self.attn = Attention(config, layer)
-        self.mlp = MLP(config, layer)
-        self.reduce: Callable | None = None  # tensor parallel (tp.py): sums each branch's partial output over ranks
+        self.mlp = MLP(config, layer) if config.mlp == "gelu" else GatedMLP(config, layer)
+        self.attn_post_norm, self.mlp_post_norm = norm(config.post_norms), norm(config.post_norms)
+        self.residual_scale = Scale(config.residual_scale) if config.residual_scale != 1.0 else nn.Identity()
 
-    def branch(self, y: torch.Tensor, post_norm: nn.Module | None) -> torch.Tensor:
-        """A branch's output as the residual adds it: summed over ranks, normed, scaled."""
-        y = y if self.reduce is None else self.reduce(y)
-        y = y if post_norm is None else post_norm(y)
-        return y if self.residual_scale == 1.0 else y * self.residual_scale
-
-    def forward(self, x, rope: dict, step: CacheStep | None = None) -> torch.Tensor:
-        if self.parallel:  # GPT-NeoX: both branches read x; (attn + mlp) + x as the reference sums them
-            attn = self.attn(self.attn_norm(x), rope, step)
-            return x + self.branch(attn + self.mlp(self.mlp_norm(x)), None)
-        y = self.attn(x if self.attn_norm is None else self.attn_norm(x), rope, step)
-        h = x + self.branch(y, self.attn_post_norm)
-        return h + self.branch(self.mlp(h if self.mlp_norm is None else self.mlp_norm(h)), self.mlp_post_norm)
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        if self.parallel:  # GPT-NeoX: both branches read x; (attn + mlp) + x, as the reference sums them
+            branches = self.attn(self.attn_norm(x), step) + self.mlp(self.mlp_norm(x))
+            return x + self.residual_scale(self.attn_post_norm(branches))
+        h = x + self.residual_scale(self.attn_post_norm(self.attn(self.attn_norm(x), step)))
+        return h + self.residual_scale(self.mlp_post_norm(self.mlp(self.mlp_norm(h))))
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 3. The model
+# 5. The model
 
 
 class DenseDecoder(nn.Module):
@@ -616,8 +526,11 @@ class DenseDecoder(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.rope_kinds = sorted({kind for i in range(config.num_hidden_layers)
+                                  if (kind := config.rope_kind(i)) is not None})
+        self.attention_kinds = sorted({config.attention_kind(i) for i in range(config.num_hidden_layers)})
+        self.rotary = nn.ModuleDict()  # kind -> Rotary, made by setup_cache for the cache's slots
         self.max_batch_size = self.max_seq_len = 0
-        self.tokens_prefilled = 0  # tokens prefilled by generation, in all (a chat's turns are checked on it)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -642,28 +555,94 @@ class DenseDecoder(nn.Module):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         for layer in self.layers:
-            layer.attn.kv_cache = None  # free the old cache before allocating the new one
-        need, have = self.cache_bytes(max_batch_size, max_seq_len, dtype), available_memory(self.device)
-        if need > have:
-            raise ValueError(f"a KV cache of {max_seq_len} tokens x batch {max_batch_size} needs {need / 2**30:.1f} GiB; "
-                             f"{self.device.type} has {have / 2**30:.1f} GiB available (a smaller max_seq_len fits)")
+            layer.attn.kv_cache = NoCache()  # free the old cache before allocating the new one
         for layer in self.layers:
             attn = layer.attn
             attn.kv_cache = cache_class(max_batch_size, attn.n_kv_heads, max_seq_len, attn.head_dim,
                                         dtype or self.dtype, self.device)
         slots = torch.arange(max_seq_len + 1, device=self.device)
         self.register_buffer("kv_slots", slots, persistent=False)  # [S + 1]
-        for kind in self.rope_kinds():  # [S + 1, R] float32 each
-            cos, sin = rope_tables(self.config, slots.float(), max_seq_len, kind == "local")
-            self.register_buffer(f"rope_cos_{kind}", cos, persistent=False)
-            self.register_buffer(f"rope_sin_{kind}", sin, persistent=False)
+        self.rotary = nn.ModuleDict({kind: Rotary(self.config, slots, max_seq_len, kind == "local")
+                                     for kind in self.rope_kinds})
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
-    def rope_kinds(self) -> tuple[str, ...]:
-        return ("global", "local") if self.config.rope_local_theta is not None else ("global",)
+    def step(self, T: int, input_pos: torch.Tensor | None = None, attend: int | None = None,
+             row_start: torch.Tensor | None = None, rows: torch.Tensor | None = None, causal: bool = False) -> Step:
+        """What every layer of a call of T tokens sees, decided once. Without input_pos: a plain causal pass over its
+        own keys (no cache written). With input_pos [T] (or [B, T]): a cached step that writes at those slots and
+        attends over slots 0..attend-1, each token up to its own slot (row_start [B]: left-padded rows, whose slots
+        before it are never seen). causal: the caller says input_pos is 0..T-1 of every row and nothing else is in
+        the cache: attention runs on the call's own keys, causal (SDPA's causal kernel)."""
+        window, device = self.config.sliding_window, self.embed_tokens.weight.device
+        if input_pos is None:  # plain pass: rotary rows for positions 0..T-1 of a T-token sequence
+            positions = torch.arange(T, device=device)
+            rope = {kind: rope_tables(self.config, positions.float(), T, kind == "local") for kind in self.rope_kinds}
+            views = {"full": View(True, None, T),
+                     "sliding": View(True, window_mask(positions, T, window), T, window) if window else None}
+            return Step(None, None, None, views, rope)
+        positions = input_pos if row_start is None else (input_pos[None, :] - row_start[:, None]).clamp(min=0)
+        rope = {kind: (self.rotary[kind].cos[positions], self.rotary[kind].sin[positions]) for kind in self.rope_kinds}
+        if causal:
+            views = {"full": View(True, None, T),
+                     "sliding": View(True, window_mask(input_pos, T, window), T, window) if window else None}
+            return Step(input_pos, rows, row_start, views, rope)
+        slots = self.kv_slots[:attend]
+        mask = slots <= input_pos[..., None]  # [T, A] or [B, T, A]: a token at slot p sees the keys at slots 0..p
+        if row_start is not None:
+            mask = mask & (slots >= row_start[:, None, None])  # [B, T, A]: padding is never seen
+            mask = mask | (slots == input_pos[..., None])  # a padding token sees itself (no empty row)
+        views = {"full": View(False, heads_dim(mask), attend)}
+        if "sliding" in self.attention_kinds:
+            if T == 1 and window < attend:  # decode: a sliding layer reads only its window's W slots
+                first = input_pos.reshape(-1, 1) - (window - 1)  # [B or 1, 1]
+                wanted = first + torch.arange(window, device=device)  # [B or 1, W], < 0 before the first token
+                seen = wanted >= (0 if row_start is None else row_start[:, None])
+                views["sliding"] = View(False, seen[:, None, None, :], attend, window, wanted.clamp(min=0))
+            else:
+                views["sliding"] = View(False, heads_dim(mask & (slots > input_pos[..., None] - window)), attend,
+                                        window)
+        return Step(input_pos, rows, row_start, views, rope)
 
-    def _check_inputs(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None,
-                      rows: torch.Tensor | None = None) -> None:
+    def hidden_states(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None, attend: int | None = None,
+                      row_start: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                      causal: bool = False) -> torch.Tensor:
+        """Final hidden states after the last norm, [B, T, C], in the model's dtype. The arguments as in step();
+        attend is a Python int (the fixed width of a compiled step); eager calls may leave it None for "the slots in
+        use"."""
+        if not torch.compiler.is_compiling():
+            self._check_inputs(input_ids, input_pos, rows, causal)
+        T = input_ids.shape[1]
+        if input_pos is not None and attend is None:
+            attend = int(input_pos.max()) + 1
+        step = self.step(T, input_pos, attend, row_start, rows, causal)
+        x = self.embed_tokens(input_ids)  # [B, T, C]
+        if self.config.embed_scale is not None:  # the scale rounded to the model's dtype first, as Gemma does
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
+        step.rope = {kind: (cos.to(x.dtype), sin.to(x.dtype)) for kind, (cos, sin) in step.rope.items()}
+        for layer in self.layers:
+            x = layer(x, step)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head: hidden states [..., C] -> float32 logits [..., V]."""
+        logits = self.lm_head(hidden).float()
+        if self.config.logits_divisor != 1.0:
+            logits = logits / self.config.logits_divisor
+        if self.config.final_softcap is not None:
+            logits = torch.tanh(logits / self.config.final_softcap) * self.config.final_softcap
+        return logits
+
+    def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, *, attend: int | None = None,
+                row_start: torch.Tensor | None = None, rows: torch.Tensor | None = None, causal: bool = False):
+        logits = self.logits(self.hidden_states(input_ids, input_pos, attend, row_start, rows, causal))  # [B, T, V]
+        if labels is None:
+            return logits
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return logits, loss
+
+    def _check_inputs(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None, rows: torch.Tensor | None,
+                      causal: bool) -> None:
         """Eager-only checks (they read values, a host sync, so compiled steps skip them)."""
         if input_ids.ndim != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be an integer tensor [batch, tokens], got {input_ids.dtype} "
@@ -673,8 +652,8 @@ class DenseDecoder(nn.Module):
             raise ValueError("input_ids has no tokens")
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.config.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"token id {bad} is out of range for the vocabulary of {self.config.vocab_size}")
+            raise ValueError(f"token id {lo if lo < 0 else hi} is out of range for the vocabulary of "
+                             f"{self.config.vocab_size}")
         if input_pos is None:
             if T > self.config.max_position_embeddings:
                 raise ValueError(f"{T} tokens exceed the context of {self.config.max_position_embeddings}")
@@ -691,203 +670,24 @@ class DenseDecoder(nn.Module):
                              f"(context {self.config.max_position_embeddings})")
         if rows is not None and (rows.shape != (B,) or int(rows.min()) < 0 or int(rows.max()) >= self.max_batch_size):
             raise ValueError(f"rows must be [{B}] cache rows in 0..{self.max_batch_size - 1}")
-
-    def cache_step(self, input_pos: torch.Tensor, attend: int, row_start: torch.Tensor | None = None,
-                   rows: torch.Tensor | None = None) -> CacheStep:
-        """The masks of a cached step over slots 0..attend-1 (see CacheStep)."""
-        T = input_pos.shape[-1]
-        slots = self.kv_slots[:attend]
-        mask = slots <= input_pos[..., None]  # [T, A] or [B, T, A]: a token at slot p sees the keys at slots 0..p
-        if row_start is not None:
-            mask = mask & (slots >= row_start[:, None, None])  # [B, T, A]: padding is never seen
-            mask = mask | (slots == input_pos[..., None])  # a padding token sees itself (no empty row)
-        fresh = (attend == T and input_pos.ndim == 1 and row_start is None and not torch.compiler.is_compiling()
-                 and int(input_pos[0]) == 0)  # a prefill of slots 0..T-1: exactly causal, SDPA's causal kernel
-        step = CacheStep(input_pos, attend, None if fresh else (mask[:, None] if mask.ndim == 3 else mask), row_start,
-                         rows)
-        window = self.config.sliding_window
-        if window is None or all(layer.attn.window is None for layer in self.layers):
-            return step
-        step.window = window
-        if T == 1 and window < attend:  # decode: a sliding layer reads only its window's W slots
-            first = input_pos.reshape(-1, 1) - (window - 1)  # [B or 1, 1]
-            wanted = first + torch.arange(window, device=input_pos.device)  # [B or 1, W], < 0 before the first token
-            seen = wanted >= (0 if row_start is None else row_start[:, None])
-            step.window_slots = wanted.clamp(min=0)
-            step.window_mask = seen[:, None, None, :]  # [B or 1, 1, 1, W]
-        else:
-            near = slots > input_pos[..., None] - window
-            step.window_mask = sliding_mask(input_pos, attend, window) if fresh else (
-                (mask & near)[:, None] if mask.ndim == 3 else mask & near)
-        return step
-
-    def hidden_states(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None, attend: int | None = None,
-                      row_start: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states after the last norm, [B, T, C], in the model's dtype.
-
-        Without input_pos: a full causal pass, no cache. With input_pos [T] (or [B, T]: a slot per row): a cached
-        step that writes its keys and values at slots input_pos and attends over slots 0..attend-1 (a Python int: the
-        fixed width of a compiled step; eager calls may leave it None for "the slots in use"). row_start [B]
-        (left-padded batches): row b's tokens begin at slot row_start[b]; its positions count from there and the
-        slots before it are never seen. rows [B]: the cache rows the batch's rows use (default 0..B-1)."""
-        if not torch.compiler.is_compiling():
-            self._check_inputs(input_ids, input_pos, rows)
-        T = input_ids.shape[1]
-        if input_pos is None:
-            step, positions = None, torch.arange(T, device=input_ids.device)
-            rope = {kind: rope_tables(self.config, positions.float(), T, kind == "local") for kind in self.rope_kinds()}
-        else:
-            step = self.cache_step(input_pos, int(input_pos.max()) + 1 if attend is None else attend, row_start, rows)
-            positions = input_pos if row_start is None else (input_pos[None, :] - row_start[:, None]).clamp(min=0)
-            rope = {kind: (getattr(self, f"rope_cos_{kind}")[positions], getattr(self, f"rope_sin_{kind}")[positions])
-                    for kind in self.rope_kinds()}  # [T, R] or [B, T, R] each
-        x = self.embed_tokens(input_ids)  # [B, T, C]
-        if self.config.embed_scale is not None:  # the scale rounded to the model's dtype first, as Gemma does
-            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
-        rope = {kind: (cos.to(x.dtype), sin.to(x.dtype)) for kind, (cos, sin) in rope.items()}
-        for layer in self.layers:
-            x = layer(x, rope, step)
-        return self.norm(x)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output head: hidden states [..., C] -> float32 logits [..., vocab]."""
-        logits = self.lm_head(hidden).float()
-        if self.config.logits_divisor != 1.0:
-            logits = logits / self.config.logits_divisor
-        if self.config.final_softcap is not None:
-            logits = torch.tanh(logits / self.config.final_softcap) * self.config.final_softcap
-        return logits
-
-    def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, *, attend: int | None = None,
-                row_start: torch.Tensor | None = None, rows: torch.Tensor | None = None):
-        logits = self.logits(self.hidden_states(input_ids, input_pos, attend, row_start, rows))  # [B, T, vocab]
-        if labels is None:
-            return logits
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-        return logits, loss
-
-    # -- loading ---------------------------------------------------------------------------------------------------
-
-    def fused_parts(self, module_name: str) -> dict[str, int]:
-        """{checkpoint prefix: rows} of the tensors a module is stacked from (itself alone for most modules)."""
-        parent, _, leaf = module_name.rpartition(".")
-        parts = getattr(self.get_submodule(parent), "parts", None) if leaf in ("qkv_proj", "gate_up_proj") else None
-        return {f"{parent}.{p}": rows for p, rows in parts.items()} if parts else {module_name: 0}
-
-    def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's tensors under checkpoint names (fused projections split back into their parts; a tied head
-        left out): what convert.write_native saves and load_tensors reads."""
-        state = {}
-        for name, t in self.state_dict().items():
-            module_name, _, attr = name.rpartition(".")
-            parts = self.fused_parts(module_name)
-            if name == "lm_head.weight" and self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
-                continue
-            rows = [r for r in parts.values()]
-            pieces = t.split([t.shape[0] * r // sum(rows) for r in rows]) if len(parts) > 1 else [t]
-            state.update({f"{prefix}.{attr}": piece for prefix, piece in zip(parts, pieces)})
-        return state
-
-    def load_tensors(self, tensors: dict[str, Callable[[], torch.Tensor]], device, dtype, source: str):
-        """Fill a meta-device model from {checkpoint name: thunk returning the tensor}. A fused projection's tensor is
-        its parts' tensors stacked by rows (for quantized layers too: every stored layout is row-major per output row)."""
-        tied = self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear)  # a quantized head has its own
-        expected = dict(self.state_dict(keep_vars=True))
-        if tied:
-            expected.pop("lm_head.weight")
-        sources = {}  # model tensor name -> {checkpoint name: expected shape}
-        for name, param in expected.items():
-            module_name, _, attr = name.rpartition(".")
-            parts = self.fused_parts(module_name)
-            total = sum(parts.values())
-            sources[name] = {f"{prefix}.{attr}": (param.shape[0] * rows // total, *param.shape[1:]) if total else
-                             tuple(param.shape) for prefix, rows in parts.items()}
-        wanted = [n for s in sources.values() for n in s]
-        missing = [n for n in wanted if n not in tensors]
-        unexpected = [n for n in tensors if n not in set(wanted)]
-        if missing:
-            raise CheckpointError(f"{source}: missing tensor {missing[0]!r}" + _more(missing))
-        if unexpected:
-            raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]!r}" + _more(unexpected))
-        for name, parts in sources.items():
-            pieces = []
-            for part, shape in parts.items():
-                t = tensors[part]()
-                if tuple(t.shape) != tuple(shape):
-                    raise CheckpointError(f"{source}: tensor {part!r} has shape {list(t.shape)}, expected {list(shape)}")
-                pieces.append(t)
-            t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-            module_name, _, attr = name.rpartition(".")
-            module = self.get_submodule(module_name)
-            keep = attr in getattr(module, "keep_dtype", ())  # quantization scales load as stored
-            t = t.to(device=device, dtype=dtype if t.is_floating_point() and not keep else t.dtype)
-            if attr in module._buffers:
-                module._buffers[attr] = t
-            else:
-                setattr(module, attr, nn.Parameter(t, requires_grad=False))
-        if tied:
-            self.lm_head.weight = self.embed_tokens.weight
-        for module in self.modules():  # quantized linears repack for this device's kernels
-            if hasattr(module, "finish_loading"):
-                module.finish_loading()
-        return self.eval()
+        if causal and (input_pos.ndim != 1 or int(input_pos[0]) != 0 or int(input_pos[-1]) != T - 1):
+            raise ValueError("a causal step writes slots 0..T-1 of every row")
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes a new allocation can take on device: free GPU memory; on the CPU the OS's MemAvailable, or less under
-    an address-space limit (ulimit -v). Unknown: no limit."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    have = 1 << 62
-    try:
-        import resource
-
-        with open("/proc/meminfo") as f:
-            have = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-        if limit != resource.RLIM_INFINITY:
-            with open("/proc/self/status") as f:
-                used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-            have = min(have, max(0, limit - used))
-    except (OSError, StopIteration, ValueError, ImportError):
-        pass
-    return have
+def window_mask(input_pos: torch.Tensor, attend: int, window: int) -> torch.Tensor:
+    """[..., T, A]: which of slots 0..A-1 a token at slot input_pos [..., T] sees through a causal sliding window:
+    itself and the window - 1 slots before it."""
+    slots = torch.arange(attend, device=input_pos.device)
+    return (slots <= input_pos[..., None]) & (slots > input_pos[..., None] - window)
 
 
-def check_fits(config: DenseConfig, dtype: torch.dtype, device: torch.device, source: str,
-               bytes_per_weight: float | None = None) -> None:
-    """Refuse, before allocating anything, a config whose weights would not fit the device's available memory,
-    naming its largest term (a config from the internet must not make us allocate hundreds of GB).
-    bytes_per_weight: of the quantized layers (all but the embedding), when they are quantized."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    embedding = config.vocab_size * config.hidden_size
-    need = embedding * elem + (config.num_parameters() - embedding) * (bytes_per_weight or elem)
-    have = available_memory(device)
-    if need <= have:
-        return
-    C, L = config.hidden_size, config.num_hidden_layers
-    terms = {f"vocab_size {config.vocab_size} x hidden_size {C}": config.vocab_size * C,
-             f"num_hidden_layers {L} x (intermediate_size {config.ffn_width(0)} x hidden_size {C})":
-                 L * config.ffn_width(0) * C,
-             f"num_hidden_layers {L} x (attention heads {config.heads(0)} x head_dim {config.head_dim} x hidden_size "
-             f"{C})": L * config.heads(0) * config.head_dim * C}
-    raise CheckpointError(f"{source}: the config describes {config.num_parameters() / 1e9:.1f}B parameters, "
-                          f"{need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, mostly "
-                          f"{max(terms, key=terms.get)}; {device.type} has {have / 2**30:.1f} GiB available")
-
-
-def _more(names: list[str]) -> str:
-    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-
-
-def torch_dtype(name) -> torch.dtype | None:
-    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    return table.get(str(name).removeprefix("torch.")) if name else None
+def heads_dim(mask: torch.Tensor) -> torch.Tensor:
+    """A per-row mask [B, T, A] gets a heads dim, [B, 1, T, A]; a shared [T, A] one stays."""
+    return mask[:, None] if mask.ndim == 3 else mask
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 4. Sampling
+# 6. Sampling
 
 
 def sample(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, vocab_limit: int | None = None,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass
 import glob
 import os
 import re
@@ -26,8 +27,9 @@ import re
 import numpy as np
 import torch
 
-from checkpoint import Checkpoint, eager, load_pickle, open_safetensors, read_json
-from dense import CheckpointError, DenseConfig
+from checkpoint import Checkpoint, CheckpointError, eager, load_pickle, make_config, open_safetensors, read_json
+from dense import DenseConfig
+from machine import first_line
 
 # Non-parameter buffers that older exports carry; recognised and skipped.
 SKIPPED_BUFFERS = re.compile(r".*\.(rotary_emb\.inv_freq|attention\.bias|attention\.masked_bias|attn\.bias|"
@@ -109,12 +111,10 @@ def sprout(raw: dict, state: dict, source: str):
     dim, heads = int(need(raw, "dim", source)), int(need(raw, "n_heads", source))
     if "blocks.0.mlp.w_gate.weight" not in state:
         raise CheckpointError(f"{source}: missing tensor 'blocks.0.mlp.w_gate.weight'")
-    config = DenseConfig(
-        vocab_size=int(need(raw, "vocab_size", source)), hidden_size=dim, num_hidden_layers=int(need(raw, "n_layers", source)),
+    config = make_config(
+        source, vocab_size=int(need(raw, "vocab_size", source)), hidden_size=dim, num_hidden_layers=int(need(raw, "n_layers", source)),
         num_attention_heads=heads, head_dim=dim // heads, intermediate_size=int(state["blocks.0.mlp.w_gate.weight"].shape[0]),
-        max_position_embeddings=int(raw.get("block_size", 1024)), rope_precision="float32", norm_eps=1e-5,
-        norm_gain_in_float32=True,
-        qk_norm="none", attn_output_gate=False)
+        max_position_embeddings=int(raw.get("block_size", 1024)), norm_eps=1e-5, norm_gain_in_float32=True)
     table = rename(eager(state), [
         (r"tok_emb\.weight", "embed_tokens.weight"), (r"norm_f\.weight", "norm.weight"), (r"head\.weight", "lm_head.weight"),
         (r"blocks\.(\d+)\.n1\.weight", r"layers.\1.attn_norm.weight"), (r"blocks\.(\d+)\.n2\.weight", r"layers.\1.mlp_norm.weight"),
@@ -133,12 +133,12 @@ def germangpt(raw: dict, state: dict, source: str):
         raise CheckpointError(f"{source}: only norm 'rmsnorm' and mlp 'swiglu' exist in GermanGPT")
     d_model, heads = int(need(raw, "d_model", source)), int(raw.get("n_heads", 16))
     tied = bool(raw.get("tie_embeddings", True))
-    config = DenseConfig(
-        vocab_size=int(need(raw, "vocab_size", source)), hidden_size=d_model, num_hidden_layers=int(raw.get("n_layers", 24)),
+    config = make_config(
+        source, vocab_size=int(need(raw, "vocab_size", source)), hidden_size=d_model, num_hidden_layers=int(raw.get("n_layers", 24)),
         num_attention_heads=heads, num_key_value_heads=int(raw.get("n_kv_heads", heads)), head_dim=d_model // heads,
         intermediate_size=int(raw.get("d_ff", 2816)), max_position_embeddings=int(raw.get("context_len", 2048)),
-        rope_theta=float(raw.get("rope_theta", 10000.0)), rope_precision="float32", rope_layout="interleaved",
-        norm_eps=1e-6, qk_norm="none", attn_output_gate=False, tie_word_embeddings=tied)
+        rope_theta=float(raw.get("rope_theta", 10000.0)), rope_layout="interleaved", norm_eps=1e-6,
+        tie_word_embeddings=tied)
     table = rename(eager(state), [
         (r"token_embedding\.weight", "embed_tokens.weight"), (r"norm\.weight", "norm.weight"),
         (r"lm_head\.weight", None if tied else "lm_head.weight"),
@@ -187,13 +187,12 @@ def openelm(folder: str, raw: dict, source: str):
         raise CheckpointError(f"{source}: only normalization_layer_name 'rms_norm' is supported")
     q_heads, kv_heads, ffn = openelm_widths(raw, source)
     D, tied = int(raw["head_dim"]), bool(raw.get("share_input_output_layers", False))
-    config = DenseConfig(
-        vocab_size=int(need(raw, "vocab_size", source)), hidden_size=int(raw["model_dim"]),
+    config = make_config(
+        source, vocab_size=int(need(raw, "vocab_size", source)), hidden_size=int(raw["model_dim"]),
         num_hidden_layers=len(q_heads), num_attention_heads=q_heads, num_key_value_heads=kv_heads, head_dim=D,
         intermediate_size=ffn, max_position_embeddings=int(raw.get("max_context_length", 2048)),
-        rope_theta=float(raw.get("rope_freq_constant", 10000)), rope_precision="float32", norm_eps=1e-6,
-        qk_norm="shared" if raw.get("normalize_qk_projections", False) else "none", attn_output_gate=False,
-        tie_word_embeddings=tied)
+        rope_theta=float(raw.get("rope_freq_constant", 10000)), norm_eps=1e-6,
+        qk_norm="shared" if raw.get("normalize_qk_projections", False) else "none", tie_word_embeddings=tied)
     table = rename(hf_weights(folder), [
         (r"transformer\.token_embeddings\.weight", "embed_tokens.weight"), (r"transformer\.norm\.weight", "norm.weight"),
         (r"lm_head\.weight", None if tied else "lm_head.weight"),
@@ -213,14 +212,14 @@ def openelm(folder: str, raw: dict, source: str):
     return config, table
 
 
-def neox_config(hidden: int, heads: int, layers: int, vocab: int, ffn: int, rotary_pct: float, base: float,
-                context: int, eps: float, parallel: bool, tied: bool) -> DenseConfig:
+def neox_config(source: str, hidden: int, heads: int, layers: int, vocab: int, ffn: int, rotary_pct: float,
+                base: float, context: int, eps: float, parallel: bool, tied: bool) -> DenseConfig:
     head_dim = hidden // heads
-    return DenseConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, head_dim=head_dim,
-        intermediate_size=ffn, max_position_embeddings=context, rope_theta=base, rope_precision="float32",
-        rotary_dim=int(head_dim * rotary_pct), norm="layernorm", norm_eps=eps, qk_norm="none", attn_output_gate=False,
-        mlp="gelu", bias=True, parallel_residual=parallel, tie_word_embeddings=tied)
+    return make_config(
+        source, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        head_dim=head_dim, intermediate_size=ffn, max_position_embeddings=context, rope_theta=base,
+        rotary_dim=int(head_dim * rotary_pct), norm="layernorm", norm_eps=eps, mlp="gelu", bias=True,
+        parallel_residual=parallel, tie_word_embeddings=tied)
 
 
 def split_neox_qkv(table: dict, config: DenseConfig) -> None:
@@ -253,7 +252,7 @@ def gpt_neox(folder: str, raw: dict, source: str):
     base = rope.get("rope_theta", raw.get("rotary_emb_base", raw.get("rope_theta", 10000)))
     tied = bool(raw.get("tie_word_embeddings", False))
     hidden = int(need(raw, "hidden_size", source))
-    config = neox_config(hidden, int(need(raw, "num_attention_heads", source)),
+    config = neox_config(source, hidden, int(need(raw, "num_attention_heads", source)),
                          int(need(raw, "num_hidden_layers", source)), int(need(raw, "vocab_size", source)),
                          int(raw.get("intermediate_size", 4 * hidden)), float(rotary_pct), float(base),
                          int(raw.get("max_position_embeddings", 2048)), float(raw.get("layer_norm_eps", 1e-5)),
@@ -286,12 +285,52 @@ HARMLESS_KEYS = {
     "cache_implementation", "unsloth_version", "unsloth_fixed", "quantization_config_null", "attn_implementation"}
 # Mixtures of experts and other designs this dense engine does not run.
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
-# Defaults transformers uses when a key is absent: (rms eps, tied embeddings, rope base)
-HF_DEFAULTS = {"llama": (1e-6, False, 1e4), "mistral": (1e-6, False, 1e4), "qwen2": (1e-6, False, 1e4),
-               "qwen3": (1e-6, False, 1e4), "gemma": (1e-6, True, 1e4), "gemma2": (1e-6, True, 1e4),
-               "gemma3_text": (1e-6, True, 1e6), "phi3": (1e-5, False, 1e4), "smollm3": (1e-6, True, 2e6),
-               "granite": (1e-6, False, 1e4), "olmo2": (1e-5, False, 1e4), "stablelm": (1e-5, False, 1e4)}
-GEMMAS = ("gemma", "gemma2", "gemma3_text")
+@dataclass(frozen=True)
+class Family:
+    """What a model type fixes beyond its config file: the defaults transformers uses for absent keys, the switches
+    that are always on, and where sliding windows go. One row serves a Hugging Face folder (its model_type) and a GGUF
+    file (its llama.cpp architecture, `gguf`)."""
+    eps: float = 1e-6  # the norm eps when the config has none
+    tied: bool = False  # tie_word_embeddings when absent
+    theta: float = 1e4  # rope_theta when absent
+    head_dim: int | None = None  # head_dim when absent (None: hidden / heads); derived: always hidden / heads
+    derived_head_dim: bool = False
+    rotary_fraction: float = 1.0  # partial_rotary_factor when absent
+    gguf: str | None = None  # llama.cpp's architecture name
+    gemma: bool = False  # (1 + w) norms, sqrt(hidden) embeddings, tanh-GELU gates
+    qk_norm: str = "none"
+    qkv_bias: bool = False
+    pre_norms: bool = True
+    post_norms: bool = False
+    norm_gain_in_float32: bool = False
+    windows: str = "none"  # "none": a window is refused | "given": as the config says | "flag": only with
+    #                        use_sliding_window (Qwen) | "pattern": every layer but each window_pattern-th
+    window_pattern: int | None = None
+    softcaps: bool = False  # attention and final logit soft-caps (Gemma 2)
+    query_scalar: bool = False  # query_pre_attn_scalar sets the attention scale (Gemma 2/3)
+    local_rope: bool = False  # sliding layers rotate with their own base (Gemma 3)
+    nope: bool = False  # some layers have no rope, and those slide (SmolLM3)
+    multipliers: bool = False  # Granite's embedding, attention, residual and logits multipliers
+    stablelm: bool = False  # layer norms, per-head q/k layer norms, parallel blocks, qkv biases by flag
+
+
+FAMILIES = {
+    "llama": Family(gguf="llama"),
+    "mistral": Family(windows="given"),
+    "qwen2": Family(gguf="qwen2", qkv_bias=True, windows="flag"),
+    "qwen3": Family(gguf="qwen3", head_dim=128, qk_norm="shared", windows="flag"),
+    "gemma": Family(gguf="gemma", tied=True, head_dim=256, gemma=True),
+    "gemma2": Family(gguf="gemma2", tied=True, head_dim=256, gemma=True, post_norms=True, windows="pattern",
+                     window_pattern=2, softcaps=True, query_scalar=True),
+    "gemma3_text": Family(gguf="gemma3", tied=True, theta=1e6, head_dim=256, gemma=True, qk_norm="shared",
+                          post_norms=True, windows="pattern", window_pattern=6, query_scalar=True, local_rope=True),
+    "phi3": Family(gguf="phi3", eps=1e-5, derived_head_dim=True, windows="given"),
+    "smollm3": Family(tied=True, theta=2e6, windows="flag", nope=True),
+    "granite": Family(multipliers=True),
+    "olmo2": Family(eps=1e-5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True),
+    "stablelm": Family(eps=1e-5, derived_head_dim=True, rotary_fraction=0.25, stablelm=True),
+}
+BY_GGUF = {family.gguf: (kind, family) for kind, family in FAMILIES.items() if family.gguf}
 
 
 class ConfigReader:
@@ -357,31 +396,26 @@ def hf_rope(cfg: ConfigReader, default_theta: float, head_dim: int,
     return theta, params, int(head_dim * fraction), local
 
 
-def hf_layer_types(cfg: ConfigReader, kind: str, layers: int, window: int | None,
+def hf_layer_types(cfg: ConfigReader, family: Family, layers: int, window: int | None,
                    nope: list[int] | None) -> list[str] | None:
-    """Which layers use the sliding window: transformers 5's layer_types, else each family's rule (None: every
-    layer, when there is a window)."""
+    """Which layers use the sliding window: transformers 5's layer_types, else the family's rule (None: every layer,
+    when there is a window)."""
     given = cfg.get("layer_types")
-    if kind == "gemma3_text":
-        pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+    if family.window_pattern:
+        pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", family.window_pattern)))
         rule = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    elif kind == "gemma2":
-        rule = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-    elif kind in ("qwen2", "qwen3"):
+    elif family.windows == "flag" and not family.nope:  # Qwen: the layers from max_window_layers on
         first = int(cfg.get("max_window_layers", 28))
-        rule = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
-    elif kind == "smollm3":  # the layers without rope slide
+        rule = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    elif family.nope:  # the layers without rope slide
         rule = ["sliding_attention" if i in (nope or ()) else "full_attention" for i in range(layers)]
     else:
         rule = None
-    types = given or rule
-    if window is None:
-        return None
-    return types
+    return None if window is None else given or rule
 
 
 def hf_decoder(folder: str, raw: dict, source: str):
-    """Hugging Face Llama and the families that share its layout, exactly as transformers runs them:
+    """Hugging Face Llama and the families that share its layout (FAMILIES), exactly as transformers runs them:
     Llama 2/3.x (rope scalings), Mistral (a sliding window on every layer), Qwen2/2.5 (q/k/v biases), Qwen3 (q/k
     norms per head), Gemma 1/2/3 ((1 + w) norms, scaled embeddings, tanh-GELU gates; 2 and 3: post-norms, a
     query scale, sliding windows on some layers; 2: soft-capped scores and logits; 3: q/k norms and a local rope
@@ -389,91 +423,76 @@ def hf_decoder(folder: str, raw: dict, source: str):
     (multipliers), OLMo 2 (post-norms only, q/k norms over the projection), StableLM 2 (layer norms, partial
     rotary, per-head q/k layer norms, parallel blocks)."""
     kind = raw["model_type"]
-    cfg = ConfigReader(raw, source)
-    eps_default, tied_default, theta_default = HF_DEFAULTS[kind]
+    family, cfg = FAMILIES[kind], ConfigReader(raw, source)
     hidden, heads = int(cfg.need("hidden_size")), int(cfg.need("num_attention_heads"))
     layers = int(cfg.need("num_hidden_layers"))
-    head_dim = int(cfg.get("head_dim") or {"gemma": 256, "gemma2": 256, "gemma3_text": 256, "qwen3": 128}.get(
-        kind, hidden // heads))
-    if kind in ("phi3", "stablelm"):  # transformers derives it, whatever the config says
+    head_dim = int(cfg.get("head_dim") or family.head_dim or hidden // heads)
+    if family.derived_head_dim:  # transformers derives it, whatever the config says
         head_dim = hidden // heads
-    tied = bool(cfg.get("tie_word_embeddings", tied_default))
-    theta, scaling, rotary, local_theta = hf_rope(cfg, theta_default, head_dim, 0.25 if kind == "stablelm" else 1.0)
-    if kind == "gemma3_text" and local_theta is None:
+    theta, scaling, rotary, local_theta = hf_rope(cfg, family.theta, head_dim, family.rotary_fraction)
+    if family.local_rope and local_theta is None:
         local_theta = 1e4
-    elif kind != "gemma3_text" and local_theta is not None:
+    elif not family.local_rope and local_theta is not None:
         cfg.refuse("rope_local_base_freq", "only Gemma 3 has a local rope base")
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "gelu_pytorch_tanh" if kind in GEMMAS else "silu")
-    if kind in GEMMAS:
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "gelu_pytorch_tanh" if family.gemma else "silu")
+    if family.gemma:
         if act not in ("gelu_pytorch_tanh", "gelu") or (act == "gelu" and kind != "gemma"):
             cfg.refuse("hidden_activation", "Gemma's MLP is gelu_pytorch_tanh")
-        mlp = "geglu"
-    elif act in ("silu", "swish"):
-        mlp = "swiglu"
-    else:
+    elif act not in ("silu", "swish"):
         cfg.refuse("hidden_act", "only silu for this family")
     window = cfg.get("sliding_window")
-    if kind in ("qwen2", "qwen3", "smollm3") and not cfg.get("use_sliding_window", False):
+    if family.windows == "flag" and not cfg.get("use_sliding_window", False):
         window = None  # a window in the config is off unless use_sliding_window says so
-    elif kind in ("llama", "granite", "olmo2", "stablelm", "gemma") and window is not None:
+    elif family.windows == "none" and window is not None:
         cfg.refuse("sliding_window", f"{kind} has no sliding window")
     nope = None
-    if kind == "smollm3":  # no_rope_layers[i] is 1 where layer i uses rope
+    if family.nope:  # no_rope_layers[i] is 1 where layer i uses rope
         interval = int(cfg.get("no_rope_layer_interval", 4))
         flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
         nope = [i for i, use_rope in enumerate(flags) if not use_rope]
-    layer_types = hf_layer_types(cfg, kind, layers, window, nope)
     attn_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
     if attn_bias != mlp_bias:
         cfg.refuse("attention_bias" if attn_bias else "mlp_bias", "biases on attention or MLP alone")
     if cfg.get("use_bidirectional_attention"):
         cfg.refuse("use_bidirectional_attention", "a decoder attends causally")
-    scalar = cfg.get("query_pre_attn_scalar") if kind in ("gemma2", "gemma3_text") else None
+    scalar = cfg.get("query_pre_attn_scalar") if family.query_scalar else None
+    granite = {key: float(cfg.get(key, 1.0)) for key in ("embedding_multiplier", "residual_multiplier",
+                                                         "logits_scaling")} if family.multipliers else {}
+    stablelm = family.stablelm
     config = make_config(
         source, vocab_size=int(cfg.need("vocab_size")), hidden_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads", heads)), head_dim=head_dim,
         intermediate_size=int(cfg.need("intermediate_size")),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)), rope_theta=theta,
-        rope_precision="float32", rotary_dim=rotary, rope_scaling=scaling, rope_local_theta=local_theta,
-        nope_layers=nope, attn_scale=float(cfg.get("attention_multiplier")) if kind == "granite" else (
+        rotary_dim=rotary, rope_scaling=scaling, rope_local_theta=local_theta, nope_layers=nope,
+        attn_scale=float(cfg.get("attention_multiplier")) if family.multipliers else (
             float(scalar) ** -0.5 if scalar else None),
-        attn_softcap=cfg.get("attn_logit_softcapping") if kind == "gemma2" else None,
-        sliding_window=window, layer_types=layer_types,
-        qkv_bias=kind == "qwen2" or (kind == "stablelm" and bool(cfg.get("use_qkv_bias"))),
-        norm="layernorm" if kind == "stablelm" else "rmsnorm",
-        norm_eps=float(cfg.get("layer_norm_eps" if kind == "stablelm" else "rms_norm_eps", eps_default)),
-        norm_gain_in_float32=kind == "olmo2", norm_unit_offset=kind in GEMMAS,
-        qk_norm={"qwen3": "shared", "gemma3_text": "shared", "olmo2": "whole"}.get(kind, "per_channel" if (
-            kind == "stablelm" and cfg.get("qk_layernorm")) else "none"),
-        attn_output_gate=False, mlp=mlp, bias=attn_bias,
-        parallel_residual=kind == "stablelm" and bool(cfg.get("use_parallel_residual")),
-        pre_norms=kind != "olmo2", post_norms=kind in ("gemma2", "gemma3_text", "olmo2"),
-        residual_scale=float(cfg.get("residual_multiplier", 1.0)) if kind == "granite" else 1.0,
-        tie_word_embeddings=tied,
-        embed_scale=hidden ** 0.5 if kind in GEMMAS else (float(cfg.get("embedding_multiplier", 1.0))
-                                                          if kind == "granite" else None),
-        logits_divisor=float(cfg.get("logits_scaling", 1.0)) if kind == "granite" else 1.0,
-        final_softcap=cfg.get("final_logit_softcapping") if kind == "gemma2" else None)
+        attn_softcap=cfg.get("attn_logit_softcapping") if family.softcaps else None,
+        sliding_window=window, layer_types=hf_layer_types(cfg, family, layers, window, nope),
+        qkv_bias=family.qkv_bias or (stablelm and bool(cfg.get("use_qkv_bias"))),
+        norm="layernorm" if stablelm else "rmsnorm",
+        norm_eps=float(cfg.get("layer_norm_eps" if stablelm else "rms_norm_eps", family.eps)),
+        norm_gain_in_float32=family.norm_gain_in_float32, norm_unit_offset=family.gemma,
+        qk_norm="per_channel" if stablelm and cfg.get("qk_layernorm") else family.qk_norm,
+        mlp="geglu" if family.gemma else "swiglu", bias=attn_bias,
+        parallel_residual=stablelm and bool(cfg.get("use_parallel_residual")),
+        pre_norms=family.pre_norms, post_norms=family.post_norms,
+        residual_scale=granite.get("residual_multiplier", 1.0),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.tied)),
+        embed_scale=hidden ** 0.5 if family.gemma else granite.get("embedding_multiplier"),
+        logits_divisor=granite.get("logits_scaling", 1.0),
+        final_softcap=cfg.get("final_logit_softcapping") if family.softcaps else None)
     for key in ("max_window_layers", "use_sliding_window"):
         cfg.get(key)  # read above where they apply; without a window they change nothing
     cfg.check_unread()
-    return config, hf_decoder_tensors(folder, kind, config, source)
+    return config, hf_decoder_tensors(folder, family, config, source)
 
 
-def make_config(source: str, **values) -> DenseConfig:
-    """A DenseConfig whose errors name the config file."""
-    try:
-        return DenseConfig(**values)
-    except CheckpointError as e:
-        raise CheckpointError(f"{source}: {str(e).removeprefix('config: ')}") from None
-
-
-def hf_decoder_tensors(folder: str, kind: str, config: DenseConfig, source: str) -> dict:
+def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source: str) -> dict:
     """{native name: thunk} of a Llama-layout folder. Where the families' names differ: Gemma 2/3's
     post_attention_layernorm is the attention's post-norm (Llama's is the MLP's pre-norm), OLMo 2 has post-norms
     only, Phi-3 fuses q|k|v and gate|up, StableLM keeps one layer norm per head for q and k."""
-    post_norms = kind in ("gemma2", "gemma3_text", "olmo2")
-    after_attention = "attn_post_norm" if post_norms else "mlp_norm"
+    after_attention = "attn_post_norm" if family.post_norms else "mlp_norm"
     layer = r"model\.layers\.(\d+)\."
     rules = [
         (r"model\.embed_tokens\.weight", "embed_tokens.weight"), (r"model\.norm\.(weight|bias)", r"norm.\1"),
@@ -535,7 +554,7 @@ def neox_yaml(folder: str) -> dict:
             with open(path) as f:
                 data = yaml.safe_load(f) or {}
         except yaml.YAMLError as e:
-            raise CheckpointError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+            raise CheckpointError(f"{path}: not valid YAML ({first_line(e)})") from None
         values.update({k.replace("-", "_"): v for k, v in data.items()})
     return values
 
@@ -588,7 +607,7 @@ def neox_original(folder: str, rank: int | None = None):
     vocab = 2 * shape(0, "word_embeddings.weight")[0]
     ffn = 2 * shape(2, "mlp.dense_h_to_4h.weight")[0]
     tied = not raw.get("no_weight_tying", True)
-    config = neox_config(hidden, heads, layers, vocab, ffn, float(raw["rotary_pct"]), float(raw["rotary_emb_base"]),
+    config = neox_config(step, hidden, heads, layers, vocab, ffn, float(raw["rotary_pct"]), float(raw["rotary_emb_base"]),
                          int(raw.get("max_position_embeddings") or raw.get("seq_length") or 2048),
                          float(raw["layernorm_epsilon"]), bool(raw["gpt_j_residual"]), tied)
     table = {"embed_tokens.weight": merged(0, "word_embeddings.weight", "dim0")}
@@ -629,4 +648,4 @@ def read_torch_file(path: str, raw: dict | None) -> Checkpoint:
 
 
 # Hugging Face folders by config.json's model_type: (folder, raw config, config path) -> (DenseConfig, table)
-HF_FAMILIES = {"openelm": openelm, "gpt_neox": gpt_neox, **{kind: hf_decoder for kind in HF_DEFAULTS}}
+HF_FAMILIES = {"openelm": openelm, "gpt_neox": gpt_neox, **{kind: hf_decoder for kind in FAMILIES}}

@@ -28,6 +28,7 @@ import torch
 
 import dense
 import kernels
+import machine
 from steps import Steps, steps_for
 
 MIN_BUCKET = 256
@@ -49,8 +50,15 @@ def bucket_for(length: int, cache_len: int) -> int:
 
 
 def setup_cache(model: dense.DenseDecoder, batch: int, seq_len: int) -> None:
-    """model.setup_cache with the cache this device runs fastest: on CPU (float32), kernels.py's."""
+    """model.setup_cache with the cache this device runs fastest (on CPU, float32: kernels.py's), refused in one line
+    when it would not fit the memory available."""
     cache_class, dtype = kernels.cache_for(model)
+    for layer in model.layers:  # (the old cache's memory counts as available)
+        layer.attn.kv_cache = dense.NoCache()
+    need, have = model.cache_bytes(batch, seq_len, dtype), machine.available_memory(model.device)
+    if need > have:
+        raise ValueError(f"a KV cache of {seq_len} tokens x batch {batch} needs {need / 2**30:.1f} GiB; "
+                         f"{model.device.type} has {have / 2**30:.1f} GiB available (a smaller max_seq_len fits)")
     model.setup_cache(batch, seq_len, dtype, cache_class=cache_class)
 
 
@@ -176,7 +184,6 @@ class Runner:
         (measured: BENCHMARKS.md)."""
         model, device = self.model, tokens.device
         B, T = tokens.shape
-        model.tokens_prefilled += T
         fn = None
         if self.steps is not None and T <= PREFILL_CHUNK:
             slots = torch.arange(start, start + PREFILL_CHUNK, device=device)
@@ -187,8 +194,9 @@ class Runner:
             fn = self.steps.get("prefill", prefill_step, args, batch=B, tokens=PREFILL_CHUNK, attend=attend,
                                 ragged=row_start is not None, rows=rows is not None)
         if fn is None:  # eager (also while the step compiles in the background)
+            causal = start == 0 and row_start is None  # nothing else in the cache: SDPA's causal kernel on its own keys
             hidden = model.hidden_states(tokens, torch.arange(start, start + T, device=device), row_start=row_start,
-                                         rows=rows)
+                                         rows=rows, causal=causal)
             return model.logits(hidden[:, -1])
         return model.logits(fn(*args))
 
@@ -301,7 +309,7 @@ def prepare(model: dense.DenseDecoder, prompts, max_new_tokens: int, start_pos: 
         raise ValueError(f"{start_pos + T} tokens + {max_new_tokens} new exceed the context of "
                          f"{model.config.max_position_embeddings}")
     cache = model.layers[0].attn.kv_cache
-    moved = cache is not None and next(cache.buffers()).device != model.device  # (model.to(): a cache for the device)
+    moved = isinstance(cache, dense.KVCache) and next(cache.buffers()).device != model.device  # (model.to(): a cache for the device)
     if model.max_seq_len < needed or model.max_batch_size < B or moved:
         if start_pos:
             raise ValueError(f"the cache ({model.max_seq_len} tokens) is too small to continue to {needed} tokens")

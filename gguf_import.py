@@ -26,12 +26,13 @@ import math
 import numpy as np
 import torch
 
+import families
 import quantized
-from checkpoint import Checkpoint
-from dense import CheckpointError, DenseConfig
+from checkpoint import Checkpoint, CheckpointError, make_config
+from dense import DenseConfig
+from machine import first_line
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
-GEMMAS = ("gemma", "gemma2", "gemma3")
+ARCHITECTURES = tuple(families.BY_GGUF)  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3
 # Token texts that end a turn in common chat formats (llama.cpp recognises them the same way).
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "</s>")
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type values
@@ -49,7 +50,7 @@ def open_gguf(path: str):
     try:
         return gguf.GGUFReader(path)
     except Exception as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(f"{path}: not a readable GGUF file ({first_line(e)})") from None
 
 
 def field(reader, key: str, default=None, path: str = ""):
@@ -83,7 +84,7 @@ def dequantized(t, path: str) -> torch.Tensor:
         raise CheckpointError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which gguf cannot "
                               "dequantize") from None
     except (ValueError, TypeError, IndexError) as e:
-        raise CheckpointError(f"{path}: tensor {t.name!r} is damaged ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(f"{path}: tensor {t.name!r} is damaged ({first_line(e)})") from None
     if values.size != math.prod(shape_of(t)):
         raise CheckpointError(f"{path}: tensor {t.name!r} holds {values.size} values, its shape {list(shape_of(t))} "
                               f"needs {math.prod(shape_of(t))}")
@@ -92,13 +93,15 @@ def dequantized(t, path: str) -> torch.Tensor:
 
 
 def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
-    """The model's config from the file's `ARCH.*` metadata and what llama.cpp's model code fixes beyond it."""
+    """The model's config from the file's `ARCH.*` metadata, the family's switches (families.FAMILIES, as for its
+    Hugging Face folders) and what llama.cpp's model code fixes beyond them."""
     def key(name: str, default=None):
         return field(reader, f"{arch}.{name}", default, path)
 
     if int(key("expert_count", 0)):
         raise CheckpointError(f"{path}: GGUF metadata {arch}.expert_count {key('expert_count')}: a mixture of experts; "
                               "this engine runs dense models only")
+    family = families.BY_GGUF[arch][1]
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     layers = int(key("block_count"))
     head_dim = int(key("attention.key_length", hidden // max(heads, 1)))
@@ -110,30 +113,30 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
                               f"{head_dim} for llama")
     context = int(key("context_length", 2048))
     scaling = rope_scaling(reader, arch, tensors, path, context, rope_dim)
-    window = int(key("attention.sliding_window", 4096 if arch == "gemma2" else 0)) if arch in ("gemma2", "gemma3") else 0
+    window = int(key("attention.sliding_window", 4096 if family.softcaps else 0)) if family.window_pattern else 0
     layer_types = None
-    if window:  # llama.cpp: layer il slides if il % n < n - 1 (n = 2 for gemma2, 6 for gemma3), or the file's flags
-        pattern = key("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if window:  # llama.cpp: layer il slides if il % n < n - 1 (n: the family's pattern), or the file's flags
+        pattern = key("attention.sliding_window_pattern", family.window_pattern)
         flags = pattern if isinstance(pattern, list) else [il % pattern < pattern - 1 for il in range(layers)]
         layer_types = ["sliding_attention" if f else "full_attention" for f in flags]
     big = layers == {"gemma2": 46, "gemma3": 62}.get(arch)  # llama.cpp's 27B: the query scale of hidden / heads
-    bias = "blk.0.attn_q.bias" in tensors
-    return DenseConfig(
-        vocab_size=int(key("vocab_size", 0) or len(field(reader, "tokenizer.ggml.tokens", path=path))),
+    return make_config(
+        path, vocab_size=int(key("vocab_size", 0) or len(field(reader, "tokenizer.ggml.tokens", path=path))),
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=int(key("attention.head_count_kv", heads)), head_dim=head_dim,
         intermediate_size=int(key("feed_forward_length")), max_position_embeddings=context,
-        rope_theta=float(key("rope.freq_base", 10000.0)), rope_precision="float32",
-        rotary_dim=rope_dim if rope_dim != head_dim else None, rope_scaling=scaling,
-        rope_local_theta=float(key("rope.freq_base_swa", 10000.0)) if arch == "gemma3" and window else None,
+        rope_theta=float(key("rope.freq_base", 10000.0)), rotary_dim=rope_dim if rope_dim != head_dim else None,
+        rope_scaling=scaling,
+        rope_local_theta=float(key("rope.freq_base_swa", 10000.0)) if family.local_rope and window else None,
         attn_scale=(hidden // heads) ** -0.5 if big else None,
-        attn_softcap=float(key("attn_logit_softcapping", 50.0)) if arch == "gemma2" else None,
-        sliding_window=window or None, layer_types=layer_types, qkv_bias=bias,
+        attn_softcap=float(key("attn_logit_softcapping", 50.0)) if family.softcaps else None,
+        sliding_window=window or None, layer_types=layer_types, qkv_bias="blk.0.attn_q.bias" in tensors,
         norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        qk_norm="shared" if "blk.0.attn_q_norm.weight" in tensors else "none", attn_output_gate=False,
-        mlp="geglu" if arch in GEMMAS else "swiglu", post_norms=arch in ("gemma2", "gemma3"),
-        tie_word_embeddings="output.weight" not in tensors or arch in ("gemma", "gemma2"), embed_scale=math.sqrt(hidden) if arch in GEMMAS else None,
-        final_softcap=float(key("final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0)) or None)
+        qk_norm="shared" if "blk.0.attn_q_norm.weight" in tensors else "none",
+        mlp="geglu" if family.gemma else "swiglu", post_norms=family.post_norms,  # (the norms' 1 + w: baked in)
+        tie_word_embeddings="output.weight" not in tensors or arch in ("gemma", "gemma2"),
+        embed_scale=math.sqrt(hidden) if family.gemma else None,
+        final_softcap=float(key("final_logit_softcapping", 30.0 if family.softcaps else 0.0)) or None)
 
 
 def rope_scaling(reader, arch: str, tensors: dict, path: str, context: int, rope_dim: int) -> dict | None:
@@ -275,7 +278,7 @@ def build_tokenizer(reader, path: str):
         raise
     except Exception as e:  # tokens or merges the tokenizers library refuses
         raise CheckpointError(f"{path}: the GGUF's tokenizer cannot be built ({type(e).__name__}: "
-                              f"{(str(e).splitlines() or [''])[0][:200]})") from None
+                              f"{first_line(e)})") from None
 
 
 def _build_tokenizer(reader, path: str):

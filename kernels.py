@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dense
+from machine import cache_dir, compiler, first_line, intact, note, seal, unwritable_cache
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
 # Up to this many rows of x our kernels beat PyTorch's (BENCHMARKS.md); beyond, a matmul is compute-bound and runs
@@ -37,61 +38,6 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
 # sums in the order the families' references do (their logits bit for bit).
 MAX_ROWS = 16
 _state: dict = {}
-
-
-def cache_dir() -> str:
-    """The project's cache folder (built kernels, compiled steps, the default model, chat history)."""
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dense-engine")
-
-
-def unwritable_cache() -> str | None:
-    """Why the cache folder cannot be written (read-only, full, a file in its place), or None: then the programs
-    answer without saving anything there (one note, session.py), and the kernels are built in a temporary folder."""
-    if "unwritable" not in _state:
-        folder = cache_dir()
-        try:
-            os.makedirs(folder, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-"):
-                pass
-            _state["unwritable"] = None
-        except OSError as e:
-            _state["unwritable"] = e.strerror or type(e).__name__
-    return _state["unwritable"]
-
-
-def compiler() -> str | None:
-    """The C++ compiler the kernels and compiled steps are built with ($CXX, else c++, g++ or clang++), or None."""
-    import shutil
-
-    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
-    return next(filter(None, map(shutil.which, names)), None)
-
-
-def digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def intact(path: str) -> bool:
-    """Whether a built file is complete and undamaged: its digest is the one written beside it (path + ".sha256",
-    written last, after the file is in place), so a killed build or a damaged file is never loaded (a truncated
-    library would kill the process with SIGBUS inside dlopen)."""
-    try:
-        with open(path + ".sha256") as f:
-            return f.read().strip() == digest(path)
-    except OSError:
-        return False
-
-
-def seal(path: str) -> None:
-    """Write the digest beside a file that is complete (the marker intact() checks)."""
-    tmp = f"{path}.sha256.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(digest(path))
-    os.replace(tmp, path + ".sha256")
 
 
 def cpu_flags() -> str:
@@ -147,15 +93,14 @@ def available() -> bool:
     try:
         if not intact(target):
             if os.path.exists(target):
-                print(f"note: {target} is damaged or incomplete; building it again", file=sys.stderr)
-            print("note: building the CPU kernels (kernels.cpp, once per machine, about 15 s)...", file=sys.stderr)
+                note(f"{target} is damaged or incomplete; building it again")
+            note("building the CPU kernels (kernels.cpp, once per machine, about 15 s)...")
             build(target)
         torch.ops.load_library(target)
         register_shapes()
         _state["ok"] = True
     except Exception as e:  # a failing compiler, an incompatible torch: PyTorch's kernels serve
-        print(f"note: CPU kernels unavailable ({str(e).splitlines()[0] if str(e) else type(e).__name__}); using "
-              "PyTorch's", file=sys.stderr)
+        note(f"CPU kernels unavailable ({first_line(e)}); using PyTorch's")
     return _state["ok"]
 
 
@@ -264,16 +209,15 @@ class KVCache(dense.KVCache):
         self.k[rows, :, pos // 16, :, pos % 16] = k.transpose(1, 2)  # [B, T, K, D] by (row, slot)
         self.v[rows, :, pos] = v.transpose(1, 2)
 
-    def attend(self, q, k, v, step, scale: float, window: int | None = None, softcap: float | None = None):
+    def attend(self, q, k, v, step: dense.Step, view: dense.View, scale: float, softcap: float | None):
+        if view.own_keys:  # a plain pass or a prefill from slot 0: dense.py's attention on this call's own k, v
+            return super().attend(q, k, v, step, view, scale, softcap)
         self.update(step, k, v)
-        if step.mask is None:  # a fresh prefill of slots 0..T-1 (eager): SDPA's causal kernel on this call's k, v
-            mask = None if window is None else step.window_mask
-            return dense.attention(q, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap)
         empty = step.input_pos.new_empty(0)
         start = step.row_start if step.row_start is not None else empty
         rows = step.rows if step.rows is not None else empty
-        return torch.ops.dense_kernels.attention(q, self.k, self.v, step.input_pos, start, rows, scale, window or 0,
-                                                 softcap or 0.0)
+        return torch.ops.dense_kernels.attention(q, self.k, self.v, step.input_pos, start, rows, scale,
+                                                 view.window or 0, softcap or 0.0)
 
 
 def cache_for(model) -> tuple[type, torch.dtype | None]:

@@ -6,8 +6,10 @@
 read the checkpoint (convert.py: the native format and every foreign layout) -> choose what to load (a saved
 quantized variant, quantizing tensor by tensor as they load, or the full-precision weights) -> build the model on the
 meta device -> swap in quantized linears (quantized.py) -> read each tensor (memory-mapped), check it, cast it and
-move it to `device`, one at a time (dense.DenseDecoder.load_tensors) -> place the weights for the CPU kernels.
-Stands on dense.py, kernels.py, quantized.py and convert.py; tp.py loads shards through its `shard` hook.
+move it to `device`, one at a time (load_tensors) -> place the weights for the CPU kernels. Also here: the memory
+check before anything is allocated (check_fits), and the way back from a model to checkpoint tensors
+(checkpoint_state_dict). Stands on dense.py, kernels.py, quantized.py and convert.py; tp.py loads shards through
+its `shard` hook.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from typing import Callable
 
 import torch
 
+from torch import nn
+
 import convert
 import dense
 import kernels
+import machine
 import quantized
-from dense import CheckpointError
+from checkpoint import CheckpointError
 
 
 def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant: str | None = None,
@@ -40,11 +45,11 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
     config = checkpoint.config
     if shard is not None:
         config, tensors = shard(checkpoint, tensors, mode)
-    dense.check_fits(config, dtype, torch.device(device), checkpoint.path, quantized.BYTES_PER_WEIGHT.get(mode))
+    check_fits(config, dtype, torch.device(device), checkpoint.path, quantized.BYTES_PER_WEIGHT.get(mode))
     with torch.device("meta"), no_init():
         model = dense.DenseDecoder(config)
     quantized.swap_linears(model, mode, params)  # quantized linears, or kernels.Linear for full precision
-    model.load_tensors(tensors, device, dtype, source=checkpoint.path)
+    load_tensors(model, tensors, device, dtype, source=checkpoint.path)
     kernels.place_weights(model)  # huge pages for the weights a decode step streams (CPU)
     # how to load it again (background.py compiles its steps in another process from this)
     model.source = {"ckpt": checkpoint.path, "quant": mode, "dtype": dtype, "device": str(device)}
@@ -71,10 +76,6 @@ class no_init:
 # Choosing what to load: a saved variant, quantizing as the tensors load, or the full-precision weights
 
 
-def notice_stderr(message: str) -> None:
-    print(f"note: {message}", file=sys.stderr)
-
-
 def auto_mode(checkpoint, device="cpu") -> tuple[str | None, str]:
     """What `--quant auto` loads, and why: int4-g32 for weights that came from a GGUF's Q4_0/Q4_1 blocks (int4
     holds them exactly, and int4 is the fastest kernel: ours on CPU, tinygemm on CUDA, whose bfloat16 scales round
@@ -93,7 +94,7 @@ def auto_mode(checkpoint, device="cpu") -> tuple[str | None, str]:
     return None, f"{what}: loaded as stored (--quant int4 for the fastest CPU decode)"
 
 
-def select(checkpoint, quant: str | None, notice=notice_stderr, device="cpu") -> tuple[str | None, dict, dict]:
+def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> tuple[str | None, dict, dict]:
     """(mode, layer params, {checkpoint name: thunk}) for from_pretrained: the saved variant of `quant` when there is
     one, else the full-precision tensors quantized one by one as they load, on `device` (a GPU's minutes are a CPU's
     seconds). quant=None loads what is stored."""
@@ -132,3 +133,103 @@ def expand_double_quant(table: dict) -> dict:
         if len(parts) == len(quantized.DOUBLE_QUANT):
             table[f"{prefix}.absmax"] = lambda parts=parts: quantized.double_quant_absmax(*(p() for p in parts))
     return table
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Filling a model from checkpoint tensors, and back
+
+
+def fused_parts(model: dense.DenseDecoder, module_name: str) -> dict[str, int]:
+    """{checkpoint prefix: rows} of the tensors a module is stacked from (itself alone for most modules): q/k/v (and
+    the gate) into qkv_proj, gate and up into gate_up_proj."""
+    parent, _, leaf = module_name.rpartition(".")
+    parts = getattr(model.get_submodule(parent), "parts", None) if leaf in ("qkv_proj", "gate_up_proj") else None
+    return {f"{parent}.{p}": rows for p, rows in parts.items()} if parts else {module_name: 0}
+
+
+def checkpoint_state_dict(model: dense.DenseDecoder) -> dict[str, torch.Tensor]:
+    """The model's tensors under checkpoint names (fused projections split back into their parts; a tied head left
+    out): what convert.write_native saves and load_tensors reads."""
+    state = {}
+    for name, t in model.state_dict().items():
+        module_name, _, attr = name.rpartition(".")
+        parts = fused_parts(model, module_name)
+        if name == "lm_head.weight" and model.config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
+            continue
+        rows = list(parts.values())
+        pieces = t.split([t.shape[0] * r // sum(rows) for r in rows]) if len(parts) > 1 else [t]
+        state.update({f"{prefix}.{attr}": piece for prefix, piece in zip(parts, pieces)})
+    return state
+
+
+def load_tensors(model: dense.DenseDecoder, tensors: dict[str, Callable[[], torch.Tensor]], device, dtype,
+                 source: str) -> dense.DenseDecoder:
+    """Fill a meta-device model from {checkpoint name: thunk returning the tensor}, one tensor at a time. A fused
+    projection's tensor is its parts' tensors stacked by rows (for quantized layers too: every stored layout is
+    row-major per output row)."""
+    tied = model.config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear)  # a quantized head has its own
+    expected = dict(model.state_dict(keep_vars=True))
+    if tied:
+        expected.pop("lm_head.weight")
+    sources = {}  # model tensor name -> {checkpoint name: expected shape}
+    for name, param in expected.items():
+        module_name, _, attr = name.rpartition(".")
+        parts = fused_parts(model, module_name)
+        total = sum(parts.values())
+        sources[name] = {f"{prefix}.{attr}": (param.shape[0] * rows // total, *param.shape[1:]) if total else
+                         tuple(param.shape) for prefix, rows in parts.items()}
+    wanted = [n for s in sources.values() for n in s]
+    missing = [n for n in wanted if n not in tensors]
+    unexpected = [n for n in tensors if n not in set(wanted)]
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r}" + more(missing))
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]!r}" + more(unexpected))
+    for name, parts in sources.items():
+        pieces = []
+        for part, shape in parts.items():
+            t = tensors[part]()
+            if tuple(t.shape) != tuple(shape):
+                raise CheckpointError(f"{source}: tensor {part!r} has shape {list(t.shape)}, expected {list(shape)}")
+            pieces.append(t)
+        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        keep = attr in getattr(module, "keep_dtype", ())  # quantization scales load as stored
+        t = t.to(device=device, dtype=dtype if t.is_floating_point() and not keep else t.dtype)
+        if attr in module._buffers:
+            module._buffers[attr] = t
+        else:
+            setattr(module, attr, nn.Parameter(t, requires_grad=False))
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    for module in model.modules():  # quantized linears repack for this device's kernels
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
+    return model.eval()
+
+
+def more(names: list[str]) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+
+
+def check_fits(config: dense.DenseConfig, dtype: torch.dtype, device: torch.device, source: str,
+               bytes_per_weight: float | None = None) -> None:
+    """Refuse, before allocating anything, a config whose weights would not fit the device's available memory,
+    naming its largest term (a config from the internet must not make us allocate hundreds of GB).
+    bytes_per_weight: of the quantized layers (all but the embedding), when they are quantized."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    embedding = config.vocab_size * config.hidden_size
+    need = embedding * elem + (config.num_parameters() - embedding) * (bytes_per_weight or elem)
+    have = machine.available_memory(device)
+    if need <= have:
+        return
+    C, L = config.hidden_size, config.num_hidden_layers
+    terms = {f"vocab_size {config.vocab_size} x hidden_size {C}": config.vocab_size * C,
+             f"num_hidden_layers {L} x (intermediate_size {config.ffn_width(0)} x hidden_size {C})":
+                 L * config.ffn_width(0) * C,
+             f"num_hidden_layers {L} x (attention heads {config.heads(0)} x head_dim {config.head_dim} x hidden_size "
+             f"{C})": L * config.heads(0) * config.head_dim * C}
+    raise CheckpointError(f"{source}: the config describes {config.num_parameters() / 1e9:.1f}B parameters, "
+                          f"{need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, mostly "
+                          f"{max(terms, key=terms.get)}; {device.type} has {have / 2**30:.1f} GiB available")

@@ -15,7 +15,7 @@ import sys
 
 import convert
 import quantized
-from dense import CheckpointError
+from checkpoint import CheckpointError
 
 
 def quantize_checkpoint(src: str, mode: str, out: str | None = None, group_size: int = 32, progress=None,

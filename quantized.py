@@ -17,7 +17,7 @@ gets an int4-g32 variant made from the GGUF's own blocks, bit for bit. nf4 is bi
 blocks of 64 over the flattened weight, absmax per block, two codes per byte with the first in the high nibble.
 
 Files store one tensor set per checkpoint linear (q_proj, k_proj, ...); the model stacks q/k/v/gate and gate/up by
-rows when it loads them (dense.DenseDecoder.load_tensors). Every layout here is row-major per output row (nf4's
+rows when it loads them (load.load_tensors). Every layout here is row-major per output row (nf4's
 blocks never cross a part, whose size is a multiple of 64), so the stacked tensors are the stacked layer's own.
 Files of variants are written by convert.py (convert.write_variant; the command line is quantize.py), and chosen at
 load time by load.py.
@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from dense import CheckpointError, DenseDecoder
+from checkpoint import CheckpointError
+from dense import DenseDecoder
 
 MODES = ("int8", "int4", "nf4", "llm.int8")
 # bitsandbytes' NF4 code (float32), in increasing order.
@@ -302,7 +303,7 @@ def layer_modes(model: DenseDecoder, mode: str) -> dict[str, str]:
 
 def swap_linears(model: DenseDecoder, mode: str | None, params: dict) -> DenseDecoder:
     """Replace the model's nn.Linear layers by empty quantized ones (mode None: by kernels.Linear, whose CPU decode
-    calls run kernels.cpp), built on the same device (meta while loading) and filled by dense.load_tensors."""
+    calls run kernels.cpp), built on the same device (meta while loading) and filled by load.load_tensors."""
     chosen = layer_modes(model, mode) if mode else {name: None for name, m in model.named_modules()
                                                      if type(m) is nn.Linear}
     for name, layer_mode in chosen.items():

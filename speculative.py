@@ -132,7 +132,7 @@ def quantized_copy(model: dense.DenseDecoder, mode: str) -> dense.DenseDecoder:
         model.embed_tokens = embedding
     draft.embed_tokens = embedding
     for layer in draft.layers:
-        layer.attn.kv_cache = None
+        layer.attn.kv_cache = dense.NoCache()
     draft.max_batch_size = draft.max_seq_len = 0
     return quantized.quantize_model(draft, mode)
 

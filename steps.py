@@ -24,6 +24,8 @@ import torch
 
 import dense
 import kernels
+import machine
+from machine import first_line, note
 from checkpoint import atomic_write
 
 _state: dict = {}
@@ -71,7 +73,7 @@ class Steps:
         self.model, self.status, self.background = model, status, background
         self.pending: set[str] = set()  # keys being compiled by a background process
         self.failed: set[str] = set()  # keys that could not be compiled here: eager
-        self.folder = folder or os.path.join(kernels.cache_dir(), "compiled")
+        self.folder = folder or os.path.join(machine.cache_dir(), "compiled")
         self.functions: dict[str, Callable] = {}
         self.base = None  # the part of the key shared by every step of this model and cache
         self.compile_s = 0.0  # seconds spent compiling (not loading) in this process
@@ -133,14 +135,14 @@ class Steps:
             return None
         trust_the_cpu_flags()
         try:
-            if not kernels.intact(path):
+            if not machine.intact(path):
                 raise ValueError("damaged: its digest is not the one written when it was saved")
             with open(path, "rb") as f:
                 loaded = torch.compiler.load_compiled_function(f)
             self.loaded += 1
             return loaded
         except Exception as e:  # a damaged file, another torch or python: compile it again
-            notice(f"ignoring the saved compiled step {path} ({dense_reason(e)}); compiling it again")
+            note(f"ignoring the saved compiled step {path} ({first_line(e)}); compiling it again")
             self.discard(path)
             return None
 
@@ -170,7 +172,7 @@ class Steps:
             compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options).aot_compile((args, {}))
         except Exception as e:  # a failing C++ compiler (Inductor builds with it too): eager, said once
             if not _state.get("compile_failed"):
-                notice(f"compiling the {kind} step failed ({dense_reason(e)}); running eagerly (slower)")
+                note(f"compiling the {kind} step failed ({first_line(e)}); running eagerly (slower)")
                 _state["compile_failed"] = True
             return None
         took = time.perf_counter() - start
@@ -179,11 +181,11 @@ class Steps:
         try:
             os.makedirs(self.folder, exist_ok=True)
             compiled.save_compiled_function(path)  # written to a temporary file and renamed: concurrent runs are safe
-            kernels.seal(path)  # the completion marker, last
+            machine.seal(path)  # the completion marker, last
             self.record(kind, took)
         except Exception as e:  # a full disk or a read-only cache: the step still works in this process
-            if kernels.unwritable_cache() is None:  # (an unwritable cache folder was already said, once)
-                notice(f"could not save the compiled step to {path} ({dense_reason(e)})")
+            if machine.unwritable_cache() is None:  # (an unwritable cache folder was already said, once)
+                note(f"could not save the compiled step to {path} ({first_line(e)})")
             return compiled
         try:  # run the step as saved, as later processes load it: the object compile returns decodes ~12% slower
             with open(path, "rb") as f:  # (measured: 38-39 against 43-44 tok/s, float32 SmolLM2)
@@ -285,14 +287,6 @@ def rebuild(described: list, model: dense.DenseDecoder) -> tuple:
         else:
             out.append(d["value"])
     return tuple(out)
-
-
-def notice(message: str) -> None:
-    print(f"note: {message}", file=sys.stderr)
-
-
-def dense_reason(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 _steps: dict[int, Steps] = {}

@@ -15,8 +15,8 @@ A rank's shard, per block (rank r of N):
   embedding, norms, output head: replicated (whole logits on every rank, no gather; every rank samples the same token
       from the same logits with the same seed).
 dense.py knows none of this: a shard is an ordinary DenseDecoder whose config has H/N heads and W/N FFN width per
-layer, loaded through the loader's one hook (`shard=` in load.from_pretrained), and DecoderLayer.reduce is the
-all-reduce (a functional collective, so a compiled step stays one graph). Stands on dense.py, families.py and load.py.
+layer, loaded through the loader's one hook (`shard=` in load.from_pretrained), and tp.py adds the all-reduces to the built
+model as hooks (a functional collective, so a compiled step stays one graph). Stands on dense.py, families.py and load.py.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.distributed as dist
 import dense
 import families
 import load
-from dense import CheckpointError
+from checkpoint import CheckpointError
 
 
 def world() -> tuple[int, int]:
@@ -229,6 +229,14 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
     rank, size = world()
     model = load.from_pretrained(path, device=device, dtype=dtype, quant=quant, shard=shard(rank, size))
     if size > 1:
-        for layer in model.layers:
-            layer.reduce = all_reduce
+        add_reduces(model)
     return model
+
+
+def add_reduces(model) -> None:
+    """Each branch's partial output is summed over ranks as it enters its post-norm (an Identity where the family has
+    none), before the residual add: a forward pre-hook, as gpt-fast's tp.py adds its all-reduces. (GPT-NeoX's
+    parallel form adds both branches first, then enters attn_post_norm: one all-reduce.)"""
+    for layer in model.layers:
+        for module in (layer.attn_post_norm, layer.mlp_post_norm):
+            module.register_forward_pre_hook(lambda _module, args: (all_reduce(args[0]),))

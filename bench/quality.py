@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import checkpoint  # noqa: E402
 import dense  # noqa: E402
 import load  # noqa: E402
 import quantize  # noqa: E402
@@ -93,7 +94,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as out, console.status(f"{mode} g{group}"):
             try:
                 path = quantize.quantize_checkpoint(ckpt, mode, out=out, group_size=group, double_quant=dq)
-            except dense.CheckpointError as e:  # e.g. int4-g128 on widths that are not multiples of 128
+            except checkpoint.CheckpointError as e:  # e.g. int4-g128 on widths that are not multiples of 128
                 console.print(f"[dim]{mode} g{group}: {e}[/dim]")
                 continue
             size = quantized_fraction(path, full)

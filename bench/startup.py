@@ -26,7 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import kernels  # noqa: E402
+import machine  # noqa: E402
 import session  # noqa: E402
 
 
@@ -74,7 +74,7 @@ def main() -> int:
     args = p.parse_args()
     flags = [a for a in args.chat_args if a != "--"] or ["--prompt", "What is the capital of France?",
                                                          "--max-new-tokens", "32", "--temperature", "0"]
-    warm = kernels.cache_dir()
+    warm = machine.cache_dir()
     print("warming the cache folder (the default model, kernels, compiled steps)...", file=sys.stderr)
     env = {**os.environ, "DENSE_BACKGROUND_COMPILE": "0"}
     subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), *flags], env=env, cwd=ROOT, check=True,

@@ -55,7 +55,8 @@ def random_model(context: int = 512, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config = dense.DenseConfig(**{"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                                  "max_position_embeddings": context, **overrides})
+                                  "max_position_embeddings": context, "rope_precision": "bfloat16",
+                                  "qk_norm": "per_channel", "attn_output_gate": True, **overrides})
     model = dense.DenseDecoder(config)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 import convert
 import families
 from conftest import FIXTURES, LAYOUTS, ROOT, expected, fixture_path, rel_err
-from dense import CheckpointError
+from checkpoint import CheckpointError
 from load import from_pretrained
 
 

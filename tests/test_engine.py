@@ -43,7 +43,7 @@ def test_shellelastic_is_exact_in_both_precisions():
 
 
 def test_rope_precision_bfloat16_rounds_every_step():
-    cfg = DenseConfig(num_hidden_layers=1, head_dim=8, max_position_embeddings=300)
+    cfg = DenseConfig(num_hidden_layers=1, head_dim=8, max_position_embeddings=300, rope_precision="bfloat16")
     cos, sin = dense.rope_tables(cfg, torch.arange(300.0))
     inv = (1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))).bfloat16().float()
     pos = torch.arange(300.0).bfloat16().float()  # 257 rounds to 256 in bfloat16

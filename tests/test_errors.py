@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 import generate
 from conftest import FIXTURES
-from dense import CheckpointError, DenseConfig
+from checkpoint import CheckpointError, config_from_dict, make_config
 from load import from_pretrained
 
 SHELL = os.path.join(FIXTURES, "shellelastic")
@@ -105,11 +105,11 @@ def test_unknown_config_key_is_not_ignored(ckpt):
 
 
 def test_bad_choice_value():
-    raises_one_line(CheckpointError, "rope_layout must be one of half, interleaved", DenseConfig, rope_layout="pairs")
+    raises_one_line(CheckpointError, "rope_layout must be one of half, interleaved", make_config, rope_layout="pairs")
 
 
 def test_release_keys_are_ignored():
-    config = DenseConfig.from_dict({"hidden_size": 48, "method": "standalone", "tier": "S", "rms_norm_eps": 1e-6})
+    config = config_from_dict({"hidden_size": 48, "method": "standalone", "tier": "S", "rms_norm_eps": 1e-6})
     assert config.hidden_size == 48 and config.norm_eps == 1e-6
 
 

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+import checkpoint
 import dense
 import generate
 import quantized
@@ -230,7 +231,7 @@ def test_unsupported_variants_are_refused_in_one_line(checkpoints, tmp_path, edi
     raw.pop("rope_parameters")
     raw.update(edit)
     (folder / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(dense.CheckpointError) as info:
+    with pytest.raises(checkpoint.CheckpointError) as info:
         from_pretrained(str(folder))
     assert message in str(info.value) and "config.json" in str(info.value) and "\n" not in str(info.value)
 

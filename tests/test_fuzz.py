@@ -204,7 +204,7 @@ def run(work: str, cases: int, seed: int) -> dict:
 
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
     sys.path.insert(0, ROOT)
-    import dense
+    import checkpoint
     import session
 
     native, gguf_dir = make_sources(work)
@@ -236,7 +236,7 @@ def run(work: str, cases: int, seed: int) -> dict:
         try:
             attempt(folder, kind)
             result = "loaded"
-        except (dense.CheckpointError, session.UsageError) as e:
+        except (checkpoint.CheckpointError, session.UsageError) as e:
             result = "one-line error" if "\n" not in str(e) else "multi-line error"
             if "\n" in str(e):
                 failures.append({"case": case, "mutation": name, "error": str(e)[:300]})
@@ -285,13 +285,14 @@ def test_fuzz_damaged_cache_files_end_in_the_answer_or_a_one_line_error(tmp_path
     note) or stops with one line; never a crash, never a wrong answer from a damaged file."""
     import convert
     import kernels
+    import machine
 
     chat = os.path.join(ROOT, "chat.py")
     native = str(tmp_path / "native")
     convert.convert(os.path.join(ROOT, "tests", "fixtures", "llama"), native)
     cache = tmp_path / "cache" / "dense-engine"
     if kernels.available():  # the library the suite built, not a build of its own
-        shutil.copytree(os.path.join(kernels.cache_dir(), "kernels"), cache / "kernels")
+        shutil.copytree(os.path.join(machine.cache_dir(), "kernels"), cache / "kernels")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     run = [sys.executable, chat, "--ckpt", native, "--prompt", "hi", "--temperature", "0", "--max-new-tokens", "8"]
     want = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)

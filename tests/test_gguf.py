@@ -15,6 +15,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import checkpoint
 import dense
 import generate
 import gguf_import
@@ -69,7 +70,7 @@ def write_gguf(path, model: dense.DenseDecoder, tok: Tokenizer, pre: str, types:
     writer.add_rope_dimension_count(cfg.head_dim)
     gguf_cases.write_bpe_vocabulary(writer, tok, pre, SPECIALS)
     writer.add_chat_template(TEMPLATE)
-    state = {k: v.float().numpy() for k, v in model.checkpoint_state_dict().items()}
+    state = {k: v.float().numpy() for k, v in load.checkpoint_state_dict(model).items()}
     names = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = "output.weight"
@@ -149,7 +150,7 @@ def test_quantized_tensors_equal_ggufs_own_dequantization(tmp_path, tokenizer):
     path = tmp_path / "q.gguf"
     written = write_gguf(path, model, tokenizer, "gpt2", types)
     loaded = load.from_pretrained(str(path))
-    params = loaded.checkpoint_state_dict()
+    params = load.checkpoint_state_dict(loaded)
     checked = set()
     for i in range(2):
         for ours, theirs, heads in [("attn.q_proj", "attn_q", 4), ("attn.k_proj", "attn_k", 2), ("attn.v_proj", "attn_v", 0),
@@ -207,10 +208,10 @@ def test_unsupported_gguf_is_a_clear_error(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(dense.CheckpointError, match="GGUF architecture 'mamba' is not supported"):
+    with pytest.raises(checkpoint.CheckpointError, match="GGUF architecture 'mamba' is not supported"):
         load.from_pretrained(str(tmp_path / "x.gguf"))
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 10)
-    with pytest.raises(dense.CheckpointError, match="not a readable GGUF file"):
+    with pytest.raises(checkpoint.CheckpointError, match="not a readable GGUF file"):
         load.from_pretrained(str(tmp_path / "bad.gguf"))
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import checkpoint
 import dense
 import generate
 import load
@@ -146,9 +147,9 @@ def test_refuses_an_already_quantized_source_and_foreign_in_place(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(ROOT, "quantize.py"), "--ckpt", str(out), "--mode", "int4"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "already quantized" in result.stderr and result.stderr.count("\n") == 1
-    with pytest.raises(dense.CheckpointError, match="not a native checkpoint; pass --out"):
+    with pytest.raises(checkpoint.CheckpointError, match="not a native checkpoint; pass --out"):
         quantize.quantize_checkpoint(fixture_path("llama"), "int8")
-    with pytest.raises(dense.CheckpointError, match="input width 48 is not a multiple of the group size 32"):
+    with pytest.raises(checkpoint.CheckpointError, match="input width 48 is not a multiple of the group size 32"):
         quantize.quantize_checkpoint(fixture_path("shellelastic"), "int4", out=str(tmp_path / "x"))
 
 
@@ -199,5 +200,5 @@ def test_double_quant_variant_round_trip(tmp_path):
     dq = load.from_pretrained(str(tmp_path / "dq"), quant="nf4")
     assert rel_err(dq(ids), load.from_pretrained(str(tmp_path / "plain"), quant="nf4")(ids)) < 2e-2
     assert rel_err(dq(ids), quantized_reference(dq)(ids)) < 2e-2
-    with pytest.raises(dense.CheckpointError, match="--double-quant applies to --mode nf4 only"):
+    with pytest.raises(checkpoint.CheckpointError, match="--double-quant applies to --mode nf4 only"):
         quantize.quantize_checkpoint(src, "int8", out=str(tmp_path / "x"), double_quant=True)

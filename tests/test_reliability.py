@@ -65,7 +65,7 @@ def run_until(cmd, env, appears, timeout=120):
 
 @pytest.mark.slow
 def test_a_kernel_build_killed_or_damaged_is_built_again(tmp_path):
-    import kernels
+    import machine
 
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     folder = tmp_path / "dense-engine" / "kernels"
@@ -76,7 +76,7 @@ def test_a_kernel_build_killed_or_damaged_is_built_again(tmp_path):
     first = chat("--ckpt", LLAMA, "--prompt", "hi", *GREEDY, "--no-compile", env=env)
     assert first.returncode == 0 and "building the CPU kernels" in first.stderr
     library = next(folder.glob("*/libdense_kernels.so"))
-    assert kernels.intact(str(library))
+    assert machine.intact(str(library))
     library.write_bytes(library.read_bytes()[:4096])  # truncated: loading it would end the process with SIGBUS
     second = chat("--ckpt", LLAMA, "--prompt", "hi", *GREEDY, "--no-compile", env=env)
     assert second.returncode == 0 and second.stdout == first.stdout
