@@ -30,6 +30,7 @@ import quantized
 import session
 import speculative
 import tp
+import vocab as vocab_module
 import checkpoint
 from checkpoint import atomic_write
 
@@ -397,7 +398,7 @@ def main(args, console, ckpt: str | None) -> int:
             quant, reason = line.split(" (", 1)[0].removeprefix("weights: "), line.split(" (", 1)[1].rstrip(")")
             title = ckpt
             if args.prompt is not None:  # a real prompt (prompt lookup needs one): its ids, as one-shot would
-                vocab = session.load_vocabulary(ckpt, args.tokenizer)
+                vocab = vocab_module.load_vocabulary(ckpt, args.tokenizer)
                 mode = session.prompt_mode(args, vocab, ckpt)
                 prompt_ids = session.prompt_ids(vocab, session.prompt_text(args, mode), mode,
                                              args.system)

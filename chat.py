@@ -24,9 +24,10 @@ import generate
 import tp
 from checkpoint import CheckpointError
 from repl import interactive
-from session import (SETTINGS, Session, UsageError, Vocabulary, add_model_flags, check_environment, ctrl_c_as_key,
-                     default_checkpoint, fitting_cache, load_model, load_vocabulary, make_draft, parse_flags,
-                     positive_int, prompt_ids, prompt_mode, prompt_text)
+from default_model import default_checkpoint
+from session import (SETTINGS, Session, add_model_flags, check_environment, ctrl_c_as_key, fitting_cache, load_model,
+                     make_draft, parse_flags, positive_int, prompt_ids, prompt_mode, prompt_text)
+from vocab import UsageError, Vocabulary, load_vocabulary
 
 # ----------------------------------------------------------------------------------------------------------------
 # The program

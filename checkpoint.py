@@ -98,7 +98,8 @@ def load_pickle(path: str) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
     except pickle.UnpicklingError as e:
-        detail = str(e).split("Unsupported")[-1].strip().splitlines()[0] if "Unsupported" in str(e) else "unsafe"
+        detail = (str(e).split("Unsupported")[-1].strip().splitlines() or ["unsafe"])[0] if "Unsupported" in str(e) \
+            else "unsafe"
         raise CheckpointError(f"{path}: refused to unpickle: it holds something other than tensors and plain "
                               f"containers (weights_only=True; {detail})") from None
     except Exception as e:
@@ -164,7 +165,7 @@ ROPE_SCALINGS = {
     "longrope": (3, ("short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor")),
     "factors": (1, ("factors",)),
 }
-# The native format is the ShellElastic release's (seed 000, the model this project began with): its config.json
+# The native format is the ShellElastic release's (the model this project began with): its config.json
 # leaves out what its own defaults say, and those differ from DenseConfig's Llama defaults.
 NATIVE_DEFAULTS = dict(vocab_size=50432, hidden_size=384, intermediate_size=1536, num_hidden_layers=32,
                        num_attention_heads=6, head_dim=64, max_position_embeddings=2048, rope_precision="bfloat16",

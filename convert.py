@@ -38,7 +38,7 @@ def read_checkpoint(path) -> Checkpoint:
     config_file = os.path.join(path, "config.json")
     if os.path.isdir(path) and os.path.isfile(config_file):
         raw = read_json(config_file)
-        if raw.get("model_type", "dense") == "dense" and "dim" not in raw:  # native (seed 000 release) format
+        if raw.get("model_type", "dense") == "dense" and "dim" not in raw:  # native (the ShellElastic release's) format
             config = config_from_dict(raw, config_file)
             weights = os.path.join(path, "model.safetensors")
             if not os.path.isfile(weights) and not raw.get("quantization"):

@@ -55,7 +55,7 @@ class DenseConfig:
     #                                       slides if a window is set (Mistral)
     qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2, StableLM)
     qk_norm: str = "none"  # "per_channel": per head, a gain per (head, channel) (ShellElastic, StableLM) |
-    #                        "shared": per head, one [D] gain (OpenELM, Qwen3, Gemma 3) | "whole": over all heads (OLMo 2)
+    #                        "shared": per head, one [D] gain (OpenELM, Qwen3, Gemma 3) | "whole": all heads (OLMo 2)
     attn_output_gate: bool = False  # attention output *= sigmoid(x W_gate^T), x the attention input (ShellElastic)
     # the block
     norm: str = "rmsnorm"  # "layernorm" (with bias: GPT-NeoX, StableLM)
@@ -106,15 +106,6 @@ class DenseConfig:
     @property
     def rope_dim(self) -> int:
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
-
-    def num_parameters(self) -> int:
-        """Parameters the config describes (norm gains and biases included), without building the model."""
-        C, total = self.hidden_size, self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        for layer in range(self.num_hidden_layers):
-            q, kv, w = self.heads(layer) * self.head_dim, self.kv_heads(layer) * self.head_dim, self.ffn_width(layer)
-            total += C * (q + 2 * kv) + q * C + (C * q if self.attn_output_gate else 0)
-            total += C * w * (2 if self.mlp == "gelu" else 3) + 4 * C
-        return total + 2 * C
 
     def to_dict(self) -> dict:
         return asdict(self)

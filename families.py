@@ -1,18 +1,22 @@
 """families.py: each supported checkpoint family's config and tensor names, mapped to dense.py's native ones.
 
-Each family is a small function: read the family's config into a DenseConfig and return a table
+The Llama-layout families differ in a few switches and defaults: one table, FAMILIES (model type -> Family), holds
+them, and serves both their Hugging Face folders (hf_decoder) and their GGUF architectures (gguf_import.py). The
+others, whose layouts differ more, have a small reader each. Every reader returns a checked DenseConfig and a table
 {native name: thunk} whose thunks read, slice or merge the family's tensors on demand (checkpoint.py). Stands on
 dense.py and checkpoint.py; convert.py dispatches to these by what a path holds.
 
-| family            | what is on disk                                                   |
-| ----------------- | ----------------------------------------------------------------- |
-| ShellElastic      | native: config.json + model.safetensors (seed 000; convert.py)    |
-| Sprout            | ckpt.pt {"model", "config": {vocab_size, dim, n_layers, ...}}     |
-| GermanGPT         | checkpoint.pt {"config": {d_model, n_kv_heads, ...}, "model"}      |
-| OpenELM           | Hugging Face folder, model_type "openelm"                         |
-| GPT-NeoX          | Hugging Face folder, model_type "gpt_neox"                        |
-| GPT-NeoX original | global_step*/layer_NN-model_0R-model_states.pt + configs/*.yml    |
-| Llama             | Hugging Face folder, model_type "llama"                           |
+| family                       | what is on disk                                                         |
+| ---------------------------- | ----------------------------------------------------------------------- |
+| ShellElastic                 | native: config.json + model.safetensors (convert.py reads it)            |
+| Sprout                       | ckpt.pt {"model", "config": {vocab_size, dim, n_layers, ...}}            |
+| GermanGPT                    | checkpoint.pt {"config": {d_model, n_kv_heads, ...}, "model"}             |
+| OpenELM                      | Hugging Face folder, model_type "openelm"                                |
+| GPT-NeoX                     | Hugging Face folder, model_type "gpt_neox"                               |
+| GPT-NeoX original            | global_step*/layer_NN-model_0R-model_states.pt + configs/*.yml           |
+| the FAMILIES table (12)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
+|                              | gemma2, gemma3_text, phi3, smollm3, granite, olmo2, stablelm; GGUF files |
+|                              | of llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3 (gguf_import.py)     |
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ def need(raw: dict, key: str, source: str):
 
 
 def sprout(raw: dict, state: dict, source: str):
-    """Seed 001: fused qkv, nn.RMSNorm eps 1e-5, rotate-half RoPE in float32, untied head."""
+    """Sprout (its reference code's checkpoint): fused qkv, nn.RMSNorm eps 1e-5, rotate-half RoPE in float32, untied head."""
     state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
     dim, heads = int(need(raw, "dim", source)), int(need(raw, "n_heads", source))
     if "blocks.0.mlp.w_gate.weight" not in state:
@@ -128,7 +132,7 @@ def sprout(raw: dict, state: dict, source: str):
 
 
 def germangpt(raw: dict, state: dict, source: str):
-    """Seed 002: RMSNorm eps 1e-6, RoPE on interleaved pairs, GQA, tied embeddings when tie_embeddings."""
+    """GermanGPT (its reference code's checkpoint): RMSNorm eps 1e-6, RoPE on interleaved pairs, GQA, tied embeddings when tie_embeddings."""
     if raw.get("norm", "rmsnorm") != "rmsnorm" or raw.get("mlp", "swiglu") != "swiglu":
         raise CheckpointError(f"{source}: only norm 'rmsnorm' and mlp 'swiglu' exist in GermanGPT")
     d_model, heads = int(need(raw, "d_model", source)), int(raw.get("n_heads", 16))
@@ -156,7 +160,7 @@ def make_divisible(v: float, divisor: int, min_value: int | None = None) -> int:
 
 
 def openelm_widths(raw: dict, source: str) -> tuple[list[int], list[int], list[int]]:
-    """Per-layer query heads, key/value heads and FFN widths, derived exactly as seed 003's config does."""
+    """Per-layer query heads, key/value heads and FFN widths, derived exactly as OpenELM's reference config does."""
     layers, model_dim = int(need(raw, "num_transformer_layers", source)), int(need(raw, "model_dim", source))
     head_dim, groups = int(need(raw, "head_dim", source)), int(raw.get("num_gqa_groups", 1))
 
@@ -179,7 +183,7 @@ def openelm_widths(raw: dict, source: str) -> tuple[list[int], list[int], list[i
 
 
 def openelm(folder: str, raw: dict, source: str):
-    """Seed 003: per-layer widths, fused qkv [q heads, k heads, v heads], q/k RMSNorm with one shared [D] gain,
+    """OpenELM: per-layer widths, fused qkv [q heads, k heads, v heads], q/k RMSNorm with one shared [D] gain,
     proj_1 = [gate, up], eps 1e-6, shared input/output embedding."""
     if not raw.get("ffn_with_glu", True) or raw.get("activation_fn_name", "swish") not in ("swish", "silu"):
         raise CheckpointError(f"{source}: only the GLU feed-forward with swish activation is supported")
@@ -243,7 +247,7 @@ NEOX_RULES = [
 
 
 def gpt_neox(folder: str, raw: dict, source: str):
-    """Seed 004, Hugging Face layout: LayerNorm with bias, per-head fused qkv, partial rotary, parallel residual,
+    """GPT-NeoX, Hugging Face layout: LayerNorm with bias, per-head fused qkv, partial rotary, parallel residual,
     exact GELU."""
     if raw.get("hidden_act", "gelu") != "gelu":
         raise CheckpointError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only exact 'gelu')")
@@ -544,7 +548,7 @@ NEOX_20B = dict(num_layers=44, hidden_size=6144, num_attention_heads=64, rotary_
 
 
 def neox_yaml(folder: str) -> dict:
-    """The NeoX YAML config (configs/*.yml) with '-' in keys read as '_'; seed 004's 20B sizes when absent."""
+    """The NeoX YAML config (configs/*.yml) with '-' in keys read as '_'; GPT-NeoX-20B's sizes when absent."""
     files = sorted(glob.glob(os.path.join(folder, "configs", "*.yml")) + glob.glob(os.path.join(folder, "*.yml")))
     values = dict(NEOX_20B)
     for path in files:
@@ -560,7 +564,7 @@ def neox_yaml(folder: str) -> dict:
 
 
 def neox_original(folder: str, rank: int | None = None):
-    """Seed 004's merge: column-parallel weights/biases, the embedding and the readout concatenated on dim 0,
+    """GPT-NeoX-20B's original release, merged as its reference merge script does: column-parallel weights/biases, the embedding and the readout concatenated on dim 0,
     row-parallel weights on dim 1, row-parallel biases summed, norms checked equal across the shards. Files are read
     a layer (two shards) at a time. rank 0 or 1 (two-way tensor parallel, tp.py): the blocks' tensors are that
     shard's own, unmerged (its row-parallel bias too: the ranks' all-reduce sums them as the merge would)."""

@@ -309,7 +309,7 @@ def prepare(model: dense.DenseDecoder, prompts, max_new_tokens: int, start_pos: 
         raise ValueError(f"{start_pos + T} tokens + {max_new_tokens} new exceed the context of "
                          f"{model.config.max_position_embeddings}")
     cache = model.layers[0].attn.kv_cache
-    moved = isinstance(cache, dense.KVCache) and next(cache.buffers()).device != model.device  # (model.to(): a cache for the device)
+    moved = isinstance(cache, dense.KVCache) and next(cache.buffers()).device != model.device  # (after model.to())
     if model.max_seq_len < needed or model.max_batch_size < B or moved:
         if start_pos:
             raise ValueError(f"the cache ({model.max_seq_len} tokens) is too small to continue to {needed} tokens")

@@ -18,7 +18,6 @@ Rapids and later). Stands on dense.py (its KV cache, which this file's CPU cache
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import subprocess
@@ -236,8 +235,9 @@ def cache_for(model) -> tuple[type, torch.dtype | None]:
 
 class Linear(nn.Linear):
     """nn.Linear whose few-row float32 CPU calls run kernels.cpp's linear_f32 (quantize.swap_linears puts it in), and
-    whose many-row eager float32 CPU calls (a prefill) run oneDNN's matmul: 1.15-1.6x MKL's sgemm, which F.linear
-    calls, at 17-512 rows of these widths (BENCHMARKS.md), on the weight as it is (no second, packed copy)."""
+    whose many-row eager float32 CPU calls (a prefill) run oneDNN's matmul on the weight as it is (no second, packed
+    copy): 1.15-1.6x MKL's sgemm (which F.linear calls) per linear at 17-512 rows of these widths, 1.1-1.24x for a
+    whole float32 prefill of 35-512 tokens (README, BENCHMARKS.md)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.float32 and use_kernel(x) and self.weight.is_contiguous() and available():

@@ -15,7 +15,6 @@ its `shard` hook.
 from __future__ import annotations
 
 import os
-import sys
 from typing import Callable
 
 import torch
@@ -220,7 +219,7 @@ def check_fits(config: dense.DenseConfig, dtype: torch.dtype, device: torch.devi
     bytes_per_weight: of the quantized layers (all but the embedding), when they are quantized."""
     elem = torch.empty((), dtype=dtype).element_size()
     embedding = config.vocab_size * config.hidden_size
-    need = embedding * elem + (config.num_parameters() - embedding) * (bytes_per_weight or elem)
+    need = embedding * elem + (num_parameters(config) - embedding) * (bytes_per_weight or elem)
     have = machine.available_memory(device)
     if need <= have:
         return
@@ -230,6 +229,16 @@ def check_fits(config: dense.DenseConfig, dtype: torch.dtype, device: torch.devi
                  L * config.ffn_width(0) * C,
              f"num_hidden_layers {L} x (attention heads {config.heads(0)} x head_dim {config.head_dim} x hidden_size "
              f"{C})": L * config.heads(0) * config.head_dim * C}
-    raise CheckpointError(f"{source}: the config describes {config.num_parameters() / 1e9:.1f}B parameters, "
+    raise CheckpointError(f"{source}: the config describes {num_parameters(config) / 1e9:.1f}B parameters, "
                           f"{need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, mostly "
                           f"{max(terms, key=terms.get)}; {device.type} has {have / 2**30:.1f} GiB available")
+
+
+def num_parameters(config: dense.DenseConfig) -> int:
+    """Parameters a config describes (norm gains and biases included), without building the model."""
+    C, total = config.hidden_size, config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    for layer in range(config.num_hidden_layers):
+        q, kv, w = config.heads(layer) * config.head_dim, config.kv_heads(layer) * config.head_dim, config.ffn_width(layer)
+        total += C * (q + 2 * kv) + q * C + (C * q if config.attn_output_gate else 0)
+        total += C * w * (2 if config.mlp == "gelu" else 3) + 4 * C
+    return total + 2 * C

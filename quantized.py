@@ -260,7 +260,7 @@ class NF4Linear(QuantLinear):
 
 
 class LLMInt8Linear(Int8Linear):
-    """bitsandbytes' Linear8bitLt (LLM.int8 with outlier threshold 6.0, as seed 004 uses), from int8 rows and their
+    """bitsandbytes' Linear8bitLt (LLM.int8 with outlier threshold 6.0, as GPT-NeoX-20B's reference uses), from int8 rows and their
     absmax scales."""
 
     def finish_loading(self) -> None:

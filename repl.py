@@ -17,7 +17,8 @@ import dense
 import machine
 import terminal
 import tp
-from session import SETTINGS, Session, UsageError, Vocabulary, ctrl_c_as_key, set_option
+from session import SETTINGS, Session, ctrl_c_as_key, set_option
+from vocab import UsageError, Vocabulary
 
 HELP = """/help          this text               /exit          quit (or Ctrl-D); Ctrl-C stops a reply
 /retry         a new reply to the last message (its prompt is already in the cache)

@@ -37,12 +37,13 @@ import torch
 
 import dense
 import generate
-from checkpoint import CheckpointError
 import speculative
 import tp
-from session import (TextStream, UsageError, Vocabulary, add_model_flags, check_environment, default_checkpoint,
-                     fitting_cache, load_model, load_vocabulary, make_draft, parse_flags, positive_int,
-                     steps_for_program)
+from checkpoint import CheckpointError
+from default_model import default_checkpoint
+from session import (add_model_flags, check_environment, fitting_cache, load_model, make_draft, parse_flags,
+                     positive_int, steps_for_program)
+from vocab import TextStream, UsageError, Vocabulary, load_vocabulary
 
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 # Parameters that change results and are not implemented: refused by name (400), never ignored.

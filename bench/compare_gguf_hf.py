@@ -15,7 +15,7 @@ import dense  # noqa: E402
 import generate  # noqa: E402
 import gguf_import  # noqa: E402
 import load  # noqa: E402
-import session  # noqa: E402
+import default_model  # noqa: E402
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It was 1999, and 42 people cheered!",
@@ -73,4 +73,4 @@ if __name__ == "__main__":
     import tempfile
 
 
-    sys.exit(main(session.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-compare-"))))
+    sys.exit(main(default_model.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-compare-"))))

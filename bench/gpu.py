@@ -33,6 +33,7 @@ import benchmark  # noqa: E402
 import generate  # noqa: E402
 import quantized  # noqa: E402
 import speculative  # noqa: E402
+from machine import first_line  # noqa: E402
 import steps as steps_module  # noqa: E402
 
 MODES = ("none", "int4", "int8", "nf4")  # the order rows are timed in: the comparable gpt-fast rows first
@@ -159,7 +160,7 @@ def time_linears(plan: Plan, sizes: list[tuple[int, int]]) -> None:
                     benchmark.sync(dev)
                     row[name] = round((time.perf_counter() - start) / 50 * 1e6, 1)
                 except (RuntimeError, NotImplementedError) as e:  # (an op this device lacks)
-                    row[name] = f"unavailable: {str(e).splitlines()[0][:80] if str(e) else type(e).__name__}"
+                    row[name] = f"unavailable: {first_line(e, 80)}"
             err = rel_err(int8_layer(x), torch.nn.functional.linear(x.float(), q8.dequantize(torch.float32)))
             plan.record(stage="linear", n=n, k=k, us=row, int8_rel_err=err, ok=err < TOLERANCE)
         plan.guarded(f"linear {n}x{k}", one)

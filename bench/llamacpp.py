@@ -250,9 +250,9 @@ def model_files(name: str, llama_python: str, log) -> dict[str, str]:
     sys.path.insert(0, ROOT)
     import tempfile
 
-    import session
+    import default_model
 
-    smollm2 = session.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-bench-"))
+    smollm2 = default_model.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-bench-"))
     files = {p: os.path.join(WORK, f"{name}-{p}.gguf") for p in ("F32", "F16", "Q8_0", "Q4_1")}
     if name == "smollm2":
         files["Q4_1"] = smollm2

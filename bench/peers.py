@@ -22,7 +22,7 @@ import dense  # noqa: E402
 import generate  # noqa: E402
 import load  # noqa: E402
 import quantized  # noqa: E402
-import session  # noqa: E402
+import default_model  # noqa: E402
 
 
 def timed(fn, runs: int) -> float:
@@ -59,7 +59,7 @@ def find_gguf() -> str:
     import tempfile
 
 
-    return session.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-peers-"))
+    return default_model.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-peers-"))
 
 
 def main() -> int:

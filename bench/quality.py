@@ -26,7 +26,7 @@ import dense  # noqa: E402
 import load  # noqa: E402
 import quantize  # noqa: E402
 import quantized  # noqa: E402
-import session  # noqa: E402
+import default_model  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = [("int8", 32, False), ("int4", 32, False), ("int4", 64, False), ("int4", 128, False), ("nf4", 32, False),
@@ -81,7 +81,7 @@ def main() -> int:
     from tokenizers import Tokenizer
 
     console = Console(stderr=args.json)
-    ckpt = args.ckpt or session.default_checkpoint(console)
+    ckpt = args.ckpt or default_model.default_checkpoint(console)
     tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
     ids = torch.tensor([tok.encode(open(args.text).read()).ids])
     full = load.from_pretrained(ckpt)

@@ -135,9 +135,9 @@ def main() -> int:
     args = p.parse_args()
     if not args.gguf:
         sys.path.insert(0, ROOT)
-        import session
+        import default_model
 
-        args.gguf = session.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-bench-"))
+        args.gguf = default_model.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-bench-"))
     rows = []
     for engine in args.engines.split(","):
         if engine == "llama" and not args.llama_python:

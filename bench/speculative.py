@@ -20,9 +20,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import chat  # noqa: E402
+import default_model  # noqa: E402
 import generate  # noqa: E402
 import session  # noqa: E402
 import speculative  # noqa: E402
+import vocab as vocab_module  # noqa: E402
 from steps import Steps  # noqa: E402
 
 PARAGRAPH = ("The quick brwn fox jumpd over the lazy dog. It was a sunny day in the vilage, and the childen were "
@@ -66,10 +68,10 @@ def main() -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
-    ckpt = args.ckpt or session.default_checkpoint(console)
+    ckpt = args.ckpt or default_model.default_checkpoint(console)
     flags = chat.parse_args(["--ckpt", ckpt, "--quant", args.quant])
     model, why = session.load_model(ckpt, flags, console)
-    vocab = session.load_vocabulary(ckpt, None)
+    vocab = vocab_module.load_vocabulary(ckpt, None)
     generate.setup_cache(model, 1, model.config.max_position_embeddings)  # chat.py's default cache
     steps = Steps(model)
     self_draft = speculative.ModelDraft(speculative.quantized_copy(model, args.draft_quant))

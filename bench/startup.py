@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import machine  # noqa: E402
-import session  # noqa: E402
+import default_model  # noqa: E402
 
 
 def first_byte(args: list[str], env: dict) -> tuple[float, float]:
@@ -59,7 +59,7 @@ def fresh_case(flags: list[str], seed_from: str | None) -> tuple[float, float]:
         if seed_from:
             target = os.path.join(home, "dense-engine")
             os.makedirs(target)
-            for name in (session.DEFAULT_NAME, "kernels"):
+            for name in (default_model.DEFAULT_NAME, "kernels"):
                 shutil.copytree(os.path.join(seed_from, name), os.path.join(target, name), symlinks=True)
         return first_byte(flags, {**os.environ, "XDG_CACHE_HOME": home})
     finally:

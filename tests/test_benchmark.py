@@ -25,6 +25,7 @@ def bench(*args):
     return json.loads(result.stdout)  # stdout holds exactly one JSON object
 
 
+@pytest.mark.slow
 def test_json_has_every_key_and_consistent_numbers():
     r = bench("--ckpt", fixture_path("llama"), "--prompt-len", 8, "--gen-len", 12, "--runs", 2, "--batch-size", 2,
               "--peak-bw", 100)
@@ -43,6 +44,7 @@ def test_json_has_every_key_and_consistent_numbers():
     assert r["peak_mem_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_mbu_is_null_without_a_known_peak():
     r = bench("--ckpt", fixture_path("gptneox"), "--prompt-len", 4, "--gen-len", 4, "--runs", 1, "--quant", "int8")
     assert r["mbu"] is None and r["quant"] == "int8"
@@ -76,6 +78,7 @@ def test_bad_bench_input():
     assert result.returncode == 2 and "--shape needs --bench" in result.stderr
 
 
+@pytest.mark.slow
 def test_speculative_bench_reports_acceptance_and_tokens_per_target_step():
     # the target drafting for itself: every draft is accepted; 11 decode tokens at k = 4 take steps of 5, 5 and 1
     r = bench("--ckpt", fixture_path("llama"), "--draft", fixture_path("llama"), "--speculate-k", 4, "--prompt-len", 6,

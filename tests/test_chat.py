@@ -17,6 +17,7 @@ import dense
 import generate
 import load
 import session
+import vocab as vocab_module
 from conftest import FIXTURES, ROOT
 
 CHAT = os.path.join(ROOT, "chat.py")
@@ -40,6 +41,7 @@ def expected_text(ckpt, ids, max_new, stop_ids):
     return tok.decode(out, skip_special_tokens=True), out
 
 
+@pytest.mark.slow
 def test_one_shot_completion_equals_generate():
     ckpt = os.path.join(FIXTURES, "shellelastic")
     tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
@@ -50,6 +52,7 @@ def test_one_shot_completion_equals_generate():
     assert result.stdout == want and result.stderr == ""
 
 
+@pytest.mark.slow
 def test_one_shot_chat_renders_template_and_stops_at_eos():
     tok = Tokenizer.from_file(os.path.join(LLAMA, "tokenizer.json"))
     config = json.load(open(os.path.join(LLAMA, "tokenizer_config.json")))
@@ -80,6 +83,7 @@ def test_one_shot_chat_renders_template_and_stops_at_eos():
     (["--ckpt", LLAMA, "--plot", "x.png"], "--plot needs --bench"),
     (["--ckpt", LLAMA, "--prompt-file", "-", "--lookup"], "speculative decoding (--draft, --draft-quant, --lookup) runs"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(args, message):
     if "--prompt" not in args:
         args = args + ["--prompt", "hi"]
@@ -94,6 +98,7 @@ def test_debug_shows_the_traceback():
     assert result.returncode != 0 and "Traceback" in result.stderr
 
 
+@pytest.mark.slow
 def test_tokenizer_flag_for_a_checkpoint_without_one(tmp_path):
     ckpt = tmp_path / "shell"
     shutil.copytree(os.path.join(FIXTURES, "shellelastic"), ckpt)
@@ -119,11 +124,11 @@ def byte_tokenizer() -> Tokenizer:
 
 
 def test_streaming_never_shows_broken_characters():
-    vocab = session.Vocabulary(byte_tokenizer())
+    vocab = vocab_module.Vocabulary(byte_tokenizer())
     text = "naïve 日本語 🙂 ok"
     ids = vocab.encode(text, special=False)
     assert len(ids) == len(text.encode("utf-8"))  # multi-byte characters really are split across tokens
-    stream = session.TextStream(vocab)
+    stream = vocab_module.TextStream(vocab)
     pieces = [stream.push(t) for t in ids] + [stream.finish()]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == vocab.decode(ids) == text
@@ -131,6 +136,7 @@ def test_streaming_never_shows_broken_characters():
     assert pieces.count("") == len(ids) + 1 - len(text)  # and nothing for the bytes before it
 
 
+@pytest.mark.slow
 def test_padded_vocabulary_is_never_sampled(tmp_path):
     # a tokenizer of 256 byte tokens over a model whose embedding has 512 rows: ids >= 256 must never be sampled
     import argparse
@@ -142,7 +148,7 @@ def test_padded_vocabulary_is_never_sampled(tmp_path):
     torch.manual_seed(3)
     unrestricted = generate.generate(model, torch.tensor([[97, 98, 99]]), 120, temperature=2.0)
     assert (unrestricted >= 256).any()  # without the limit this model does pick padded ids
-    vocab = session.load_vocabulary(str(ckpt), None)
+    vocab = vocab_module.load_vocabulary(str(ckpt), None)
     assert vocab.size == 256
     args = argparse.Namespace(max_seq_len=None, max_new_tokens=120, temperature=2.0, top_k=None, top_p=None,
                               compile=False, speculate_k=4)
@@ -185,9 +191,10 @@ def prefilled(child) -> int:
     return int(child.match.group(1))
 
 
+@pytest.mark.slow
 def test_chat_keeps_the_cache_across_turns():
     tok = Tokenizer.from_file(os.path.join(LLAMA, "tokenizer.json"))
-    vocab = session.load_vocabulary(LLAMA, None)
+    vocab = vocab_module.load_vocabulary(LLAMA, None)
     child = spawn("--ckpt", LLAMA, "--temperature", "0", "--max-new-tokens", "6")
     child.expect(">>> ")
     child.sendline("hello")
@@ -236,6 +243,7 @@ def test_ctrl_c_stops_a_reply_and_keeps_the_session(tmp_path):
     assert child.exitstatus == 0
 
 
+@pytest.mark.slow
 def test_ctrl_d_exits_and_completion_mode():
     child = spawn("--ckpt", os.path.join(FIXTURES, "gptneox"), "--temperature", "0", "--max-new-tokens", "4")
     child.expect("complete mode")
@@ -249,6 +257,7 @@ def test_ctrl_d_exits_and_completion_mode():
     assert child.exitstatus == 0
 
 
+@pytest.mark.slow
 def test_context_overflow_drops_oldest_turns(tmp_path):
     child = spawn("--ckpt", LLAMA, "--temperature", "0", "--max-new-tokens", "30", "--max-seq-len", "80")
     for i in range(4):
@@ -270,6 +279,7 @@ def one_line_exit_2(result, *needles):
         assert needle in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_template_that_reaches_for_python_internals_is_one_line(tmp_path):
     ckpt = tmp_path / "llama"
     shutil.copytree(LLAMA, ckpt)
@@ -285,6 +295,7 @@ def test_template_that_reaches_for_python_internals_is_one_line(tmp_path):
     one_line_exit_2(run_chat("--ckpt", ckpt, "--prompt", "hi", "--no-compile"), "still rendering after")
 
 
+@pytest.mark.slow
 def test_huge_declared_context_fails_before_allocating(tmp_path):
     import resource
 
@@ -312,6 +323,7 @@ def test_huge_declared_context_fails_before_allocating(tmp_path):
                                                  ("--top-p", "nan", "--top-p must be in (0, 1]"),
                                                  ("--device", "tpu", "--device tpu: not a device"),
                                                  ("--device", "cuda:7", "--device cuda:7")])
+@pytest.mark.slow
 def test_bad_sampling_values_and_devices_are_one_line(flag, value, needle):
     one_line_exit_2(run_chat("--ckpt", LLAMA, "--prompt", "hi", flag, value), needle)
 
@@ -396,6 +408,7 @@ def session_replies(*flags, lines=("hello", "tell me more")):
 
 @pytest.mark.parametrize("flags", [("--draft-quant", "int8", "--quant", "none"), ("--lookup",),
                                    ("--draft", LLAMA, "--speculate-k", "3")])
+@pytest.mark.slow
 def test_speculative_chat_gives_the_plain_replies_across_turns(flags):
     want, _ = session_replies()
     got, stats = session_replies(*flags)

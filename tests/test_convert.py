@@ -161,7 +161,7 @@ def test_missing_family_field(tmp_path):
 
 
 def test_openelm_widths_follow_seed_003():
-    # OpenELM-270M's published per-layer sizes, derived from its config as seed 003 does.
+    # OpenELM-270M's published per-layer sizes, derived from its config as OpenELM's reference does.
     raw = dict(num_transformer_layers=16, model_dim=1280, head_dim=64, num_gqa_groups=4, ffn_multipliers=(0.5, 4.0),
                qkv_multipliers=(0.5, 1.0), ffn_dim_divisor=256)
     q, kv, ffn = families.openelm_widths(raw, "cfg")

@@ -227,6 +227,7 @@ def test_int8_layer_compiles_without_the_slow_int8_kernel():
     assert counters["inductor"]["woq_matcher_count"] > 0
 
 
+@pytest.mark.slow
 def test_gpu_check_leaves_the_reference_on_the_cpu(tmp_path, monkeypatch):
     """bench/gpu.py's check moves copies to the device: the CPU float32 reference stays as it was (Module.to works in
     place; moving the reference itself would feed CPU ids to a CUDA model, or, in a dry run, compare bfloat16 with

@@ -35,7 +35,7 @@ def test_bfloat16_logits_match_reference(layout):
 
 
 def test_shellelastic_is_exact_in_both_precisions():
-    # Same arithmetic as seed 000, op for op: the bf16 run is not merely within tolerance.
+    # Same arithmetic as the ShellElastic reference, op for op: the bf16 run is not merely within tolerance.
     exp = expected("shellelastic")
     assert rel_err(from_pretrained(fixture_path("shellelastic"))(exp["input_ids"]), exp["logits"]) == 0
     bf16 = from_pretrained(fixture_path("shellelastic"), dtype=torch.bfloat16)

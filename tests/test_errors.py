@@ -143,3 +143,13 @@ def test_generate_beyond_context():
     model = from_pretrained(SHELL)
     raises_one_line(ValueError, "exceed the context of 128", lambda: list(generate.generate_tokens(
         model, torch.zeros(1, 100, dtype=torch.long), 40)))
+
+
+def test_first_line_of_any_exception():
+    """The one helper every one-line error uses: the first non-empty line; the type's name for an empty message
+    (an unguarded str(e).splitlines()[0] raised IndexError there)."""
+    import machine
+
+    assert machine.first_line(ValueError("")) == "ValueError"
+    assert machine.first_line(OSError("\n  disk full\nmore")) == "disk full"
+    assert machine.first_line(RuntimeError("x" * 300)) == "x" * 200

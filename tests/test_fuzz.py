@@ -186,11 +186,11 @@ def attempt(folder: str, kind: str) -> None:
     """What a user's first command does with a checkpoint: load it, read its tokenizer, render its template."""
     import dense
     import load
-    import session
+    import vocab as vocab_module
 
     path = folder if kind == "native" else os.path.join(folder, "model.gguf")
     model = load.from_pretrained(path)
-    vocab = session.load_vocabulary(path, None)
+    vocab = vocab_module.load_vocabulary(path, None)
     if vocab.chat_template:
         text = vocab.render([{"role": "user", "content": "hi"}])
         vocab.encode(text, special=False)
@@ -205,7 +205,7 @@ def run(work: str, cases: int, seed: int) -> dict:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
     sys.path.insert(0, ROOT)
     import checkpoint
-    import session
+    import vocab as vocab_module
 
     native, gguf_dir = make_sources(work)
 
@@ -236,7 +236,7 @@ def run(work: str, cases: int, seed: int) -> dict:
         try:
             attempt(folder, kind)
             result = "loaded"
-        except (checkpoint.CheckpointError, session.UsageError) as e:
+        except (checkpoint.CheckpointError, vocab_module.UsageError) as e:
             result = "one-line error" if "\n" not in str(e) else "multi-line error"
             if "\n" in str(e):
                 failures.append({"case": case, "mutation": name, "error": str(e)[:300]})

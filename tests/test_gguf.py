@@ -412,6 +412,7 @@ S = gguf.GGUFValueType.STRING
     ("qwen2", {"tensors": {"blk.0.attn_output.bias": np.zeros(64, dtype=np.float32)}},
      "unexpected tensor 'blk.0.attn_output.bias' for architecture 'qwen2'"),
 ])
+@pytest.mark.slow
 def test_what_llama_cpp_would_not_read_is_one_line(gguf_files, tmp_path, source, change, message):
     path = rewrite(gguf_files[source][0], str(tmp_path / "x.gguf"), **change)
     result = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", path, "--prompt", "hi"],

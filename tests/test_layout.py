@@ -65,3 +65,15 @@ def test_dense_imports_only_torch():
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_dense_holds_the_model_not_its_loading():
+    """dense.py defines the model, its cache and sampling; reading, checking and loading checkpoints (and memory checks)
+    live in checkpoint.py, load.py and machine.py."""
+    with open(os.path.join(ROOT, "dense.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    loading = {n for n in names if any(word in n.lower() for word in (
+        "load", "state_dict", "fits", "memory", "torch_dtype", "from_dict", "validate", "checkpoint", "fused_parts"))}
+    assert not loading, f"dense.py defines loading code: {sorted(loading)}"
+    assert {"DenseConfig", "DenseDecoder", "KVCache", "Attention", "sample"} <= names

@@ -34,6 +34,7 @@ def cache():
     return os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
 
 
+@pytest.mark.slow
 def test_a_prompt_from_stdin_is_what_was_typed(cache):
     env = {"XDG_CACHE_HOME": str(cache)}
     typed = chat("--ckpt", LLAMA, "--prompt", "What is the capital of France?", *FAST, env=env)
@@ -93,9 +94,9 @@ def test_a_default_model_conversion_killed_or_damaged_is_redone(tmp_path):
     source = str(tmp_path / "stand-in.gguf")
     gguf_cases.write("qwen2", source)
     script = (f"import sys; sys.path[:0] = [{ROOT!r}]\n"
-              "import session, rich.console\n"
-              f"session.fetch_default_gguf = lambda work: {source!r}\n"
-              "print(session.default_checkpoint(rich.console.Console(stderr=True, soft_wrap=True)))\n")
+              "import default_model, rich.console\n"
+              f"default_model.fetch_default_gguf = lambda work: {source!r}\n"
+              "print(default_model.default_checkpoint(rich.console.Console(stderr=True, soft_wrap=True)))\n")
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     cache = tmp_path / "cache" / "dense-engine"
     fetching = lambda: any(cache.glob(".fetch-*"))  # noqa: E731  (its fetch or conversion under way)
@@ -126,6 +127,7 @@ def test_without_a_compiler_the_answer_comes_from_pytorchs_kernels(tmp_path, cac
     assert result.stdout == with_compiler.stdout  # float32: the same math either way
 
 
+@pytest.mark.slow
 def test_a_cache_folder_that_cannot_be_written_still_answers(tmp_path, cache):
     (tmp_path / "dense-engine").write_text("a file where the folder should be")
     want = chat("--ckpt", LLAMA, "--prompt", "hi", *GREEDY, "--no-compile", env={"XDG_CACHE_HOME": str(cache)})
@@ -243,6 +245,7 @@ def test_sigterm_and_sighup_mid_reply_restore_the_terminal(cache):
     (["--bench", "--prompt-len", "0"], "--prompt-len: must be at least 1"),
     (["--bench", "--peak-bw", "-3"], "--peak-bw must be a number of GB/s above 0"),
 ])
+@pytest.mark.slow
 def test_edge_values_of_numeric_flags(cache, flags, meaning):
     result = chat("--ckpt", LLAMA, "--prompt", "hi", "--temperature", "0", *flags, "--no-compile",
                   env={"XDG_CACHE_HOME": str(cache)}, timeout=120)

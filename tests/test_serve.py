@@ -78,6 +78,7 @@ def chat(client, content, **settings):
                                           **{"temperature": 0, "max_tokens": 24, **settings})
 
 
+@pytest.mark.slow
 def test_chat_equals_chat_py_and_streams_equal_whole_answers(server):
     client = server.client()
     whole = chat(client, "hi there")

@@ -64,6 +64,7 @@ def test_acceptance_stopping_at_every_position_gives_plain_greedy(target, prompt
 
 @pytest.mark.parametrize("kind", ["wrong", "right", "self-int8", "self-int4", "lookup"])
 @pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.slow
 def test_every_draft_gives_plain_greedy(target, prompt, kind, compile):
     want = plain(target, prompt, 40)
     if kind == "wrong":  # another random model: its proposals are almost never the target's

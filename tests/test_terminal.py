@@ -68,6 +68,7 @@ def users(record):
     return [m["content"] for m in record["messages"] if m["role"] == "user"]
 
 
+@pytest.mark.slow
 def test_up_arrow_recalls_the_previous_message_in_this_run_and_the_next(tmp_path, cache):
     child = start(cache)
     first = say(child, "what is up")
@@ -131,6 +132,7 @@ def test_save_then_load_in_a_new_process_continues_the_conversation(tmp_path, ca
     close(child)
 
 
+@pytest.mark.slow
 def test_set_temperature_zero_makes_replies_deterministic(tmp_path, cache):
     child = start(cache)
     want = say(child, "tell me")

@@ -1,0 +1,179 @@
+"""vocab.py: a checkpoint's vocabulary: its tokenizer, chat template (rendered in a sandbox, under a time limit) and
+stop tokens, and the incremental detokenizer that streams replies. Stands on checkpoint.py (JSON side files) and machine.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import machine
+from checkpoint import read_json
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+class TemplateRefused(UsageError):
+    """A chat template's own raise_exception(): it refuses these messages."""
+
+
+@dataclass
+class Vocabulary:
+    tokenizer: object  # tokenizers.Tokenizer
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    stop_ids: set[int] = field(default_factory=set)
+    merged_system: bool = False  # a system message was merged into a template without a system role (noted once)
+
+    @property
+    def size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, special: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render(self, messages: list[dict]) -> str:
+        """The chat template rendered as Hugging Face renders tokenizer_config.json's chat_template. A template that
+        refuses a system message (Gemma 1 and 2 have no system role) gets it at the start of the first user message
+        instead, with a note the first time: transformers would stop with the template's error."""
+        try:
+            return self.render_as_is(messages)
+        except TemplateRefused:
+            if len(messages) < 2 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
+                raise
+            merged = [{"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}]
+            text = self.render_as_is(merged + messages[2:])
+            if not self.merged_system:
+                machine.note("this chat template has no system role; the system message goes at the start of the "
+                             "first user message")
+                self.merged_system = True
+            return text
+
+    def render_as_is(self, messages: list[dict]) -> str:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateRefused(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+        env.globals["raise_exception"] = raise_exception
+        from jinja2 import TemplateError
+
+        try:
+            with time_limit(TEMPLATE_SECONDS, "chat template in tokenizer_config.json: still rendering after "
+                                              f"{TEMPLATE_SECONDS} s"):
+                return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                                  bos_token=self.bos_token or "",
+                                                                  eos_token=self.eos_token or "")
+        except TemplateError as e:  # syntax errors, undefined names, and the sandbox refusing unsafe access
+            first = machine.first_line(e)
+            raise UsageError(f"chat template in tokenizer_config.json: {type(e).__name__}: {first}") from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as e:
+            raise UsageError(f"chat template in tokenizer_config.json: {type(e).__name__}: {e}") from None
+
+
+TEMPLATE_SECONDS = 5  # a template is code from the checkpoint: it may loop for hours inside the sandbox
+
+
+class time_limit:
+    """Raise UsageError(message) if the block runs longer than `seconds` (SIGALRM: main thread, POSIX)."""
+
+    def __init__(self, seconds: int, message: str) -> None:
+        self.seconds, self.message = seconds, message
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.armed = hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
+        if self.armed:
+            def expire(signum, frame):
+                raise UsageError(self.message)
+
+            self.previous = signal.signal(signal.SIGALRM, expire)
+            signal.alarm(self.seconds)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.armed:
+            import signal
+
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, self.previous)
+
+
+def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
+    from tokenizers import Tokenizer
+
+    folder = ckpt if os.path.isdir(ckpt) else os.path.dirname(os.path.abspath(ckpt))
+    extra = {}
+    if tokenizer_path is not None:
+        path = os.path.join(tokenizer_path, "tokenizer.json") if os.path.isdir(tokenizer_path) else tokenizer_path
+        if not os.path.isfile(path):
+            raise UsageError(f"--tokenizer {tokenizer_path}: no tokenizer.json there")
+    elif ckpt.endswith(".gguf"):
+        import gguf_import
+
+        extra = gguf_import.side_files(ckpt)
+        path = None
+    else:
+        candidates = [os.path.join(folder, n) for n in ("tokenizer.json", "20B_tokenizer.json")]
+        path = next((c for c in candidates if os.path.isfile(c)), None)
+        if path is None:
+            raise UsageError(f"{ckpt}: no tokenizer.json beside the checkpoint; pass --tokenizer PATH (a ShellElastic "
+                             "release uses the GPT-NeoX-20B tokenizer)")
+    try:
+        tokenizer = Tokenizer.from_str(extra["tokenizer.json"]) if path is None else Tokenizer.from_file(path)
+    except Exception as e:
+        raise UsageError(f"{path}: not a readable tokenizer.json ({machine.first_line(e)})") from None
+
+    def side(name: str) -> dict:
+        if name in extra:
+            return json.loads(extra[name])
+        file = os.path.join(folder, name)
+        return read_json(file) if os.path.isfile(file) else {}
+
+    tok_config, gen_config, model_config = side("tokenizer_config.json"), side("generation_config.json"), side("config.json")
+    vocab = Vocabulary(tokenizer, tok_config.get("chat_template"), token_text(tok_config.get("bos_token")),
+                       token_text(tok_config.get("eos_token")))
+    if isinstance(vocab.chat_template, list):  # [{"name": "default", "template": ...}, ...]
+        vocab.chat_template = next((t["template"] for t in vocab.chat_template if t.get("name") == "default"), None)
+    for source in (gen_config, model_config):
+        ids = source.get("eos_token_id")
+        vocab.stop_ids.update([ids] if isinstance(ids, int) else (ids or []))
+    if vocab.eos_token and tokenizer.token_to_id(vocab.eos_token) is not None:
+        vocab.stop_ids.add(tokenizer.token_to_id(vocab.eos_token))
+    return vocab
+
+
+def token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class TextStream:
+    """Incremental detokenizer: returns only complete text. A multi-byte character split across tokens decodes to
+    U+FFFD until its last byte arrives, so text ending in U+FFFD is held back."""
+
+    def __init__(self, vocab: Vocabulary) -> None:
+        self.vocab, self.ids, self.shown = vocab, [], 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.vocab.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.shown = text[self.shown:], len(text)
+        return new
+
+    def finish(self) -> str:
+        text = self.vocab.decode(self.ids)
+        new, self.shown = text[self.shown:], len(text)
+        return new
