@@ -127,6 +127,17 @@ def decode_step(model, token, input_pos, row_start, attend: int, kind: str, voca
     """token [B, 1] at slot input_pos [1] (or [B, 1]: a slot per row) -> the next token [B, 1]. kind and vocab_limit
     shape the graph; the sampling values (Sampling.settings and noise, or None when greedy) are its inputs."""
     logits = model(token, input_pos, attend=attend, row_start=row_start)[:, -1]
+    return next_token(logits, kind, vocab_limit, temperature, top_k, top_p, noise)
+
+
+def decode_logits_step(model, token, input_pos, row_start, attend: int, kind: str, vocab_limit: int | None,
+                       temperature, top_k, top_p, noise):
+    """decode_step that also returns the float32 logits [B, V] it sampled from (a server's logprobs)."""
+    logits = model(token, input_pos, attend=attend, row_start=row_start)[:, -1]
+    return next_token(logits, kind, vocab_limit, temperature, top_k, top_p, noise), logits
+
+
+def next_token(logits, kind: str, vocab_limit: int | None, temperature, top_k, top_p, noise) -> torch.Tensor:
     if kind == "greedy":
         return dense.sample(logits, 0.0, vocab_limit=vocab_limit)
     filtered = kind == "filtered"
@@ -177,15 +188,15 @@ class Runner:
 
     @torch.no_grad()  # (compiled steps are inference graphs: the cache key assumes no autograd)
     def prefill(self, tokens: torch.Tensor, start: int, row_start: torch.Tensor | None,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+                rows: torch.Tensor | None = None, every: bool = False) -> torch.Tensor:
         """Write tokens [B, T] at slots start.. (of cache rows `rows`, default 0..B-1), return the float32 logits of
-        the last one, [B, V]. Up to PREFILL_CHUNK tokens (a chat turn, a short prompt) run one compiled step, padded;
-        a longer prompt runs one eager pass: its large matmuls are the whole cost and run best in one piece
-        (measured: BENCHMARKS.md)."""
+        the last one, [B, V] (every: of every one, [B, T, V], eagerly). Up to PREFILL_CHUNK tokens (a chat turn, a
+        short prompt) run one compiled step, padded; a longer prompt runs one eager pass: its large matmuls are the
+        whole cost and run best in one piece (measured: BENCHMARKS.md)."""
         model, device = self.model, tokens.device
         B, T = tokens.shape
         fn = None
-        if self.steps is not None and T <= PREFILL_CHUNK:
+        if self.steps is not None and T <= PREFILL_CHUNK and not every:
             slots = torch.arange(start, start + PREFILL_CHUNK, device=device)
             slots[T:] = model.max_seq_len  # padding goes to the scratch slot
             chunk = torch.nn.functional.pad(tokens, (0, PREFILL_CHUNK - T))
@@ -197,12 +208,13 @@ class Runner:
             causal = start == 0 and row_start is None  # nothing else in the cache: SDPA's causal kernel on its own keys
             hidden = model.hidden_states(tokens, torch.arange(start, start + T, device=device), row_start=row_start,
                                          rows=rows, causal=causal)
-            return model.logits(hidden[:, -1])
+            return model.logits(hidden if every else hidden[:, -1])
         return model.logits(fn(*args))
 
     @torch.no_grad()
-    def decode(self, token: torch.Tensor, pos, row_start, sampling: Sampling) -> torch.Tensor:
-        """token [B, 1] at slot pos (an int, or a list: a slot per row) -> next token [B, 1]."""
+    def decode(self, token: torch.Tensor, pos, row_start, sampling: Sampling, with_logits: bool = False):
+        """token [B, 1] at slot pos (an int, or a list: a slot per row) -> next token [B, 1] (with_logits: and the
+        float32 logits [B, V] it was sampled from)."""
         model, B = self.model, token.shape[0]
         per_row = isinstance(pos, (list, tuple))  # (a server's rows: one small copy per step)
         input_pos = torch.tensor([[p] for p in pos], device=token.device) if per_row else self.slots(pos, pos + 1)
@@ -211,12 +223,14 @@ class Runner:
         last = max((p for p in pos if p < model.max_seq_len), default=0) if per_row else pos  # (idle rows: scratch)
         attend = None if self.steps is None else attend_width(model, min(last + 1, model.max_seq_len))
         args = (model, token, input_pos, row_start, attend, kind, sampling.vocab_limit, *values)
+        step_fn = decode_logits_step if with_logits else decode_step
         fn = None if self.steps is None else self.steps.get(
-            "decode", decode_step, args, batch=B, attend=attend, sampling=kind, vocab_limit=sampling.vocab_limit,
-            ragged=row_start is not None, per_row=per_row)
+            "decode_logits" if with_logits else "decode", step_fn, args, batch=B, attend=attend, sampling=kind,
+            vocab_limit=sampling.vocab_limit, ragged=row_start is not None, per_row=per_row)
         if fn is None:  # eager (also while the step compiles in the background): attend over the slots in use
-            return decode_step(model, token, input_pos, row_start, None, kind, sampling.vocab_limit, *values)
-        return fn(*args).clone()  # a CUDA graph reuses its output buffer
+            return step_fn(model, token, input_pos, row_start, None, kind, sampling.vocab_limit, *values)
+        out = fn(*args)  # (cloned: a CUDA graph reuses its output buffers)
+        return tuple(t.clone() for t in out) if with_logits else out.clone()
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, pos: int, row_start=None) -> torch.Tensor:

@@ -4,7 +4,8 @@
     curl localhost:8000/v1/chat/completions -d '{"model": "m", "messages": [{"role": "user", "content": "Hi"}]}'
 
 Endpoints: GET /health (200 when the model is ready, 503 before), GET /v1/models, POST /v1/chat/completions and
-POST /v1/completions (OpenAI's formats; "stream": true sends server-sent events).
+POST /v1/completions (OpenAI's formats; "stream": true sends server-sent events), POST /tokenize and /detokenize
+(llama-server's shapes), GET /metrics (Prometheus).
 
 Continuous batching: one scheduler thread owns the model. The KV cache has --max-batch rows; each request gets a row
 while it runs. A new request is prefilled alone into a free row (positions 0.. of that row) and joins the running
@@ -46,12 +47,13 @@ from session import (add_model_flags, check_environment, fitting_cache, load_mod
 from vocab import TextStream, UsageError, Vocabulary, load_vocabulary
 
 CHAT_ROLES = ("system", "user", "assistant", "developer")
-# Parameters that change results and are not implemented: refused by name (400), never ignored.
-REFUSED = {"n": lambda v: v != 1, "logprobs": bool, "top_logprobs": lambda v: v is not None,
+# Parameters that change results and are not implemented: refused by name (400), never ignored. Parameters this
+# server does not know at all are ignored with one log line, as llama-server and vLLM do (front-ends send many).
+REFUSED = {"n": lambda v: v not in (None, 1),
            "tools": lambda v: bool(v), "tool_choice": lambda v: v not in (None, "none"), "functions": bool,
            "function_call": lambda v: v not in (None, "none"), "logit_bias": bool,
            "presence_penalty": lambda v: v not in (None, 0), "frequency_penalty": lambda v: v not in (None, 0),
-           "response_format": lambda v: v not in (None, {"type": "text"}), "echo": bool,
+           "response_format": lambda v: v not in (None, {"type": "text"}),
            "best_of": lambda v: v not in (None, 1), "suffix": lambda v: v not in (None, ""),
            "prediction": lambda v: v is not None, "audio": lambda v: v is not None,
            "modalities": lambda v: v not in (None, ["text"])}
@@ -68,6 +70,48 @@ class BadRequest(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class Metrics:
+    """What /metrics reports, in Prometheus' text format (prometheus_client, a registry of the server's own):
+    requests by status, prompt and generated tokens, the queue and the busy rows, time to first token and the time
+    between tokens (seconds, histograms)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("dense_requests", "Completion requests answered, by HTTP status", ["status"],
+                                registry=self.registry)
+        self.prompt_tokens = Counter("dense_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
+        self.generated_tokens = Counter("dense_generated_tokens", "Tokens generated", registry=self.registry)
+        self.queue = Gauge("dense_queue_depth", "Requests waiting for a row", registry=self.registry)
+        self.busy = Gauge("dense_busy_rows", "Cache rows running a request", registry=self.registry)
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+        self.ttft = Histogram("dense_time_to_first_token_seconds", "From a request's arrival to its first token",
+                              buckets=buckets, registry=self.registry)
+        self.itl = Histogram("dense_inter_token_latency_seconds", "Between a request's consecutive tokens",
+                             buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
+                             registry=self.registry)
+
+    def watch(self, scheduler: "Scheduler") -> None:
+        self.queue.set_function(scheduler.waiting.qsize)
+        self.busy.set_function(lambda: sum(r is not None for r in scheduler.rows))
+
+    def token(self, request: "Request") -> None:
+        """A request's new token (called by the scheduler)."""
+        now = time.perf_counter()
+        if request.last_token_at is None:
+            self.ttft.observe(now - request.arrived)
+        else:
+            self.itl.observe(now - request.last_token_at)
+        request.last_token_at = now
+        self.generated_tokens.inc()
+
+    def text(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -92,9 +136,21 @@ class Request:
     stream: TextStream | None = None  # the generated text, decoded as it grows
     pending: str = ""  # text held back: it may be the start of a stop string
     finish_reason: str | None = None
+    arrived: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None
+    logprobs: int | None = None  # the alternatives to report per token (0: only the chosen one); None: no logprobs
+    echo: bool = False  # (completions) the prompt's own logprobs too
+    index: int = 0  # its choice's index (a completion request may carry several prompts)
+    entries: list = field(default_factory=list)  # logprob entries of tokens whose text is not sent yet
+    prompt_entries: list = field(default_factory=list)  # (echo) one per prompt token, the first None
 
     def send(self, *event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        """Events ("text", piece, logprob entries) and ("done", finish_reason, entries), tagged with the index."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, *event))
+
+    def take_entries(self) -> list:
+        entries, self.entries = self.entries, []
+        return entries
 
 
 class Scheduler:
@@ -102,8 +158,9 @@ class Scheduler:
     every row, until stopped. Under tensor parallel, rank 0 runs it and broadcasts each step to the other ranks."""
 
     def __init__(self, model: dense.DenseDecoder, vocab: Vocabulary, max_batch: int, max_seq_len: int,
-                 compile: bool, draft=None, speculate_k: int = 4) -> None:
+                 compile: bool, draft=None, speculate_k: int = 4, metrics: Metrics | None = None) -> None:
         self.model, self.vocab, self.draft, self.speculate_k = model, vocab, draft, speculate_k
+        self.metrics = metrics
         self.rows: list[Request | None] = [None] * max_batch
         self.positions = [0] * max_batch  # the slot each row's next token goes to
         self.last = [0] * max_batch  # the token each row feeds next
@@ -148,10 +205,19 @@ class Scheduler:
             if self.draft is not None:
                 self.speculate(request)
                 continue
-            logits = step(self.runner, ("prefill", row, request.prompt))
+            logits = step(self.runner, ("prefill", row, request.prompt, request.echo))
+            if request.echo:  # [1, T, V]: position p's logits rate prompt token p + 1
+                request.prompt_entries = [None] + [logprob_entry(logits[0, p], request.prompt[p + 1],
+                                                                 request.logprobs or 0)
+                                                   for p in range(len(request.prompt) - 1)]
+                logits = logits[:, -1]
+            if request.max_tokens == 0:  # (echo alone: the prompt's logprobs, nothing generated)
+                request.finish_reason = "length"
+                request.send("done", "length", [])
+                continue
             token = int(sample_one(logits, request, self.vocab_limit))
             self.rows[row], self.positions[row], self.last[row] = request, len(request.prompt), token
-            self.deliver(row, token)
+            self.deliver(row, token, logits[0])
 
     def decode(self, busy: list[int]) -> None:
         # A request alone (admitted to row 0, the first free one) decodes in a batch-1 step, at batch 1's speed;
@@ -165,20 +231,29 @@ class Scheduler:
             tuple(r.temperature if r else 0.0 for r in rows), tuple(r.top_k if r else None for r in rows),
             tuple(r.top_p if r else None for r in rows), self.vocab_limit,
             tuple(r.generator if r else self.idle_generator for r in rows))
-        out = step(self.runner, ("decode", tokens, positions, sampling))[:, 0].tolist()
+        with_logits = any(r is not None and r.logprobs is not None for r in rows)
+        out = step(self.runner, ("decode", tokens, positions, sampling, with_logits))
+        out, logits = out if with_logits else (out, None)
+        out = out[:, 0].tolist()
         for row in busy:
             self.positions[row] += 1
             self.last[row] = out[row]
-            self.deliver(row, out[row])
+            self.deliver(row, out[row], None if logits is None else logits[row])
 
-    def deliver(self, row: int, token: int) -> None:
-        """A row's new token: its text to the client (held back while it may start a stop string), and the row freed
-        when the request is done."""
+    def deliver(self, row: int, token: int, logits: torch.Tensor | None = None) -> None:
+        """A row's new token (and the logits it was drawn from, when the request wants logprobs): its text to the
+        client (held back while it may start a stop string), and the row freed when the request is done."""
         request = self.rows[row]
+        if request.logprobs is not None and logits is not None and token not in self.vocab.stop_ids:
+            request.entries.append(logprob_entry(logits, token, request.logprobs))
         reason = finish(self.vocab, request, token)
+        if self.metrics is not None:
+            self.metrics.token(request)
+            if reason or request.cancelled:
+                self.metrics.prompt_tokens.inc(len(request.prompt))
         if reason or request.cancelled:
             request.finish_reason = reason or "cancelled"
-            request.send("done", request.finish_reason)
+            request.send("done", request.finish_reason, request.take_entries())
             self.rows[row] = None
 
     def speculate(self, request: Request) -> None:
@@ -193,6 +268,15 @@ class Scheduler:
             if self.rows[0] is None:
                 break
         self.rows[0] = None
+
+
+def logprob_entry(logits: torch.Tensor, token: int, top: int) -> tuple:
+    """(token, its logprob, [(id, logprob)] of the `top` likeliest): the float32 log-softmax of the model's logits
+    [V], before temperature or any filter, as OpenAI reports them."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = logprobs.topk(top) if top else None
+    alternatives = list(zip(best.indices.tolist(), best.values.tolist())) if top else []
+    return token, float(logprobs[token]), alternatives
 
 
 def sample_one(logits: torch.Tensor, request: Request, vocab_limit: int | None) -> torch.Tensor:
@@ -220,15 +304,16 @@ def finish(vocab: Vocabulary, request: Request, token: int) -> str | None:
         return "length"
     keep = max((n for stop in request.stop for n in range(1, len(stop)) if request.pending.endswith(stop[:n])),
                default=0)  # the longest tail that could still grow into a stop string
+    tail = request.pending[len(request.pending) - keep:] if keep else ""
     flush(request, request.pending[: len(request.pending) - keep])
-    request.pending = request.pending[len(request.pending) - keep:]
+    request.pending = tail  # (held back, in order, until it completes a stop string or cannot)
     return None
 
 
 def flush(request: Request, text: str) -> None:
     request.pending = ""
     if text:
-        request.send("text", text)
+        request.send("text", text, request.take_entries())
 
 
 def step(runner: generate.Runner, action: tuple):
@@ -247,18 +332,60 @@ def follow(runner: generate.Runner) -> None:
         step_local(runner, action)
 
 
-def step_local(runner, action) -> torch.Tensor:
+def step_local(runner, action):
     model = runner.model
     if action[0] == "prefill":
-        _, row, prompt = action
+        _, row, prompt, every = action
         return runner.prefill(torch.tensor([prompt], device=model.device), 0, None,
-                              rows=torch.tensor([row], device=model.device))
-    _, tokens, positions, sampling = action
-    return runner.decode(torch.tensor(tokens, device=model.device)[:, None], positions, None, sampling)
+                              rows=torch.tensor([row], device=model.device), every=every)
+    _, tokens, positions, sampling, with_logits = action
+    return runner.decode(torch.tensor(tokens, device=model.device)[:, None], positions, None, sampling, with_logits)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Requests: OpenAI's parameters, checked
+
+
+def message_text(message: dict, i: int):
+    """A message's content as one string: text content parts ([{"type": "text", "text": ...}]) joined; any other
+    part refused by name. Other shapes are left for the caller's check."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise BadRequest(f"messages[{i}].content[{j}]: only text parts are supported, got type {kind!r}",
+                             f"messages[{i}].content[{j}]")
+        texts.append(part["text"])
+    return "\n".join(texts)  # (as vLLM joins them)
+
+
+def generator(state: "Server", seed: int) -> torch.Generator:
+    """A request's own noise source (on the model's device), seeded: its sampled text depends on nothing else."""
+    g = torch.Generator(state.scheduler.model.device if state.scheduler else "cpu")
+    return g.manual_seed(seed % 2**63)
+
+
+def completion_prompts(prompt, state: "Server") -> list[list[int]]:
+    """A completion's prompts as token ids: a string, a list of strings (one choice each), a list of token ids, or
+    a list of lists of ids (what evaluation harnesses send)."""
+    def ids(value) -> bool:
+        return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+    if isinstance(prompt, str) or ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or ids(p) for p in prompt):
+        raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of lists of "
+                         "token ids", "prompt")
+    if len(prompt) > 64:
+        raise BadRequest(f"'prompt' has {len(prompt)} prompts; at most 64 a request", "prompt")
+    size = state.vocab.size
+    for p in prompt:
+        if not isinstance(p, str) and not all(0 <= i < size for i in p):
+            raise BadRequest(f"'prompt' has a token id outside 0..{size - 1}", "prompt")
+    return [state.vocab.encode(p, special=True) if isinstance(p, str) else list(p) for p in prompt]
 
 
 def number(body: dict, name: str, kind, default, low=None, high=None, low_open=False):
@@ -279,18 +406,19 @@ def parse_request(body, kind: str, state: "Server") -> dict:
     prompt as `chat.py --complete` tokenizes it), or BadRequest."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    allowed = {"messages"} if kind == "chat" else {"prompt"}
+    allowed = {"messages", "top_logprobs"} if kind == "chat" else {"prompt", "echo"}
     allowed |= {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                "stream_options", *REFUSED, *IGNORED}
+                "stream_options", "logprobs", *REFUSED, *IGNORED}
     for name, value in body.items():
         if name in REFUSED and REFUSED[name](value):
             raise BadRequest(f"'{name}' is not supported by this server", name)
         if name not in allowed:
-            raise BadRequest(f"unrecognized parameter '{name}'", name)
+            print(f"note: ignoring the unknown parameter '{name}'", file=sys.stderr, flush=True)
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
+        messages = [dict(m, content=message_text(m, i)) if isinstance(m, dict) else m for i, m in enumerate(messages)]
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("content"), str):
                 raise BadRequest(f"messages[{i}] must be an object with a string 'content'", f"messages[{i}]")
@@ -302,27 +430,36 @@ def parse_request(body, kind: str, state: "Server") -> dict:
         messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
                     for m in messages]
         try:
-            prompt = state.vocab.encode(state.vocab.render(messages), special=False)
+            prompts = [state.vocab.encode(state.vocab.render(messages), special=False)]
         except UsageError as e:
             raise BadRequest(str(e), "messages") from None
+        logprobs = body.get("logprobs")
+        if logprobs not in (None, True, False):
+            raise BadRequest("'logprobs' must be true or false", "logprobs")
+        top = number(body, "top_logprobs", int, None, low=0, high=20)
+        if top is not None and not logprobs:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        logprobs, echo = (top or 0) if logprobs else None, False
     else:
-        text = body.get("prompt")
-        if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
-            text = text[0]
-        if not isinstance(text, str):
-            raise BadRequest("'prompt' must be a string", "prompt")
-        prompt = state.vocab.encode(text, special=True)
-    if not prompt:
-        raise BadRequest("the prompt is empty", "prompt" if kind != "chat" else "messages")
-    room = state.max_seq_len - len(prompt)
-    if room < 1:
-        raise BadRequest(f"the prompt has {len(prompt)} tokens; the context holds {state.max_seq_len}",
-                         "messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+        prompts = completion_prompts(body.get("prompt"), state)
+        logprobs = number(body, "logprobs", int, None, low=0, high=20)
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise BadRequest("'echo' must be true or false", "echo")
+    if (logprobs is not None or echo) and state.scheduler is not None and state.scheduler.draft is not None:
+        raise BadRequest("logprobs and echo are not served with speculative decoding (--draft, --lookup)",
+                         "logprobs" if logprobs is not None else "echo")
+    where = "prompt" if kind != "chat" else "messages"
+    for prompt in prompts:
+        if not prompt:
+            raise BadRequest("the prompt is empty", where)
+        if len(prompt) >= state.max_seq_len:
+            raise BadRequest(f"the prompt has {len(prompt)} tokens; the context holds {state.max_seq_len}", where,
+                             code="context_length_exceeded")
+    room = state.max_seq_len - max(len(p) for p in prompts)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = number(body, name, int, room, low=1)
-    if max_tokens > room:
-        raise BadRequest(f"'{name}' {max_tokens} is more than the {room} tokens the context has left after the "
-                         f"{len(prompt)}-token prompt", name, code="context_length_exceeded")
+    # beyond the context left: clamped ("length"); 0 only with echo (an evaluation harness's log-likelihoods)
+    max_tokens = min(number(body, name, int, room, low=0 if echo else 1), room)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
@@ -334,11 +471,11 @@ def parse_request(body, kind: str, state: "Server") -> dict:
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise BadRequest("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
     seed = number(body, "seed", int, None)
-    generator = torch.Generator(state.scheduler.model.device if state.scheduler else "cpu")  # (the noise's device)
-    generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, ())))
+    seed = seed if seed is not None else int(torch.randint(2**62, ()))
     top_p = number(body, "top_p", float, None, low=0, high=1, low_open=True)
-    return {"prompt": prompt, "max_tokens": max_tokens, "stop": stop, "stream": stream,
-            "include_usage": options.get("include_usage", False), "generator": generator,
+    return {"prompts": prompts, "max_tokens": max_tokens, "stop": stop, "stream": stream, "logprobs": logprobs,
+            "echo": echo,
+            "include_usage": options.get("include_usage", False), "seed": seed,
             "temperature": number(body, "temperature", float, 1.0, low=0, high=2),
             "top_p": None if top_p == 1 else top_p, "top_k": number(body, "top_k", int, None, low=1)}
 
@@ -356,6 +493,7 @@ class Server:
         self.vocab: Vocabulary | None = None
         self.max_seq_len = 0
         self.name = "dense"
+        self.metrics = Metrics()
 
     def load(self, console) -> None:
         """Load the model and start the scheduler (a thread of its own; /health answers 503 meanwhile)."""
@@ -371,6 +509,8 @@ class Server:
         self.max_seq_len = args.max_seq_len or fitting_cache(model, batch)
         self.scheduler = Scheduler(model, self.vocab, batch, self.max_seq_len, args.compile, draft, args.speculate_k)
         warm_up(self.scheduler)
+        self.scheduler.metrics = self.metrics  # (after the warm-up: its throwaway tokens are not counted)
+        self.metrics.watch(self.scheduler)
         self.scheduler.thread.start()
         self.ready.set()
 
@@ -425,66 +565,159 @@ def make_app(server: Server):
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"the body is not valid JSON ({getattr(e, 'msg', 'not UTF-8')})") from None
         settings = parse_request(body, kind, server)
-        loop = asyncio.get_running_loop()
-        job = Request(settings["prompt"], settings["max_tokens"], settings["temperature"], settings["top_p"],
-                      settings["top_k"], settings["stop"], settings["generator"], loop, asyncio.Queue())
+        loop, queue_ = asyncio.get_running_loop(), asyncio.Queue()
+        jobs = [Request(prompt, settings["max_tokens"], settings["temperature"], settings["top_p"], settings["top_k"],
+                        settings["stop"], generator(server, settings["seed"] + i), loop, queue_,
+                        logprobs=settings["logprobs"], echo=settings["echo"], index=i)
+                for i, prompt in enumerate(settings["prompts"])]
         created, ident = int(time.time()), ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         model_name = body.get("model") if isinstance(body.get("model"), str) else server.name
-        server.scheduler.submit(job)
-        request.scope.setdefault("state", {})["job"] = job
+        for job in jobs:
+            server.scheduler.submit(job)
+        request.scope.setdefault("state", {})["job"] = jobs[0]
+        vocab = server.vocab
 
         def usage() -> dict:
-            return {"prompt_tokens": len(job.prompt), "completion_tokens": len(job.generated),
-                    "total_tokens": len(job.prompt) + len(job.generated)}
+            prompt, generated = sum(len(j.prompt) for j in jobs), sum(len(j.generated) for j in jobs)
+            return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
-        def choice(text: str | None, reason: str | None, delta: bool) -> dict:
+        def piece(token: int) -> str:
+            return vocab.tokenizer.decode([token], skip_special_tokens=False)
+
+        def logprobs(job: Request, entries: list, offset: int) -> dict | None:
+            """OpenAI's logprobs object for these entries (chat: content; completions: parallel lists)."""
+            if job.logprobs is None:
+                return None
+            if kind == "chat":
+                def one(token, lp):
+                    return {"token": piece(token), "logprob": lp, "bytes": list(piece(token).encode())}
+                return {"content": [{**one(t, lp), "top_logprobs": [one(a, alp) for a, alp in alts]}
+                                    for t, lp, alts in entries]}
+            tokens = [piece(e[0]) if isinstance(e, tuple) else piece(e) for e in entries]
+            offsets = [offset + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+            return {"tokens": tokens, "token_logprobs": [e[1] if isinstance(e, tuple) else None for e in entries],
+                    "top_logprobs": [top_by_text(e[2]) if isinstance(e, tuple) else None for e in entries],
+                    "text_offset": offsets}
+
+        def top_by_text(alternatives: list) -> dict:
+            """{token text: logprob}, best first; two ids of one text keep the better one."""
+            top = {}
+            for token, lp in alternatives:
+                top.setdefault(piece(token), lp)
+            return top
+
+        def echoed(job: Request) -> tuple[str, list]:
+            """(the prompt's text, its entries: the first token has none, as OpenAI's null)."""
+            entries = [job.prompt[0]] + job.prompt_entries[1:] if job.echo and job.prompt_entries else []
+            return vocab.decode(job.prompt), entries
+
+        def choice(job: Request, text: str | None, reason: str | None, delta: bool, entries=(), offset=0) -> dict:
+            lp = logprobs(job, list(entries), offset)
             if kind == "chat":
                 message = {"content": text} if delta else {"role": "assistant", "content": text}
                 if delta and text is None:
                     message = {}
-                return {"index": 0, "delta" if delta else "message": message, "finish_reason": reason,
-                        "logprobs": None}
-            return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+                return {"index": job.index, "delta" if delta else "message": message, "finish_reason": reason,
+                        "logprobs": lp}
+            return {"index": job.index, "text": text or "", "finish_reason": reason, "logprobs": lp}
 
         obj = "chat.completion" if kind == "chat" else "text_completion"
         head = {"id": ident, "created": created, "model": model_name, "system_fingerprint": None}
         if not settings["stream"]:
-            text = []
-            while True:
+            texts, entries, open_jobs = [[] for _ in jobs], [[] for _ in jobs], len(jobs)
+            while open_jobs:
                 try:
-                    event = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                    index, what, payload, new = await asyncio.wait_for(queue_.get(), timeout=0.5)
                 except asyncio.TimeoutError:
-                    if await request.is_disconnected():  # the client went away: free its row, answer no one
-                        job.cancelled = True
+                    if await request.is_disconnected():  # the client went away: free its rows, answer no one
+                        for job in jobs:
+                            job.cancelled = True
                         return JSONResponse({}, status_code=499)
                     continue
-                if event[0] == "done":
-                    break
-                text.append(event[1])
-            return JSONResponse({**head, "object": obj, "choices": [choice("".join(text), job.finish_reason, False)],
-                                 "usage": usage()})
+                entries[index] += new
+                if what == "done":
+                    open_jobs -= 1
+                else:
+                    texts[index].append(payload)
+            choices = []
+            for job, text, got in zip(jobs, texts, entries):
+                prompt_text, prompt_entries = echoed(job) if job.echo else ("", [])
+                choices.append(choice(job, prompt_text + "".join(text), job.finish_reason, False,
+                                      prompt_entries + got))
+            return JSONResponse({**head, "object": obj, "choices": choices, "usage": usage()})
 
         async def events():
             chunk = "chat.completion.chunk" if kind == "chat" else "text_completion"
+            offsets = [0] * len(jobs)
             try:
                 if kind == "chat":  # the role first, as OpenAI's streams start
                     first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                              "logprobs": None}
                     yield sse({**head, "object": chunk, "choices": [first]})
-                while True:
-                    event = await job.events.get()
-                    if event[0] == "done":
-                        yield sse({**head, "object": chunk, "choices": [choice(None, job.finish_reason, True)]})
-                        break
-                    yield sse({**head, "object": chunk, "choices": [choice(event[1], None, True)]})
+                open_jobs = len(jobs)
+                while open_jobs:
+                    index, what, payload, new = await queue_.get()
+                    job = jobs[index]
+                    if job.echo and offsets[index] == 0 and (what == "done" or payload):  # the prompt comes first
+                        prompt_text, prompt_entries = echoed(job)
+                        yield sse({**head, "object": chunk, "choices": [choice(job, prompt_text, None, True,
+                                                                                prompt_entries)]})
+                        offsets[index] = len(prompt_text) or -1
+                    at = max(offsets[index], 0)
+                    if what == "done":
+                        open_jobs -= 1
+                        yield sse({**head, "object": chunk, "choices": [choice(job, None, job.finish_reason, True,
+                                                                                new, at)]})
+                        continue
+                    yield sse({**head, "object": chunk, "choices": [choice(job, payload, None, True, new, at)]})
+                    offsets[index] = at + len(payload)
                 if settings["include_usage"]:
                     yield sse({**head, "object": chunk, "choices": [], "usage": usage()})
                 yield "data: [DONE]\n\n"
-            finally:  # the client went away (or the stream ended): the row is freed at the next step
-                job.cancelled = job.finish_reason is None
+            finally:  # the client went away (or the stream ended): the rows are freed at the next step
+                for job in jobs:
+                    job.cancelled = job.finish_reason is None
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def tokenize(request):
+        """llama-server's shape: {"content": text, "add_special": false, "with_pieces": false} -> {"tokens": [...]}."""
+        body = await ready_json(request)
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise BadRequest("'content' must be a string", "content")
+        ids = server.vocab.encode(content, special=bool(body.get("add_special", False)))
+        if body.get("with_pieces"):
+            return JSONResponse({"tokens": [{"id": i, "piece": server.vocab.tokenizer.id_to_token(i)} for i in ids]})
+        return JSONResponse({"tokens": ids})
+
+    async def detokenize(request):
+        """{"tokens": [ids]} -> {"content": text}."""
+        body = await ready_json(request)
+        ids = body.get("tokens")
+        size = server.vocab.size
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < size
+                                                for i in ids):
+            raise BadRequest(f"'tokens' must be a list of token ids in 0..{size - 1}", "tokens")
+        return JSONResponse({"content": server.vocab.tokenizer.decode(ids, skip_special_tokens=False)})
+
+    async def metrics(request):
+        from starlette.responses import Response
+
+        text, media_type = server.metrics.text()
+        return Response(text, media_type=media_type)
+
+    async def ready_json(request) -> dict:
+        if not server.ready.is_set():
+            raise BadRequest("the model is loading; try again shortly", status=503, kind="server_error")
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the body is not valid JSON ({getattr(e, 'msg', 'not UTF-8')})") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return body
 
     async def chat(request):
         return await completions(request, "chat")
@@ -503,12 +736,20 @@ def make_app(server: Server):
         print(f"error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return error_response(BadRequest(f"internal error: {type(e).__name__}", status=500, kind="server_error"))
 
-    routes = [Route("/health", health), Route("/v1/models", models),
+    routes = [Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
               Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/completions", complete,
-                                                                             methods=["POST"])]
+                                                                             methods=["POST"]),
+              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
     app = Starlette(routes=routes, exception_handlers={BadRequest: bad_request, HTTPException: http_error,
                                                         Exception: crash})
-    return Guard(app, server.args.api_key)
+    app = Guard(app, server.args.api_key, server.metrics)
+    origins = getattr(server.args, "cors_origin", None)
+    if origins:  # outermost: a browser's preflight is answered before the API key is asked for
+        from starlette.middleware.cors import CORSMiddleware
+
+        app = CORSMiddleware(app, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
+                             allow_headers=["*"])
+    return app
 
 
 def sse(obj: dict) -> str:
@@ -519,8 +760,8 @@ class Guard:
     """ASGI middleware: the API key (when --api-key is set) and one log line per request (method, path, status,
     tokens, time)."""
 
-    def __init__(self, app, api_key: str | None) -> None:
-        self.app, self.api_key = app, api_key
+    def __init__(self, app, api_key: str | None, metrics: Metrics | None = None) -> None:
+        self.app, self.api_key, self.metrics = app, api_key, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -544,6 +785,8 @@ class Guard:
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 log(scope, status[0], scope["state"].get("job"), start)
+                if self.metrics is not None and scope["path"] in ("/v1/chat/completions", "/v1/completions"):
+                    self.metrics.requests.labels(str(status[0])).inc()
 
         await self.app(scope, receive, watched)
 
@@ -566,6 +809,8 @@ def parse_args(argv):
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="requests decoded together (more wait in line); speculative decoding serves one at a time")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                   help="let pages from ORIGIN call the server from a browser (CORS; repeat it for more, '*' for any)")
     args = parse_flags(p, argv)
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")

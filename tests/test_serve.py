@@ -175,13 +175,15 @@ def test_a_request_joining_a_running_batch_finishes_first(server):
     ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0]", "string 'content'"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens", "at least 1"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, 400, "max_tokens", "at least 1"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 9}, 400, "max_tokens", "left after"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, 400, "max_tokens", "an integer"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature", "a number"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n", "not supported"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "top_logprobs", "needs 'logprobs'"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     "at most 20"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
-    ({"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, 400, "frobnicate", "unrecognized"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages[0].content[0]", "only text parts"),
     ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages", "the context holds"),
 ])
 def test_bad_requests_get_openais_error_body_and_the_server_goes_on(server, body, status, param, words):
@@ -255,3 +257,202 @@ def test_torchrun_serves_from_rank_0_with_the_others_following(server, tmp_path)
     finally:
         if run.poll() is None:
             run.kill()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stop strings split across tokens (serve.finish, fed token by token as the scheduler does)
+
+
+class Pieces:
+    """A vocabulary whose token i is pieces[i] (its text), for serve.finish."""
+    stop_ids: set = set()
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def run_finish(pieces, stop, max_tokens=100):
+    """The text events finish() sends for tokens 0..len(pieces)-1 in order, and the finish reason."""
+    import serve
+
+    sent = []
+    loop = type("Loop", (), {"call_soon_threadsafe": staticmethod(lambda fn, event: fn(event))})()
+    events = type("Events", (), {"put_nowait": staticmethod(sent.append)})()
+    request = serve.Request([1], max_tokens, 0.0, None, None, stop, None, loop, events)
+    reason = None
+    for token in range(len(pieces)):
+        reason = serve.finish(Pieces(pieces), request, token)
+        if reason:
+            break
+    return [e[2] for e in sent if e[1] == "text"], reason  # (events: index, kind, text, logprob entries)
+
+
+@pytest.mark.parametrize("pieces", [
+    ["a thriving", " metro", "polis,", " with towering"],  # split over two tokens
+    ["a thriving", " met", "ropo", "lis,", " with towering"],  # over three
+])
+def test_a_stop_string_split_across_tokens_ends_the_text_and_keeps_what_came_before(pieces):
+    sent, reason = run_finish(pieces, ["metropolis,"])
+    assert "".join(sent) == "a thriving " and reason == "stop"
+
+
+def test_a_stop_prefix_that_never_completes_is_sent_in_order():
+    pieces = ["the metro", " station", " is metro", "polit", "an", " and"]
+    sent, reason = run_finish(pieces, ["metropolis,"], max_tokens=6)
+    assert "".join(sent) == "".join(pieces) and reason == "length"
+    assert sent[0] == "the "  # "metro" held back while it could still become the stop string
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tolerance, tokenize, metrics
+
+
+def test_text_content_parts_are_joined_and_unknown_parameters_ignored(server):
+    plain = server.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 8, "temperature": 0})[1]
+    parts = server.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi there"}]}], "max_tokens": 8,
+        "temperature": 0, "frobnicate": 1, "cache_prompt": True})[1]
+    assert parts["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert any("ignoring the unknown parameter 'frobnicate'" in line for line in server.log)
+
+
+def test_max_tokens_beyond_the_context_is_clamped_with_finish_reason_length(server):
+    got, answer = server.request("POST", "/v1/completions", {"prompt": "word " * 20, "max_tokens": 10 ** 9,
+                                                              "temperature": 0})
+    assert got == 200 and answer["choices"][0]["finish_reason"] in ("length", "stop")
+    assert answer["usage"]["total_tokens"] <= 128  # the fixture's context
+
+
+def test_tokenize_and_detokenize_round_trip(server):
+    got, answer = server.request("POST", "/tokenize", {"content": "the cat sat"})
+    assert got == 200 and answer["tokens"] and all(isinstance(t, int) for t in answer["tokens"])
+    assert server.request("POST", "/detokenize", {"tokens": answer["tokens"]})[1] == {"content": "the cat sat"}
+    pieces = server.request("POST", "/tokenize", {"content": "the cat", "with_pieces": True})[1]["tokens"]
+    assert [p["id"] for p in pieces] == server.request("POST", "/tokenize", {"content": "the cat"})[1]["tokens"]
+    assert server.request("POST", "/detokenize", {"tokens": [10 ** 9]})[0] == 400
+
+
+def test_metrics_count_requests_and_tokens_in_prometheus_format(server):
+    before = server.get("/metrics")[1].decode()
+    chat(server.client(), "count me", max_tokens=3)
+    after = server.get("/metrics")[1].decode()
+
+    def value(text, name):
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    assert value(after, 'dense_requests_total{status="200"}') == value(before, 'dense_requests_total{status="200"}') + 1
+    assert value(after, "dense_generated_tokens_total") >= value(before, "dense_generated_tokens_total") + 1
+    for name in ("dense_queue_depth", "dense_busy_rows", "dense_time_to_first_token_seconds_bucket",
+                 "dense_inter_token_latency_seconds_count", "dense_prompt_tokens_total"):
+        assert name in after
+
+
+@pytest.mark.slow
+def test_cors_preflight_is_answered_before_the_api_key():
+    s = Server("--api-key", "sesame", "--no-compile", "--cors-origin", "http://example.test")
+    try:
+        got, _ = s.request("OPTIONS", "/v1/chat/completions", None, {
+            "Origin": "http://example.test", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert got == 200
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+        conn.request("GET", "/v1/models", headers={"Origin": "http://example.test", "Authorization": "Bearer sesame"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.getheader("access-control-allow-origin") == "http://example.test"
+        conn.close()
+        assert s.request("GET", "/v1/models")[0] == 401  # the key still guards everything else
+    finally:
+        s.stop()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Logprobs and echo, against the plain path (model(ids) at every position)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    import load
+
+    return load.from_pretrained(LLAMA)
+
+
+def plain_logprobs(model, ids: list[int]):
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids]))[0].float(), dim=-1)  # [T, V]: position p rates p + 1
+
+
+def test_completion_logprobs_and_echo_equal_the_plain_path(server, plain):
+    """A completion with echo and logprobs (token ids in, greedy): the prompt's logprobs (the first null) and the
+    generated tokens' are the float32 log-softmax of the plain pass over the whole text, top alternatives included."""
+    import torch
+
+    prompt = server.request("POST", "/tokenize", {"content": "the cat sat on the mat"})[1]["tokens"]
+    got, answer = server.request("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                              "logprobs": 3, "echo": True})
+    assert got == 200
+    lp = answer["choices"][0]["logprobs"]
+    n = len(prompt)
+    assert len(lp["tokens"]) == n + 6 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    with torch.no_grad():  # the greedy continuation, plainly
+        ids = list(prompt)
+        for _ in range(6):
+            ids.append(int(plain_logprobs(plain, ids)[-1].argmax()))
+    want = plain_logprobs(plain, ids)
+    for p in range(1, n + 6):
+        assert abs(lp["token_logprobs"][p] - float(want[p - 1, ids[p]])) < 2e-4, p
+        best = want[p - 1].topk(3)
+        top = lp["top_logprobs"][p]  # {token text: logprob} (two ids of one text share a key, as in OpenAI's)
+        assert max(top.values()) == pytest.approx(float(best.values[0]), abs=2e-4)
+        assert all(min(abs(v - b) for b in best.values.tolist()) < 2e-4 for v in top.values())
+    pieces = [server.request("POST", "/detokenize", {"tokens": [i]})[1]["content"] for i in ids]
+    assert lp["tokens"] == pieces and lp["text_offset"][1] == len(pieces[0])
+
+
+def test_a_request_exactly_as_lm_eval_local_completions_sends_it(server, plain):
+    """lm-evaluation-harness' log-likelihood request: a batch of token-id prompts, echo, logprobs 1, max_tokens 1;
+    it reads token_logprobs[context:-1] and whether each continuation token was the top one."""
+    context = server.request("POST", "/tokenize", {"content": "the cat sat"})[1]["tokens"]
+    options = [server.request("POST", "/tokenize", {"content": c})[1]["tokens"] for c in (" on the mat", " down")]
+    body = {"model": "m", "prompt": [context + o for o in options], "temperature": 0, "max_tokens": 1,
+            "logprobs": 1, "seed": 1234, "echo": True}
+    got, answer = server.request("POST", "/v1/completions", body)
+    assert got == 200 and [c["index"] for c in answer["choices"]] == [0, 1]
+    for option, c in zip(options, answer["choices"]):
+        ids = context + option
+        lp = c["logprobs"]
+        want = plain_logprobs(plain, ids)
+        continuation = lp["token_logprobs"][len(context):-1]
+        assert continuation == pytest.approx([float(want[p - 1, ids[p]]) for p in range(len(context), len(ids))],
+                                             abs=2e-4)
+        greedy = all(max(top, key=top.get) == tok for top, tok in zip(lp["top_logprobs"][len(context):-1],
+                                                                       lp["tokens"][len(context):-1]))
+        assert greedy == all(int(want[p - 1].argmax()) == ids[p] for p in range(len(context), len(ids)))
+    zero = server.request("POST", "/v1/completions", {**body, "max_tokens": 0})[1]
+    assert [len(c["logprobs"]["tokens"]) for c in zero["choices"]] == [len(context) + len(o) for o in options]
+
+
+def test_chat_logprobs_stream_as_they_come_and_equal_the_whole_answer(server):
+    client = server.client()
+    reply = chat(client, "hi there", max_tokens=8, logprobs=True, top_logprobs=2)
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens >= 1  # one entry per generated token
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+    assert all(e.top_logprobs[0].logprob >= e.logprob - 2e-4 for e in entries)  # greedy: the chosen is the best
+    streamed = [e for c in chat(client, "hi there", max_tokens=8, logprobs=True, top_logprobs=2, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in entries]
+
+
+def test_a_list_of_string_prompts_gets_one_choice_each(server):
+    client = server.client()
+    out = client.completions.create(model="x", prompt=["the cat sat", "a dog"], max_tokens=5, temperature=0)
+    alone = [client.completions.create(model="x", prompt=p, max_tokens=5, temperature=0).choices[0].text
+             for p in ("the cat sat", "a dog")]
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == alone
