@@ -61,7 +61,8 @@ class Compiler:
         # displaced cost 10x its decode speed on 2 cores, measured), until the steps are loaded (done())
         torch.set_num_threads(max(1, self.threads - 1))
         if self.status:
-            self.status(f"compiling the {' and '.join(self.started)} step{'s' * (len(self.started) > 1)} in the "
+            kinds = list(dict.fromkeys(self.started))  # (a decode step per sampling kind: named once)
+            self.status(f"compiling the {' and '.join(kinds)} step{'s' * (len(self.started) > 1)} in the "
                         f"background (about {job['estimate']:.0f} s; answering eagerly meanwhile)")
 
     def done(self) -> None:

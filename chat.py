@@ -21,10 +21,11 @@ import torch
 
 import benchmark
 import generate
+import grammar
 import tp
 from checkpoint import CheckpointError
-from repl import interactive
 from default_model import default_checkpoint
+from repl import interactive
 from session import (SETTINGS, Session, add_model_flags, check_environment, ctrl_c_as_key, fitting_cache, load_model,
                      make_draft, parse_flags, positive_int, prompt_ids, prompt_mode, prompt_text)
 from vocab import UsageError, Vocabulary, load_vocabulary
@@ -59,6 +60,11 @@ def parse_args(argv):
                    "(default: a new one each run)")
     p.add_argument("--stats", action="store_true", help="one-shot: print speed to stderr")
     p.add_argument("--plain", action="store_true", help="chat: stream replies as plain text, not rendered Markdown")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="one-shot: the reply is JSON valid against this JSON "
+                                                              "schema (constrained decoding)")
+    shape.add_argument("--json-object", action="store_true", help="one-shot: the reply is a JSON object (--json is "
+                                                                   "--bench's output format)")
     bench = p.add_argument_group("benchmark (--bench)")
     bench.add_argument("--bench", action="store_true", help="measure prefill and decode speed, then exit")
     bench.add_argument("--shape", choices=tuple(benchmark.SHAPES),
@@ -83,6 +89,21 @@ def parse_args(argv):
         if value is not None and not valid(value):
             raise UsageError(f"--{name} must be {expected}, got {value}")
     return args
+
+
+def read_schema(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            schema = json.load(f)
+    except OSError as e:
+        raise UsageError(f"--json-schema {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"--json-schema {path}: not valid JSON ({getattr(e, 'msg', 'not UTF-8')})") from None
+    try:
+        grammar.json_grammar(schema)
+    except ValueError as e:
+        raise UsageError(f"--json-schema {path}: not a usable JSON schema ({e})") from None
+    return schema
 
 
 def one_shot(session: Session, vocab: Vocabulary, args, mode: str) -> int:
@@ -217,6 +238,11 @@ def run(argv, console) -> int:
         raise UsageError("--shape needs --bench (it makes a random-weight model for measuring)")
     if args.plot and not args.bench:
         raise UsageError("--plot needs --bench (it draws what the benchmark measured)")
+    if (args.json_schema or args.json_object) and (args.prompt is None or args.draft or args.draft_quant
+                                                    or args.lookup):
+        raise UsageError(f"{'--json-schema' if args.json_schema else '--json-object'} applies to one-shot --prompt "
+                         "runs, without speculative decoding")
+    schema = read_schema(args.json_schema) if args.json_schema else None
     if args.prompt_file is not None and (args.draft or args.draft_quant or args.lookup):
         raise UsageError("--prompt-file runs batches; speculative decoding (--draft, --draft-quant, --lookup) runs at "
                          "batch 1")
@@ -241,6 +267,9 @@ def run(argv, console) -> int:
         session.compile_s = session.warm_up()
     if args.prompt is None or args.stats:
         console.print(f"[dim]{why}[/dim]")
+    if args.json_schema or args.json_object:
+        grammar_text, tokenizer = grammar.json_grammar(schema), grammar.tokenizer_for(vocab, model.config.vocab_size)
+        session.constraint = lambda: grammar.Constraint(grammar_text, tokenizer, model.config.vocab_size)
     if args.prompt is not None:
         return one_shot(session, vocab, args, mode)
     return interactive(session, vocab, args, mode, console, ckpt, why)

@@ -21,6 +21,7 @@ Runner. Stands on dense.py, kernels.py and steps.py.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -85,6 +86,7 @@ class Sampling:
     top_p: float | None | tuple = None
     vocab_limit: int | None = None
     generators: tuple | None = None
+    bias: torch.Tensor | None = None  # [B, V] float32 added to the logits first (a grammar's -inf, logit_bias, ...)
 
     def per_row(self, name: str, batch: int) -> list:
         value = getattr(self, name)
@@ -123,21 +125,25 @@ class Sampling:
 
 
 def decode_step(model, token, input_pos, row_start, attend: int, kind: str, vocab_limit: int | None,
-                temperature, top_k, top_p, noise):
+                temperature, top_k, top_p, noise, bias=None):
     """token [B, 1] at slot input_pos [1] (or [B, 1]: a slot per row) -> the next token [B, 1]. kind and vocab_limit
-    shape the graph; the sampling values (Sampling.settings and noise, or None when greedy) are its inputs."""
+    shape the graph; the sampling values (Sampling.settings and noise, or None when greedy) are its inputs, and so is
+    bias [B, V] when a row is constrained (a graph of its own: unconstrained batches run the step without it)."""
     logits = model(token, input_pos, attend=attend, row_start=row_start)[:, -1]
-    return next_token(logits, kind, vocab_limit, temperature, top_k, top_p, noise)
+    return next_token(logits, kind, vocab_limit, temperature, top_k, top_p, noise, bias)
 
 
 def decode_logits_step(model, token, input_pos, row_start, attend: int, kind: str, vocab_limit: int | None,
-                       temperature, top_k, top_p, noise):
-    """decode_step that also returns the float32 logits [B, V] it sampled from (a server's logprobs)."""
+                       temperature, top_k, top_p, noise, bias=None):
+    """decode_step that also returns the float32 logits [B, V] of the model (before the bias: a server's logprobs)."""
     logits = model(token, input_pos, attend=attend, row_start=row_start)[:, -1]
-    return next_token(logits, kind, vocab_limit, temperature, top_k, top_p, noise), logits
+    return next_token(logits, kind, vocab_limit, temperature, top_k, top_p, noise, bias), logits
 
 
-def next_token(logits, kind: str, vocab_limit: int | None, temperature, top_k, top_p, noise) -> torch.Tensor:
+def next_token(logits, kind: str, vocab_limit: int | None, temperature, top_k, top_p, noise,
+               bias=None) -> torch.Tensor:
+    if bias is not None:
+        logits = logits + bias
     if kind == "greedy":
         return dense.sample(logits, 0.0, vocab_limit=vocab_limit)
     filtered = kind == "filtered"
@@ -222,13 +228,16 @@ class Runner:
         values = self.sampling_values(sampling, B)
         last = max((p for p in pos if p < model.max_seq_len), default=0) if per_row else pos  # (idle rows: scratch)
         attend = None if self.steps is None else attend_width(model, min(last + 1, model.max_seq_len))
-        args = (model, token, input_pos, row_start, attend, kind, sampling.vocab_limit, *values)
+        biased = sampling.bias is not None
+        args = (model, token, input_pos, row_start, attend, kind, sampling.vocab_limit, *values,
+                *((sampling.bias,) if biased else ()))
         step_fn = decode_logits_step if with_logits else decode_step
         fn = None if self.steps is None else self.steps.get(
             "decode_logits" if with_logits else "decode", step_fn, args, batch=B, attend=attend, sampling=kind,
-            vocab_limit=sampling.vocab_limit, ragged=row_start is not None, per_row=per_row)
+            vocab_limit=sampling.vocab_limit, ragged=row_start is not None, per_row=per_row,
+            **({"biased": True} if biased else {}))  # (the key of an unbiased step stays what it was)
         if fn is None:  # eager (also while the step compiles in the background): attend over the slots in use
-            return step_fn(model, token, input_pos, row_start, None, kind, sampling.vocab_limit, *values)
+            return step_fn(model, token, input_pos, row_start, None, *args[5:])
         out = fn(*args)  # (cloned: a CUDA graph reuses its output buffers)
         return tuple(t.clone() for t in out) if with_logits else out.clone()
 
@@ -270,18 +279,25 @@ def as_batch(prompts, device) -> tuple[torch.Tensor, torch.Tensor | None, list[i
 @torch.no_grad()
 def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, *, temperature: float = 0.0,
                     top_k: int | None = None, top_p: float | None = None, compile: bool = False, start_pos: int = 0,
-                    vocab_limit: int | None = None, steps: Steps | None = None) -> Iterator[torch.Tensor]:
+                    vocab_limit: int | None = None, steps: Steps | None = None,
+                    constraint=None) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens new tokens [B, 1], one per step. prompts: [B, T] ids, or a list of prompts of any
     lengths (left-padded; every row's positions start at 0). The prompt is prefilled at slots start_pos..; slots
     before start_pos must already hold this conversation (a chat continuing it). The last token yielded has not been
-    fed to the model yet. compile=True (or steps) runs compiled, bucketed steps."""
+    fed to the model yet. compile=True (or steps) runs compiled, bucketed steps. constraint (batch 1; grammar.py):
+    every token is one its grammar allows (a host read per token)."""
     runner, ids, row_start = prepare(model, prompts, max_new_tokens, start_pos, compile, steps)
     sampling = Sampling(temperature, top_k, top_p, vocab_limit)
     T = ids.shape[1]
     logits = runner.prefill(ids, start_pos, row_start)
+    if constraint is not None:
+        logits = logits + constraint.bias(logits.device)
     token = dense.sample(logits, temperature, top_k, top_p, vocab_limit)
     yield token
     for i in range(max_new_tokens - 1):  # the token stays on the device: nothing here waits for the GPU
+        if constraint is not None:
+            constraint.consume(int(token))
+            sampling = dataclasses.replace(sampling, bias=constraint.bias(token.device)[None])
         token = runner.decode(token, start_pos + T + i, row_start, sampling)
         yield token
 

@@ -38,6 +38,7 @@ import torch
 
 import dense
 import generate
+import grammar
 import speculative
 import tp
 from checkpoint import CheckpointError
@@ -51,9 +52,7 @@ CHAT_ROLES = ("system", "user", "assistant", "developer")
 # server does not know at all are ignored with one log line, as llama-server and vLLM do (front-ends send many).
 REFUSED = {"n": lambda v: v not in (None, 1),
            "tools": lambda v: bool(v), "tool_choice": lambda v: v not in (None, "none"), "functions": bool,
-           "function_call": lambda v: v not in (None, "none"), "logit_bias": bool,
-           "presence_penalty": lambda v: v not in (None, 0), "frequency_penalty": lambda v: v not in (None, 0),
-           "response_format": lambda v: v not in (None, {"type": "text"}),
+           "function_call": lambda v: v not in (None, "none"),
            "best_of": lambda v: v not in (None, 1), "suffix": lambda v: v not in (None, ""),
            "prediction": lambda v: v is not None, "audio": lambda v: v is not None,
            "modalities": lambda v: v not in (None, ["text"])}
@@ -83,7 +82,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("dense_requests", "Completion requests answered, by HTTP status", ["status"],
                                 registry=self.registry)
-        self.prompt_tokens = Counter("dense_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
+        self.prompt_tokens = Counter("dense_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=self.registry)
         self.generated_tokens = Counter("dense_generated_tokens", "Tokens generated", registry=self.registry)
         self.queue = Gauge("dense_queue_depth", "Requests waiting for a row", registry=self.registry)
         self.busy = Gauge("dense_busy_rows", "Cache rows running a request", registry=self.registry)
@@ -143,6 +143,32 @@ class Request:
     index: int = 0  # its choice's index (a completion request may carry several prompts)
     entries: list = field(default_factory=list)  # logprob entries of tokens whose text is not sent yet
     prompt_entries: list = field(default_factory=list)  # (echo) one per prompt token, the first None
+    constraint: object = None  # a grammar.Constraint (response_format): the tokens its grammar allows
+    logit_bias: dict = field(default_factory=dict)  # token id -> added to its logit
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # ... times how often it was generated
+    counts: dict = field(default_factory=dict)  # token id -> times generated (for the penalties)
+
+    def bias(self, vocab: int) -> torch.Tensor | None:
+        """[V] float32 added to this request's logits before sampling (OpenAI's semantics), or None: none."""
+        penalties = self.counts and (self.presence_penalty or self.frequency_penalty)
+        if self.constraint is None and not self.logit_bias and not penalties:
+            return None
+        bias = self.constraint.bias("cpu") if self.constraint is not None else torch.zeros(vocab)
+        if self.logit_bias:
+            bias[list(self.logit_bias)] += torch.tensor(list(self.logit_bias.values()))
+        if penalties:
+            counts = torch.tensor(list(self.counts.values()), dtype=torch.float32)
+            bias[list(self.counts)] -= self.presence_penalty + self.frequency_penalty * counts
+        return bias
+
+    def chose(self, token: int, stop_ids) -> None:
+        """A token was chosen: the grammar and the counts move on."""
+        if token in stop_ids:
+            return
+        if self.constraint is not None:
+            self.constraint.consume(token)
+        self.counts[token] = self.counts.get(token, 0) + 1
 
     def send(self, *event) -> None:
         """Events ("text", piece, logprob entries) and ("done", finish_reason, entries), tagged with the index."""
@@ -215,7 +241,7 @@ class Scheduler:
                 request.finish_reason = "length"
                 request.send("done", "length", [])
                 continue
-            token = int(sample_one(logits, request, self.vocab_limit))
+            token = int(sample_one(logits, request, self.vocab_limit, request.bias(logits.shape[-1])))
             self.rows[row], self.positions[row], self.last[row] = request, len(request.prompt), token
             self.deliver(row, token, logits[0])
 
@@ -227,10 +253,15 @@ class Scheduler:
         for row, request in enumerate(rows):
             if request is None:  # an idle row writes to the scratch slot, which nothing reads
                 tokens[row], positions[row] = 0, self.max_seq_len
+        V = self.model.config.vocab_size
+        biases = [r.bias(V) if r is not None else None for r in rows]
+        bias = None  # (a batch with no constrained, biased or penalized row runs the plain step)
+        if any(b is not None for b in biases):
+            bias = torch.stack([b if b is not None else torch.zeros(V) for b in biases]).to(self.model.device)
         sampling = generate.Sampling(
             tuple(r.temperature if r else 0.0 for r in rows), tuple(r.top_k if r else None for r in rows),
             tuple(r.top_p if r else None for r in rows), self.vocab_limit,
-            tuple(r.generator if r else self.idle_generator for r in rows))
+            tuple(r.generator if r else self.idle_generator for r in rows), bias)
         with_logits = any(r is not None and r.logprobs is not None for r in rows)
         out = step(self.runner, ("decode", tokens, positions, sampling, with_logits))
         out, logits = out if with_logits else (out, None)
@@ -246,7 +277,11 @@ class Scheduler:
         request = self.rows[row]
         if request.logprobs is not None and logits is not None and token not in self.vocab.stop_ids:
             request.entries.append(logprob_entry(logits, token, request.logprobs))
+        request.chose(token, self.vocab.stop_ids)
         reason = finish(self.vocab, request, token)
+        if reason is None and request.constraint is not None and request.constraint.done:  # the grammar is complete
+            flush(request, request.pending + request.stream.finish())
+            reason = "stop"
         if self.metrics is not None:
             self.metrics.token(request)
             if reason or request.cancelled:
@@ -279,8 +314,11 @@ def logprob_entry(logits: torch.Tensor, token: int, top: int) -> tuple:
     return token, float(logprobs[token]), alternatives
 
 
-def sample_one(logits: torch.Tensor, request: Request, vocab_limit: int | None) -> torch.Tensor:
-    """The first token of a request, from its prefill's logits [1, V], with its own generator's noise."""
+def sample_one(logits: torch.Tensor, request: Request, vocab_limit: int | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The first token of a request, from its prefill's logits [1, V] (plus its bias), with its own noise."""
+    if bias is not None:
+        logits = logits + bias.to(logits.device)
     noise = torch.empty_like(logits).exponential_(1, generator=request.generator)
     return dense.sample(logits, request.temperature, request.top_k, request.top_p, vocab_limit, noise)
 
@@ -362,6 +400,46 @@ def message_text(message: dict, i: int):
     return "\n".join(texts)  # (as vLLM joins them)
 
 
+def response_grammar(response_format) -> str | None:
+    """The grammar of `response_format`: None for text, any JSON object, or JSON valid against a schema."""
+    if response_format in (None, {"type": "text"}):
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    try:
+        if kind == "json_object":
+            return grammar.json_grammar(None)
+        spec = response_format.get("json_schema") if kind == "json_schema" else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise BadRequest("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                             "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}",
+                             "response_format")
+        return grammar.json_grammar(spec.get("schema") or {})
+    except ValueError as e:
+        raise BadRequest(f"'response_format': the JSON schema cannot be used ({e})", "response_format") from None
+    except UsageError as e:
+        raise BadRequest(str(e), "response_format", status=500, kind="server_error") from None
+
+
+def logit_bias(value, size: int) -> dict[int, float]:
+    """OpenAI's logit_bias, {"token id": -100..100}, as {id: bias}."""
+    if value is None:
+        return {}
+    out = {}
+    if isinstance(value, dict):
+        for key, bias in value.items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < size or isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
+                    not -100 <= bias <= 100:
+                break
+            out[token] = float(bias)
+        else:
+            return out
+    raise BadRequest(f"'logit_bias' must map token ids (0..{size - 1}) to numbers in -100..100", "logit_bias")
+
+
 def generator(state: "Server", seed: int) -> torch.Generator:
     """A request's own noise source (on the model's device), seeded: its sampled text depends on nothing else."""
     g = torch.Generator(state.scheduler.model.device if state.scheduler else "cpu")
@@ -408,7 +486,8 @@ def parse_request(body, kind: str, state: "Server") -> dict:
         raise BadRequest("the request body must be a JSON object")
     allowed = {"messages", "top_logprobs"} if kind == "chat" else {"prompt", "echo"}
     allowed |= {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                "stream_options", "logprobs", *REFUSED, *IGNORED}
+                "stream_options", "logprobs", "response_format", "logit_bias", "presence_penalty",
+                "frequency_penalty", *REFUSED, *IGNORED}
     for name, value in body.items():
         if name in REFUSED and REFUSED[name](value):
             raise BadRequest(f"'{name}' is not supported by this server", name)
@@ -446,9 +525,13 @@ def parse_request(body, kind: str, state: "Server") -> dict:
         echo = body.get("echo", False)
         if not isinstance(echo, bool):
             raise BadRequest("'echo' must be true or false", "echo")
-    if (logprobs is not None or echo) and state.scheduler is not None and state.scheduler.draft is not None:
-        raise BadRequest("logprobs and echo are not served with speculative decoding (--draft, --lookup)",
-                         "logprobs" if logprobs is not None else "echo")
+    shaping = {"logprobs": logprobs is not None, "echo": echo,
+               "response_format": body.get("response_format") not in (None, {"type": "text"}),
+               "logit_bias": bool(body.get("logit_bias")), "presence_penalty": bool(body.get("presence_penalty")),
+               "frequency_penalty": bool(body.get("frequency_penalty"))}
+    if any(shaping.values()) and state.scheduler is not None and state.scheduler.draft is not None:
+        name = next(k for k, v in shaping.items() if v)
+        raise BadRequest(f"'{name}' is not served with speculative decoding (--draft, --lookup)", name)
     where = "prompt" if kind != "chat" else "messages"
     for prompt in prompts:
         if not prompt:
@@ -474,7 +557,10 @@ def parse_request(body, kind: str, state: "Server") -> dict:
     seed = seed if seed is not None else int(torch.randint(2**62, ()))
     top_p = number(body, "top_p", float, None, low=0, high=1, low_open=True)
     return {"prompts": prompts, "max_tokens": max_tokens, "stop": stop, "stream": stream, "logprobs": logprobs,
-            "echo": echo,
+            "echo": echo, "grammar": response_grammar(body.get("response_format")),
+            "logit_bias": logit_bias(body.get("logit_bias"), state.vocab.size),
+            "presence_penalty": number(body, "presence_penalty", float, 0.0, low=-2, high=2),
+            "frequency_penalty": number(body, "frequency_penalty", float, 0.0, low=-2, high=2),
             "include_usage": options.get("include_usage", False), "seed": seed,
             "temperature": number(body, "temperature", float, 1.0, low=0, high=2),
             "top_p": None if top_p == 1 else top_p, "top_k": number(body, "top_k", int, None, low=1)}
@@ -566,9 +652,14 @@ def make_app(server: Server):
             raise BadRequest(f"the body is not valid JSON ({getattr(e, 'msg', 'not UTF-8')})") from None
         settings = parse_request(body, kind, server)
         loop, queue_ = asyncio.get_running_loop(), asyncio.Queue()
+        V = server.scheduler.model.config.vocab_size
         jobs = [Request(prompt, settings["max_tokens"], settings["temperature"], settings["top_p"], settings["top_k"],
                         settings["stop"], generator(server, settings["seed"] + i), loop, queue_,
-                        logprobs=settings["logprobs"], echo=settings["echo"], index=i)
+                        logprobs=settings["logprobs"], echo=settings["echo"], index=i,
+                        constraint=grammar.Constraint(settings["grammar"], grammar.tokenizer_for(server.vocab, V), V)
+                        if settings["grammar"] else None, logit_bias=settings["logit_bias"],
+                        presence_penalty=settings["presence_penalty"],
+                        frequency_penalty=settings["frequency_penalty"])
                 for i, prompt in enumerate(settings["prompts"])]
         created, ident = int(time.time()), ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         model_name = body.get("model") if isinstance(body.get("model"), str) else server.name

@@ -125,6 +125,7 @@ class Session:
         self.compile_s: float | None = None
         self.last = ReplyStats()
         self.stop = None  # under torchrun: a function every rank calls after each token; True stops the reply
+        self.constraint = None  # a function making each reply's grammar.Constraint (chat.py --json-schema)
 
     def warm_up(self) -> float:
         """Load (or compile: in the background the first time on this machine) the prefill and decode steps a first
@@ -150,7 +151,8 @@ class Session:
         settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, start_pos=start_pos,
                         vocab_limit=vocab_limit, steps=self.steps)
         if self.draft is None:
-            return generate.generate_tokens(self.model, ids, max_new, **settings)
+            constraint = self.constraint() if self.constraint is not None else None
+            return generate.generate_tokens(self.model, ids, max_new, constraint=constraint, **settings)
         return speculative.generate_tokens(self.model, ids, max_new, self.draft, speculate_k=args.speculate_k,
                                            stats=stats, context=self.cached[:start_pos] if context is None else context,
                                            **settings)

@@ -28,10 +28,11 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *flags, env=None) -> None:
+    def __init__(self, *flags, env=None, ckpt=LLAMA) -> None:
         self.port = free_port()
         self.log = []
-        self.process = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), "--ckpt", LLAMA, "--port",
+        model = ["--ckpt", ckpt] if ckpt else []  # (None: the default model)
+        self.process = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), *model, "--port",
                                          str(self.port), *flags], stderr=subprocess.PIPE, text=True,
                                         env={**os.environ, **(env or {})})
         threading.Thread(target=lambda: self.log.extend(self.process.stderr), daemon=True).start()
@@ -456,3 +457,99 @@ def test_a_list_of_string_prompts_gets_one_choice_each(server):
              for p in ("the cat sat", "a dog")]
     assert sorted(c.index for c in out.choices) == [0, 1]
     assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == alone
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Structured output, logit_bias and penalties: a bias added to the logits inside the decode step
+
+SMALL_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                    "maximum": 9}},
+                "required": ["ok", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_json_schema_replies_validate_whatever_the_model(server, seed):
+    """Random weights, sampled: the reply is JSON valid against the schema, as are json_object replies."""
+    jsonschema = pytest.importorskip("jsonschema")
+    client = server.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "small", "schema": SMALL_SCHEMA, "strict": True}}
+    reply = chat(client, "give me json", temperature=1.0, seed=seed, max_tokens=40, response_format=fmt)
+    jsonschema.validate(json.loads(reply.choices[0].message.content), SMALL_SCHEMA)
+    assert reply.choices[0].finish_reason == "stop"
+    anything = chat(client, "give me json", temperature=0, max_tokens=100, response_format={"type": "json_object"},
+                    logit_bias={})
+    if anything.choices[0].finish_reason == "stop":  # (random weights may write a long string: then "length")
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+
+def test_a_constrained_row_beside_free_rows_leaves_their_answers_alone(server):
+    client = server.client()
+    alone = chat(client, "tell me more", max_tokens=12).choices[0].message.content
+    fmt = {"type": "json_schema", "json_schema": {"name": "small", "schema": SMALL_SCHEMA}}
+    results = {}
+
+    def free():
+        results["free"] = chat(client, "tell me more", max_tokens=12).choices[0].message.content
+
+    def constrained():
+        results["json"] = chat(client, "json please", max_tokens=40, response_format=fmt).choices[0].message.content
+
+    threads = [threading.Thread(target=f) for f in (constrained, free, constrained)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["free"] == alone
+    assert set(json.loads(results["json"])) == {"ok", "n"}
+
+
+def test_logit_bias_and_penalties_follow_openais_semantics(server, plain):
+    """Greedy with logit_bias and presence/frequency penalties equals the plain model's greedy loop with the same
+    terms added to its logits: bias[t] + (-presence if t was generated) - frequency * (times t was generated)."""
+    import torch
+
+    prompt = server.request("POST", "/tokenize", {"content": "one two three"})[1]["tokens"]
+    favoured = server.request("POST", "/tokenize", {"content": " cat"})[1]["tokens"][-1]
+    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "logit_bias": {str(favoured): 6.0},
+            "presence_penalty": 1.5, "frequency_penalty": 0.75, "logprobs": 0}
+    got = server.request("POST", "/v1/completions", body)[1]
+    ids, counts = list(prompt), {}
+    for _ in range(10):
+        logits = plain_logprobs(plain, ids)[-1].double()  # (log-softmax: the logits' argmax, plus any bias)
+        bias = torch.zeros_like(logits)
+        bias[favoured] += 6.0
+        for t, n in counts.items():
+            bias[t] -= 1.5 + 0.75 * n
+        token = int((logits + bias).argmax())
+        ids.append(token)
+        counts[token] = counts.get(token, 0) + 1
+    pieces = [server.request("POST", "/detokenize", {"tokens": [t]})[1]["content"] for t in ids[len(prompt):]]
+    served = got["choices"][0]["logprobs"]["tokens"]  # (fewer than 10 if the model chose its end of text)
+    assert len(served) >= 3 and served == pieces[:len(served)]
+    unbiased = server.request("POST", "/v1/completions", {**body, "logit_bias": {}, "presence_penalty": 0,
+                                                          "frequency_penalty": 0})[1]
+    assert unbiased["choices"][0]["logprobs"]["tokens"] != got["choices"][0]["logprobs"]["tokens"]
+
+
+@pytest.mark.slow
+def test_structured_output_on_the_default_model_parses_into_a_pydantic_object():
+    """The openai client's chat.completions.parse(response_format=Model), as agents and LangChain send it."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Capital(pydantic.BaseModel):
+        country: str
+        capital: str
+
+    s = Server("--max-batch", "2", ckpt=None)
+    try:
+        reply = s.client().chat.completions.parse(
+            model="default", messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+            response_format=Capital, temperature=0, max_tokens=60)
+        answer = reply.choices[0].message.parsed
+        assert isinstance(answer, Capital) and "Paris" in answer.capital
+        anything = s.request("POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "What is the capital of Italy? Answer in JSON."}],
+            "temperature": 0, "max_tokens": 200, "response_format": {"type": "json_object"}})[1]
+        assert isinstance(json.loads(anything["choices"][0]["message"]["content"]), dict)
+    finally:
+        s.stop()

@@ -1,0 +1,87 @@
+"""grammar.py: constrained decoding on llguidance: a JSON schema (or any JSON object) as the tokens a reply may take.
+
+    constraint = grammar.Constraint(grammar.json_grammar(schema), grammar.tokenizer_for(vocab, model_vocab_size))
+    bias = constraint.bias(device)      # [V] float32: 0 where the grammar allows the token, -inf where not
+    constraint.consume(token)           # after each token chosen
+
+The bias is added to the logits before sampling, inside the compiled decode step (generate.Sampling.bias), so
+constrained and free rows share one batch step and free rows run the step they always ran. The end-of-text tokens
+are allowed exactly when the grammar is complete, so a reply that ends by itself always parses.
+
+Why llguidance (MIT): it computes a token mask from a JSON schema or a Lark grammar incrementally, in
+microseconds a token, straight from a `tokenizers` tokenizer; xgrammar (Apache-2.0) does the same with a larger
+install (its own C++ build and a dependency on transformers' tokenizer classes). Stands on vocab.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from vocab import UsageError, Vocabulary
+
+_tokenizers: dict = {}
+JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a model cannot pad a reply with endless whitespace
+
+
+def llguidance():
+    try:
+        import llguidance as ll
+    except ImportError:
+        raise UsageError("constrained decoding needs llguidance (pip install llguidance)") from None
+    return ll
+
+
+def tokenizer_for(vocab: Vocabulary, n_vocab: int):
+    """llguidance's view of the checkpoint's tokenizer (built once per vocabulary: about a second), with the
+    vocabulary's end-of-text ids as the tokens that end a complete reply; n_vocab: the model's (padded) vocabulary."""
+    key = (id(vocab), n_vocab)
+    if key not in _tokenizers:
+        ll = llguidance()
+        stops = sorted(vocab.stop_ids) or None
+        _tokenizers[key] = ll.LLTokenizer(vocab.tokenizer.to_str(), n_vocab=n_vocab, eos_token=stops)
+    return _tokenizers[key]
+
+
+def json_grammar(schema: dict | None = None) -> str:
+    """The grammar of a JSON value that validates against `schema` (None: any JSON object); ValueError if the schema
+    is not one llguidance can compile."""
+    ll = llguidance()
+    schema = {"type": "object"} if schema is None else schema
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema must be a JSON object")
+    grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+    error = ll.LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise ValueError(error.splitlines()[0])
+    return grammar
+
+
+class Constraint:
+    """One reply's grammar state: which tokens may come next, updated as tokens are chosen."""
+
+    def __init__(self, grammar: str, tokenizer, n_vocab: int) -> None:
+        ll = llguidance()
+        self.matcher = ll.LLMatcher(tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(self.matcher.get_error().splitlines()[0])
+        self.n_vocab = n_vocab
+
+    def bias(self, device) -> torch.Tensor:
+        """[V] float32: 0 for the tokens the grammar allows next, -inf for the others."""
+        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(words, bitorder="little")[: self.n_vocab].astype(bool)
+        bias = np.where(allowed, np.float32(0), np.float32(-np.inf))
+        if not allowed.any():  # (an error state: let the end-of-text tokens through rather than nothing)
+            bias[:] = 0
+        return torch.from_numpy(bias).to(device)
+
+    def consume(self, token: int) -> None:
+        self.matcher.consume_token(int(token))
+
+    @property
+    def done(self) -> bool:
+        """The grammar takes no more tokens (complete, or in an error state)."""
+        return self.matcher.is_stopped() or self.matcher.is_error()
