@@ -40,6 +40,7 @@ import dense
 import generate
 import grammar
 import speculative
+import tools
 import tp
 from checkpoint import CheckpointError
 from default_model import default_checkpoint
@@ -47,16 +48,14 @@ from session import (add_model_flags, check_environment, fitting_cache, load_mod
                      positive_int, steps_for_program)
 from vocab import TextStream, UsageError, Vocabulary, load_vocabulary
 
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 # Parameters that change results and are not implemented: refused by name (400), never ignored. Parameters this
 # server does not know at all are ignored with one log line, as llama-server and vLLM do (front-ends send many).
-REFUSED = {"n": lambda v: v not in (None, 1),
-           "tools": lambda v: bool(v), "tool_choice": lambda v: v not in (None, "none"), "functions": bool,
-           "function_call": lambda v: v not in (None, "none"),
+REFUSED = {"n": lambda v: v not in (None, 1), "functions": bool, "function_call": lambda v: v not in (None, "none"),
            "best_of": lambda v: v not in (None, 1), "suffix": lambda v: v not in (None, ""),
            "prediction": lambda v: v is not None, "audio": lambda v: v is not None,
            "modalities": lambda v: v not in (None, ["text"])}
-IGNORED = ("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls")  # no effect on the text
+IGNORED = ("model", "user", "metadata", "store", "service_tier")  # no effect on the text
 
 
 class BadRequest(Exception):
@@ -400,6 +399,41 @@ def message_text(message: dict, i: int):
     return "\n".join(texts)  # (as vLLM joins them)
 
 
+def tool_settings(body: dict, state: "Server") -> dict | None:
+    """The request's tools, checked: {tools, names, choice, format, parallel, grammar (None unless a call is
+    required)}, or None when there are none or tool_choice is "none"."""
+    given, choice = body.get("tools"), body.get("tool_choice")
+    if given in (None, []):
+        if choice not in (None, "none"):
+            raise BadRequest("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(given, list) or not all(
+            isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) and isinstance(t["function"].get("parameters", {}), dict)
+            for t in given):
+        raise BadRequest("'tools' must be a list of {type: function, function: {name, description, parameters}}",
+                         "tools")
+    names = {t["function"]["name"] for t in given}
+    choice = "auto" if choice is None else choice
+    only = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not (choice in ("none", "auto", "required") or only in names):
+        raise BadRequest(f"'tool_choice' must be none, auto, required or a function of 'tools' ({', '.join(sorted(names))})",
+                         "tool_choice")
+    if choice == "none":
+        return None
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise BadRequest("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    fmt = tools.reply_format(state.vocab.chat_template)
+    forced = None
+    if choice == "required" or only:
+        try:
+            forced = tools.call_grammar(given, only, fmt, parallel and not only)
+        except UsageError as e:
+            raise BadRequest(str(e), "tool_choice", status=500, kind="server_error") from None
+    return {"tools": given, "names": names, "format": fmt, "parallel": parallel, "grammar": forced}
+
+
 def response_grammar(response_format) -> str | None:
     """The grammar of `response_format`: None for text, any JSON object, or JSON valid against a schema."""
     if response_format in (None, {"type": "text"}):
@@ -484,7 +518,8 @@ def parse_request(body, kind: str, state: "Server") -> dict:
     prompt as `chat.py --complete` tokenizes it), or BadRequest."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    allowed = {"messages", "top_logprobs"} if kind == "chat" else {"prompt", "echo"}
+    allowed = {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"} if kind == "chat" else {
+        "prompt", "echo"}
     allowed |= {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                 "stream_options", "logprobs", "response_format", "logit_bias", "presence_penalty",
                 "frequency_penalty", *REFUSED, *IGNORED}
@@ -499,17 +534,30 @@ def parse_request(body, kind: str, state: "Server") -> dict:
             raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
         messages = [dict(m, content=message_text(m, i)) if isinstance(m, dict) else m for i, m in enumerate(messages)]
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            calls = isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls")
+            if not isinstance(m, dict) or not (isinstance(m.get("content"), str) or calls and m["content"] is None):
                 raise BadRequest(f"messages[{i}] must be an object with a string 'content'", f"messages[{i}]")
             if m.get("role") not in CHAT_ROLES:
                 raise BadRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}",
                                  f"messages[{i}].role")
+            if calls and not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                              and isinstance(c["function"].get("name"), str)
+                                                              for c in calls)):
+                raise BadRequest(f"messages[{i}].tool_calls must be a list of {{id, type, function: {{name, "
+                                 "arguments}}}", f"messages[{i}].tool_calls")
         if not state.vocab.chat_template:
             raise BadRequest("this checkpoint has no chat template: use /v1/completions", "messages")
-        messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
+        keep = ("role", "content", "tool_calls", "tool_call_id", "name")
+        messages = [{k: ("system" if k == "role" and v == "developer" else v) for k, v in m.items() if k in keep}
                     for m in messages]
+        calling = tool_settings(body, state)
+        render_tools = None
+        if calling is not None:
+            messages, render_tools = tools.template_messages(messages, calling["tools"], state.vocab.chat_template)
+        elif any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            messages = tools.template_messages(messages, [], state.vocab.chat_template)[0]
         try:
-            prompts = [state.vocab.encode(state.vocab.render(messages), special=False)]
+            prompts = [state.vocab.encode(state.vocab.render(messages, render_tools), special=False)]
         except UsageError as e:
             raise BadRequest(str(e), "messages") from None
         logprobs = body.get("logprobs")
@@ -556,8 +604,12 @@ def parse_request(body, kind: str, state: "Server") -> dict:
     seed = number(body, "seed", int, None)
     seed = seed if seed is not None else int(torch.randint(2**62, ()))
     top_p = number(body, "top_p", float, None, low=0, high=1, low_open=True)
+    required = kind == "chat" and calling is not None and calling["grammar"] is not None
+    if required and body.get("response_format") not in (None, {"type": "text"}):
+        raise BadRequest("'response_format' and a required tool call cannot both shape the reply", "response_format")
     return {"prompts": prompts, "max_tokens": max_tokens, "stop": stop, "stream": stream, "logprobs": logprobs,
-            "echo": echo, "grammar": response_grammar(body.get("response_format")),
+            "echo": echo, "calling": calling if kind == "chat" else None,
+            "grammar": calling["grammar"] if required else response_grammar(body.get("response_format")),
             "logit_bias": logit_bias(body.get("logit_bias"), state.vocab.size),
             "presence_penalty": number(body, "presence_penalty", float, 0.0, low=-2, high=2),
             "frequency_penalty": number(body, "frequency_penalty", float, 0.0, low=-2, high=2),
@@ -712,6 +764,18 @@ def make_app(server: Server):
                         "logprobs": lp}
             return {"index": job.index, "text": text or "", "finish_reason": reason, "logprobs": lp}
 
+        calling = settings["calling"]
+
+        def tool_calls(text: str) -> list[dict]:
+            """The reply's calls in OpenAI's form (none unless the request offered tools and the reply is calls)."""
+            if calling is None:
+                return []
+            calls = tools.parse_calls(text, calling["format"], calling["names"])
+            calls = calls if calling["parallel"] else calls[:1]
+            return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                     "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                    for c in calls]
+
         obj = "chat.completion" if kind == "chat" else "text_completion"
         head = {"id": ident, "created": created, "model": model_name, "system_fingerprint": None}
         if not settings["stream"]:
@@ -735,6 +799,10 @@ def make_app(server: Server):
                 prompt_text, prompt_entries = echoed(job) if job.echo else ("", [])
                 choices.append(choice(job, prompt_text + "".join(text), job.finish_reason, False,
                                       prompt_entries + got))
+                calls = tool_calls("".join(text))
+                if calls:
+                    choices[-1].update(finish_reason="tool_calls")
+                    choices[-1]["message"].update(content=None, tool_calls=calls)
             return JSONResponse({**head, "object": obj, "choices": choices, "usage": usage()})
 
         async def events():
@@ -745,10 +813,39 @@ def make_app(server: Server):
                     first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                              "logprobs": None}
                     yield sse({**head, "object": chunk, "choices": [first]})
-                open_jobs = len(jobs)
+                open_jobs, held = len(jobs), []
                 while open_jobs:
                     index, what, payload, new = await queue_.get()
                     job = jobs[index]
+                    if calling is not None:  # a reply that may be calls is held back, then sent as calls or text
+                        held.append((payload if what == "text" else "", new))
+                        if what != "done":
+                            continue
+                        open_jobs -= 1
+                        text, got = "".join(p for p, _ in held), [e for _, n in held for e in n]
+                        calls = tool_calls(text)
+                        if not calls:
+                            if text or got:
+                                yield sse({**head, "object": chunk, "choices": [choice(job, text, None, True, got)]})
+                            yield sse({**head, "object": chunk, "choices": [choice(job, None, job.finish_reason,
+                                                                                    True)]})
+                            continue
+                        for i, call in enumerate(calls):  # the name first, then the arguments in pieces, as OpenAI
+                            start = {"index": i, "id": call["id"], "type": "function",
+                                     "function": {"name": call["function"]["name"], "arguments": ""}}
+                            yield sse({**head, "object": chunk, "choices": [
+                                {"index": 0, "delta": {"tool_calls": [start]}, "finish_reason": None,
+                                 "logprobs": None}]})
+                            arguments = call["function"]["arguments"]
+                            step = max(1, len(arguments) // 3 + 1)
+                            for at in range(0, len(arguments), step):
+                                part = {"index": i, "function": {"arguments": arguments[at:at + step]}}
+                                yield sse({**head, "object": chunk, "choices": [
+                                    {"index": 0, "delta": {"tool_calls": [part]}, "finish_reason": None,
+                                     "logprobs": None}]})
+                        yield sse({**head, "object": chunk, "choices": [
+                            {"index": 0, "delta": {}, "finish_reason": "tool_calls", "logprobs": None}]})
+                        continue
                     if job.echo and offsets[index] == 0 and (what == "done" or payload):  # the prompt comes first
                         prompt_text, prompt_entries = echoed(job)
                         yield sse({**head, "object": chunk, "choices": [choice(job, prompt_text, None, True,

@@ -39,24 +39,24 @@ class Vocabulary:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The chat template rendered as Hugging Face renders tokenizer_config.json's chat_template. A template that
         refuses a system message (Gemma 1 and 2 have no system role) gets it at the start of the first user message
         instead, with a note the first time: transformers would stop with the template's error."""
         try:
-            return self.render_as_is(messages)
+            return self.render_as_is(messages, tools)
         except TemplateRefused:
             if len(messages) < 2 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
                 raise
             merged = [{"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}]
-            text = self.render_as_is(merged + messages[2:])
+            text = self.render_as_is(merged + messages[2:], tools)
             if not self.merged_system:
                 machine.note("this chat template has no system role; the system message goes at the start of the "
                              "first user message")
                 self.merged_system = True
             return text
 
-    def render_as_is(self, messages: list[dict]) -> str:
+    def render_as_is(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
@@ -70,9 +70,10 @@ class Vocabulary:
         try:
             with time_limit(TEMPLATE_SECONDS, "chat template in tokenizer_config.json: still rendering after "
                                               f"{TEMPLATE_SECONDS} s"):
+                extra = {"tools": tools} if tools else {}  # (templates test `tools is defined`)
                 return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
                                                                   bos_token=self.bos_token or "",
-                                                                  eos_token=self.eos_token or "")
+                                                                  eos_token=self.eos_token or "", **extra)
         except TemplateError as e:  # syntax errors, undefined names, and the sandbox refusing unsafe access
             first = machine.first_line(e)
             raise UsageError(f"chat template in tokenizer_config.json: {type(e).__name__}: {first}") from None

@@ -182,7 +182,10 @@ def test_a_request_joining_a_running_batch_finishes_first(server):
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "top_logprobs", "needs 'logprobs'"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
      "at most 20"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools", "must be a list"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400, "tool_choice", "needs 'tools'"),
+    ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, 400, "functions",
+     "not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages[0].content[0]", "only text parts"),
     ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages", "the context holds"),
@@ -551,5 +554,98 @@ def test_structured_output_on_the_default_model_parses_into_a_pydantic_object():
             "messages": [{"role": "user", "content": "What is the capital of Italy? Answer in JSON."}],
             "temperature": 0, "max_tokens": 200, "response_format": {"type": "json_object"}})[1]
         assert isinstance(json.loads(anything["choices"][0]["message"]["content"]), dict)
+        jsonschema = pytest.importorskip("jsonschema")
+        called = s.client().chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60)
+        call = called.choices[0].message.tool_calls[0]
+        assert called.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    finally:
+        s.stop()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tools: rendered through the checkpoint's template, replies parsed into tool_calls, required calls by grammar
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_tool_calls_in_each_format_are_parsed():
+    import tools
+
+    names = {"get_weather", "get_time"}
+    hermes = 'I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n' \
+             '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    assert tools.parse_calls(hermes, "hermes", names) == [{"name": "get_weather", "arguments": {"city": "Oslo"}},
+                                                          {"name": "get_time", "arguments": {"zone": "UTC"}}]
+    assert tools.parse_calls('{"name": "get_time", "parameters": {"zone": "CET"}}', "llama3", names) == [
+        {"name": "get_time", "arguments": {"zone": "CET"}}]
+    assert tools.parse_calls('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]',
+                             "mistral", names) == [{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]
+    assert tools.parse_calls("The weather is fine.", "hermes", names) == []
+    assert tools.parse_calls('{"name": "launch_rocket", "parameters": {}}', "llama3", names) == []
+    assert tools.reply_format(open(os.path.join(ROOT, "tests", "fixtures", "templates", "qwen2.5.jinja")).read()) \
+        == "hermes"
+    assert tools.reply_format(open(os.path.join(ROOT, "tests", "fixtures", "templates", "llama3.1.jinja")).read()) \
+        == "llama3"
+
+
+def checkpoint_with_template(tmp_path, name: str) -> str:
+    import shutil
+
+    folder = tmp_path / name
+    shutil.copytree(LLAMA, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = open(os.path.join(ROOT, "tests", "fixtures", "templates", name + ".jinja")).read()
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    model = json.loads((folder / "config.json").read_text())  # (a 512-token vocabulary spells the tools out long)
+    (folder / "config.json").write_text(json.dumps({**model, "max_position_embeddings": 4096}))
+    return str(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("template", ["qwen2.5", "llama3.1"])
+def test_a_full_tool_round_trip_through_the_families_templates(tmp_path, template):
+    """tools -> a required call (valid against its parameters, whatever the random weights say) -> the call and
+    its result sent back -> an answer; streamed calls equal whole ones; a named function is the one called."""
+    jsonschema = pytest.importorskip("jsonschema")
+    s = Server("--no-compile", "--max-batch", "2", ckpt=checkpoint_with_template(tmp_path, template))
+    try:
+        client = s.client()
+        messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+        first = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER, TIME], temperature=0,
+                                               tool_choice="required", max_tokens=60, parallel_tool_calls=False)
+        call = first.choices[0].message.tool_calls[0]
+        assert first.choices[0].finish_reason == "tool_calls" and first.choices[0].message.content is None
+        assert call.type == "function" and call.id and call.function.name in ("get_weather", "get_time")
+        schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+        named = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER, TIME], temperature=0,
+                                               tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                               max_tokens=60)
+        assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_time"]
+        pieces = {}
+        for chunk in client.chat.completions.create(model="m", messages=messages, tools=[WEATHER, TIME],
+                                                    temperature=0, tool_choice="required", max_tokens=60,
+                                                    parallel_tool_calls=False, stream=True):
+            for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                entry = pieces.setdefault(delta.index, {"name": None, "arguments": ""})
+                entry["name"] = delta.function.name or entry["name"]
+                entry["arguments"] += delta.function.arguments or ""
+        assert pieces == {0: {"name": call.function.name, "arguments": call.function.arguments}}
+        messages += [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "celsius": 4}'}]
+        answer = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER, TIME], temperature=0,
+                                                max_tokens=12)
+        assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        assert answer.usage.prompt_tokens > first.usage.prompt_tokens + 10  # the call and its result were rendered
     finally:
         s.stop()
