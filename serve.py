@@ -31,6 +31,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ import tools
 import tp
 from checkpoint import CheckpointError
 from default_model import default_checkpoint
+from machine import first_line
 from session import (add_model_flags, check_environment, fitting_cache, load_model, make_draft, parse_flags,
                      positive_int, steps_for_program)
 from vocab import TextStream, UsageError, Vocabulary, load_vocabulary
@@ -187,6 +189,7 @@ class Scheduler:
         self.model, self.vocab, self.draft, self.speculate_k = model, vocab, draft, speculate_k
         self.metrics = metrics
         self.rows: list[Request | None] = [None] * max_batch
+        self.admitting: Request | None = None  # (a request being prefilled, not in a row yet)
         self.positions = [0] * max_batch  # the slot each row's next token goes to
         self.last = [0] * max_batch  # the token each row feeds next
         self.waiting: queue.Queue[Request] = queue.Queue()
@@ -204,16 +207,37 @@ class Scheduler:
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            self.admit()
-            busy = [r for r in range(len(self.rows)) if self.rows[r] is not None]
-            if not busy:
-                try:  # idle: wait for a request
-                    self.waiting.put(self.waiting.get(timeout=0.1))
-                except queue.Empty:
-                    pass
-                continue
-            self.decode(busy)
+            self.safe_turn()
         tp.broadcast(("stop",)) if tp.world()[1] > 1 else None
+
+    def safe_turn(self) -> None:
+        """One turn; an exception in it (a bug, a fault in a model call) fails the requests in flight with an error
+        the clients see, is logged with its traceback, and serving goes on with the next requests: a server that
+        stopped would leave every client hanging on a connection that never ends."""
+        try:
+            self.turn()
+        except Exception as e:
+            traceback.print_exc()
+            self.fail(e)
+
+    def turn(self) -> None:
+        self.admit()
+        busy = [r for r in range(len(self.rows)) if self.rows[r] is not None]
+        if not busy:
+            try:  # idle: wait for a request
+                self.waiting.put(self.waiting.get(timeout=0.1))
+            except queue.Empty:
+                pass
+            return
+        self.decode(busy)
+
+    def fail(self, e: Exception) -> None:
+        message = f"internal error: {type(e).__name__}: {first_line(e)}"
+        for request in {id(r): r for r in [*self.rows, self.admitting] if r is not None}.values():
+            if request.finish_reason is None:
+                request.finish_reason = "error"
+                request.send("error", message, [])
+        self.rows, self.admitting = [None] * len(self.rows), None
 
     def admit(self) -> None:
         """Prefill waiting requests into free rows (each alone: a prefill's result never depends on the others)."""
@@ -227,6 +251,7 @@ class Scheduler:
                     return
                 if not request.cancelled:
                     break
+            self.admitting = request
             if self.draft is not None:
                 self.speculate(request)
                 continue
@@ -676,7 +701,8 @@ def warm_up(scheduler: Scheduler) -> None:
 def error_response(e: BadRequest):
     from starlette.responses import JSONResponse
 
-    return JSONResponse(e.body(), status_code=e.status)
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 def make_app(server: Server):
@@ -696,13 +722,12 @@ def make_app(server: Server):
                                                           "created": int(time.time()), "owned_by": "dense-engine"}]})
 
     async def completions(request, kind: str):
-        if not server.ready.is_set():
-            raise BadRequest("the model is loading; try again shortly", status=503, kind="server_error")
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the body is not valid JSON ({getattr(e, 'msg', 'not UTF-8')})") from None
+        body = await ready_json(request)
         settings = parse_request(body, kind, server)
+        waiting = server.scheduler.waiting.qsize()
+        if waiting + len(settings["prompts"]) > server.args.max_queue:
+            raise BadRequest(f"the server is busy ({waiting} requests wait for a row); try again shortly",
+                             status=503, kind="server_error", code="queue_full")
         loop, queue_ = asyncio.get_running_loop(), asyncio.Queue()
         V = server.scheduler.model.config.vocab_size
         jobs = [Request(prompt, settings["max_tokens"], settings["temperature"], settings["top_p"], settings["top_k"],
@@ -780,16 +805,23 @@ def make_app(server: Server):
         head = {"id": ident, "created": created, "model": model_name, "system_fingerprint": None}
         if not settings["stream"]:
             texts, entries, open_jobs = [[] for _ in jobs], [[] for _ in jobs], len(jobs)
+            checked = time.monotonic()
             while open_jobs:
                 try:
                     index, what, payload, new = await asyncio.wait_for(queue_.get(), timeout=0.5)
                 except asyncio.TimeoutError:
+                    index = what = None
+                if time.monotonic() - checked > 0.5:  # (also while tokens keep coming)
+                    checked = time.monotonic()
                     if await request.is_disconnected():  # the client went away: free its rows, answer no one
                         for job in jobs:
                             job.cancelled = True
                         return JSONResponse({}, status_code=499)
+                if what is None:
                     continue
                 entries[index] += new
+                if what == "error":
+                    raise BadRequest(payload, status=500, kind="server_error")
                 if what == "done":
                     open_jobs -= 1
                 else:
@@ -817,6 +849,9 @@ def make_app(server: Server):
                 while open_jobs:
                     index, what, payload, new = await queue_.get()
                     job = jobs[index]
+                    if what == "error":  # the scheduler failed this request: an error event, then the end
+                        yield sse(BadRequest(payload, status=500, kind="server_error").body())
+                        break
                     if calling is not None:  # a reply that may be calls is held back, then sent as calls or text
                         held.append((payload if what == "text" else "", new))
                         if what != "done":
@@ -997,11 +1032,15 @@ def parse_args(argv):
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="requests decoded together (more wait in line); speculative decoding serves one at a time")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    p.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests that may wait for a row (default 64); more are answered 503 with Retry-After")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                    help="let pages from ORIGIN call the server from a browser (CORS; repeat it for more, '*' for any)")
     args = parse_flags(p, argv)
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_queue < 0:
+        raise UsageError(f"--max-queue must be 0 or more, got {args.max_queue}")
     if tp.world()[1] > 1 and (args.draft or args.draft_quant or args.lookup):
         raise UsageError("speculative decoding is not served under torchrun (tensor parallel): drop --draft, "
                          "--draft-quant and --lookup")

@@ -57,28 +57,36 @@ class Vocabulary:
             return text
 
     def render_as_is(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise TemplateRefused(f"chat template: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
-        env.globals["raise_exception"] = raise_exception
         from jinja2 import TemplateError
 
         try:
             with time_limit(TEMPLATE_SECONDS, "chat template in tokenizer_config.json: still rendering after "
                                               f"{TEMPLATE_SECONDS} s"):
                 extra = {"tools": tools} if tools else {}  # (templates test `tools is defined`)
-                return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
-                                                                  bos_token=self.bos_token or "",
-                                                                  eos_token=self.eos_token or "", **extra)
+                return self.template().render(messages=messages, add_generation_prompt=True,
+                                              bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                              **extra)
         except TemplateError as e:  # syntax errors, undefined names, and the sandbox refusing unsafe access
             first = machine.first_line(e)
             raise UsageError(f"chat template in tokenizer_config.json: {type(e).__name__}: {first}") from None
         except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as e:
             raise UsageError(f"chat template in tokenizer_config.json: {type(e).__name__}: {e}") from None
+
+
+    def template(self):
+        """The chat template compiled once, in jinja2's sandbox (a template is code from the checkpoint)."""
+        if getattr(self, "_compiled", None) is None or self._compiled[0] != self.chat_template:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message):
+                raise TemplateRefused(f"chat template: {message}")
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+            env.globals["raise_exception"] = raise_exception
+            self._compiled = (self.chat_template, env.from_string(self.chat_template))
+        return self._compiled[1]
 
 
 TEMPLATE_SECONDS = 5  # a template is code from the checkpoint: it may loop for hours inside the sandbox

@@ -425,3 +425,30 @@ def test_speculative_one_shot_prints_the_plain_text():
     spec = run_chat(*args, "--lookup", "--stats")
     assert spec.returncode == 0 and spec.stdout == plain.stdout != ""
     assert re.search(r"drafts accepted \d+% \([\d.]+ tokens per target step\)", spec.stderr)
+
+
+@pytest.mark.slow
+def test_json_schema_and_json_object_one_shot_replies_parse(tmp_path):
+    """--json-schema FILE: the reply validates against the schema whatever the (random) model would say; sampled too.
+    --json-object: a JSON object. A schema file that is not JSON, or not a schema, is one line and status 2."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 99}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for flags in (["--temperature", "0"], ["--temperature", "1", "--seed", "3"]):
+        result = run_chat("--ckpt", LLAMA, "--prompt", "hi", "--json-schema", path, "--max-new-tokens", 40, *flags)
+        assert result.returncode == 0, result.stderr
+        jsonschema.validate(json.loads(result.stdout), schema)
+    free = run_chat("--ckpt", LLAMA, "--prompt", "hi", "--max-new-tokens", 40, "--temperature", "0")
+    assert free.stdout != run_chat("--ckpt", LLAMA, "--prompt", "hi", "--json-schema", path, "--max-new-tokens", 40,
+                                   "--temperature", "0").stdout  # (the grammar changed what the model says)
+    anything = run_chat("--ckpt", LLAMA, "--prompt", "hi", "--json-object", "--max-new-tokens", 200,
+                        "--temperature", "0")
+    assert anything.returncode == 0 and anything.stdout.startswith("{")
+    (tmp_path / "bad.json").write_text("{not json")
+    bad = run_chat("--ckpt", LLAMA, "--prompt", "hi", "--json-schema", tmp_path / "bad.json")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "not valid JSON" in bad.stderr
+    chat_mode = run_chat("--ckpt", LLAMA, "--json-object")
+    assert chat_mode.returncode == 2 and "one-shot --prompt" in chat_mode.stderr

@@ -649,3 +649,83 @@ def test_a_full_tool_round_trip_through_the_families_templates(tmp_path, templat
         assert answer.usage.prompt_tokens > first.usage.prompt_tokens + 10  # the call and its result were rendered
     finally:
         s.stop()
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Faults and a full queue
+
+
+def test_a_fault_in_a_scheduler_step_fails_the_requests_in_flight_and_serving_goes_on(monkeypatch):
+    """A model call that raises: the requests in flight get an error (never a hang), the rows are freed, the next
+    request is served as if nothing happened."""
+    import load
+    import serve
+    import vocab as vocab_module
+
+    model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
+    scheduler = serve.Scheduler(model, vocab, 2, 64, compile=False)
+    sent = []
+    loop = type("Loop", (), {"call_soon_threadsafe": staticmethod(lambda fn, event: fn(event))})()
+    events = type("Events", (), {"put_nowait": staticmethod(sent.append)})()
+
+    def request(i):
+        return serve.Request([1, 5, 9], 6, 0.0, None, None, [], torch_generator(), loop, events, index=i)
+
+    healthy = serve.step
+    calls = []
+
+    def faulty(runner, action):
+        calls.append(action[0])
+        if action[0] == "decode":
+            raise RuntimeError("a device fell over")
+        return healthy(runner, action)
+
+    monkeypatch.setattr(serve, "step", faulty)
+    scheduler.submit(request(0))
+    scheduler.submit(request(1))
+    scheduler.safe_turn()  # both admitted, then the decode step raises
+    failed = [e for e in sent if e[1] == "error"]
+    assert sorted(e[0] for e in failed) == [0, 1] and "a device fell over" in failed[0][2]
+    assert scheduler.rows == [None, None]
+    monkeypatch.setattr(serve, "step", healthy)
+    sent.clear()
+    scheduler.submit(request(2))
+    for _ in range(10):
+        scheduler.safe_turn()
+    assert [e[1] for e in sent if e[0] == 2][-1] == "done" and not any(e[1] == "error" for e in sent)
+
+
+def torch_generator():
+    import torch
+
+    return torch.Generator().manual_seed(0)
+
+
+@pytest.mark.slow
+def test_beyond_max_queue_requests_get_503_with_retry_after_and_the_server_goes_on():
+    s = Server("--no-compile", "--max-batch", "1", "--max-queue", "1")
+    try:
+        statuses, retry = [], []
+
+        def one():
+            conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=120)
+            conn.request("POST", "/v1/completions", json.dumps({"prompt": "the cat", "max_tokens": 60,
+                                                                 "temperature": 0}),
+                         {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            statuses.append(response.status)
+            retry.append(response.getheader("Retry-After"))
+            response.read()
+            conn.close()
+
+        threads = [threading.Thread(target=one) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert set(statuses) <= {200, 503} and statuses.count(503) >= 1 and statuses.count(200) >= 2
+        assert all(r == "1" for st, r in zip(statuses, retry) if st == 503)
+        assert s.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+    finally:
+        s.stop()
