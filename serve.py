@@ -185,10 +185,12 @@ class Scheduler:
     every row, until stopped. Under tensor parallel, rank 0 runs it and broadcasts each step to the other ranks."""
 
     def __init__(self, model: dense.DenseDecoder, vocab: Vocabulary, max_batch: int, max_seq_len: int,
-                 compile: bool, draft=None, speculate_k: int = 4, metrics: Metrics | None = None) -> None:
+                 compile: bool, draft=None, speculate_k: int = 4, metrics: Metrics | None = None,
+                 reuse: bool = True) -> None:
         self.model, self.vocab, self.draft, self.speculate_k = model, vocab, draft, speculate_k
-        self.metrics = metrics
+        self.metrics, self.reuse = metrics, reuse
         self.rows: list[Request | None] = [None] * max_batch
+        self.row_tokens: list[list[int]] = [[] for _ in range(max_batch)]  # the tokens in each row's slots 0..
         self.admitting: Request | None = None  # (a request being prefilled, not in a row yet)
         self.positions = [0] * max_batch  # the slot each row's next token goes to
         self.last = [0] * max_batch  # the token each row feeds next
@@ -238,24 +240,28 @@ class Scheduler:
                 request.finish_reason = "error"
                 request.send("error", message, [])
         self.rows, self.admitting = [None] * len(self.rows), None
+        self.row_tokens = [[] for _ in self.rows]  # (what a failed step left in the cache is not known)
 
     def admit(self) -> None:
-        """Prefill waiting requests into free rows (each alone: a prefill's result never depends on the others)."""
-        for row, current in enumerate(self.rows):
-            if current is not None:
+        """Prefill waiting requests into free rows (each alone: a prefill's result never depends on the others). A
+        row keeps the tokens of its last request in its cache: a new request takes the free row whose tokens share
+        the longest prefix with its prompt and prefills only the rest (a conversation's next turn, a shared system
+        prompt)."""
+        while None in self.rows:
+            try:
+                request = self.waiting.get_nowait()
+            except queue.Empty:
+                return
+            if request.cancelled:
                 continue
-            while True:
-                try:
-                    request = self.waiting.get_nowait()
-                except queue.Empty:
-                    return
-                if not request.cancelled:
-                    break
             self.admitting = request
             if self.draft is not None:
                 self.speculate(request)
+                self.row_tokens[0] = []
                 continue
-            logits = step(self.runner, ("prefill", row, request.prompt, request.echo))
+            row, common = self.pick_row(request)
+            logits = step(self.runner, ("prefill", row, request.prompt[common:], request.echo, common))
+            self.row_tokens[row] = list(request.prompt)
             if request.echo:  # [1, T, V]: position p's logits rate prompt token p + 1
                 request.prompt_entries = [None] + [logprob_entry(logits[0, p], request.prompt[p + 1],
                                                                  request.logprobs or 0)
@@ -268,6 +274,22 @@ class Scheduler:
             token = int(sample_one(logits, request, self.vocab_limit, request.bias(logits.shape[-1])))
             self.rows[row], self.positions[row], self.last[row] = request, len(request.prompt), token
             self.deliver(row, token, logits[0])
+
+    def pick_row(self, request: Request) -> tuple[int, int]:
+        """(the free row to prefill into, how many of the prompt's first tokens its cache already holds)."""
+        free = [r for r, current in enumerate(self.rows) if current is None]
+        if not self.reuse or request.echo:  # (echo's logprobs need every prompt position computed)
+            return free[0], 0
+
+        def common(row: int) -> int:  # at least one token is prefilled: its logits give the first new token
+            n, held, prompt = 0, self.row_tokens[row], request.prompt
+            while n < min(len(held), len(prompt) - 1) and held[n] == prompt[n]:
+                n += 1
+            return n
+
+        # the longest shared prefix; with none, the row holding least (an idle one keeps another conversation)
+        best = max(free, key=lambda r: (common(r), -len(self.row_tokens[r]) if common(r) == 0 else 0, -r))
+        return best, common(best)
 
     def decode(self, busy: list[int]) -> None:
         # A request alone (admitted to row 0, the first free one) decodes in a batch-1 step, at batch 1's speed;
@@ -291,6 +313,7 @@ class Scheduler:
         out, logits = out if with_logits else (out, None)
         out = out[:, 0].tolist()
         for row in busy:
+            self.row_tokens[row].append(tokens[row])  # (fed at positions[row]: now in the cache)
             self.positions[row] += 1
             self.last[row] = out[row]
             self.deliver(row, out[row], None if logits is None else logits[row])
@@ -397,8 +420,8 @@ def follow(runner: generate.Runner) -> None:
 def step_local(runner, action):
     model = runner.model
     if action[0] == "prefill":
-        _, row, prompt, every = action
-        return runner.prefill(torch.tensor([prompt], device=model.device), 0, None,
+        _, row, prompt, every, start = action
+        return runner.prefill(torch.tensor([prompt], device=model.device), start, None,
                               rows=torch.tensor([row], device=model.device), every=every)
     _, tokens, positions, sampling, with_logits = action
     return runner.decode(torch.tensor(tokens, device=model.device)[:, None], positions, None, sampling, with_logits)
@@ -670,7 +693,8 @@ class Server:
         draft = make_draft(args, model, console)
         batch = 1 if draft is not None else args.max_batch
         self.max_seq_len = args.max_seq_len or fitting_cache(model, batch)
-        self.scheduler = Scheduler(model, self.vocab, batch, self.max_seq_len, args.compile, draft, args.speculate_k)
+        self.scheduler = Scheduler(model, self.vocab, batch, self.max_seq_len, args.compile, draft, args.speculate_k,
+                                   reuse=args.prefix_reuse)
         warm_up(self.scheduler)
         self.scheduler.metrics = self.metrics  # (after the warm-up: its throwaway tokens are not counted)
         self.metrics.watch(self.scheduler)
@@ -696,6 +720,7 @@ def warm_up(scheduler: Scheduler) -> None:
             if busy:
                 scheduler.decode(busy)
     scheduler.rows = [None] * len(scheduler.rows)
+    scheduler.row_tokens = [[] for _ in scheduler.rows]
 
 
 def error_response(e: BadRequest):
@@ -1032,6 +1057,9 @@ def parse_args(argv):
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="requests decoded together (more wait in line); speculative decoding serves one at a time")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="a request prefills only what follows the longest prefix a free row's cache already holds "
+                        "(default on)")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait for a row (default 64); more are answered 503 with Retry-After")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",

@@ -729,3 +729,55 @@ def test_beyond_max_queue_requests_get_503_with_retry_after_and_the_server_goes_
         assert s.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
     finally:
         s.stop()
+
+
+def run_alone(scheduler, request) -> list[int]:
+    scheduler.submit(request)
+    for _ in range(200):
+        scheduler.safe_turn()
+        if request.finish_reason is not None:
+            return list(request.generated)
+    raise AssertionError("the request did not finish")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_prefix_reuse_prefills_only_the_new_turn_and_gives_the_cold_prefills_tokens(monkeypatch, compiled):
+    """A conversation's second turn (its history + a new message) after the first: the row that served the first
+    turn holds its tokens, so only the new ones are prefilled; the greedy reply equals a cold prefill's, in a
+    scheduler without reuse. A prompt sharing nothing takes another free row's cache from slot 0."""
+    import load
+    import serve
+    import vocab as vocab_module
+
+    model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
+    loop = type("Loop", (), {"call_soon_threadsafe": staticmethod(lambda fn, event: None)})()
+    events = type("Events", (), {"put_nowait": staticmethod(lambda event: None)})()
+    prefilled = []
+    healthy = serve.step
+
+    def counting(runner, action):
+        if action[0] == "prefill":
+            prefilled.append((action[1], len(action[2]), action[4]))  # (row, tokens prefilled, from slot)
+        return healthy(runner, action)
+
+    monkeypatch.setattr(serve, "step", counting)
+    reusing = serve.Scheduler(model, vocab, 2, 128, compile=compiled)
+    cold = serve.Scheduler(model, vocab, 2, 128, compile=compiled, reuse=False)
+
+    def request(prompt, n=10):
+        return serve.Request(prompt, n, 0.0, None, None, [], torch_generator(), loop, events)
+
+    first_prompt = vocab.encode(vocab.render([{"role": "user", "content": "hello there"}]), special=False)
+    first = run_alone(reusing, request(first_prompt))
+    second_prompt = vocab.encode(vocab.render([{"role": "user", "content": "hello there"},
+                                               {"role": "assistant", "content": vocab.decode(first)},
+                                               {"role": "user", "content": "and then?"}]), special=False)
+    prefilled.clear()
+    second = run_alone(reusing, request(second_prompt))
+    row, count, start = prefilled[0]
+    assert start >= len(first_prompt) and count == len(second_prompt) - start  # only the new tokens
+    assert second == run_alone(cold, request(second_prompt))  # the same greedy tokens as a cold prefill
+    prefilled.clear()
+    other = vocab.encode("zebra crossing", special=False)
+    assert run_alone(reusing, request(other, 6)) == run_alone(cold, request(other, 6))
+    assert prefilled[0][2] == 0 and prefilled[0][0] != row  # (the conversation's row is kept for its next turn)
