@@ -565,17 +565,18 @@ class DenseDecoder(nn.Module):
         before it are never seen). causal: the caller says input_pos is 0..T-1 of every row and nothing else is in
         the cache: attention runs on the call's own keys, causal (SDPA's causal kernel)."""
         window, device = self.config.sliding_window, self.embed_tokens.weight.device
+        sliding, own_keys = "sliding" in self.attention_kinds, input_pos is None or causal
+        own = torch.arange(T, device=device) if own_keys else None  # positions 0..T-1 of the call's own tokens
         if input_pos is None:  # plain pass: rotary rows for positions 0..T-1 of a T-token sequence
-            positions = torch.arange(T, device=device)
-            rope = {kind: rope_tables(self.config, positions.float(), T, kind == "local") for kind in self.rope_kinds}
-            views = {"full": View(True, None, T),
-                     "sliding": View(True, window_mask(positions, T, window), T, window) if window else None}
-            return Step(None, None, None, views, rope)
-        positions = input_pos if row_start is None else (input_pos[None, :] - row_start[:, None]).clamp(min=0)
-        rope = {kind: (self.rotary[kind].cos[positions], self.rotary[kind].sin[positions]) for kind in self.rope_kinds}
-        if causal:
-            views = {"full": View(True, None, T),
-                     "sliding": View(True, window_mask(input_pos, T, window), T, window) if window else None}
+            rope = {kind: rope_tables(self.config, own.float(), T, kind == "local") for kind in self.rope_kinds}
+        else:  # cached: the rows of the cache's tables at each token's position
+            positions = input_pos if row_start is None else (input_pos[None, :] - row_start[:, None]).clamp(min=0)
+            rope = {kind: (self.rotary[kind].cos[positions], self.rotary[kind].sin[positions])
+                    for kind in self.rope_kinds}
+        if own_keys:  # the call's own keys, causal (a sliding layer: within its window)
+            views = {"full": View(True, None, T)}
+            if sliding:
+                views["sliding"] = View(True, window_mask(own, T, window), T, window)
             return Step(input_pos, rows, row_start, views, rope)
         slots = self.kv_slots[:attend]
         mask = slots <= input_pos[..., None]  # [T, A] or [B, T, A]: a token at slot p sees the keys at slots 0..p
@@ -583,7 +584,7 @@ class DenseDecoder(nn.Module):
             mask = mask & (slots >= row_start[:, None, None])  # [B, T, A]: padding is never seen
             mask = mask | (slots == input_pos[..., None])  # a padding token sees itself (no empty row)
         views = {"full": View(False, heads_dim(mask), attend)}
-        if "sliding" in self.attention_kinds:
+        if sliding:
             if T == 1 and window < attend:  # decode: a sliding layer reads only its window's W slots
                 first = input_pos.reshape(-1, 1) - (window - 1)  # [B or 1, 1]
                 wanted = first + torch.arange(window, device=device)  # [B or 1, W], < 0 before the first token

@@ -22,7 +22,6 @@ import torch
 
 from vocab import UsageError, Vocabulary
 
-_tokenizers: dict = {}
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a model cannot pad a reply with endless whitespace
 
 
@@ -37,12 +36,11 @@ def llguidance():
 def tokenizer_for(vocab: Vocabulary, n_vocab: int):
     """llguidance's view of the checkpoint's tokenizer (built once per vocabulary: about a second), with the
     vocabulary's end-of-text ids as the tokens that end a complete reply; n_vocab: the model's (padded) vocabulary."""
-    key = (id(vocab), n_vocab)
-    if key not in _tokenizers:
-        ll = llguidance()
+    built = vocab.__dict__.setdefault("llguidance_tokenizers", {})  # (kept with the vocabulary it was made from)
+    if n_vocab not in built:
         stops = sorted(vocab.stop_ids) or None
-        _tokenizers[key] = ll.LLTokenizer(vocab.tokenizer.to_str(), n_vocab=n_vocab, eos_token=stops)
-    return _tokenizers[key]
+        built[n_vocab] = llguidance().LLTokenizer(vocab.tokenizer.to_str(), n_vocab=n_vocab, eos_token=stops)
+    return built[n_vocab]
 
 
 def json_grammar(schema: dict | None = None) -> str:

@@ -164,12 +164,13 @@ class Request:
         return bias
 
     def chose(self, token: int, stop_ids) -> None:
-        """A token was chosen: the grammar and the counts move on."""
+        """A token was chosen: the grammar and (for the penalties) the counts move on."""
         if token in stop_ids:
             return
         if self.constraint is not None:
             self.constraint.consume(token)
-        self.counts[token] = self.counts.get(token, 0) + 1
+        if self.presence_penalty or self.frequency_penalty:
+            self.counts[token] = self.counts.get(token, 0) + 1
 
     def send(self, *event) -> None:
         """Events ("text", piece, logprob entries) and ("done", finish_reason, entries), tagged with the index."""

@@ -169,7 +169,7 @@ def time_linears(plan: Plan, sizes: list[tuple[int, int]]) -> None:
 def time_stage(plan: Plan, shapes: list[str], runs: int, gen_len: int, sizes, budget: float) -> None:
     """The rows in order while the budget lasts: a row starts only if the longest row so far still fits."""
     longest = 0.0
-    rows = [(shape, mode) for mode in MODES for shape in shapes[:1]]
+    rows = [(shapes[0], mode) for mode in MODES]
     rows += [("linears", None)] + [(shape, mode) for shape in shapes[1:] for mode in MODES]
     for shape, mode in rows:
         left = budget - (time.perf_counter() - plan.started)
