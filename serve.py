@@ -327,9 +327,6 @@ class Scheduler:
             request.entries.append(logprob_entry(logits, token, request.logprobs))
         request.chose(token, self.vocab.stop_ids)
         reason = finish(self.vocab, request, token)
-        if reason is None and request.constraint is not None and request.constraint.done:  # the grammar is complete
-            flush(request, request.pending + request.stream.finish())
-            reason = "stop"
         if self.metrics is not None:
             self.metrics.token(request)
             if reason or request.cancelled:
@@ -372,7 +369,8 @@ def sample_one(logits: torch.Tensor, request: Request, vocab_limit: int | None,
 
 
 def finish(vocab: Vocabulary, request: Request, token: int) -> str | None:
-    """Take one generated token; returns the finish reason once the request is done ("stop" or "length")."""
+    """Take one generated token; returns the finish reason once the request is done ("stop": an end-of-text token,
+    a stop string, or a complete grammar; "length")."""
     if token in vocab.stop_ids:
         flush(request, request.pending)
         return "stop"
@@ -385,9 +383,10 @@ def finish(vocab: Vocabulary, request: Request, token: int) -> str | None:
         if at >= 0:
             flush(request, request.pending[:at])
             return "stop"
-    if len(request.generated) >= request.max_tokens:
+    complete = request.constraint is not None and request.constraint.done  # the grammar takes no more tokens
+    if len(request.generated) >= request.max_tokens or complete:
         flush(request, request.pending + request.stream.finish())
-        return "length"
+        return "length" if len(request.generated) >= request.max_tokens else "stop"
     keep = max((n for stop in request.stop for n in range(1, len(stop)) if request.pending.endswith(stop[:n])),
                default=0)  # the longest tail that could still grow into a stop string
     tail = request.pending[len(request.pending) - keep:] if keep else ""
