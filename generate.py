@@ -218,6 +218,22 @@ class Runner:
         return model.logits(fn(*args))
 
     @torch.no_grad()
+    def prefill_rows(self, chunks: list[list[int]], starts: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """Several rows' prompts (or chunks of them) in one eager pass, the weights read once: chunk b at slots
+        starts[b].. of cache row rows[b] -> float32 logits [B, V] of each chunk's last token. A shorter chunk is
+        padded at its end with slots past it (written, never read: a row's later tokens overwrite them before any
+        token sees them; past the cache's end, the scratch slot)."""
+        model, device = self.model, rows.device
+        T = max(len(c) for c in chunks)
+        tokens = torch.tensor([c + [0] * (T - len(c)) for c in chunks], device=device)  # [B, T]
+        positions = (torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)).clamp(
+            max=model.max_seq_len)  # [B, T]
+        attend = int(max(s + len(c) for s, c in zip(starts, chunks)))  # (the padding sees what its row holds)
+        hidden = model.hidden_states(tokens, positions, attend, rows=rows)  # [B, T, C]
+        last = torch.tensor([len(c) - 1 for c in chunks], device=device)
+        return model.logits(hidden[torch.arange(len(chunks), device=device), last])
+
+    @torch.no_grad()
     def decode(self, token: torch.Tensor, pos, row_start, sampling: Sampling, with_logits: bool = False):
         """token [B, 1] at slot pos (an int, or a list: a slot per row) -> next token [B, 1] (with_logits: and the
         float32 logits [B, V] it was sampled from)."""

@@ -212,11 +212,30 @@ class KVCache(dense.KVCache):
         if view.own_keys:  # a plain pass or a prefill from slot 0: dense.py's attention on this call's own k, v
             return super().attend(q, k, v, step, view, scale, softcap)
         self.update(step, k, v)
+        if q.shape[2] > PER_QUERY_TOKENS:  # a prefill chunk after earlier tokens: one masked SDPA over the slots in use
+            return self.attend_chunk(q, step, view, scale, softcap)
         empty = step.input_pos.new_empty(0)
         start = step.row_start if step.row_start is not None else empty
         rows = step.rows if step.rows is not None else empty
         return torch.ops.dense_kernels.attention(q, self.k, self.v, step.input_pos, start, rows, scale,
                                                  view.window or 0, softcap or 0.0)
+
+
+    def attend_chunk(self, q, step: dense.Step, view: dense.View, scale: float, softcap: float | None):
+        """q [B, H, T, D] of many tokens: the keys and values of slots 0..attend-1 in dense.py's layout, [B, K, A, D]
+        (a copy of A slots: small beside T queries reading them), and dense.py's attention with the view's mask.
+        The kernel reads the cache once per query: fine for a decode step, slow for a chunk of hundreds."""
+        blocks = (view.attend + 15) // 16
+        k, v = self.k[:, :, :blocks], self.v[:, :, :view.attend]
+        if step.rows is not None:
+            k, v = k.index_select(0, step.rows), v.index_select(0, step.rows)
+        else:
+            k, v = k[:q.shape[0]], v[:q.shape[0]]
+        k = k.transpose(-1, -2).flatten(2, 3)[:, :, :view.attend]  # [B, K, blocks * 16, D] -> the slots in use
+        return dense.attention(q, k.to(q.dtype), v.to(q.dtype), view.mask, scale, softcap)  # (windows: in the mask)
+
+
+PER_QUERY_TOKENS = 16  # up to this many tokens a step (decode, a draft to verify, a short chunk): the kernel
 
 
 def cache_for(model) -> tuple[type, torch.dtype | None]:

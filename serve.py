@@ -58,6 +58,7 @@ REFUSED = {"n": lambda v: v not in (None, 1), "functions": bool, "function_call"
            "prediction": lambda v: v is not None, "audio": lambda v: v is not None,
            "modalities": lambda v: v not in (None, ["text"])}
 IGNORED = ("model", "user", "metadata", "store", "service_tier")  # no effect on the text
+PREFILL_BUDGET = 128  # prompt tokens prefilled per scheduler turn while other rows decode (measured: BENCHMARKS.md)
 
 
 class BadRequest(Exception):
@@ -149,6 +150,7 @@ class Request:
     presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
     frequency_penalty: float = 0.0  # ... times how often it was generated
     counts: dict = field(default_factory=dict)  # token id -> times generated (for the penalties)
+    filled: int | None = None  # in a row: its prompt tokens in the cache so far, while prefilled; None once decoding
 
     def bias(self, vocab: int) -> torch.Tensor | None:
         """[V] float32 added to this request's logits before sampling (OpenAI's semantics), or None: none."""
@@ -187,12 +189,12 @@ class Scheduler:
 
     def __init__(self, model: dense.DenseDecoder, vocab: Vocabulary, max_batch: int, max_seq_len: int,
                  compile: bool, draft=None, speculate_k: int = 4, metrics: Metrics | None = None,
-                 reuse: bool = True) -> None:
+                 reuse: bool = True, prefill_chunk: int = PREFILL_BUDGET) -> None:
         self.model, self.vocab, self.draft, self.speculate_k = model, vocab, draft, speculate_k
-        self.metrics, self.reuse = metrics, reuse
+        self.metrics, self.reuse, self.prefill_chunk = metrics, reuse, prefill_chunk
         self.rows: list[Request | None] = [None] * max_batch
         self.row_tokens: list[list[int]] = [[] for _ in range(max_batch)]  # the tokens in each row's slots 0..
-        self.admitting: Request | None = None  # (a request being prefilled, not in a row yet)
+        self.admitting: Request | None = None  # (a request decoded speculatively, not in a row)
         self.positions = [0] * max_batch  # the slot each row's next token goes to
         self.last = [0] * max_batch  # the token each row feeds next
         self.waiting: queue.Queue[Request] = queue.Queue()
@@ -224,15 +226,17 @@ class Scheduler:
             self.fail(e)
 
     def turn(self) -> None:
+        """Admit waiting requests into free rows, prefill up to the budget, then one decode step of the running rows."""
         self.admit()
-        busy = [r for r in range(len(self.rows)) if self.rows[r] is not None]
-        if not busy:
+        self.prefill()
+        busy = [r for r, request in enumerate(self.rows) if request is not None and request.filled is None]
+        if busy:
+            self.decode(busy)
+        elif not any(self.rows):
             try:  # idle: wait for a request
                 self.waiting.put(self.waiting.get(timeout=0.1))
             except queue.Empty:
                 pass
-            return
-        self.decode(busy)
 
     def fail(self, e: Exception) -> None:
         message = f"internal error: {type(e).__name__}: {first_line(e)}"
@@ -244,10 +248,9 @@ class Scheduler:
         self.row_tokens = [[] for _ in self.rows]  # (what a failed step left in the cache is not known)
 
     def admit(self) -> None:
-        """Prefill waiting requests into free rows (each alone: a prefill's result never depends on the others). A
-        row keeps the tokens of its last request in its cache: a new request takes the free row whose tokens share
-        the longest prefix with its prompt and prefills only the rest (a conversation's next turn, a shared system
-        prompt)."""
+        """Give waiting requests the free rows (their prompts are prefilled by `prefill`). A row keeps the tokens of
+        its last request in its cache: a new request takes the free row whose tokens share the longest prefix with
+        its prompt, and only the rest is prefilled (a conversation's next turn, a shared system prompt)."""
         while None in self.rows:
             try:
                 request = self.waiting.get_nowait()
@@ -255,26 +258,75 @@ class Scheduler:
                 return
             if request.cancelled:
                 continue
-            self.admitting = request
             if self.draft is not None:
+                self.admitting = request
                 self.speculate(request)
-                self.row_tokens[0] = []
+                self.row_tokens[0], self.admitting = [], None
                 continue
             row, common = self.pick_row(request)
-            logits = step(self.runner, ("prefill", row, request.prompt[common:], request.echo, common))
-            self.row_tokens[row] = list(request.prompt)
-            if request.echo:  # [1, T, V]: position p's logits rate prompt token p + 1
-                request.prompt_entries = [None] + [logprob_entry(logits[0, p], request.prompt[p + 1],
-                                                                 request.logprobs or 0)
-                                                   for p in range(len(request.prompt) - 1)]
-                logits = logits[:, -1]
-            if request.max_tokens == 0:  # (echo alone: the prompt's logprobs, nothing generated)
-                request.finish_reason = "length"
-                request.send("done", "length", [])
+            self.rows[row], request.filled = request, common
+            self.row_tokens[row] = self.row_tokens[row][:common]
+
+    def prefill(self) -> None:
+        """Prefill the admitted prompts, oldest first. While other rows decode, at most `prefill_chunk` tokens a turn:
+        a long prompt goes in chunks between their steps (no stream waits for a whole long prefill); with none
+        decoding, every prompt whole. Chunks of several prompts go in one pass (the weights are read once)."""
+        filling = sorted((r for r, q in enumerate(self.rows) if q is not None and q.filled is not None),
+                         key=lambda r: self.rows[r].arrived)
+        budget = self.prefill_chunk if self.prefill_chunk and len(filling) < sum(q is not None for q in self.rows) \
+            else None
+        group = []  # (row, start, end) of this turn's chunks
+        for row in filling:
+            request = self.rows[row]
+            if request.cancelled:  # (the cache keeps what was prefilled)
+                self.rows[row] = None
                 continue
-            token = int(sample_one(logits, request, self.vocab_limit, request.bias(logits.shape[-1])))
-            self.rows[row], self.positions[row], self.last[row] = request, len(request.prompt), token
-            self.deliver(row, token, logits[0])
+            if budget is not None and budget <= 0:
+                break
+            end = len(request.prompt) if budget is None else min(len(request.prompt), request.filled + budget)
+            if request.echo:  # every position's logits: alone, whole
+                if group:
+                    break
+                group = [(row, request.filled, len(request.prompt))]
+                break
+            group.append((row, request.filled, end))
+            budget = None if budget is None else budget - (end - request.filled)
+        if not group:
+            return
+        if len(group) == 1 or any(end - start <= generate.PREFILL_CHUNK for _, start, end in group):
+            for row, start, end in group:  # (a short chunk runs a compiled step, alone)
+                request = self.rows[row]
+                self.prefilled(row, end, step(self.runner, ("prefill", row, request.prompt[start:end], request.echo,
+                                                            start)))
+            return
+        rows, chunks = [row for row, _, _ in group], [self.rows[r].prompt[s:e] for r, s, e in group]
+        starts = [s for _, s, _ in group]
+        logits = step(self.runner, ("prefill_rows", rows, chunks, starts))
+        for i, (row, _, end) in enumerate(group):
+            self.prefilled(row, end, logits[i:i + 1])
+
+    def prefilled(self, row: int, end: int, logits: torch.Tensor) -> None:
+        """A chunk of row's prompt is in the cache, up to `end`; logits: the last token's [1, V] (echo: every token's
+        [1, T, V]). At the prompt's end, the first token is drawn and the row decodes from the next step."""
+        request = self.rows[row]
+        request.filled = end
+        self.row_tokens[row] = list(request.prompt[:end])
+        if request.echo:  # [1, T, V]: position p's logits rate prompt token p + 1
+            request.prompt_entries = [None] + [logprob_entry(logits[0, p], request.prompt[p + 1],
+                                                             request.logprobs or 0)
+                                               for p in range(len(request.prompt) - 1)]
+            logits = logits[:, -1]
+        if end < len(request.prompt):
+            return
+        request.filled = None  # (decoding from now on)
+        if request.max_tokens == 0:  # (echo alone: the prompt's logprobs, nothing generated)
+            request.finish_reason = "length"
+            request.send("done", "length", [])
+            self.rows[row] = None
+            return
+        token = int(sample_one(logits, request, self.vocab_limit, request.bias(logits.shape[-1])))
+        self.positions[row], self.last[row] = len(request.prompt), token
+        self.deliver(row, token, logits[0])
 
     def pick_row(self, request: Request) -> tuple[int, int]:
         """(the free row to prefill into, how many of the prompt's first tokens its cache already holds)."""
@@ -295,10 +347,10 @@ class Scheduler:
     def decode(self, busy: list[int]) -> None:
         # A request alone (admitted to row 0, the first free one) decodes in a batch-1 step, at batch 1's speed;
         # otherwise every row steps (two compiled graphs in all, whatever the load).
-        rows = self.rows[:1] if busy == [0] else self.rows
+        rows = [self.rows[r] if r in busy else None for r in range(1 if busy == [0] else len(self.rows))]
         tokens, positions = self.last[:len(rows)], self.positions[:len(rows)]
         for row, request in enumerate(rows):
-            if request is None:  # an idle row writes to the scratch slot, which nothing reads
+            if request is None:  # an idle row (or one still prefilling) writes to the scratch slot: nothing reads it
                 tokens[row], positions[row] = 0, self.max_seq_len
         V = self.model.config.vocab_size
         biases = [r.bias(V) if r is not None else None for r in rows]
@@ -423,6 +475,9 @@ def step_local(runner, action):
         _, row, prompt, every, start = action
         return runner.prefill(torch.tensor([prompt], device=model.device), start, None,
                               rows=torch.tensor([row], device=model.device), every=every)
+    if action[0] == "prefill_rows":  # several rows' chunks: one pass
+        _, rows, chunks, starts = action
+        return runner.prefill_rows(chunks, starts, torch.tensor(rows, device=model.device))
     _, tokens, positions, sampling, with_logits = action
     return runner.decode(torch.tensor(tokens, device=model.device)[:, None], positions, None, sampling, with_logits)
 
@@ -666,6 +721,20 @@ def parse_request(body, kind: str, state: "Server") -> dict:
             "top_p": None if top_p == 1 else top_p, "top_k": number(body, "top_k", int, None, low=1)}
 
 
+def make_jobs(body: dict, kind: str, state: "Server", loop, events) -> tuple[dict, list[Request]]:
+    """(the request's settings, a Request per prompt whose events go to `events` on `loop`), or BadRequest."""
+    settings = parse_request(body, kind, state)
+    V = state.scheduler.model.config.vocab_size
+    return settings, [
+        Request(prompt, settings["max_tokens"], settings["temperature"], settings["top_p"], settings["top_k"],
+                settings["stop"], generator(state, settings["seed"] + i), loop, events, logprobs=settings["logprobs"],
+                echo=settings["echo"], index=i,
+                constraint=grammar.Constraint(settings["grammar"], grammar.tokenizer_for(state.vocab, V), V)
+                if settings["grammar"] else None, logit_bias=settings["logit_bias"],
+                presence_penalty=settings["presence_penalty"], frequency_penalty=settings["frequency_penalty"])
+        for i, prompt in enumerate(settings["prompts"])]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The HTTP server
 
@@ -694,7 +763,7 @@ class Server:
         batch = 1 if draft is not None else args.max_batch
         self.max_seq_len = args.max_seq_len or fitting_cache(model, batch)
         self.scheduler = Scheduler(model, self.vocab, batch, self.max_seq_len, args.compile, draft, args.speculate_k,
-                                   reuse=args.prefix_reuse)
+                                   reuse=args.prefix_reuse, prefill_chunk=args.prefill_chunk)
         warm_up(self.scheduler)
         self.scheduler.metrics = self.metrics  # (after the warm-up: its throwaway tokens are not counted)
         self.metrics.watch(self.scheduler)
@@ -714,11 +783,9 @@ def warm_up(scheduler: Scheduler) -> None:
     for prompts in ([[1] * (generate.PREFILL_CHUNK + 1)] * min(2, len(scheduler.rows)), [[1]]):
         for prompt in prompts:
             scheduler.submit(throwaway(prompt))
-        scheduler.admit()
-        for _ in range(2):
-            busy = [r for r, q in enumerate(scheduler.rows) if q is not None]
-            if busy:
-                scheduler.decode(busy)
+        scheduler.turn()
+        while any(scheduler.rows):
+            scheduler.turn()
     scheduler.rows = [None] * len(scheduler.rows)
     scheduler.row_tokens = [[] for _ in scheduler.rows]
 
@@ -748,21 +815,18 @@ def make_app(server: Server):
 
     async def completions(request, kind: str):
         body = await ready_json(request)
-        settings = parse_request(body, kind, server)
         waiting = server.scheduler.waiting.qsize()
-        if waiting + len(settings["prompts"]) > server.args.max_queue:
+        if waiting >= server.args.max_queue:
             raise BadRequest(f"the server is busy ({waiting} requests wait for a row); try again shortly",
                              status=503, kind="server_error", code="queue_full")
         loop, queue_ = asyncio.get_running_loop(), asyncio.Queue()
-        V = server.scheduler.model.config.vocab_size
-        jobs = [Request(prompt, settings["max_tokens"], settings["temperature"], settings["top_p"], settings["top_k"],
-                        settings["stop"], generator(server, settings["seed"] + i), loop, queue_,
-                        logprobs=settings["logprobs"], echo=settings["echo"], index=i,
-                        constraint=grammar.Constraint(settings["grammar"], grammar.tokenizer_for(server.vocab, V), V)
-                        if settings["grammar"] else None, logit_bias=settings["logit_bias"],
-                        presence_penalty=settings["presence_penalty"],
-                        frequency_penalty=settings["frequency_penalty"])
-                for i, prompt in enumerate(settings["prompts"])]
+        # the template's rendering, the tokenizing and a grammar's compiling run in a worker thread: the event loop
+        # keeps streaming the other requests' tokens meanwhile
+        settings, jobs = await asyncio.to_thread(make_jobs, body, kind, server, loop, queue_)
+        waiting = server.scheduler.waiting.qsize()
+        if waiting + len(jobs) > server.args.max_queue:
+            raise BadRequest(f"the server is busy ({waiting} requests wait for a row); try again shortly",
+                             status=503, kind="server_error", code="queue_full")
         created, ident = int(time.time()), ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         model_name = body.get("model") if isinstance(body.get("model"), str) else server.name
         for job in jobs:
@@ -1060,6 +1124,9 @@ def parse_args(argv):
     p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="a request prefills only what follows the longest prefix a free row's cache already holds "
                         "(default on)")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_BUDGET, metavar="N",
+                   help=f"prompt tokens prefilled between two decode steps while other requests stream (default "
+                        f"{PREFILL_BUDGET}: a long prompt never stalls them for long); 0: every prompt whole")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait for a row (default 64); more are answered 503 with Retry-After")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
@@ -1067,6 +1134,8 @@ def parse_args(argv):
     args = parse_flags(p, argv)
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    if args.prefill_chunk < 0:
+        raise UsageError(f"--prefill-chunk must be 0 or more, got {args.prefill_chunk}")
     if args.max_queue < 0:
         raise UsageError(f"--max-queue must be 0 or more, got {args.max_queue}")
     if tp.world()[1] > 1 and (args.draft or args.draft_quant or args.lookup):

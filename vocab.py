@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from dataclasses import dataclass, field
 
 import machine
@@ -60,12 +62,11 @@ class Vocabulary:
         from jinja2 import TemplateError
 
         try:
-            with time_limit(TEMPLATE_SECONDS, "chat template in tokenizer_config.json: still rendering after "
-                                              f"{TEMPLATE_SECONDS} s"):
-                extra = {"tools": tools} if tools else {}  # (templates test `tools is defined`)
-                return self.template().render(messages=messages, add_generation_prompt=True,
-                                              bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                              **extra)
+            extra = {"tools": tools} if tools else {}  # (templates test `tools is defined`)
+            template = self.template()
+            template.environment.deadline.at = time.monotonic() + TEMPLATE_SECONDS
+            return template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
+                                   eos_token=self.eos_token or "", **extra)
         except TemplateError as e:  # syntax errors, undefined names, and the sandbox refusing unsafe access
             first = machine.first_line(e)
             raise UsageError(f"chat template in tokenizer_config.json: {type(e).__name__}: {first}") from None
@@ -81,8 +82,29 @@ class Vocabulary:
             def raise_exception(message):
                 raise TemplateRefused(f"chat template: {message}")
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
+            class Sandbox(ImmutableSandboxedEnvironment):
+                """Every call, attribute and item the template reaches for first checks the clock: a template that
+                loops for hours stops at its deadline (in any thread: a server renders in a pool)."""
+                deadline = threading.local()
+
+                def call(*args, **kwargs):
+                    args[0].check()
+                    return ImmutableSandboxedEnvironment.call(*args, **kwargs)
+
+                def getattr(self, obj, attribute):
+                    self.check()
+                    return super().getattr(obj, attribute)
+
+                def getitem(self, obj, argument):
+                    self.check()
+                    return super().getitem(obj, argument)
+
+                def check(self) -> None:
+                    if time.monotonic() > getattr(self.deadline, "at", float("inf")):
+                        raise UsageError(f"chat template in tokenizer_config.json: still rendering after "
+                                         f"{TEMPLATE_SECONDS} s")
+
+            env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
             env.globals["raise_exception"] = raise_exception
             self._compiled = (self.chat_template, env.from_string(self.chat_template))
@@ -90,33 +112,6 @@ class Vocabulary:
 
 
 TEMPLATE_SECONDS = 5  # a template is code from the checkpoint: it may loop for hours inside the sandbox
-
-
-class time_limit:
-    """Raise UsageError(message) if the block runs longer than `seconds` (SIGALRM: main thread, POSIX)."""
-
-    def __init__(self, seconds: int, message: str) -> None:
-        self.seconds, self.message = seconds, message
-
-    def __enter__(self):
-        import signal
-        import threading
-
-        self.armed = hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
-        if self.armed:
-            def expire(signum, frame):
-                raise UsageError(self.message)
-
-            self.previous = signal.signal(signal.SIGALRM, expire)
-            signal.alarm(self.seconds)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.armed:
-            import signal
-
-            signal.alarm(0)
-            signal.signal(signal.SIGALRM, self.previous)
 
 
 def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
@@ -168,21 +163,24 @@ def token_text(value) -> str | None:
 
 
 class TextStream:
-    """Incremental detokenizer: returns only complete text. A multi-byte character split across tokens decodes to
-    U+FFFD until its last byte arrives, so text ending in U+FFFD is held back."""
+    """Incremental detokenizer, constant work per token (tokenizers' DecodeStream decodes a few ids around the new
+    one, not the whole text again): returns only complete text, holding back a multi-byte character split across
+    tokens until its last byte arrives. What it returns is, piece by piece, the decode of all the ids."""
 
     def __init__(self, vocab: Vocabulary) -> None:
+        from tokenizers.decoders import DecodeStream
+
         self.vocab, self.ids, self.shown = vocab, [], 0
+        self.decoder = DecodeStream(skip_special_tokens=True)
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.vocab.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self.shown = text[self.shown:], len(text)
+        new = self.decoder.step(self.vocab.tokenizer, token) or ""
+        self.shown += len(new)
         return new
 
     def finish(self) -> str:
+        """The rest: a character whose bytes never completed (U+FFFD, as a whole decode shows it)."""
         text = self.vocab.decode(self.ids)
         new, self.shown = text[self.shown:], len(text)
         return new

@@ -4,13 +4,23 @@ serve.py and llama.cpp's server (llama-cpp-python's `llama_cpp.server`) on the s
 by side, each in its own process (started here, stopped after its rows).
 
     python bench/serve_load.py [--clients 1,4,8,16] [--seconds 60] [--engines dense,llama] \
-        [--llama-python VENV/bin/python] [--quant auto] [--gguf FILE] [--replies short|long]
+        [--llama-python VENV/bin/python] [--quant auto] [--gguf FILE] [--replies short|long] \
+        [--scenarios load,multi-turn,long-prompt,timeouts,flood] [--root CHECKOUT] [--serve-flag=--no-prefix-reuse]
 
 Also measures the same 8 requests sent one after another (one client, 8 requests), the reference for the batching
 gain: aggregate tokens/s with 8 clients over it. Greedy (temperature 0), 128 tokens a request, prompts from a fixed
 list (chat template applied by each server): `--replies short` (the default) asks questions the default model
 answers in about 35 tokens, so a request costs as much prefill as decode; `--replies long` asks for essays and stories,
 which run to the 128-token limit, the shape of a chat reply or a throughput benchmark (vLLM's, with its ignore-eos).
+
+The other scenarios (this engine only, a server of their own each):
+- multi-turn: one chat of 6 turns, each reply appended to the history; time to first token per turn.
+- long-prompt: 4 streams running long replies; a ~3,000-token prompt arrives; its time to first token and the
+  largest gap between two tokens of the 4 streams (context 4096).
+- timeouts: 8 non-streamed requests (max_tokens 2000, end of text suppressed) whose clients give up after 1 s; the
+  time of a request sent after them against the same request on the idle server.
+- flood: 100 requests at once with --max-queue 16: answered, refused (503), or neither within 300 s; then one more.
+--root runs another checkout's serve.py (a before/after pair from one script).
 """
 
 from __future__ import annotations
@@ -45,11 +55,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(engine: str, args) -> tuple[subprocess.Popen, int]:
+def start(engine: str, args, ctx: int | None = None, extra=()) -> tuple[subprocess.Popen, int]:
     port = free_port()
     if engine == "dense":
-        cmd = [sys.executable, os.path.join(ROOT, "serve.py"), "--port", str(port), "--max-batch", str(args.max_batch),
-               "--quant", args.quant, "--max-seq-len", str(args.ctx)]
+        cmd = [sys.executable, os.path.join(args.root, "serve.py"), "--port", str(port), "--max-batch",
+               str(args.max_batch), "--quant", args.quant, "--max-seq-len", str(ctx or args.ctx), *args.serve_flag,
+               *extra]
         if args.gguf:
             cmd += ["--ckpt", args.gguf]
     else:
@@ -57,7 +68,7 @@ def start(engine: str, args) -> tuple[subprocess.Popen, int]:
                str(args.ctx), "--n_threads", str(os.cpu_count()), "--interrupt_requests", "False"]
         # (by default a new request interrupts the one being generated: under load, streams end cut off)
     log = open(os.path.join(tempfile.gettempdir(), f"serve-load-{engine}.log"), "w")
-    process = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=ROOT)
+    process = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=args.root)
     import urllib.request
 
     end = time.monotonic() + 900  # (a first run compiles its steps)
@@ -118,6 +129,113 @@ async def load(port: int, clients: int, seconds: float, tokens: int, requests: i
             "itl_p95_ms": pct(gaps, 0.95)}
 
 
+def stream_chat(client, messages: list, tokens: int, **extra) -> dict:
+    """One streamed chat request: its reply, time to first token, and the time of each token's arrival."""
+    async def run():
+        start, times, text = time.perf_counter(), [], []
+        stream = await client.chat.completions.create(model="m", messages=messages, max_tokens=tokens, temperature=0,
+                                                      stream=True, **extra)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                times.append(time.perf_counter())
+                text.append(chunk.choices[0].delta.content)
+        return {"text": "".join(text), "ttft": times[0] - start if times else None, "times": times}
+    return run()
+
+
+def openai_client(port: int, timeout: float = 600):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=timeout)
+
+
+async def multi_turn(port: int) -> dict:
+    """One conversation of 6 turns, each reply appended: time to first token per turn."""
+    questions = ["Tell me about the history of Paris.", "What about its museums?", "Which one should I visit first?",
+                 "How long would that take?", "And what should I eat nearby?", "Summarize our conversation."]
+    messages, ttft, prompt = [], [], []
+    async with openai_client(port) as client:
+        for q in questions:
+            messages.append({"role": "user", "content": q})
+            reply = await stream_chat(client, messages, 64)
+            messages.append({"role": "assistant", "content": reply["text"]})
+            ttft.append(reply["ttft"] * 1000)
+    return {"scenario": "multi-turn", "ttft_ms_per_turn": ttft, "turn6_over_turn1": ttft[-1] / ttft[0]}
+
+
+async def long_prompt(port: int, prompt_tokens: int = 3000) -> dict:
+    """4 streams with long replies; then a ~3,000-token prompt: its time to first token, and the 4 streams' largest
+    gap between two tokens while it was prefilled (and over their whole replies)."""
+    page = " ".join(["The history of the printing press begins long before Gutenberg, with carved wooden blocks."]
+                    * (prompt_tokens // 17))
+    async with openai_client(port) as client:
+        streams = [asyncio.ensure_future(stream_chat(client, [{"role": "user", "content": p}], 400))
+                   for p in LONG_PROMPTS[:4]]
+        await asyncio.sleep(2.0)  # (the four are decoding)
+        sent = time.perf_counter()
+        long = await stream_chat(client, [{"role": "user", "content": "Summarize this page:\n" + page}], 16)
+        first = sent + long["ttft"]
+        replies = await asyncio.gather(*streams)
+    during, overall = [], []
+    for r in replies:
+        gaps = [(a, b - a) for a, b in zip(r["times"], r["times"][1:])]
+        overall += [g for _, g in gaps]
+        during += [g for a, g in gaps if a + g >= sent and a <= first]
+    return {"scenario": "long-prompt", "prompt_chars": len(page), "long_ttft_ms": long["ttft"] * 1000,
+            "largest_gap_during_ms": max(during, default=0) * 1000, "largest_gap_ms": max(overall) * 1000,
+            "median_gap_ms": sorted(overall)[len(overall) // 2] * 1000}
+
+
+async def timeouts(port: int) -> dict:
+    """The same short request on the idle server, then after 8 non-streamed requests whose clients gave up."""
+    async def reference() -> float:
+        async with openai_client(port) as client:
+            start = time.perf_counter()
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                 max_tokens=32, temperature=0)
+            return (time.perf_counter() - start) * 1000
+
+    idle = min([await reference() for _ in range(3)])
+    async with openai_client(port, timeout=1.0) as client:
+        async def abandoned(prompt: str):
+            try:
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
+                                                     max_tokens=2000, temperature=0,
+                                                     logit_bias={str(i): -100 for i in range(3)})
+            except Exception:  # (the client's timeout: it went away)
+                return
+        await asyncio.gather(*(abandoned(p) for p in LONG_PROMPTS))
+    after = await reference()
+    return {"scenario": "timeouts", "idle_ms": idle, "after_8_abandoned_ms": after, "ratio": after / idle}
+
+
+async def flood(port: int, count: int = 100, limit: float = 300) -> dict:
+    """count requests at once: answered (200), refused (503), or neither within `limit` seconds; then one more."""
+    import openai
+
+    async with openai_client(port, timeout=limit) as client:
+        async def one(i: int):
+            try:
+                await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], max_tokens=32,
+                    temperature=0)
+                return 200
+            except openai.APIStatusError as e:
+                return e.status_code
+            except openai.APITimeoutError:
+                return "hung"
+        start = time.perf_counter()
+        statuses = await asyncio.gather(*(one(i) for i in range(count)))
+        elapsed = time.perf_counter() - start
+        after = await one(0)
+    return {"scenario": "flood", "requests": count, "answered": statuses.count(200), "refused_503": statuses.count(503),
+            "other": [s for s in statuses if s not in (200, 503)], "seconds": elapsed, "next_request": after}
+
+
+SCENARIOS = {"multi-turn": (multi_turn, None, ()), "long-prompt": (long_prompt, 4096, ()),
+             "timeouts": (timeouts, None, ()), "flood": (flood, None, ("--max-queue", "16"))}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", default="1,4,8,16")
@@ -132,6 +250,9 @@ def main() -> int:
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--replies", choices=["short", "long"], default="short",
                    help="questions answered in ~35 tokens, or essays that run to --tokens")
+    p.add_argument("--scenarios", default="load", help="load (the clients above) and/or " + ", ".join(SCENARIOS))
+    p.add_argument("--root", default=ROOT, help="the checkout whose serve.py runs (default: this one)")
+    p.add_argument("--serve-flag", action="append", default=[], help="one more serve.py flag (repeat it)")
     args = p.parse_args()
     if not args.gguf:
         sys.path.insert(0, ROOT)
@@ -139,6 +260,23 @@ def main() -> int:
 
         args.gguf = default_model.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-bench-"))
     rows = []
+    for name in args.scenarios.split(","):
+        if name == "load":
+            continue
+        scenario, ctx, extra = SCENARIOS[name]
+        process, port = start("dense", args, ctx, extra)
+        try:
+            row = asyncio.run(scenario(port))
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if "load" not in args.scenarios.split(","):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     for engine in args.engines.split(","):
         if engine == "llama" and not args.llama_python:
             sys.exit("--engines llama needs --llama-python")

@@ -18,7 +18,7 @@ import generate
 import load
 import session
 import vocab as vocab_module
-from conftest import FIXTURES, ROOT
+from conftest import FIXTURES, ROOT, fixture_path
 
 CHAT = os.path.join(ROOT, "chat.py")
 LLAMA = os.path.join(FIXTURES, "llama")
@@ -134,6 +134,24 @@ def test_streaming_never_shows_broken_characters():
     assert "".join(pieces) == vocab.decode(ids) == text
     assert "日" in pieces and "🙂" in pieces  # each character shown whole when its last byte arrives,
     assert pieces.count("") == len(ids) + 1 - len(text)  # and nothing for the bytes before it
+
+
+@pytest.mark.parametrize("layout", ["llama", "gptneox", "shellelastic"])
+def test_streamed_pieces_are_the_whole_decode_and_never_decode_the_whole_text(layout, monkeypatch):
+    """Random ids (broken characters, special tokens) and real text: the pieces, then finish(), join to the decode of
+    all the ids; push() never decodes the text so far again (constant work per token)."""
+    import random
+
+    vocab = vocab_module.load_vocabulary(fixture_path(layout), None)
+    texts = [vocab.encode(" héllo wörld 你好 🙂\n  def f(x): return x " * 3, special=True)]
+    texts += [[random.Random(i).randrange(vocab.size) for _ in range(60)] for i in range(20)]
+    for ids in texts:
+        stream = vocab_module.TextStream(vocab)
+        whole = vocab.decode
+        monkeypatch.setattr(vocab, "decode", lambda ids: pytest.fail("push() decoded the whole text"))
+        pieces = [stream.push(t) for t in ids]
+        monkeypatch.setattr(vocab, "decode", whole)
+        assert "".join(pieces + [stream.finish()]) == vocab.decode(ids)
 
 
 @pytest.mark.slow
@@ -277,6 +295,29 @@ def one_line_exit_2(result, *needles):
     assert result.stdout == "" and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     for needle in needles:
         assert needle in result.stderr, result.stderr
+
+
+def test_a_looping_template_is_stopped_at_its_deadline_in_any_thread(monkeypatch):
+    """The time limit is the sandbox's own clock (not a signal of the main thread): a server renders in a pool."""
+    import threading
+    import time
+
+    vocab = vocab_module.load_vocabulary(LLAMA, None)
+    vocab.chat_template = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    monkeypatch.setattr(vocab_module, "TEMPLATE_SECONDS", 1)
+    took = []
+
+    def render():
+        start = time.monotonic()
+        with pytest.raises(vocab_module.UsageError, match="still rendering after 1 s"):
+            vocab.render([{"role": "user", "content": "hi"}])
+        took.append(time.monotonic() - start)
+
+    worker = threading.Thread(target=render)
+    worker.start()
+    worker.join(timeout=30)
+    render()
+    assert len(took) == 2 and all(t < 10 for t in took)
 
 
 @pytest.mark.slow

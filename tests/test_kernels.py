@@ -238,3 +238,23 @@ def test_generation_on_the_kernel_cache_equals_the_argmax_loop(compile, tmp_path
     steps = Steps(model) if compile else None
     got = torch.cat([ids, *generate.generate_tokens(model, ids, 40, steps=steps)], dim=1)
     assert torch.equal(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("overrides", [{}, {"sliding_window": 24, "layer_types": ["sliding_attention",
+                                                                                    "full_attention"]}])
+def test_a_prefill_chunk_after_earlier_tokens_equals_the_plain_pass(overrides):
+    """A server's chunked prefill on the kernel cache: 40 tokens from slot 0, then chunks of 30 (SDPA over the slots
+    in use, in dense.py's layout) and 10 (the per-query kernel) after them, in cache row 1 of 2; the logits of every
+    chunk equal the plain pass's (no cache) at the same positions."""
+    from conftest import random_model
+
+    model = random_model(**overrides)
+    model.setup_cache(2, 256, cache_class=kernels.KVCache)
+    ids = torch.randint(0, 512, (1, 80), generator=torch.Generator().manual_seed(3))
+    want = model(ids)  # [1, 80, V]
+    row = torch.tensor([1])
+    got = [model(ids[:, :40], torch.arange(40), rows=row, causal=False)]
+    for start, end in ((40, 70), (70, 80)):
+        got.append(model(ids[:, start:end], torch.arange(start, end), rows=row))
+    assert (torch.cat(got, dim=1) - want).abs().max() < 2e-4

@@ -272,7 +272,12 @@ class Pieces:
     stop_ids: set = set()
 
     def __init__(self, pieces):
+        from tokenizers import Tokenizer, decoders, models
+
         self.pieces = pieces
+        vocab = {p: i for i, p in enumerate(pieces)}
+        self.tokenizer = Tokenizer(models.WordLevel({**vocab, "[UNK]": len(pieces)}, unk_token="[UNK]"))
+        self.tokenizer.decoder = decoders.Fuse()  # (the pieces joined as they are)
 
     def decode(self, ids):
         return "".join(self.pieces[i] for i in ids)
@@ -534,8 +539,48 @@ def test_logit_bias_and_penalties_follow_openais_semantics(server, plain):
     assert unbiased["choices"][0]["logprobs"]["tokens"] != got["choices"][0]["logprobs"]["tokens"]
 
 
+@pytest.fixture(scope="module")
+def default_server():
+    s = Server("--max-batch", "2", ckpt=None)  # (the default model: a context long enough to outlast a client)
+    yield s
+    s.stop()
+
+
 @pytest.mark.slow
-def test_structured_output_on_the_default_model_parses_into_a_pydantic_object():
+def test_non_streamed_requests_whose_clients_gave_up_free_their_rows(default_server):
+    """Two non-streamed requests that would run for 2000 tokens (end of text suppressed), whose clients time out after
+    1 s: they end (logged 499) within a few steps, not after 2000 tokens."""
+    s = default_server
+
+    def abandoned():
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=1)
+        conn.request("POST", "/v1/completions", json.dumps({
+            "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0,
+            "logit_bias": {str(i): -100 for i in range(3)}}), {"Content-Type": "application/json"})
+        try:
+            conn.getresponse()  # (2000 tokens take far longer than the second it waits)
+        except socket.timeout:
+            pass
+        conn.close()
+
+    threads = [threading.Thread(target=abandoned) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gave_up = []
+    for _ in range(600):  # (the log line of a request answered no one: 499, prompt + generated tokens)
+        gave_up = [line for line in s.log if "POST /v1/completions 499" in line]
+        if len(gave_up) == 2:
+            break
+        time.sleep(0.1)
+    assert len(gave_up) == 2, "".join(s.log[-5:])
+    generated = [int(line.split()[3].split("+")[1]) for line in gave_up]
+    assert max(generated) < 1000, gave_up  # freed long before their 2000 tokens
+
+
+@pytest.mark.slow
+def test_structured_output_on_the_default_model_parses_into_a_pydantic_object(default_server):
     """The openai client's chat.completions.parse(response_format=Model), as agents and LangChain send it."""
     pydantic = pytest.importorskip("pydantic")
 
@@ -543,26 +588,23 @@ def test_structured_output_on_the_default_model_parses_into_a_pydantic_object():
         country: str
         capital: str
 
-    s = Server("--max-batch", "2", ckpt=None)
-    try:
-        reply = s.client().chat.completions.parse(
-            model="default", messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
-            response_format=Capital, temperature=0, max_tokens=60)
-        answer = reply.choices[0].message.parsed
-        assert isinstance(answer, Capital) and "Paris" in answer.capital
-        anything = s.request("POST", "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "What is the capital of Italy? Answer in JSON."}],
-            "temperature": 0, "max_tokens": 200, "response_format": {"type": "json_object"}})[1]
-        assert isinstance(json.loads(anything["choices"][0]["message"]["content"]), dict)
-        jsonschema = pytest.importorskip("jsonschema")
-        called = s.client().chat.completions.create(
-            model="default", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-            tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60)
-        call = called.choices[0].message.tool_calls[0]
-        assert called.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
-        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    finally:
-        s.stop()
+    s = default_server
+    reply = s.client().chat.completions.parse(
+        model="default", messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        response_format=Capital, temperature=0, max_tokens=60)
+    answer = reply.choices[0].message.parsed
+    assert isinstance(answer, Capital) and "Paris" in answer.capital
+    anything = s.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "What is the capital of Italy? Answer in JSON."}],
+        "temperature": 0, "max_tokens": 200, "response_format": {"type": "json_object"}})[1]
+    assert isinstance(json.loads(anything["choices"][0]["message"]["content"]), dict)
+    jsonschema = pytest.importorskip("jsonschema")
+    called = s.client().chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60)
+    call = called.choices[0].message.tool_calls[0]
+    assert called.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -781,3 +823,84 @@ def test_prefix_reuse_prefills_only_the_new_turn_and_gives_the_cold_prefills_tok
     other = vocab.encode("zebra crossing", special=False)
     assert run_alone(reusing, request(other, 6)) == run_alone(cold, request(other, 6))
     assert prefilled[0][2] == 0 and prefilled[0][0] != row  # (the conversation's row is kept for its next turn)
+
+
+def quiet_request(prompt, n=10, sent=None):
+    """A Request for a scheduler driven by hand (no event loop): its events go to `sent`, or nowhere."""
+    import serve
+
+    put = sent.append if sent is not None else (lambda event: None)
+    loop = type("Loop", (), {"call_soon_threadsafe": staticmethod(lambda fn, event: fn(event))})()
+    events = type("Events", (), {"put_nowait": staticmethod(put)})()
+    return serve.Request(prompt, n, 0.0, None, None, [], torch_generator(), loop, events)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_rows_steps(monkeypatch, compiled):
+    """A long prompt arriving while another request decodes: at most --prefill-chunk tokens of it a turn, each turn
+    also a decode step of the running row; both greedy replies equal the same requests served alone, whole."""
+    import load
+    import serve
+    import vocab as vocab_module
+
+    model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
+    calls = []
+    healthy = serve.step
+
+    def recording(runner, action):
+        calls.append((action[0], len(action[2]) if action[0] == "prefill" else None))
+        return healthy(runner, action)
+
+    monkeypatch.setattr(serve, "step", recording)
+    chunked = serve.Scheduler(model, vocab, 2, 128, compile=compiled, prefill_chunk=8)
+    whole = serve.Scheduler(model, vocab, 2, 128, compile=compiled, reuse=False, prefill_chunk=0)
+    short = vocab.encode("the cat sat", special=False)
+    long = vocab.encode("a long pasted page of text " * 4, special=False)
+    assert len(long) > 40
+    running, arriving = quiet_request(short, 30), quiet_request(long, 8)
+    chunked.submit(running)
+    chunked.safe_turn()  # the short one decodes...
+    calls.clear()
+    chunked.submit(arriving)  # ... when the long one arrives
+    for _ in range(100):
+        chunked.safe_turn()
+        if running.finish_reason and arriving.finish_reason:
+            break
+    prefills = [n for kind, n in calls if kind == "prefill"]
+    assert max(prefills) <= 8 and sum(prefills) == len(long)
+    turns = calls[:2 * len(prefills)]  # a chunk, then the running row's step, every turn until the prompt is in
+    assert [kind for kind, _ in turns] == ["prefill", "decode"] * len(prefills)
+    assert running.generated == run_alone(whole, quiet_request(short, 30))
+    assert arriving.generated == run_alone(whole, quiet_request(long, 8))
+
+
+def test_requests_arriving_together_are_prefilled_in_one_pass_with_their_tokens_alone(monkeypatch):
+    """Three prompts of different lengths arriving together: one pass over the three rows (each padded at its end);
+    each greedy reply equals the same request's alone."""
+    import load
+    import serve
+    import vocab as vocab_module
+
+    model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
+    calls = []
+    healthy = serve.step
+
+    def recording(runner, action):
+        calls.append(action[0])
+        return healthy(runner, action)
+
+    monkeypatch.setattr(serve, "step", recording)
+    together = serve.Scheduler(model, vocab, 4, 128, compile=False)
+    prompts = [vocab.encode(text, special=False) for text in
+               ("once upon a time there was a small village by the sea " * 2, "the quick brown fox jumps " * 5,
+                "to be or not to be, that is the question " * 3)]
+    assert min(map(len, prompts)) > 16 and len(set(map(len, prompts))) == 3
+    requests = [quiet_request(p, 8) for p in prompts]
+    for r in requests:
+        together.submit(r)
+    for _ in range(20):
+        together.safe_turn()
+    assert calls[0] == "prefill_rows" and "prefill" not in calls
+    alone = serve.Scheduler(model, vocab, 4, 128, compile=False, reuse=False)  # (a new cache: the model has one)
+    for r, p in zip(requests, prompts):
+        assert r.generated == run_alone(alone, quiet_request(p, 8))
