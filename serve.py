@@ -58,7 +58,7 @@ REFUSED = {"n": lambda v: v not in (None, 1), "functions": bool, "function_call"
            "prediction": lambda v: v is not None, "audio": lambda v: v is not None,
            "modalities": lambda v: v not in (None, ["text"])}
 IGNORED = ("model", "user", "metadata", "store", "service_tier")  # no effect on the text
-PREFILL_BUDGET = 128  # prompt tokens prefilled per scheduler turn while other rows decode (measured: BENCHMARKS.md)
+PREFILL_BUDGET = 64  # prompt tokens prefilled per scheduler turn while other rows decode (measured: BENCHMARKS.md)
 
 
 class BadRequest(Exception):
@@ -757,6 +757,13 @@ class Server:
         ckpt = args.ckpt or default_checkpoint(console)
         self.name = os.path.basename(os.path.normpath(ckpt))
         self.vocab = load_vocabulary(ckpt, args.tokenizer)
+        if self.vocab.chat_template:
+            from jinja2 import TemplateError
+
+            try:
+                self.vocab.template()  # (compiled once, now: not in the first request's time)
+            except TemplateError:
+                pass  # (a chat request says what is wrong with it; completions still work)
         model, why = load_model(ckpt, args, console)
         print(why, file=sys.stderr, flush=True)
         draft = make_draft(args, model, console)
@@ -894,27 +901,26 @@ def make_app(server: Server):
         head = {"id": ident, "created": created, "model": model_name, "system_fingerprint": None}
         if not settings["stream"]:
             texts, entries, open_jobs = [[] for _ in jobs], [[] for _ in jobs], len(jobs)
-            checked = time.monotonic()
-            while open_jobs:
-                try:
-                    index, what, payload, new = await asyncio.wait_for(queue_.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    index = what = None
-                if time.monotonic() - checked > 0.5:  # (also while tokens keep coming)
-                    checked = time.monotonic()
-                    if await request.is_disconnected():  # the client went away: free its rows, answer no one
+            gone = asyncio.ensure_future(disconnected(request))
+            try:
+                while open_jobs:
+                    got = asyncio.ensure_future(queue_.get())
+                    await asyncio.wait([got, gone], return_when=asyncio.FIRST_COMPLETED)
+                    if gone.done():  # the client went away: free its rows at the next step, answer no one
+                        got.cancel()
                         for job in jobs:
                             job.cancelled = True
                         return JSONResponse({}, status_code=499)
-                if what is None:
-                    continue
-                entries[index] += new
-                if what == "error":
-                    raise BadRequest(payload, status=500, kind="server_error")
-                if what == "done":
-                    open_jobs -= 1
-                else:
-                    texts[index].append(payload)
+                    index, what, payload, new = got.result()
+                    entries[index] += new
+                    if what == "error":
+                        raise BadRequest(payload, status=500, kind="server_error")
+                    if what == "done":
+                        open_jobs -= 1
+                    else:
+                        texts[index].append(payload)
+            finally:
+                gone.cancel()
             choices = []
             for job, text, got in zip(jobs, texts, entries):
                 prompt_text, prompt_entries = echoed(job) if job.echo else ("", [])
@@ -1019,6 +1025,12 @@ def make_app(server: Server):
 
         text, media_type = server.metrics.text()
         return Response(text, media_type=media_type)
+
+    async def disconnected(request) -> None:
+        """Returns when the client of a non-streamed request goes away (its body is read: the next message of the
+        connection is the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     async def ready_json(request) -> dict:
         if not server.ready.is_set():
