@@ -785,9 +785,10 @@ def warm_up(scheduler: Scheduler) -> None:
         request.send = lambda *event: None
         return request
 
-    # a long prompt (eager prefill) twice: the all-rows decode step; a short one alone: the compiled prefill chunk and
-    # the batch-1 decode step
-    for prompts in ([[1] * (generate.PREFILL_CHUNK + 1)] * min(2, len(scheduler.rows)), [[1]]):
+    # a long prompt alone (an eager prefill), two together (one pass for both, then the all-rows decode step), a
+    # short one alone (the compiled prefill chunk, the batch-1 decode step)
+    long = [1] * (generate.PREFILL_CHUNK + 1)
+    for prompts in ([long], [long] * min(2, len(scheduler.rows)), [[1]]):
         for prompt in prompts:
             scheduler.submit(throwaway(prompt))
         scheduler.turn()
