@@ -285,9 +285,7 @@ class Scheduler:
                 break
             end = len(request.prompt) if budget is None else min(len(request.prompt), request.filled + budget)
             if request.echo:  # every position's logits: alone, whole
-                if group:
-                    break
-                group = [(row, request.filled, len(request.prompt))]
+                group = group or [(row, request.filled, len(request.prompt))]
                 break
             group.append((row, request.filled, end))
             budget = None if budget is None else budget - (end - request.filled)
@@ -787,8 +785,8 @@ def warm_up(scheduler: Scheduler) -> None:
 
     # a long prompt alone (an eager prefill), two together (one pass for both, then the all-rows decode step), a
     # short one alone (the compiled prefill chunk, the batch-1 decode step)
-    long = [1] * (generate.PREFILL_CHUNK + 1)
-    for prompts in ([long], [long] * min(2, len(scheduler.rows)), [[1]]):
+    long = [[token] * (generate.PREFILL_CHUNK + 1) for token in (1, 2, 3)]  # (different: no prefix to reuse)
+    for prompts in (long[:1], long[1:1 + min(2, len(scheduler.rows))], [[4]]):
         for prompt in prompts:
             scheduler.submit(throwaway(prompt))
         scheduler.turn()
