@@ -74,6 +74,15 @@ def server(tmp_path_factory):
     s.stop()
 
 
+def at_once(fn, n: int) -> None:
+    """fn() in n threads at once; returns when all have."""
+    threads = [threading.Thread(target=fn) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def chat(client, content, **settings):
     return client.chat.completions.create(model="anything", messages=[{"role": "user", "content": content}],
                                           **{"temperature": 0, "max_tokens": 24, **settings})
@@ -563,11 +572,7 @@ def test_non_streamed_requests_whose_clients_gave_up_free_their_rows(default_ser
             pass
         conn.close()
 
-    threads = [threading.Thread(target=abandoned) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    at_once(abandoned, 2)
     gave_up = []
     for _ in range(600):  # (the log line of a request answered no one: 499, prompt + generated tokens)
         gave_up = [line for line in s.log if "POST /v1/completions 499" in line]
@@ -761,11 +766,7 @@ def test_beyond_max_queue_requests_get_503_with_retry_after_and_the_server_goes_
             response.read()
             conn.close()
 
-        threads = [threading.Thread(target=one) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        at_once(one, 8)
         assert set(statuses) <= {200, 503} and statuses.count(503) >= 1 and statuses.count(200) >= 2
         assert all(r == "1" for st, r in zip(statuses, retry) if st == 503)
         assert s.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
