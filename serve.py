@@ -8,13 +8,16 @@ POST /v1/completions (OpenAI's formats; "stream": true sends server-sent events)
 (llama-server's shapes), GET /metrics (Prometheus).
 
 Continuous batching: one scheduler thread owns the model. The KV cache has --max-batch rows; each request gets a row
-while it runs. A new request is prefilled alone into a free row (positions 0.. of that row) and joins the running
-decode at the next step; every decode step feeds each busy row its own last token at its own position (an idle row
-writes to the scratch slot). A row is freed when its request ends (end of text, max_tokens, a stop string) or its
-client goes away; more requests than rows wait in line. A row's result never depends on the others: the CPU kernels
-compute each row alone, in the same order whatever the batch, so a request's greedy text is what
-`python chat.py --prompt` prints for it. Sampling settings differ per request: they are inputs of the compiled step,
-and each request draws its noise from its own generator (its `seed`).
+while it runs (the free row whose cache already holds the longest prefix of its prompt: only the rest is prefilled).
+Each scheduler turn admits waiting requests, prefills (while other rows stream, at most --prefill-chunk tokens, so a
+long prompt goes in chunks between their steps; prompts admitted together in one pass), then runs one decode step
+that feeds each busy row its own last token at its own position (an idle or still-prefilling row writes to the
+scratch slot). A row is freed when its request ends (end of text, max_tokens, a stop string) or its client goes away;
+more requests than rows wait in line (--max-queue). Decoding, a row's result never depends on the others: the CPU
+kernels compute each row alone, in the same order whatever the batch; a prompt prefilled in chunks or beside others
+may differ in the last bits of its logits from a whole prefill (its greedy text is tested equal). Sampling settings
+differ per request: they are inputs of the compiled step, and each request draws its noise from its own generator
+(its `seed`).
 
 The HTTP side is Starlette on uvicorn (small, well kept, plain ASGI: errors are OpenAI's {"error": ...} bodies with
 the status OpenAI gives, not a validation framework's 422s). Stands on session.py and generate.py.
