@@ -228,7 +228,7 @@ class Runner:
         tokens = torch.tensor([c + [0] * (T - len(c)) for c in chunks], device=device)  # [B, T]
         positions = (torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)).clamp(
             max=model.max_seq_len)  # [B, T]
-        attend = int(max(s + len(c) for s, c in zip(starts, chunks)))  # (the padding sees what its row holds)
+        attend = max(s + len(c) for s, c in zip(starts, chunks))  # (the padding sees what its row holds)
         hidden = model.hidden_states(tokens, positions, attend, rows=rows)  # [B, T, C]
         last = torch.tensor([len(c) - 1 for c in chunks], device=device)
         return model.logits(hidden[torch.arange(len(chunks), device=device), last])

@@ -181,6 +181,9 @@ def use_kernel(x: torch.Tensor) -> bool:
 # The KV cache and its attention
 
 
+PER_QUERY_TOKENS = 16  # up to this many tokens a step (decode, a draft to verify, a short chunk): the kernel
+
+
 class KVCache(dense.KVCache):
     """The CPU cache: keys in blocks of 16 slots, [B, K, (S + 1) / 16, D, 16], values [B, K, S + 1, D], and attention
     by kernels.cpp, which reads only the slots each query can see, each block of keys as one contiguous run (decoding
@@ -220,7 +223,6 @@ class KVCache(dense.KVCache):
         return torch.ops.dense_kernels.attention(q, self.k, self.v, step.input_pos, start, rows, scale,
                                                  view.window or 0, softcap or 0.0)
 
-
     def attend_chunk(self, q, step: dense.Step, view: dense.View, scale: float, softcap: float | None):
         """q [B, H, T, D] of many tokens: the keys and values of slots 0..attend-1 in dense.py's layout, [B, K, A, D]
         (a copy of A slots: small beside T queries reading them), and dense.py's attention with the view's mask.
@@ -233,9 +235,6 @@ class KVCache(dense.KVCache):
             k, v = k[:q.shape[0]], v[:q.shape[0]]
         k = k.transpose(-1, -2).flatten(2, 3)[:, :, :view.attend]  # [B, K, blocks * 16, D] -> the slots in use
         return dense.attention(q, k.to(q.dtype), v.to(q.dtype), view.mask, scale, softcap)  # (windows: in the mask)
-
-
-PER_QUERY_TOKENS = 16  # up to this many tokens a step (decode, a draft to verify, a short chunk): the kernel
 
 
 def cache_for(model) -> tuple[type, torch.dtype | None]:

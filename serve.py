@@ -824,18 +824,12 @@ def make_app(server: Server):
 
     async def completions(request, kind: str):
         body = await ready_json(request)
-        waiting = server.scheduler.waiting.qsize()
-        if waiting >= server.args.max_queue:
-            raise BadRequest(f"the server is busy ({waiting} requests wait for a row); try again shortly",
-                             status=503, kind="server_error", code="queue_full")
+        refuse_if_full(1)  # (before the work of parsing it)
         loop, queue_ = asyncio.get_running_loop(), asyncio.Queue()
         # the template's rendering, the tokenizing and a grammar's compiling run in a worker thread: the event loop
         # keeps streaming the other requests' tokens meanwhile
         settings, jobs = await asyncio.to_thread(make_jobs, body, kind, server, loop, queue_)
-        waiting = server.scheduler.waiting.qsize()
-        if waiting + len(jobs) > server.args.max_queue:
-            raise BadRequest(f"the server is busy ({waiting} requests wait for a row); try again shortly",
-                             status=503, kind="server_error", code="queue_full")
+        refuse_if_full(len(jobs))
         created, ident = int(time.time()), ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         model_name = body.get("model") if isinstance(body.get("model"), str) else server.name
         for job in jobs:
@@ -1027,6 +1021,12 @@ def make_app(server: Server):
 
         text, media_type = server.metrics.text()
         return Response(text, media_type=media_type)
+
+    def refuse_if_full(incoming: int) -> None:
+        waiting = server.scheduler.waiting.qsize()
+        if waiting + incoming > server.args.max_queue:
+            raise BadRequest(f"the server is busy ({waiting} requests wait for a row); try again shortly",
+                             status=503, kind="server_error", code="queue_full")
 
     async def disconnected(request) -> None:
         """Returns when the client of a non-streamed request goes away (its body is read: the next message of the

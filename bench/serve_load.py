@@ -84,41 +84,46 @@ def start(engine: str, args, ctx: int | None = None, extra=()) -> tuple[subproce
     sys.exit(f"{engine} server did not start")
 
 
-async def one_request(client, prompt: str, tokens: int) -> dict:
-    start = time.perf_counter()
-    times, usage = [], None
-    stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
-                                                  max_tokens=tokens, temperature=0, stream=True,
-                                                  stream_options={"include_usage": True})
+async def stream_chat(client, messages: list, tokens: int) -> dict:
+    """One streamed chat request (greedy): its reply, time to first token, the arrival of each piece of text, the
+    completion tokens (the server's usage), and when it ended."""
+    start, times, text, usage = time.perf_counter(), [], [], None
+    stream = await client.chat.completions.create(model="m", messages=messages, max_tokens=tokens, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             times.append(time.perf_counter())
+            text.append(chunk.choices[0].delta.content)
         if chunk.usage:
             usage = chunk.usage.completion_tokens
-    return {"ttft": times[0] - start if times else None, "gaps": [b - a for a, b in zip(times, times[1:])],
+    return {"text": "".join(text), "ttft": times[0] - start if times else None, "times": times,
             "tokens": usage if usage is not None else len(times), "end": time.perf_counter()}
+
+
+def openai_client(port: int, timeout: float = 600):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=timeout)
 
 
 async def load(port: int, clients: int, seconds: float, tokens: int, requests: int | None = None,
                prompts: list[str] = PROMPTS) -> dict:
     """clients loops for `seconds` (or `requests` in all, one client); the metrics over completed requests."""
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600)
+    client = openai_client(port)
     results, start = [], time.perf_counter()
 
     async def user(index: int):
         i = index
         while (requests is None and time.perf_counter() - start < seconds) or (requests is not None and
                                                                               len(results) < requests):
-            results.append(await one_request(client, prompts[i % len(prompts)], tokens))
+            results.append(await stream_chat(client, [{"role": "user", "content": prompts[i % len(prompts)]}], tokens))
             i += clients
 
     async with client:  # closed inside this event loop (asyncio.run closes the loop next)
         await asyncio.gather(*(user(i) for i in range(clients)))
     elapsed = max(r["end"] for r in results) - start
     ttft = sorted(r["ttft"] for r in results if r["ttft"] is not None)
-    gaps = sorted(g for r in results for g in r["gaps"])
+    gaps = sorted(b - a for r in results for a, b in zip(r["times"], r["times"][1:]))
 
     def pct(values, q):
         return values[min(len(values) - 1, int(q * len(values)))] * 1000 if values else None
@@ -127,26 +132,6 @@ async def load(port: int, clients: int, seconds: float, tokens: int, requests: i
             "requests_per_s": len(results) / elapsed, "tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
             "ttft_p50_ms": pct(ttft, 0.5), "ttft_p95_ms": pct(ttft, 0.95), "itl_p50_ms": pct(gaps, 0.5),
             "itl_p95_ms": pct(gaps, 0.95)}
-
-
-def stream_chat(client, messages: list, tokens: int, **extra) -> dict:
-    """One streamed chat request: its reply, time to first token, and the time of each token's arrival."""
-    async def run():
-        start, times, text = time.perf_counter(), [], []
-        stream = await client.chat.completions.create(model="m", messages=messages, max_tokens=tokens, temperature=0,
-                                                      stream=True, **extra)
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                times.append(time.perf_counter())
-                text.append(chunk.choices[0].delta.content)
-        return {"text": "".join(text), "ttft": times[0] - start if times else None, "times": times}
-    return run()
-
-
-def openai_client(port: int, timeout: float = 600):
-    from openai import AsyncOpenAI
-
-    return AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=timeout)
 
 
 async def multi_turn(port: int) -> dict:

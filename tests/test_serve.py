@@ -292,14 +292,23 @@ class Pieces:
         return "".join(self.pieces[i] for i in ids)
 
 
+def quiet_request(prompt, n=10, sent=None, stop=(), **fields):
+    """A greedy Request for a scheduler (or serve.finish) driven by hand, no event loop: its events go to `sent`, or
+    nowhere."""
+    import serve
+
+    put = sent.append if sent is not None else (lambda event: None)
+    loop = type("Loop", (), {"call_soon_threadsafe": staticmethod(lambda fn, event: fn(event))})()
+    events = type("Events", (), {"put_nowait": staticmethod(put)})()
+    return serve.Request(prompt, n, 0.0, None, None, list(stop), torch_generator(), loop, events, **fields)
+
+
 def run_finish(pieces, stop, max_tokens=100):
     """The text events finish() sends for tokens 0..len(pieces)-1 in order, and the finish reason."""
     import serve
 
     sent = []
-    loop = type("Loop", (), {"call_soon_threadsafe": staticmethod(lambda fn, event: fn(event))})()
-    events = type("Events", (), {"put_nowait": staticmethod(sent.append)})()
-    request = serve.Request([1], max_tokens, 0.0, None, None, stop, None, loop, events)
+    request = quiet_request([1], max_tokens, sent, stop=stop)
     reason = None
     for token in range(len(pieces)):
         reason = serve.finish(Pieces(pieces), request, token)
@@ -713,11 +722,9 @@ def test_a_fault_in_a_scheduler_step_fails_the_requests_in_flight_and_serving_go
     model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
     scheduler = serve.Scheduler(model, vocab, 2, 64, compile=False)
     sent = []
-    loop = type("Loop", (), {"call_soon_threadsafe": staticmethod(lambda fn, event: fn(event))})()
-    events = type("Events", (), {"put_nowait": staticmethod(sent.append)})()
 
     def request(i):
-        return serve.Request([1, 5, 9], 6, 0.0, None, None, [], torch_generator(), loop, events, index=i)
+        return quiet_request([1, 5, 9], 6, sent, index=i)
 
     healthy = serve.step
     calls = []
@@ -793,8 +800,6 @@ def test_prefix_reuse_prefills_only_the_new_turn_and_gives_the_cold_prefills_tok
     import vocab as vocab_module
 
     model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
-    loop = type("Loop", (), {"call_soon_threadsafe": staticmethod(lambda fn, event: None)})()
-    events = type("Events", (), {"put_nowait": staticmethod(lambda event: None)})()
     prefilled = []
     healthy = serve.step
 
@@ -807,33 +812,21 @@ def test_prefix_reuse_prefills_only_the_new_turn_and_gives_the_cold_prefills_tok
     reusing = serve.Scheduler(model, vocab, 2, 128, compile=compiled)
     cold = serve.Scheduler(model, vocab, 2, 128, compile=compiled, reuse=False)
 
-    def request(prompt, n=10):
-        return serve.Request(prompt, n, 0.0, None, None, [], torch_generator(), loop, events)
 
     first_prompt = vocab.encode(vocab.render([{"role": "user", "content": "hello there"}]), special=False)
-    first = run_alone(reusing, request(first_prompt))
+    first = run_alone(reusing, quiet_request(first_prompt))
     second_prompt = vocab.encode(vocab.render([{"role": "user", "content": "hello there"},
                                                {"role": "assistant", "content": vocab.decode(first)},
                                                {"role": "user", "content": "and then?"}]), special=False)
     prefilled.clear()
-    second = run_alone(reusing, request(second_prompt))
+    second = run_alone(reusing, quiet_request(second_prompt))
     row, count, start = prefilled[0]
     assert start >= len(first_prompt) and count == len(second_prompt) - start  # only the new tokens
-    assert second == run_alone(cold, request(second_prompt))  # the same greedy tokens as a cold prefill
+    assert second == run_alone(cold, quiet_request(second_prompt))  # the same greedy tokens as a cold prefill
     prefilled.clear()
     other = vocab.encode("zebra crossing", special=False)
-    assert run_alone(reusing, request(other, 6)) == run_alone(cold, request(other, 6))
+    assert run_alone(reusing, quiet_request(other, 6)) == run_alone(cold, quiet_request(other, 6))
     assert prefilled[0][2] == 0 and prefilled[0][0] != row  # (the conversation's row is kept for its next turn)
-
-
-def quiet_request(prompt, n=10, sent=None):
-    """A Request for a scheduler driven by hand (no event loop): its events go to `sent`, or nowhere."""
-    import serve
-
-    put = sent.append if sent is not None else (lambda event: None)
-    loop = type("Loop", (), {"call_soon_threadsafe": staticmethod(lambda fn, event: fn(event))})()
-    events = type("Events", (), {"put_nowait": staticmethod(put)})()
-    return serve.Request(prompt, n, 0.0, None, None, [], torch_generator(), loop, events)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
