@@ -32,7 +32,8 @@ class Checkpoint:
     """What loading needs from any checkpoint: its config, {native tensor name: thunk} of the full-precision weights
     (empty when a folder holds only quantized variants), the declared dtype, and the native config.json's own record
     (its saved quantized variants; for a checkpoint converted from a GGUF, the source tensor types). A GGUF source
-    also carries, for its Q4_0/Q4_1 linears, thunks of the int4 tensors that hold its blocks exactly."""
+    also carries, for its Q4_0/Q4_1 linears, thunks of the int4 tensors that hold its blocks exactly, and where each
+    2-D tensor of a block type with a kernel (quantized.GGUF_TYPES) lies in the file, to be kept as stored."""
     path: str
     config: DenseConfig
     tensors: dict[str, Callable[[], torch.Tensor]]
@@ -40,6 +41,7 @@ class Checkpoint:
     record: dict = field(default_factory=dict)
     source_types: dict[str, str] = field(default_factory=dict)  # native weight name -> GGUF tensor type
     exact_int4: dict[str, Callable[[], dict]] = field(default_factory=dict)  # linear name -> its int4 tensors
+    blocks: dict = field(default_factory=dict)  # native weight name -> gguf_import.Blocks (GGUF types with kernels)
 
     @property
     def native(self) -> bool:

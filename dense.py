@@ -525,11 +525,11 @@ class DenseDecoder(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype  # (the final norm: every model has one, whatever its embedding holds)
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     def cache_bytes(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None) -> int:
         elem = torch.empty((), dtype=dtype or self.dtype).element_size()
@@ -564,7 +564,7 @@ class DenseDecoder(nn.Module):
         attends over slots 0..attend-1, each token up to its own slot (row_start [B]: left-padded rows, whose slots
         before it are never seen). causal: the caller says input_pos is 0..T-1 of every row and nothing else is in
         the cache: attention runs on the call's own keys, causal (SDPA's causal kernel)."""
-        window, device = self.config.sliding_window, self.embed_tokens.weight.device
+        window, device = self.config.sliding_window, self.device
         sliding, own_keys = "sliding" in self.attention_kinds, input_pos is None or causal
         own = torch.arange(T, device=device) if own_keys else None  # positions 0..T-1 of the call's own tokens
         if input_pos is None:  # plain pass: rotary rows for positions 0..T-1 of a T-token sequence

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -187,17 +188,27 @@ def read_gguf(path: str) -> Checkpoint:
             return w[rows[0]:rows[1]] if rows else w
         return thunk
 
+    def read_blocks(name: str, heads: int | None = None, rows: tuple[int, int] | None = None) -> Blocks:
+        t = tensors[name]
+        out, cols = shape_of(t)
+        start, stop = rows or (0, out)
+        row_bytes = t.n_bytes // out
+        return Blocks(t.tensor_type.name, path, name, t.data_offset + start * row_bytes, stop - start, row_bytes,
+                      cols, heads)
+
     def read_int4(name: str, heads: int | None = None, rows: tuple[int, int] | None = None):
         def thunk() -> dict:
             stored = int4_tensors(tensors[name], shape_of(tensors[name]), heads, path)
             return {k: v[rows[0]:rows[1]] for k, v in stored.items()} if rows else stored
         return thunk
 
-    table, types, exact = {}, {}, {}
+    table, types, exact, blocks = {}, {}, {}, {}
 
     def add(native: str, name: str, heads: int | None = None, rows: tuple[int, int] | None = None) -> None:
         table[native] = read(name, heads, rows)
         types[native] = tensors[name].tensor_type.name
+        if types[native] in quantized.GGUF_TYPES and len(tensors[name].shape) == 2:
+            blocks[native] = read_blocks(name, heads, rows)
         if types[native] in quantized.EXACT_INT4_TYPES and native.startswith("layers.") and native.endswith(".weight"):
             exact[native.removesuffix(".weight")] = read_int4(name, heads, rows)
 
@@ -222,7 +233,33 @@ def read_gguf(path: str) -> Checkpoint:
             raise CheckpointError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
     if arch in ("gemma", "gemma2"):  # llama.cpp reads the head from the embedding, whatever else the file holds
         table.pop("lm_head.weight", None)
-    return Checkpoint(path, config, table, source_types=types, exact_int4=exact)
+    return Checkpoint(path, config, table, source_types=types, exact_int4=exact, blocks=blocks)
+
+
+@dataclass
+class Blocks:
+    """Rows [start, start + rows) of a GGUF tensor's blocks, as the file stores them (each row row_bytes: its `cols`
+    values' blocks), and how to read them. heads: llama's q/k rows, unpermuted as they are read."""
+    kind: str
+    path: str
+    name: str
+    offset: int  # in the file, of the first row
+    rows: int
+    row_bytes: int
+    cols: int
+    heads: int | None = None
+
+    def read_into(self, out: torch.Tensor) -> None:
+        """Read the rows into out, uint8 [rows, row_bytes] (a plain read: no memory map left behind, so the file's
+        pages never count twice in the process's memory)."""
+        view = out.numpy().reshape(-1)
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            got = f.readinto(memoryview(view))
+        if got != view.size:
+            raise CheckpointError(f"{self.path}: tensor {self.name!r} is truncated ({got} of {view.size} bytes)")
+        if self.heads:
+            out.copy_(unpermute(out.clone(), self.heads))
 
 
 def int4_tensors(t, shape: tuple[int, ...], permute_heads: int | None, path: str) -> dict:

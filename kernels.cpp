@@ -25,6 +25,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -444,6 +446,351 @@ at::Tensor dequantize_nf4(const at::Tensor& q, const at::Tensor& absmax, const a
   return w;
 }
 
+// ---- GGUF blocks as the file stores them: llama.cpp's K-quants (Q4_K, Q5_K, Q6_K, super-blocks of 256) and its
+// 32-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) --------------------------------------------------------------------------
+// A weight row is the file's row of blocks, untouched. Every type is read as unsigned codes u (one byte each) with,
+// per sub-block, w = A * (u - off) + B:
+//   Q4_K, Q5_K  A = d * scale_j (6-bit), B = -(dmin * min_j), per 32      Q6_K  A = d * scale_j (int8), off 32, per 16
+//   Q4_0 / Q5_0 / Q8_0  A = d, off 8 / 16 / 128 (Q8_0's int8 + 128)        Q4_1 / Q5_1  A = d, B = m
+// The matmuls take x as two int8 digits a row (DigitRows: x = d (q1 + q2 / 127), 1/32258 of the row's largest value)
+// and multiply codes by digits in integers: K-quants by vpmaddubsw (64 codes x digits -> pairs) and vpdpwssd
+// (pairs x the sub-block's integer scale, summed into int32), a super-block at a time, then once in float by d;
+// 32-blocks by vpdpbusd, then by each block's d. The offsets and mins meet the sums of the same digits (X = 127 q1
+// + q2) over each sub-block, so the result is the dequantized weights' product with x to within the digits' rounding.
+
+enum : int64_t { GQ4_0 = 2, GQ4_1 = 3, GQ5_0 = 6, GQ5_1 = 7, GQ8_0 = 8, GQ4_K = 12, GQ5_K = 13, GQ6_K = 14 };
+
+constexpr int64_t block_elements(int64_t t) { return t >= GQ4_K ? 256 : 32; }
+constexpr int64_t block_bytes(int64_t t) {
+  return t == GQ4_0 ? 18 : t == GQ4_1 ? 20 : t == GQ5_0 ? 22 : t == GQ5_1 ? 24 : t == GQ8_0 ? 34 : t == GQ4_K ? 144
+       : t == GQ5_K ? 176 : t == GQ6_K ? 210 : 0;
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// Q4_K / Q5_K's 12 bytes of packed 6-bit scales and mins -> scales in bytes 0..7, mins in bytes 8..15
+inline __m128i kquant_scales(const uint8_t* packed) {
+  uint32_t u[4];
+  memcpy(u, packed, 12);
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);  // mins 4..7: high nibble of 8..11, top bits of 4..7
+  const uint32_t mins = u[1] & low6;                               // mins 0..3
+  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);             // scales 4..7
+  u[2] = mins;
+  u[0] &= low6;                                                    // scales 0..3
+  return _mm_loadu_si128((const __m128i*)u);
+}
+
+// A 32-block's 32 codes (elements in order)
+template <int64_t T>
+inline __m256i block_codes(const uint8_t* blk) {
+  if constexpr (T == GQ8_0) {
+    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + 2)), _mm256_set1_epi8((char)0x80));
+  } else {
+    constexpr int at = T == GQ4_0 ? 2 : T == GQ4_1 ? 4 : T == GQ5_0 ? 6 : 8;  // the 16 bytes of nibbles
+    const __m128i q = _mm_loadu_si128((const __m128i*)(blk + at)), m = _mm_set1_epi8(15);
+    __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+    if constexpr (T == GQ5_0 || T == GQ5_1) {  // bit j of qh: element j's fifth bit
+      uint32_t qh;
+      memcpy(&qh, blk + (T == GQ5_0 ? 2 : 4), 4);
+      u = _mm256_or_si256(u, _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(16)));
+    }
+    return u;
+  }
+}
+
+// Chunk c of a row (elements 64c .. 64c + 63) as 64 codes. blocks: the row's blocks (32-blocks: an odd last chunk
+// gets zero codes in its second half).
+template <int64_t T>
+inline __m512i chunk_codes(const uint8_t* row, int64_t c, int64_t blocks) {
+  if constexpr (T == GQ4_K || T == GQ5_K) {
+    const uint8_t* blk = row + (c / 4) * block_bytes(T);
+    const int g = c % 4;
+    const uint8_t* qs = blk + (T == GQ4_K ? 16 : 48) + 32 * g;
+    const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)qs));
+    __m512i u = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFFFF0000u, z, 4), _mm512_set1_epi8(15));
+    if constexpr (T == GQ5_K) {  // sub-block s takes bit s of qh[l]: bits 2g (low half) and 2g + 1 (high half)
+      const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 16)));
+      const __m512i shift = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(2 * g), _mm512_set1_epi16(2 * g + 1));
+      u = _mm512_or_si512(u, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift), _mm512_set1_epi8(1)), 4));
+    }
+    return u;
+  } else if constexpr (T == GQ6_K) {  // chunk 2h + k: nibble k of ql[64h ..], bits 4k, 4k + 2 of qh[32h ..]
+    const uint8_t* blk = row + (c / 4) * block_bytes(T);
+    const int h = (c % 4) / 2, k = c % 2;
+    const __m512i low = _mm512_loadu_si512(blk + 64 * h);
+    const __m512i nib = _mm512_and_si512(k ? _mm512_srli_epi16(low, 4) : low, _mm512_set1_epi8(15));
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h)));
+    const __m512i shift = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(4 * k), _mm512_set1_epi16(4 * k + 2));
+    const __m512i top = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), _mm512_set1_epi8(3));
+    return _mm512_or_si512(nib, _mm512_slli_epi16(top, 4));
+  } else {
+    const uint8_t* blk = row + 2 * c * block_bytes(T);
+    const __m256i a = block_codes<T>(blk);
+    const __m256i b = 2 * c + 1 < blocks ? block_codes<T>(blk + block_bytes(T)) : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  }
+}
+
+// A 32-block's A, off and B (w = A (u - off) + B)
+template <int64_t T>
+inline void block_params(const uint8_t* blk, float& A, float& off, float& B) {
+  A = half_at(blk);
+  off = T == GQ4_0 ? 8.f : T == GQ5_0 ? 16.f : T == GQ8_0 ? 128.f : 0.f;
+  B = T == GQ4_1 || T == GQ5_1 ? half_at(blk + 2) : 0.f;
+}
+
+// Chunk c's four quarters of 16: A, off and B of each (the dequantizer's view)
+template <int64_t T>
+inline void chunk_params(const uint8_t* row, int64_t c, int64_t blocks, float A[4], float off[4], float B[4]) {
+  if constexpr (T == GQ4_K || T == GQ5_K) {
+    const uint8_t* blk = row + (c / 4) * block_bytes(T);
+    uint8_t sm[16];
+    _mm_storeu_si128((__m128i*)sm, kquant_scales(blk + 4));
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    for (int q = 0; q < 4; ++q) {
+      const int s = 2 * (c % 4) + q / 2;
+      A[q] = d * (float)sm[s], off[q] = 0.f, B[q] = -(dmin * (float)sm[8 + s]);
+    }
+  } else if constexpr (T == GQ6_K) {
+    const uint8_t* blk = row + (c / 4) * block_bytes(T);
+    const float d = half_at(blk + 208);
+    for (int q = 0; q < 4; ++q) A[q] = d * (float)(int8_t)blk[192 + 4 * (c % 4) + q], off[q] = 32.f, B[q] = 0.f;
+  } else {
+    for (int half = 0; half < 2; ++half) {
+      float a = 0.f, o = 0.f, b = 0.f;
+      if (2 * c + half < blocks) block_params<T>(row + (2 * c + half) * block_bytes(T), a, o, b);
+      A[2 * half] = A[2 * half + 1] = a, off[2 * half] = off[2 * half + 1] = o, B[2 * half] = B[2 * half + 1] = b;
+    }
+  }
+}
+
+// x as digits, and the sums of X = 127 q1 + q2 over every 4, 16 and 32 inputs (what offsets and mins multiply)
+struct GGUFRows : DigitRows {
+  std::vector<float> sum4, sum16, sum32;  // [M, K/4], [M, K/16], [M, K/32] (+ 16 floats of slack for full loads)
+  GGUFRows(const float* x, int64_t M, int64_t K)
+      : DigitRows(x, M, K), sum4(M * K / 4 + 16), sum16(M * K / 16 + 16), sum32(M * K / 32 + 16) {
+    for (int64_t i = 0; i < M * K / 4; ++i) {
+      int32_t s = 0;
+      for (int e = 0; e < 4; ++e) s += 127 * q1[4 * i + e] + q2[4 * i + e];
+      sum4[i] = (float)s;
+    }
+    for (int64_t i = 0; i < M * K / 16; ++i) sum16[i] = sum4[4 * i] + sum4[4 * i + 1] + sum4[4 * i + 2] + sum4[4 * i + 3];
+    for (int64_t i = 0; i < M * K / 32; ++i) sum32[i] = sum16[2 * i] + sum16[2 * i + 1];
+  }
+};
+
+// NB weight rows of a K-quant type against R rows of x, a super-block at a time
+template <int64_t T, int R, int NB>
+void kquant_tile(const GGUFRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
+                 int64_t N, int64_t n0) {
+  const int64_t S = K / 256;
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  __m512i pick[4];  // chunk g: which scale each int16 lane (an input pair) takes
+  for (int g = 0; g < 4; ++g) {
+    alignas(64) int16_t idx[32];
+    for (int i = 0; i < 32; ++i) idx[i] = T == GQ6_K ? 4 * g + i / 8 : 2 * g + i / 16;
+    pick[g] = _mm512_load_si512(idx);
+  }
+  for (int64_t sb = 0; sb < S; ++sb) {
+    __m512i scales[NB];
+    __m512 dv[NB], minv[NB];
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* blk = w + (n0 + j) * row_bytes + sb * block_bytes(T);
+      _mm_prefetch((const char*)blk + PREFETCH, _MM_HINT_T0);
+      _mm_prefetch((const char*)blk + PREFETCH + 64, _MM_HINT_T0);
+      _mm_prefetch((const char*)blk + PREFETCH + 128, _MM_HINT_T0);
+      if constexpr (T == GQ6_K) {
+        _mm_prefetch((const char*)blk + PREFETCH + 192, _MM_HINT_T0);
+        const __m128i s8 = _mm_loadu_si128((const __m128i*)(blk + 192));
+        const float d = half_at(blk + 208);
+        scales[j] = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8));
+        dv[j] = _mm512_set1_ps(d);
+        minv[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8)), _mm512_set1_ps(-32.f * d));
+      } else {
+        const __m128i sm = kquant_scales(blk + 4);
+        scales[j] = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
+        dv[j] = _mm512_set1_ps(half_at(blk));
+        minv[j] = _mm512_maskz_mul_ps(0x00FF, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
+                                      _mm512_set1_ps(-half_at(blk + 2)));
+      }
+    }
+    __m512i a1[R][NB], a2[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) a1[r][j] = a2[r][j] = _mm512_setzero_si512();
+    for (int g = 0; g < 4; ++g) {
+      __m512i u[NB], s16[NB];
+      for (int j = 0; j < NB; ++j) {
+        u[j] = chunk_codes<T>(w + (n0 + j) * row_bytes, sb * 4 + g, 0);
+        s16[j] = _mm512_permutexvar_epi16(pick[g], scales[j]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (m0 + r) * K + sb * 256 + g * 64;
+        const __m512i d1 = _mm512_loadu_si512(xs.q1.data() + at), d2 = _mm512_loadu_si512(xs.q2.data() + at);
+        for (int j = 0; j < NB; ++j) {
+          a1[r][j] = _mm512_dpwssd_epi32(a1[r][j], _mm512_maddubs_epi16(u[j], d1), s16[j]);
+          a2[r][j] = _mm512_dpwssd_epi32(a2[r][j], _mm512_maddubs_epi16(u[j], d2), s16[j]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sums = T == GQ6_K ? _mm512_loadu_ps(xs.sum16.data() + (m0 + r) * (K / 16) + sb * 16)
+                                     : _mm512_maskz_loadu_ps(0x00FF, xs.sum32.data() + (m0 + r) * (K / 32) + sb * 8);
+      for (int j = 0; j < NB; ++j) {
+        const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[r][j]), _mm512_set1_ps(127.f), _mm512_cvtepi32_ps(a2[r][j]));
+        acc[r][j] = _mm512_fmadd_ps(minv[j], sums, _mm512_fmadd_ps(f, dv[j], acc[r][j]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(acc[r][j]) * (xs.scale[m0 + r] / 127.f);
+}
+
+// NB weight rows of a 32-block type against R rows of x, two blocks (64 inputs) at a time
+template <int64_t T, int R, int NB>
+void block32_tile(const GGUFRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
+                  int64_t N, int64_t n0) {
+  const int64_t blocks = K / 32, chunks = (blocks + 1) / 2;
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i u[NB];
+    __m512 av[NB], mv[NB];  // per lane (4 inputs): its block's A, and B - A off (what the lane's digit sum takes)
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* row = w + (n0 + j) * row_bytes;
+      _mm_prefetch((const char*)row + 2 * c * block_bytes(T) + PREFETCH, _MM_HINT_T0);
+      u[j] = chunk_codes<T>(row, c, blocks);
+      float A[4], off[4], B[4];
+      chunk_params<T>(row, c, blocks, A, off, B);
+      av[j] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(A[0]), _mm512_set1_ps(A[2]));
+      mv[j] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(B[0] - A[0] * off[0]), _mm512_set1_ps(B[2] - A[2] * off[2]));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * K + c * 64;
+      const __mmask64 in = 2 * c + 1 < blocks ? ~0ull : 0xFFFFFFFFull;
+      const __m512i d1 = _mm512_maskz_loadu_epi8(in, xs.q1.data() + at), d2 = _mm512_maskz_loadu_epi8(in, xs.q2.data() + at);
+      const __m512 sums = _mm512_maskz_loadu_ps((__mmask16)(in == ~0ull ? 0xFFFF : 0x00FF), xs.sum4.data() + at / 4);
+      for (int j = 0; j < NB; ++j) {
+        const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], d1);
+        const __m512i t2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], d2);
+        const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t1), _mm512_set1_ps(127.f), _mm512_cvtepi32_ps(t2));
+        acc[r][j] = _mm512_fmadd_ps(mv[j], sums, _mm512_fmadd_ps(f, av[j], acc[r][j]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(acc[r][j]) * (xs.scale[m0 + r] / 127.f);
+}
+
+#define DISPATCH_ROWS4(rows, BODY)                 \
+  switch (rows) {                                  \
+    case 1: { constexpr int R = 1; BODY; break; }  \
+    case 2: { constexpr int R = 2; BODY; break; }  \
+    case 3: { constexpr int R = 3; BODY; break; }  \
+    default: { constexpr int R = 4; BODY; break; } \
+  }
+
+template <int64_t T>
+void gguf_matmul(const GGUFRows& xs, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
+  auto tile = [&](auto rows_tag, auto nb_tag, int64_t m0, int64_t n0) {
+    constexpr int R = decltype(rows_tag)::value, NB = decltype(nb_tag)::value;
+    if constexpr (T >= GQ4_K)
+      kquant_tile<T, R, NB>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0);
+    else
+      block32_tile<T, R, NB>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0);
+  };
+  // 2 weight rows a tile (two streams in flight) against up to 2 rows of x; 3-4 rows of x: one weight row at a time
+  for_each_tile<2, 4>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
+    if (nb == 2 && rows <= 2) {
+      if (rows == 1) tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{}, m0, n0);
+      else tile(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{}, m0, n0);
+    } else {
+      for (int64_t j = 0; j < nb; ++j)
+        DISPATCH_ROWS4(rows, (tile(std::integral_constant<int, R>{}, std::integral_constant<int, 1>{}, m0, n0 + j)));
+    }
+  });
+}
+
+#define DISPATCH_GGUF(type, BODY)                       \
+  switch (type) {                                       \
+    case GQ4_0: { constexpr int64_t T = GQ4_0; BODY; break; } \
+    case GQ4_1: { constexpr int64_t T = GQ4_1; BODY; break; } \
+    case GQ5_0: { constexpr int64_t T = GQ5_0; BODY; break; } \
+    case GQ5_1: { constexpr int64_t T = GQ5_1; BODY; break; } \
+    case GQ8_0: { constexpr int64_t T = GQ8_0; BODY; break; } \
+    case GQ4_K: { constexpr int64_t T = GQ4_K; BODY; break; } \
+    case GQ5_K: { constexpr int64_t T = GQ5_K; BODY; break; } \
+    case GQ6_K: { constexpr int64_t T = GQ6_K; BODY; break; } \
+    default: TORCH_CHECK(false, "GGUF type ", type, " has no kernel"); \
+  }
+
+void check_blocks(const at::Tensor& w, int64_t type, int64_t K, const char* op) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op, ": blocks must be uint8 [N, bytes]");
+  TORCH_CHECK(block_bytes(type) > 0, op, ": GGUF type ", type, " has no kernel");
+  TORCH_CHECK(K % block_elements(type) == 0 && w.size(1) == K / block_elements(type) * block_bytes(type), op,
+              ": ", w.size(1), " bytes a row do not hold ", K, " inputs of GGUF type ", type);
+}
+
+// y = x w^T for x [..., K] float32 and w [N, bytes] the file's rows of blocks
+at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_gguf: x must be float32");
+  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_blocks(w, type, K, "linear_gguf");
+  TORCH_CHECK(K % 16 == 0 && K <= 65536, "linear_gguf: ", K, " inputs");
+  GGUFRows xs(x.data_ptr<float>(), M, K);
+  auto y = output_like(x_, N);
+  DISPATCH_GGUF(type, (gguf_matmul<T>(xs, M, w.data_ptr<uint8_t>(), w.size(1), K, y.data_ptr<float>(), N)));
+  return y;
+}
+
+// Rows of blocks -> [N, K] values as gguf's own dequantizer computes them (float32: bit for bit; bfloat16: those
+// rounded). No fused multiply-adds: A u and + B are two roundings there.
+template <int64_t T, typename Out>
+__attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t N,
+                                                                   int64_t K, Out* out) {
+  const int64_t blocks = K / block_elements(T), chunks = (K + 63) / 64;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    alignas(64) uint8_t codes[64];
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      for (int64_t c = 0; c < chunks; ++c) {
+        _mm512_store_si512(codes, chunk_codes<T>(row, c, blocks));
+        float A[4], off[4], B[4];
+        chunk_params<T>(row, c, blocks, A, off, B);
+        for (int q = 0; q < 4 && c * 64 + q * 16 < K; ++q) {
+          const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(codes + 16 * q))));
+          const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(u, _mm512_set1_ps(off[q])), _mm512_set1_ps(A[q])),
+                                         _mm512_set1_ps(B[q]));
+          Out* o = out + n * K + c * 64 + q * 16;
+          if constexpr (std::is_same_v<Out, float>) _mm512_storeu_ps(o, v);
+          else _mm256_storeu_si256((__m256i*)o, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+      }
+    }
+  });
+}
+
+at::Tensor dequantize_gguf(const at::Tensor& w, int64_t type, int64_t K, bool bf16) {
+  check_blocks(w, type, K, "dequantize_gguf");
+  const int64_t N = w.size(0);
+  auto out = at::empty({N, K}, w.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (bf16) {
+    DISPATCH_GGUF(type, (dequantize_rows<T>(wp, w.size(1), N, K, reinterpret_cast<uint16_t*>(out.data_ptr()))));
+  } else {
+    DISPATCH_GGUF(type, (dequantize_rows<T>(wp, w.size(1), N, K, out.data_ptr<float>())));
+  }
+  return out;
+}
+
 // ---- attention over the cache ------------------------------------------------------------------------------------
 // Keys are cached in blocks of 16 slots, k [B, K, (S + 1) / 16, D, 16]: the scores of a block are one FMA per channel
 // (the query's channel broadcast) over one contiguous D x 16 block; values stay [B, K, S + 1, D], added row by row. Each query reads only the slots it
@@ -696,6 +1043,8 @@ TORCH_LIBRARY(dense_kernels, m) {
   m.def("dequantize_int4(Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("dequantize_nf4(Tensor q, Tensor absmax, Tensor code) -> Tensor");
   m.def("linear_nf4(Tensor x, Tensor q, Tensor absmax, Tensor code) -> Tensor");
+  m.def("linear_gguf(Tensor x, Tensor blocks, int type) -> Tensor");
+  m.def("dequantize_gguf(Tensor blocks, int type, int K, bool bf16) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dense_kernels, CPU, m) {
@@ -706,4 +1055,6 @@ TORCH_LIBRARY_IMPL(dense_kernels, CPU, m) {
   m.impl("dequantize_int4", &dequantize_int4);
   m.impl("dequantize_nf4", &dequantize_nf4);
   m.impl("linear_nf4", &linear_nf4);
+  m.impl("linear_gguf", &linear_gguf);
+  m.impl("dequantize_gguf", &dequantize_gguf);
 }

@@ -131,6 +131,7 @@ def huge_pages(tensors: list[torch.Tensor], zeros: bool = False) -> list[torch.T
         view = torch.frombuffer(buf, dtype=torch.uint8, count=t.numel() * t.element_size(),
                                 offset=start - base + offset).view(t.dtype).view(t.shape)
         out.append(view if zeros else view.copy_(t))
+        out[-1].huge_pages = True  # (place_weights leaves it where it is)
     return out
 
 
@@ -142,7 +143,8 @@ def place_weights(model) -> None:
     for module in model.modules():
         for store in (module._parameters, module._buffers):
             for name, t in store.items():
-                if t is not None and t.device.type == "cpu" and t.numel() * t.element_size() >= 1 << 18:
+                if (t is not None and t.device.type == "cpu" and t.numel() * t.element_size() >= 1 << 18
+                        and not getattr(t, "huge_pages", False)):
                     chosen.append((store, name, t))
     unique = {}
     for store, name, t in chosen:
@@ -170,6 +172,9 @@ def register_shapes() -> None:
         torch.library.register_fake(f"dense_kernels::{name}")(lambda q, *_: q.new_empty(
             q.shape[0], q.shape[1] * 2, dtype=torch.bfloat16))
     torch.library.register_fake("dense_kernels::linear_nf4")(lambda x, q, a, c: out(x, q.shape[0]))
+    torch.library.register_fake("dense_kernels::linear_gguf")(lambda x, blocks, kind: out(x, blocks.shape[0]))
+    torch.library.register_fake("dense_kernels::dequantize_gguf")(lambda blocks, kind, k, bf16: blocks.new_empty(
+        blocks.shape[0], k, dtype=torch.bfloat16 if bf16 else torch.float32))
 
 
 def use_kernel(x: torch.Tensor) -> bool:
@@ -242,7 +247,7 @@ def cache_for(model) -> tuple[type, torch.dtype | None]:
     when the model's linears are quantized (their kernels already take activations in bfloat16 or 8 bits; half the
     bytes to read per attended slot), else dense.py's in the model's dtype."""
     if model.device.type == "cpu" and model.dtype == torch.float32 and available():
-        quantized = any(hasattr(m, "kernel_weight") for m in model.modules())
+        quantized = any(hasattr(m, "kernel_weight") or hasattr(m, "kinds") for m in model.modules())
         return KVCache, torch.bfloat16 if quantized else None
     return dense.KVCache, None
 
@@ -363,3 +368,16 @@ def linear_nf4(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     # a long prefill is compute-bound: the weight in bfloat16 once, then one bfloat16 GEMM
     w = torch.ops.dense_kernels.dequantize_nf4(packed, absmax, code)
     return F.linear(x.to(torch.bfloat16), w).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GGUF blocks as stored (quantized.GGUFLinear): up to MAX_ROWS rows of x by kernels.cpp's integer kernels; a long
+# prefill, compute-bound, as one bfloat16 GEMM on the weight dequantized once.
+
+
+def linear_gguf(x: torch.Tensor, blocks: torch.Tensor, kind: int, cols: int) -> torch.Tensor:
+    if use_kernel(x):
+        return torch.ops.dense_kernels.linear_gguf(x, blocks, kind)
+    w = torch.ops.dense_kernels.dequantize_gguf(blocks, kind, cols, True)
+    return F.linear(x.to(torch.bfloat16), w).to(x.dtype)
+

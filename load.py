@@ -42,12 +42,16 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else checkpoint.dtype or torch.float32)
     mode, params, tensors = select(checkpoint, quant, device=device)
     config = checkpoint.config
+    if shard is not None and mode == "gguf":  # tensor parallel cuts float or int8/int4 weights, not GGUF blocks
+        mode, tensors = None, checkpoint.tensors
     if shard is not None:
         config, tensors = shard(checkpoint, tensors, mode)
     check_fits(config, dtype, torch.device(device), checkpoint.path, quantized.BYTES_PER_WEIGHT.get(mode))
     with torch.device("meta"), no_init():
         model = dense.DenseDecoder(config)
-    quantized.swap_linears(model, mode, params)  # quantized linears, or kernels.Linear for full precision
+    if mode == "gguf":
+        tensors = load_blocks(model, checkpoint, tensors, device, dtype)
+    quantized.swap_linears(model, None if mode == "gguf" else mode, params)  # the rest: quantized, or kernels.Linear
     load_tensors(model, tensors, device, dtype, source=checkpoint.path)
     kernels.place_weights(model)  # huge pages for the weights a decode step streams (CPU)
     # how to load it again (background.py compiles its steps in another process from this)
@@ -87,6 +91,10 @@ def auto_mode(checkpoint, device="cpu") -> tuple[str | None, str]:
     if types and set(types) <= set(quantized.EXACT_INT4_TYPES) and exact:
         held = "exactly" if torch.device(device).type != "cuda" else "(on CUDA with bfloat16 scales)"
         return "int4", f"the weights are {'/'.join(sorted(types))} blocks from a GGUF, which int4-g32 holds {held}"
+    linears = [n for n in checkpoint.source_types if quantized.BLOCK_LINEAR.fullmatch(n[:-7])]
+    if linears and all(n in checkpoint.blocks for n in linears):
+        kinds = sorted({checkpoint.blocks[n].kind for n in checkpoint.blocks})
+        return "gguf", f"the file's {'/'.join(kinds)} blocks as stored"
     if not checkpoint.tensors and len(saved) == 1:
         return next(iter(saved)), "the only variant stored"
     what = f"{'/'.join(sorted(types))} weights from a GGUF" if types else "full-precision weights"
@@ -107,6 +115,11 @@ def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> 
             raise CheckpointError(f"{checkpoint.path}: holds only quantized variants ({', '.join(saved)}), no "
                                   "full-precision weights")
         return None, {}, checkpoint.tensors
+    if quant == "gguf":
+        if not checkpoint.blocks:
+            raise CheckpointError(f"--quant gguf: {checkpoint.path} is not a GGUF file with quantized blocks "
+                                  f"({', '.join(quantized.GGUF_TYPES)})")
+        return "gguf", {}, checkpoint.tensors
     quantized.check_mode(quant)
     record = saved.get(quant, {})
     params = {"group_size": record.get("group_size") or 32}
@@ -120,6 +133,47 @@ def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> 
         notice(f"{checkpoint.path}: no saved {quant} variant; quantizing at load time (python quantize.py --ckpt "
                f"{checkpoint.path} --mode {quant} saves one)")
     return quant, params, convert.quantized_table(checkpoint, quant, params, exact, device)
+
+
+def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dtype) -> dict:
+    """Put GGUF block layers (quantized.GGUFLinear, GGUFEmbedding) in a meta-device model where the file's tensors
+    are blocks with a kernel, read from the file into one mapping (huge pages, as place_weights would put them: no
+    second copy on the way); returns the tensors still to load. A tied head multiplies the embedding's own blocks."""
+    blocks = checkpoint.blocks
+    linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    sources = {"embed_tokens": ["embed_tokens.weight"]}  # module -> the checkpoint weights it is stacked from
+    for name in linears:
+        parts = [f"{prefix}.weight" for prefix in fused_parts(model, name)]
+        sources[name] = ["embed_tokens.weight"] if name == "lm_head" and "lm_head.weight" not in tensors else parts
+    sources = {m: parts for m, parts in sources.items() if all(p in blocks for p in parts)}
+    wanted = sorted({p for parts in sources.values() for p in parts})
+    if torch.device(device).type == "cpu":
+        placed = kernels.huge_pages([torch.empty(blocks[p].rows, blocks[p].row_bytes, dtype=torch.uint8, device="meta")
+                                     for p in wanted], zeros=True)
+    else:
+        placed = [torch.empty(blocks[p].rows, blocks[p].row_bytes, dtype=torch.uint8) for p in wanted]
+    read = {}
+    for name, out in zip(wanted, placed):
+        if out.device.type == "meta":  # no huge pages here
+            out = torch.empty(out.shape, dtype=torch.uint8)
+        blocks[name].read_into(out)
+        read[name] = out.to(device)
+    for module_name, parts in sources.items():
+        runs = []  # runs of consecutive parts of one type, stacked by rows
+        for p in parts:
+            if runs and runs[-1][0] == blocks[p].kind:
+                runs[-1][1].append(read[p])
+            else:
+                runs.append((blocks[p].kind, [read[p]]))
+        runs = [(kind, ts[0] if len(ts) == 1 else torch.cat(ts)) for kind, ts in runs]
+        parent, _, attr = module_name.rpartition(".")
+        old = model.get_submodule(module_name)
+        if module_name == "embed_tokens":
+            new = quantized.GGUFEmbedding(old.num_embeddings, old.embedding_dim, runs[0][0], runs[0][1], dtype)
+        else:
+            new = quantized.GGUFLinear(old.in_features, old.out_features, old.bias is not None, parts=runs)
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+    return {name: thunk for name, thunk in tensors.items() if name not in read}
 
 
 def expand_double_quant(table: dict) -> dict:

@@ -35,7 +35,7 @@ import kernels
 from checkpoint import CheckpointError
 from dense import DenseDecoder
 
-MODES = ("int8", "int4", "nf4", "llm.int8")
+MODES = ("int8", "int4", "nf4", "llm.int8")  # (and "gguf" at load time: a GGUF file's own blocks, below)
 # bitsandbytes' NF4 code (float32), in increasing order.
 NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
                     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
@@ -45,7 +45,7 @@ NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488
 BLOCK_LINEAR = re.compile(r"layers\.\d+\.(attn\.(q|k|v|gate|o)_proj|mlp\.(gate|up|down)_proj)")
 MODEL_LINEAR = re.compile(r"layers\.\d+\.(attn\.(qkv|o)_proj|mlp\.(gate_up|up|down)_proj)")
 EXACT_INT4_TYPES = ("Q4_0", "Q4_1")  # GGUF tensor types whose blocks int4-g32 holds exactly
-BYTES_PER_WEIGHT = {"int8": 1.0, "llm.int8": 1.0, "int4": 0.65, "nf4": 0.6}  # stored, scales included (about)
+BYTES_PER_WEIGHT = {"int8": 1.0, "llm.int8": 1.0, "int4": 0.65, "nf4": 0.6, "gguf": 1.07}  # stored, scales included (about)
 
 
 def import_bitsandbytes():
@@ -283,6 +283,118 @@ class LLMInt8Linear(Int8Linear):
 
 
 LINEARS = {"int8": Int8Linear, "int4": Int4Linear, "nf4": NF4Linear, "llm.int8": LLMInt8Linear}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GGUF blocks as the file stores them (`--quant gguf`, what `auto` picks for a K-quant file): each weight row is the
+# file's row of blocks, every tensor in its own type (a Q4_K_M file mixes Q4_K and Q6_K, and Q5_0 / Q8_0 where a row
+# is not a multiple of 256). kernels.cpp multiplies them as they are; elsewhere they are dequantized (as gguf does).
+
+GGUF_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+              "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}  # (ggml id, values, bytes) a block
+
+
+def kquant_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes [n, 12] -> the 8 sub-blocks' 6-bit scales and mins [n, 8]: bytes 0-3 and 4-7 hold the
+    low 6 bits of scales 0-3 and mins 0-3 (their top 2 bits: the high bits of scales and mins 4-7), bytes 8-11 the
+    low 4 bits of scales (low nibble) and mins (high nibble) 4-7."""
+    p = packed.to(torch.int32)
+    d, m, md = p[:, 0:4], p[:, 4:8], p[:, 8:12]
+    scales = torch.cat((d & 63, (md & 15) | ((d >> 2) & 48)), dim=1)
+    mins = torch.cat((m & 63, (md >> 4) | ((m >> 2) & 48)), dim=1)
+    return scales.float(), mins.float()
+
+
+def gguf_dequantize(blocks: torch.Tensor, kind: str, cols: int) -> torch.Tensor:
+    """Rows of blocks uint8 [N, bytes] -> float32 [N, cols], the values gguf's own dequantizer computes, bit for bit
+    (the same float32 operations in the same order)."""
+    _, values, size = GGUF_TYPES[kind]
+    b = blocks.reshape(-1, size)
+    n = b.shape[0]
+
+    def half(at: int) -> torch.Tensor:
+        return b[:, at:at + 2].contiguous().view(torch.float16).float()  # [n, 1]
+
+    def bits(qh: torch.Tensor, step: int) -> torch.Tensor:  # [n, B] bytes -> [n, B, 8 / step] fields of `step` bits
+        return (qh[..., None] >> torch.arange(0, 8, step, dtype=torch.uint8, device=b.device)) & ((1 << step) - 1)
+
+    if kind == "Q8_0":
+        w = b[:, 2:].contiguous().view(torch.int8).float() * half(0)
+    elif kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        at = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[kind]
+        q = b[:, at:at + 16]
+        u = torch.cat((q & 15, q >> 4), dim=1)  # byte j: value j (low nibble), value j + 16 (high)
+        if kind in ("Q5_0", "Q5_1"):  # bit j of the little-endian uint32 before the nibbles: value j's fifth bit
+            u = u | (bits(b[:, at - 4:at], 1).reshape(n, 32) << 4)
+        u = u.float()
+        w = half(0) * (u - (8 if kind == "Q4_0" else 16)) if kind in ("Q4_0", "Q5_0") else half(0) * u + half(2)
+    elif kind in ("Q4_K", "Q5_K"):  # 8 sub-blocks of 32: (d scale_j) u - (dmin min_j)
+        scales, mins = kquant_scales(b[:, 4:16])
+        q = b[:, 16:144] if kind == "Q4_K" else b[:, 48:176]
+        q = q.reshape(n, 4, 1, 32)
+        u = torch.cat((q & 15, q >> 4), dim=2).reshape(n, 8, 32)  # 32 bytes: sub-blocks 2g (low), 2g + 1 (high)
+        if kind == "Q5_K":  # bit s of qh[l]: value l of sub-block s
+            u = u | (bits(b[:, 16:48], 1).transpose(1, 2) << 4)
+        w = (half(0) * scales)[..., None] * u.float() - (half(2) * mins)[..., None]
+    else:  # Q6_K, 16 sub-blocks of 16: (d scale_j) (u - 32), u = 4 low bits from ql, 2 high bits from qh
+        ql, qh = b[:, :128].reshape(n, 2, 1, 64), b[:, 128:192].reshape(n, 2, 32)
+        low = torch.cat((ql & 15, ql >> 4), dim=2).reshape(n, 2, 128)  # half h: values 64k + l from nibble k
+        high = bits(qh, 2).permute(0, 1, 3, 2).reshape(n, 2, 128)  # half h: values 32s + l from bits 2s
+        u = (low | (high << 4)).reshape(n, 16, 16).float()
+        scales = b[:, 192:208].contiguous().view(torch.int8).float()
+        w = (half(208) * scales)[..., None] * (u - 32)
+    return w.reshape(blocks.shape[0], cols)
+
+
+class GGUFLinear(QuantLinear):
+    """A linear over a GGUF file's rows of blocks, as stored. A fused projection's parts may differ in type (Q4_K_M:
+    q and k in Q4_K, v in Q6_K): each run of parts of one type is one buffer (blocks0, blocks1, ...), and the
+    outputs are joined."""
+
+    def __init__(self, in_features, out_features, bias, parts: list[tuple[str, torch.Tensor]] = (), **_) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.kinds = [kind for kind, _ in parts]
+        for i, (_, blocks) in enumerate(parts):
+            self.register_buffer(f"blocks{i}", blocks, persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, kinds={'+'.join(self.kinds)}"
+
+    def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        blocks, kind = getattr(self, f"blocks{i}"), self.kinds[i]
+        if blocks.device.type == "cpu" and x.dtype == torch.float32 and kernels.available():
+            return kernels.linear_gguf(x, blocks, GGUF_TYPES[kind][0], self.in_features)
+        # elsewhere: dequantize-and-matmul (torch.compile fuses the dequantizing into the weight loads)
+        return F.linear(x, gguf_dequantize(blocks, kind, self.in_features).to(x.dtype))
+
+    def dequantize(self, dtype) -> torch.Tensor:
+        return torch.cat([gguf_dequantize(getattr(self, f"blocks{i}"), kind, self.in_features)
+                          for i, kind in enumerate(self.kinds)]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ys = [self.part(x, i) for i in range(len(self.kinds))]
+        return self.add_bias(ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1))
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table kept as a GGUF file's blocks: a lookup dequantizes the rows it reads (exactly gguf's
+    values), so a 128K-256K vocabulary never exists in float32. A tied head multiplies the same blocks (GGUFLinear)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, kind: str, blocks: torch.Tensor, dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.kind, self.dtype = num_embeddings, embedding_dim, kind, dtype
+        self.register_buffer("blocks", blocks, persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, kind={self.kind}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, ids.reshape(-1))  # [B * T, bytes]
+        if rows.device.type == "cpu" and kernels.available():
+            w = torch.ops.dense_kernels.dequantize_gguf(rows, GGUF_TYPES[self.kind][0], self.embedding_dim, False)
+        else:
+            w = gguf_dequantize(rows, self.kind, self.embedding_dim)
+        return w.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
 
 
 def check_mode(mode: str) -> None:

@@ -242,9 +242,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer.json (or its folder) when the checkpoint has none")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: bfloat16 on cuda, else float32")
-    p.add_argument("--quant", choices=("auto", "none", "int8", "int4", "nf4", "llm.int8"), default="auto",
+    p.add_argument("--quant", choices=("auto", "none", "int8", "int4", "nf4", "llm.int8", "gguf"), default="auto",
                    help="weight quantization (a variant saved by quantize.py, else made at load time); auto: int4 "
-                        "for weights from a Q4_0/Q4_1 GGUF (held exactly), else as stored; none: full precision")
+                        "for weights from a Q4_0/Q4_1 GGUF (held exactly), a GGUF's own blocks for its other types "
+                        "(gguf: Q4_K, Q5_K, Q6_K, Q8_0, ...), else as stored; none: full precision")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compiled prefill and decode steps, saved in the cache folder for later runs (default: on)")
     p.add_argument("--max-seq-len", type=positive_int, default=None,

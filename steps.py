@@ -54,7 +54,8 @@ def model_signature(model: dense.DenseDecoder) -> dict:
     """What a compiled step depends on besides its arguments: the config and every tensor's shape and dtype."""
     tensors = {name: [list(t.shape), str(t.dtype)] for name, t in model.named_buffers()}
     tensors.update({name: [list(t.shape), str(t.dtype)] for name, t in model.named_parameters()})
-    layers = {name: type(m).__name__ for name, m in model.named_modules() if not list(m.children())}
+    layers = {name: type(m).__name__ + "".join(getattr(m, "kinds", ())) for name, m in model.named_modules()
+              if not list(m.children())}
     return {"config": model.config.to_dict(), "tensors": tensors, "layers": layers, "device": model.device.type,
             "kernels": kernels.available() if model.device.type == "cpu" else None}
 

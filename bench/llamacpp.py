@@ -43,6 +43,9 @@ SHAPES = {
     "llama-3.2-1b": dict(arch="llama", layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, context=131072,
                          vocab=128256, theta=500000.0, eps=1e-5, tied=True, llama3=dict(factor=32.0, low=1.0, high=4.0,
                                                                                         original=8192)),
+    "llama-3.1-8b": dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, context=131072,
+                         vocab=128256, theta=500000.0, eps=1e-5, tied=False, llama3=dict(factor=8.0, low=1.0, high=4.0,
+                                                                                         original=8192)),
     "qwen2.5-0.5b": dict(arch="qwen2", layers=24, hidden=896, heads=14, kv_heads=2, ffn=4864, context=32768,
                          vocab=151936, theta=1e6, eps=1e-6, tied=True, bias=True),
 }
@@ -244,34 +247,36 @@ def llama_quantize(llama_python: str, src: str, dst: str, ftype: str) -> None:
     os.replace(dst + ".tmp", dst)
 
 
-def model_files(name: str, llama_python: str, log) -> dict[str, str]:
-    """{precision: gguf path} for F32, F16, Q8_0 and Q4_1 of one model, made once under the cache folder."""
+FLOAT_FILES = ("F32", "F16", "Q8_0", "Q4_1")
+KQUANT_FILES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")  # what people download (--kquants)
+
+
+def model_files(name: str, llama_python: str, log, precisions=FLOAT_FILES) -> dict[str, str]:
+    """{precision: gguf path} of one model (F32, F16, Q8_0, Q4_1, Q4_K_M, Q5_K_M, Q6_K, ...), made once under the cache
+    folder: the F32 file first (random weights of the shape, or SmolLM2's own dequantized), then llama.cpp's own
+    quantizer from it."""
     os.makedirs(WORK, exist_ok=True)
     sys.path.insert(0, ROOT)
     import tempfile
 
     import default_model
 
+    files = {p: os.path.join(WORK, f"{name}-{p}.gguf") for p in ("F32", *precisions)}
     smollm2 = default_model.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-bench-"))
-    files = {p: os.path.join(WORK, f"{name}-{p}.gguf") for p in ("F32", "F16", "Q8_0", "Q4_1")}
     if name == "smollm2":
         files["Q4_1"] = smollm2
         for p in ("F32", "F16"):
             if not os.path.isfile(files[p]):
                 log(f"writing {files[p]}")
                 write_float_gguf(smollm2, files[p], p)
-    else:
-        if not os.path.isfile(files["F32"]):
-            log(f"writing {files['F32']} (random weights)")
-            write_random(smollm2, files["F32"], name)
-        if not os.path.isfile(files["F16"]):
-            llama_quantize(llama_python, files["F32"], files["F16"], "MOSTLY_F16")
-        if not os.path.isfile(files["Q4_1"]):
-            llama_quantize(llama_python, files["F32"], files["Q4_1"], "MOSTLY_Q4_1")
-    if not os.path.isfile(files["Q8_0"]):
-        log(f"writing {files['Q8_0']} with llama.cpp's quantizer")
-        llama_quantize(llama_python, files["F32"], files["Q8_0"], "MOSTLY_Q8_0")
-    return files
+    elif not os.path.isfile(files["F32"]):
+        log(f"writing {files['F32']} (random weights)")
+        write_random(smollm2, files["F32"], name)
+    for p in precisions:
+        if not os.path.isfile(files[p]):
+            log(f"writing {files[p]} with llama.cpp's quantizer")
+            llama_quantize(llama_python, files["F32"], files[p], "MOSTLY_" + p)
+    return {p: files[p] for p in precisions}
 
 
 # ----------------------------------------------------------------------------------------------------------------

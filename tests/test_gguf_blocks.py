@@ -1,0 +1,155 @@
+"""GGUF blocks kept as the file stores them (--quant gguf, what auto picks for K-quant files): every block type's
+kernels against gguf's own dequantizer (the values bit for bit) and against the float64 product of those values;
+a mixed-type file (as a Q4_K_M mixes Q4_K, Q6_K and Q8_0) loaded with every tensor in its own type, its logits
+against the float path on the same file, its cached and compiled decoding against plain passes."""
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import generate
+import kernels
+import load
+import quantized
+from checkpoint import CheckpointError
+from steps import Steps
+from test_gguf import Q, original_tokenizer, small_llama, write_gguf
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 VNNI CPU or no C++ compiler")
+SCALES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
+          "Q6_K": [208]}  # where each type's float16 scales sit in its block
+# a file's tensor types as llama.cpp's Q4_K_M mixes them, with a Q5_K head and Q8_0 / Q5_0 where rows are short
+MIXED = {"token_embd": Q.Q6_K, "attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_K,
+         "ffn_gate": Q.Q4_K, "ffn_up": Q.Q8_0, "ffn_down": Q.Q6_K, "output": Q.Q5_K}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Every bit pattern a block can hold (random bytes), with finite float16 scales."""
+    _, values, size = quantized.GGUF_TYPES[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // values, size), dtype=np.uint8)
+    for at in SCALES[kind]:
+        half = (rng.standard_normal((rows, cols // values)) * 0.01).astype(np.float16)
+        raw[..., at:at + 2] = half.view(np.uint8).reshape(rows, cols // values, 2)
+    return raw.reshape(rows, -1)
+
+
+def shapes(kind: str):
+    values = quantized.GGUF_TYPES[kind][1]
+    # odd row counts (a tile's tail), one block, and 32-blocks whose count is odd (half a 64-value chunk at the end)
+    return [(7, values * 3), (1, values), (33, 896 if values == 32 else 1024)]
+
+
+@pytest.mark.parametrize("kind", list(quantized.GGUF_TYPES))
+def test_torch_dequantizer_equals_ggufs(kind):
+    for rows, cols in shapes(kind):
+        raw = random_blocks(kind, rows, cols)
+        want = gguf.quants.dequantize(raw, Q[kind]).reshape(rows, cols)
+        np.testing.assert_array_equal(quantized.gguf_dequantize(torch.from_numpy(raw), kind, cols).numpy(), want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", list(quantized.GGUF_TYPES))
+def test_kernels_equal_ggufs_dequantizer_and_the_float_product(kind):
+    ggml_id = quantized.GGUF_TYPES[kind][0]
+    for rows, cols in shapes(kind):
+        raw = random_blocks(kind, rows, cols, seed=rows)
+        blocks = torch.from_numpy(raw)
+        want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(rows, cols).copy())
+        assert torch.equal(torch.ops.dense_kernels.dequantize_gguf(blocks, ggml_id, cols, False), want)
+        assert torch.equal(torch.ops.dense_kernels.dequantize_gguf(blocks, ggml_id, cols, True), want.bfloat16())
+        for m in (1, 2, 3, 5, 16):  # every tile shape: 1-2 rows of x against 2 weight rows, 3-4 against one
+            x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+            got = torch.ops.dense_kernels.linear_gguf(x, blocks, ggml_id).double()
+            exact = x.double() @ want.double().T
+            # x as two int8 digits: each input within 1/32258 of its row's largest value |x|max, so an output within
+            # |x|max sum|w| / 32258; the same digits multiplied exactly match to float32's rounding
+            top = x.abs().amax(1, keepdim=True)
+            bound = top.double() * want.abs().double().sum(1) / 32258
+            assert ((got - exact).abs() <= bound + 1e-5 * exact.abs().max()).all(), (kind, rows, cols, m)
+            q1 = torch.round(x * 127 / top)
+            digits = (top / 127).double() * (q1 + torch.round((x * 127 / top - q1) * 127) / 127).double()
+            assert (got - digits @ want.double().T).abs().max() <= 1e-5 * exact.abs().max(), (kind, rows, cols, m)
+        if rows == 1:
+            continue
+        x = torch.randn(40, cols)  # a long prefill: one bfloat16 GEMM on the dequantized weight
+        got = kernels.linear_gguf(x, blocks, ggml_id, cols)
+        assert torch.allclose(got, (x.bfloat16() @ want.bfloat16().T).float(), rtol=1e-2, atol=1e-2 * got.abs().max())
+
+
+@pytest.fixture(scope="module")
+def mixed_files(tmp_path_factory):
+    tok = original_tokenizer("gpt2")
+    files = {}
+    for tied in (True, False):
+        path = tmp_path_factory.mktemp("gguf") / f"mixed-{'tied' if tied else 'head'}.gguf"
+        write_gguf(path, small_llama(tied=tied, hidden=256, ffn=512), tok, "gpt2", MIXED)
+        files[tied] = str(path)
+    return files
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_auto_keeps_every_tensor_in_its_own_type(mixed_files, tied):
+    model = load.from_pretrained(mixed_files[tied], quant="auto")
+    assert load.auto_mode(load.convert.read_checkpoint(mixed_files[tied]))[0] == "gguf"
+    assert isinstance(model.embed_tokens, quantized.GGUFEmbedding) and model.embed_tokens.kind == "Q6_K"
+    assert model.lm_head.kinds == (["Q6_K"] if tied else ["Q5_K"])
+    if tied:  # the head multiplies the embedding's own blocks
+        assert model.lm_head.blocks0.data_ptr() == model.embed_tokens.blocks.data_ptr()
+    for layer in model.layers:
+        assert layer.attn.qkv_proj.kinds == ["Q4_K", "Q6_K"]  # q|k in one buffer, v in its own
+        assert layer.attn.o_proj.kinds == ["Q5_K"]
+        assert layer.mlp.gate_up_proj.kinds == ["Q4_K", "Q8_0"] and layer.mlp.down_proj.kinds == ["Q6_K"]
+    # no float copy of any weight: what the model holds is the file's blocks and its norms
+    held = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.buffers()}.values())
+    held += sum(p.numel() * p.element_size() for p in model.parameters())
+    assert held <= os.path.getsize(mixed_files[tied])
+    assert all(p.ndim == 1 for p in model.parameters())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_logits_near_the_float_path_on_the_same_file(mixed_files, tied, monkeypatch):
+    blocks = load.from_pretrained(mixed_files[tied], quant="auto")
+    plain = load.from_pretrained(mixed_files[tied], quant="none")  # gguf's dequantizer, float32
+    ids = torch.randint(0, 400, (1, 14), generator=torch.Generator().manual_seed(1))  # (up to 16 rows: the kernels)
+    with torch.no_grad():
+        want = plain.double()(ids)
+        got = blocks(ids)
+        assert torch.equal(blocks.embed_tokens(ids), plain.float().embed_tokens(ids))  # rows dequantized exactly
+        assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+        monkeypatch.setattr(kernels, "available", lambda: False)  # the fallback: dequantize-and-matmul in PyTorch
+        fallback = blocks(ids)
+    assert (fallback - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_cached_and_compiled_decoding_equal_plain_passes(mixed_files):
+    model = load.from_pretrained(mixed_files[True], quant="auto")
+    prompt = torch.randint(0, 400, (1, 9), generator=torch.Generator().manual_seed(2))
+    eager = torch.cat(list(generate.generate_tokens(model, prompt, 12)), dim=1)
+    ids = prompt
+    with torch.no_grad():  # the plain path: a whole pass per token, no cache
+        for _ in range(12):
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(eager, ids[:, 9:])
+    if kernels.available():
+        compiled = torch.cat(list(generate.generate_tokens(model, prompt, 12, steps=Steps(model, saved=False))), dim=1)
+        assert torch.equal(compiled, eager)
+
+
+def test_quant_gguf_on_a_file_without_blocks_is_one_line(tmp_path):
+    tok = original_tokenizer("gpt2")
+    path = tmp_path / "f32.gguf"
+    write_gguf(path, small_llama(tied=True), tok, "gpt2", {})
+    with pytest.raises(CheckpointError, match="--quant gguf: .* is not a GGUF file with quantized blocks"):
+        load.from_pretrained(str(path), quant="gguf")
+
+
+def test_a_truncated_block_tensor_is_one_line(mixed_files, tmp_path):
+    data = open(mixed_files[False], "rb").read()
+    short = tmp_path / "short.gguf"
+    short.write_bytes(data[:-5000])  # the last tensor (a layer's) loses its end
+    with pytest.raises(CheckpointError, match="short.gguf"):
+        load.from_pretrained(str(short), quant="auto")
