@@ -116,20 +116,30 @@ def random_model(name: str, device, dtype, layers: int | None = None) -> dense.D
 def weight_bytes(model: dense.DenseDecoder) -> int:
     """Bytes of weights one decode step reads (the embedding table excluded unless the head is that very tensor: a
     quantized head of a tied model is a copy, and the float table then serves only the one-row lookup)."""
-    seen, total = set(), 0
-    shared = getattr(model.lm_head, "weight", None) is model.embed_tokens.weight
-    skip = set() if shared else {"embed_tokens.weight"}
-    for name, t in model.state_dict().items():
-        if name in skip or t.data_ptr() in seen:
+    embedding = model.embed_tokens
+    table = embedding.weight if hasattr(embedding, "weight") else embedding.blocks  # (GGUF blocks: the file's own)
+    shared = any(t.data_ptr() == table.data_ptr() for t in (*model.lm_head.parameters(), *model.lm_head.buffers()))
+    seen, total = set() if shared else {table.data_ptr()}, 0
+    for t in weight_tensors(model).values():
+        if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
     return total
 
 
+def weight_tensors(model: dense.DenseDecoder) -> dict[str, torch.Tensor]:
+    """The model's state dict and its GGUF layers' blocks (buffers read from the file, not saved with the model)."""
+    tensors = dict(model.state_dict())
+    for name, m in model.named_modules():
+        if isinstance(m, (quantized.GGUFLinear, quantized.GGUFEmbedding)):
+            tensors.update({f"{name}.{b}": t for b, t in m.named_buffers(recurse=False)})
+    return tensors
+
+
 def stored_bytes(model: dense.DenseDecoder) -> int:
     """Bytes of every tensor the model holds (each shared tensor once): what a process keeps resident."""
-    unique = {t.data_ptr(): t for t in model.state_dict().values()}
+    unique = {t.data_ptr(): t for t in weight_tensors(model).values()}
     return sum(t.numel() * t.element_size() for t in unique.values())
 
 

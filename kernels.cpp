@@ -452,11 +452,11 @@ at::Tensor dequantize_nf4(const at::Tensor& q, const at::Tensor& absmax, const a
 // per sub-block, w = A * (u - off) + B:
 //   Q4_K, Q5_K  A = d * scale_j (6-bit), B = -(dmin * min_j), per 32      Q6_K  A = d * scale_j (int8), off 32, per 16
 //   Q4_0 / Q5_0 / Q8_0  A = d, off 8 / 16 / 128 (Q8_0's int8 + 128)        Q4_1 / Q5_1  A = d, B = m
-// The matmuls take x as two int8 digits a row (DigitRows: x = d (q1 + q2 / 127), 1/32258 of the row's largest value)
-// and multiply codes by digits in integers: K-quants by vpmaddubsw (64 codes x digits -> pairs) and vpdpwssd
-// (pairs x the sub-block's integer scale, summed into int32), a super-block at a time, then once in float by d;
-// 32-blocks by vpdpbusd, then by each block's d. The offsets and mins meet the sums of the same digits (X = 127 q1
-// + q2) over each sub-block, so the result is the dequantized weights' product with x to within the digits' rounding.
+// The matmuls take x as 16-bit integers (WordRows: two int8 digits of DigitRows joined, within 1/32258 of the row's
+// largest value) and the weights as 16-bit integers (codes times their sub-block's integer scale), multiplied by
+// vpdpwssd (32 products an instruction) into int32 sums, a super-block (K-quants) or a block (32-blocks) at a time,
+// then once in float by d. Mins meet the sums of X over their sub-blocks. The result is the dequantized weights'
+// product with x to within x's rounding.
 
 enum : int64_t { GQ4_0 = 2, GQ4_1 = 3, GQ5_0 = 6, GQ5_1 = 7, GQ8_0 = 8, GQ4_K = 12, GQ5_K = 13, GQ6_K = 14 };
 
@@ -472,17 +472,18 @@ inline float half_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// Q4_K / Q5_K's 12 bytes of packed 6-bit scales and mins -> scales in bytes 0..7, mins in bytes 8..15
+// Q4_K / Q5_K's 12 bytes of packed 6-bit scales and mins -> scales in bytes 0..7, mins in bytes 8..15. As 32-bit
+// lanes, the bytes hold d = scales 0-3 (low 6 bits), m = mins 0-3 (low 6 bits), md = scales 4-7 (low nibbles) and
+// mins 4-7 (high nibbles); the top 2 bits of d and m are the high bits of scales and mins 4-7.
 inline __m128i kquant_scales(const uint8_t* packed) {
-  uint32_t u[4];
-  memcpy(u, packed, 12);
-  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);  // mins 4..7: high nibble of 8..11, top bits of 4..7
-  const uint32_t mins = u[1] & low6;                               // mins 0..3
-  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);             // scales 4..7
-  u[2] = mins;
-  u[0] &= low6;                                                    // scales 0..3
-  return _mm_loadu_si128((const __m128i*)u);
+  const __m128i v = _mm_loadu_si128((const __m128i*)packed);  // (the 4 bytes after the 12: the block's codes)
+  const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));  // d, md, m, md
+  const __m128i b = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));  // d, d, m, m
+  const __m128i low = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
+                                    _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i high = _mm_and_si128(_mm_srlv_epi32(b, _mm_setr_epi32(0, 2, 0, 2)),
+                                     _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  return _mm_or_si128(low, high);
 }
 
 // A 32-block's 32 codes (elements in order)
@@ -569,136 +570,169 @@ inline void chunk_params(const uint8_t* row, int64_t c, int64_t blocks, float A[
   }
 }
 
-// x as digits, and the sums of X = 127 q1 + q2 over every 4, 16 and 32 inputs (what offsets and mins multiply)
-struct GGUFRows : DigitRows {
-  std::vector<float> sum4, sum16, sum32;  // [M, K/4], [M, K/16], [M, K/32] (+ 16 floats of slack for full loads)
-  GGUFRows(const float* x, int64_t M, int64_t K)
-      : DigitRows(x, M, K), sum4(M * K / 4 + 16), sum16(M * K / 16 + 16), sum32(M * K / 32 + 16) {
-    for (int64_t i = 0; i < M * K / 4; ++i) {
+// x as 16-bit integers a row: X = 127 q1 + q2, the two int8 digits of DigitRows (x = d (q1 + q2 / 127), within
+// 1/32258 of the row's largest value), and the sums of X over each 32 inputs (what mins multiply)
+struct WordRows {
+  std::vector<int16_t> x;   // [M, K]
+  std::vector<float> unit;  // per row: d / 127, the value of X = 1
+  std::vector<float> sum32; // [M, K/32] (+ 16 of slack for whole-register loads)
+  WordRows(const float* xf, int64_t M, int64_t K) : x(M * K), unit(M), sum32(M * K / 32 + 16) {
+    DigitRows digits(xf, M, K);
+    for (int64_t i = 0; i < M * K; ++i) x[i] = (int16_t)(127 * digits.q1[i] + digits.q2[i]);
+    for (int64_t row = 0; row < M; ++row) unit[row] = digits.scale[row] / 127.f;
+    for (int64_t b = 0; b < M * K / 32; ++b) {
       int32_t s = 0;
-      for (int e = 0; e < 4; ++e) s += 127 * q1[4 * i + e] + q2[4 * i + e];
-      sum4[i] = (float)s;
+      for (int e = 0; e < 32; ++e) s += x[32 * b + e];
+      sum32[b] = (float)s;
     }
-    for (int64_t i = 0; i < M * K / 16; ++i) sum16[i] = sum4[4 * i] + sum4[4 * i + 1] + sum4[4 * i + 2] + sum4[4 * i + 3];
-    for (int64_t i = 0; i < M * K / 32; ++i) sum32[i] = sum16[2 * i] + sum16[2 * i + 1];
   }
 };
 
-// NB weight rows of a K-quant type against R rows of x, a super-block at a time
+// K-quants: a super-block's weights as 16-bit integers, each already times its sub-block's integer scale (Q6_K: its
+// code minus 32 too): 8 registers of 32, in input order. Their products with X, two per int32 lane (vpdpwssd), sum
+// over the super-block without overflow (|w| <= 15 x 63, 31 x 63 or 32 x 128; |X| <= 16193; 16 products a lane).
+// lane i of index table s: which of 16 sub-block scales a register of 32 values takes. Q6_K: register s covers
+// sub-blocks 2s (lanes 0-15) and 2s + 1; Q4_K / Q5_K: register s is all of sub-block s
+struct ScaleIndex {
+  alignas(64) int16_t q6[8][32], q4[8][32];
+  ScaleIndex() {
+    for (int s = 0; s < 8; ++s)
+      for (int i = 0; i < 32; ++i) q6[s][i] = (int16_t)(2 * s + i / 16), q4[s][i] = (int16_t)s;
+  }
+};
+const ScaleIndex scale_index;
+
+template <int64_t T>
+inline void kquant_words(const uint8_t* blk, __m512i w[8], __m128i* mins) {
+  if constexpr (T == GQ6_K) {
+    const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 192))));
+    for (int h = 0; h < 2; ++h) {  // values 128h + 64k + l: nibble k of ql[64h + l % 64], bits 4k + 2 (l / 32) of qh
+      const __m512i qh = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h))), 4);
+      const __m512i ql[2] = {_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 64 * h))),
+                             _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32)))};
+      for (int k = 0; k < 2; ++k)
+        for (int z = 0; z < 2; ++z) {
+          const __m512i low = k ? _mm512_srli_epi16(ql[z], 4) : _mm512_and_si512(ql[z], _mm512_set1_epi16(15));
+          const __m512i high = _mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(4 * k + 2 * z)), _mm512_set1_epi16(0x30));
+          const int r = 4 * h + 2 * k + z;  // register r: sub-blocks 2r, 2r + 1
+          const __m512i scale = _mm512_permutexvar_epi16(_mm512_load_si512(scale_index.q6[r]), scales);
+          w[r] = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_or_si512(low, high), _mm512_set1_epi16(32)), scale);
+        }
+    }
+  } else {  // Q4_K / Q5_K: sub-block 2g from the low nibbles of qs[32g ..], 2g + 1 from the high ones
+    const __m128i sm = kquant_scales(blk + 4);
+    *mins = _mm_srli_si128(sm, 8);
+    const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
+    const uint8_t* qs = blk + (T == GQ4_K ? 16 : 48);
+    __m512i qh;
+    if constexpr (T == GQ5_K) qh = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 16))), 4);
+    for (int g = 0; g < 4; ++g) {
+      const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qs + 32 * g)));
+      __m512i low = _mm512_and_si512(q, _mm512_set1_epi16(15)), high = _mm512_srli_epi16(q, 4);
+      if constexpr (T == GQ5_K) {  // bit s of qh[l]: the fifth bit of value l of sub-block s
+        low = _mm512_or_si512(low, _mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), _mm512_set1_epi16(16)));
+        high = _mm512_or_si512(high, _mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(2 * g + 1)), _mm512_set1_epi16(16)));
+      }
+      w[2 * g] = _mm512_mullo_epi16(low, _mm512_permutexvar_epi16(_mm512_load_si512(scale_index.q4[2 * g]), scales));
+      w[2 * g + 1] = _mm512_mullo_epi16(high, _mm512_permutexvar_epi16(_mm512_load_si512(scale_index.q4[2 * g + 1]), scales));
+    }
+  }
+}
+
+// NB weight rows of a K-quant type against R rows of x, a super-block at a time: integer sums, then d in float (and
+// Q4_K / Q5_K's mins against the sums of X)
 template <int64_t T, int R, int NB>
-void kquant_tile(const GGUFRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
+void kquant_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
                  int64_t N, int64_t n0) {
   const int64_t S = K / 256;
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
-  __m512i pick[4];  // chunk g: which scale each int16 lane (an input pair) takes
-  for (int g = 0; g < 4; ++g) {
-    alignas(64) int16_t idx[32];
-    for (int i = 0; i < 32; ++i) idx[i] = T == GQ6_K ? 4 * g + i / 8 : 2 * g + i / 16;
-    pick[g] = _mm512_load_si512(idx);
-  }
   for (int64_t sb = 0; sb < S; ++sb) {
-    __m512i scales[NB];
-    __m512 dv[NB], minv[NB];
+    __m512i a[R][NB];
+    __m512 d[NB], minv[NB];
     for (int j = 0; j < NB; ++j) {
       const uint8_t* blk = w + (n0 + j) * row_bytes + sb * block_bytes(T);
-      _mm_prefetch((const char*)blk + PREFETCH, _MM_HINT_T0);
-      _mm_prefetch((const char*)blk + PREFETCH + 64, _MM_HINT_T0);
-      _mm_prefetch((const char*)blk + PREFETCH + 128, _MM_HINT_T0);
-      if constexpr (T == GQ6_K) {
-        _mm_prefetch((const char*)blk + PREFETCH + 192, _MM_HINT_T0);
-        const __m128i s8 = _mm_loadu_si128((const __m128i*)(blk + 192));
-        const float d = half_at(blk + 208);
-        scales[j] = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8));
-        dv[j] = _mm512_set1_ps(d);
-        minv[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8)), _mm512_set1_ps(-32.f * d));
-      } else {
-        const __m128i sm = kquant_scales(blk + 4);
-        scales[j] = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
-        dv[j] = _mm512_set1_ps(half_at(blk));
-        minv[j] = _mm512_maskz_mul_ps(0x00FF, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
-                                      _mm512_set1_ps(-half_at(blk + 2)));
-      }
-    }
-    __m512i a1[R][NB], a2[R][NB];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) a1[r][j] = a2[r][j] = _mm512_setzero_si512();
-    for (int g = 0; g < 4; ++g) {
-      __m512i u[NB], s16[NB];
-      for (int j = 0; j < NB; ++j) {
-        u[j] = chunk_codes<T>(w + (n0 + j) * row_bytes, sb * 4 + g, 0);
-        s16[j] = _mm512_permutexvar_epi16(pick[g], scales[j]);
-      }
+      for (int line = 0; line < block_bytes(T); line += 64) _mm_prefetch((const char*)blk + PREFETCH + line, _MM_HINT_T0);
+      __m512i words[8];
+      __m128i mins;
+      kquant_words<T>(blk, words, &mins);
       for (int r = 0; r < R; ++r) {
-        const int64_t at = (m0 + r) * K + sb * 256 + g * 64;
-        const __m512i d1 = _mm512_loadu_si512(xs.q1.data() + at), d2 = _mm512_loadu_si512(xs.q2.data() + at);
-        for (int j = 0; j < NB; ++j) {
-          a1[r][j] = _mm512_dpwssd_epi32(a1[r][j], _mm512_maddubs_epi16(u[j], d1), s16[j]);
-          a2[r][j] = _mm512_dpwssd_epi32(a2[r][j], _mm512_maddubs_epi16(u[j], d2), s16[j]);
-        }
+        const int16_t* x = xs.x.data() + (m0 + r) * K + sb * 256;
+        __m512i sum = _mm512_setzero_si512();
+        for (int i = 0; i < 8; ++i) sum = _mm512_dpwssd_epi32(sum, words[i], _mm512_loadu_si512(x + 32 * i));
+        a[r][j] = sum;
+      }
+      if constexpr (T == GQ6_K) {
+        d[j] = _mm512_set1_ps(half_at(blk + 208));
+      } else {
+        d[j] = _mm512_set1_ps(half_at(blk));
+        minv[j] = _mm512_maskz_mul_ps(0x00FF, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)), _mm512_set1_ps(-half_at(blk + 2)));
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512 sums = T == GQ6_K ? _mm512_loadu_ps(xs.sum16.data() + (m0 + r) * (K / 16) + sb * 16)
-                                     : _mm512_maskz_loadu_ps(0x00FF, xs.sum32.data() + (m0 + r) * (K / 32) + sb * 8);
+    for (int r = 0; r < R; ++r)
       for (int j = 0; j < NB; ++j) {
-        const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[r][j]), _mm512_set1_ps(127.f), _mm512_cvtepi32_ps(a2[r][j]));
-        acc[r][j] = _mm512_fmadd_ps(minv[j], sums, _mm512_fmadd_ps(f, dv[j], acc[r][j]));
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][j]), d[j], acc[r][j]);
+        if constexpr (T != GQ6_K)
+          acc[r][j] = _mm512_fmadd_ps(minv[j], _mm512_maskz_loadu_ps(0x00FF, xs.sum32.data() + (m0 + r) * (K / 32) + sb * 8),
+                                      acc[r][j]);
       }
-    }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(acc[r][j]) * (xs.scale[m0 + r] / 127.f);
+    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(acc[r][j]) * xs.unit[m0 + r];
 }
 
-// NB weight rows of a 32-block type against R rows of x, two blocks (64 inputs) at a time
+// A 32-block's weights as 16-bit integers: the code minus the type's offset (Q4_1 / Q5_1: the code; their m meets
+// the sum of X)
+template <int64_t T>
+inline __m512i block_words(const uint8_t* blk) {
+  if constexpr (T == GQ8_0) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 2)));
+  } else {
+    constexpr int at = T == GQ4_0 ? 2 : T == GQ4_1 ? 4 : T == GQ5_0 ? 6 : 8;  // the 16 bytes of nibbles
+    const __m128i q = _mm_loadu_si128((const __m128i*)(blk + at));
+    const __m512i z = _mm512_cvtepu8_epi16(_mm256_set_m128i(q, q));  // byte j: value j (low nibble), j + 16 (high)
+    __m512i u = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFFFF0000u, z, 4), _mm512_set1_epi16(15));
+    if constexpr (T == GQ5_0 || T == GQ5_1) {  // bit j of qh: value j's fifth bit
+      uint32_t qh;
+      memcpy(&qh, blk + (T == GQ5_0 ? 2 : 4), 4);
+      u = _mm512_or_si512(u, _mm512_maskz_set1_epi16(qh, 16));
+    }
+    if constexpr (T == GQ4_0 || T == GQ5_0) u = _mm512_sub_epi16(u, _mm512_set1_epi16(T == GQ4_0 ? 8 : 16));
+    return u;
+  }
+}
+
+// NB weight rows of a 32-block type against R rows of x, a block at a time: its integer sum, then d in float (Q4_1 /
+// Q5_1: m times the block's sum of X, in a second accumulator)
 template <int64_t T, int R, int NB>
-void block32_tile(const GGUFRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
+void block32_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
                   int64_t N, int64_t n0) {
-  const int64_t blocks = K / 32, chunks = (blocks + 1) / 2;
+  constexpr bool with_min = T == GQ4_1 || T == GQ5_1;
+  const int64_t blocks = K / 32;
   __m512 acc[R][NB];
+  float mins[R][NB] = {};
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    __m512i u[NB];
-    __m512 av[NB], mv[NB];  // per lane (4 inputs): its block's A, and B - A off (what the lane's digit sum takes)
+  for (int64_t b = 0; b < blocks; ++b) {
     for (int j = 0; j < NB; ++j) {
-      const uint8_t* row = w + (n0 + j) * row_bytes;
-      _mm_prefetch((const char*)row + 2 * c * block_bytes(T) + PREFETCH, _MM_HINT_T0);
-      u[j] = chunk_codes<T>(row, c, blocks);
-      float A[4], off[4], B[4];
-      chunk_params<T>(row, c, blocks, A, off, B);
-      av[j] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(A[0]), _mm512_set1_ps(A[2]));
-      mv[j] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(B[0] - A[0] * off[0]), _mm512_set1_ps(B[2] - A[2] * off[2]));
-    }
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (m0 + r) * K + c * 64;
-      const __mmask64 in = 2 * c + 1 < blocks ? ~0ull : 0xFFFFFFFFull;
-      const __m512i d1 = _mm512_maskz_loadu_epi8(in, xs.q1.data() + at), d2 = _mm512_maskz_loadu_epi8(in, xs.q2.data() + at);
-      const __m512 sums = _mm512_maskz_loadu_ps((__mmask16)(in == ~0ull ? 0xFFFF : 0x00FF), xs.sum4.data() + at / 4);
-      for (int j = 0; j < NB; ++j) {
-        const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], d1);
-        const __m512i t2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], d2);
-        const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t1), _mm512_set1_ps(127.f), _mm512_cvtepi32_ps(t2));
-        acc[r][j] = _mm512_fmadd_ps(mv[j], sums, _mm512_fmadd_ps(f, av[j], acc[r][j]));
+      const uint8_t* blk = w + (n0 + j) * row_bytes + b * block_bytes(T);
+      _mm_prefetch((const char*)blk + PREFETCH, _MM_HINT_T0);
+      const __m512i words = block_words<T>(blk);
+      const __m512 d = _mm512_set1_ps(half_at(blk));
+      for (int r = 0; r < R; ++r) {
+        const __m512i x = _mm512_loadu_si512(xs.x.data() + (m0 + r) * K + 32 * b);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), words, x)), d, acc[r][j]);
+        if constexpr (with_min) mins[r][j] += half_at(blk + 2) * xs.sum32[(m0 + r) * (K / 32) + b];
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(acc[r][j]) * (xs.scale[m0 + r] / 127.f);
+    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = (_mm512_reduce_add_ps(acc[r][j]) + mins[r][j]) * xs.unit[m0 + r];
 }
 
-#define DISPATCH_ROWS4(rows, BODY)                 \
-  switch (rows) {                                  \
-    case 1: { constexpr int R = 1; BODY; break; }  \
-    case 2: { constexpr int R = 2; BODY; break; }  \
-    case 3: { constexpr int R = 3; BODY; break; }  \
-    default: { constexpr int R = 4; BODY; break; } \
-  }
-
 template <int64_t T>
-void gguf_matmul(const GGUFRows& xs, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
+void gguf_matmul(const WordRows& xs, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
   auto tile = [&](auto rows_tag, auto nb_tag, int64_t m0, int64_t n0) {
     constexpr int R = decltype(rows_tag)::value, NB = decltype(nb_tag)::value;
     if constexpr (T >= GQ4_K)
@@ -706,14 +740,15 @@ void gguf_matmul(const GGUFRows& xs, int64_t M, const uint8_t* w, int64_t row_by
     else
       block32_tile<T, R, NB>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0);
   };
-  // 2 weight rows a tile (two streams in flight) against up to 2 rows of x; 3-4 rows of x: one weight row at a time
-  for_each_tile<2, 4>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
+  // 2 weight rows a tile (two streams in flight) against up to 2 rows of x; 3-8 rows of x: one weight row at a time
+  // (its decoded super-block, 8 registers, used by every row of x)
+  for_each_tile<2, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
     if (nb == 2 && rows <= 2) {
       if (rows == 1) tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{}, m0, n0);
       else tile(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{}, m0, n0);
     } else {
       for (int64_t j = 0; j < nb; ++j)
-        DISPATCH_ROWS4(rows, (tile(std::integral_constant<int, R>{}, std::integral_constant<int, 1>{}, m0, n0 + j)));
+        DISPATCH_ROWS(rows, (tile(std::integral_constant<int, R>{}, std::integral_constant<int, 1>{}, m0, n0 + j)));
     }
   });
 }
@@ -745,33 +780,41 @@ at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) 
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_blocks(w, type, K, "linear_gguf");
   TORCH_CHECK(K % 16 == 0 && K <= 65536, "linear_gguf: ", K, " inputs");
-  GGUFRows xs(x.data_ptr<float>(), M, K);
+  WordRows xs(x.data_ptr<float>(), M, K);
   auto y = output_like(x_, N);
   DISPATCH_GGUF(type, (gguf_matmul<T>(xs, M, w.data_ptr<uint8_t>(), w.size(1), K, y.data_ptr<float>(), N)));
   return y;
 }
 
 // Rows of blocks -> [N, K] values as gguf's own dequantizer computes them (float32: bit for bit; bfloat16: those
-// rounded). No fused multiply-adds: A u and + B are two roundings there.
+// rounded). No fused multiply-adds: A (u - off) and + B are two roundings there. A, off and B are made once per
+// super-block (per 16 values) or per chunk of two 32-blocks.
 template <int64_t T, typename Out>
 __attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t N,
                                                                    int64_t K, Out* out) {
   const int64_t blocks = K / block_elements(T), chunks = (K + 63) / 64;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    alignas(64) uint8_t codes[64];
+    float A[16], off[16], B[16];  // of each 16 values of the super-block (K-quants) or of the chunk (32-blocks)
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = w + n * row_bytes;
       for (int64_t c = 0; c < chunks; ++c) {
-        _mm512_store_si512(codes, chunk_codes<T>(row, c, blocks));
-        float A[4], off[4], B[4];
-        chunk_params<T>(row, c, blocks, A, off, B);
+        if constexpr (T >= GQ4_K) {
+          if (c % 4 == 0)
+            for (int g = 0; g < 4; ++g) chunk_params<T>(row, c + g, blocks, A + 4 * g, off + 4 * g, B + 4 * g);
+        } else {
+          chunk_params<T>(row, c, blocks, A, off, B);
+        }
+        const __m512i u = chunk_codes<T>(row, c, blocks);
+        const int first = T >= GQ4_K ? 4 * (c % 4) : 0;
         for (int q = 0; q < 4 && c * 64 + q * 16 < K; ++q) {
-          const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(codes + 16 * q))));
-          const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(u, _mm512_set1_ps(off[q])), _mm512_set1_ps(A[q])),
-                                         _mm512_set1_ps(B[q]));
+          const __m128i bytes = q == 0 ? _mm512_castsi512_si128(u) : q == 1 ? _mm512_extracti32x4_epi32(u, 1)
+                              : q == 2 ? _mm512_extracti32x4_epi32(u, 2) : _mm512_extracti32x4_epi32(u, 3);
+          const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+          const __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(off[first + q])),
+                                                       _mm512_set1_ps(A[first + q])), _mm512_set1_ps(B[first + q]));
           Out* o = out + n * K + c * 64 + q * 16;
-          if constexpr (std::is_same_v<Out, float>) _mm512_storeu_ps(o, v);
-          else _mm256_storeu_si256((__m256i*)o, (__m256i)_mm512_cvtneps_pbh(v));
+          if constexpr (std::is_same_v<Out, float>) _mm512_storeu_ps(o, x);
+          else _mm256_storeu_si256((__m256i*)o, (__m256i)_mm512_cvtneps_pbh(x));
         }
       }
     }
