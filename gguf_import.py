@@ -11,17 +11,21 @@ beyond the file (llama-model.cpp), each where it is read below:
   * phi3: q|k|v fused in attn_qkv and gate|up in ffn_up (split here); partial rotary; LongRoPE factors as tensors,
     the long ones for a cache longer than `rope.scaling.original_context_length` (as llama.cpp picks by its context).
 
-Weights are read with the `gguf` package (llama.cpp's own reader, memory-mapped) and dequantized with its own
-dequantizer (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...); Q4_0 / Q4_1 linears also keep their blocks,
-which int4-g32 holds exactly. Tokenizers: `tokenizer.ggml.*` rebuilt with the `tokenizers` library: byte-level BPE
-("gpt2", with llama.cpp's pre-tokenizers) or SentencePiece ("llama": scores, byte fallback, "▁" for spaces). The chat
-template is kept for tokenizer_config.json. Stands on dense.py, checkpoint.py and quantized.py (int4's layout).
+The file's metadata and tensor table are parsed here (GGUFFile, over a memory map: gguf's reader takes seconds on a
+large vocabulary); weights are dequantized with the `gguf` package's own dequantizer (F32, F16, BF16, Q8_0, Q4_0,
+Q4_1, Q4_K, Q5_K, Q6_K, ...). Q4_0 / Q4_1 linears also keep their blocks, which int4-g32 holds exactly, and every
+2-D tensor of a type with a kernel (quantized.GGUF_TYPES: the K-quants, Q8_0, Q4_0/1, Q5_0/1) says where its rows
+of blocks lie in the file (Blocks), for `--quant gguf` to read as stored. Tokenizers: `tokenizer.ggml.*` rebuilt with
+the `tokenizers` library: byte-level BPE ("gpt2", with llama.cpp's pre-tokenizers) or SentencePiece ("llama": scores,
+byte fallback, "▁" for spaces). The chat template is kept for tokenizer_config.json. Stands on dense.py, checkpoint.py
+and quantized.py (int4's layout).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,13 +49,113 @@ LAYER_TENSORS = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "post_attenti
                  "ffn_down": "mlp.down_proj"}
 
 
-def open_gguf(path: str):
-    import gguf
-
+def open_gguf(path: str) -> "GGUFFile":
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({first_line(e)})") from None
+        return GGUFFile(path)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({first_line(e) or type(e).__name__})") from None
+
+
+class Field:
+    """A metadata value, as gguf.GGUFReader's fields give it (contents())."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def contents(self):
+        return self.value
+
+
+@dataclass
+class TensorInfo:
+    """A tensor of the file, as gguf.GGUFReader's tensors describe it: dims innermost first; data: its bytes."""
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    n_bytes: int
+    data_offset: int
+    file: "GGUFFile"
+
+    @property
+    def data(self) -> np.ndarray:
+        return self.file.bytes[self.data_offset:self.data_offset + self.n_bytes]
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensor table (llama.cpp's format: magic, version, counts, key/value pairs, tensor
+    infos, aligned data), parsed with struct over a memory map. gguf.GGUFReader makes a numpy view of every array
+    element: 4-14 s for a 128K-token vocabulary, most of a warm start; this takes a fraction of a second. It offers
+    the reader's shapes the importer uses (fields[key].contents(), tensors[i].name / tensor_type / shape / n_bytes /
+    data_offset / data); values are decoded as they are read (an undecodable string: the file is unreadable)."""
+    SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+    NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
+             12: "<f8"}
+
+    def __init__(self, path: str) -> None:
+        import gguf
+
+        self.bytes = np.memmap(path, dtype=np.uint8, mode="r")
+        self.buf, self.at = memoryview(self.bytes), 0
+        if bytes(self.buf[:4]) != b"GGUF":
+            raise ValueError("no GGUF magic")
+        self.at = 4
+        version = self.scalar(4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version}")
+        tensors, kvs = self.scalar(10), self.scalar(10)
+        if tensors > len(self.buf) or kvs > len(self.buf):
+            raise ValueError("counts past the end of the file")
+        self.fields = {}
+        for _ in range(kvs):
+            key = self.string()
+            self.fields[key] = Field(self.value(self.scalar(4)))
+        infos = []
+        for _ in range(tensors):
+            name, dims = self.string(), self.scalar(4)
+            if dims > 8:
+                raise ValueError(f"tensor {name!r} has {dims} dimensions")
+            shape = tuple(self.scalar(10) for _ in range(dims))
+            infos.append((name, shape, gguf.GGMLQuantizationType(self.scalar(4)), self.scalar(10)))
+        align = int(self.fields.get("general.alignment", Field(32)).contents() or 32)
+        start = (self.at + align - 1) // align * align
+        self.tensors = []
+        for name, shape, kind, offset in infos:
+            values, size = gguf.GGML_QUANT_SIZES[kind]
+            count = math.prod(shape)
+            if count % values:
+                raise ValueError(f"tensor {name!r}: {count} values are not whole {kind.name} blocks")
+            n_bytes = count // values * size
+            if start + offset + n_bytes > len(self.buf):
+                raise ValueError(f"tensor {name!r} runs past the end of the file")
+            self.tensors.append(TensorInfo(name, kind, shape, n_bytes, start + offset, self))
+
+    def scalar(self, kind: int):
+        fmt = self.SCALARS[kind]
+        (value,) = struct.unpack_from(fmt, self.buf, self.at)
+        self.at += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar(10)
+        if self.at + n > len(self.buf):
+            raise ValueError("a string runs past the end of the file")
+        text = bytes(self.buf[self.at:self.at + n]).decode("utf-8")
+        self.at += n
+        return text
+
+    def value(self, kind: int):
+        if kind == 8:
+            return self.string()
+        if kind != 9:
+            return self.scalar(kind)
+        item, count = self.scalar(4), self.scalar(10)
+        if count > len(self.buf) - self.at:
+            raise ValueError("an array runs past the end of the file")
+        if item in self.NUMPY:  # numbers: one numpy read
+            values = np.frombuffer(self.buf, dtype=self.NUMPY[item], count=count, offset=self.at)
+            self.at += values.nbytes
+            return values.tolist()
+        return [self.value(item) for _ in range(count)]
 
 
 def field(reader, key: str, default=None, path: str = ""):

@@ -82,7 +82,8 @@ class no_init:
 def auto_mode(checkpoint, device="cpu") -> tuple[str | None, str]:
     """What `--quant auto` loads, and why: int4-g32 for weights that came from a GGUF's Q4_0/Q4_1 blocks (int4
     holds them exactly, and int4 is the fastest kernel: ours on CPU, tinygemm on CUDA, whose bfloat16 scales round
-    the blocks' float16 ones); everything else as stored."""
+    the blocks' float16 ones); a GGUF file's other block types as the file stores them ("gguf": K-quants, Q8_0, ...);
+    everything else as stored."""
     types = checkpoint.record.get("source_tensor_types", {}).get("blocks") or {}
     if checkpoint.source_types:  # a .gguf file itself
         types = {kind for name, kind in checkpoint.source_types.items() if quantized.BLOCK_LINEAR.fullmatch(name[:-7])}
@@ -91,10 +92,11 @@ def auto_mode(checkpoint, device="cpu") -> tuple[str | None, str]:
     if types and set(types) <= set(quantized.EXACT_INT4_TYPES) and exact:
         held = "exactly" if torch.device(device).type != "cuda" else "(on CUDA with bfloat16 scales)"
         return "int4", f"the weights are {'/'.join(sorted(types))} blocks from a GGUF, which int4-g32 holds {held}"
-    linears = [n for n in checkpoint.source_types if quantized.BLOCK_LINEAR.fullmatch(n[:-7])]
-    if linears and all(n in checkpoint.blocks for n in linears):
+    if any(quantized.BLOCK_LINEAR.fullmatch(n[:-7]) for n in checkpoint.blocks):
         kinds = sorted({checkpoint.blocks[n].kind for n in checkpoint.blocks})
-        return "gguf", f"the file's {'/'.join(kinds)} blocks as stored"
+        rest = sorted(set(types) - set(quantized.GGUF_TYPES))  # (Q3_K, IQ4_XS, ...: dequantized, float32)
+        return "gguf", f"the file's {'/'.join(kinds)} blocks as stored" + (f"; {'/'.join(rest)} as float32" if rest
+                                                                           else "")
     if not checkpoint.tensors and len(saved) == 1:
         return next(iter(saved)), "the only variant stored"
     what = f"{'/'.join(sorted(types))} weights from a GGUF" if types else "full-precision weights"
@@ -146,33 +148,39 @@ def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dt
         parts = [f"{prefix}.weight" for prefix in fused_parts(model, name)]
         sources[name] = ["embed_tokens.weight"] if name == "lm_head" and "lm_head.weight" not in tensors else parts
     sources = {m: parts for m, parts in sources.items() if all(p in blocks for p in parts)}
-    wanted = sorted({p for parts in sources.values() for p in parts})
-    if torch.device(device).type == "cpu":
-        placed = kernels.huge_pages([torch.empty(blocks[p].rows, blocks[p].row_bytes, dtype=torch.uint8, device="meta")
-                                     for p in wanted], zeros=True)
-    else:
-        placed = [torch.empty(blocks[p].rows, blocks[p].row_bytes, dtype=torch.uint8) for p in wanted]
-    read = {}
-    for name, out in zip(wanted, placed):
-        if out.device.type == "meta":  # no huge pages here
-            out = torch.empty(out.shape, dtype=torch.uint8)
-        blocks[name].read_into(out)
-        read[name] = out.to(device)
+    runs = {}  # module -> its runs of consecutive parts of one type (each run one buffer, its parts' rows stacked)
     for module_name, parts in sources.items():
-        runs = []  # runs of consecutive parts of one type, stacked by rows
+        runs[module_name] = []
         for p in parts:
-            if runs and runs[-1][0] == blocks[p].kind:
-                runs[-1][1].append(read[p])
+            if runs[module_name] and blocks[runs[module_name][-1][-1]].kind == blocks[p].kind:
+                runs[module_name][-1].append(p)
             else:
-                runs.append((blocks[p].kind, [read[p]]))
-        runs = [(kind, ts[0] if len(ts) == 1 else torch.cat(ts)) for kind, ts in runs]
+                runs[module_name].append([p])
+    unique = list({tuple(run): run for module_runs in runs.values() for run in module_runs})  # (a tied head: shared)
+    shapes = [(sum(blocks[p].rows for p in run), blocks[run[0]].row_bytes) for run in unique]
+    if torch.device(device).type == "cpu":
+        placed = kernels.huge_pages([torch.empty(shape, dtype=torch.uint8, device="meta") for shape in shapes], zeros=True)
+    else:
+        placed = [torch.empty(0, device="meta")] * len(shapes)
+    buffers = {}
+    for run, shape, out in zip(unique, shapes, placed):
+        if out.device.type == "meta":  # no huge pages here (or another device)
+            out = torch.empty(shape, dtype=torch.uint8)
+        row = 0
+        for p in run:  # each part straight from the file into its rows
+            blocks[p].read_into(out[row:row + blocks[p].rows])
+            row += blocks[p].rows
+        buffers[tuple(run)] = out.to(device)
+    for module_name, module_runs in runs.items():
+        parts = [(blocks[run[0]].kind, buffers[tuple(run)]) for run in module_runs]
         parent, _, attr = module_name.rpartition(".")
         old = model.get_submodule(module_name)
         if module_name == "embed_tokens":
-            new = quantized.GGUFEmbedding(old.num_embeddings, old.embedding_dim, runs[0][0], runs[0][1], dtype)
+            new = quantized.GGUFEmbedding(old.num_embeddings, old.embedding_dim, parts[0][0], parts[0][1], dtype)
         else:
-            new = quantized.GGUFLinear(old.in_features, old.out_features, old.bias is not None, parts=runs)
+            new = quantized.GGUFLinear(old.in_features, old.out_features, old.bias is not None, parts=parts)
         setattr(model.get_submodule(parent) if parent else model, attr, new)
+    read = {p for module_runs in runs.values() for run in module_runs for p in run}
     return {name: thunk for name, thunk in tensors.items() if name not in read}
 
 

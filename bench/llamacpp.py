@@ -69,8 +69,10 @@ def worker_llama(args) -> dict:
     import numpy as np
     from llama_cpp import Llama
 
+    start = time.perf_counter()
     llm = Llama(model_path=args.gguf, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
                 n_batch=512, verbose=False)
+    loaded = time.perf_counter() - start
     ids = json.loads(args.ids)
     out = []
 
@@ -93,7 +95,13 @@ def worker_llama(args) -> dict:
         return ttft, time.perf_counter() - start, len(out)
 
     result = timed_runs(run, args.runs)
-    return {**result, "ids": list(out)}
+    return {**result, "ids": list(out), "peak_rss_gib": peak_rss_gib(), "load_s": loaded}
+
+
+def peak_rss_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def worker_dense(args) -> dict:
@@ -105,7 +113,10 @@ def worker_dense(args) -> dict:
     from steps import Steps
 
     torch.set_num_threads(args.threads)
+    start = time.perf_counter()
     model = from_pretrained(args.gguf, quant=args.quant)  # int8: per channel, from the Q8_0 file
+    loaded = time.perf_counter() - start
+    generate.setup_cache(model, 1, args.ctx)  # llama.cpp's n_ctx
     ids = torch.tensor([json.loads(args.ids)])
     out = []
     steps = Steps(model)
@@ -120,7 +131,7 @@ def worker_dense(args) -> dict:
         return ttft, time.perf_counter() - start, len(out)
 
     result = timed_runs(run, args.runs)
-    return {**result, "ids": list(out)}
+    return {**result, "ids": list(out), "peak_rss_gib": peak_rss_gib(), "load_s": loaded}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -292,16 +303,20 @@ ROWS = [  # (label, llama.cpp file, this engine's file, this engine's quant)
 ]
 
 
+KQUANT_ROWS = [(p, p, p, "auto") for p in KQUANT_FILES]  # (--kquants) each file as both engines load it by default
+
+
 def run_worker(python: str, engine: str, gguf: str, quant: str | None, ids: list[int], args) -> dict:
     cmd = [python, os.path.abspath(__file__), "--worker", engine, "--gguf", gguf, "--ids", json.dumps(ids),
            "--gen", str(args.gen), "--runs", str(args.runs), "--threads", str(args.threads), "--ctx", str(args.ctx)]
     if quant:
         cmd += ["--quant", quant]
+    start = time.perf_counter()
     result = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode or not lines:
         return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(lines[-1])
+    return {**json.loads(lines[-1]), "wall_s": time.perf_counter() - start}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -311,6 +326,7 @@ def summarize(runs: list[dict]) -> dict:
         return failed[0]
     return {"decode_tok_s": statistics.median(r["decode_tok_s"] or 0 for r in runs),
             "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+            **{k: statistics.median(r[k] for r in runs) for k in ("peak_rss_gib", "load_s", "wall_s")},
             "decode_tok_s_by_process": [r["decode_tok_s"] for r in runs], "ids": runs[0]["ids"]}
 
 
@@ -334,13 +350,13 @@ def prefill_tables(args, names: list[str], console) -> int:
     args.gen = 1
     results = []
     for name in names:
-        files = model_files(name, args.llama_python, lambda s: console.print(f"[dim]{s}[/dim]"))
-        text_ids = prompt_ids(files["Q4_1"])
+        files = model_files(name, args.llama_python, lambda s: console.print(f"[dim]{s}[/dim]"), args.precisions)
+        text_ids = prompt_ids(next(iter(files.values())))
         table = Table(title=f"{name}: prefill, batch 1, {args.threads} threads, {args.rounds} alternating rounds of "
                             f"{args.runs} runs")
         for col in ("precision", "prompt", "llama.cpp tok/s", "this engine tok/s", "ratio"):
             table.add_column(col)
-        for label, theirs, ours, quant in [r for r in ROWS if r[1] and r[2]]:
+        for label, theirs, ours, quant in [r for r in args.rows if r[1] and r[2]]:
             for n in lengths:
                 ids = (text_ids * (n // len(text_ids) + 1))[:n]
                 rounds = {"llama.cpp": [], "dense": []}
@@ -378,6 +394,9 @@ def main() -> int:
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--prefill", metavar="N[,N]", help="prompt processing instead of decoding: prompts of N tokens "
                    "(e.g. 128,512), one new token; rows float32, 8-bit, 4-bit")
+    p.add_argument("--kquants", action="store_true", help="the files people download instead: Q4_K_M, Q5_K_M, "
+                   "Q6_K and Q8_0 (llama.cpp's quantizer), each loaded by both engines as they load it by default "
+                   "(--quant auto here: the file's own blocks)")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the table as a bar chart (one per model: "
                    "FILE-smollm2.png ...); needs matplotlib")
@@ -386,6 +405,7 @@ def main() -> int:
     p.add_argument("--quant", default="none", help=argparse.SUPPRESS)
     p.add_argument("--ids", help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.rows, args.precisions = (KQUANT_ROWS, KQUANT_FILES) if args.kquants else (ROWS, FLOAT_FILES)
     if args.worker:
         print(json.dumps((worker_llama if args.worker == "llama" else worker_dense)(args)))
         return 0
@@ -404,14 +424,14 @@ def main() -> int:
     if args.prefill:
         return prefill_tables(args, names, console)
     for name in names:
-        files = model_files(name, args.llama_python, lambda s: console.print(f"[dim]{s}[/dim]"))
-        ids = prompt_ids(files["Q4_1"])
+        files = model_files(name, args.llama_python, lambda s: console.print(f"[dim]{s}[/dim]"), args.precisions)
+        ids = prompt_ids(next(iter(files.values())))
         table = Table(title=f"{name}: {len(ids)}-token prompt, {args.gen} greedy tokens, batch 1, {args.threads} "
                             f"threads, {args.rounds} alternating rounds of {args.runs} runs")
         for col in ("precision", "llama.cpp tok/s", "this engine tok/s", "ratio", "TTFT llama.cpp / this (ms)",
-                    "same tokens"):
+                    "peak RSS llama.cpp / this (GiB)", "load llama.cpp / this (s)", "same tokens"):
             table.add_column(col)
-        for label, theirs, ours, quant in ROWS:
+        for label, theirs, ours, quant in args.rows:
             row = {"model": name, "precision": label}
             workers = {"llama.cpp": (args.llama_python, "llama", theirs and files[theirs], None),
                        "dense": (sys.executable, "dense", ours and files[ours], quant)}
@@ -438,6 +458,8 @@ def main() -> int:
                           f"{b['decode_tok_s']:.1f}" if "decode_tok_s" in b else b.get("error", "-"),
                           f"{ratio:.2f}" if ratio else "-",
                           f"{a.get('ttft_s', 0) * 1000:.0f} / {b.get('ttft_s', 0) * 1000:.0f}",
+                          f"{a.get('peak_rss_gib', 0):.2f} / {b.get('peak_rss_gib', 0):.2f}",
+                          f"{a.get('load_s', 0):.2f} / {b.get('load_s', 0):.2f}",
                           f"{same} of {len(b['ids'])}" if same is not None else "-")
         console.print(table)
         if args.plot:
