@@ -343,7 +343,7 @@ def read_gguf(path: str) -> Checkpoint:
 @dataclass
 class Blocks:
     """Rows [start, start + rows) of a GGUF tensor's blocks, as the file stores them (each row row_bytes: its `cols`
-    values' blocks), and how to read them. heads: llama's q/k rows, unpermuted as they are read."""
+    values' blocks), where they lie in the file. heads: llama's q/k rows, permuted in the file (see unpermute)."""
     kind: str
     path: str
     name: str
@@ -352,18 +352,6 @@ class Blocks:
     row_bytes: int
     cols: int
     heads: int | None = None
-
-    def read_into(self, out: torch.Tensor) -> None:
-        """Read the rows into out, uint8 [rows, row_bytes] (a plain read: no memory map left behind, so the file's
-        pages never count twice in the process's memory)."""
-        view = out.numpy().reshape(-1)
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            got = f.readinto(memoryview(view))
-        if got != view.size:
-            raise CheckpointError(f"{self.path}: tensor {self.name!r} is truncated ({got} of {view.size} bytes)")
-        if self.heads:
-            out.copy_(unpermute(out.clone(), self.heads))
 
 
 def int4_tensors(t, shape: tuple[int, ...], permute_heads: int | None, path: str) -> dict:

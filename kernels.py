@@ -131,7 +131,7 @@ def huge_pages(tensors: list[torch.Tensor], zeros: bool = False) -> list[torch.T
         view = torch.frombuffer(buf, dtype=torch.uint8, count=t.numel() * t.element_size(),
                                 offset=start - base + offset).view(t.dtype).view(t.shape)
         out.append(view if zeros else view.copy_(t))
-        out[-1].huge_pages = True  # (place_weights leaves it where it is)
+        out[-1].placed = True  # (place_weights leaves it where it is)
     return out
 
 
@@ -144,7 +144,7 @@ def place_weights(model) -> None:
         for store in (module._parameters, module._buffers):
             for name, t in store.items():
                 if (t is not None and t.device.type == "cpu" and t.numel() * t.element_size() >= 1 << 18
-                        and not getattr(t, "huge_pages", False)):
+                        and not getattr(t, "placed", False)):
                     chosen.append((store, name, t))
     unique = {}
     for store, name, t in chosen:

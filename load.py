@@ -17,12 +17,14 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+import numpy as np
 import torch
 
 from torch import nn
 
 import convert
 import dense
+import gguf_import
 import kernels
 import machine
 import quantized
@@ -139,8 +141,11 @@ def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> 
 
 def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dtype) -> dict:
     """Put GGUF block layers (quantized.GGUFLinear, GGUFEmbedding) in a meta-device model where the file's tensors
-    are blocks with a kernel, read from the file into one mapping (huge pages, as place_weights would put them: no
-    second copy on the way); returns the tensors still to load. A tied head multiplies the embedding's own blocks."""
+    are blocks with a kernel, as views of the file itself (memory-mapped: nothing is copied or read until a step
+    reads it, the pages are the page cache's, shared by every process on the file, and a warm start takes no time);
+    returns the tensors still to load. Parts of a fused projection that lie one after another in the file, of one
+    type, are one view; llama's permuted q/k rows stay as stored and the layer puts its outputs in order. A tied head
+    multiplies the embedding's own blocks."""
     blocks = checkpoint.blocks
     linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     sources = {"embed_tokens": ["embed_tokens.weight"]}  # module -> the checkpoint weights it is stacked from
@@ -148,39 +153,38 @@ def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dt
         parts = [f"{prefix}.weight" for prefix in fused_parts(model, name)]
         sources[name] = ["embed_tokens.weight"] if name == "lm_head" and "lm_head.weight" not in tensors else parts
     sources = {m: parts for m, parts in sources.items() if all(p in blocks for p in parts)}
-    runs = {}  # module -> its runs of consecutive parts of one type (each run one buffer, its parts' rows stacked)
+    mapped = {}  # file -> its bytes, copy-on-write (writable views for torch; nothing is ever written)
     for module_name, parts in sources.items():
-        runs[module_name] = []
-        for p in parts:
-            if runs[module_name] and blocks[runs[module_name][-1][-1]].kind == blocks[p].kind:
-                runs[module_name][-1].append(p)
+        runs = []  # [first block, rows]: parts adjacent in the file and of one type read as one view
+        for b in (blocks[p] for p in parts):
+            last = runs[-1] if runs else None
+            if last and last[0].kind == b.kind and last[0].offset + last[1] * b.row_bytes == b.offset:
+                last[1] += b.rows
             else:
-                runs[module_name].append([p])
-    unique = list({tuple(run): run for module_runs in runs.values() for run in module_runs})  # (a tied head: shared)
-    shapes = [(sum(blocks[p].rows for p in run), blocks[run[0]].row_bytes) for run in unique]
-    if torch.device(device).type == "cpu":
-        placed = kernels.huge_pages([torch.empty(shape, dtype=torch.uint8, device="meta") for shape in shapes], zeros=True)
-    else:
-        placed = [torch.empty(0, device="meta")] * len(shapes)
-    buffers = {}
-    for run, shape, out in zip(unique, shapes, placed):
-        if out.device.type == "meta":  # no huge pages here (or another device)
-            out = torch.empty(shape, dtype=torch.uint8)
-        row = 0
-        for p in run:  # each part straight from the file into its rows
-            blocks[p].read_into(out[row:row + blocks[p].rows])
-            row += blocks[p].rows
-        buffers[tuple(run)] = out.to(device)
-    for module_name, module_runs in runs.items():
-        parts = [(blocks[run[0]].kind, buffers[tuple(run)]) for run in module_runs]
+                runs.append([b, b.rows])
+        views = []
+        for first, rows in runs:
+            if first.path not in mapped:
+                mapped[first.path] = torch.from_numpy(np.memmap(first.path, dtype=np.uint8, mode="c"))
+            view = mapped[first.path][first.offset:first.offset + rows * first.row_bytes].view(rows, first.row_bytes)
+            views.append((first.kind, view if torch.device(device).type == "cpu" else view.to(device)))
+        for _, view in views:
+            view.placed = True  # (kernels.place_weights leaves it in the file's pages)
         parent, _, attr = module_name.rpartition(".")
         old = model.get_submodule(module_name)
         if module_name == "embed_tokens":
-            new = quantized.GGUFEmbedding(old.num_embeddings, old.embedding_dim, parts[0][0], parts[0][1], dtype)
+            new = quantized.GGUFEmbedding(old.num_embeddings, old.embedding_dim, views[0][0], views[0][1], dtype)
         else:
-            new = quantized.GGUFLinear(old.in_features, old.out_features, old.bias is not None, parts=parts)
+            order = None  # output j of the layer is output order[j] of its stored rows (llama's q/k permutation)
+            if any(blocks[p].heads for p in parts):
+                order = torch.cat([gguf_import.unpermute(torch.arange(blocks[p].rows), blocks[p].heads)
+                                   if blocks[p].heads else torch.arange(blocks[p].rows) for p in parts])
+                order += torch.tensor([0] + [blocks[p].rows for p in parts[:-1]]).cumsum(0).repeat_interleave(
+                    torch.tensor([blocks[p].rows for p in parts]))
+            new = quantized.GGUFLinear(old.in_features, old.out_features, old.bias is not None, parts=views,
+                                       order=order)
         setattr(model.get_submodule(parent) if parent else model, attr, new)
-    read = {p for module_runs in runs.values() for run in module_runs for p in run}
+    read = {p for parts in sources.values() for p in parts}
     return {name: thunk for name, thunk in tensors.items() if name not in read}
 
 

@@ -348,14 +348,16 @@ def gguf_dequantize(blocks: torch.Tensor, kind: str, cols: int) -> torch.Tensor:
 
 class GGUFLinear(QuantLinear):
     """A linear over a GGUF file's rows of blocks, as stored. A fused projection's parts may differ in type (Q4_K_M:
-    q and k in Q4_K, v in Q6_K): each run of parts of one type is one buffer (blocks0, blocks1, ...), and the
-    outputs are joined."""
+    q and k in Q4_K, v in Q6_K) or lie apart in the file: each is its own buffer (blocks0, blocks1, ...), and the
+    outputs are joined, then put in the model's order where the file permuted rows (llama's q and k)."""
 
-    def __init__(self, in_features, out_features, bias, parts: list[tuple[str, torch.Tensor]] = (), **_) -> None:
+    def __init__(self, in_features, out_features, bias, parts: list[tuple[str, torch.Tensor]] = (),
+                 order: torch.Tensor | None = None, **_) -> None:
         super().__init__(in_features, out_features, bias)
         self.kinds = [kind for kind, _ in parts]
         for i, (_, blocks) in enumerate(parts):
             self.register_buffer(f"blocks{i}", blocks, persistent=False)
+        self.register_buffer("order", order, persistent=False)  # outputs in the model's order (None: as stored)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kinds={'+'.join(self.kinds)}"
@@ -368,12 +370,14 @@ class GGUFLinear(QuantLinear):
         return F.linear(x, gguf_dequantize(blocks, kind, self.in_features).to(x.dtype))
 
     def dequantize(self, dtype) -> torch.Tensor:
-        return torch.cat([gguf_dequantize(getattr(self, f"blocks{i}"), kind, self.in_features)
-                          for i, kind in enumerate(self.kinds)]).to(dtype)
+        w = torch.cat([gguf_dequantize(getattr(self, f"blocks{i}"), kind, self.in_features)
+                       for i, kind in enumerate(self.kinds)])
+        return (w if self.order is None else w[self.order]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ys = [self.part(x, i) for i in range(len(self.kinds))]
-        return self.add_bias(ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1))
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return self.add_bias(y if self.order is None else y.index_select(-1, self.order))
 
 
 class GGUFEmbedding(nn.Module):

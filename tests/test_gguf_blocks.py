@@ -104,7 +104,7 @@ def test_auto_keeps_every_tensor_in_its_own_type(mixed_files, tied):
         assert layer.attn.o_proj.kinds == ["Q5_K"]
         assert layer.mlp.gate_up_proj.kinds == ["Q4_K", "Q8_0"] and layer.mlp.down_proj.kinds == ["Q6_K"]
     # no float copy of any weight: what the model holds is the file's blocks and its norms
-    held = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.buffers()}.values())
+    held = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in model.buffers()}.values())
     held += sum(p.numel() * p.element_size() for p in model.parameters())
     assert held <= os.path.getsize(mixed_files[tied])
     assert all(p.ndim == 1 for p in model.parameters())
