@@ -44,8 +44,8 @@ SHAPES = {
                          vocab=128256, theta=500000.0, eps=1e-5, tied=True, llama3=dict(factor=32.0, low=1.0, high=4.0,
                                                                                         original=8192)),
     "llama-3.1-8b": dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, context=131072,
-                         vocab=128256, theta=500000.0, eps=1e-5, tied=False, llama3=dict(factor=8.0, low=1.0, high=4.0,
-                                                                                         original=8192)),
+                         vocab=128256, theta=500000.0, eps=1e-5, tied=False, half=True,
+                         llama3=dict(factor=8.0, low=1.0, high=4.0, original=8192)),
     "qwen2.5-0.5b": dict(arch="qwen2", layers=24, hidden=896, heads=14, kv_heads=2, ffn=4864, context=32768,
                          vocab=151936, theta=1e6, eps=1e-6, tied=True, bias=True),
 }
@@ -208,17 +208,23 @@ def write_random(template: str, dst: str, name: str) -> None:
     writer.add_rope_freq_base(shape["theta"])
     writer.add_layer_norm_rms_eps(shape["eps"])
     writer.add_rope_dimension_count(shape["hidden"] // shape["heads"])
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    half = shape.get("half", False)  # (an 8B shape's source in float16: 16 GB on disk instead of 32)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if half else gguf.LlamaFileType.ALL_F32)
     rng = np.random.default_rng(0)
     C, D = shape["hidden"], shape["hidden"] // shape["heads"]
+    tensors = []  # (name, shape, make): written one at a time, so an 8B shape never sits in memory whole
 
-    def w(rows, cols):
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float32)
+    def w(name, rows, cols):
+        tensors.append((name, (rows, cols), lambda: (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02)
+                        .astype(np.float16 if half else np.float32)))
 
-    writer.add_tensor("token_embd.weight", w(vocab, C))
-    writer.add_tensor("output_norm.weight", np.ones(C, dtype=np.float32))
+    def vector(name, values):
+        tensors.append((name, values.shape, lambda: values))
+
+    w("token_embd.weight", vocab, C)
+    vector("output_norm.weight", np.ones(C, dtype=np.float32))
     if not shape["tied"]:
-        writer.add_tensor("output.weight", w(vocab, C))
+        w("output.weight", vocab, C)
     if shape.get("llama3"):  # Llama 3.x: the divisor of each rotary frequency, as llama.cpp's converter writes it
         r = shape["llama3"]
         factors = []
@@ -227,24 +233,29 @@ def write_random(template: str, dst: str, name: str) -> None:
             smooth = (r["original"] / wavelen - r["low"]) / (r["high"] - r["low"])
             factors.append(1.0 if wavelen < r["original"] / r["high"] else r["factor"] if wavelen > r["original"] /
                            r["low"] else 1 / ((1 - smooth) / r["factor"] + smooth))
-        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+        vector("rope_freqs.weight", np.array(factors, dtype=np.float32))
     for i in range(shape["layers"]):
         b = f"blk.{i}."
-        writer.add_tensor(b + "attn_norm.weight", np.ones(C, dtype=np.float32))
-        writer.add_tensor(b + "ffn_norm.weight", np.ones(C, dtype=np.float32))
-        writer.add_tensor(b + "attn_q.weight", w(shape["heads"] * D, C))
-        writer.add_tensor(b + "attn_k.weight", w(shape["kv_heads"] * D, C))
-        writer.add_tensor(b + "attn_v.weight", w(shape["kv_heads"] * D, C))
+        vector(b + "attn_norm.weight", np.ones(C, dtype=np.float32))
+        vector(b + "ffn_norm.weight", np.ones(C, dtype=np.float32))
+        w(b + "attn_q.weight", shape["heads"] * D, C)
+        w(b + "attn_k.weight", shape["kv_heads"] * D, C)
+        w(b + "attn_v.weight", shape["kv_heads"] * D, C)
         if shape.get("bias"):
             for part, heads in (("q", shape["heads"]), ("k", shape["kv_heads"]), ("v", shape["kv_heads"])):
-                writer.add_tensor(b + f"attn_{part}.bias", np.full(heads * D, 0.01, dtype=np.float32))
-        writer.add_tensor(b + "attn_output.weight", w(C, shape["heads"] * D))
-        writer.add_tensor(b + "ffn_gate.weight", w(shape["ffn"], C))
-        writer.add_tensor(b + "ffn_up.weight", w(shape["ffn"], C))
-        writer.add_tensor(b + "ffn_down.weight", w(C, shape["ffn"]))
+                vector(b + f"attn_{part}.bias", np.full(heads * D, 0.01, dtype=np.float32))
+        w(b + "attn_output.weight", C, shape["heads"] * D)
+        w(b + "ffn_gate.weight", shape["ffn"], C)
+        w(b + "ffn_up.weight", shape["ffn"], C)
+        w(b + "ffn_down.weight", C, shape["ffn"])
+    for name, dims, _ in tensors:
+        dtype = np.dtype(np.float16 if half and len(dims) == 2 else np.float32)
+        writer.add_tensor_info(name, dims, dtype, math.prod(dims) * dtype.itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for _, _, make in tensors:
+        writer.write_tensor_data(make())
     writer.close()
     os.replace(dst + ".tmp", dst)
 
