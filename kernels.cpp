@@ -6,6 +6,9 @@
 //   dense_kernels::linear_int8(x, w, s)       w uint8 [N, K] = int8 weight + 128, s float32 [N]: w = s * q
 //   dense_kernels::linear_int4(x, q, d, m)    q uint8 [N, K/2], d and m float32 [N, K/32]: w = d * code + m
 //   dense_kernels::linear_nf4(x, q, absmax, code)   q uint8 [N, K/2], absmax float32 [N, K/64], code the 16 NF4 values
+//   dense_kernels::linear_gguf(x, blocks, type)     blocks uint8 [N, bytes]: a GGUF file's rows of blocks, as stored
+//                                             (type: ggml's id of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+//   dense_kernels::dequantize_gguf(blocks, type, K, bf16)   those rows as gguf's dequantizer computes them
 //   dense_kernels::attention(q, k_t, v, pos, row_start, rows, scale, window, softcap)   a cached step's attention,
 //                                             over the slots in use
 //

@@ -11,6 +11,7 @@ sensitive layer) and in the mode itself for int8; the embedding table stays in t
 | nf4      | weight uint8 [out*in/2, 1], absmax [out*in/64]      | absmax * NF4[q] (bitsandbytes) |
 |          | --double-quant: absmax_q uint8, absmax_scales, ...  | absmax 8-bit, blocks of 256    |
 | llm.int8 | as int8 (bitsandbytes' CB and SCB / 127)            | bitsandbytes Linear8bitLt      |
+| gguf     | a GGUF file's rows of blocks, as stored (not saved) | gguf's dequantizer's value     |
 
 int4's grid is llama.cpp's Q4_1 grid (min + scale * q per group): a checkpoint converted from a Q4_0 or Q4_1 GGUF
 gets an int4-g32 variant made from the GGUF's own blocks, bit for bit. nf4 is bitsandbytes' layout bit for bit:
