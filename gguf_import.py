@@ -23,8 +23,10 @@ and quantized.py (int4's layout).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 
@@ -50,10 +52,18 @@ LAYER_TENSORS = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "post_attenti
 
 
 def open_gguf(path: str) -> "GGUFFile":
+    """The file parsed once per process (a program reads its config, weights and tokenizer from it; a file changed
+    since is parsed again)."""
     try:
-        return GGUFFile(path)
+        stat = os.stat(path)
+        return parsed(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
     except (OSError, ValueError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({first_line(e) or type(e).__name__})") from None
+
+
+@functools.lru_cache(maxsize=4)
+def parsed(path: str, size: int, mtime_ns: int) -> "GGUFFile":
+    return GGUFFile(path)
 
 
 class Field:

@@ -104,12 +104,13 @@ def available() -> bool:
     return _state["ok"]
 
 
-def huge_pages(tensors: list[torch.Tensor], zeros: bool = False) -> list[torch.Tensor]:
+def huge_pages(tensors: list[torch.Tensor], zeros: bool = False, advise: bool = True) -> list[torch.Tensor]:
     """Copies of CPU tensors in one anonymous mapping advised for transparent huge pages (Linux; elsewhere the
     tensors as they are). A decode step streams every weight once: with 4 KB pages the TLB misses cost about a fifth
     of the memory bandwidth (25 vs 30 GB/s here, measured), and weights read from a memory-mapped file are in 4 KB
     pages of the page cache. zeros=True: the tensors are all zeros (a new cache), so nothing is copied and pages
-    are only committed as they are written. Each copy keeps the mapping alive; it is unmapped with the last one."""
+    are only committed as they are written (advise=False: in 4 KB pages, for a long cache used at its start only).
+    Each copy keeps the mapping alive; it is unmapped with the last one."""
     import ctypes
     import mmap
 
@@ -123,7 +124,7 @@ def huge_pages(tensors: list[torch.Tensor], zeros: bool = False) -> list[torch.T
         buf = mmap.mmap(-1, total + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
         start = (base + (2 << 20) - 1) & ~((2 << 20) - 1)  # 2 MiB aligned
-        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(total), 14) != 0:  # MADV_HUGEPAGE
+        if advise and libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(total), 14) != 0:  # MADV_HUGEPAGE
             return tensors
     except (OSError, AttributeError, ValueError):
         return tensors
@@ -188,6 +189,7 @@ def use_kernel(x: torch.Tensor) -> bool:
 
 
 PER_QUERY_TOKENS = 16  # up to this many tokens a step (decode, a draft to verify, a short chunk): the kernel
+LONG_CACHE_BYTES = 64 << 20  # a layer's cache beyond this is committed in 4 KB pages (KVCache)
 
 
 class KVCache(dense.KVCache):
@@ -198,9 +200,12 @@ class KVCache(dense.KVCache):
     def __init__(self, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype, device) -> None:
         nn.Module.__init__(self)
         blocks = (seq_len + 1 + 15) // 16
-        k, v = huge_pages([torch.empty(batch, kv_heads, blocks, head_dim, 16, dtype=dtype, device="meta"),
-                           torch.empty(batch, kv_heads, seq_len + 1, head_dim, dtype=dtype, device="meta")],
-                          zeros=True)
+        # A long cache (a 128K-token context by default) is mostly never written: in 2 MB pages each head and layer
+        # would commit 2 MB at its first token (0.5 GiB for Llama-3.2-1B), in 4 KB pages what is used
+        shapes = [(batch, kv_heads, blocks, head_dim, 16), (batch, kv_heads, seq_len + 1, head_dim)]
+        huge = 2 * batch * kv_heads * (seq_len + 1) * head_dim * dtype.itemsize <= LONG_CACHE_BYTES
+        k, v = huge_pages([torch.empty(shape, dtype=dtype, device="meta") for shape in shapes], zeros=True,
+                          advise=huge)
         if k.device.type == "meta":  # no huge pages here
             k, v = torch.zeros_like(k, device=device), torch.zeros_like(v, device=device)
         self.register_buffer("k", k, persistent=False)
