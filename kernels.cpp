@@ -461,6 +461,11 @@ at::Tensor dequantize_nf4(const at::Tensor& q, const at::Tensor& absmax, const a
 // then once in float by d. Mins meet the sums of X over their sub-blocks. The result is the dequantized weights'
 // product with x to within x's rounding.
 
+// How far ahead a tile asks for its weight rows, into L2 (the file's rows are one stream): 2 KB into L1 (int4's
+// distance) streamed Q4_K_M's tensors at 16.5 GB/s, 8 KB into L2 at 26-30 (measured, huge pages; the file's own 4 KB
+// pages 21-27)
+constexpr int64_t AHEAD = 8192;
+
 enum : int64_t { GQ4_0 = 2, GQ4_1 = 3, GQ5_0 = 6, GQ5_1 = 7, GQ8_0 = 8, GQ4_K = 12, GQ5_K = 13, GQ6_K = 14 };
 
 constexpr int64_t block_elements(int64_t t) { return t >= GQ4_K ? 256 : 32; }
@@ -576,18 +581,20 @@ inline void chunk_params(const uint8_t* row, int64_t c, int64_t blocks, float A[
 // x as 16-bit integers a row: X = 127 q1 + q2, the two int8 digits of DigitRows (x = d (q1 + q2 / 127), within
 // 1/32258 of the row's largest value), and the sums of X over each 32 inputs (what mins multiply)
 struct WordRows {
+  DigitRows digits;         // q1, q2 [M, K] (K-quants multiply codes by each digit: vpmaddubsw)
   std::vector<int16_t> x;   // [M, K]
   std::vector<float> unit;  // per row: d / 127, the value of X = 1
-  std::vector<float> sum32; // [M, K/32] (+ 16 of slack for whole-register loads)
-  WordRows(const float* xf, int64_t M, int64_t K) : x(M * K), unit(M), sum32(M * K / 32 + 16) {
-    DigitRows digits(xf, M, K);
+  std::vector<float> sum16, sum32; // [M, K/16], [M, K/32] (+ 16 of slack for whole-register loads)
+  WordRows(const float* xf, int64_t M, int64_t K)
+      : digits(xf, M, K), x(M * K), unit(M), sum16(M * K / 16 + 16), sum32(M * K / 32 + 16) {
     for (int64_t i = 0; i < M * K; ++i) x[i] = (int16_t)(127 * digits.q1[i] + digits.q2[i]);
     for (int64_t row = 0; row < M; ++row) unit[row] = digits.scale[row] / 127.f;
-    for (int64_t b = 0; b < M * K / 32; ++b) {
+    for (int64_t b = 0; b < M * K / 16; ++b) {
       int32_t s = 0;
-      for (int e = 0; e < 32; ++e) s += x[32 * b + e];
-      sum32[b] = (float)s;
+      for (int e = 0; e < 16; ++e) s += x[16 * b + e];
+      sum16[b] = (float)s;
     }
+    for (int64_t b = 0; b < M * K / 32; ++b) sum32[b] = sum16[2 * b] + sum16[2 * b + 1];
   }
 };
 
@@ -648,37 +655,73 @@ template <int64_t T, int R, int NB>
 void kquant_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
                  int64_t N, int64_t n0) {
   const int64_t S = K / 256;
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < S; ++sb) {
-    __m512i a[R][NB];
-    __m512 d[NB], minv[NB];
+    __m512 fsum[R][NB], d[NB], minv[NB];
     for (int j = 0; j < NB; ++j) {
       const uint8_t* blk = w + (n0 + j) * row_bytes + sb * block_bytes(T);
-      for (int line = 0; line < block_bytes(T); line += 64) _mm_prefetch((const char*)blk + PREFETCH + line, _MM_HINT_T0);
-      __m512i words[8];
-      __m128i mins;
-      kquant_words<T>(blk, words, &mins);
-      for (int r = 0; r < R; ++r) {
-        const int16_t* x = xs.x.data() + (m0 + r) * K + sb * 256;
-        __m512i sum = _mm512_setzero_si512();
-        for (int i = 0; i < 8; ++i) sum = _mm512_dpwssd_epi32(sum, words[i], _mm512_loadu_si512(x + 32 * i));
-        a[r][j] = sum;
-      }
-      if constexpr (T == GQ6_K) {
-        d[j] = _mm512_set1_ps(half_at(blk + 208));
-      } else {
+      for (int line = 0; line < block_bytes(T); line += 64) _mm_prefetch((const char*)blk + AHEAD + line, _MM_HINT_T1);
+      if constexpr (T == GQ6_K) {  // 64 codes (0..63) a register as bytes; the -32 meets the sums of X
+        const __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 192)));  // 16 sub-blocks
+        const __m512i pairs = _mm512_or_si512(_mm512_and_si512(scales, _mm512_set1_epi32(0xFFFF)),
+                                              _mm512_slli_epi32(scales, 16));  // each scale twice, for vpermd
+        __m512i s1[R], s2[R];
+        for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {  // chunk c: sub-blocks 4c .. 4c + 3, four int32 lanes each
+          const __m512i u = chunk_codes<T>(w + (n0 + j) * row_bytes, sb * 4 + c, 0);
+          const __m512i scale = _mm512_permutexvar_epi32(
+              _mm512_add_epi32(_mm512_set1_epi32(4 * c), _mm512_srli_epi32(iota, 2)), pairs);
+          for (int r = 0; r < R; ++r) {
+            const int64_t at = (m0 + r) * K + sb * 256 + 64 * c;
+            s1[r] = _mm512_dpwssd_epi32(s1[r], _mm512_maddubs_epi16(u, _mm512_loadu_si512(xs.digits.q1.data() + at)), scale);
+            s2[r] = _mm512_dpwssd_epi32(s2[r], _mm512_maddubs_epi16(u, _mm512_loadu_si512(xs.digits.q2.data() + at)), scale);
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          fsum[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_set1_ps(127.f), _mm512_cvtepi32_ps(s2[r]));
+        const float dj = half_at(blk + 208);
+        d[j] = _mm512_set1_ps(dj);
+        minv[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(scales), _mm512_set1_ps(-32.f * dj));
+      } else {  // 64 codes a register as bytes, times each digit of x (vpmaddubsw: pairs), times the scale (vpdpwssd)
+        const __m128i sm = kquant_scales(blk + 4);
+        const __m128i s16 = _mm_cvtepu8_epi16(sm);  // each scale twice in an int32, for vpermd
+        const __m512i pairs = _mm512_castsi256_si512(_mm256_set_m128i(_mm_unpackhi_epi16(s16, s16), _mm_unpacklo_epi16(s16, s16)));
+        const uint8_t* qs = blk + (T == GQ4_K ? 16 : 48);
+        __m512i qh;
+        if constexpr (T == GQ5_K) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 16)));
+        __m512i s1[R], s2[R];
+        for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm512_setzero_si512();
+        for (int g = 0; g < 4; ++g) {  // 32 bytes: sub-block 2g in the low nibbles, 2g + 1 in the high ones
+          const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * g)));
+          __m512i u = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFFFF0000u, z, 4), _mm512_set1_epi8(15));
+          if constexpr (T == GQ5_K) {  // bit s of qh[l]: the fifth bit of value l of sub-block s
+            const __m512i shift = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(2 * g), _mm512_set1_epi16(2 * g + 1));
+            u = _mm512_or_si512(u, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift), _mm512_set1_epi8(1)), 4));
+          }
+          const __m512i scale = _mm512_permutexvar_epi32(  // int32 lanes 0-7: scale 2g, 8-15: scale 2g + 1
+              _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * g), _mm512_set1_epi32(2 * g + 1)), pairs);
+          for (int r = 0; r < R; ++r) {
+            const int64_t at = (m0 + r) * K + sb * 256 + 64 * g;
+            s1[r] = _mm512_dpwssd_epi32(s1[r], _mm512_maddubs_epi16(u, _mm512_loadu_si512(xs.digits.q1.data() + at)), scale);
+            s2[r] = _mm512_dpwssd_epi32(s2[r], _mm512_maddubs_epi16(u, _mm512_loadu_si512(xs.digits.q2.data() + at)), scale);
+          }
+        }
+        for (int r = 0; r < R; ++r)  // X = 127 q1 + q2: the sum in X's units, in float (127 s1 could pass int32)
+          fsum[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_set1_ps(127.f), _mm512_cvtepi32_ps(s2[r]));
         d[j] = _mm512_set1_ps(half_at(blk));
-        minv[j] = _mm512_maskz_mul_ps(0x00FF, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)), _mm512_set1_ps(-half_at(blk + 2)));
+        minv[j] = _mm512_maskz_mul_ps(0x00FF, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
+                                      _mm512_set1_ps(-half_at(blk + 2)));
       }
     }
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NB; ++j) {
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][j]), d[j], acc[r][j]);
-        if constexpr (T != GQ6_K)
-          acc[r][j] = _mm512_fmadd_ps(minv[j], _mm512_maskz_loadu_ps(0x00FF, xs.sum32.data() + (m0 + r) * (K / 32) + sb * 8),
-                                      acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(fsum[r][j], d[j], acc[r][j]);
+        const __m512 sums = T == GQ6_K ? _mm512_loadu_ps(xs.sum16.data() + (m0 + r) * (K / 16) + sb * 16)
+                                       : _mm512_maskz_loadu_ps(0x00FF, xs.sum32.data() + (m0 + r) * (K / 32) + sb * 8);
+        acc[r][j] = _mm512_fmadd_ps(minv[j], sums, acc[r][j]);
       }
   }
   for (int r = 0; r < R; ++r)
@@ -720,7 +763,7 @@ void block32_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_
   for (int64_t b = 0; b < blocks; ++b) {
     for (int j = 0; j < NB; ++j) {
       const uint8_t* blk = w + (n0 + j) * row_bytes + b * block_bytes(T);
-      _mm_prefetch((const char*)blk + PREFETCH, _MM_HINT_T0);
+      _mm_prefetch((const char*)blk + AHEAD, _MM_HINT_T1);
       const __m512i words = block_words<T>(blk);
       const __m512 d = _mm512_set1_ps(half_at(blk));
       for (int r = 0; r < R; ++r) {
