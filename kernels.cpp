@@ -455,11 +455,12 @@ at::Tensor dequantize_nf4(const at::Tensor& q, const at::Tensor& absmax, const a
 // per sub-block, w = A * (u - off) + B:
 //   Q4_K, Q5_K  A = d * scale_j (6-bit), B = -(dmin * min_j), per 32      Q6_K  A = d * scale_j (int8), off 32, per 16
 //   Q4_0 / Q5_0 / Q8_0  A = d, off 8 / 16 / 128 (Q8_0's int8 + 128)        Q4_1 / Q5_1  A = d, B = m
-// The matmuls take x as 16-bit integers (WordRows: two int8 digits of DigitRows joined, within 1/32258 of the row's
-// largest value) and the weights as 16-bit integers (codes times their sub-block's integer scale), multiplied by
-// vpdpwssd (32 products an instruction) into int32 sums, a super-block (K-quants) or a block (32-blocks) at a time,
-// then once in float by d. Mins meet the sums of X over their sub-blocks. The result is the dequantized weights'
-// product with x to within x's rounding.
+// The matmuls take x as two int8 digits a row (DigitRows: x = d (q1 + q2 / 127), within 1/32258 of the row's largest
+// value). K-quants: 64 codes a register as bytes (the dequantizer's chunk_codes), times each digit by vpmaddubsw
+// (pairs of products in int16), times the sub-block's integer scale by vpdpwssd (into int32), a super-block at a
+// time, then once in float by d. 32-blocks: codes as 16-bit integers (minus the type's offset) times X = 127 q1 + q2
+// by vpdpwssd, a block at a time, then by its d. Mins and offsets meet the sums of X over their sub-blocks. The
+// result is the dequantized weights' product with x to within x's rounding.
 
 // How far ahead a tile asks for its weight rows, into L2 (the file's rows are one stream): 2 KB into L1 (int4's
 // distance) streamed Q4_K_M's tensors at 16.5 GB/s, 8 KB into L2 at 26-30 (measured, huge pages; the file's own 4 KB
@@ -598,59 +599,9 @@ struct WordRows {
   }
 };
 
-// K-quants: a super-block's weights as 16-bit integers, each already times its sub-block's integer scale (Q6_K: its
-// code minus 32 too): 8 registers of 32, in input order. Their products with X, two per int32 lane (vpdpwssd), sum
-// over the super-block without overflow (|w| <= 15 x 63, 31 x 63 or 32 x 128; |X| <= 16193; 16 products a lane).
-// lane i of index table s: which of 16 sub-block scales a register of 32 values takes. Q6_K: register s covers
-// sub-blocks 2s (lanes 0-15) and 2s + 1; Q4_K / Q5_K: register s is all of sub-block s
-struct ScaleIndex {
-  alignas(64) int16_t q6[8][32], q4[8][32];
-  ScaleIndex() {
-    for (int s = 0; s < 8; ++s)
-      for (int i = 0; i < 32; ++i) q6[s][i] = (int16_t)(2 * s + i / 16), q4[s][i] = (int16_t)s;
-  }
-};
-const ScaleIndex scale_index;
-
-template <int64_t T>
-inline void kquant_words(const uint8_t* blk, __m512i w[8], __m128i* mins) {
-  if constexpr (T == GQ6_K) {
-    const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 192))));
-    for (int h = 0; h < 2; ++h) {  // values 128h + 64k + l: nibble k of ql[64h + l % 64], bits 4k + 2 (l / 32) of qh
-      const __m512i qh = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h))), 4);
-      const __m512i ql[2] = {_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 64 * h))),
-                             _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32)))};
-      for (int k = 0; k < 2; ++k)
-        for (int z = 0; z < 2; ++z) {
-          const __m512i low = k ? _mm512_srli_epi16(ql[z], 4) : _mm512_and_si512(ql[z], _mm512_set1_epi16(15));
-          const __m512i high = _mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(4 * k + 2 * z)), _mm512_set1_epi16(0x30));
-          const int r = 4 * h + 2 * k + z;  // register r: sub-blocks 2r, 2r + 1
-          const __m512i scale = _mm512_permutexvar_epi16(_mm512_load_si512(scale_index.q6[r]), scales);
-          w[r] = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_or_si512(low, high), _mm512_set1_epi16(32)), scale);
-        }
-    }
-  } else {  // Q4_K / Q5_K: sub-block 2g from the low nibbles of qs[32g ..], 2g + 1 from the high ones
-    const __m128i sm = kquant_scales(blk + 4);
-    *mins = _mm_srli_si128(sm, 8);
-    const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
-    const uint8_t* qs = blk + (T == GQ4_K ? 16 : 48);
-    __m512i qh;
-    if constexpr (T == GQ5_K) qh = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 16))), 4);
-    for (int g = 0; g < 4; ++g) {
-      const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qs + 32 * g)));
-      __m512i low = _mm512_and_si512(q, _mm512_set1_epi16(15)), high = _mm512_srli_epi16(q, 4);
-      if constexpr (T == GQ5_K) {  // bit s of qh[l]: the fifth bit of value l of sub-block s
-        low = _mm512_or_si512(low, _mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), _mm512_set1_epi16(16)));
-        high = _mm512_or_si512(high, _mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(2 * g + 1)), _mm512_set1_epi16(16)));
-      }
-      w[2 * g] = _mm512_mullo_epi16(low, _mm512_permutexvar_epi16(_mm512_load_si512(scale_index.q4[2 * g]), scales));
-      w[2 * g + 1] = _mm512_mullo_epi16(high, _mm512_permutexvar_epi16(_mm512_load_si512(scale_index.q4[2 * g + 1]), scales));
-    }
-  }
-}
-
-// NB weight rows of a K-quant type against R rows of x, a super-block at a time: integer sums, then d in float (and
-// Q4_K / Q5_K's mins against the sums of X)
+// NB weight rows of a K-quant type against R rows of x, a super-block at a time: integer sums of codes x digits x
+// scales (no overflow: |codes x digit| pairs <= 2 x 63 x 127, times |scale| <= 128, 4 chunks a lane), then d in
+// float, and the mins (Q4_K, Q5_K) or the codes' offset 32 (Q6_K) against the sums of X
 template <int64_t T, int R, int NB>
 void kquant_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
                  int64_t N, int64_t n0) {

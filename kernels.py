@@ -6,7 +6,7 @@ runs at the speed the weights stream from memory. PyTorch's CPU kernels reach le
 (measured in BENCHMARKS.md), so kernels.cpp has register-tiled kernels for up to 8 rows of x at a time: float32
 with FMA; int8 weights with AVX-512 VNNI on activations written as two int8 digits (16 bits of the row's range); int4 and
 nf4 by looking each block's float32 values up in a register (vpermps); a GGUF file's own blocks (K-quants, Q8_0,
-Q4_0/1, Q5_0/1) as stored, by 16-bit integer dot products (VNNI vpdpwssd) on activations written as 16-bit integers.
+Q4_0/1, Q5_0/1) as stored, by integer dot products (VNNI) on activations written as two int8 digits a row.
 The result is the dequantized weights' product to float32's precision, or within 1/32258 of each row of x's largest
 value (llama.cpp quantizes activations to 8 bits, which flips answers of the default model: measured).
 
