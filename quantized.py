@@ -2,7 +2,8 @@
 their stored tensors. Stands on dense.py and kernels.py (whose CPU kernels the layers call).
 
 Which layers: every linear of the decoder blocks; the output head in int8 for the 4-bit modes (it is the most
-sensitive layer) and in the mode itself for int8; the embedding table stays in the model's dtype.
+sensitive layer) and in the mode itself for int8; the embedding table stays in the model's dtype (gguf: every tensor,
+embedding and head included, in the file's own type).
 
 | mode     | stored per linear                                   | value                          |
 | -------- | --------------------------------------------------- | ------------------------------ |
