@@ -105,10 +105,9 @@ class GGUFFile:
         import gguf
 
         self.bytes = np.memmap(path, dtype=np.uint8, mode="r")
-        self.buf, self.at = memoryview(self.bytes), 0
+        self.buf, self.at = memoryview(self.bytes), 4  # (after the magic)
         if bytes(self.buf[:4]) != b"GGUF":
             raise ValueError("no GGUF magic")
-        self.at = 4
         version = self.scalar(4)
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version}")
@@ -304,11 +303,10 @@ def read_gguf(path: str) -> Checkpoint:
 
     def read_blocks(name: str, heads: int | None = None, rows: tuple[int, int] | None = None) -> Blocks:
         t = tensors[name]
-        out, cols = shape_of(t)
+        out = shape_of(t)[0]
         start, stop = rows or (0, out)
         row_bytes = t.n_bytes // out
-        return Blocks(t.tensor_type.name, path, name, t.data_offset + start * row_bytes, stop - start, row_bytes,
-                      cols, heads)
+        return Blocks(t.tensor_type.name, path, name, t.data_offset + start * row_bytes, stop - start, row_bytes, heads)
 
     def read_int4(name: str, heads: int | None = None, rows: tuple[int, int] | None = None):
         def thunk() -> dict:
@@ -352,15 +350,14 @@ def read_gguf(path: str) -> Checkpoint:
 
 @dataclass
 class Blocks:
-    """Rows [start, start + rows) of a GGUF tensor's blocks, as the file stores them (each row row_bytes: its `cols`
-    values' blocks), where they lie in the file. heads: llama's q/k rows, permuted in the file (see unpermute)."""
+    """Rows [start, start + rows) of a GGUF tensor's blocks, as the file stores them (row_bytes a row), where they lie
+    in the file. heads: llama's q/k rows, permuted in the file (see unpermute)."""
     kind: str
     path: str
     name: str
     offset: int  # in the file, of the first row
     rows: int
     row_bytes: int
-    cols: int
     heads: int | None = None
 
 

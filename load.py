@@ -175,10 +175,12 @@ def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dt
         else:
             order = None  # output j of the layer is output order[j] of its stored rows (llama's q/k permutation)
             if any(blocks[p].heads for p in parts):
-                order = torch.cat([gguf_import.unpermute(torch.arange(blocks[p].rows), blocks[p].heads)
-                                   if blocks[p].heads else torch.arange(blocks[p].rows) for p in parts])
-                order += torch.tensor([0] + [blocks[p].rows for p in parts[:-1]]).cumsum(0).repeat_interleave(
-                    torch.tensor([blocks[p].rows for p in parts]))
+                order, first = [], 0
+                for b in (blocks[p] for p in parts):
+                    rows = torch.arange(first, first + b.rows)
+                    order.append(gguf_import.unpermute(rows, b.heads) if b.heads else rows)
+                    first += b.rows
+                order = torch.cat(order)
             new = quantized.GGUFLinear(old.in_features, old.out_features, old.bias is not None, parts=views,
                                        order=order)
         setattr(model.get_submodule(parent) if parent else model, attr, new)
