@@ -264,7 +264,10 @@ def run(argv, console) -> int:
     with console.status("Loading the compiled steps..." if args.compile else "Warming up...") as status:
         session = Session(model, vocab, args, status=status.update, draft=draft,
                           note=lambda message: console.print(f"[dim]note: {message}[/dim]"))
-        session.compile_s = session.warm_up()
+        if args.prompt is None:
+            session.compile_s = session.warm_up()
+        elif session.steps is not None:  # one-shot: its one prefill runs eagerly (loading a compiled step takes 1-2 s,
+            session.steps.eager.add("prefill")  # most of it importing Inductor); the decode step loads after it
     if args.prompt is None or args.stats:
         console.print(f"[dim]{why}[/dim]")
     if args.json_schema or args.json_object:

@@ -24,6 +24,7 @@ and quantized.py (int4's layout).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -35,9 +36,9 @@ import torch
 
 import families
 import quantized
-from checkpoint import Checkpoint, CheckpointError, make_config
+from checkpoint import Checkpoint, CheckpointError, atomic_write, make_config
 from dense import DenseConfig
-from machine import first_line
+from machine import cache_dir, first_line, unwritable_cache
 
 ARCHITECTURES = tuple(families.BY_GGUF)  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3
 # Token texts that end a turn in common chat formats (llama.cpp recognises them the same way).
@@ -480,7 +481,31 @@ def sentencepiece_tokenizer(reader, tokens: list[str], types: list[int], path: s
 
 
 def side_files(path: str) -> dict[str, str]:
-    """tokenizer.json, tokenizer_config.json and generation_config.json texts for a GGUF's native folder."""
+    """tokenizer.json, tokenizer_config.json and generation_config.json texts for a GGUF's native folder. Building
+    them takes 0.6 s for a 128K vocabulary: they are kept in the cache folder, keyed by the file (path, size, time)
+    and this code, and read back by later runs (0.05 s)."""
+    saved = None
+    try:
+        stat = os.stat(path)
+        with open(__file__, "rb") as f:
+            code = f.read()
+        identity = json.dumps([os.path.abspath(path), stat.st_size, stat.st_mtime_ns]).encode()
+        saved = os.path.join(cache_dir(), "tokenizers", hashlib.sha256(identity + code).hexdigest()[:32] + ".json")
+        with open(saved, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):  # not built yet (or unreadable: built again)
+        pass
+    files = build_side_files(path)
+    if saved is not None and unwritable_cache() is None:
+        try:
+            os.makedirs(os.path.dirname(saved), exist_ok=True)
+            atomic_write(saved, lambda p: open(p, "w", encoding="utf-8").write(json.dumps(files)))
+        except OSError:  # a full disk: built again next time
+            pass
+    return files
+
+
+def build_side_files(path: str) -> dict[str, str]:
     reader = open_gguf(path)
     tokens = field(reader, "tokenizer.ggml.tokens", path=path)
     types = field(reader, "tokenizer.ggml.token_type", [NORMAL] * len(tokens), path)

@@ -770,19 +770,6 @@ void check_blocks(const at::Tensor& w, int64_t type, int64_t K, const char* op) 
               ": ", w.size(1), " bytes a row do not hold ", K, " inputs of GGUF type ", type);
 }
 
-// y = x w^T for x [..., K] float32 and w [N, bytes] the file's rows of blocks
-at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_gguf: x must be float32");
-  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  check_blocks(w, type, K, "linear_gguf");
-  TORCH_CHECK(K % 16 == 0 && K <= 65536, "linear_gguf: ", K, " inputs");
-  WordRows xs(x.data_ptr<float>(), M, K);
-  auto y = output_like(x_, N);
-  DISPATCH_GGUF(type, (gguf_matmul<T>(xs, M, w.data_ptr<uint8_t>(), w.size(1), K, y.data_ptr<float>(), N)));
-  return y;
-}
-
 // Rows of blocks -> [N, K] values as gguf's own dequantizer computes them (float32: bit for bit; bfloat16: those
 // rounded). No fused multiply-adds: A (u - off) and + B are two roundings there. A, off and B are made once per
 // super-block (per 16 values) or per chunk of two 32-blocks.
@@ -829,6 +816,56 @@ at::Tensor dequantize_gguf(const at::Tensor& w, int64_t type, int64_t K, bool bf
     DISPATCH_GGUF(type, (dequantize_rows<T>(wp, w.size(1), N, K, out.data_ptr<float>())));
   }
   return out;
+}
+
+// Many rows of x (a prefill) make a matmul compute-bound: bfloat16 GEMMs (oneDNN, AVX512-BF16) outrun the integer
+// tiles 2-3x there. Each thread dequantizes a tile of weight rows to bfloat16 (GEMM_TILE_BYTES: it stays in the
+// thread's L2) and multiplies x by it at once, one GEMM a tile (one thread each: a GEMM in a parallel region runs
+// serially). Dequantizing the whole weight first wrote it to memory and read it back: a quarter of a prefill's time.
+constexpr int64_t GEMM_TILE_BYTES = 2 << 20;
+
+template <int64_t T>
+void gguf_gemm(const at::Tensor& x16, const uint8_t* w, int64_t row_bytes, float* y, int64_t N) {
+  const int64_t M = x16.size(0), K = x16.size(1);
+  const int64_t NB = std::max<int64_t>(64, GEMM_TILE_BYTES / (2 * K) / 16 * 16), tiles = (N + NB - 1) / NB;
+  std::atomic<int64_t> next{0};  // tiles claimed one at a time: a thread the host slows takes fewer
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tiles), 1, [&](int64_t, int64_t) {
+    auto tile = at::empty({NB, K}, x16.options());
+    uint16_t* wt = reinterpret_cast<uint16_t*>(tile.data_ptr());
+    for (int64_t t = next++; t < tiles; t = next++) {
+      const int64_t n0 = t * NB, nb = std::min(NB, N - n0);
+      dequantize_rows<T>(w + n0 * row_bytes, row_bytes, nb, K, wt);
+      const auto part = at::mm(x16, tile.narrow(0, 0, nb).t());  // [M, nb] bfloat16
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(part.data_ptr());
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < nb; ++j) {
+          const uint32_t bits = (uint32_t)p[m * nb + j] << 16;
+          memcpy(y + m * N + n0 + j, &bits, 4);
+        }
+    }
+  });
+}
+
+// Up to this many rows of x, the integer tiles (they read each weight once: decoding is memory-bound); beyond, the
+// bfloat16 GEMMs (measured: BENCHMARKS.md)
+constexpr int64_t GEMM_ROWS = 12;
+
+// y = x w^T for x [..., K] float32 and w [N, bytes] the file's rows of blocks
+at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_gguf: x must be float32");
+  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_blocks(w, type, K, "linear_gguf");
+  TORCH_CHECK(K % 16 == 0 && K <= 65536, "linear_gguf: ", K, " inputs");
+  auto y = output_like(x_, N);
+  if (M > GEMM_ROWS) {
+    const auto x16 = x.to(at::kBFloat16);
+    DISPATCH_GGUF(type, (gguf_gemm<T>(x16, w.data_ptr<uint8_t>(), w.size(1), y.data_ptr<float>(), N)));
+    return y;
+  }
+  WordRows xs(x.data_ptr<float>(), M, K);
+  DISPATCH_GGUF(type, (gguf_matmul<T>(xs, M, w.data_ptr<uint8_t>(), w.size(1), K, y.data_ptr<float>(), N)));
+  return y;
 }
 
 // ---- attention over the cache ------------------------------------------------------------------------------------

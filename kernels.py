@@ -375,19 +375,3 @@ def linear_nf4(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     w = torch.ops.dense_kernels.dequantize_nf4(packed, absmax, code)
     return F.linear(x.to(torch.bfloat16), w).to(x.dtype)
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# GGUF blocks as stored (quantized.GGUFLinear): up to MAX_ROWS rows of x by kernels.cpp's integer kernels; a long
-# prefill, compute-bound, as one bfloat16 GEMM on the weight dequantized once.
-
-
-def linear_gguf(x: torch.Tensor, blocks: torch.Tensor, kind: int, cols: int) -> torch.Tensor:
-    if use_kernel(x):
-        return torch.ops.dense_kernels.linear_gguf(x, blocks, kind)
-    # a few MB of weight rows at a time: the dequantized slice is reused from the heap (a whole weight in bfloat16,
-    # tens of MB, would be a fresh mapping each call, whose page faults cost more than the GEMM)
-    x16, step = x.to(torch.bfloat16), max(64, (8 << 20) // (2 * cols))
-    parts = [F.linear(x16, torch.ops.dense_kernels.dequantize_gguf(blocks[i:i + step], kind, cols, True))
-             for i in range(0, blocks.shape[0], step)]
-    return torch.cat(parts, dim=-1).to(x.dtype)
-

@@ -367,7 +367,7 @@ class GGUFLinear(QuantLinear):
     def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
         blocks, kind = getattr(self, f"blocks{i}"), self.kinds[i]
         if blocks.device.type == "cpu" and x.dtype == torch.float32 and kernels.available():
-            return kernels.linear_gguf(x, blocks, GGUF_TYPES[kind][0], self.in_features)
+            return torch.ops.dense_kernels.linear_gguf(x, blocks, GGUF_TYPES[kind][0])  # kernels.cpp
         # elsewhere: dequantize-and-matmul (torch.compile fuses the dequantizing into the weight loads)
         return F.linear(x, gguf_dequantize(blocks, kind, self.in_features).to(x.dtype))
 

@@ -79,6 +79,7 @@ class Steps:
         self.base = None  # the part of the key shared by every step of this model and cache
         self.compile_s = 0.0  # seconds spent compiling (not loading) in this process
         self.loaded = self.compiled = 0
+        self.eager: set[str] = set()  # kinds run eagerly here (a one-shot answer's one prefill: not worth a load)
         # Saved steps (aot_compile) on CPU. On CUDA, steps are compiled in the process (LazyStep): a step's worth
         # there is its CUDA graph, which is recorded per process and cannot be saved; Inductor's own caches (FX graph,
         # Triton kernels and their tuning, in torch's cache folder) make a later process's compile short. Tensor
@@ -100,7 +101,7 @@ class Steps:
         cannot be compiled here: no working C++ compiler)."""
         key = self.key(kind, **shape)
         compiled = self.functions.get(key)
-        if compiled is not None or key in self.failed:
+        if compiled is not None or key in self.failed or kind in self.eager:
             return compiled
         path = os.path.join(self.folder, key + ".bin")
         if self.background is not None and self.saved and self.in_background(key, path, kind, fn, args, shape):

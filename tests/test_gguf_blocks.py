@@ -61,7 +61,7 @@ def test_kernels_equal_ggufs_dequantizer_and_the_float_product(kind):
         want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(rows, cols).copy())
         assert torch.equal(torch.ops.dense_kernels.dequantize_gguf(blocks, ggml_id, cols, False), want)
         assert torch.equal(torch.ops.dense_kernels.dequantize_gguf(blocks, ggml_id, cols, True), want.bfloat16())
-        for m in (1, 2, 3, 5, 16):  # every tile shape: 1-2 rows of x against 2 weight rows, 3-4 against one
+        for m in (1, 2, 3, 5, 12):  # every tile shape: 1-2 rows of x against 2 weight rows, 3-4 against one
             x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
             got = torch.ops.dense_kernels.linear_gguf(x, blocks, ggml_id).double()
             exact = x.double() @ want.double().T
@@ -75,9 +75,23 @@ def test_kernels_equal_ggufs_dequantizer_and_the_float_product(kind):
             assert (got - digits @ want.double().T).abs().max() <= 1e-5 * exact.abs().max(), (kind, rows, cols, m)
         if rows == 1:
             continue
-        x = torch.randn(40, cols)  # a long prefill: one bfloat16 GEMM on the dequantized weight
-        got = kernels.linear_gguf(x, blocks, ggml_id, cols)
-        assert torch.allclose(got, (x.bfloat16() @ want.bfloat16().T).float(), rtol=1e-2, atol=1e-2 * got.abs().max())
+        for m in (13, 40):  # a prefill: bfloat16 GEMMs on tiles of the dequantized weight
+            x = torch.randn(m, cols)
+            got = torch.ops.dense_kernels.linear_gguf(x, blocks, ggml_id)
+            assert torch.allclose(got, (x.bfloat16() @ want.bfloat16().T).float(), rtol=1e-2,
+                                  atol=1e-2 * got.abs().max())
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_0"])
+def test_prefill_over_several_weight_tiles(kind):
+    """300 weight rows of 4096 inputs are two tiles of 256 rows (2 MB of bfloat16 each) and a tail of 44."""
+    raw = random_blocks(kind, 300, 4096)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(300, 4096).copy())
+    x = torch.randn(2, 20, 4096)
+    got = torch.ops.dense_kernels.linear_gguf(x, torch.from_numpy(raw), quantized.GGUF_TYPES[kind][0])
+    assert got.shape == (2, 20, 300)
+    assert torch.allclose(got, (x.bfloat16() @ want.bfloat16().T).float(), rtol=1e-2, atol=1e-2 * got.abs().max())
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +128,7 @@ def test_auto_keeps_every_tensor_in_its_own_type(mixed_files, tied):
 def test_logits_near_the_float_path_on_the_same_file(mixed_files, tied, monkeypatch):
     blocks = load.from_pretrained(mixed_files[tied], quant="auto")
     plain = load.from_pretrained(mixed_files[tied], quant="none")  # gguf's dequantizer, float32
-    ids = torch.randint(0, 400, (1, 14), generator=torch.Generator().manual_seed(1))  # (up to 16 rows: the kernels)
+    ids = torch.randint(0, 400, (1, 12), generator=torch.Generator().manual_seed(1))  # (up to 12 rows: the kernels)
     with torch.no_grad():
         want = plain.double()(ids)
         got = blocks(ids)
