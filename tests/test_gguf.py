@@ -182,6 +182,21 @@ def test_rebuilt_tokenizer_gives_the_originals_ids(tmp_path, pre):
         assert rebuilt.encode("2024").ids == [original.token_to_id(d) for d in "2024"]
 
 
+def test_tokenizer_is_kept_in_the_cache_folder_and_rebuilt_when_the_file_changes(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "t.gguf"
+    write_gguf(path, small_llama(tied=True), tokenizer, "gpt2", {})
+    built = gguf_import.side_files(str(path))
+    assert built == gguf_import.build_side_files(str(path))
+    saved = list((tmp_path / "cache" / "dense-engine" / "tokenizers").iterdir())
+    assert len(saved) == 1 and json.loads(saved[0].read_text()) == built
+    saved[0].write_text(json.dumps({**built, "tokenizer_config.json": "{}"}))  # what a later run reads is the cache
+    assert gguf_import.side_files(str(path))["tokenizer_config.json"] == "{}"
+    os.utime(path, ns=(0, 0))  # the file changed: built again, not the old one
+    assert gguf_import.side_files(str(path)) == built
+    assert len(list((tmp_path / "cache" / "dense-engine" / "tokenizers").iterdir())) == 2
+
+
 def test_convert_writes_a_native_folder_with_tokenizer_and_template(tmp_path, tokenizer):
     model = small_llama(tied=True)
     write_gguf(tmp_path / "m.gguf", model, tokenizer, "gpt2", {"attn_q": Q.Q8_0})
