@@ -115,6 +115,44 @@ at::Tensor output_like(const at::Tensor& x, int64_t N) {
   return at::empty(shape, x.options());
 }
 
+// Many rows of x (a prefill) make a matmul compute-bound: bfloat16 GEMMs (oneDNN, AVX512-BF16) outrun the quantized
+// tiles below 2-3x there. Each thread dequantizes a tile of weight rows to bfloat16 (GEMM_TILE_BYTES: it stays in the
+// thread's cache) and multiplies x by it at once, one GEMM a tile (one thread each: a GEMM in a parallel region runs
+// serially). Dequantizing the whole weight first wrote it to memory and read it back. Up to GEMM_ROWS rows of x, the
+// quantized tiles (they read each weight once: decoding is memory-bound); beyond, the GEMMs (measured:
+// BENCHMARKS.md). The product is bfloat16's: x and the weights rounded to it, the sums float32, y rounded to it.
+constexpr int64_t GEMM_TILE_BYTES = 2 << 20;
+constexpr int64_t GEMM_ROWS = 12;
+
+// y [M, N] = x [M, K] w^T, w's rows n0 .. n0 + nb - 1 written as bfloat16 [nb, K] by rows(n0, nb, out)
+template <typename Rows>
+at::Tensor gemm_by_tiles(const at::Tensor& x_, int64_t N, Rows rows) {
+  const auto x16 = x_.reshape({-1, x_.size(-1)}).to(at::kBFloat16).contiguous();
+  const int64_t M = x16.size(0), K = x16.size(1);
+  auto y_ = output_like(x_, N);
+  float* y = y_.data_ptr<float>();
+  const int64_t threads = at::get_num_threads();  // at least two tiles a thread where N allows
+  const int64_t NB = std::max<int64_t>(16, std::min(GEMM_TILE_BYTES / (2 * K), (N + 2 * threads - 1) / (2 * threads)) / 16 * 16);
+  const int64_t tiles = (N + NB - 1) / NB;
+  std::atomic<int64_t> next{0};  // tiles claimed one at a time: a thread the host slows takes fewer
+  at::parallel_for(0, std::min(threads, tiles), 1, [&](int64_t, int64_t) {
+    auto tile = at::empty({NB, K}, x16.options());
+    uint16_t* wt = reinterpret_cast<uint16_t*>(tile.data_ptr());
+    for (int64_t t = next++; t < tiles; t = next++) {
+      const int64_t n0 = t * NB, nb = std::min(NB, N - n0);
+      rows(n0, nb, wt);
+      const auto part = at::mm(x16, tile.narrow(0, 0, nb).t());  // [M, nb] bfloat16
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(part.data_ptr());
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < nb; ++j) {
+          const uint32_t bits = (uint32_t)p[m * nb + j] << 16;
+          memcpy(y + m * N + n0 + j, &bits, 4);
+        }
+    }
+  });
+  return y_;
+}
+
 // ---- float32 weights --------------------------------------------------------------------------------------------
 
 // One accumulator per (row of x, weight row), summed over K in order: a row's result is the same bits whatever the
@@ -287,6 +325,66 @@ at::Tensor linear_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tens
 // it; x stays float32: the dequantized weights' product, as float32 computes it. (8-bit activations, as llama.cpp
 // takes them, cost this grid 1% perplexity and flip answers of the default model that float32 gets right.)
 
+// int4 weight rows n0 .. n1 - 1 as bfloat16 (d * code + m) into out [n1 - n0, K]
+void int4_rows(const uint8_t* qp, const float* dp, const float* mp, int64_t K, int64_t n0, int64_t n1, uint16_t* out) {
+  const int64_t G = K / 32;
+  const __m512i low = _mm512_set1_epi32(15);
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t g = 0; g < G; ++g) {
+      __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qp + n * (K / 2) + g * 16)));
+      const __m512 s = _mm512_set1_ps(dp[n * G + g]), m = _mm512_set1_ps(mp[n * G + g]);
+      __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, low)), s, m);
+      __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), s, m);
+      _mm512_storeu_si512(out + (n - n0) * K + g * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+// An int4 weight as bfloat16 [N, K] (a CPU model's weights for another device's step, tests)
+at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
+  const int64_t N = q.size(0), K = q.size(1) * 2;
+  auto w = at::empty({N, K}, q.options().dtype(at::kBFloat16));
+  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr());
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    int4_rows(q.data_ptr<uint8_t>(), d.data_ptr<float>(), mn.data_ptr<float>(), K, n0, n1, wp + n0 * K);
+  });
+  return w;
+}
+
+// nf4 weight rows n0 .. n1 - 1 (our repacked layout) as bfloat16 into out [n1 - n0, K], rounded as PyTorch rounds
+// float32 code * absmax
+void nf4_rows(const uint8_t* qp, const float* ap, const float* code, int64_t K, int64_t n0, int64_t n1, uint16_t* wp) {
+  const int64_t B = K / 64;
+  const __m512 table = _mm512_loadu_ps(code);
+  const __m512i low = _mm512_set1_epi32(15);
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < B; ++b) {
+      const __m512 s = _mm512_set1_ps(ap[n * B + b]);
+      for (int half = 0; half < 2; ++half) {  // bytes 16 half .. +16: codes 16 half.. (low), 32 + 16 half.. (high)
+        __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qp + n * (K / 2) + b * 32 + half * 16)));
+        __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, low), table), s);
+        __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table), s);
+        uint16_t* out = wp + (n - n0) * K + b * 64 + half * 16;
+        _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(lo));
+        _mm256_storeu_si256((__m256i*)(out + 32), (__m256i)_mm512_cvtneps_pbh(hi));
+      }
+    }
+}
+
+// nf4 [N, K/2] -> bfloat16 [N, K]
+at::Tensor dequantize_nf4(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat && code.scalar_type() == at::kFloat &&
+              code.numel() == 16 && q.is_contiguous() && absmax.is_contiguous() && q.size(1) % 32 == 0 &&
+              absmax.numel() == q.size(0) * q.size(1) / 32, "dequantize_nf4: bad shapes");
+  const int64_t N = q.size(0), K = q.size(1) * 2;
+  auto w = at::empty({N, K}, q.options().dtype(at::kBFloat16));
+  const auto table = code.contiguous();
+  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr());
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    nf4_rows(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), table.data_ptr<float>(), K, n0, n1, wp + n0 * K);
+  });
+  return w;
+}
+
 template <int R, int NB>
 void int4_tile(const float* x, const uint8_t* q, const float* d, const float* mn, int64_t K, float* y, int64_t N,
                int64_t n0) {
@@ -326,9 +424,11 @@ at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tens
   int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / 32;
   TORCH_CHECK(K % 32 == 0 && q.size(1) == K / 2 && d.numel() == N * G && mn.numel() == N * G && q.is_contiguous() &&
               d.is_contiguous() && mn.is_contiguous(), "linear_int4: bad shapes");
-  auto y = output_like(x_, N);
   const float *xp = x.data_ptr<float>(), *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
+  if (M > GEMM_ROWS)
+    return gemm_by_tiles(x_, N, [&](int64_t n0, int64_t nb, uint16_t* out) { int4_rows(qp, dp, mp, K, n0, n0 + nb, out); });
+  auto y = output_like(x_, N);
   float* yp = y.data_ptr<float>();
   for_each_tile<2>(M, N, K, K / 2, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
     if (nb == 2 && rows <= 4) {
@@ -389,64 +489,16 @@ at::Tensor linear_nf4(const at::Tensor& x_, const at::Tensor& q, const at::Tenso
   int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   TORCH_CHECK(K % 64 == 0 && q.size(1) == K / 2 && absmax.numel() == N * K / 64 && q.is_contiguous() &&
               absmax.is_contiguous(), "linear_nf4: bad shapes");
-  auto y = output_like(x_, N);
   const float *xp = x.data_ptr<float>(), *ap = absmax.data_ptr<float>(), *cp = code.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
+  if (M > GEMM_ROWS)
+    return gemm_by_tiles(x_, N, [&](int64_t n0, int64_t nb, uint16_t* out) { nf4_rows(qp, ap, cp, K, n0, n0 + nb, out); });
+  auto y = output_like(x_, N);
   float* yp = y.data_ptr<float>();
   for_each_tile<1>(M, N, K, K / 2, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
     DISPATCH_ROWS(rows, (nf4_tile<R, 1>(xp + m0 * K, qp, ap, cp, K, yp + m0 * N, N, n0)));
   });
   return y;
-}
-
-// A long prefill's int4 weight as bfloat16 [N, K] (d * code + m), for one bfloat16 GEMM.
-at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
-  const int64_t N = q.size(0), K = q.size(1) * 2, G = K / 32;
-  auto w = at::empty({N, K}, q.options().dtype(at::kBFloat16));
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
-  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr());
-  const __m512i low = _mm512_set1_epi32(15);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t g = 0; g < G; ++g) {
-        __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qp + n * (K / 2) + g * 16)));
-        const __m512 s = _mm512_set1_ps(dp[n * G + g]), m = _mm512_set1_ps(mp[n * G + g]);
-        __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, low)), s, m);
-        __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), s, m);
-        _mm512_storeu_si512(wp + n * K + g * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      }
-  });
-  return w;
-}
-
-// nf4 [N, K/2] (our repacked layout) -> bfloat16 [N, K], rounded as PyTorch rounds float32 code * absmax
-at::Tensor dequantize_nf4(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code) {
-  TORCH_CHECK(q.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat && code.scalar_type() == at::kFloat &&
-              code.numel() == 16 && q.is_contiguous() && absmax.is_contiguous() && q.size(1) % 32 == 0 &&
-              absmax.numel() == q.size(0) * q.size(1) / 32, "dequantize_nf4: bad shapes");
-  const int64_t N = q.size(0), K = q.size(1) * 2, B = K / 64;
-  auto w = at::empty({N, K}, q.options().dtype(at::kBFloat16));
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* ap = absmax.data_ptr<float>();
-  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr());
-  const __m512 table = _mm512_loadu_ps(code.contiguous().data_ptr<float>());
-  const __m512i low = _mm512_set1_epi32(15);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t b = 0; b < B; ++b) {
-        const __m512 s = _mm512_set1_ps(ap[n * B + b]);
-        for (int half = 0; half < 2; ++half) {  // bytes 16 half .. +16: codes 16 half.. (low), 32 + 16 half.. (high)
-          __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qp + n * (K / 2) + b * 32 + half * 16)));
-          __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, low), table), s);
-          __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table), s);
-          uint16_t* out = wp + n * K + b * 64 + half * 16;
-          _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(lo));
-          _mm256_storeu_si256((__m256i*)(out + 32), (__m256i)_mm512_cvtneps_pbh(hi));
-        }
-      }
-  });
-  return w;
 }
 
 // ---- GGUF blocks as the file stores them: llama.cpp's K-quants (Q4_K, Q5_K, Q6_K, super-blocks of 256) and its
@@ -818,38 +870,6 @@ at::Tensor dequantize_gguf(const at::Tensor& w, int64_t type, int64_t K, bool bf
   return out;
 }
 
-// Many rows of x (a prefill) make a matmul compute-bound: bfloat16 GEMMs (oneDNN, AVX512-BF16) outrun the integer
-// tiles 2-3x there. Each thread dequantizes a tile of weight rows to bfloat16 (GEMM_TILE_BYTES: it stays in the
-// thread's L2) and multiplies x by it at once, one GEMM a tile (one thread each: a GEMM in a parallel region runs
-// serially). Dequantizing the whole weight first wrote it to memory and read it back: a quarter of a prefill's time.
-constexpr int64_t GEMM_TILE_BYTES = 2 << 20;
-
-template <int64_t T>
-void gguf_gemm(const at::Tensor& x16, const uint8_t* w, int64_t row_bytes, float* y, int64_t N) {
-  const int64_t M = x16.size(0), K = x16.size(1);
-  const int64_t NB = std::max<int64_t>(64, GEMM_TILE_BYTES / (2 * K) / 16 * 16), tiles = (N + NB - 1) / NB;
-  std::atomic<int64_t> next{0};  // tiles claimed one at a time: a thread the host slows takes fewer
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tiles), 1, [&](int64_t, int64_t) {
-    auto tile = at::empty({NB, K}, x16.options());
-    uint16_t* wt = reinterpret_cast<uint16_t*>(tile.data_ptr());
-    for (int64_t t = next++; t < tiles; t = next++) {
-      const int64_t n0 = t * NB, nb = std::min(NB, N - n0);
-      dequantize_rows<T>(w + n0 * row_bytes, row_bytes, nb, K, wt);
-      const auto part = at::mm(x16, tile.narrow(0, 0, nb).t());  // [M, nb] bfloat16
-      const uint16_t* p = reinterpret_cast<const uint16_t*>(part.data_ptr());
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < nb; ++j) {
-          const uint32_t bits = (uint32_t)p[m * nb + j] << 16;
-          memcpy(y + m * N + n0 + j, &bits, 4);
-        }
-    }
-  });
-}
-
-// Up to this many rows of x, the integer tiles (they read each weight once: decoding is memory-bound); beyond, the
-// bfloat16 GEMMs (measured: BENCHMARKS.md)
-constexpr int64_t GEMM_ROWS = 12;
-
 // y = x w^T for x [..., K] float32 and w [N, bytes] the file's rows of blocks
 at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_gguf: x must be float32");
@@ -857,14 +877,18 @@ at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) 
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_blocks(w, type, K, "linear_gguf");
   TORCH_CHECK(K % 16 == 0 && K <= 65536, "linear_gguf: ", K, " inputs");
-  auto y = output_like(x_, N);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t row_bytes = w.size(1);
+  at::Tensor y;
   if (M > GEMM_ROWS) {
-    const auto x16 = x.to(at::kBFloat16);
-    DISPATCH_GGUF(type, (gguf_gemm<T>(x16, w.data_ptr<uint8_t>(), w.size(1), y.data_ptr<float>(), N)));
+    DISPATCH_GGUF(type, (y = gemm_by_tiles(x_, N, [&](int64_t n0, int64_t nb, uint16_t* out) {
+      dequantize_rows<T>(wp + n0 * row_bytes, row_bytes, nb, K, out);
+    })));
     return y;
   }
+  y = output_like(x_, N);
   WordRows xs(x.data_ptr<float>(), M, K);
-  DISPATCH_GGUF(type, (gguf_matmul<T>(xs, M, w.data_ptr<uint8_t>(), w.size(1), K, y.data_ptr<float>(), N)));
+  DISPATCH_GGUF(type, (gguf_matmul<T>(xs, M, wp, row_bytes, K, y.data_ptr<float>(), N)));
   return y;
 }
 

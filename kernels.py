@@ -179,16 +179,20 @@ def register_shapes() -> None:
         blocks.shape[0], k, dtype=torch.bfloat16 if bf16 else torch.float32))
 
 
-def use_kernel(x: torch.Tensor) -> bool:
-    rows = x.numel() // x.shape[-1]
-    return x.device.type == "cpu" and x.dtype == torch.float32 and rows <= MAX_ROWS
+def use_kernel(x: torch.Tensor, rows: int | None = MAX_ROWS) -> bool:
+    """Whether x goes to a kernel of kernels.cpp (rows=None: at any number of rows; the quantized kernels multiply
+    long inputs as bfloat16 GEMMs themselves)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and (rows is None or x.numel() // x.shape[-1] <= rows)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The KV cache and its attention
 
 
-PER_QUERY_TOKENS = 16  # up to this many tokens a step (decode, a draft to verify, a short chunk): the kernel
+# Up to this many tokens a step (decode, a draft to verify, a compiled prefill: generate.PREFILL_LENGTHS), the
+# kernel, which reads only the slots each query sees (a compiled step attends the whole cache); a longer chunk (eager,
+# attending the slots in use) runs one masked SDPA
+PER_QUERY_TOKENS = 32
 LONG_CACHE_BYTES = 64 << 20  # a layer's cache beyond this is committed in 4 KB pages (KVCache)
 
 
@@ -341,9 +345,8 @@ def int4_scales_and_zeros(scales: torch.Tensor, mins: torch.Tensor) -> torch.Ten
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int,
                 group_size: int) -> torch.Tensor:
     if mins.numel():
-        if use_kernel(x):
+        if use_kernel(x, rows=None):  # (a long prefill: bfloat16 GEMMs on tiles of the dequantized weight)
             return torch.ops.dense_kernels.linear_int4(x, packed, scales, mins)
-        # a long prefill is compute-bound: the weight in bfloat16 once, then one bfloat16 GEMM (2-3x float32's rate)
         w = torch.ops.dense_kernels.dequantize_int4(packed, scales, mins)
         return F.linear(x.to(torch.bfloat16), w).to(x.dtype)
     aten = torch.ops.aten
@@ -369,9 +372,8 @@ def pack_nf4(weight: torch.Tensor, absmax: torch.Tensor, n: int, k: int) -> dict
 
 
 def linear_nf4(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    if use_kernel(x):
+    if use_kernel(x, rows=None):  # (a long prefill: bfloat16 GEMMs on tiles of the dequantized weight)
         return torch.ops.dense_kernels.linear_nf4(x, packed, absmax, code)
-    # a long prefill is compute-bound: the weight in bfloat16 once, then one bfloat16 GEMM
     w = torch.ops.dense_kernels.dequantize_nf4(packed, absmax, code)
     return F.linear(x.to(torch.bfloat16), w).to(x.dtype)
 
