@@ -33,10 +33,7 @@ import machine
 from steps import Steps, steps_for
 
 MIN_BUCKET = 256
-# Prompts up to PREFILL_CHUNK tokens prefill in one compiled step, padded to the first of these lengths that holds
-# them (a chat turn's new tokens: 16; the end of a reply and the next question: 32); longer ones in one eager pass.
-PREFILL_LENGTHS = (16, 32)
-PREFILL_CHUNK = PREFILL_LENGTHS[-1]
+PREFILL_CHUNK = 16  # prompts up to this long prefill in one compiled step (padded); longer ones in one eager pass
 
 
 def buckets(cache_len: int) -> list[int]:
@@ -200,19 +197,18 @@ class Runner:
                 rows: torch.Tensor | None = None, every: bool = False) -> torch.Tensor:
         """Write tokens [B, T] at slots start.. (of cache rows `rows`, default 0..B-1), return the float32 logits of
         the last one, [B, V] (every: of every one, [B, T, V], eagerly). Up to PREFILL_CHUNK tokens (a chat turn, a
-        short prompt) run one compiled step, padded (PREFILL_LENGTHS); a longer prompt runs one eager pass: its large matmuls are the
+        short prompt) run one compiled step, padded; a longer prompt runs one eager pass: its large matmuls are the
         whole cost and run best in one piece (measured: BENCHMARKS.md)."""
         model, device = self.model, tokens.device
         B, T = tokens.shape
         fn = None
         if self.steps is not None and T <= PREFILL_CHUNK and not every:
-            length = next(n for n in PREFILL_LENGTHS if T <= n)
-            slots = torch.arange(start, start + length, device=device)
+            slots = torch.arange(start, start + PREFILL_CHUNK, device=device)
             slots[T:] = model.max_seq_len  # padding goes to the scratch slot
-            chunk = torch.nn.functional.pad(tokens, (0, length - T))
+            chunk = torch.nn.functional.pad(tokens, (0, PREFILL_CHUNK - T))
             attend = attend_width(model, start + T)
             args = (model, chunk, slots, row_start, attend, self.slots(T - 1, T), rows)
-            fn = self.steps.get("prefill", prefill_step, args, batch=B, tokens=length, attend=attend,
+            fn = self.steps.get("prefill", prefill_step, args, batch=B, tokens=PREFILL_CHUNK, attend=attend,
                                 ragged=row_start is not None, rows=rows is not None)
         if fn is None:  # eager (also while the step compiles in the background)
             causal = start == 0 and row_start is None  # nothing else in the cache: SDPA's causal kernel on its own keys

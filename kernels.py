@@ -189,10 +189,7 @@ def use_kernel(x: torch.Tensor, rows: int | None = MAX_ROWS) -> bool:
 # The KV cache and its attention
 
 
-# Up to this many tokens a step (decode, a draft to verify, a compiled prefill: generate.PREFILL_LENGTHS), the
-# kernel, which reads only the slots each query sees (a compiled step attends the whole cache); a longer chunk (eager,
-# attending the slots in use) runs one masked SDPA
-PER_QUERY_TOKENS = 32
+PER_QUERY_TOKENS = 16  # up to this many tokens a step (decode, a draft to verify, a short chunk): the kernel
 LONG_CACHE_BYTES = 64 << 20  # a layer's cache beyond this is committed in 4 KB pages (KVCache)
 
 

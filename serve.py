@@ -786,11 +786,10 @@ def warm_up(scheduler: Scheduler) -> None:
         request.send = lambda *event: None
         return request
 
-    # a long prompt alone (an eager prefill), two together (one pass for both, then the all-rows decode step), short
-    # ones alone (each compiled prefill length, the batch-1 decode step)
+    # a long prompt alone (an eager prefill), two together (one pass for both, then the all-rows decode step), a
+    # short one alone (the compiled prefill chunk, the batch-1 decode step)
     long = [[token] * (generate.PREFILL_CHUNK + 1) for token in (1, 2, 3)]  # (different: no prefix to reuse)
-    short = [[4 + i] * n for i, n in enumerate(generate.PREFILL_LENGTHS)]
-    for prompts in (long[:1], long[1:1 + min(2, len(scheduler.rows))], *([p] for p in short)):
+    for prompts in (long[:1], long[1:1 + min(2, len(scheduler.rows))], [[4]]):
         for prompt in prompts:
             scheduler.submit(throwaway(prompt))
         scheduler.turn()
