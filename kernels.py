@@ -37,6 +37,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
 # as one BLAS GEMM (quantized weights: dequantized to bfloat16 first, at 2-3x float32's rate). For float32, MKL also
 # sums in the order the families' references do (their logits bit for bit).
 MAX_ROWS = 16
+GEMM_ROWS = 12  # kernels.cpp's: past this many rows the quantized kernels (int4, nf4, GGUF) run bfloat16 GEMMs
 _state: dict = {}
 
 

@@ -208,7 +208,7 @@ def test_fast_paths_give_the_plain_tokens(checkpoints, case, tmp_path, monkeypat
         for name, layer in q.named_modules():  # (a tied head gets its own weight: the embedding stays as it is)
             if isinstance(layer, quantized.QuantLinear):
                 plain.get_submodule(name).weight = torch.nn.Parameter(layer.dequantize(torch.float32))
-        few = IDS[:, :8]  # up to 16 rows: the kernels (longer prompts take a bfloat16 GEMM); int4 multiplies at
+        few = IDS[:, :6]  # up to 12 rows: the kernels (longer prompts take bfloat16 GEMMs); int4 multiplies at
         # float32 precision, int8 on activations held to 1/32258 of each row's largest value
         assert rel_err(q(few), plain(few)) <= (1e-3 if mode == "int8" else 1e-4)
 
