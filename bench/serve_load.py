@@ -10,7 +10,8 @@ by side, each in its own process (started here, stopped after its rows).
 Also measures the same 8 requests sent one after another (one client, 8 requests), the reference for the batching
 gain: aggregate tokens/s with 8 clients over it. Greedy (temperature 0), 128 tokens a request, prompts from a fixed
 list (chat template applied by each server): `--replies short` (the default) asks questions the default model
-answers in about 35 tokens, so a request costs as much prefill as decode; `--replies long` asks for essays and stories,
+answers in 8-128 tokens (88 on average; `--tokens 44` holds them to ~40), so a request's prefill weighs about as much
+as its decode; `--replies long` asks for essays and stories,
 which run to the 128-token limit, the shape of a chat reply or a throughput benchmark (vLLM's, with its ignore-eos).
 
 The other scenarios (this engine only, a server of their own each):
@@ -235,7 +236,7 @@ def main() -> int:
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--replies", choices=["short", "long"], default="short",
-                   help="questions answered in ~35 tokens, or essays that run to --tokens")
+                   help="questions answered in 8-128 tokens (88 on average), or essays that run to --tokens")
     p.add_argument("--scenarios", default="load", help="load (the clients above) and/or " + ", ".join(SCENARIOS))
     p.add_argument("--root", default=ROOT, help="the checkout whose serve.py runs (default: this one)")
     p.add_argument("--serve-flag", action="append", default=[], help="one more serve.py flag (repeat it)")
