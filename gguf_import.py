@@ -67,6 +67,17 @@ def parsed(path: str, size: int, mtime_ns: int) -> "GGUFFile":
     return GGUFFile(path)
 
 
+class Strings:
+    """An array of strings of a GGUF file, decoded when called (its length known without)."""
+
+    def __init__(self, file: "GGUFFile", at: int, count: int) -> None:
+        self.file, self.at, self.count = file, at, count
+
+    def __call__(self) -> list[str]:
+        self.file.at = self.at
+        return [self.file.string() for _ in range(self.count)]
+
+
 class Field:
     """A metadata value, as gguf.GGUFReader's fields give it (contents()); value may be a function that decodes it
     when asked (an array of strings: a vocabulary, its merges)."""
@@ -176,13 +187,16 @@ class GGUFFile:
                 self.at += 8 + n
             if self.at > len(self.buf):
                 raise ValueError("a string runs past the end of the file")
-            return functools.partial(self.strings, start, count)
+            return Strings(self, start, count)
         values = (self.value(item) for _ in range(count))  # arrays of arrays: decoded now, each where it lies
         return [value() if callable(value) else value for value in values]
 
-    def strings(self, at: int, count: int) -> list[str]:
-        self.at = at
-        return [self.string() for _ in range(count)]
+
+
+def tokens_count(reader, path: str) -> int:
+    """How many tokens the vocabulary has (without decoding them: the config needs only the count)."""
+    value = getattr(reader.fields.get("tokenizer.ggml.tokens"), "value", None)
+    return value.count if isinstance(value, Strings) else len(field(reader, "tokenizer.ggml.tokens", path=path))
 
 
 def field(reader, key: str, default=None, path: str = ""):
@@ -253,7 +267,7 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         layer_types = ["sliding_attention" if f else "full_attention" for f in flags]
     big = layers == {"gemma2": 46, "gemma3": 62}.get(arch)  # llama.cpp's 27B: the query scale of hidden / heads
     return make_config(
-        path, vocab_size=int(key("vocab_size", 0) or len(field(reader, "tokenizer.ggml.tokens", path=path))),
+        path, vocab_size=int(key("vocab_size", 0) or tokens_count(reader, path)),
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=int(key("attention.head_count_kv", heads)), head_dim=head_dim,
         intermediate_size=int(key("feed_forward_length")), max_position_embeddings=context,
