@@ -33,11 +33,12 @@ import dense
 from machine import cache_dir, compiler, first_line, intact, note, seal, unwritable_cache
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
-# Up to this many rows of x our kernels beat PyTorch's (BENCHMARKS.md); beyond, a matmul is compute-bound and runs
-# as one BLAS GEMM (quantized weights: dequantized to bfloat16 first, at 2-3x float32's rate). For float32, MKL also
-# sums in the order the families' references do (their logits bit for bit).
+# Up to this many rows of x our float32 and int8 kernels beat PyTorch's (BENCHMARKS.md); beyond, a matmul is
+# compute-bound and runs as one BLAS GEMM (for float32, MKL also sums in the order the families' references do: their
+# logits bit for bit). The int4, nf4 and GGUF kernels decide for themselves: past GEMM_ROWS (kernels.cpp's) they run
+# bfloat16 GEMMs on tiles of the weight they dequantize (2-3x float32's rate).
 MAX_ROWS = 16
-GEMM_ROWS = 12  # kernels.cpp's: past this many rows the quantized kernels (int4, nf4, GGUF) run bfloat16 GEMMs
+GEMM_ROWS = 12
 _state: dict = {}
 
 
