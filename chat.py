@@ -266,8 +266,10 @@ def run(argv, console) -> int:
                           note=lambda message: console.print(f"[dim]note: {message}[/dim]"))
         if args.prompt is None:
             session.compile_s = session.warm_up()
-        elif session.steps is not None:  # one-shot: its one prefill runs eagerly (loading a compiled step takes 1-2 s,
-            session.steps.eager.add("prefill")  # most of it importing Inductor); the decode step loads after it
+        elif session.steps is not None:
+            # one-shot: its one prefill runs eagerly (loading a compiled step takes 1-2 s, most of it importing
+            # Inductor); the decode step loads after the first token
+            session.steps.eager.add("prefill")
     if args.prompt is None or args.stats:
         console.print(f"[dim]{why}[/dim]")
     if args.json_schema or args.json_object:

@@ -192,7 +192,6 @@ class GGUFFile:
         return [value() if callable(value) else value for value in values]
 
 
-
 def tokens_count(reader, path: str) -> int:
     """How many tokens the vocabulary has (without decoding them: the config needs only the count)."""
     value = getattr(reader.fields.get("tokenizer.ggml.tokens"), "value", None)

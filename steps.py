@@ -99,9 +99,11 @@ class Steps:
     def get(self, kind: str, fn: Callable, args: tuple, **shape) -> Callable | None:
         """The compiled step, or None: the caller runs it eagerly (while it compiles in the background, or when it
         cannot be compiled here: no working C++ compiler)."""
+        if kind in self.eager:
+            return None
         key = self.key(kind, **shape)
         compiled = self.functions.get(key)
-        if compiled is not None or key in self.failed or kind in self.eager:
+        if compiled is not None or key in self.failed:
             return compiled
         path = os.path.join(self.folder, key + ".bin")
         if self.background is not None and self.saved and self.in_background(key, path, kind, fn, args, shape):
