@@ -19,139 +19,11 @@
 #error "kernels.cpp needs AVX-512 (F, BW, VNNI, BF16); kernels.py falls back to PyTorch's kernels"
 #endif
 
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-#include <ATen/ATen.h>
-#include <immintrin.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
+#include "kernels.h"
 
 namespace {
 
-constexpr int MAX_ROWS = 8;  // rows of x per tile: 8 x NB accumulators stay in registers
-#ifndef PREFETCH
-#define PREFETCH 2048  // bytes ahead of a weight row's loads (measured)
-#endif
-
-
-#define DISPATCH_ROWS(rows, BODY)                  \
-  switch (rows) {                                  \
-    case 1: { constexpr int R = 1; BODY; break; }  \
-    case 2: { constexpr int R = 2; BODY; break; }  \
-    case 3: { constexpr int R = 3; BODY; break; }  \
-    case 4: { constexpr int R = 4; BODY; break; }  \
-    case 5: { constexpr int R = 5; BODY; break; }  \
-    case 6: { constexpr int R = 6; BODY; break; }  \
-    case 7: { constexpr int R = 7; BODY; break; }  \
-    default: { constexpr int R = 8; BODY; break; } \
-  }
-
-// The threads' shares of a matmul's tiles. A thread claims its share a block at a time from the front, so its weights
-// are one long stream; when its share is done it takes the back half of the largest share left. A static split waits
-// for the slower thread, which then streams alone at well under the memory's speed. On a 2-core VM, where the host
-// often slows one core, the 1B shape's float32 decode ran 1.07x (a fast hour) to 1.28x (a slow one) faster, SmolLM2's
-// 1.03-1.08x, the quantized modes the same (BENCHMARKS.md). Every tile is still computed once, by one thread, in the
-// same order: the bits don't change.
-struct alignas(64) Share { std::atomic<uint64_t> range; };  // [front, back) in tiles: front in the low 32 bits
-inline uint64_t pack(uint64_t front, uint64_t back) { return front | back << 32; }
-inline uint64_t front_of(uint64_t range) { return range & 0xffffffffu; }
-inline uint64_t back_of(uint64_t range) { return range >> 32; }
-
-template <typename Tile>
-void for_each_tile_shared(int64_t tiles, int64_t block, Tile tile) {
-  constexpr int MAX_THREADS = 64;
-  int threads = (int)std::min<int64_t>({(int64_t)at::get_num_threads(), (tiles + block - 1) / block, MAX_THREADS});
-  Share shares[MAX_THREADS];
-  for (int i = 0; i < threads; ++i) shares[i].range = pack(tiles * i / threads, tiles * (i + 1) / threads);
-  at::parallel_for(0, threads, 1, [&](int64_t me0, int64_t me1) {
-    for (int64_t me = me0; me < me1; ++me) {  // one share per thread (more when at::parallel_for runs serially)
-      std::atomic<uint64_t>& mine = shares[me].range;
-      while (true) {
-        uint64_t range = mine.load(), front = front_of(range), back = back_of(range);
-        if (front < back) {  // claim the next block of our share
-          uint64_t next = std::min<uint64_t>(front + block, back);
-          if (mine.compare_exchange_weak(range, pack(next, back)))
-            for (int64_t t = front; t < (int64_t)next; ++t) tile(t);
-          continue;
-        }
-        int victim = -1;  // ours is done: the largest share left, if worth splitting
-        uint64_t seen = 0, most = 2 * block;
-        for (int i = 0; i < threads; ++i) {
-          uint64_t other = shares[i].range.load();
-          uint64_t left = back_of(other) - std::min(front_of(other), back_of(other));
-          if (left > most) most = left, victim = i, seen = other;
-        }
-        if (victim < 0) break;
-        uint64_t middle = front_of(seen) + (back_of(seen) - front_of(seen) + 1) / 2;
-        if (shares[victim].range.compare_exchange_strong(seen, pack(front_of(seen), middle)))  // unless it moved
-          mine = pack(middle, back_of(seen));  // nobody else writes an empty share
-      }
-    }
-  });
-}
-
-// The N weight rows in tiles of NB; within a tile, walk x in chunks of up to 8 rows so the tile's weights stay in L1
-// while every row of x passes over them.
-template <int NB, int ROWS = MAX_ROWS, typename Tile>
-void for_each_tile(int64_t M, int64_t N, int64_t K, int64_t bytes_per_weight_row, Tile tile) {
-  int64_t block = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, NB * bytes_per_weight_row));  // >= 64 KB
-  for_each_tile_shared((N + NB - 1) / NB, block, [&](int64_t t) {
-    int64_t n0 = t * NB, nb = std::min<int64_t>(NB, N - n0);
-    for (int64_t m0 = 0; m0 < M; m0 += ROWS) tile(m0, std::min<int64_t>(ROWS, M - m0), n0, nb);
-  });
-}
-
 inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
-
-at::Tensor output_like(const at::Tensor& x, int64_t N) {
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  return at::empty(shape, x.options());
-}
-
-// Many rows of x (a prefill) make a matmul compute-bound: bfloat16 GEMMs (oneDNN, AVX512-BF16) outrun the quantized
-// tiles below 2-3x there. Each thread dequantizes a tile of weight rows to bfloat16 (GEMM_TILE_BYTES: it stays in the
-// thread's cache) and multiplies x by it at once, one GEMM a tile (one thread each: a GEMM in a parallel region runs
-// serially). Dequantizing the whole weight first wrote it to memory and read it back. Up to GEMM_ROWS rows of x, the
-// quantized tiles (they read each weight once: decoding is memory-bound); beyond, the GEMMs (measured:
-// BENCHMARKS.md). The product is bfloat16's: x and the weights rounded to it, the sums float32, y rounded to it.
-constexpr int64_t GEMM_TILE_BYTES = 2 << 20;
-constexpr int64_t GEMM_ROWS = 12;
-
-// y [M, N] = x [M, K] w^T, w's rows n0 .. n0 + nb - 1 written as bfloat16 [nb, K] by rows(n0, nb, out)
-template <typename Rows>
-at::Tensor gemm_by_tiles(const at::Tensor& x_, int64_t N, Rows rows) {
-  const auto x16 = x_.reshape({-1, x_.size(-1)}).to(at::kBFloat16).contiguous();
-  const int64_t M = x16.size(0), K = x16.size(1);
-  auto y_ = output_like(x_, N);
-  float* y = y_.data_ptr<float>();
-  const int64_t threads = at::get_num_threads();  // at least two tiles a thread where N allows
-  const int64_t NB = std::max<int64_t>(16, std::min(GEMM_TILE_BYTES / (2 * K), (N + 2 * threads - 1) / (2 * threads)) / 16 * 16);
-  const int64_t tiles = (N + NB - 1) / NB;
-  std::atomic<int64_t> next{0};  // tiles claimed one at a time: a thread the host slows takes fewer
-  at::parallel_for(0, std::min(threads, tiles), 1, [&](int64_t, int64_t) {
-    auto tile = at::empty({NB, K}, x16.options());
-    uint16_t* wt = reinterpret_cast<uint16_t*>(tile.data_ptr());
-    for (int64_t t = next++; t < tiles; t = next++) {
-      const int64_t n0 = t * NB, nb = std::min(NB, N - n0);
-      rows(n0, nb, wt);
-      const auto part = at::mm(x16, tile.narrow(0, 0, nb).t());  // [M, nb] bfloat16
-      const uint16_t* p = reinterpret_cast<const uint16_t*>(part.data_ptr());
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < nb; ++j) {
-          const uint32_t bits = (uint32_t)p[m * nb + j] << 16;
-          memcpy(y + m * N + n0 + j, &bits, 4);
-        }
-    }
-  });
-  return y_;
-}
 
 // ---- float32 weights --------------------------------------------------------------------------------------------
 
@@ -427,7 +299,7 @@ at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tens
   const float *xp = x.data_ptr<float>(), *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   if (M > GEMM_ROWS)
-    return gemm_by_tiles(x_, N, [&](int64_t n0, int64_t nb, uint16_t* out) { int4_rows(qp, dp, mp, K, n0, n0 + nb, out); });
+    return gemm_by_tiles<uint16_t>(x_, N, [&](int64_t n0, int64_t nb, uint16_t* out) { int4_rows(qp, dp, mp, K, n0, n0 + nb, out); });
   auto y = output_like(x_, N);
   float* yp = y.data_ptr<float>();
   for_each_tile<2>(M, N, K, K / 2, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
@@ -492,7 +364,7 @@ at::Tensor linear_nf4(const at::Tensor& x_, const at::Tensor& q, const at::Tenso
   const float *xp = x.data_ptr<float>(), *ap = absmax.data_ptr<float>(), *cp = code.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   if (M > GEMM_ROWS)
-    return gemm_by_tiles(x_, N, [&](int64_t n0, int64_t nb, uint16_t* out) { nf4_rows(qp, ap, cp, K, n0, n0 + nb, out); });
+    return gemm_by_tiles<uint16_t>(x_, N, [&](int64_t n0, int64_t nb, uint16_t* out) { nf4_rows(qp, ap, cp, K, n0, n0 + nb, out); });
   auto y = output_like(x_, N);
   float* yp = y.data_ptr<float>();
   for_each_tile<1>(M, N, K, K / 2, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
@@ -518,34 +390,6 @@ at::Tensor linear_nf4(const at::Tensor& x_, const at::Tensor& q, const at::Tenso
 // distance) streamed Q4_K_M's tensors at 16.5 GB/s, 8 KB into L2 at 26-30 (measured, huge pages; the file's own 4 KB
 // pages 21-27)
 constexpr int64_t AHEAD = 8192;
-
-enum : int64_t { GQ4_0 = 2, GQ4_1 = 3, GQ5_0 = 6, GQ5_1 = 7, GQ8_0 = 8, GQ4_K = 12, GQ5_K = 13, GQ6_K = 14 };
-
-constexpr int64_t block_elements(int64_t t) { return t >= GQ4_K ? 256 : 32; }
-constexpr int64_t block_bytes(int64_t t) {
-  return t == GQ4_0 ? 18 : t == GQ4_1 ? 20 : t == GQ5_0 ? 22 : t == GQ5_1 ? 24 : t == GQ8_0 ? 34 : t == GQ4_K ? 144
-       : t == GQ5_K ? 176 : t == GQ6_K ? 210 : 0;
-}
-
-inline float half_at(const uint8_t* p) {
-  uint16_t h;
-  memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
-// Q4_K / Q5_K's 12 bytes of packed 6-bit scales and mins -> scales in bytes 0..7, mins in bytes 8..15. As 32-bit
-// lanes, the bytes hold d = scales 0-3 (low 6 bits), m = mins 0-3 (low 6 bits), md = scales 4-7 (low nibbles) and
-// mins 4-7 (high nibbles); the top 2 bits of d and m are the high bits of scales and mins 4-7.
-inline __m128i kquant_scales(const uint8_t* packed) {
-  const __m128i v = _mm_loadu_si128((const __m128i*)packed);  // (the 4 bytes after the 12: the block's codes)
-  const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));  // d, md, m, md
-  const __m128i b = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));  // d, d, m, m
-  const __m128i low = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
-                                    _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
-  const __m128i high = _mm_and_si128(_mm_srlv_epi32(b, _mm_setr_epi32(0, 2, 0, 2)),
-                                     _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
-  return _mm_or_si128(low, high);
-}
 
 // A 32-block's 32 codes (elements in order)
 template <int64_t T>
@@ -598,58 +442,7 @@ inline __m512i chunk_codes(const uint8_t* row, int64_t c, int64_t blocks) {
   }
 }
 
-// A 32-block's A, off and B (w = A (u - off) + B)
-template <int64_t T>
-inline void block_params(const uint8_t* blk, float& A, float& off, float& B) {
-  A = half_at(blk);
-  off = T == GQ4_0 ? 8.f : T == GQ5_0 ? 16.f : T == GQ8_0 ? 128.f : 0.f;
-  B = T == GQ4_1 || T == GQ5_1 ? half_at(blk + 2) : 0.f;
-}
-
-// Chunk c's four quarters of 16: A, off and B of each (the dequantizer's view)
-template <int64_t T>
-inline void chunk_params(const uint8_t* row, int64_t c, int64_t blocks, float A[4], float off[4], float B[4]) {
-  if constexpr (T == GQ4_K || T == GQ5_K) {
-    const uint8_t* blk = row + (c / 4) * block_bytes(T);
-    uint8_t sm[16];
-    _mm_storeu_si128((__m128i*)sm, kquant_scales(blk + 4));
-    const float d = half_at(blk), dmin = half_at(blk + 2);
-    for (int q = 0; q < 4; ++q) {
-      const int s = 2 * (c % 4) + q / 2;
-      A[q] = d * (float)sm[s], off[q] = 0.f, B[q] = -(dmin * (float)sm[8 + s]);
-    }
-  } else if constexpr (T == GQ6_K) {
-    const uint8_t* blk = row + (c / 4) * block_bytes(T);
-    const float d = half_at(blk + 208);
-    for (int q = 0; q < 4; ++q) A[q] = d * (float)(int8_t)blk[192 + 4 * (c % 4) + q], off[q] = 32.f, B[q] = 0.f;
-  } else {
-    for (int half = 0; half < 2; ++half) {
-      float a = 0.f, o = 0.f, b = 0.f;
-      if (2 * c + half < blocks) block_params<T>(row + (2 * c + half) * block_bytes(T), a, o, b);
-      A[2 * half] = A[2 * half + 1] = a, off[2 * half] = off[2 * half + 1] = o, B[2 * half] = B[2 * half + 1] = b;
-    }
-  }
-}
-
-// x as 16-bit integers a row: X = 127 q1 + q2, the two int8 digits of DigitRows (x = d (q1 + q2 / 127), within
-// 1/32258 of the row's largest value), and the sums of X over each 32 inputs (what mins multiply)
-struct WordRows {
-  DigitRows digits;         // q1, q2 [M, K] (K-quants multiply codes by each digit: vpmaddubsw)
-  std::vector<int16_t> x;   // [M, K]
-  std::vector<float> unit;  // per row: d / 127, the value of X = 1
-  std::vector<float> sum16, sum32; // [M, K/16], [M, K/32] (+ 16 of slack for whole-register loads)
-  WordRows(const float* xf, int64_t M, int64_t K)
-      : digits(xf, M, K), x(M * K), unit(M), sum16(M * K / 16 + 16), sum32(M * K / 32 + 16) {
-    for (int64_t i = 0; i < M * K; ++i) x[i] = (int16_t)(127 * digits.q1[i] + digits.q2[i]);
-    for (int64_t row = 0; row < M; ++row) unit[row] = digits.scale[row] / 127.f;
-    for (int64_t b = 0; b < M * K / 16; ++b) {
-      int32_t s = 0;
-      for (int e = 0; e < 16; ++e) s += x[16 * b + e];
-      sum16[b] = (float)s;
-    }
-    for (int64_t b = 0; b < M * K / 32; ++b) sum32[b] = sum16[2 * b] + sum16[2 * b + 1];
-  }
-};
+using WordRows = WordRowsOf<DigitRows>;
 
 // NB weight rows of a K-quant type against R rows of x, a super-block at a time: integer sums of codes x digits x
 // scales (no overflow: |codes x digit| pairs <= 2 x 63 x 127, times |scale| <= 128, 4 chunks a lane), then d in
@@ -803,26 +596,6 @@ void gguf_matmul(const WordRows& xs, int64_t M, const uint8_t* w, int64_t row_by
   });
 }
 
-#define DISPATCH_GGUF(type, BODY)                       \
-  switch (type) {                                       \
-    case GQ4_0: { constexpr int64_t T = GQ4_0; BODY; break; } \
-    case GQ4_1: { constexpr int64_t T = GQ4_1; BODY; break; } \
-    case GQ5_0: { constexpr int64_t T = GQ5_0; BODY; break; } \
-    case GQ5_1: { constexpr int64_t T = GQ5_1; BODY; break; } \
-    case GQ8_0: { constexpr int64_t T = GQ8_0; BODY; break; } \
-    case GQ4_K: { constexpr int64_t T = GQ4_K; BODY; break; } \
-    case GQ5_K: { constexpr int64_t T = GQ5_K; BODY; break; } \
-    case GQ6_K: { constexpr int64_t T = GQ6_K; BODY; break; } \
-    default: TORCH_CHECK(false, "GGUF type ", type, " has no kernel"); \
-  }
-
-void check_blocks(const at::Tensor& w, int64_t type, int64_t K, const char* op) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op, ": blocks must be uint8 [N, bytes]");
-  TORCH_CHECK(block_bytes(type) > 0, op, ": GGUF type ", type, " has no kernel");
-  TORCH_CHECK(K % block_elements(type) == 0 && w.size(1) == K / block_elements(type) * block_bytes(type), op,
-              ": ", w.size(1), " bytes a row do not hold ", K, " inputs of GGUF type ", type);
-}
-
 // Rows of blocks -> [N, K] values as gguf's own dequantizer computes them (float32: bit for bit; bfloat16: those
 // rounded). No fused multiply-adds: A (u - off) and + B are two roundings there. A, off and B are made once per
 // super-block (per 16 values) or per chunk of two 32-blocks.
@@ -882,7 +655,7 @@ at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) 
   const int64_t row_bytes = w.size(1);
   at::Tensor y;
   if (M > GEMM_ROWS) {
-    DISPATCH_GGUF(type, (y = gemm_by_tiles(x_, N, [&](int64_t n0, int64_t nb, uint16_t* out) {
+    DISPATCH_GGUF(type, (y = gemm_by_tiles<uint16_t>(x_, N, [&](int64_t n0, int64_t nb, uint16_t* out) {
       dequantize_rows<T>(wp + n0 * row_bytes, row_bytes, nb, K, out);
     })));
     return y;
@@ -929,9 +702,7 @@ inline __m512 softcap16(__m512 x, float cap) {
                                                                                        _mm512_set1_epi32(INT32_MIN))));
 }
 
-constexpr int GROUP = 3;   // queries scored together (GQA: the query heads of one key/value head), K and V read once
 constexpr int CHUNK = 8;   // x 16 slots scored at a time: GROUP x CHUNK accumulators
-constexpr int64_t SPLIT = 512;  // a query's slots are split across threads in parts of at least this many
 
 // 16 cached values as float32, from a float32 or a bfloat16 cache
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
@@ -939,10 +710,6 @@ inline __m512 load16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
-struct Partial {  // one query's softmax over part of its slots: max score, sum of e^(s - max), sum of e^(s - max) v
-  float max, sum;
-  float acc[256];
-};
 
 // Up to GROUP queries of one batch row against one key/value head, over slots lo..hi (each query's own slots
 // start[i]..end[i] intersected with it): the partial results, to be combined across parts.
@@ -1015,148 +782,6 @@ void attend_part(const float* const* q, const int64_t* start, const int64_t* end
   }
 }
 
-template <typename T>
-void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor& v, const int64_t* positions,
-                    int64_t pos_stride, const int64_t* starts, const int64_t* rows, int64_t window, float scale,
-                    float softcap, at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3), K = k_t.size(1), S1 = v.size(2);
-  const float* qp = q.data_ptr<float>();
-  const T* kp = reinterpret_cast<const T*>(k_t.data_ptr());
-  const T* vp = reinterpret_cast<const T*>(v.data_ptr());
-  float* op = out.data_ptr<float>();
-  const int64_t G = H / K, queries = G * T_, groups = (queries + GROUP - 1) / GROUP;
-  auto position = [&](int64_t b, int64_t t) { return positions[b * pos_stride + t]; };  // slot of token t of row b
-  auto cache_row = [&](int64_t b) { return rows ? rows[b] : b; };
-  int64_t longest = 0;
-  for (int64_t b = 0; b < (pos_stride ? B : 1); ++b)
-    for (int64_t t = 0; t < T_; ++t)
-      if (position(b, t) < S1 - 1) longest = std::max(longest, position(b, t) + 1);
-  // work items: (batch row, key/value head, group of its queries, part of the slots); query index = t * G + g. Few
-  // items over many slots (decoding a long context) are split into parts so every thread streams its share.
-  const int64_t items = B * K * groups;
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(longest / SPLIT,
-                                                               (2 * at::get_num_threads() + items - 1) / items));
-  const int64_t part_len = (longest + parts - 1) / parts;
-  std::vector<Partial> partials(parts > 1 ? items * parts * GROUP : 0);
-  auto finish = [&](int64_t item, const Partial* results) {  // combine a group's parts: weights e^(max_p - max)
-    const int64_t b = item / (K * groups), kv = (item / groups) % K, first = (item % groups) * GROUP;
-    int i = 0;
-    for (int64_t index = first; index < std::min(first + GROUP, queries); ++index) {
-      const int64_t t = index / G, h = kv * G + index % G;
-      float* o = op + ((b * H + h) * T_ + t) * D;
-      if (position(b, t) >= S1 - 1) {  // padding (the scratch slot) sees only itself
-        const T* scratch = vp + cache_row(b) * v.stride(0) + kv * v.stride(1) + (S1 - 1) * D;
-        for (int64_t c = 0; c < D; c += 16) _mm512_mask_storeu_ps(o + c, lanes(D - c), load16(scratch + c, lanes(D - c)));
-        continue;
-      }
-      float top = -INFINITY, sum = 0.f;
-      for (int64_t p = 0; p < parts; ++p) top = std::max(top, results[p * GROUP + i].max);
-      std::fill(o, o + D, 0.f);
-      for (int64_t p = 0; p < parts; ++p) {
-        const Partial& part = results[p * GROUP + i];
-        if (part.sum == 0.f) continue;
-        const float w = std::exp(part.max - top);
-        sum += w * part.sum;
-        for (int64_t c = 0; c < D; ++c) o[c] += w * part.acc[c];
-      }
-      for (int64_t c = 0; c < D; ++c) o[c] /= sum;
-      ++i;
-    }
-  };
-  auto work_on = [&](int64_t work, Partial* mine, std::vector<float>& buffer) {
-    const int64_t item = work / parts, part = work % parts;
-    const int64_t b = item / (K * groups), kv = (item / groups) % K, first = (item % groups) * GROUP;
-    const T* kt = kp + cache_row(b) * k_t.stride(0) + kv * k_t.stride(1);
-    const T* vv = vp + cache_row(b) * v.stride(0) + kv * v.stride(1);
-    const float* qs[GROUP];
-    int64_t start[GROUP], end[GROUP];
-    int n = 0;
-    int64_t lo = INT64_MAX, hi = -1;
-    for (int64_t index = first; index < std::min(first + GROUP, queries); ++index) {
-      const int64_t t = index / G, h = kv * G + index % G;
-      if (position(b, t) >= S1 - 1) continue;  // padding: in finish
-      qs[n] = qp + ((b * H + h) * T_ + t) * D;
-      end[n] = position(b, t);
-      start[n] = std::min<int64_t>(starts ? starts[b] : 0, end[n]);
-      if (window > 0) start[n] = std::max(start[n], end[n] - window + 1);
-      lo = std::min(lo, start[n]), hi = std::max(hi, end[n]);
-      ++n;
-    }
-    const int64_t a = std::max(lo, part * part_len), z = std::min(hi, (part + 1) * part_len - 1);
-    if (n == 0 || a > z) {
-      for (int i = 0; i < GROUP; ++i) mine[i].max = -INFINITY, mine[i].sum = 0.f;
-      return;
-    }
-    attend_part<T>(qs, start, end, n, a, z, kt, vv, D, scale, softcap, mine, buffer);
-  };
-  if (parts == 1) {  // the usual case: each work item finishes its own queries, one parallel region
-    at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-      thread_local std::vector<float> buffer;
-      Partial mine[GROUP];
-      for (int64_t item = i0; item < i1; ++item) {
-        work_on(item, mine, buffer);
-        finish(item, mine);
-      }
-    });
-    return;
-  }
-  at::parallel_for(0, items * parts, 1, [&](int64_t i0, int64_t i1) {
-    thread_local std::vector<float> buffer;
-    for (int64_t work = i0; work < i1; ++work) work_on(work, partials.data() + work * GROUP, buffer);
-  });
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t item = i0; item < i1; ++item) finish(item, partials.data() + item * parts * GROUP);
-  });
-}
-
-at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_t, const at::Tensor& v, const at::Tensor& pos_,
-                     const at::Tensor& row_start, const at::Tensor& rows_, double scale, int64_t window, double softcap) {
-  TORCH_CHECK(q_.scalar_type() == at::kFloat && k_t.scalar_type() == v.scalar_type() && pos_.scalar_type() == at::kLong &&
-              (k_t.scalar_type() == at::kFloat || k_t.scalar_type() == at::kBFloat16));
-  auto q = q_.contiguous(), pos = pos_.contiguous(), rows = rows_.contiguous();
-  const bool per_row = pos.dim() == 2;
-  const int64_t D = q.size(3), S1 = v.size(2);
-  TORCH_CHECK(k_t.dim() == 5 && k_t.size(2) * 16 >= S1 && k_t.size(3) == D && k_t.size(4) == 16 && v.size(3) == D &&
-              D <= 256 && q.size(1) % k_t.size(1) == 0 && pos.size(-1) == q.size(2) && (!per_row || pos.size(0) == q.size(0)) &&
-              (rows.numel() == 0 || rows.numel() == q.size(0)) && k_t.stride(2) == D * 16 &&
-              k_t.stride(3) == 16 && k_t.stride(4) == 1 && v.stride(3) == 1 && v.stride(2) == D,
-              "attention: bad shapes");
-  auto out = at::empty_like(q);
-  const int64_t* starts = row_start.numel() ? row_start.data_ptr<int64_t>() : nullptr;
-  const int64_t* row_of = rows.numel() ? rows.data_ptr<int64_t>() : nullptr;
-  const int64_t stride = per_row ? q.size(2) : 0;
-  if (k_t.scalar_type() == at::kFloat)
-    attention_impl<float>(q, k_t, v, pos.data_ptr<int64_t>(), stride, starts, row_of, window, (float)scale,
-                          (float)softcap, out);
-  else
-    attention_impl<uint16_t>(q, k_t, v, pos.data_ptr<int64_t>(), stride, starts, row_of, window, (float)scale,
-                             (float)softcap, out);
-  return out;
-}
-
 }  // namespace
 
-TORCH_LIBRARY(dense_kernels, m) {
-  m.def("linear_f32(Tensor x, Tensor w) -> Tensor");
-  m.def("linear_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
-  m.def("linear_int4(Tensor x, Tensor q, Tensor d, Tensor m) -> Tensor");
-  m.def("attention(Tensor q, Tensor k_t, Tensor v, Tensor pos, Tensor row_start, Tensor rows, float scale, "
-        "int window, float softcap) -> Tensor");
-  m.def("dequantize_int4(Tensor q, Tensor d, Tensor m) -> Tensor");
-  m.def("dequantize_nf4(Tensor q, Tensor absmax, Tensor code) -> Tensor");
-  m.def("linear_nf4(Tensor x, Tensor q, Tensor absmax, Tensor code) -> Tensor");
-  m.def("linear_gguf(Tensor x, Tensor blocks, int type) -> Tensor");
-  m.def("dequantize_gguf(Tensor blocks, int type, int K, bool bf16) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(dense_kernels, CPU, m) {
-  m.impl("linear_f32", &linear_f32);
-  m.impl("linear_int8", &linear_int8);
-  m.impl("linear_int4", &linear_int4);
-  m.impl("attention", &attention);
-  m.impl("dequantize_int4", &dequantize_int4);
-  m.impl("dequantize_nf4", &dequantize_nf4);
-  m.impl("linear_nf4", &linear_nf4);
-  m.impl("linear_gguf", &linear_gguf);
-  m.impl("dequantize_gguf", &dequantize_gguf);
-}
+REGISTER_OPS()

@@ -32,7 +32,11 @@ from torch import nn
 import dense
 from machine import cache_dir, compiler, first_line, intact, note, seal, unwritable_cache
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
+HERE = os.path.dirname(os.path.abspath(__file__))
+# kernels.cpp for CPUs with AVX-512 (VNNI, BF16); kernels_avx2.cpp, the same operators in 8-lane registers, for those
+# with AVX2 only (AMD Zen 1-3, Intel's laptops and desktops since Alder Lake); both include kernels.h
+SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"},
+           "kernels_avx2.cpp": {"avx2", "fma", "f16c"}}
 # Up to this many rows of x our float32 and int8 kernels beat PyTorch's (BENCHMARKS.md); beyond, a matmul is
 # compute-bound and runs as one BLAS GEMM (for float32, MKL also sums in the order the families' references do: their
 # logits bit for bit). The int4, nf4 and GGUF kernels decide for themselves: past GEMM_ROWS (kernels.cpp's) they run
@@ -50,8 +54,8 @@ def cpu_flags() -> str:
         return ""
 
 
-def build(target: str) -> None:
-    """Compile kernels.cpp into target (written to a temporary file, then renamed, then sealed: concurrent builds are
+def build(source: str, target: str) -> None:
+    """Compile source into target (written to a temporary file, then renamed, then sealed: concurrent builds are
     safe, and a killed one leaves nothing that looks complete)."""
     import torch.utils.cpp_extension as ext
 
@@ -61,7 +65,7 @@ def build(target: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".so")
     os.close(fd)
     cmd = [compiler() or "c++", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *(f"-I{p}" for p in include), SOURCE,
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *(f"-I{p}" for p in include), source,
            "-o", tmp, f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True)
@@ -82,12 +86,14 @@ def available() -> bool:
         return _state["ok"]
     _state["ok"] = False
     flags = cpu_flags().split()
-    if os.environ.get("DENSE_KERNELS") == "0" or not {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"} <= set(flags):
+    source = next((name for name, needs in SOURCES.items() if needs <= set(flags)), None)
+    if os.environ.get("DENSE_KERNELS") == "0" or source is None:
         return False
-    if not os.path.isfile(SOURCE):  # installed without its source (pip install -e . keeps it beside this file)
+    paths = [os.path.join(HERE, source), os.path.join(HERE, "kernels.h")]
+    if not all(os.path.isfile(p) for p in paths):  # installed without its source (pip install -e . keeps it here)
         return False
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + torch.__version__.encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
+    code = b"".join(open(p, "rb").read() for p in paths)
+    key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
     folder = cache_dir() if unwritable_cache() is None else tempfile.mkdtemp(prefix="dense-kernels-")
     target = os.path.join(folder, "kernels", key, "libdense_kernels.so")
     if not intact(target) and compiler() is None:  # nothing built to load (session.py says so once)
@@ -96,14 +102,20 @@ def available() -> bool:
         if not intact(target):
             if os.path.exists(target):
                 note(f"{target} is damaged or incomplete; building it again")
-            note("building the CPU kernels (kernels.cpp, once per machine, about 15 s)...")
-            build(target)
+            note(f"building the CPU kernels ({source}, once per machine, about 15 s)...")
+            build(os.path.join(HERE, source), target)
         torch.ops.load_library(target)
         register_shapes()
-        _state["ok"] = True
+        _state["ok"], _state["source"] = True, source
     except Exception as e:  # a failing compiler, an incompatible torch: PyTorch's kernels serve
         note(f"CPU kernels unavailable ({first_line(e)}); using PyTorch's")
     return _state["ok"]
+
+
+def digits_for_int4() -> bool:
+    """Whether the int4 kernel takes x as two int8 digits (kernels_avx2.cpp: within 1/32258 of a row's largest value,
+    as int8 and GGUF) rather than in float32 (kernels.cpp)."""
+    return available() and _state.get("source") == "kernels_avx2.cpp"
 
 
 def huge_pages(tensors: list[torch.Tensor], zeros: bool = False, advise: bool = True) -> list[torch.Tensor]:

@@ -29,7 +29,8 @@ from machine import first_line, note
 from checkpoint import atomic_write
 
 _state: dict = {}
-SOURCES = ("dense.py", "quantized.py", "kernels.py", "kernels.cpp", "generate.py", "steps.py")  # code that shapes a graph
+SOURCES = ("dense.py", "quantized.py", "kernels.py", "kernels.h", "kernels.cpp", "kernels_avx2.cpp", "generate.py",
+           "steps.py")  # code that shapes a graph
 
 
 def trust_the_cpu_flags() -> None:

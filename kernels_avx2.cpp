@@ -1,0 +1,730 @@
+// kernels_avx2.cpp: kernels.cpp's operators for CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel laptops and
+// desktops since Alder Lake, which dropped AVX-512): the same operators, schemas and results to float32's precision, in
+// 8-lane registers. kernels.py builds this file where kernels.cpp cannot run. What differs:
+//   * 16 registers, not 32: tiles hold fewer accumulators (a weight row at a time against up to 8 rows of x);
+//   * no VNNI: 8-bit products by vpmaddubsw (unsigned x signed bytes, pairs in int16) and vpmaddwd (pairs in int32);
+//     int8 weights go through it as |w| times x with w's sign (pairs stay below int16's limit);
+//   * no bfloat16 arithmetic: a long prefill's GEMMs run in float32 on the dequantized tiles (oneDNN or MKL's sgemm).
+// Each row of x is still summed in one fixed order whatever the tile or the batch: a row's result does not depend on
+// the other rows.
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "kernels_avx2.cpp needs AVX2, FMA and F16C; kernels.py falls back to PyTorch's kernels"
+#endif
+
+#include "kernels.h"
+
+namespace {
+
+inline float hsum(__m256 v) {  // lanes summed pairwise: (0+4, 1+5, 2+6, 3+7), then (0+2, 1+3), then 0+1
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline int32_t hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+// the first `left` of 8 lanes (all when left >= 8), as vmaskmovps wants them
+inline __m256i lanes8(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min<int64_t>(left, 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline __m256 to_float(__m128i bytes8) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8)); }  // 8 bytes
+
+constexpr int64_t AHEAD = 8192;  // bytes ahead of a weight row's loads, into L2 (kernels.cpp's distance)
+
+// ---- float32 weights --------------------------------------------------------------------------------------------
+
+template <int R, int NB>
+void f32_tile(const float* x, const float* w, int64_t K, float* y, int64_t N, int64_t n0) {
+  __m256 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_ps(w + (n0 + j) * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  if (k < K) {
+    const __m256i m = lanes8(K - k);
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm256_maskload_ps(w + (n0 + j) * K + k, m);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_maskload_ps(x + r * K + k, m);
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = hsum(acc[r][j]);
+}
+
+at::Tensor linear_f32(const at::Tensor& x_, const at::Tensor& w) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.is_contiguous());
+  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
+  int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "linear_f32: x has ", K, " features, the weight ", w.size(1));
+  auto y = output_like(x_, N);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // 4 weight rows against one row of x, 2 against up to 4 (8 accumulators, 2 weights and x: 11 of 16 registers)
+  if (M == 1) {
+    for_each_tile<4>(M, N, K, 4 * K, [&](int64_t, int64_t, int64_t n0, int64_t nb) {
+      if (nb == 4) f32_tile<1, 4>(xp, wp, K, yp, N, n0);
+      else for (int64_t j = 0; j < nb; ++j) f32_tile<1, 1>(xp, wp, K, yp, N, n0 + j);
+    });
+    return y;
+  }
+  for_each_tile<2, 4>(M, N, K, 2 * K, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
+    if (nb == 2) {
+      DISPATCH_ROWS(rows, (f32_tile<R, 2>(xp + m0 * K, wp, K, yp + m0 * N, N, n0)));
+    } else {
+      DISPATCH_ROWS(rows, (f32_tile<R, 1>(xp + m0 * K, wp, K, yp + m0 * N, N, n0)));
+    }
+  });
+  return y;
+}
+
+// ---- int8 weights, one scale per output row ------------------------------------------------------------------------
+// x as two int8 digits a row, as kernels.cpp: d = max|x| / 127, q1 = round(x / d), q2 = round((x / d - q1) * 127).
+// vpmaddubsw multiplies unsigned by signed bytes: |w| by the digit with w's sign (|w| <= 128, so a pair of products
+// stays within int16), vpmaddwd adds the pairs into int32. The sums over K are exact integers, as with VNNI.
+
+struct DigitRows {
+  std::vector<int8_t> q1, q2;  // [M, K]
+  std::vector<float> scale;    // per row: d
+  std::vector<int64_t> sum1, sum2;  // per row: sum q1, sum q2
+  DigitRows(const float* x, int64_t M, int64_t K) : q1(M * K), q2(M * K), scale(M), sum1(M), sum2(M) {
+    constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int64_t row = 0; row < M; ++row) {  // (K is a multiple of 16 for every caller)
+      const float* xr = x + row * K;
+      __m256 amax = _mm256_setzero_ps();
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      for (int64_t k = 0; k < K; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + k)));
+      const float top = hmax(amax);
+      scale[row] = top / 127.f;
+      const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f), k127 = _mm256_set1_ps(127.f);
+      __m256i s1 = _mm256_setzero_si256(), s2 = _mm256_setzero_si256();
+      for (int64_t k = 0; k < K; k += 16) {  // 16 at a time: two registers' int32 packed to 16 int8
+        __m256i a[2], c[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xr + k + 8 * h), inv);
+          const __m256 av = _mm256_round_ps(v, nearest);
+          a[h] = _mm256_cvtps_epi32(av);
+          c[h] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(v, av), k127), nearest));
+          s1 = _mm256_add_epi32(s1, a[h]), s2 = _mm256_add_epi32(s2, c[h]);
+        }
+        const __m256i a16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a[0], a[1]), 0xD8);  // 16 int16 in order
+        const __m256i c16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8);
+        _mm_storeu_si128((__m128i*)(q1.data() + row * K + k),
+                         _mm_packs_epi16(_mm256_castsi256_si128(a16), _mm256_extracti128_si256(a16, 1)));
+        _mm_storeu_si128((__m128i*)(q2.data() + row * K + k),
+                         _mm_packs_epi16(_mm256_castsi256_si128(c16), _mm256_extracti128_si256(c16, 1)));
+      }
+      sum1[row] = hsum(s1), sum2[row] = hsum(s2);
+    }
+  }
+};
+using WordRows = WordRowsOf<DigitRows>;
+
+template <int R, int NB>
+void int8_tile(const DigitRows& xs, int64_t m0, const uint8_t* w, const float* s, int64_t K, float* y, int64_t N,
+               int64_t n0) {
+  __m256i big[R][NB], small[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) big[r][j] = small[r][j] = _mm256_setzero_si256();
+  const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  for (int64_t k = 0; k < K; k += 32) {
+    __m256i wabs[NB], wsgn[NB];
+    for (int j = 0; j < NB; ++j) {
+      const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + (n0 + j) * K + k)), flip);  // int8
+      wabs[j] = _mm256_abs_epi8(wv), wsgn[j] = wv;
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i a = _mm256_loadu_si256((const __m256i*)(xs.q1.data() + (m0 + r) * K + k));
+      const __m256i c = _mm256_loadu_si256((const __m256i*)(xs.q2.data() + (m0 + r) * K + k));
+      for (int j = 0; j < NB; ++j) {
+        const __m256i pa = _mm256_maddubs_epi16(wabs[j], _mm256_sign_epi8(a, wsgn[j]));
+        const __m256i pc = _mm256_maddubs_epi16(wabs[j], _mm256_sign_epi8(c, wsgn[j]));
+        big[r][j] = _mm256_add_epi32(big[r][j], _mm256_madd_epi16(pa, ones));
+        small[r][j] = _mm256_add_epi32(small[r][j], _mm256_madd_epi16(pc, ones));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t b1 = hsum(big[r][j]), b2 = hsum(small[r][j]);
+      y[r * N + n0 + j] = (float)(((double)b1 + (double)b2 / 127.0) * xs.scale[m0 + r] * s[n0 + j]);
+    }
+}
+
+at::Tensor linear_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& s) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kByte && s.scalar_type() == at::kFloat);
+  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
+  int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 64 == 0 && K <= 65536 && w.size(1) == K && w.is_contiguous() && s.numel() == N,
+              "linear_int8: bad shapes");
+  DigitRows digits(x.data_ptr<float>(), M, K);
+  auto y = output_like(x_, N);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* sp = s.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (M == 1) {  // 2 weight rows a tile: 4 accumulators, 4 weight registers
+    for_each_tile<2>(M, N, K, 2 * K, [&](int64_t, int64_t, int64_t n0, int64_t nb) {
+      if (nb == 2) int8_tile<1, 2>(digits, 0, wp, sp, K, yp, N, n0);
+      else int8_tile<1, 1>(digits, 0, wp, sp, K, yp, N, n0);
+    });
+    return y;
+  }
+  for_each_tile<1, 4>(M, N, K, K, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
+    DISPATCH_ROWS(rows, (int8_tile<R, 1>(digits, m0, wp, sp, K, yp + m0 * N, N, n0)));
+  });
+  return y;
+}
+
+// ---- int4 weights, llama.cpp's Q4_1 grid: w = d * code + m per block of 32 --------------------------------------
+// Per row and block: 16 bytes, byte j holding code j (low nibble) and code j + 16 (high nibble); d and m float32
+// [N, K/32].
+
+// A block's 32 codes as four groups of 8 floats d * code + m
+inline void int4_block(const uint8_t* block, float d, float m, __m256 out[4]) {
+  const __m128i q = _mm_loadu_si128((const __m128i*)block), low = _mm_set1_epi8(15);
+  const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+  out[0] = _mm256_fmadd_ps(to_float(lo), dv, mv);
+  out[1] = _mm256_fmadd_ps(to_float(_mm_srli_si128(lo, 8)), dv, mv);
+  out[2] = _mm256_fmadd_ps(to_float(hi), dv, mv);
+  out[3] = _mm256_fmadd_ps(to_float(_mm_srli_si128(hi, 8)), dv, mv);
+}
+
+// int4 weight rows n0 .. n1 - 1 as float32 into out [n1 - n0, K]
+void int4_rows(const uint8_t* qp, const float* dp, const float* mp, int64_t K, int64_t n0, int64_t n1, float* out) {
+  const int64_t G = K / 32;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 w[4];
+      int4_block(qp + n * (K / 2) + g * 16, dp[n * G + g], mp[n * G + g], w);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + (n - n0) * K + g * 32 + 8 * i, w[i]);
+    }
+}
+
+at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
+  const int64_t N = q.size(0), K = q.size(1) * 2;
+  auto w = at::empty({N, K}, q.options().dtype(at::kFloat));
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    int4_rows(q.data_ptr<uint8_t>(), d.data_ptr<float>(), mn.data_ptr<float>(), K, n0, n1, w.data_ptr<float>() + n0 * K);
+  });
+  return w.to(at::kBFloat16);  // (rounded to nearest even, as kernels.cpp's vcvtne2ps2bf16)
+}
+
+// NB weight rows against R rows of x as 16-bit integers X (WordRows: x = unit X, X = 127 q1 + q2, within 1/32258 of
+// the row's largest value, as the GGUF kernels take it): per block the integer sum of code X (vpmaddwd), times d in
+// float, plus m times the block's sum of X. Converting 32 codes to float for FMAs cost 2.3x as many instructions
+// and ran at a fifth of the memory's speed (measured); the products' error is the int8 kernel's.
+template <int R, int NB>
+void int4_tile(const WordRows& xs, int64_t m0, const uint8_t* q, const float* d, const float* mn, int64_t K, float* y,
+               int64_t N, int64_t n0) {
+  const int64_t G = K / 32;
+  const int16_t* X = xs.x.data() + m0 * K;
+  const float* sums = xs.sum32.data() + m0 * G;
+  __m256 acc[R][NB];
+  float mins[R][NB] = {};
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
+  const __m128i low = _mm_set1_epi8(15);
+  for (int64_t g = 0; g < G; ++g)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n = n0 + j;
+      const uint8_t* block = q + n * (K / 2) + g * 16;
+      _mm_prefetch((const char*)block + PREFETCH, _MM_HINT_T0);
+      const __m128i b = _mm_loadu_si128((const __m128i*)block);
+      const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low));  // codes 0..15
+      const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low));  // codes 16..31
+      const __m256 dv = _mm256_set1_ps(d[n * G + g]);
+      const float m = mn[n * G + g];
+      for (int r = 0; r < R; ++r) {
+        const int16_t* x = X + r * K + 32 * g;
+        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)x)),
+                                             _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 16))));
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), dv, acc[r][j]);
+        mins[r][j] += m * sums[r * G + g];
+      }
+    }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = (hsum(acc[r][j]) + mins[r][j]) * xs.unit[m0 + r];
+}
+
+at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && q.scalar_type() == at::kByte && d.scalar_type() == at::kFloat &&
+              mn.scalar_type() == at::kFloat);
+  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
+  int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && q.size(1) == K / 2 && d.numel() == N * G && mn.numel() == N * G && q.is_contiguous() &&
+              d.is_contiguous() && mn.is_contiguous(), "linear_int4: bad shapes");
+  const float *xp = x.data_ptr<float>(), *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  if (M > GEMM_ROWS)
+    return gemm_by_tiles<float>(x_, N, [&](int64_t n0, int64_t nb, float* out) { int4_rows(qp, dp, mp, K, n0, n0 + nb, out); });
+  auto y = output_like(x_, N);
+  float* yp = y.data_ptr<float>();
+  WordRows xs(xp, M, K);
+  if (M == 1) {
+    for_each_tile<4>(M, N, K, 2 * K, [&](int64_t, int64_t, int64_t n0, int64_t nb) {
+      if (nb == 4) int4_tile<1, 4>(xs, 0, qp, dp, mp, K, yp, N, n0);
+      else for (int64_t j = 0; j < nb; ++j) int4_tile<1, 1>(xs, 0, qp, dp, mp, K, yp, N, n0 + j);
+    });
+    return y;
+  }
+  for_each_tile<2, 4>(M, N, K, K, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
+    if (nb == 2) {
+      DISPATCH_ROWS(rows, (int4_tile<R, 2>(xs, m0, qp, dp, mp, K, yp + m0 * N, N, n0)));
+    } else {
+      DISPATCH_ROWS(rows, (int4_tile<R, 1>(xs, m0, qp, dp, mp, K, yp + m0 * N, N, n0)));
+    }
+  });
+  return y;
+}
+
+// ---- nf4 weights (bitsandbytes' NF4 code), one absmax per block of 64 ----------------------------------------------
+// Per row and block: 32 bytes, byte j holding code j (low nibble) and code j + 32 (high nibble); absmax float32
+// [N, K/64]. The 16 code values sit in two registers: vpermps looks a code up in both, its bit 3 picks one.
+
+struct NF4Table {
+  __m256 low, high;
+  explicit NF4Table(const float* code) : low(_mm256_loadu_ps(code)), high(_mm256_loadu_ps(code + 8)) {}
+  __m256 operator()(__m128i bytes8) const {  // 8 codes (one a byte) -> their values
+    const __m256i c = _mm256_cvtepu8_epi32(bytes8);
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, c), _mm256_permutevar8x32_ps(high, c),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));
+  }
+};
+
+// A block's 64 values NF4[code] (not yet times absmax), in order
+inline void nf4_block(const uint8_t* block, const NF4Table& table, __m256 out[8]) {
+  const __m128i low = _mm_set1_epi8(15);
+  for (int half = 0; half < 2; ++half) {  // bytes 16 half ..: codes 16 half .. (low nibbles), 32 + 16 half .. (high)
+    const __m128i q = _mm_loadu_si128((const __m128i*)(block + 16 * half));
+    const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+    out[2 * half] = table(lo), out[2 * half + 1] = table(_mm_srli_si128(lo, 8));
+    out[4 + 2 * half] = table(hi), out[5 + 2 * half] = table(_mm_srli_si128(hi, 8));
+  }
+}
+
+void nf4_rows(const uint8_t* qp, const float* ap, const float* code, int64_t K, int64_t n0, int64_t n1, float* wp) {
+  const int64_t B = K / 64;
+  const NF4Table table(code);
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < B; ++b) {
+      __m256 v[8];
+      nf4_block(qp + n * (K / 2) + b * 32, table, v);
+      const __m256 s = _mm256_set1_ps(ap[n * B + b]);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(wp + (n - n0) * K + b * 64 + 8 * i, _mm256_mul_ps(v[i], s));
+    }
+}
+
+at::Tensor dequantize_nf4(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat && code.scalar_type() == at::kFloat &&
+              code.numel() == 16 && q.is_contiguous() && absmax.is_contiguous() && q.size(1) % 32 == 0 &&
+              absmax.numel() == q.size(0) * q.size(1) / 32, "dequantize_nf4: bad shapes");
+  const int64_t N = q.size(0), K = q.size(1) * 2;
+  auto w = at::empty({N, K}, q.options().dtype(at::kFloat));
+  const auto table = code.contiguous();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    nf4_rows(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), table.data_ptr<float>(), K, n0, n1,
+             w.data_ptr<float>() + n0 * K);
+  });
+  return w.to(at::kBFloat16);
+}
+
+template <int R>
+void nf4_tile(const float* x, const uint8_t* q, const float* absmax, const NF4Table& table, int64_t K, float* y,
+              int64_t N, int64_t n) {
+  const int64_t G = K / 64;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* block = q + n * (K / 2) + g * 32;
+    _mm_prefetch((const char*)block + PREFETCH, _MM_HINT_T0);
+    __m256 w[8];
+    nf4_block(block, table, w);
+    const __m256 scale = _mm256_set1_ps(absmax[n * G + g]);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * K + g * 64;
+      __m256 even = _mm256_mul_ps(_mm256_loadu_ps(xb), w[0]), odd = _mm256_mul_ps(_mm256_loadu_ps(xb + 8), w[1]);
+      for (int i = 2; i < 8; i += 2) {  // (two chains)
+        even = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * i), w[i], even);
+        odd = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * i + 8), w[i + 1], odd);
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_add_ps(even, odd), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * N + n] = hsum(acc[r]);
+}
+
+at::Tensor linear_nf4(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && q.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat &&
+              code.scalar_type() == at::kFloat && code.numel() == 16);
+  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
+  int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(K % 64 == 0 && q.size(1) == K / 2 && absmax.numel() == N * K / 64 && q.is_contiguous() &&
+              absmax.is_contiguous(), "linear_nf4: bad shapes");
+  const float *xp = x.data_ptr<float>(), *ap = absmax.data_ptr<float>(), *cp = code.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  if (M > GEMM_ROWS)
+    return gemm_by_tiles<float>(x_, N, [&](int64_t n0, int64_t nb, float* out) { nf4_rows(qp, ap, cp, K, n0, n0 + nb, out); });
+  auto y = output_like(x_, N);
+  float* yp = y.data_ptr<float>();
+  const NF4Table table(cp);
+  for_each_tile<1>(M, N, K, K / 2, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
+    DISPATCH_ROWS(rows, (nf4_tile<R>(xp + m0 * K, qp, ap, table, K, yp + m0 * N, N, n0)));
+  });
+  return y;
+}
+
+// ---- GGUF blocks as the file stores them (see kernels.cpp) -----------------------------------------------------------
+// Every type is read as unsigned codes u, 32 to a register (one byte each), with w = A (u - off) + B per sub-block.
+// K-quants: codes times each digit of x by vpmaddubsw (pairs in int16), times the sub-block's integer scale by
+// vpmaddwd (into int32), over a super-block, then once in float by d; the mins (Q4_K, Q5_K) or the offset 32 (Q6_K)
+// meet the sums of X. 32-blocks: codes as 16-bit integers (minus the offset) times X = 127 q1 + q2 by vpmaddwd,
+// a block at a time, then by d.
+
+// 32 bits -> 32 bytes, byte j 0xFF where bit j is set
+inline __m256i bits_to_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                                                0x0303030303030303LL));
+  const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
+// Values 32v .. 32v + 31 of a row as codes u, one a byte. blocks: the row's 32-blocks (K-quants: unused)
+template <int64_t T>
+inline __m256i codes32(const uint8_t* row, int64_t v) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  if constexpr (T == GQ4_K || T == GQ5_K) {  // 32 bytes of qs: sub-block 2g low nibbles, 2g + 1 high ones
+    const uint8_t* blk = row + (v / 8) * block_bytes(T);
+    const int s = v % 8, g = s / 2;
+    const __m256i z = _mm256_loadu_si256((const __m256i*)(blk + (T == GQ4_K ? 16 : 48) + 32 * g));
+    __m256i u = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(z, 4) : z, low4);
+    if constexpr (T == GQ5_K) {  // bit s of qh[l]: the fifth bit of value l of sub-block s
+      const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 16));
+      u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, s), _mm256_set1_epi8(1)), 4));
+    }
+    return u;
+  } else if constexpr (T == GQ6_K) {  // values 128h + 32i + 64k + l: nibble k of ql[64h + 32i + l], bits 4k + 2i of qh[32h + l]
+    const uint8_t* blk = row + (v / 8) * block_bytes(T);
+    const int h = (v % 8) / 4, k = (v % 4) / 2, i = v % 2;
+    const __m256i ql = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32 * i));
+    const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
+    const __m256i nib = _mm256_and_si256(k ? _mm256_srli_epi16(ql, 4) : ql, low4);
+    const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 4 * k + 2 * i), _mm256_set1_epi8(3));
+    return _mm256_or_si256(nib, _mm256_slli_epi16(top, 4));
+  } else {
+    const uint8_t* blk = row + v * block_bytes(T);
+    if constexpr (T == GQ8_0) {
+      return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + 2)), _mm256_set1_epi8((char)0x80));
+    } else {
+      constexpr int at = T == GQ4_0 ? 2 : T == GQ4_1 ? 4 : T == GQ5_0 ? 6 : 8;  // the 16 bytes of nibbles
+      const __m128i q = _mm_loadu_si128((const __m128i*)(blk + at)), m = _mm_set1_epi8(15);
+      __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+      if constexpr (T == GQ5_0 || T == GQ5_1) {  // bit j of qh: element j's fifth bit
+        uint32_t qh;
+        memcpy(&qh, blk + (T == GQ5_0 ? 2 : 4), 4);
+        u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(16)));
+      }
+      return u;
+    }
+  }
+}
+
+// NB weight rows of a K-quant type against R rows of x, a super-block at a time (8 registers of 32 codes)
+template <int64_t T, int R>
+void kquant_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
+                 int64_t N, int64_t n) {
+  const int64_t S = K / 256;
+  const uint8_t* row = w + n * row_bytes;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < S; ++sb) {
+    const uint8_t* blk = row + sb * block_bytes(T);
+    for (int line = 0; line < block_bytes(T); line += 64) _mm_prefetch((const char*)blk + AHEAD + line, _MM_HINT_T1);
+    int16_t scale[16];  // per sub-block (Q6_K: 16 of 16 values; Q4_K, Q5_K: 8 of 32)
+    float minv[16];     // what each sub-block's sum of X is multiplied by
+    float d;
+    if constexpr (T == GQ6_K) {
+      d = half_at(blk + 208);
+      for (int s = 0; s < 16; ++s) scale[s] = (int8_t)blk[192 + s], minv[s] = -32.f * d * (float)scale[s];
+    } else {
+      uint8_t sm[16];
+      _mm_storeu_si128((__m128i*)sm, kquant_scales(blk + 4));
+      d = half_at(blk);
+      const float dmin = half_at(blk + 2);
+      for (int s = 0; s < 8; ++s) scale[s] = sm[s], minv[s] = -(dmin * (float)sm[8 + s]);
+    }
+    __m256i s1[R], s2[R];
+    for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm256_setzero_si256();
+    for (int v = 0; v < 8; ++v) {
+      const __m256i u = codes32<T>(row, sb * 8 + v);
+      const __m256i sc = T == GQ6_K ? _mm256_set_m128i(_mm_set1_epi16(scale[2 * v + 1]), _mm_set1_epi16(scale[2 * v]))
+                                    : _mm256_set1_epi16(scale[v]);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (m0 + r) * K + sb * 256 + 32 * v;
+        const __m256i a = _mm256_loadu_si256((const __m256i*)(xs.digits.q1.data() + at));
+        const __m256i c = _mm256_loadu_si256((const __m256i*)(xs.digits.q2.data() + at));
+        s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), sc));
+        s2[r] = _mm256_add_epi32(s2[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, c), sc));
+      }
+    }
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int r = 0; r < R; ++r) {  // X = 127 q1 + q2: the sum in X's units, in float (127 s1 could pass int32)
+      const __m256 fsum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[r]), _mm256_set1_ps(127.f), _mm256_cvtepi32_ps(s2[r]));
+      acc[r] = _mm256_fmadd_ps(fsum, dv, acc[r]);
+      if constexpr (T == GQ6_K) {
+        const float* sums = xs.sum16.data() + (m0 + r) * (K / 16) + sb * 16;
+        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(minv), _mm256_loadu_ps(sums), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(minv + 8), _mm256_loadu_ps(sums + 8), acc[r]);
+      } else {
+        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(minv), _mm256_loadu_ps(xs.sum32.data() + (m0 + r) * (K / 32) + sb * 8),
+                                 acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * N + n] = hsum(acc[r]) * xs.unit[m0 + r];
+}
+
+// One weight row of a 32-block type against R rows of x, a block at a time: its integer sum, then d in float (Q4_1 /
+// Q5_1: m times the block's sum of X, in a second accumulator)
+template <int64_t T, int R>
+void block32_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
+                  int64_t N, int64_t n) {
+  constexpr bool with_min = T == GQ4_1 || T == GQ5_1;
+  constexpr int16_t off = T == GQ4_0 ? 8 : T == GQ5_0 ? 16 : T == GQ8_0 ? 128 : 0;
+  const int64_t blocks = K / 32;
+  const uint8_t* row = w + n * row_bytes;
+  __m256 acc[R];
+  float mins[R] = {};
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * block_bytes(T);
+    _mm_prefetch((const char*)blk + AHEAD, _MM_HINT_T1);
+    const __m256i u = codes32<T>(row, b), offset = _mm256_set1_epi16(off);
+    const __m256i lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(u)), offset);
+    const __m256i hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1)), offset);
+    const __m256 d = _mm256_set1_ps(half_at(blk));
+    for (int r = 0; r < R; ++r) {
+      const int16_t* x = xs.x.data() + (m0 + r) * K + 32 * b;
+      const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)x)),
+                                           _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 16))));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc[r]);
+      if constexpr (with_min) mins[r] += half_at(blk + 2) * xs.sum32[(m0 + r) * (K / 32) + b];
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * N + n] = (hsum(acc[r]) + mins[r]) * xs.unit[m0 + r];
+}
+
+template <int64_t T>
+void gguf_matmul(const WordRows& xs, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
+  for_each_tile<1, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
+    if constexpr (T >= GQ4_K) {
+      DISPATCH_ROWS(rows, (kquant_tile<T, R>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0)));
+    } else {
+      DISPATCH_ROWS(rows, (block32_tile<T, R>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0)));
+    }
+  });
+}
+
+// Rows of blocks -> [N, K] values as gguf's own dequantizer computes them: A (u - off) + B, two roundings (no fused
+// multiply-adds), A, off and B per 16 values (chunk_params)
+template <int64_t T>
+__attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t N,
+                                                                   int64_t K, float* out) {
+  const int64_t blocks = K / block_elements(T), chunks = (K + 63) / 64;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    float A[4], off[4], B[4];  // of each 16 values of a chunk of 64
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      for (int64_t c = 0; c < chunks; ++c) {
+        chunk_params<T>(row, c, blocks, A, off, B);
+        for (int half = 0; half < 2 && c * 64 + half * 32 < K; ++half) {
+          const __m256i u = codes32<T>(row, 2 * c + half);
+          for (int e = 0; e < 4; ++e) {  // 8 values: quarter 2 half + e / 2
+            const __m128i bytes = e < 2 ? _mm256_castsi256_si128(u) : _mm256_extracti128_si256(u, 1);
+            const __m256 v = to_float(e % 2 ? _mm_srli_si128(bytes, 8) : bytes);
+            const int q = 2 * half + e / 2;
+            const __m256 x = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(off[q])), _mm256_set1_ps(A[q])),
+                                           _mm256_set1_ps(B[q]));
+            _mm256_storeu_ps(out + n * K + c * 64 + half * 32 + 8 * e, x);
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor dequantize_gguf(const at::Tensor& w, int64_t type, int64_t K, bool bf16) {
+  check_blocks(w, type, K, "dequantize_gguf");
+  const int64_t N = w.size(0);
+  auto out = at::empty({N, K}, w.options().dtype(at::kFloat));
+  DISPATCH_GGUF(type, (dequantize_rows<T>(w.data_ptr<uint8_t>(), w.size(1), N, K, out.data_ptr<float>())));
+  return bf16 ? out.to(at::kBFloat16) : out;
+}
+
+// y = x w^T for x [..., K] float32 and w [N, bytes] the file's rows of blocks
+at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_gguf: x must be float32");
+  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_blocks(w, type, K, "linear_gguf");
+  TORCH_CHECK(K % 16 == 0 && K <= 65536, "linear_gguf: ", K, " inputs");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t row_bytes = w.size(1);
+  at::Tensor y;
+  if (M > GEMM_ROWS) {
+    DISPATCH_GGUF(type, (y = gemm_by_tiles<float>(x_, N, [&](int64_t n0, int64_t nb, float* out) {
+      dequantize_rows<T>(wp + n0 * row_bytes, row_bytes, nb, K, out);
+    })));
+    return y;
+  }
+  y = output_like(x_, N);
+  WordRows xs(x.data_ptr<float>(), M, K);
+  DISPATCH_GGUF(type, (gguf_matmul<T>(xs, M, wp, row_bytes, K, y.data_ptr<float>(), N)));
+  return y;
+}
+
+// ---- attention over the cache (kernels.h; kernels.cpp says how) ------------------------------------------------------
+
+// e^x for x <= 0: 2^(x log2 e) = 2^n 2^f, f in [-0.5, 0.5], 2^f by its degree-6 Taylor polynomial, 2^n built in the
+// exponent bits (x >= -87: 2^n stays a normal float; e^-87 is 1.6e-38, nothing beside 1)
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718f));
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// cap * tanh(x / cap) = cap * sign(x) (1 - e) / (1 + e), e = e^(-2 |x| / cap)
+inline __m256 softcap8(__m256 x, float cap) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 e = exp_nonpositive(_mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(-2.f / cap)));
+  __m256 t = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.f), e), _mm256_add_ps(_mm256_set1_ps(1.f), e));
+  t = _mm256_mul_ps(t, _mm256_set1_ps(cap));
+  return _mm256_or_ps(t, _mm256_and_ps(x, sign));
+}
+
+// 8 cached values as float32 (the first `left`), from a float32 or a bfloat16 cache
+inline __m256 load8(const float* p, int64_t left) {
+  return left >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes8(left));
+}
+inline __m256 load8(const uint16_t* p, int64_t left) {
+  __m128i h;
+  if (left >= 8) {
+    h = _mm_loadu_si128((const __m128i*)p);
+  } else {
+    uint16_t part[8] = {};
+    memcpy(part, p, std::max<int64_t>(left, 0) * 2);
+    h = _mm_loadu_si128((const __m128i*)part);
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+constexpr int CHUNK = 2;  // x 16 slots scored at a time: GROUP x CHUNK x 2 accumulators (12 of 16 registers)
+
+template <typename T>
+void attend_part(const float* const* q, const int64_t* start, const int64_t* end, int n, int64_t lo, int64_t hi,
+                 const T* kt, const T* vv, int64_t D, float scale, float softcap, Partial* out,
+                 std::vector<float>& buffer) {
+  const int64_t first = lo / 16, last = hi / 16, base = first * 16;  // whole blocks of 16 slots
+  const int64_t width = (last + 1) * 16 - base, stride = width + 16;
+  buffer.resize(GROUP * stride);
+  float* scores = buffer.data();
+  for (int64_t blk = first; blk <= last; blk += CHUNK) {  // scores: each block of keys is D x 16 contiguous values
+    const int64_t count = std::min<int64_t>(CHUNK, last + 1 - blk);
+    __m256 acc[GROUP][CHUNK][2];
+    for (int i = 0; i < GROUP; ++i)
+      for (int u = 0; u < CHUNK; ++u) acc[i][u][0] = acc[i][u][1] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < count; ++u) {
+      const T* keys = kt + (blk + u) * D * 16;
+      for (int64_t d = 0; d < D; ++d) {
+        const __m256 k0 = load8(keys + d * 16, 8), k1 = load8(keys + d * 16 + 8, 8);
+        for (int i = 0; i < n; ++i) {
+          const __m256 qd = _mm256_set1_ps(q[i][d]);
+          acc[i][u][0] = _mm256_fmadd_ps(qd, k0, acc[i][u][0]);
+          acc[i][u][1] = _mm256_fmadd_ps(qd, k1, acc[i][u][1]);
+        }
+      }
+    }
+    for (int i = 0; i < n; ++i)
+      for (int64_t u = 0; u < count; ++u)
+        for (int h = 0; h < 2; ++h) {
+          const __m256 s = _mm256_mul_ps(acc[i][u][h], _mm256_set1_ps(scale));
+          _mm256_storeu_ps(scores + i * stride + (blk + u) * 16 + 8 * h - base, softcap > 0.f ? softcap8(s, softcap) : s);
+        }
+  }
+  for (int i = 0; i < n; ++i) {  // e^(s - max) over the query's own slots in this part; zero elsewhere
+    float* s = scores + i * stride;
+    const int64_t a = std::max(start[i], lo) - base, b = std::min(end[i], hi) - base;
+    out[i].max = -INFINITY, out[i].sum = 0.f;
+    if (a > b) {
+      std::fill(s, s + width, 0.f);
+      continue;
+    }
+    float top = -INFINITY;
+    for (int64_t j = a; j <= b; ++j) top = std::max(top, s[j]);
+    out[i].max = top;
+    const __m256 topv = _mm256_set1_ps(top);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t j = a; j <= b; j += 8) {
+      const __m256i m = lanes8(b + 1 - j);
+      const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(_mm256_maskload_ps(s + j, m), topv)),
+                                     _mm256_castsi256_ps(m));
+      _mm256_maskstore_ps(s + j, m, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    std::fill(s, s + a, 0.f);
+    std::fill(s + b + 1, s + width, 0.f);
+    out[i].sum = hsum(vsum);
+  }
+  const int64_t DV = (D + 7) / 8;
+  __m256 acc[GROUP][4];  // 32 channels per pass: GROUP x 4 accumulators
+  for (int64_t c0 = 0; c0 < DV; c0 += 4) {  // sum of e_j v_j, each value row read once for the group
+    const int64_t cn = std::min<int64_t>(4, DV - c0);
+    for (int i = 0; i < GROUP; ++i)
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_ps();
+    for (int64_t j = lo; j <= hi; ++j) {
+      const T* row = vv + j * D;
+      __m256 value[4];
+      for (int64_t c = 0; c < cn; ++c) value[c] = load8(row + (c0 + c) * 8, D - (c0 + c) * 8);
+      for (int i = 0; i < n; ++i) {
+        const __m256 p = _mm256_set1_ps(scores[i * stride + (j - base)]);
+        for (int64_t c = 0; c < cn; ++c) acc[i][c] = _mm256_fmadd_ps(p, value[c], acc[i][c]);
+      }
+    }
+    for (int i = 0; i < n; ++i)
+      for (int64_t c = 0; c < cn; ++c) _mm256_maskstore_ps(out[i].acc + (c0 + c) * 8, lanes8(D - (c0 + c) * 8), acc[i][c]);
+  }
+}
+
+}  // namespace
+
+REGISTER_OPS()
