@@ -35,9 +35,12 @@ def test_bfloat16_logits_match_reference(layout):
 
 
 def test_shellelastic_is_exact_in_both_precisions():
-    # Same arithmetic as the ShellElastic reference, op for op: the bf16 run is not merely within tolerance.
+    # Same arithmetic as the ShellElastic reference, op for op: the bf16 run is not merely within tolerance. Bit for
+    # bit where the BLAS sums in the order it did for the reference (its AVX-512 kernels); an AVX2 CPU's sgemm sums
+    # in another order (5.8e-7 from the fixture on a Zen 3, with or without our kernels)
     exp = expected("shellelastic")
-    assert rel_err(from_pretrained(fixture_path("shellelastic"))(exp["input_ids"]), exp["logits"]) == 0
+    err = rel_err(from_pretrained(fixture_path("shellelastic"))(exp["input_ids"]), exp["logits"])
+    assert err == 0 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else err < 2e-6
     bf16 = from_pretrained(fixture_path("shellelastic"), dtype=torch.bfloat16)
     assert rel_err(bf16(exp["input_ids"]), exp["logits_bf16"]) < 1e-3
 
