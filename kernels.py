@@ -12,9 +12,11 @@ value (llama.cpp quantizes activations to 8 bits, which flips answers of the def
 
 The library is compiled on first use with the system C++ compiler against the installed torch (about 15 s) into
 $XDG_CACHE_HOME/dense-engine/kernels/ (or ~/.cache/...), keyed by the source, torch version and CPU, and loaded
-into later processes as is. Without a compiler, or on a CPU without AVX-512 VNNI, everything runs on PyTorch's own
-kernels (`DENSE_KERNELS=0` forces that). Needs AVX-512 with VNNI and BF16 (AMD Zen 4 and later, Intel Sapphire
-Rapids and later). Stands on dense.py (its KV cache, which this file's CPU cache subclasses).
+into later processes as is: kernels.cpp on a CPU with AVX-512 VNNI and BF16 (AMD Zen 4 and later, Intel Sapphire
+Rapids and later), kernels_avx2.cpp on one with AVX2 and FMA only (AMD Zen 1-3, Intel's laptops and desktops since
+Alder Lake): the same operators in 8-lane registers, int4 on two int8 digits of x too, long prefills as float32 GEMMs
+(no bfloat16 arithmetic there). Without a compiler, or on an older CPU, everything runs on PyTorch's own kernels
+(`DENSE_KERNELS=0` forces that). Stands on dense.py (its KV cache, which this file's CPU cache subclasses).
 """
 
 from __future__ import annotations
@@ -315,9 +317,11 @@ def linear_int8(x: torch.Tensor, packed_weight: torch.Tensor, packed_scales: tor
     if packed_scales.dtype == torch.float32:
         if use_kernel(x):
             return torch.ops.dense_kernels.linear_int8(x, packed_weight, packed_scales)
-        # a long prefill is compute-bound: the weight in bfloat16 once, then one bfloat16 GEMM (2-3x float32's rate)
-        w = (packed_weight.to(torch.int16) - 128).to(torch.bfloat16)
-        return (F.linear(x.to(torch.bfloat16), w).float() * packed_scales).to(x.dtype)
+        # a long prefill is compute-bound: the weight in bfloat16 once, then one bfloat16 GEMM (2-3x float32's rate
+        # with AVX512-BF16; without it, bfloat16 is emulated at a sixth of float32's: float32 there)
+        dtype = torch.bfloat16 if _state.get("source") == "kernels.cpp" else torch.float32
+        w = (packed_weight.to(torch.int16) - 128).to(dtype)
+        return (F.linear(x.to(dtype), w).float() * packed_scales).to(x.dtype)
     y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), packed_weight, packed_scales)
     return y.to(x.dtype).reshape(*x.shape[:-1], packed_weight.shape[0])
 

