@@ -16,7 +16,7 @@ into later processes as is: kernels.cpp on a CPU with AVX-512 VNNI and BF16 (AMD
 Rapids and later), kernels_avx2.cpp on one with AVX2 and FMA only (AMD Zen 1-3, Intel's laptops and desktops since
 Alder Lake): the same operators in 8-lane registers, int4 on two int8 digits of x too, long prefills as float32 GEMMs
 (no bfloat16 arithmetic there). Without a compiler, or on an older CPU, everything runs on PyTorch's own kernels
-(`DENSE_KERNELS=0` forces that). Stands on dense.py (its KV cache, which this file's CPU cache subclasses).
+(`DENSE_KERNELS=0` forces that; `DENSE_KERNELS=avx2` takes kernels_avx2.cpp on an AVX-512 CPU too). Stands on dense.py (its KV cache, which this file's CPU cache subclasses).
 """
 
 from __future__ import annotations
@@ -87,9 +87,10 @@ def available() -> bool:
     if "ok" in _state:
         return _state["ok"]
     _state["ok"] = False
-    flags = cpu_flags().split()
-    source = next((name for name, needs in SOURCES.items() if needs <= set(flags)), None)
-    if os.environ.get("DENSE_KERNELS") == "0" or source is None:
+    flags, forced = cpu_flags().split(), os.environ.get("DENSE_KERNELS")
+    names = ["kernels_avx2.cpp"] if forced == "avx2" else list(SOURCES)  # (avx2: the AVX2 ones on any CPU with AVX2)
+    source = next((name for name in names if SOURCES[name] <= set(flags)), None)
+    if forced == "0" or source is None:
         return False
     paths = [os.path.join(HERE, source), os.path.join(HERE, "kernels.h")]
     if not all(os.path.isfile(p) for p in paths):  # installed without its source (pip install -e . keeps it here)

@@ -1,7 +1,11 @@
-"""kernels.cpp against independent float64 implementations (the dequantized weights' product, the attention over the
-visible slots), on shapes that exercise every
+"""kernels.cpp (or kernels_avx2.cpp, on a CPU without AVX-512) against independent float64 implementations (the
+dequantized weights' product, the attention over the visible slots), on shapes that exercise every
 tail (rows beyond one tile of 8, widths that are not multiples of the vector width, odd output counts), eager and
 inside a compiled graph; and nf4 on bitsandbytes' packed kernel against the dequantized weights."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +15,22 @@ import kernels
 import quantized
 from steps import Steps
 
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 VNNI CPU or no C++ compiler")
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no AVX2 or AVX-512 CPU, or no C++ compiler")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.available() or kernels.digits_for_int4(), reason="these tests run the AVX2 kernels here")
+def test_the_avx2_kernels_pass_the_kernel_tests_too():
+    # An AVX-512 machine (CI's, often) would never build kernels_avx2.cpp, which serves CPUs without AVX-512 (Zen 1-3,
+    # Intel's laptops): the kernel and GGUF block tests again, in a process that takes it (DENSE_KERNELS=avx2)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
+                          "tests/test_kernels.py", "tests/test_gguf_blocks.py"], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, "DENSE_KERNELS": "avx2"})
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
+    took = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.digits_for_int4())"], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "DENSE_KERNELS": "avx2"})
+    assert took.stdout.strip() == "True"  # (the process above ran kernels_avx2.cpp)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
