@@ -104,10 +104,12 @@ at::Tensor output_like(const at::Tensor& x, int64_t N) {
 // serially). Dequantizing the whole weight first wrote it to memory and read it back. Up to GEMM_ROWS rows of x, the
 // quantized tiles (they read each weight once: decoding is memory-bound); beyond, the GEMMs (measured:
 // BENCHMARKS.md). The product is bfloat16's: x and the weights rounded to it, the sums float32, y rounded to it.
+// Without AVX512-BF16 (kernels_avx2.cpp) bfloat16 GEMMs are emulated at a seventh of float32's rate: float32 tiles.
 constexpr int64_t GEMM_TILE_BYTES = 2 << 20;
 constexpr int64_t GEMM_ROWS = 12;
 
-// y [M, N] = x [M, K] w^T, w's rows n0 .. n0 + nb - 1 written as bfloat16 [nb, K] by rows(n0, nb, out)
+// y [M, N] = x [M, K] w^T, w's rows n0 .. n0 + nb - 1 written as W [nb, K] (bfloat16 bits or float32) by
+// rows(n0, nb, out)
 template <typename W, typename Rows>
 at::Tensor gemm_by_tiles(const at::Tensor& x_, int64_t N, Rows rows) {
   constexpr bool bf16 = std::is_same_v<W, uint16_t>;  // else float32 (a CPU without AVX512-BF16)
