@@ -1,9 +1,10 @@
 // kernels_avx2.cpp: kernels.cpp's operators for CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel laptops and
-// desktops since Alder Lake, which dropped AVX-512): the same operators, schemas and results to float32's precision, in
-// 8-lane registers. kernels.py builds this file where kernels.cpp cannot run. What differs:
-//   * 16 registers, not 32: tiles hold fewer accumulators (a weight row at a time against up to 8 rows of x);
+// desktops since Alder Lake, which dropped AVX-512): the same operators and schemas, in 8-lane registers. kernels.py
+// builds this file where kernels.cpp cannot run. What differs:
+//   * 16 registers, not 32: tiles hold fewer accumulators (one to four weight rows against up to 4 or 8 rows of x);
 //   * no VNNI: 8-bit products by vpmaddubsw (unsigned x signed bytes, pairs in int16) and vpmaddwd (pairs in int32);
-//     int8 weights go through it as |w| times x with w's sign (pairs stay below int16's limit);
+//     int8 weights go through it as |w| times x with w's sign (pairs stay below int16's limit); int4 takes x as two
+//     int8 digits too (kernels.cpp: float32), within 1/32258 of a row's largest value;
 //   * no bfloat16 arithmetic: a long prefill's GEMMs run in float32 on the dequantized tiles (oneDNN or MKL's sgemm).
 // Each row of x is still summed in one fixed order whatever the tile or the batch: a row's result does not depend on
 // the other rows.
@@ -198,25 +199,18 @@ at::Tensor linear_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tens
 // Per row and block: 16 bytes, byte j holding code j (low nibble) and code j + 16 (high nibble); d and m float32
 // [N, K/32].
 
-// A block's 32 codes as four groups of 8 floats d * code + m
-inline void int4_block(const uint8_t* block, float d, float m, __m256 out[4]) {
-  const __m128i q = _mm_loadu_si128((const __m128i*)block), low = _mm_set1_epi8(15);
-  const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
-  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
-  out[0] = _mm256_fmadd_ps(to_float(lo), dv, mv);
-  out[1] = _mm256_fmadd_ps(to_float(_mm_srli_si128(lo, 8)), dv, mv);
-  out[2] = _mm256_fmadd_ps(to_float(hi), dv, mv);
-  out[3] = _mm256_fmadd_ps(to_float(_mm_srli_si128(hi, 8)), dv, mv);
-}
-
 // int4 weight rows n0 .. n1 - 1 as float32 into out [n1 - n0, K]
 void int4_rows(const uint8_t* qp, const float* dp, const float* mp, int64_t K, int64_t n0, int64_t n1, float* out) {
   const int64_t G = K / 32;
+  const __m128i low = _mm_set1_epi8(15);
   for (int64_t n = n0; n < n1; ++n)
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 w[4];
-      int4_block(qp + n * (K / 2) + g * 16, dp[n * G + g], mp[n * G + g], w);
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + (n - n0) * K + g * 32 + 8 * i, w[i]);
+    for (int64_t g = 0; g < G; ++g) {  // codes 0..15 in the low nibbles, 16..31 in the high ones
+      const __m128i q = _mm_loadu_si128((const __m128i*)(qp + n * (K / 2) + g * 16));
+      const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+      const __m128i eights[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+      const __m256 d = _mm256_set1_ps(dp[n * G + g]), m = _mm256_set1_ps(mp[n * G + g]);
+      for (int i = 0; i < 4; ++i)
+        _mm256_storeu_ps(out + (n - n0) * K + g * 32 + 8 * i, _mm256_fmadd_ps(to_float(eights[i]), d, m));
     }
 }
 
