@@ -16,13 +16,15 @@ into later processes as is: kernels.cpp on a CPU with AVX-512 VNNI and BF16 (AMD
 Rapids and later), kernels_avx2.cpp on one with AVX2 and FMA only (AMD Zen 1-3, Intel's laptops and desktops since
 Alder Lake): the same operators in 8-lane registers, int4 on two int8 digits of x too, long prefills as float32 GEMMs
 (no bfloat16 arithmetic there). Without a compiler, or on an older CPU, everything runs on PyTorch's own kernels
-(`DENSE_KERNELS=0` forces that; `DENSE_KERNELS=avx2` takes kernels_avx2.cpp on an AVX-512 CPU too). Stands on dense.py (its KV cache, which this file's CPU cache subclasses).
+(`DENSE_KERNELS=0` forces that; `DENSE_KERNELS=avx2` takes kernels_avx2.cpp on an AVX-512 CPU too). Stands on
+dense.py (its KV cache, which this file's CPU cache subclasses).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -95,7 +97,7 @@ def available() -> bool:
     paths = [os.path.join(HERE, source), os.path.join(HERE, "kernels.h")]
     if not all(os.path.isfile(p) for p in paths):  # installed without its source (pip install -e . keeps it here)
         return False
-    code = b"".join(open(p, "rb").read() for p in paths)
+    code = b"".join(pathlib.Path(p).read_bytes() for p in paths)
     key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
     folder = cache_dir() if unwritable_cache() is None else tempfile.mkdtemp(prefix="dense-kernels-")
     target = os.path.join(folder, "kernels", key, "libdense_kernels.so")
@@ -319,7 +321,7 @@ def linear_int8(x: torch.Tensor, packed_weight: torch.Tensor, packed_scales: tor
         if use_kernel(x):
             return torch.ops.dense_kernels.linear_int8(x, packed_weight, packed_scales)
         # a long prefill is compute-bound: the weight in bfloat16 once, then one bfloat16 GEMM (2-3x float32's rate
-        # with AVX512-BF16; without it, bfloat16 is emulated at a sixth of float32's: float32 there)
+        # with AVX512-BF16; without it, bfloat16 is emulated at a seventh of float32's: float32 there)
         dtype = torch.bfloat16 if _state.get("source") == "kernels.cpp" else torch.float32
         w = (packed_weight.to(torch.int16) - 128).to(dtype)
         return (F.linear(x.to(dtype), w).float() * packed_scales).to(x.dtype)
