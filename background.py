@@ -108,7 +108,8 @@ def compile_job(job: dict, loaded: dict) -> None:
     if steps.key(job["kind"], **job["shape"]) != job["key"]:
         print(f"{job['key']}: the model loaded here differs from the program's; not compiled", flush=True)
         return
-    steps.compile_now(target, job["kind"], getattr(generate, job["function"]), rebuild(job["args"], model))
+    steps.compile_now(target, job["kind"], getattr(generate, job["function"]), rebuild(job["args"], model),
+                       job["shape"].get("dynamic"))
     print(f"{job['key']}: compiled in {time.perf_counter() - start:.0f} s", flush=True)
 
 

@@ -12,8 +12,9 @@ What makes it fast, in order:
     length, one graph per bucket, compiled when first reached (CUDA graphs replay one per bucket). On CPU the cache
     is kernels.KVCache, whose attention reads only the slots in use: one graph serves every position.
   * Saved steps (steps.py): each graph is compiled once per machine and loaded by every later process.
-  * A short prefill (a chat turn) is one compiled step too, padded to a fixed size (padding writes to the cache's
-    scratch slot); a long prompt is one eager pass, whose large matmuls are its whole cost.
+  * A short prefill (a chat turn, up to PREFILL_CHUNK tokens) is one compiled step too, whose graph takes any number
+    of tokens (a dynamic dimension: one graph, no padding; a CUDA graph is padded to one size, the padding written
+    to the cache's scratch slot); a long prompt is one eager pass, whose large matmuls are its whole cost.
 Ragged batches: prompts are left-padded to a common length; row_start tells each row where its tokens begin, so its
 positions start at 0 and padding is never attended to. Speculative decoding (speculative.py) stands on this file's
 Runner. Stands on dense.py, kernels.py and steps.py.
@@ -33,7 +34,7 @@ import machine
 from steps import Steps, steps_for
 
 MIN_BUCKET = 256
-PREFILL_CHUNK = 16  # prompts up to this long prefill in one compiled step (padded); longer ones in one eager pass
+PREFILL_CHUNK = 32  # prompts up to this long prefill in one compiled step (any length); longer ones in one eager pass
 
 
 def buckets(cache_len: int) -> list[int]:
@@ -197,19 +198,23 @@ class Runner:
                 rows: torch.Tensor | None = None, every: bool = False) -> torch.Tensor:
         """Write tokens [B, T] at slots start.. (of cache rows `rows`, default 0..B-1), return the float32 logits of
         the last one, [B, V] (every: of every one, [B, T, V], eagerly). Up to PREFILL_CHUNK tokens (a chat turn, a
-        short prompt) run one compiled step, padded; a longer prompt runs one eager pass: its large matmuls are the
-        whole cost and run best in one piece (measured: BENCHMARKS.md)."""
+        short prompt) run one compiled step; a longer prompt runs one eager pass: its large matmuls are the whole
+        cost and run best in one piece (measured: BENCHMARKS.md)."""
         model, device = self.model, tokens.device
         B, T = tokens.shape
         fn = None
         if self.steps is not None and T <= PREFILL_CHUNK and not every:
-            slots = torch.arange(start, start + PREFILL_CHUNK, device=device)
+            # a saved (CPU) step takes any length 2..PREFILL_CHUNK, one graph for all (a length of 1 is padded: Dynamo
+            # compiles 1 apart); a CUDA graph replays one length: padded to PREFILL_CHUNK
+            n = max(T, 2) if self.steps.saved else PREFILL_CHUNK
+            slots = torch.arange(start, start + n, device=device)
             slots[T:] = model.max_seq_len  # padding goes to the scratch slot
-            chunk = torch.nn.functional.pad(tokens, (0, PREFILL_CHUNK - T))
+            chunk = torch.nn.functional.pad(tokens, (0, n - T))
             attend = attend_width(model, start + T)
             args = (model, chunk, slots, row_start, attend, self.slots(T - 1, T), rows)
+            dynamic = {"dims": [[1, 1], [2, 0]], "range": [2, PREFILL_CHUNK]} if self.steps.saved else None
             fn = self.steps.get("prefill", prefill_step, args, batch=B, tokens=PREFILL_CHUNK, attend=attend,
-                                ragged=row_start is not None, rows=rows is not None)
+                                ragged=row_start is not None, rows=rows is not None, dynamic=dynamic)
         if fn is None:  # eager (also while the step compiles in the background)
             causal = start == 0 and row_start is None  # nothing else in the cache: SDPA's causal kernel on its own keys
             hidden = model.hidden_states(tokens, torch.arange(start, start + T, device=device), row_start=row_start,

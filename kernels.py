@@ -32,6 +32,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import dense
 from machine import cache_dir, compiler, first_line, intact, note, seal, unwritable_cache
@@ -200,8 +201,10 @@ def register_shapes() -> None:
 
 def use_kernel(x: torch.Tensor, rows: int | None = MAX_ROWS) -> bool:
     """Whether x goes to a kernel of kernels.cpp (rows=None: at any number of rows; the quantized kernels multiply
-    long inputs as bfloat16 GEMMs themselves)."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and (rows is None or x.numel() // x.shape[-1] <= rows)
+    long inputs as bfloat16 GEMMs themselves). In a graph whose row count is dynamic (generate.py's prefill step),
+    the many-rows path: the graph cannot depend on a number it does not know."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and (
+        rows is None or statically_known_true(x.numel() // x.shape[-1] <= rows))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -246,7 +249,9 @@ class KVCache(dense.KVCache):
         if view.own_keys:  # a plain pass or a prefill from slot 0: dense.py's attention on this call's own k, v
             return super().attend(q, k, v, step, view, scale, softcap)
         self.update(step, k, v)
-        if q.shape[2] > PER_QUERY_TOKENS:  # a prefill chunk after earlier tokens: one masked SDPA over the slots in use
+        # a prefill chunk after earlier tokens: one masked SDPA over the slots in use (a compiled prefill step, whose
+        # length is dynamic, up to generate.PREFILL_CHUNK: the kernel)
+        if statically_known_true(q.shape[2] > PER_QUERY_TOKENS):
             return self.attend_chunk(q, step, view, scale, softcap)
         empty = step.input_pos.new_empty(0)
         start = step.row_start if step.row_start is not None else empty

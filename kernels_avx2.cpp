@@ -642,40 +642,69 @@ inline __m256 load8(const uint16_t* p, int64_t left) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-constexpr int CHUNK = 2;  // x 16 slots scored at a time: GROUP x CHUNK x 2 accumulators (12 of 16 registers)
 
-template <typename T>
-void attend_part(const float* const* q, const int64_t* start, const int64_t* end, int n, int64_t lo, int64_t hi,
-                 const T* kt, const T* vv, int64_t D, float scale, float softcap, Partial* out,
-                 std::vector<float>& buffer) {
-  const int64_t first = lo / 16, last = hi / 16, base = first * 16;  // whole blocks of 16 slots
-  const int64_t width = (last + 1) * 16 - base, stride = width + 16;
-  buffer.resize(GROUP * stride);
-  float* scores = buffer.data();
-  for (int64_t blk = first; blk <= last; blk += CHUNK) {  // scores: each block of keys is D x 16 contiguous values
-    const int64_t count = std::min<int64_t>(CHUNK, last + 1 - blk);
-    __m256 acc[GROUP][CHUNK][2];
-    for (int i = 0; i < GROUP; ++i)
-      for (int u = 0; u < CHUNK; ++u) acc[i][u][0] = acc[i][u][1] = _mm256_setzero_ps();
-    for (int64_t u = 0; u < count; ++u) {
-      const T* keys = kt + (blk + u) * D * 16;
-      for (int64_t d = 0; d < D; ++d) {
-        const __m256 k0 = load8(keys + d * 16, 8), k1 = load8(keys + d * 16 + 8, 8);
-        for (int i = 0; i < n; ++i) {
-          const __m256 qd = _mm256_set1_ps(q[i][d]);
-          acc[i][u][0] = _mm256_fmadd_ps(qd, k0, acc[i][u][0]);
-          acc[i][u][1] = _mm256_fmadd_ps(qd, k1, acc[i][u][1]);
-        }
+// The scores of N queries against U blocks of 16 keys at `keys` (each D x 16 contiguous values), scaled (and capped),
+// to dst + i * stride (query i). N and U are constants: the accumulators' loops unroll into registers.
+template <int N, int U, typename T>
+inline void score_blocks(const float* const* q, const T* keys, int64_t D, float scale, float softcap, float* dst,
+                         int64_t stride) {
+  __m256 acc[N][U][2];
+  for (int i = 0; i < N; ++i)
+    for (int u = 0; u < U; ++u) acc[i][u][0] = acc[i][u][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d)
+    for (int u = 0; u < U; ++u) {
+      const __m256 k0 = load8(keys + (u * D + d) * 16, 8), k1 = load8(keys + (u * D + d) * 16 + 8, 8);
+      for (int i = 0; i < N; ++i) {
+        const __m256 qd = _mm256_broadcast_ss(q[i] + d);
+        acc[i][u][0] = _mm256_fmadd_ps(qd, k0, acc[i][u][0]);
+        acc[i][u][1] = _mm256_fmadd_ps(qd, k1, acc[i][u][1]);
       }
     }
-    for (int i = 0; i < n; ++i)
-      for (int64_t u = 0; u < count; ++u)
-        for (int h = 0; h < 2; ++h) {
-          const __m256 s = _mm256_mul_ps(acc[i][u][h], _mm256_set1_ps(scale));
-          _mm256_storeu_ps(scores + i * stride + (blk + u) * 16 + 8 * h - base, softcap > 0.f ? softcap8(s, softcap) : s);
-        }
+  for (int i = 0; i < N; ++i)
+    for (int u = 0; u < U; ++u)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = _mm256_mul_ps(acc[i][u][h], _mm256_set1_ps(scale));
+        _mm256_storeu_ps(dst + i * stride + u * 16 + 8 * h, softcap > 0.f ? softcap8(s, softcap) : s);
+      }
+}
+
+// out[i].acc[c0 * 8 ..] = sum over slots lo..hi of p_ij v_j, 8 C channels (C registers) of each value row, read once
+// for the N queries (p: scores, query i's at p + i * stride, slot j's at index j - base). FULL: 8 C whole channels.
+template <int N, int C, bool FULL, typename T>
+inline void weigh_values(const float* p, int64_t stride, int64_t base, int64_t lo, int64_t hi, const T* vv, int64_t D,
+                         int64_t c0, Partial* out) {
+  __m256 acc[N][C];
+  for (int i = 0; i < N; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
+  for (int64_t j = lo; j <= hi; ++j) {
+    const T* row = vv + j * D + c0 * 8;
+    __m256 value[C];
+    for (int c = 0; c < C; ++c) value[c] = load8(row + c * 8, FULL ? 8 : D - (c0 + c) * 8);
+    for (int i = 0; i < N; ++i) {
+      const __m256 w = _mm256_broadcast_ss(p + i * stride + (j - base));
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm256_fmadd_ps(w, value[c], acc[i][c]);
+    }
   }
-  for (int i = 0; i < n; ++i) {  // e^(s - max) over the query's own slots in this part; zero elsewhere
+  for (int i = 0; i < N; ++i)
+    for (int c = 0; c < C; ++c)
+      if (FULL) _mm256_storeu_ps(out[i].acc + (c0 + c) * 8, acc[i][c]);
+      else _mm256_maskstore_ps(out[i].acc + (c0 + c) * 8, lanes8(D - (c0 + c) * 8), acc[i][c]);
+}
+
+// attend_part for N queries (a constant: see score_blocks)
+template <int N, typename T>
+void attend_queries(const float* const* q, const int64_t* start, const int64_t* end, int64_t lo, int64_t hi,
+                    const T* kt, const T* vv, int64_t D, float scale, float softcap, Partial* out,
+                    std::vector<float>& buffer) {
+  const int64_t first = lo / 16, last = hi / 16, base = first * 16;  // whole blocks of 16 slots
+  const int64_t width = (last + 1) * 16 - base, stride = width + 16;
+  buffer.resize(N * stride);
+  float* scores = buffer.data();
+  int64_t blk = first;
+  for (; blk + 1 <= last; blk += 2)  // two blocks at a time: N x 4 accumulators (12 of 16 registers)
+    score_blocks<N, 2>(q, kt + blk * D * 16, D, scale, softcap, scores + blk * 16 - base, stride);
+  if (blk == last) score_blocks<N, 1>(q, kt + blk * D * 16, D, scale, softcap, scores + blk * 16 - base, stride);
+  for (int i = 0; i < N; ++i) {  // e^(s - max) over the query's own slots in this part; zero elsewhere
     float* s = scores + i * stride;
     const int64_t a = std::max(start[i], lo) - base, b = std::min(end[i], hi) - base;
     out[i].max = -INFINITY, out[i].sum = 0.f;
@@ -683,10 +712,16 @@ void attend_part(const float* const* q, const int64_t* start, const int64_t* end
       std::fill(s, s + width, 0.f);
       continue;
     }
-    float top = -INFINITY;
-    for (int64_t j = a; j <= b; ++j) top = std::max(top, s[j]);
+    __m256 topv = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = a; j <= b; j += 8) {
+      const __m256 m = _mm256_castsi256_ps(lanes8(b + 1 - j));
+      topv = _mm256_max_ps(topv, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + j), m));
+    }
+    __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(topv), _mm256_extractf128_ps(topv, 1));
+    top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+    const float top = std::max(_mm_cvtss_f32(top4), _mm_cvtss_f32(_mm_shuffle_ps(top4, top4, 1)));
     out[i].max = top;
-    const __m256 topv = _mm256_set1_ps(top);
+    topv = _mm256_set1_ps(top);
     __m256 vsum = _mm256_setzero_ps();
     for (int64_t j = a; j <= b; j += 8) {
       const __m256i m = lanes8(b + 1 - j);
@@ -699,24 +734,20 @@ void attend_part(const float* const* q, const int64_t* start, const int64_t* end
     std::fill(s + b + 1, s + width, 0.f);
     out[i].sum = hsum(vsum);
   }
-  const int64_t DV = (D + 7) / 8;
-  __m256 acc[GROUP][4];  // 32 channels per pass: GROUP x 4 accumulators
-  for (int64_t c0 = 0; c0 < DV; c0 += 4) {  // sum of e_j v_j, each value row read once for the group
-    const int64_t cn = std::min<int64_t>(4, DV - c0);
-    for (int i = 0; i < GROUP; ++i)
-      for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_ps();
-    for (int64_t j = lo; j <= hi; ++j) {
-      const T* row = vv + j * D;
-      __m256 value[4];
-      for (int64_t c = 0; c < cn; ++c) value[c] = load8(row + (c0 + c) * 8, D - (c0 + c) * 8);
-      for (int i = 0; i < n; ++i) {
-        const __m256 p = _mm256_set1_ps(scores[i * stride + (j - base)]);
-        for (int64_t c = 0; c < cn; ++c) acc[i][c] = _mm256_fmadd_ps(p, value[c], acc[i][c]);
-      }
-    }
-    for (int i = 0; i < n; ++i)
-      for (int64_t c = 0; c < cn; ++c) _mm256_maskstore_ps(out[i].acc + (c0 + c) * 8, lanes8(D - (c0 + c) * 8), acc[i][c]);
-  }
+  constexpr int C = N == 3 ? 2 : 4;  // registers of values a pass: N x C accumulators, C values, one weight
+  for (int64_t c0 = 0; c0 < (D + 7) / 8; c0 += C)
+    if ((c0 + C) * 8 <= D) weigh_values<N, C, true>(scores, stride, base, lo, hi, vv, D, c0, out);
+    else weigh_values<N, C, false>(scores, stride, base, lo, hi, vv, D, c0, out);
+}
+
+template <typename T>
+void attend_part(const float* const* q, const int64_t* start, const int64_t* end, int n, int64_t lo, int64_t hi,
+                 const T* kt, const T* vv, int64_t D, float scale, float softcap, Partial* out,
+                 std::vector<float>& buffer) {
+  static_assert(GROUP == 3, "one case per query count");
+  if (n == 3) attend_queries<3>(q, start, end, lo, hi, kt, vv, D, scale, softcap, out, buffer);
+  else if (n == 2) attend_queries<2>(q, start, end, lo, hi, kt, vv, D, scale, softcap, out, buffer);
+  else attend_queries<1>(q, start, end, lo, hi, kt, vv, D, scale, softcap, out, buffer);
 }
 
 }  // namespace

@@ -110,7 +110,7 @@ class Steps:
         if self.background is not None and self.saved and self.in_background(key, path, kind, fn, args, shape):
             return None
         if key not in self.functions:
-            self.functions[key] = self.load_or_compile(key, kind, fn, args)
+            self.functions[key] = self.load_or_compile(key, kind, fn, args, shape.get("dynamic"))
             if self.functions[key] is None:
                 self.failed.add(key)
         return self.functions[key]
@@ -151,16 +151,25 @@ class Steps:
             self.discard(path)
             return None
 
-    def load_or_compile(self, key: str, kind: str, fn: Callable, args: tuple) -> Callable | None:
+    def load_or_compile(self, key: str, kind: str, fn: Callable, args: tuple, dynamic: dict | None) -> Callable | None:
         trust_the_cpu_flags()
         if not self.saved:
             return LazyStep(self, kind, fn)
         path = os.path.join(self.folder, key + ".bin")
-        return self.load(path) or self.compile_now(path, kind, fn, args)
+        return self.load(path) or self.compile_now(path, kind, fn, args, dynamic)
 
-    def compile_now(self, path: str, kind: str, fn: Callable, args: tuple) -> Callable | None:
+    def compile_now(self, path: str, kind: str, fn: Callable, args: tuple,
+                    dynamic: dict | None = None) -> Callable | None:
         """Compile the step and save it (sealed: its digest written last); None if it cannot be compiled here (the
-        step then runs eagerly, with one note)."""
+        step then runs eagerly, with one note). dynamic: {"dims": [[argument, dim], ...], "range": [low, high]}, one
+        length those dimensions share, which the graph takes at any value in the range (its code must not depend on
+        the value there: Dynamo refuses to compile code that would; the caller keeps to the range, unguarded)."""
+        if dynamic:
+            args = list(args)
+            for i, dim in dynamic["dims"]:
+                args[i] = args[i].clone()  # (marked for the compile: the caller's tensor stays as it was)
+                torch._dynamo.mark_dynamic(args[i], dim, min=dynamic["range"][0], max=dynamic["range"][1])
+            args = tuple(args)
         estimate = self.estimate(kind)
         if self.status:
             self.status(f"Compiling the {kind} step for {self.model.max_seq_len}-slot cache (once per machine; about "

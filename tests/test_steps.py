@@ -118,3 +118,22 @@ def test_buckets():
     assert generate.buckets(100) == [100]
     assert generate.bucket_for(1, 8192) == 256 and generate.bucket_for(257, 8192) == 512
     assert generate.bucket_for(3001, 8192) == 4096 and generate.bucket_for(2999, 3000) == 3000
+
+
+@pytest.mark.slow
+def test_one_compiled_prefill_step_takes_every_length_up_to_the_chunk(tmp_path):
+    """The prefill step's length is a dynamic dimension: prompts and turns of 1, 2, 17 and 32 tokens, from slot 0 and
+    after earlier tokens, run one compiled graph and give the eager pass's logits."""
+    model = random_model()
+    generate.setup_cache(model, 1, 256)
+    steps = Steps(model, folder=str(tmp_path))
+    compiled, eager = generate.Runner(model, steps), generate.Runner(model, None)
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(0))
+    start = 0
+    for n in (17, 1, 32, 2, 20):  # each piece after the ones before it, in the same cache
+        piece = ids[:, start:start + n]
+        want = eager.prefill(piece, start, None)
+        got = compiled.prefill(piece, start, None)  # (rewrites the same slots with the same keys and values)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        start += n
+    assert steps.compiled == 1 and len(steps.functions) == 1
