@@ -642,7 +642,6 @@ inline __m256 load8(const uint16_t* p, int64_t left) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-
 // The scores of N queries against U blocks of 16 keys at `keys` (each D x 16 contiguous values), scaled (and capped),
 // to dst + i * stride (query i). N and U are constants: the accumulators' loops unroll into registers.
 template <int N, int U, typename T>
