@@ -204,15 +204,15 @@ class Runner:
         B, T = tokens.shape
         fn = None
         if self.steps is not None and T <= PREFILL_CHUNK and not every:
-            # a saved (CPU) step takes any length 2..PREFILL_CHUNK, one graph for all (a length of 1 is padded: Dynamo
-            # compiles 1 apart); a CUDA graph replays one length: padded to PREFILL_CHUNK
-            n = max(T, 2) if self.steps.saved else PREFILL_CHUNK
+            if self.steps.saved:  # (CPU) one graph for lengths 2..PREFILL_CHUNK (1 is padded: Dynamo compiles 1 apart)
+                n, dynamic = max(T, 2), {"dims": [[1, 1], [2, 0]], "range": [2, PREFILL_CHUNK]}  # chunk, slots
+            else:  # a CUDA graph replays one length
+                n, dynamic = PREFILL_CHUNK, None
             slots = torch.arange(start, start + n, device=device)
             slots[T:] = model.max_seq_len  # padding goes to the scratch slot
             chunk = torch.nn.functional.pad(tokens, (0, n - T))
             attend = attend_width(model, start + T)
             args = (model, chunk, slots, row_start, attend, self.slots(T - 1, T), rows)
-            dynamic = {"dims": [[1, 1], [2, 0]], "range": [2, PREFILL_CHUNK]} if self.steps.saved else None
             fn = self.steps.get("prefill", prefill_step, args, batch=B, tokens=PREFILL_CHUNK, attend=attend,
                                 ragged=row_start is not None, rows=rows is not None, dynamic=dynamic)
         if fn is None:  # eager (also while the step compiles in the background)

@@ -49,7 +49,8 @@ def test_a_step_compiled_in_the_background_gives_eager_tokens_here_and_in_a_late
     notes = []
     compiler = background.Compiler(**model.source, batch=1, seq_len=128, status=notes.append)
     steps = Steps(model, folder=str(tmp_path / "compiled"), background=compiler)
-    ids = torch.tensor([[5, 17, 99, 3, 250, 7, 31, 8, 2, 77, 410, 6, 45, 90, 13, 200, 11, 4]])
+    # 36 tokens, over generate.PREFILL_CHUNK: the prompt prefills eagerly, one step (decode) is compiled
+    ids = torch.tensor([[5, 17, 99, 3, 250, 7, 31, 8, 2, 77, 410, 6, 45, 90, 13, 200, 11, 4] * 2])
     want = greedy(generate.Runner(model, None), ids, 24)
     # the first use starts the worker and answers eagerly: the same tokens, at once
     start = time.monotonic()

@@ -190,19 +190,19 @@ def test_fast_paths_give_the_plain_tokens(checkpoints, case, tmp_path, monkeypat
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     folder, _, _ = checkpoints[case]
     model = from_pretrained(folder)
-    prompts = [IDS[0, :11].tolist(), IDS[1, :20].tolist()]
+    prompts = [IDS[0, :11].tolist(), IDS[1, :36].tolist()]  # (36 > generate.PREFILL_CHUNK: prefilled eagerly)
     want = []
     for p in prompts:  # the plain path: no cache, argmax of a full pass per token
         ids = torch.tensor([p])
         for _ in range(24):
             ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)
         want.append(ids[0, len(p):].tolist())
-    steps = Steps(model)  # (a prompt over 16 tokens prefills eagerly: one step, decode, is compiled)
+    steps = Steps(model)  # one step, decode, is compiled
     compiled = [int(t) for t in generate.generate_tokens(model, torch.tensor([prompts[1]]), 24, steps=steps)]
     assert compiled == want[1] and steps.compiled == 1
     assert [r.tolist() for r in generate.generate(model, prompts, 24)] == want  # ragged, left-padded batch
     drafted = speculative.generate(model, torch.tensor([prompts[1]]), 24, speculative.LookupDraft())
-    assert drafted[0, 20:].tolist() == want[1]
+    assert drafted[0, 36:].tolist() == want[1]
     for mode in ("int8", "int4"):
         q = quantized.quantize_model(from_pretrained(folder), mode)
         plain = from_pretrained(folder)
