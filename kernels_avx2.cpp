@@ -391,7 +391,7 @@ at::Tensor linear_nf4(const at::Tensor& x_, const at::Tensor& q, const at::Tenso
 // Every type is read as unsigned codes u, 32 to a register (one byte each), with w = A (u - off) + B per sub-block.
 // K-quants: codes times each digit of x by vpmaddubsw (pairs in int16), times the sub-block's integer scale by
 // vpmaddwd (into int32), over a super-block, then once in float by d; the mins (Q4_K, Q5_K) or the offset 32 (Q6_K)
-// meet the sums of X. 32-blocks: codes as 16-bit integers (minus the offset) times X = 127 q1 + q2 by vpmaddwd,
+// meet the sums of X. 32-blocks (codes16): the values u - off as 16-bit integers times X = 127 q1 + q2 by vpmaddwd,
 // a block at a time, then by d.
 
 // 32 bits -> 32 bytes, byte j 0xFF where bit j is set
@@ -498,13 +498,48 @@ void kquant_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_b
   for (int r = 0; r < R; ++r) y[r * N + n] = hsum(acc[r]) * xs.unit[m0 + r];
 }
 
+// A 32-block's values (code minus the type's offset; Q4_1 / Q5_1: the codes) as 16-bit integers, elements 0-15 in
+// lo, 16-31 in hi. The 16 bytes of nibbles are widened once (vpmovzxbw: byte j's low nibble is element j, its high
+// one element j + 16), so no lane is moved after; Q5's fifth bits are tested 16 a register (bit j of qh: element j),
+// and Q5_0's offset folds in: code - 16 = nibble | (fifth bit ? 0 : 0xFFF0). Fewer shuffles than codes32: the
+// decode of these blocks is bound by instructions, not memory.
+template <int64_t T>
+inline void codes16(const uint8_t* blk, __m256i& lo, __m256i& hi) {
+  if constexpr (T == GQ8_0) {  // int8 as stored
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 2)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 18)));
+    return;
+  }
+  constexpr int at = T == GQ4_0 ? 2 : T == GQ4_1 ? 4 : T == GQ5_0 ? 6 : 8;  // the 16 bytes of nibbles
+  const __m256i z = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(blk + at)));
+  lo = _mm256_and_si256(z, _mm256_set1_epi16(15));
+  hi = _mm256_srli_epi16(z, 4);
+  if constexpr (T == GQ4_0) {
+    lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
+    hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
+  } else if constexpr (T == GQ5_0 || T == GQ5_1) {
+    const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                          (int16_t)0x8000);
+    uint16_t h[2];  // qh: elements 0-15, 16-31
+    memcpy(h, blk + (T == GQ5_0 ? 2 : 4), 4);
+    const __m256i set0 = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((int16_t)h[0]), bit), bit);
+    const __m256i set1 = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((int16_t)h[1]), bit), bit);
+    if constexpr (T == GQ5_0) {
+      lo = _mm256_or_si256(lo, _mm256_andnot_si256(set0, _mm256_set1_epi16(-16)));
+      hi = _mm256_or_si256(hi, _mm256_andnot_si256(set1, _mm256_set1_epi16(-16)));
+    } else {
+      lo = _mm256_or_si256(lo, _mm256_and_si256(set0, _mm256_set1_epi16(16)));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(set1, _mm256_set1_epi16(16)));
+    }
+  }
+}
+
 // One weight row of a 32-block type against R rows of x, a block at a time: its integer sum, then d in float (Q4_1 /
 // Q5_1: m times the block's sum of X, in a second accumulator)
 template <int64_t T, int R>
 void block32_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
                   int64_t N, int64_t n) {
   constexpr bool with_min = T == GQ4_1 || T == GQ5_1;
-  constexpr int16_t off = T == GQ4_0 ? 8 : T == GQ5_0 ? 16 : T == GQ8_0 ? 128 : 0;
   const int64_t blocks = K / 32;
   const uint8_t* row = w + n * row_bytes;
   __m256 acc[R];
@@ -513,9 +548,8 @@ void block32_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = row + b * block_bytes(T);
     _mm_prefetch((const char*)blk + AHEAD, _MM_HINT_T1);
-    const __m256i u = codes32<T>(row, b), offset = _mm256_set1_epi16(off);
-    const __m256i lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(u)), offset);
-    const __m256i hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1)), offset);
+    __m256i lo, hi;
+    codes16<T>(blk, lo, hi);
     const __m256 d = _mm256_set1_ps(half_at(blk));
     for (int r = 0; r < R; ++r) {
       const int16_t* x = xs.x.data() + (m0 + r) * K + 32 * b;
