@@ -559,7 +559,9 @@ def test_logit_bias_and_penalties_follow_openais_semantics(server, plain):
 
 @pytest.fixture(scope="module")
 def default_server():
-    s = Server("--max-batch", "2", ckpt=None)  # (the default model: a context long enough to outlast a client)
+    # the default model: a context long enough to outlast a client; eager (its compiled steps cost CI 2 minutes here,
+    # and the compiled server path is tested above on the llama fixture)
+    s = Server("--max-batch", "2", "--no-compile", ckpt=None)
     yield s
     s.stop()
 
