@@ -42,11 +42,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # with AVX2 only (AMD Zen 1-3, Intel's laptops and desktops since Alder Lake); both include kernels.h
 SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"},
            "kernels_avx2.cpp": {"avx2", "fma", "f16c"}}
-# Up to this many rows of x our float32 and int8 kernels beat PyTorch's (BENCHMARKS.md); beyond, a matmul is
-# compute-bound and runs as one BLAS GEMM (for float32, MKL also sums in the order the families' references do: their
-# logits bit for bit). The int4, nf4 and GGUF kernels decide for themselves: past GEMM_ROWS (kernels.cpp's) they run
-# bfloat16 GEMMs on tiles of the weight they dequantize (2-3x float32's rate).
+# Up to this many rows of x our float32 kernel beats PyTorch's (BENCHMARKS.md); beyond, a matmul is compute-bound
+# and runs as one BLAS GEMM (for float32, MKL also sums in the order the families' references do: their logits bit
+# for bit). The int8 kernel serves up to INT8_ROWS: every length of a compiled prefill step (generate.PREFILL_CHUNK),
+# whose row count is dynamic (at 32 rows it is 2.5x the GEMM on its converted weight with AVX-512, 4x with AVX2).
+# The int4, nf4 and GGUF kernels decide for themselves: past GEMM_ROWS (kernels.cpp's) they run bfloat16 GEMMs on
+# tiles of the weight they dequantize (2-3x float32's rate).
 MAX_ROWS = 16
+INT8_ROWS = 32
 GEMM_ROWS = 12
 _state: dict = {}
 
@@ -323,7 +326,7 @@ def pack_int8(weight: torch.Tensor, scales: torch.Tensor) -> dict:
 
 def linear_int8(x: torch.Tensor, packed_weight: torch.Tensor, packed_scales: torch.Tensor) -> torch.Tensor:
     if packed_scales.dtype == torch.float32:
-        if use_kernel(x):
+        if use_kernel(x, INT8_ROWS):
             return torch.ops.dense_kernels.linear_int8(x, packed_weight, packed_scales)
         # a long prefill is compute-bound: the weight in bfloat16 once, then one bfloat16 GEMM (2-3x float32's rate
         # with AVX512-BF16; without it, bfloat16 is emulated at a seventh of float32's: float32 there)

@@ -125,6 +125,26 @@ def test_int8_kernel_is_the_dequantized_weights_product(M, N, K):
 
 
 @needs_kernels
+def test_int8_linear_takes_the_kernel_at_every_length_of_a_dynamic_prefill():
+    """kernels.linear_int8 in a graph whose row count is dynamic (2..32, as generate.py's prefill step) multiplies
+    by the kernel (x in two int8 digits: within 1/32258 of each row's largest value), not by a bfloat16 GEMM on the
+    converted weight (x rounded to 8 bits: 100x that error), at 20 and 32 rows; eager too."""
+    torch.manual_seed(3)
+    q = quantized.int8_quantize(torch.randn(96, 192))
+    packed = kernels.pack_int8(q["weight"], q["scales"])
+    weight = q["weight"].double() * q["scales"].double()[:, None]
+    step = torch.compile(lambda x: kernels.linear_int8(x, packed["kernel_weight"], packed["kernel_scales"]),
+                         fullgraph=True)
+    for M in (20, 32, 7):
+        x = torch.randn(M, 192)
+        torch._dynamo.mark_dynamic(x, 0, min=2, max=kernels.INT8_ROWS)
+        want = x.double() @ weight.T
+        bound = weight.abs().sum(1)[None, :] * x.abs().amax(1, keepdim=True).double() / 32258
+        for y in (step(x), kernels.linear_int8(x, packed["kernel_weight"], packed["kernel_scales"])):
+            assert ((y.double() - want).abs() <= bound).all(), M
+
+
+@needs_kernels
 @pytest.mark.parametrize("M, N, K", [(1, 3, 64), (4, 64, 192), (11, 29, 576), (17, 64, 128), (2, 5, 96)])
 def test_int4_kernel_is_the_dequantized_weights_product(M, N, K):
     torch.manual_seed(M * K + N)
