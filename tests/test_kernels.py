@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dense
+import generate
 import kernels
 import quantized
 from steps import Steps
@@ -137,7 +138,7 @@ def test_int8_linear_takes_the_kernel_at_every_length_of_a_dynamic_prefill():
                          fullgraph=True)
     for M in (20, 32, 7):
         x = torch.randn(M, 192)
-        torch._dynamo.mark_dynamic(x, 0, min=2, max=kernels.INT8_ROWS)
+        torch._dynamo.mark_dynamic(x, 0, min=2, max=generate.PREFILL_CHUNK)  # (the step's range, not INT8_ROWS)
         want = x.double() @ weight.T
         bound = weight.abs().sum(1)[None, :] * x.abs().amax(1, keepdim=True).double() / 32258
         for y in (step(x), kernels.linear_int8(x, packed["kernel_weight"], packed["kernel_scales"])):
