@@ -8,13 +8,17 @@
 //   dense_kernels::linear_nf4(x, q, absmax, code)   q uint8 [N, K/2], absmax float32 [N, K/64], code the 16 NF4 values
 //   dense_kernels::linear_gguf(x, blocks, type)     blocks uint8 [N, bytes]: a GGUF file's rows of blocks, as stored
 //                                             (type: ggml's id of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+//   dense_kernels::linear_gguf_into(x, blocks, type, out, columns)   the same, written into out's columns (a fused
+//                                             projection's part, in the model's order)
 //   dense_kernels::dequantize_gguf(blocks, type, K, bf16)   those rows as gguf's dequantizer computes them
 //   dense_kernels::attention(q, k_t, v, pos, row_start, rows, scale, window, softcap)   a cached step's attention,
 //                                             over the slots in use
 //
 // The quantized kernels multiply at float32's precision: int8 with AVX-512 VNNI on activations written as two int8
 // digits a row; int4 and nf4 by looking each block's float32 values up in a register. A tile computes NB weight rows
-// against up to 8 rows of x, so a weight row is loaded once for all of them.
+// against up to 8 rows of x, so a weight row is loaded once for all of them. Past GEMM_ROWS rows of x (a prefill),
+// where arithmetic rather than memory bounds a matmul: bfloat16 GEMMs on dequantized tiles, and for K-quants integer
+// dot products on x rounded to 8 bits (as llama.cpp computes every K-quant matmul).
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__AVX512BF16__)
 #error "kernels.cpp needs AVX-512 (F, BW, VNNI, BF16); kernels.py falls back to PyTorch's kernels"
 #endif
@@ -644,6 +648,229 @@ at::Tensor dequantize_gguf(const at::Tensor& w, int64_t type, int64_t K, bool bf
   return out;
 }
 
+// ---- A long prefill on K-quant blocks: 8-bit activations and integer dot products ---------------------------------
+// Past GEMM_ROWS rows of x a K-quant linear is bound by arithmetic, not memory. vpdpbusd (64 multiply-adds of bytes)
+// runs twice as many per instruction as oneDNN's bfloat16 GEMM (vdpbf16ps, 32), so x is rounded to 8 bits, as
+// llama.cpp does for every K-quant matmul: each 256 values of a row become xq = x / dx rounded (dx = their max|x| /
+// 127; llama.cpp's Q8_K), stored + 128 as unsigned bytes. Each thread decodes a tile of 32 weight rows into signed
+// codes s = u - off, four values of a row side by side, 16 rows a register (k-group g of the tile: 128 bytes), so one
+// vpdpbusd adds four products of 16 rows against four values of one row of x (broadcast). Per sub-block (32 values;
+// Q6_K 16) the int32 sums sum(s (xq + 128)) times A in float; per super-block, minus their + 128's share
+// (G = 128 sum_j A_j sum(s), the weights' own), times dx; the mins (Q4_K, Q5_K) times sum(xq) over their 32 before it. The
+// result is the dequantized weights' product with x rounded to 8 bits a value (to float32's rounding of the sums):
+// 1.4-1.5x the rate of oneDNN's bfloat16 GEMM on weights already dequantized, on Zen 4 (BENCHMARKS.md).
+constexpr int Q8_TILE = 32;  // weight rows a tile: two registers of 16
+constexpr int Q8_ROWS = 6;   // rows of x a pass: 2 x 6 int32 sums and 2 x 6 float sums in registers
+constexpr int64_t Q8_BLOCK = 256;  // rows of x a round of tiles
+
+struct ByteRows {
+  std::vector<uint8_t> xu;  // [M, K] xq + 128
+  std::vector<float> dx;    // [M, K / 256]
+  std::vector<float> sum32; // [M, K / 32]: sum(xq) over each 32 values
+  ByteRows(const float* x, int64_t M, int64_t K) : xu(M * K), dx(M * (K / 256)), sum32(M * (K / 32)) {
+    at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t b = 0; b < K / 256; ++b) {
+          const float* xb = x + m * K + b * 256;
+          __m512 amax = _mm512_setzero_ps();
+          for (int k = 0; k < 256; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + k)));
+          const float top = _mm512_reduce_max_ps(amax), d = top / 127.f;
+          dx[m * (K / 256) + b] = d;
+          const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+          for (int k = 0; k < 256; k += 32) {
+            const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + k), inv));  // nearest
+            const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + k + 16), inv));
+            const __m512i off = _mm512_set1_epi32(128);
+            uint8_t* out = xu.data() + m * K + b * 256 + k;
+            _mm_storeu_si128((__m128i*)out, _mm512_cvtepi32_epi8(_mm512_add_epi32(a, off)));
+            _mm_storeu_si128((__m128i*)(out + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, off)));
+            sum32[m * (K / 32) + b * 8 + k / 32] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(a, c));
+          }
+        }
+    });
+  }
+};
+
+// A and B (w = A (u - off) + B) of a super-block's 16 sixteens, in lanes
+template <int64_t T>
+inline void superblock_params(const uint8_t* blk, __m512& A, __m512& B) {
+  if constexpr (T == GQ6_K) {
+    A = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 192)))),
+                      _mm512_set1_ps(half_at(blk + 208)));
+    B = _mm512_setzero_ps();
+  } else {  // sixteen q: scale and min q / 2
+    const __m512i v = _mm512_cvtepu8_epi32(kquant_scales(blk + 4));  // scales in lanes 0-7, mins in 8-15
+    const __m512i pair = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 1);
+    A = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(pair, v)), _mm512_set1_ps(half_at(blk)));
+    B = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(_mm512_add_epi32(pair, _mm512_set1_epi32(8)), v)),
+                      _mm512_set1_ps(-half_at(blk + 2)));
+  }
+}
+
+// 16 registers of 16 int32 lanes, transposed: lane j of register i <-> lane i of register j
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }  // r[4a + b]: lanes (a's four rows) x column b of each 128-bit part
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i)
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + 4 + i], 0x88), t[h + 4 + i] = _mm512_shuffle_i32x4(r[h + i], r[h + 4 + i], 0xdd);
+  for (int i = 0; i < 8; ++i)
+    r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88), r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+}
+
+// A tile of Q8_TILE weight rows, decoded for q8_pass: codes [K / 4][32 rows][4], A and B (w = A (u - off) + B) of
+// each 16 values [K / 16][32], G [K / 256][32]
+template <int64_t T>
+struct ByteTile {
+  static constexpr int SB = T == GQ6_K ? 16 : 32, OFF = T == GQ6_K ? 32 : 0;
+  std::vector<int8_t> codes;
+  std::vector<float> A, B, G;
+  explicit ByteTile(int64_t K) : codes(K * Q8_TILE), A(K / 16 * Q8_TILE), B(K / 16 * Q8_TILE), G(K / 256 * Q8_TILE) {}
+
+  void decode(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t nb) {
+    const int64_t blocks = K / 256;
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int half = 0; half < 2; ++half) {  // 16 rows at a time: a register's lanes
+      for (int64_t b = 0; b < blocks; ++b) {  // A and B of each 16 values, rows in lanes
+        __m512i a[16], m[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t r = 16 * half + i;
+          __m512 ai = _mm512_setzero_ps(), mi = _mm512_setzero_ps();
+          if (r < nb) superblock_params<T>(w + r * row_bytes + b * block_bytes(T), ai, mi);
+          a[i] = _mm512_castps_si512(ai), m[i] = _mm512_castps_si512(mi);
+        }
+        transpose16(a);
+        if (T != GQ6_K) transpose16(m);
+        for (int q = 0; q < 16; ++q) {
+          _mm512_storeu_si512(A.data() + (16 * b + q) * Q8_TILE + 16 * half, a[q]);
+          if (T != GQ6_K) _mm512_storeu_si512(B.data() + (16 * b + q) * Q8_TILE + 16 * half, m[q]);
+        }
+      }
+      __m512 g = _mm512_setzero_ps();
+      for (int64_t c = 0; c < K / 64; ++c) {
+        __m512i u[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t r = 16 * half + i;
+          u[i] = r < nb ? _mm512_sub_epi8(chunk_codes<T>(w + r * row_bytes, c, blocks), _mm512_set1_epi8((char)OFF))
+                        : _mm512_setzero_si512();
+        }
+        transpose16(u);  // u[j]: values 4j .. 4j + 3 of the chunk, of 16 rows
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(codes.data() + ((16 * c + j) * 2 + half) * 64, u[j]);
+        for (int q = 0; q < 4; ++q) {  // the codes' share of x's + 128: 128 A sum(s) over each 16 values
+          __m512i s = _mm512_setzero_si512();
+          for (int j = 4 * q; j < 4 * q + 4; ++j) s = _mm512_dpbusd_epi32(s, ones, u[j]);
+          const __m512 aq = _mm512_loadu_ps(A.data() + (4 * c + q) * Q8_TILE + 16 * half);
+          g = _mm512_fmadd_ps(_mm512_mul_ps(aq, _mm512_set1_ps(128.f)), _mm512_cvtepi32_ps(s), g);
+        }
+        if (c % 4 == 3) {
+          _mm512_storeu_ps(G.data() + (c / 4) * Q8_TILE + 16 * half, g);
+          g = _mm512_setzero_ps();
+        }
+      }
+    }
+  }
+};
+
+// R rows of x (from m0) against a decoded tile: 2 x R int32 sums and 2 x R float sums of a super-block in registers,
+// the running result in memory (L1)
+template <int64_t T, int R>
+void q8_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, float* y, int64_t N, int64_t n0,
+             int64_t nb, const int64_t* columns) {
+  constexpr int SB = ByteTile<T>::SB;
+  alignas(64) float out[R][Q8_TILE] = {};
+  const int8_t* codes = t.codes.data();
+  const uint8_t* x = xs.xu.data() + m0 * K;
+  for (int64_t b = 0; b < K / 256; ++b) {
+    __m512 part[R][2];
+    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
+    for (int q = 0; q < 256 / SB; ++q) {
+      __m512i sum[R][2];
+      for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+      _Pragma("GCC unroll 8") for (int g = 0; g < SB / 4; ++g) {
+        const int64_t group = b * 64 + q * (SB / 4) + g;
+        const __m512i w0 = _mm512_loadu_si512(codes + group * 4 * Q8_TILE), w1 = _mm512_loadu_si512(codes + group * 4 * Q8_TILE + 64);
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          memcpy(&four, x + r * K + group * 4, 4);
+          const __m512i xb = _mm512_set1_epi32(four);
+          sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], xb, w0);
+          sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], xb, w1);
+        }
+      }
+      const int64_t at = (b * 16 + q * (SB / 16)) * Q8_TILE;  // (SB 32: its first 16's A and B)
+      const __m512 a0 = _mm512_loadu_ps(t.A.data() + at), a1 = _mm512_loadu_ps(t.A.data() + at + 16);
+      for (int r = 0; r < R; ++r) {
+        part[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), a0, part[r][0]);
+        part[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), a1, part[r][1]);
+      }
+      if constexpr (T != GQ6_K) {  // the mins: B times sum(xq) over the 32
+        const __m512 b0 = _mm512_loadu_ps(t.B.data() + at), b1 = _mm512_loadu_ps(t.B.data() + at + 16);
+        for (int r = 0; r < R; ++r) {
+          const __m512 s = _mm512_set1_ps(xs.sum32[(m0 + r) * (K / 32) + b * 8 + q]);
+          part[r][0] = _mm512_fmadd_ps(b0, s, part[r][0]);
+          part[r][1] = _mm512_fmadd_ps(b1, s, part[r][1]);
+        }
+      }
+    }
+    const __m512 g0 = _mm512_loadu_ps(t.G.data() + b * Q8_TILE), g1 = _mm512_loadu_ps(t.G.data() + b * Q8_TILE + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 d = _mm512_set1_ps(xs.dx[(m0 + r) * (K / 256) + b]);
+      _mm512_store_ps(out[r], _mm512_fmadd_ps(_mm512_sub_ps(part[r][0], g0), d, _mm512_load_ps(out[r])));
+      _mm512_store_ps(out[r] + 16, _mm512_fmadd_ps(_mm512_sub_ps(part[r][1], g1), d, _mm512_load_ps(out[r] + 16)));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (columns) {  // weight row n -> column columns[n] of y
+      for (int64_t j = 0; j < nb; ++j) y[(m0 + r) * N + columns[n0 + j]] = out[r][j];
+      continue;
+    }
+    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, lanes(nb), _mm512_load_ps(out[r]));
+    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0 + 16, lanes(std::max<int64_t>(0, nb - 16)), _mm512_load_ps(out[r] + 16));
+  }
+}
+
+// y [M, ldy] (its columns[n] for weight row n; columns null: y [M, N]) = x [M, K] w^T
+template <int64_t T>
+void kquant_gemm(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
+                 const int64_t* columns) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const ByteRows xs(x.data_ptr<float>(), M, K);
+  const int64_t tiles = (N + Q8_TILE - 1) / Q8_TILE;
+  // a long prompt Q8_BLOCK rows of x at a time (a tile passes over them from the thread's cache), each block its
+  // own round of tiles
+  for (int64_t first = 0; first < M; first += Q8_BLOCK) {
+    const int64_t last = std::min(M, first + Q8_BLOCK);
+    std::atomic<int64_t> next{0};  // tiles claimed one at a time, as gemm_by_tiles does
+    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tiles), 1, [&](int64_t, int64_t) {
+      ByteTile<T> tile(K);
+      for (int64_t t = next++, after; t < tiles; t = after) {
+        after = next++;  // claimed now, and asked for into L2 a slice a pass while this tile computes (decoding
+                         // waited on memory)
+        const uint8_t* ahead = w + after * Q8_TILE * row_bytes;
+        const int64_t bytes = after < tiles ? std::min<int64_t>(Q8_TILE, N - after * Q8_TILE) * row_bytes : 0;
+        const int64_t slice = (bytes / ((last - first + Q8_ROWS - 1) / Q8_ROWS) + 63) / 64 * 64;
+        const int64_t n0 = t * Q8_TILE, nb = std::min<int64_t>(Q8_TILE, N - n0);
+        tile.decode(w + n0 * row_bytes, row_bytes, K, nb);
+        for (int64_t m0 = first, at = 0; m0 < last; m0 += Q8_ROWS) {
+          for (const int64_t end = std::min(bytes, at + slice); at < end; at += 64) _mm_prefetch((const char*)ahead + at, _MM_HINT_T1);
+          switch (std::min<int64_t>(Q8_ROWS, last - m0)) {
+            case 1: q8_pass<T, 1>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
+            case 2: q8_pass<T, 2>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
+            case 3: q8_pass<T, 3>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
+            case 4: q8_pass<T, 4>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
+            case 5: q8_pass<T, 5>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
+            default: q8_pass<T, 6>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
+          }
+        }
+      }
+    });
+  }
+}
+
 // y = x w^T for x [..., K] float32 and w [N, bytes] the file's rows of blocks
 at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_gguf: x must be float32");
@@ -654,6 +881,11 @@ at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
   at::Tensor y;
+  if (M > GEMM_ROWS && type >= GQ4_K) {
+    y = output_like(x_, N);
+    DISPATCH_KQUANT(type, (kquant_gemm<T>(x, wp, row_bytes, N, y.data_ptr<float>(), N, nullptr)));
+    return y;
+  }
   if (M > GEMM_ROWS) {
     DISPATCH_GGUF(type, (y = gemm_by_tiles<uint16_t>(x_, N, [&](int64_t n0, int64_t nb, uint16_t* out) {
       dequantize_rows<T>(wp + n0 * row_bytes, row_bytes, nb, K, out);
@@ -664,6 +896,20 @@ at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) 
   WordRows xs(x.data_ptr<float>(), M, K);
   DISPATCH_GGUF(type, (gguf_matmul<T>(xs, M, wp, row_bytes, K, y.data_ptr<float>(), N)));
   return y;
+}
+
+// out[..., columns[n]] = (x w^T)[..., n]: one part of a fused projection written in place, in the model's order (no
+// join of the parts' outputs, no reordering of llama's q/k rows after it). A K-quant prefill writes there directly.
+void linear_gguf_into(const at::Tensor& x_, const at::Tensor& w, int64_t type, at::Tensor& out, const at::Tensor& columns) {
+  check_columns(x_, w, out, columns);
+  const auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
+  if (x.size(0) > GEMM_ROWS && type >= GQ4_K) {
+    check_blocks(w, type, x.size(1), "linear_gguf_into");
+    DISPATCH_KQUANT(type, (kquant_gemm<T>(x, w.data_ptr<uint8_t>(), w.size(1), w.size(0), out.data_ptr<float>(),
+                                          out.size(-1), columns.data_ptr<int64_t>())));
+    return;
+  }
+  write_columns(linear_gguf(x_, w, type), out, columns);
 }
 
 // ---- attention over the cache ------------------------------------------------------------------------------------

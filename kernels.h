@@ -238,6 +238,35 @@ struct WordRowsOf {
     default: TORCH_CHECK(false, "GGUF type ", type, " has no kernel"); \
   }
 
+#define DISPATCH_KQUANT(type, BODY)                                                   \
+  switch (type) {                                                                     \
+    case GQ4_K: { constexpr int64_t T = GQ4_K; BODY; break; }                         \
+    case GQ5_K: { constexpr int64_t T = GQ5_K; BODY; break; }                         \
+    case GQ6_K: { constexpr int64_t T = GQ6_K; BODY; break; }                         \
+    default: TORCH_CHECK(false, "GGUF type ", type, " is not a K-quant"); \
+  }
+
+// linear_gguf_into's operands: out float32 [..., width] contiguous, x's rows; columns int64 [N], w's rows' places
+void check_columns(const at::Tensor& x, const at::Tensor& w, const at::Tensor& out, const at::Tensor& columns) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() / out.size(-1) == x.numel() / x.size(-1),
+              "linear_gguf_into: out must be float32, contiguous, with x's rows");
+  TORCH_CHECK(columns.scalar_type() == at::kLong && columns.dim() == 1 && columns.size(0) == w.size(0) && columns.is_contiguous(),
+              "linear_gguf_into: columns must be int64 [", w.size(0), "]");
+  TORCH_CHECK(columns.numel() == 0 || (columns.min().item<int64_t>() >= 0 && columns.max().item<int64_t>() < out.size(-1)),
+              "linear_gguf_into: a column past out's ", out.size(-1));
+}
+
+// out[m, columns[n]] = y[m, n]
+void write_columns(const at::Tensor& y_, at::Tensor& out, const at::Tensor& columns) {
+  const auto y = y_.reshape({-1, y_.size(-1)});
+  const int64_t M = y.size(0), N = y.size(1), width = out.size(-1);
+  const float* yp = y.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* c = columns.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) op[m * width + c[n]] = yp[m * N + n];
+}
+
 void check_blocks(const at::Tensor& w, int64_t type, int64_t K, const char* op) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op, ": blocks must be uint8 [N, bytes]");
   TORCH_CHECK(block_bytes(type) > 0, op, ": GGUF type ", type, " has no kernel");
@@ -403,6 +432,7 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_t, const at::Tens
     m.impl("dequantize_nf4", &dequantize_nf4);             \
     m.impl("linear_nf4", &linear_nf4);                     \
     m.impl("linear_gguf", &linear_gguf);                   \
+    m.impl("linear_gguf_into", &linear_gguf_into);         \
     m.impl("dequantize_gguf", &dequantize_gguf);           \
   }
 
@@ -416,5 +446,6 @@ inline void define_ops(torch::Library& m) {
   m.def("dequantize_nf4(Tensor q, Tensor absmax, Tensor code) -> Tensor");
   m.def("linear_nf4(Tensor x, Tensor q, Tensor absmax, Tensor code) -> Tensor");
   m.def("linear_gguf(Tensor x, Tensor blocks, int type) -> Tensor");
+  m.def("linear_gguf_into(Tensor x, Tensor blocks, int type, Tensor(a!) out, Tensor columns) -> ()");
   m.def("dequantize_gguf(Tensor blocks, int type, int K, bool bf16) -> Tensor");
 }

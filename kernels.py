@@ -47,7 +47,7 @@ SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"},
 # for bit). The int8 kernel serves up to INT8_ROWS: every length of a compiled prefill step (generate.PREFILL_CHUNK),
 # whose row count is dynamic (at 32 rows it is 2.5x the GEMM on its converted weight with AVX-512, 4x with AVX2).
 # The int4, nf4 and GGUF kernels decide for themselves: past GEMM_ROWS (kernels.cpp's) they run bfloat16 GEMMs on
-# tiles of the weight they dequantize (2-3x float32's rate).
+# tiles of the weight they dequantize (2-3x float32's rate), K-quants integer dot products on x in bytes.
 MAX_ROWS = 16
 INT8_ROWS = 32
 GEMM_ROWS = 12
@@ -127,6 +127,13 @@ def digits_for_int4() -> bool:
     return available() and _state.get("source") == "kernels_avx2.cpp"
 
 
+def kquant_prefill_in_bytes() -> bool:
+    """Whether a K-quant linear past GEMM_ROWS rows of x takes x rounded to 8 bits a value, a scale per 256
+    (kernels.cpp: integer dot products, llama.cpp's Q8_K) rather than bfloat16 (PyTorch) or float32 (kernels_avx2.cpp)
+    GEMMs on the dequantized weights."""
+    return available() and _state.get("source") == "kernels.cpp"
+
+
 def huge_pages(tensors: list[torch.Tensor], zeros: bool = False, advise: bool = True) -> list[torch.Tensor]:
     """Copies of CPU tensors in one anonymous mapping advised for transparent huge pages (Linux; elsewhere the
     tensors as they are). A decode step streams every weight once: with 4 KB pages the TLB misses cost about a fifth
@@ -198,6 +205,7 @@ def register_shapes() -> None:
             q.shape[0], q.shape[1] * 2, dtype=torch.bfloat16))
     torch.library.register_fake("dense_kernels::linear_nf4")(lambda x, q, a, c: out(x, q.shape[0]))
     torch.library.register_fake("dense_kernels::linear_gguf")(lambda x, blocks, kind: out(x, blocks.shape[0]))
+    torch.library.register_fake("dense_kernels::linear_gguf_into")(lambda x, blocks, kind, y, columns: None)
     torch.library.register_fake("dense_kernels::dequantize_gguf")(lambda blocks, kind, k, bf16: blocks.new_empty(
         blocks.shape[0], k, dtype=torch.bfloat16 if bf16 else torch.float32))
 

@@ -631,6 +631,12 @@ at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) 
   return y;
 }
 
+// out[..., columns[n]] = (x w^T)[..., n] (kernels.cpp says why)
+void linear_gguf_into(const at::Tensor& x, const at::Tensor& w, int64_t type, at::Tensor& out, const at::Tensor& columns) {
+  check_columns(x, w, out, columns);
+  write_columns(linear_gguf(x, w, type), out, columns);
+}
+
 // ---- attention over the cache (kernels.h; kernels.cpp says how) ------------------------------------------------------
 
 // e^x for x <= 0: 2^(x log2 e) = 2^n 2^f, f in [-0.5, 0.5], 2^f by its degree-6 Taylor polynomial, 2^n built in the

@@ -360,6 +360,10 @@ class GGUFLinear(QuantLinear):
         for i, (_, blocks) in enumerate(parts):
             self.register_buffer(f"blocks{i}", blocks, persistent=False)
         self.register_buffer("order", order, persistent=False)  # outputs in the model's order (None: as stored)
+        # (the kernels, eagerly: each part writes its outputs into their columns, in order; stored row n -> column)
+        columns = torch.empty(out_features, dtype=torch.long)
+        columns[order if order is not None else slice(None)] = torch.arange(out_features)
+        self.columns = list(columns.split([blocks.shape[0] for _, blocks in parts])) if parts else []
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kinds={'+'.join(self.kinds)}"
@@ -377,6 +381,13 @@ class GGUFLinear(QuantLinear):
         return (w if self.order is None else w[self.order]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (len(self.kinds) > 1 or self.order is not None) and x.device.type == "cpu" and x.dtype == torch.float32 \
+                and kernels.available() and not torch.compiler.is_compiling():
+            y = x.new_empty(*x.shape[:-1], self.out_features)
+            for i, kind in enumerate(self.kinds):
+                torch.ops.dense_kernels.linear_gguf_into(x, getattr(self, f"blocks{i}"), GGUF_TYPES[kind][0], y,
+                                                         self.columns[i])
+            return self.add_bias(y)
         ys = [self.part(x, i) for i in range(len(self.kinds))]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return self.add_bias(y if self.order is None else y.index_select(-1, self.order))

@@ -73,25 +73,66 @@ def test_kernels_equal_ggufs_dequantizer_and_the_float_product(kind):
             q1 = torch.round(x * 127 / top)
             digits = (top / 127).double() * (q1 + torch.round((x * 127 / top - q1) * 127) / 127).double()
             assert (got - digits @ want.double().T).abs().max() <= 1e-5 * exact.abs().max(), (kind, rows, cols, m)
-        if rows == 1:
-            continue
-        for m in (13, 40):  # a prefill: bfloat16 GEMMs on tiles of the dequantized weight
+        for m in (13, 40):  # a prefill
             x = torch.randn(m, cols)
-            got = torch.ops.dense_kernels.linear_gguf(x, blocks, ggml_id)
-            assert torch.allclose(got, (x.bfloat16() @ want.bfloat16().T).float(), rtol=1e-2,
-                                  atol=1e-2 * got.abs().max())
+            x[1, : min(cols, 256)] = 0  # (a block of x all zeros: a scale of 0)
+            assert_prefill_product(kind, x, blocks, want)
+
+
+def x_in_bytes(x: torch.Tensor) -> torch.Tensor:
+    """x as a K-quant prefill rounds it (float64): each 256 values to 8 bits, q = x * (127 / max|x|) rounded to the
+    nearest (even) integer in float32, times max|x| / 127 (llama.cpp's Q8_K)."""
+    xb = x.reshape(*x.shape[:-1], -1, 256)
+    top = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, torch.full_like(top, 127) / top, 0)  # (127 / top would be 127 * (1 / top))
+    q = torch.round(xb * inv)
+    return (q.double() * (top / 127).double()).reshape(x.shape)
+
+
+def assert_prefill_product(kind: str, x: torch.Tensor, blocks: torch.Tensor, want: torch.Tensor):
+    """Past GEMM_ROWS rows: K-quants (AVX-512) the dequantized weights' product with x rounded to bytes, to float32's
+    rounding of the sums; the other types bfloat16 (AVX2: float32) GEMMs on tiles of the dequantized weight."""
+    got = torch.ops.dense_kernels.linear_gguf(x, blocks, quantized.GGUF_TYPES[kind][0])
+    if kind.endswith("_K") and kernels.kquant_prefill_in_bytes():
+        ref = x_in_bytes(x) @ want.double().T
+        assert (got.double() - ref).abs().max() <= 2e-5 * ref.abs().max(), kind
+        # and what rounding x costs: each input within half a step (max|x| / 254 of its 256), so an output within
+        # those half-steps times |w|
+        exact = x.double() @ want.double().T
+        half_steps = (x.reshape(x.shape[0], -1, 256).abs().amax(-1, keepdim=True) / 254).expand(-1, -1, 256)
+        bound = half_steps.reshape(x.shape).double() @ want.abs().double().T
+        assert ((got.double() - exact).abs() <= bound * (1 + 1e-5)).all(), kind
+    else:
+        assert torch.allclose(got, (x.bfloat16() @ want.bfloat16().T).float(), rtol=1e-2, atol=1e-2 * got.abs().max())
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", ["Q6_K", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q6_K", "Q4_K", "Q5_0"])
 def test_prefill_over_several_weight_tiles(kind):
-    """300 weight rows of 4096 inputs are two tiles of 256 rows (2 MB of bfloat16 each) and a tail of 44."""
+    """300 weight rows of 4096 inputs: 32-row tiles and a tail of 12 (K-quants, x in bytes), two tiles of 256 rows
+    (2 MB of bfloat16 each) and a tail of 44 (32-blocks); x of 2 x 20 rows, each a row with one large input."""
     raw = random_blocks(kind, 300, 4096)
     want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(300, 4096).copy())
     x = torch.randn(2, 20, 4096)
+    x[:, :, 700] = 40  # an outlier channel (as LLMs have): it coarsens its own 256 values' bytes only
     got = torch.ops.dense_kernels.linear_gguf(x, torch.from_numpy(raw), quantized.GGUF_TYPES[kind][0])
     assert got.shape == (2, 20, 300)
-    assert torch.allclose(got, (x.bfloat16() @ want.bfloat16().T).float(), rtol=1e-2, atol=1e-2 * got.abs().max())
+    assert_prefill_product(kind, x.reshape(40, 4096), torch.from_numpy(raw), want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [3, 40])
+def test_a_fused_projection_writes_its_parts_in_place_in_the_models_order(rows):
+    """Parts of three types (q|k in Q4_K, v in Q6_K, a Q8_0), llama's q/k rows permuted: each part's kernel writes its
+    outputs into their columns (linear_gguf_into), the same bits as joining the parts' outputs and reordering them."""
+    kinds, sizes = ["Q4_K", "Q6_K", "Q8_0"], [96, 40, 33]
+    raws = [torch.from_numpy(random_blocks(kind, n, 512, seed=n)) for kind, n in zip(kinds, sizes)]
+    order = torch.cat([load.gguf_import.unpermute(torch.arange(96), 4), torch.arange(96, 169)])
+    layer = quantized.GGUFLinear(512, 169, False, parts=list(zip(kinds, raws)), order=order)
+    x = torch.randn(1, rows, 512)
+    parts = [torch.ops.dense_kernels.linear_gguf(x, raw, quantized.GGUF_TYPES[kind][0]) for kind, raw in zip(kinds, raws)]
+    with torch.no_grad():
+        assert torch.equal(layer(x), torch.cat(parts, dim=-1)[..., order])
 
 
 @pytest.fixture(scope="module")
@@ -139,12 +180,13 @@ def test_logits_near_the_float_path_on_the_same_file(mixed_files, tied, monkeypa
     assert (fallback - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_cached_and_compiled_decoding_equal_plain_passes(mixed_files):
+def test_cached_and_compiled_decoding_equal_plain_passes(mixed_files, monkeypatch):
     model = load.from_pretrained(mixed_files[True], quant="auto")
     prompt = torch.randint(0, 400, (1, 9), generator=torch.Generator().manual_seed(2))
     eager = torch.cat(list(generate.generate_tokens(model, prompt, 12)), dim=1)
     ids = prompt
-    with torch.no_grad():  # the plain path: a whole pass per token, no cache
+    with torch.no_grad(), monkeypatch.context() as m:  # the plain path: a whole pass per token, no cache, float32
+        m.setattr(kernels, "available", lambda: False)  # (the kernels' passes of 13+ tokens take x in bytes)
         for _ in range(12):
             ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(eager, ids[:, 9:])
