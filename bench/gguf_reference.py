@@ -3,6 +3,10 @@ architecture and tokenizer kind gguf_import reads), llama.cpp's logits at every 
 token ids for a set of texts. Made once; the files they come from are rewritten by the tests, bit for bit.
 
     python bench/gguf_reference.py --llama-python VENV/bin/python      # -> tests/fixtures/gguf/reference.*
+    python bench/gguf_reference.py --llama-python VENV/bin/python --kquant-prefill   # -> .../kquant_prefill.*
+
+--kquant-prefill: llama.cpp's logits of a 40-token prefill on tests/test_gguf_blocks.py's mixed K-quant file (its
+quantized matmuls round x to 8 bits; the test holds this engine's to no farther from the float path).
 
 llama-cpp-python runs in its own process and virtualenv (how to build it: bench/llamacpp.py), never in the project.
 Its KV cache is kept in float32 (llama.cpp's default, float16, would round every key and value). Each file is also
@@ -99,14 +103,38 @@ def transformers_logits(case: str, ids: list[int]):
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
+def kquant_prefill(python: str) -> int:
+    import hashlib
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    import test_gguf_blocks
+
+    ids = np.random.default_rng(3).integers(0, 400, 40).tolist()
+    with tempfile.TemporaryDirectory() as work:
+        path = os.path.join(work, "mixed-head.gguf")
+        test_gguf_blocks.write_mixed(path, tied=False)
+        digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
+        logits, _ = llama_cpp(python, path, ids, [])
+    save_file({"logits": logits}, os.path.join(OUT, "kquant_prefill.safetensors"))
+    with open(os.path.join(OUT, "kquant_prefill.json"), "w") as f:
+        json.dump({"digest": digest, "ids": ids}, f)
+    print(f"wrote {OUT}/kquant_prefill.json and kquant_prefill.safetensors")
+    return 0
+
+
 def main() -> int:
     import numpy as np
     from safetensors.numpy import save_file
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-python", required=True, help="python of a virtualenv with llama-cpp-python")
+    p.add_argument("--kquant-prefill", action="store_true", help="only the mixed K-quant file's 40-token prefill")
     args = p.parse_args()
     os.makedirs(OUT, exist_ok=True)
+    if args.kquant_prefill:
+        return kquant_prefill(args.llama_python)
     record, arrays = {"cases": {}, "texts": gguf_cases.TEXTS}, {}
     cases = {case: (case, None) for case in gguf_cases.CASES} | gguf_cases.QUANTIZED
     with tempfile.TemporaryDirectory() as work:

@@ -1,8 +1,11 @@
 """GGUF blocks kept as the file stores them (--quant gguf, what auto picks for K-quant files): every block type's
 kernels against gguf's own dequantizer (the values bit for bit) and against the float64 product of those values;
 a mixed-type file (as a Q4_K_M mixes Q4_K, Q6_K and Q8_0) loaded with every tensor in its own type, its logits
-against the float path on the same file, its cached and compiled decoding against plain passes."""
+against the float path on the same file (a long prefill's, in bytes, against llama.cpp's distance from it), its
+cached and compiled decoding against plain passes."""
 
+import hashlib
+import json
 import os
 
 import gguf
@@ -135,13 +138,18 @@ def test_a_fused_projection_writes_its_parts_in_place_in_the_models_order(rows):
         assert torch.equal(layer(x), torch.cat(parts, dim=-1)[..., order])
 
 
+def write_mixed(path, tied: bool) -> None:
+    """A small llama whose tensors are of MIXED's types (the same file every time: seeded weights and blocks; a
+    pre-tokenizer llama.cpp knows, for bench/gguf_reference.py)."""
+    write_gguf(path, small_llama(tied=tied, hidden=256, ffn=512), original_tokenizer("gpt2"), "llama-bpe", MIXED)
+
+
 @pytest.fixture(scope="module")
 def mixed_files(tmp_path_factory):
-    tok = original_tokenizer("gpt2")
     files = {}
     for tied in (True, False):
         path = tmp_path_factory.mktemp("gguf") / f"mixed-{'tied' if tied else 'head'}.gguf"
-        write_gguf(path, small_llama(tied=tied, hidden=256, ffn=512), tok, "gpt2", MIXED)
+        write_mixed(path, tied)
         files[tied] = str(path)
     return files
 
@@ -178,6 +186,36 @@ def test_logits_near_the_float_path_on_the_same_file(mixed_files, tied, monkeypa
         monkeypatch.setattr(kernels, "available", lambda: False)  # the fallback: dequantize-and-matmul in PyTorch
         fallback = blocks(ids)
     assert (fallback - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+KQUANT_REFERENCE = os.path.join(os.path.dirname(__file__), "fixtures", "gguf", "kquant_prefill")
+
+
+def test_a_long_prefill_is_as_near_the_float_path_as_llama_cpps(mixed_files):
+    """Past 12 tokens the K-quant linears take x rounded to 8 bits a value (llama.cpp's Q8_K, as llama.cpp computes
+    them): a 40-token prefill's logits are no farther from the float path than llama.cpp's own on the same file
+    (its logits made once by bench/gguf_reference.py --kquant-prefill), and near them."""
+    from safetensors.torch import load_file
+
+    with open(KQUANT_REFERENCE + ".json") as f:
+        record = json.load(f)
+    path = mixed_files[False]
+    assert hashlib.sha256(open(path, "rb").read()).hexdigest() == record["digest"]  # the very file
+    theirs = load_file(KQUANT_REFERENCE + ".safetensors")["logits"]
+    ids = torch.tensor([record["ids"]])
+    with torch.no_grad():
+        want = load.from_pretrained(path, quant="none").double()(ids)[0].float()
+        got = load.from_pretrained(path, quant="auto")(ids)[0]
+
+    def rms(a):  # the typical difference from the float path, relative to its logits'
+        return float((a - want).square().mean().sqrt() / want.square().mean().sqrt())
+
+    def largest(a):
+        return float((a - want).abs().max() / want.abs().max())
+
+    assert rms(got) <= 1.1 * rms(theirs) and largest(got) <= 1.25 * largest(theirs), (rms(got), rms(theirs))
+    # and the same rounding: nearer llama.cpp's than either is to the float path (measured: 0.0075 vs 0.057)
+    assert float((got - theirs).square().mean().sqrt() / theirs.square().mean().sqrt()) <= 0.25 * rms(theirs)
 
 
 def test_cached_and_compiled_decoding_equal_plain_passes(mixed_files, monkeypatch):
