@@ -41,6 +41,7 @@ np.save(out, np.asarray(llm.scores[: len(ids)], dtype=np.float32))
 
 
 def llama_cpp_logits(python: str, path: str, ids: list[int]):
+    import numpy as np
     import torch
 
     with tempfile.TemporaryDirectory() as work:
@@ -48,8 +49,6 @@ def llama_cpp_logits(python: str, path: str, ids: list[int]):
         result = subprocess.run([python, "-c", WORKER, path, json.dumps(ids), out], capture_output=True, text=True)
         if result.returncode:
             sys.exit(f"llama.cpp failed on {path}:\n{result.stderr[-3000:]}")
-        import numpy as np
-
         return torch.from_numpy(np.load(out))
 
 

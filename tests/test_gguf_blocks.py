@@ -194,7 +194,8 @@ KQUANT_REFERENCE = os.path.join(os.path.dirname(__file__), "fixtures", "gguf", "
 def test_a_long_prefill_is_as_near_the_float_path_as_llama_cpps(mixed_files):
     """Past 12 tokens the K-quant linears take x rounded to 8 bits a value (llama.cpp's Q8_K, as llama.cpp computes
     them): a 40-token prefill's logits are no farther from the float path than llama.cpp's own on the same file
-    (its logits made once by bench/gguf_reference.py --kquant-prefill), and near them."""
+    (its logits made once by bench/gguf_reference.py --kquant-prefill), and near them. (Without AVX-512 the products
+    are float32's or bfloat16's: near the float path.)"""
     from safetensors.torch import load_file
 
     with open(KQUANT_REFERENCE + ".json") as f:
@@ -214,8 +215,10 @@ def test_a_long_prefill_is_as_near_the_float_path_as_llama_cpps(mixed_files):
         return float((a - want).abs().max() / want.abs().max())
 
     assert rms(got) <= 1.1 * rms(theirs) and largest(got) <= 1.25 * largest(theirs), (rms(got), rms(theirs))
-    # and the same rounding: nearer llama.cpp's than either is to the float path (measured: 0.0075 vs 0.057)
-    assert float((got - theirs).square().mean().sqrt() / theirs.square().mean().sqrt()) <= 0.25 * rms(theirs)
+    if kernels.kquant_prefill_in_bytes():  # the same rounding: nearer llama.cpp's than either is to the float path
+        assert float((got - theirs).square().mean().sqrt() / theirs.square().mean().sqrt()) <= 0.25 * rms(theirs)
+    else:  # float32 (AVX2) or bfloat16 (PyTorch) products of the dequantized weights
+        assert rms(got) <= 1e-2 * rms(theirs), rms(got)
 
 
 def test_cached_and_compiled_decoding_equal_plain_passes(mixed_files, monkeypatch):
