@@ -17,8 +17,8 @@
 // The quantized kernels multiply at float32's precision: int8 with AVX-512 VNNI on activations written as two int8
 // digits a row; int4 and nf4 by looking each block's float32 values up in a register. A tile computes NB weight rows
 // against up to 8 rows of x, so a weight row is loaded once for all of them. Past GEMM_ROWS rows of x (a prefill),
-// where arithmetic rather than memory bounds a matmul: bfloat16 GEMMs on dequantized tiles, and for K-quants integer
-// dot products on x rounded to 8 bits (as llama.cpp computes every K-quant matmul).
+// where arithmetic rather than memory bounds a matmul: int4 and nf4 bfloat16 GEMMs on dequantized tiles, GGUF blocks
+// integer dot products on x rounded to 8 bits (as llama.cpp computes every quantized matmul).
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__AVX512BF16__)
 #error "kernels.cpp needs AVX-512 (F, BW, VNNI, BF16); kernels.py falls back to PyTorch's kernels"
 #endif
@@ -648,43 +648,46 @@ at::Tensor dequantize_gguf(const at::Tensor& w, int64_t type, int64_t K, bool bf
   return out;
 }
 
-// ---- A long prefill on K-quant blocks: 8-bit activations and integer dot products ---------------------------------
-// Past GEMM_ROWS rows of x a K-quant linear is bound by arithmetic, not memory. vpdpbusd (64 multiply-adds of bytes)
+// ---- A long prefill on GGUF blocks: 8-bit activations and integer dot products ------------------------------------
+// Past GEMM_ROWS rows of x a GGUF linear is bound by arithmetic, not memory. vpdpbusd (64 multiply-adds of bytes)
 // runs twice as many per instruction as oneDNN's bfloat16 GEMM (vdpbf16ps, 32), so x is rounded to 8 bits, as
-// llama.cpp does for every K-quant matmul: each 256 values of a row become xq = x / dx rounded (dx = their max|x| /
-// 127; llama.cpp's Q8_K), stored + 128 as unsigned bytes. Each thread decodes a tile of 32 weight rows into signed
+// llama.cpp does for every quantized matmul: each 256 values of a row (K-quants; 32 for 32-blocks, llama.cpp's Q8_0)
+// become xq = x / dx rounded (dx = their max|x| / 127; llama.cpp's Q8_K), stored + 128 as unsigned bytes. Each thread decodes a tile of 32 weight rows into signed
 // codes s = u - off, four values of a row side by side, 16 rows a register (k-group g of the tile: 128 bytes), so one
 // vpdpbusd adds four products of 16 rows against four values of one row of x (broadcast). Per sub-block (32 values;
 // Q6_K 16) the int32 sums sum(s (xq + 128)) times A in float; per super-block, minus their + 128's share
 // (G = 128 sum_j A_j sum(s), the weights' own), times dx; the mins (Q4_K, Q5_K) times sum(xq) over their 32 before it. The
 // result is the dequantized weights' product with x rounded to 8 bits a value (to float32's rounding of the sums):
-// 1.4-1.5x the rate of oneDNN's bfloat16 GEMM on weights already dequantized, on Zen 4 (BENCHMARKS.md).
+// 1.4-1.5x the rate of oneDNN's bfloat16 GEMM on weights already dequantized, on Zen 4 and 5 (BENCHMARKS.md).
+// 32-blocks (BlockTile, q8_pass32) the same with a scale of x per block: per block, sums times A less G, times dx.
 constexpr int Q8_TILE = 32;  // weight rows a tile: two registers of 16
 constexpr int Q8_ROWS = 6;   // rows of x a pass: 2 x 6 int32 sums and 2 x 6 float sums in registers
 constexpr int64_t Q8_BLOCK = 256;  // rows of x a round of tiles
 
 struct ByteRows {
+  int64_t group;            // values a scale: 256 (K-quants: llama.cpp's Q8_K) or 32 (32-blocks: its Q8_0)
   std::vector<uint8_t> xu;  // [M, K] xq + 128
-  std::vector<float> dx;    // [M, K / 256]
+  std::vector<float> dx;    // [M, K / group]
   std::vector<float> sum32; // [M, K / 32]: sum(xq) over each 32 values
-  ByteRows(const float* x, int64_t M, int64_t K) : xu(M * K), dx(M * (K / 256)), sum32(M * (K / 32)) {
+  ByteRows(const float* x, int64_t M, int64_t K, int64_t group)
+      : group(group), xu(M * K), dx(M * (K / group)), sum32(M * (K / 32)) {
     at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)
-        for (int64_t b = 0; b < K / 256; ++b) {
-          const float* xb = x + m * K + b * 256;
+        for (int64_t b = 0; b < K / group; ++b) {
+          const float* xb = x + m * K + b * group;
           __m512 amax = _mm512_setzero_ps();
-          for (int k = 0; k < 256; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + k)));
+          for (int k = 0; k < group; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + k)));
           const float top = _mm512_reduce_max_ps(amax), d = top / 127.f;
-          dx[m * (K / 256) + b] = d;
+          dx[m * (K / group) + b] = d;
           const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
-          for (int k = 0; k < 256; k += 32) {
+          for (int k = 0; k < group; k += 32) {
             const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + k), inv));  // nearest
             const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + k + 16), inv));
             const __m512i off = _mm512_set1_epi32(128);
-            uint8_t* out = xu.data() + m * K + b * 256 + k;
+            uint8_t* out = xu.data() + m * K + b * group + k;
             _mm_storeu_si128((__m128i*)out, _mm512_cvtepi32_epi8(_mm512_add_epi32(a, off)));
             _mm_storeu_si128((__m128i*)(out + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, off)));
-            sum32[m * (K / 32) + b * 8 + k / 32] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(a, c));
+            sum32[m * (K / 32) + (b * group + k) / 32] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(a, c));
           }
         }
     });
@@ -833,12 +836,113 @@ void q8_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, fl
   }
 }
 
+// A tile of Q8_TILE weight rows of a 32-block type: codes as ByteTile's (s = u - off: Q8_0's own int8), and of each
+// block [K / 32][32 rows] A and B (w = A s + B) and G = 128 A sum(s), the codes' share of x's + 128
+template <int64_t T>
+struct BlockTile {
+  static constexpr char OFF = T == GQ4_0 ? 8 : T == GQ5_0 ? 16 : T == GQ8_0 ? (char)128 : 0;
+  std::vector<int8_t> codes;
+  std::vector<float> A, B, G;
+  explicit BlockTile(int64_t K) : codes((K + 63) / 64 * 64 * Q8_TILE), A(K / 32 * Q8_TILE), B(K / 32 * Q8_TILE),
+                                  G(K / 32 * Q8_TILE) {}
+
+  void decode(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t nb) {
+    const int64_t blocks = K / 32;
+    for (int64_t r = 0; r < Q8_TILE; ++r)
+      for (int64_t k = 0; k < blocks; ++k) {
+        float a = 0.f, off = 0.f, b = 0.f;
+        if (r < nb) block_params<T>(w + r * row_bytes + k * block_bytes(T), a, off, b);
+        A[k * Q8_TILE + r] = a, B[k * Q8_TILE + r] = b;
+      }
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int half = 0; half < 2; ++half)
+      for (int64_t c = 0; c < (blocks + 1) / 2; ++c) {  // 64 values a chunk (an odd last block: its half alone)
+        __m512i u[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t r = 16 * half + i;
+          u[i] = r < nb ? _mm512_sub_epi8(chunk_codes<T>(w + r * row_bytes, c, blocks), _mm512_set1_epi8(OFF))
+                        : _mm512_setzero_si512();
+        }
+        transpose16(u);  // u[j]: values 4j .. 4j + 3 of the chunk, of 16 rows
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(codes.data() + ((16 * c + j) * 2 + half) * 64, u[j]);
+        for (int q = 0; q < 2 && 2 * c + q < blocks; ++q) {
+          __m512i sum = _mm512_setzero_si512();
+          for (int j = 8 * q; j < 8 * q + 8; ++j) sum = _mm512_dpbusd_epi32(sum, ones, u[j]);
+          const int64_t at = (2 * c + q) * Q8_TILE + 16 * half;
+          _mm512_storeu_ps(G.data() + at, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(A.data() + at),
+                                                                      _mm512_set1_ps(128.f)), _mm512_cvtepi32_ps(sum)));
+        }
+      }
+  }
+};
+
+// R rows of x (from m0, a scale dx per 32) against a decoded 32-block tile: per block, the int32 sums times A less G,
+// plus B times sum(xq), times dx, into 2 x R float sums in registers
+template <int64_t T, int R>
+void q8_pass32(const ByteRows& xs, int64_t m0, const BlockTile<T>& t, int64_t K, float* y, int64_t N, int64_t n0,
+               int64_t nb, const int64_t* columns) {
+  const int64_t blocks = K / 32;
+  __m512 out[R][2];
+  for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm512_setzero_ps();
+  const int8_t* codes = t.codes.data();
+  const uint8_t* x = xs.xu.data() + m0 * K;
+  for (int64_t k = 0; k < blocks; ++k) {
+    __m512i sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+    _Pragma("GCC unroll 8") for (int g = 0; g < 8; ++g) {
+      const int64_t group = k * 8 + g;
+      const __m512i w0 = _mm512_loadu_si512(codes + group * 4 * Q8_TILE), w1 = _mm512_loadu_si512(codes + group * 4 * Q8_TILE + 64);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        memcpy(&four, x + r * K + group * 4, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], xb, w0);
+        sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], xb, w1);
+      }
+    }
+    const int64_t at = k * Q8_TILE;
+    const __m512 a0 = _mm512_loadu_ps(t.A.data() + at), a1 = _mm512_loadu_ps(t.A.data() + at + 16);
+    const __m512 g0 = _mm512_loadu_ps(t.G.data() + at), g1 = _mm512_loadu_ps(t.G.data() + at + 16);
+    for (int r = 0; r < R; ++r) {
+      __m512 v0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(sum[r][0]), a0, g0);
+      __m512 v1 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(sum[r][1]), a1, g1);
+      if constexpr (T == GQ4_1 || T == GQ5_1) {  // the mins: B times sum(xq) over the block
+        const __m512 s = _mm512_set1_ps(xs.sum32[(m0 + r) * blocks + k]);
+        v0 = _mm512_fmadd_ps(_mm512_loadu_ps(t.B.data() + at), s, v0);
+        v1 = _mm512_fmadd_ps(_mm512_loadu_ps(t.B.data() + at + 16), s, v1);
+      }
+      const __m512 d = _mm512_set1_ps(xs.dx[(m0 + r) * blocks + k]);
+      out[r][0] = _mm512_fmadd_ps(v0, d, out[r][0]);
+      out[r][1] = _mm512_fmadd_ps(v1, d, out[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (columns) {  // weight row n -> column columns[n] of y
+      alignas(64) float row[Q8_TILE];
+      _mm512_store_ps(row, out[r][0]), _mm512_store_ps(row + 16, out[r][1]);
+      for (int64_t j = 0; j < nb; ++j) y[(m0 + r) * N + columns[n0 + j]] = row[j];
+      continue;
+    }
+    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, lanes(nb), out[r][0]);
+    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0 + 16, lanes(std::max<int64_t>(0, nb - 16)), out[r][1]);
+  }
+}
+
+// One pass of R rows of x over a decoded tile, by its kind
+template <int64_t T, int R, typename Tile>
+inline void byte_pass(const ByteRows& xs, int64_t m0, const Tile& t, int64_t K, float* y, int64_t N, int64_t n0,
+                      int64_t nb, const int64_t* columns) {
+  if constexpr (T >= GQ4_K) q8_pass<T, R>(xs, m0, t, K, y, N, n0, nb, columns);
+  else q8_pass32<T, R>(xs, m0, t, K, y, N, n0, nb, columns);
+}
+
 // y [M, ldy] (its columns[n] for weight row n; columns null: y [M, N]) = x [M, K] w^T
 template <int64_t T>
-void kquant_gemm(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
+void byte_gemm(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
                  const int64_t* columns) {
   const int64_t M = x.size(0), K = x.size(1);
-  const ByteRows xs(x.data_ptr<float>(), M, K);
+  const ByteRows xs(x.data_ptr<float>(), M, K, T >= GQ4_K ? 256 : 32);
+  using Tile = std::conditional_t<T >= GQ4_K, ByteTile<T>, BlockTile<T>>;
   const int64_t tiles = (N + Q8_TILE - 1) / Q8_TILE;
   // a long prompt Q8_BLOCK rows of x at a time (a tile passes over them from the thread's cache), each block its
   // own round of tiles
@@ -846,7 +950,7 @@ void kquant_gemm(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64
     const int64_t last = std::min(M, first + Q8_BLOCK);
     std::atomic<int64_t> next{0};  // tiles claimed one at a time, as gemm_by_tiles does
     at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tiles), 1, [&](int64_t, int64_t) {
-      ByteTile<T> tile(K);
+      Tile tile(K);
       for (int64_t t = next++, after; t < tiles; t = after) {
         after = next++;  // claimed now, and asked for into L2 a slice a pass while this tile computes (decoding
                          // waited on memory)
@@ -858,12 +962,12 @@ void kquant_gemm(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64
         for (int64_t m0 = first, at = 0; m0 < last; m0 += Q8_ROWS) {
           for (const int64_t end = std::min(bytes, at + slice); at < end; at += 64) _mm_prefetch((const char*)ahead + at, _MM_HINT_T1);
           switch (std::min<int64_t>(Q8_ROWS, last - m0)) {
-            case 1: q8_pass<T, 1>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
-            case 2: q8_pass<T, 2>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
-            case 3: q8_pass<T, 3>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
-            case 4: q8_pass<T, 4>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
-            case 5: q8_pass<T, 5>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
-            default: q8_pass<T, 6>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
+            case 1: byte_pass<T, 1>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
+            case 2: byte_pass<T, 2>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
+            case 3: byte_pass<T, 3>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
+            case 4: byte_pass<T, 4>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
+            case 5: byte_pass<T, 5>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
+            default: byte_pass<T, 6>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
           }
         }
       }
@@ -880,32 +984,24 @@ at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) 
   TORCH_CHECK(K % 16 == 0 && K <= 65536, "linear_gguf: ", K, " inputs");
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
-  at::Tensor y;
-  if (M > GEMM_ROWS && type >= GQ4_K) {
-    y = output_like(x_, N);
-    DISPATCH_KQUANT(type, (kquant_gemm<T>(x, wp, row_bytes, N, y.data_ptr<float>(), N, nullptr)));
+  at::Tensor y = output_like(x_, N);
+  if (M > GEMM_ROWS) {  // a prefill: x in bytes
+    DISPATCH_GGUF(type, (byte_gemm<T>(x, wp, row_bytes, N, y.data_ptr<float>(), N, nullptr)));
     return y;
   }
-  if (M > GEMM_ROWS) {
-    DISPATCH_GGUF(type, (y = gemm_by_tiles<uint16_t>(x_, N, [&](int64_t n0, int64_t nb, uint16_t* out) {
-      dequantize_rows<T>(wp + n0 * row_bytes, row_bytes, nb, K, out);
-    })));
-    return y;
-  }
-  y = output_like(x_, N);
   WordRows xs(x.data_ptr<float>(), M, K);
   DISPATCH_GGUF(type, (gguf_matmul<T>(xs, M, wp, row_bytes, K, y.data_ptr<float>(), N)));
   return y;
 }
 
 // out[..., columns[n]] = (x w^T)[..., n]: one part of a fused projection written in place, in the model's order (no
-// join of the parts' outputs, no reordering of llama's q/k rows after it). A K-quant prefill writes there directly.
+// join of the parts' outputs, no reordering of llama's q/k rows after it). A prefill writes there directly.
 void linear_gguf_into(const at::Tensor& x_, const at::Tensor& w, int64_t type, at::Tensor& out, const at::Tensor& columns) {
   check_columns(x_, w, out, columns);
   const auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
-  if (x.size(0) > GEMM_ROWS && type >= GQ4_K) {
+  if (x.size(0) > GEMM_ROWS) {
     check_blocks(w, type, x.size(1), "linear_gguf_into");
-    DISPATCH_KQUANT(type, (kquant_gemm<T>(x, w.data_ptr<uint8_t>(), w.size(1), w.size(0), out.data_ptr<float>(),
+    DISPATCH_GGUF(type, (byte_gemm<T>(x, w.data_ptr<uint8_t>(), w.size(1), w.size(0), out.data_ptr<float>(),
                                           out.size(-1), columns.data_ptr<int64_t>())));
     return;
   }

@@ -238,14 +238,6 @@ struct WordRowsOf {
     default: TORCH_CHECK(false, "GGUF type ", type, " has no kernel"); \
   }
 
-#define DISPATCH_KQUANT(type, BODY)                                                   \
-  switch (type) {                                                                     \
-    case GQ4_K: { constexpr int64_t T = GQ4_K; BODY; break; }                         \
-    case GQ5_K: { constexpr int64_t T = GQ5_K; BODY; break; }                         \
-    case GQ6_K: { constexpr int64_t T = GQ6_K; BODY; break; }                         \
-    default: TORCH_CHECK(false, "GGUF type ", type, " is not a K-quant"); \
-  }
-
 // linear_gguf_into's operands: out float32 [..., width] contiguous, x's rows; columns int64 [N], w's rows' places
 void check_columns(const at::Tensor& x, const at::Tensor& w, const at::Tensor& out, const at::Tensor& columns) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() / out.size(-1) == x.numel() / x.size(-1),

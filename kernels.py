@@ -47,7 +47,7 @@ SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"},
 # for bit). The int8 kernel serves up to INT8_ROWS: every length of a compiled prefill step (generate.PREFILL_CHUNK),
 # whose row count is dynamic (at 32 rows it is 2.5x the GEMM on its converted weight with AVX-512, 4x with AVX2).
 # The int4, nf4 and GGUF kernels decide for themselves: past GEMM_ROWS (kernels.cpp's) they run bfloat16 GEMMs on
-# tiles of the weight they dequantize (2-3x float32's rate), K-quants integer dot products on x in bytes.
+# tiles of the weight they dequantize (2-3x float32's rate), GGUF blocks integer dot products on x in bytes.
 MAX_ROWS = 16
 INT8_ROWS = 32
 GEMM_ROWS = 12
@@ -127,10 +127,10 @@ def digits_for_int4() -> bool:
     return available() and _state.get("source") == "kernels_avx2.cpp"
 
 
-def kquant_prefill_in_bytes() -> bool:
-    """Whether a K-quant linear past GEMM_ROWS rows of x takes x rounded to 8 bits a value, a scale per 256
-    (kernels.cpp: integer dot products, llama.cpp's Q8_K) rather than bfloat16 (PyTorch) or float32 (kernels_avx2.cpp)
-    GEMMs on the dequantized weights."""
+def prefill_in_bytes() -> bool:
+    """Whether a GGUF linear past GEMM_ROWS rows of x takes x rounded to 8 bits a value, a scale per 256 (K-quants,
+    llama.cpp's Q8_K) or per 32 (32-blocks, its Q8_0): kernels.cpp's integer dot products, rather than float32
+    GEMMs on dequantized tiles (kernels_avx2.cpp) or PyTorch's bfloat16 matmul."""
     return available() and _state.get("source") == "kernels.cpp"
 
 

@@ -82,10 +82,10 @@ def test_kernels_equal_ggufs_dequantizer_and_the_float_product(kind):
             assert_prefill_product(kind, x, blocks, want)
 
 
-def x_in_bytes(x: torch.Tensor) -> torch.Tensor:
-    """x as a K-quant prefill rounds it (float64): each 256 values to 8 bits, q = x * (127 / max|x|) rounded to the
-    nearest (even) integer in float32, times max|x| / 127 (llama.cpp's Q8_K)."""
-    xb = x.reshape(*x.shape[:-1], -1, 256)
+def x_in_bytes(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as a GGUF prefill rounds it (float64): each group of values (K-quants 256, llama.cpp's Q8_K; 32-blocks 32,
+    its Q8_0) to 8 bits, q = x * (127 / max|x|) rounded to the nearest (even) integer in float32, times max|x| / 127."""
+    xb = x.reshape(*x.shape[:-1], -1, group)
     top = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(top > 0, torch.full_like(top, 127) / top, 0)  # (127 / top would be 127 * (1 / top))
     q = torch.round(xb * inv)
@@ -93,16 +93,17 @@ def x_in_bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 def assert_prefill_product(kind: str, x: torch.Tensor, blocks: torch.Tensor, want: torch.Tensor):
-    """Past GEMM_ROWS rows: K-quants (AVX-512) the dequantized weights' product with x rounded to bytes, to float32's
-    rounding of the sums; the other types bfloat16 (AVX2: float32) GEMMs on tiles of the dequantized weight."""
+    """Past GEMM_ROWS rows (AVX-512): the dequantized weights' product with x rounded to bytes, to float32's rounding
+    of the sums; AVX2: float32 GEMMs on tiles of the dequantized weight."""
     got = torch.ops.dense_kernels.linear_gguf(x, blocks, quantized.GGUF_TYPES[kind][0])
-    if kind.endswith("_K") and kernels.kquant_prefill_in_bytes():
-        ref = x_in_bytes(x) @ want.double().T
+    if kernels.prefill_in_bytes():
+        group = 256 if kind.endswith("_K") else 32
+        ref = x_in_bytes(x, group) @ want.double().T
         assert (got.double() - ref).abs().max() <= 2e-5 * ref.abs().max(), kind
-        # and what rounding x costs: each input within half a step (max|x| / 254 of its 256), so an output within
+        # and what rounding x costs: each input within half a step (max|x| / 254 of its group), so an output within
         # those half-steps times |w|
         exact = x.double() @ want.double().T
-        half_steps = (x.reshape(x.shape[0], -1, 256).abs().amax(-1, keepdim=True) / 254).expand(-1, -1, 256)
+        half_steps = (x.reshape(x.shape[0], -1, group).abs().amax(-1, keepdim=True) / 254).expand(-1, -1, group)
         bound = half_steps.reshape(x.shape).double() @ want.abs().double().T
         assert ((got.double() - exact).abs() <= bound * (1 + 1e-5)).all(), kind
     else:
@@ -112,8 +113,8 @@ def assert_prefill_product(kind: str, x: torch.Tensor, blocks: torch.Tensor, wan
 @needs_kernels
 @pytest.mark.parametrize("kind", ["Q6_K", "Q4_K", "Q5_0"])
 def test_prefill_over_several_weight_tiles(kind):
-    """300 weight rows of 4096 inputs: 32-row tiles and a tail of 12 (K-quants, x in bytes), two tiles of 256 rows
-    (2 MB of bfloat16 each) and a tail of 44 (32-blocks); x of 2 x 20 rows, each a row with one large input."""
+    """300 weight rows of 4096 inputs: 32-row tiles and a tail of 12 (x in bytes; AVX2: 2 MB float32 tiles of the
+    dequantized weight and a tail); x of 2 x 20 rows, each a row with one large input."""
     raw = random_blocks(kind, 300, 4096)
     want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(300, 4096).copy())
     x = torch.randn(2, 20, 4096)
@@ -215,7 +216,7 @@ def test_a_long_prefill_is_as_near_the_float_path_as_llama_cpps(mixed_files):
         return float((a - want).abs().max() / want.abs().max())
 
     assert rms(got) <= 1.1 * rms(theirs) and largest(got) <= 1.25 * largest(theirs), (rms(got), rms(theirs))
-    if kernels.kquant_prefill_in_bytes():  # the same rounding: nearer llama.cpp's than either is to the float path
+    if kernels.prefill_in_bytes():  # the same rounding: nearer llama.cpp's than either is to the float path
         assert float((got - theirs).square().mean().sqrt() / theirs.square().mean().sqrt()) <= 0.25 * rms(theirs)
     else:  # float32 (AVX2) or bfloat16 (PyTorch) products of the dequantized weights
         assert rms(got) <= 1e-2 * rms(theirs), rms(got)
@@ -231,7 +232,10 @@ def test_cached_and_compiled_decoding_equal_plain_passes(mixed_files, monkeypatc
         for _ in range(12):
             ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(eager, ids[:, 9:])
-    if kernels.available():
+    if kernels.available():  # the compiled prefill pads a prompt to PREFILL_CHUNK rows, past GEMM_ROWS: against an
+        # eager prefill past them too (x in bytes: each row's result the same whatever the rows around it)
+        prompt = torch.randint(0, 400, (1, kernels.GEMM_ROWS + 2), generator=torch.Generator().manual_seed(3))
+        eager = torch.cat(list(generate.generate_tokens(model, prompt, 12)), dim=1)
         compiled = torch.cat(list(generate.generate_tokens(model, prompt, 12, steps=Steps(model, saved=False))), dim=1)
         assert torch.equal(compiled, eager)
 
