@@ -778,6 +778,24 @@ struct ByteTile {
   }
 };
 
+// The int32 sums of G groups of four values (from group `first`) of R rows of x (bytes, + 128) against a decoded
+// tile's 32 rows: one vpdpbusd adds four products of 16 weight rows against one row's four values (broadcast)
+template <int R, int G>
+inline void byte_sums(const int8_t* codes, const uint8_t* x, int64_t K, int64_t first, __m512i sum[R][2]) {
+  for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+  _Pragma("GCC unroll 8") for (int g = 0; g < G; ++g) {
+    const int64_t group = first + g;
+    const __m512i w0 = _mm512_loadu_si512(codes + group * 4 * Q8_TILE), w1 = _mm512_loadu_si512(codes + group * 4 * Q8_TILE + 64);
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      memcpy(&four, x + r * K + group * 4, 4);
+      const __m512i xb = _mm512_set1_epi32(four);
+      sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], xb, w0);
+      sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], xb, w1);
+    }
+  }
+}
+
 // R rows of x (from m0) against a decoded tile: 2 x R int32 sums and 2 x R float sums of a super-block in registers,
 // the running result in memory (L1)
 template <int64_t T, int R>
@@ -792,18 +810,7 @@ void q8_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, fl
     for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
     for (int q = 0; q < 256 / SB; ++q) {
       __m512i sum[R][2];
-      for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
-      _Pragma("GCC unroll 8") for (int g = 0; g < SB / 4; ++g) {
-        const int64_t group = b * 64 + q * (SB / 4) + g;
-        const __m512i w0 = _mm512_loadu_si512(codes + group * 4 * Q8_TILE), w1 = _mm512_loadu_si512(codes + group * 4 * Q8_TILE + 64);
-        for (int r = 0; r < R; ++r) {
-          int32_t four;
-          memcpy(&four, x + r * K + group * 4, 4);
-          const __m512i xb = _mm512_set1_epi32(four);
-          sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], xb, w0);
-          sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], xb, w1);
-        }
-      }
+      byte_sums<R, SB / 4>(codes, x, K, b * 64 + q * (SB / 4), sum);
       const int64_t at = (b * 16 + q * (SB / 16)) * Q8_TILE;  // (SB 32: its first 16's A and B)
       const __m512 a0 = _mm512_loadu_ps(t.A.data() + at), a1 = _mm512_loadu_ps(t.A.data() + at + 16);
       for (int r = 0; r < R; ++r) {
@@ -888,18 +895,7 @@ void q8_pass32(const ByteRows& xs, int64_t m0, const BlockTile<T>& t, int64_t K,
   const uint8_t* x = xs.xu.data() + m0 * K;
   for (int64_t k = 0; k < blocks; ++k) {
     __m512i sum[R][2];
-    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
-    _Pragma("GCC unroll 8") for (int g = 0; g < 8; ++g) {
-      const int64_t group = k * 8 + g;
-      const __m512i w0 = _mm512_loadu_si512(codes + group * 4 * Q8_TILE), w1 = _mm512_loadu_si512(codes + group * 4 * Q8_TILE + 64);
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        memcpy(&four, x + r * K + group * 4, 4);
-        const __m512i xb = _mm512_set1_epi32(four);
-        sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], xb, w0);
-        sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], xb, w1);
-      }
-    }
+    byte_sums<R, 8>(codes, x, K, k * 8, sum);
     const int64_t at = k * Q8_TILE;
     const __m512 a0 = _mm512_loadu_ps(t.A.data() + at), a1 = _mm512_loadu_ps(t.A.data() + at + 16);
     const __m512 g0 = _mm512_loadu_ps(t.G.data() + at), g1 = _mm512_loadu_ps(t.G.data() + at + 16);
