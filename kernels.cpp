@@ -652,8 +652,8 @@ at::Tensor dequantize_gguf(const at::Tensor& w, int64_t type, int64_t K, bool bf
 // Past GEMM_ROWS rows of x a GGUF linear is bound by arithmetic, not memory. vpdpbusd (64 multiply-adds of bytes)
 // runs twice as many per instruction as oneDNN's bfloat16 GEMM (vdpbf16ps, 32), so x is rounded to 8 bits, as
 // llama.cpp does for every quantized matmul: each 256 values of a row (K-quants; 32 for 32-blocks, llama.cpp's Q8_0)
-// become xq = x / dx rounded (dx = their max|x| / 127; llama.cpp's Q8_K), stored + 128 as unsigned bytes. Each thread decodes a tile of 32 weight rows into signed
-// codes s = u - off, four values of a row side by side, 16 rows a register (k-group g of the tile: 128 bytes), so one
+// become xq = x / dx rounded (dx = their max|x| / 127), stored + 128 as unsigned bytes. Each thread decodes a tile
+// of 32 weight rows into signed codes s = u - off, four values of a row side by side, 16 rows a register (k-group g of the tile: 128 bytes), so one
 // vpdpbusd adds four products of 16 rows against four values of one row of x (broadcast). Per sub-block (32 values;
 // Q6_K 16) the int32 sums sum(s (xq + 128)) times A in float; per super-block, minus their + 128's share
 // (G = 128 sum_j A_j sum(s), the weights' own), times dx; the mins (Q4_K, Q5_K) times sum(xq) over their 32 before it. The
@@ -664,13 +664,12 @@ constexpr int Q8_TILE = 32;  // weight rows a tile: two registers of 16
 constexpr int Q8_ROWS = 6;   // rows of x a pass: 2 x 6 int32 sums and 2 x 6 float sums in registers
 constexpr int64_t Q8_BLOCK = 256;  // rows of x a round of tiles
 
+// x [M, K] in bytes; group: values a scale, 256 (K-quants: llama.cpp's Q8_K) or 32 (32-blocks: its Q8_0)
 struct ByteRows {
-  int64_t group;            // values a scale: 256 (K-quants: llama.cpp's Q8_K) or 32 (32-blocks: its Q8_0)
   std::vector<uint8_t> xu;  // [M, K] xq + 128
   std::vector<float> dx;    // [M, K / group]
   std::vector<float> sum32; // [M, K / 32]: sum(xq) over each 32 values
-  ByteRows(const float* x, int64_t M, int64_t K, int64_t group)
-      : group(group), xu(M * K), dx(M * (K / group)), sum32(M * (K / 32)) {
+  ByteRows(const float* x, int64_t M, int64_t K, int64_t group) : xu(M * K), dx(M * (K / group)), sum32(M * (K / 32)) {
     at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)
         for (int64_t b = 0; b < K / group; ++b) {
@@ -796,6 +795,17 @@ inline void byte_sums(const int8_t* codes, const uint8_t* x, int64_t K, int64_t 
   }
 }
 
+// A pass's result for one row of x, the tile's weight rows n0 .. n0 + nb - 1: into y's row (its columns[n] for
+// weight row n where columns is given)
+inline void store_tile_row(const float* row, float* y_row, int64_t n0, int64_t nb, const int64_t* columns) {
+  if (columns) {
+    for (int64_t j = 0; j < nb; ++j) y_row[columns[n0 + j]] = row[j];
+    return;
+  }
+  _mm512_mask_storeu_ps(y_row + n0, lanes(nb), _mm512_loadu_ps(row));
+  _mm512_mask_storeu_ps(y_row + n0 + 16, lanes(std::max<int64_t>(0, nb - 16)), _mm512_loadu_ps(row + 16));
+}
+
 // R rows of x (from m0) against a decoded tile: 2 x R int32 sums and 2 x R float sums of a super-block in registers,
 // the running result in memory (L1)
 template <int64_t T, int R>
@@ -833,14 +843,7 @@ void q8_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, fl
       _mm512_store_ps(out[r] + 16, _mm512_fmadd_ps(_mm512_sub_ps(part[r][1], g1), d, _mm512_load_ps(out[r] + 16)));
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (columns) {  // weight row n -> column columns[n] of y
-      for (int64_t j = 0; j < nb; ++j) y[(m0 + r) * N + columns[n0 + j]] = out[r][j];
-      continue;
-    }
-    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, lanes(nb), _mm512_load_ps(out[r]));
-    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0 + 16, lanes(std::max<int64_t>(0, nb - 16)), _mm512_load_ps(out[r] + 16));
-  }
+  for (int r = 0; r < R; ++r) store_tile_row(out[r], y + (m0 + r) * N, n0, nb, columns);
 }
 
 // A tile of Q8_TILE weight rows of a 32-block type: codes as ByteTile's (s = u - off: Q8_0's own int8), and of each
@@ -913,14 +916,9 @@ void q8_pass32(const ByteRows& xs, int64_t m0, const BlockTile<T>& t, int64_t K,
     }
   }
   for (int r = 0; r < R; ++r) {
-    if (columns) {  // weight row n -> column columns[n] of y
-      alignas(64) float row[Q8_TILE];
-      _mm512_store_ps(row, out[r][0]), _mm512_store_ps(row + 16, out[r][1]);
-      for (int64_t j = 0; j < nb; ++j) y[(m0 + r) * N + columns[n0 + j]] = row[j];
-      continue;
-    }
-    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, lanes(nb), out[r][0]);
-    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0 + 16, lanes(std::max<int64_t>(0, nb - 16)), out[r][1]);
+    alignas(64) float row[Q8_TILE];
+    _mm512_store_ps(row, out[r][0]), _mm512_store_ps(row + 16, out[r][1]);
+    store_tile_row(row, y + (m0 + r) * N, n0, nb, columns);
   }
 }
 
@@ -935,7 +933,7 @@ inline void byte_pass(const ByteRows& xs, int64_t m0, const Tile& t, int64_t K, 
 // y [M, ldy] (its columns[n] for weight row n; columns null: y [M, N]) = x [M, K] w^T
 template <int64_t T>
 void byte_gemm(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
-                 const int64_t* columns) {
+               const int64_t* columns) {
   const int64_t M = x.size(0), K = x.size(1);
   const ByteRows xs(x.data_ptr<float>(), M, K, T >= GQ4_K ? 256 : 32);
   using Tile = std::conditional_t<T >= GQ4_K, ByteTile<T>, BlockTile<T>>;
@@ -998,7 +996,7 @@ void linear_gguf_into(const at::Tensor& x_, const at::Tensor& w, int64_t type, a
   if (x.size(0) > GEMM_ROWS) {
     check_blocks(w, type, x.size(1), "linear_gguf_into");
     DISPATCH_GGUF(type, (byte_gemm<T>(x, w.data_ptr<uint8_t>(), w.size(1), w.size(0), out.data_ptr<float>(),
-                                          out.size(-1), columns.data_ptr<int64_t>())));
+                                      out.size(-1), columns.data_ptr<int64_t>())));
     return;
   }
   write_columns(linear_gguf(x_, w, type), out, columns);

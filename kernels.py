@@ -46,8 +46,9 @@ SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"},
 # and runs as one BLAS GEMM (for float32, MKL also sums in the order the families' references do: their logits bit
 # for bit). The int8 kernel serves up to INT8_ROWS: every length of a compiled prefill step (generate.PREFILL_CHUNK),
 # whose row count is dynamic (at 32 rows it is 2.5x the GEMM on its converted weight with AVX-512, 4x with AVX2).
-# The int4, nf4 and GGUF kernels decide for themselves: past GEMM_ROWS (kernels.cpp's) they run bfloat16 GEMMs on
-# tiles of the weight they dequantize (2-3x float32's rate), GGUF blocks integer dot products on x in bytes.
+# The int4, nf4 and GGUF kernels decide for themselves past GEMM_ROWS (kernels.cpp's): int4 and nf4 run bfloat16
+# GEMMs on tiles of the weight they dequantize (2-3x float32's rate), GGUF blocks integer dot products on x in bytes
+# (AVX2: float32 GEMMs on dequantized tiles).
 MAX_ROWS = 16
 INT8_ROWS = 32
 GEMM_ROWS = 12
