@@ -5,8 +5,8 @@
     python chat.py --ckpt DIR --prompt "Once upon"   # one-shot: only the generated text on stdout
 
 In chat mode the KV cache is kept across turns: each turn prefills only the tokens that are new since the last one.
-The program's pieces: session.py (what it shares with benchmark.py and serve.py), repl.py (interactive mode),
-benchmark.py (--bench); this file is the command line, one-shot runs and --prompt-file batches.
+The program's pieces (dense_engine/cli/): flags.py (the flags and what it loads by them, shared with serve.py), repl.py
+(interactive mode), benchmark.py (--bench); the Session it answers through is dense_engine/runtime/session.py; this file is the command line, one-shot runs and --prompt-file batches.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ import time
 
 import torch
 
-import benchmark
-import generate
-import grammar
-import tp
-from checkpoint import CheckpointError
-from default_model import default_checkpoint
-from repl import interactive
-from session import (SETTINGS, Session, add_model_flags, check_environment, ctrl_c_as_key, fitting_cache, load_model,
-                     make_draft, parse_flags, positive_int, prompt_ids, prompt_mode, prompt_text)
-from vocab import UsageError, Vocabulary, load_vocabulary
+from dense_engine.cli import benchmark
+from dense_engine.cli.flags import (add_model_flags, check_environment, load_model, make_draft, parse_flags,
+                                    positive_int, prompt_ids, prompt_mode, prompt_text, settings)
+from dense_engine.cli.repl import SETTINGS, ctrl_c_as_key, interactive
+from dense_engine.formats.default_model import default_checkpoint
+from dense_engine.formats.vocab import Vocabulary, load_vocabulary
+from dense_engine.runtime import generate, grammar, tp
+from dense_engine.runtime.session import Session, fitting_cache
+from dense_engine.runtime.steps import Steps
+from dense_engine.system.errors import UsageError, run_program
 
 # ----------------------------------------------------------------------------------------------------------------
 # The program
@@ -175,8 +175,8 @@ def prompt_file(model, vocab: Vocabulary, args, mode: str, console) -> int:
 
     batch = args.batch_size or 8
     context = model.config.max_position_embeddings
-    generate.setup_cache(model, batch, args.max_seq_len or fitting_cache(model, batch))  # one cache for the file
-    steps = generate.Steps(model) if args.compile else None
+    generate.setup_cache(model, batch, fitting_cache(model, batch, args.max_seq_len))  # one cache for the file
+    steps = Steps(model) if args.compile else None
     vocab_limit = vocab.size if vocab.size < model.config.vocab_size else None
     counts = {"prompts": 0, "tokens": 0}
     start = time.perf_counter()
@@ -262,7 +262,7 @@ def run(argv, console) -> int:
         return prompt_file(model, vocab, args, mode, console)
     draft = make_draft(args, model, console)
     with console.status("Loading the compiled steps..." if args.compile else "Warming up...") as status:
-        session = Session(model, vocab, args, status=status.update, draft=draft,
+        session = Session(model, vocab, settings(args), status=status.update, draft=draft,
                           note=lambda message: console.print(f"[dim]note: {message}[/dim]"))
         if args.prompt is None:
             session.compile_s = session.warm_up()
@@ -280,25 +280,9 @@ def run(argv, console) -> int:
     return interactive(session, vocab, args, mode, console, ckpt, why)
 
 
-class Terminated(Exception):
-    """SIGTERM or SIGHUP: unwind (the terminal restored, written lines whole) and exit 128 + the signal."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def on_signal(signum, frame):
-    raise Terminated(signum)
-
-
 def main(argv=None) -> int:
-    import signal
-
     from rich.console import Console
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_signal)
     argv = sys.argv[1:] if argv is None else argv
     one_shot_mode = any(a in ("--prompt", "--json", "--prompt-file") or a.startswith(("--prompt=", "--prompt-file="))
                         for a in argv)
@@ -308,30 +292,16 @@ def main(argv=None) -> int:
     if tp.world()[0] != 0:  # tensor parallel: rank 0 owns the terminal; the others print only their errors
         sys.stdout = open(os.devnull, "w")
         console = Console(file=sys.stdout, soft_wrap=True)
-    try:
-        return run(argv, console)
-    except (UsageError, CheckpointError, ValueError, OSError) as e:
-        if "--debug" in argv:
-            raise
-        sys.stderr.write(f"error: {one_line(e)}\n")  # one write: ranks of a tensor-parallel run share stderr
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except Terminated as e:
-        return 128 + e.signum
-    except Exception as e:  # anything else is a bug of ours: still one line, the traceback with --debug
-        if "--debug" in argv:
-            raise
-        sys.stderr.write(f"error: {type(e).__name__}: {one_line(e)} (--debug shows where)\n")
-        return 2
+    return run_program(lambda: run(argv, console), argv, signals=True)
 
 
-def one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
-if __name__ == "__main__":
+def entry() -> None:
+    """`python chat.py` and the `dense-chat` command."""
     code = main()
     if tp.world()[1] > 1:  # under torchrun
         tp.exit(code)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    entry()

@@ -13,9 +13,9 @@ import argparse
 import os
 import sys
 
-import convert
-import quantized
-from checkpoint import CheckpointError
+from dense_engine.cpu import quantized
+from dense_engine.formats import convert
+from dense_engine.system.errors import CheckpointError, run_program
 
 
 def quantize_checkpoint(src: str, mode: str, out: str | None = None, group_size: int = 32, progress=None,
@@ -50,20 +50,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from rich.progress import Progress
 
-    written = []
 
-    def run():
+    def work() -> int:
         with Progress(transient=True) as bar:
             task = bar.add_task(f"Quantizing to {args.mode}", total=None)
-            written.append(quantize_checkpoint(args.ckpt, args.mode, args.out, args.group_size,
-                                               progress=lambda done, total: bar.update(task, completed=done, total=total),
-                                               double_quant=args.double_quant))
+            written = quantize_checkpoint(args.ckpt, args.mode, args.out, args.group_size,
+                                          progress=lambda done, total: bar.update(task, completed=done, total=total),
+                                          double_quant=args.double_quant)
+        print(f"wrote {written} ({os.path.getsize(written) / 2**20:.1f} MiB)")
+        return 0
 
-    status = convert.report_errors(run, args.debug)
-    if status == 0:
-        print(f"wrote {written[0]} ({os.path.getsize(written[0]) / 2**20:.1f} MiB)")
-    return status
-
+    return run_program(work, sys.argv[1:] if argv is None else argv)
 
 if __name__ == "__main__":
     sys.exit(main())

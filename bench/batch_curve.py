@@ -48,8 +48,7 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     if args.plot:
-        sys.path.insert(0, ROOT)
-        import benchmark
+        from dense_engine.cli import benchmark
 
         rate = {(r["quant"], r["batch_size"]): r["decode_tok_s"] for r in results}
         benchmark.bar_chart(args.plot, [str(b) for b in args.batch],

@@ -9,13 +9,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import dense  # noqa: E402
-import generate  # noqa: E402
-import gguf_import  # noqa: E402
-import load  # noqa: E402
-import default_model  # noqa: E402
+from dense_engine.formats import default_model, gguf_import, load
+from dense_engine.runtime import generate
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It was 1999, and 42 people cheered!",

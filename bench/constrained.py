@@ -19,10 +19,8 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from serve_load import free_port  # noqa: E402
+from serve_load import free_port
 
 PROMPTS = ["List five countries and their capitals as JSON.", "Describe a cat as a JSON object.",
            "Give three colors and their hex codes in JSON.", "A JSON object for a book: title, author, year.",
@@ -71,10 +69,11 @@ def together(port: int, constrained: bool, n: int, tokens: int) -> float:
 
 def mask_cost(ckpt: str | None) -> float:
     """Microseconds per token of Constraint.bias + consume, walking a JSON reply token by token."""
-    import default_model
-    import grammar
-    import vocab as vocab_module
     from rich.console import Console
+
+    from dense_engine.formats import default_model
+    from dense_engine.formats import vocab as vocab_module
+    from dense_engine.runtime import grammar
 
     path = ckpt or default_model.default_checkpoint(Console(stderr=True))
     vocab = vocab_module.load_vocabulary(path, None)

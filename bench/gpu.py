@@ -27,14 +27,12 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import benchmark  # noqa: E402
-import generate  # noqa: E402
-import quantized  # noqa: E402
-import speculative  # noqa: E402
-from machine import first_line  # noqa: E402
-import steps as steps_module  # noqa: E402
+from dense_engine.cli import benchmark
+from dense_engine.cpu import quantized
+from dense_engine.runtime import generate, speculative
+from dense_engine.runtime import steps as steps_module
+from dense_engine.system.errors import first_line
 
 MODES = ("none", "int4", "int8", "nf4")  # the order rows are timed in: the comparable gpt-fast rows first
 TOLERANCE = 3e-2  # bfloat16 against float32, relative to the largest logit (the CPU tests' tolerance)

@@ -107,10 +107,9 @@ def peak_rss_gib() -> float:
 def worker_dense(args) -> dict:
     import torch
 
-    sys.path.insert(0, ROOT)
-    import generate
-    from load import from_pretrained
-    from steps import Steps
+    from dense_engine.formats.load import from_pretrained
+    from dense_engine.runtime import generate
+    from dense_engine.runtime.steps import Steps
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -278,10 +277,9 @@ def model_files(name: str, llama_python: str, log, precisions=FLOAT_FILES) -> di
     folder: the F32 file first (random weights of the shape, or SmolLM2's own dequantized), then llama.cpp's own
     quantizer from it."""
     os.makedirs(WORK, exist_ok=True)
-    sys.path.insert(0, ROOT)
     import tempfile
 
-    import default_model
+    from dense_engine.formats import default_model
 
     files = {p: os.path.join(WORK, f"{name}-{p}.gguf") for p in ("F32", *precisions)}
     smollm2 = default_model.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-bench-"))
@@ -342,9 +340,9 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def prompt_ids(gguf: str) -> list[int]:
-    sys.path.insert(0, ROOT)
-    import gguf_import
     from tokenizers import Tokenizer
+
+    from dense_engine.formats import gguf_import
 
     tok = Tokenizer.from_str(gguf_import.side_files(gguf)["tokenizer.json"])
     text = ("Write a short story about a lighthouse keeper who discovers that the light has been guiding something "
@@ -474,7 +472,7 @@ def main() -> int:
                           f"{same} of {len(b['ids'])}" if same is not None else "-")
         console.print(table)
         if args.plot:
-            import benchmark
+            from dense_engine.cli import benchmark
 
             rows = [r for r in results if r["model"] == name]
             rate = lambda r, key: r.get(key, {}).get("decode_tok_s")  # noqa: E731

@@ -16,13 +16,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import dense  # noqa: E402
-import generate  # noqa: E402
-import load  # noqa: E402
-import quantized  # noqa: E402
-import default_model  # noqa: E402
+from dense_engine.cpu import quantized
+from dense_engine.formats import default_model, load
+from dense_engine.runtime import generate
 
 
 def timed(fn, runs: int) -> float:
@@ -116,7 +113,7 @@ def main() -> int:
         t.add_row(name, weights, f"{rate:.1f}", f"{rate / base:.2f}", f"{ttft * 1000:.0f}")
     console.print(t)
     if args.plot:
-        import benchmark
+        from dense_engine.cli import benchmark
 
         benchmark.bar_chart(args.plot, [f"{name}\n{weights}".replace("transformers ", "transformers\n")
                                         for name, weights, _, _ in rows], {"decode": [r[3] for r in rows]},

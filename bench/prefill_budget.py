@@ -13,13 +13,12 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-import serve  # noqa: E402
-from session import load_model  # noqa: E402
-from vocab import load_vocabulary  # noqa: E402
+from dense_engine.cli.flags import load_model
+from dense_engine.formats.vocab import load_vocabulary
+from dense_engine.server import serve
 
 
 def timed(fn) -> float:
@@ -38,14 +37,14 @@ def main() -> int:
     args = p.parse_args()
     from rich.console import Console
 
-    import default_model
-    import session
+    from dense_engine.formats import default_model
+    from dense_engine.cli import flags as model_flags
 
     console = Console(stderr=True)
     ckpt = args.ckpt or default_model.default_checkpoint(console)
     parser = argparse.ArgumentParser()
-    session.add_model_flags(parser)
-    flags = session.parse_flags(parser, ["--quant", args.quant, "--no-compile"])
+    model_flags.add_model_flags(parser)
+    flags = model_flags.parse_flags(parser, ["--quant", args.quant, "--no-compile"])
     model, _ = load_model(ckpt, flags, console)
     vocab = load_vocabulary(ckpt, None)
     ctx = 1 << (args.long + 64).bit_length()

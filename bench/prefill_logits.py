@@ -23,10 +23,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import llamacpp  # noqa: E402  (the bench files and prompt)
+import llamacpp  # (the bench files and prompt)
 
 WORKER = r"""
 import json, sys
@@ -57,7 +55,7 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    import load
+    from dense_engine.formats import load
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-python", required=True, help="python of a virtualenv with llama-cpp-python")

@@ -19,14 +19,11 @@ import tempfile
 import torch
 from safetensors import safe_open
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import checkpoint  # noqa: E402
-import dense  # noqa: E402
-import load  # noqa: E402
-import quantize  # noqa: E402
-import quantized  # noqa: E402
-import default_model  # noqa: E402
+import dense
+import quantize
+from dense_engine.cpu import quantized
+from dense_engine.formats import checkpoint, default_model, load
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = [("int8", 32, False), ("int4", 32, False), ("int4", 64, False), ("int4", 128, False), ("nf4", 32, False),
@@ -49,7 +46,7 @@ def quantized_fraction(path: str, full: dense.DenseDecoder) -> float:
 def shape_sizes(name: str) -> int:
     """Quantized-layer size against bfloat16 for a random model of a published shape (the tensors quantize.py
     would store)."""
-    import benchmark
+    from dense_engine.cli import benchmark
 
     full = benchmark.random_model(name, torch.device("cpu"), torch.bfloat16)
     layers = set(quantized.layer_modes(full, "int8"))

@@ -242,8 +242,7 @@ def main() -> int:
     p.add_argument("--serve-flag", action="append", default=[], help="one more serve.py flag (repeat it)")
     args = p.parse_args()
     if not args.gguf:
-        sys.path.insert(0, ROOT)
-        import default_model
+        from dense_engine.formats import default_model
 
         args.gguf = default_model.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-bench-"))
     rows = []

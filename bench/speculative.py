@@ -17,15 +17,13 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import chat  # noqa: E402
-import default_model  # noqa: E402
-import generate  # noqa: E402
-import session  # noqa: E402
-import speculative  # noqa: E402
-import vocab as vocab_module  # noqa: E402
-from steps import Steps  # noqa: E402
+import chat
+from dense_engine.formats import default_model
+from dense_engine.formats import vocab as vocab_module
+from dense_engine.cli import flags
+from dense_engine.runtime import generate, speculative
+from dense_engine.runtime.steps import Steps
 
 PARAGRAPH = ("The quick brwn fox jumpd over the lazy dog. It was a sunny day in the vilage, and the childen were "
              "playing in the park near the rivr. Their parents sat on the benchs, talking about the wether and the "
@@ -69,8 +67,8 @@ def main() -> int:
 
     console = Console(stderr=True)
     ckpt = args.ckpt or default_model.default_checkpoint(console)
-    flags = chat.parse_args(["--ckpt", ckpt, "--quant", args.quant])
-    model, why = session.load_model(ckpt, flags, console)
+    chat_args = chat.parse_args(["--ckpt", ckpt, "--quant", args.quant])
+    model, why = flags.load_model(ckpt, chat_args, console)
     vocab = vocab_module.load_vocabulary(ckpt, None)
     generate.setup_cache(model, 1, model.config.max_position_embeddings)  # chat.py's default cache
     steps = Steps(model)
@@ -82,7 +80,7 @@ def main() -> int:
     print(f"{'prompt':9} {'draft':22} {'k':>2} {'tok/s':>7} {'vs plain':>8} {'accepted':>8} {'tok/step':>8} "
           f"{'tokens':>6} same")
     for name, text in PROMPTS.items():
-        ids = session.prompt_ids(vocab, text, "chat", None)
+        ids = flags.prompt_ids(vocab, text, "chat", None)
         plain = None
         for label, draft, k in configs:
             run(model, ids, args.max_new, steps, vocab.stop_ids, draft, k)  # warm-up: load or compile the steps

@@ -25,10 +25,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import machine  # noqa: E402
-import default_model  # noqa: E402
+from dense_engine.formats import default_model
+from dense_engine.system import machine
 
 
 def first_byte(args: list[str], env: dict) -> tuple[float, float]:

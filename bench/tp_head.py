@@ -7,21 +7,18 @@ head multiplies vocab/N rows and all-gathers the logits. Prints ms per token for
 
 import argparse
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPES = {"SmolLM2-135M": (49152, 576), "TinyLlama-1.1B": (32000, 2048)}
 
 
 def head(mode: str, vocab: int, hidden: int):
-    import kernels
-    import quantized
+    from dense_engine.cpu import kernels, quantized
 
     if mode == "float32":
         layer = kernels.Linear(hidden, vocab, bias=False) if kernels.available() else torch.nn.Linear(hidden, vocab,

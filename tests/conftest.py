@@ -50,7 +50,7 @@ def random_model(context: int = 512, seed: int = 0, **overrides):
     """A small random-weight model (GQA, q/k norm, output gate) with a longer context than the fixtures, whose full
     precision linears run kernels.py as from_pretrained's do."""
     import dense
-    import quantized
+    from dense_engine.cpu import quantized
 
     torch.manual_seed(seed)
     config = dense.DenseConfig(**{"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

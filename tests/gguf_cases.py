@@ -1,6 +1,6 @@
 """Tiny random GGUF files of every architecture gguf_import reads, laid out as llama.cpp's own converter
 (convert_hf_to_gguf.py) writes them, with byte-level BPE and SentencePiece vocabularies. Shared by tests/test_gguf.py,
-which compares this engine with the checked-in llama.cpp references, and bench/gguf_reference.py, which made those
+which compares this engine with the checked-in llama.cpp references, and tests/gguf_reference.py, which made those
 references once with llama.cpp (and checked each file against transformers' forward of the same weights).
 
 Everything here is deterministic (numpy's seeded RandomState, fixed corpora), so a test writes the very file the
@@ -14,8 +14,7 @@ import math
 
 import gguf
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from tokenizers import Regex
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 Q = gguf.GGMLQuantizationType
 CORPUS = [

@@ -11,11 +11,10 @@ import time
 import pytest
 import torch
 
-import background
-import generate
 from conftest import ROOT, fixture_path
-from load import from_pretrained
-from steps import Steps
+from dense_engine.formats.load import from_pretrained
+from dense_engine.runtime import background, generate
+from dense_engine.runtime.steps import Steps
 
 LLAMA = fixture_path("llama")
 

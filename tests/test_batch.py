@@ -4,9 +4,9 @@ rows finishing early at eos, a row of one token), and logits that padding never 
 import pytest
 import torch
 
-import generate
 from conftest import expected, fixture_path, rel_err
-from load import from_pretrained
+from dense_engine.formats.load import from_pretrained
+from dense_engine.runtime import generate
 
 LENGTHS = [7, 1, 12, 4]  # row 1 is a single token
 

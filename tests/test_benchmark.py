@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-import benchmark
 import dense
-import load
-import quantized
 from conftest import ROOT, fixture_path
+from dense_engine.cli import benchmark
+from dense_engine.cpu import quantized
+from dense_engine.formats import load
 
 KEYS = {"decode_tok_s", "prefill_tok_s", "ttft_s", "compile_s", "bytes_per_token", "bandwidth_gbs", "mbu",
         "peak_mem_bytes", "device", "dtype", "quant", "batch_size", "prompt_len", "gen_len"}

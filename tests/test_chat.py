@@ -12,13 +12,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-import convert
 import dense
-import generate
-import load
-import session
-import vocab as vocab_module
 from conftest import FIXTURES, ROOT, fixture_path
+from dense_engine.formats import convert, load
+from dense_engine.formats import vocab as vocab_module
+from dense_engine.runtime import generate, session
 
 CHAT = os.path.join(ROOT, "chat.py")
 LLAMA = os.path.join(FIXTURES, "llama")
@@ -157,8 +155,6 @@ def test_streamed_pieces_are_the_whole_decode_and_never_decode_the_whole_text(la
 @pytest.mark.slow
 def test_padded_vocabulary_is_never_sampled(tmp_path):
     # a tokenizer of 256 byte tokens over a model whose embedding has 512 rows: ids >= 256 must never be sampled
-    import argparse
-
     ckpt = tmp_path / "padded"
     shutil.copytree(os.path.join(FIXTURES, "shellelastic"), ckpt)
     byte_tokenizer().save(str(ckpt / "tokenizer.json"))
@@ -168,8 +164,8 @@ def test_padded_vocabulary_is_never_sampled(tmp_path):
     assert (unrestricted >= 256).any()  # without the limit this model does pick padded ids
     vocab = vocab_module.load_vocabulary(str(ckpt), None)
     assert vocab.size == 256
-    args = argparse.Namespace(max_seq_len=None, max_new_tokens=120, temperature=2.0, top_k=None, top_p=None,
-                              compile=False, speculate_k=4)
+    args = session.Settings(max_seq_len=None, max_new_tokens=120, temperature=2.0, top_k=None, top_p=None,
+                            compile=False, speculate_k=4)
     torch.manual_seed(3)
     reply, _ = session.Session(model, vocab, args).reply([97, 98, 99], lambda s: None)
     assert len(reply) == 120 and max(reply) < 256

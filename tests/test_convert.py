@@ -10,11 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import convert
-import families
-from conftest import FIXTURES, LAYOUTS, ROOT, expected, fixture_path, rel_err
-from checkpoint import CheckpointError
-from load import from_pretrained
+from conftest import FIXTURES, LAYOUTS, expected, fixture_path, rel_err
+from dense_engine.formats import convert, families
+from dense_engine.formats.load import from_pretrained
+from dense_engine.system.errors import CheckpointError
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -38,7 +37,7 @@ def test_convert_copies_the_tokenizer(tmp_path):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dense_engine.formats.convert", *map(str, args)], capture_output=True,
                           text=True)
 
 

@@ -10,11 +10,10 @@ import pytest
 import torch
 
 import dense
-import generate
-import quantized
-import speculative
-import steps as steps_module
 from conftest import random_model, rel_err
+from dense_engine.cpu import quantized
+from dense_engine.runtime import generate, speculative
+from dense_engine.runtime import steps as steps_module
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -8,12 +8,12 @@ import torch
 import torch._dynamo
 
 import dense
-import generate
-import kernels
 from conftest import LAYOUTS, expected, fixture_path, random_model, rel_err
 from dense import DenseConfig
-from load import from_pretrained
-from steps import Steps
+from dense_engine.cpu import kernels
+from dense_engine.formats.load import from_pretrained
+from dense_engine.runtime import generate
+from dense_engine.runtime.steps import Steps
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

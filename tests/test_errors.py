@@ -8,10 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import generate
 from conftest import FIXTURES
-from checkpoint import CheckpointError, config_from_dict, make_config
-from load import from_pretrained
+from dense_engine.formats.checkpoint import config_from_dict, make_config
+from dense_engine.formats.load import from_pretrained
+from dense_engine.runtime import generate
+from dense_engine.system.errors import CheckpointError
 
 SHELL = os.path.join(FIXTURES, "shellelastic")
 
@@ -138,7 +139,6 @@ def test_cached_step_errors():
 
 
 def test_generate_beyond_context():
-    import dense
 
     model = from_pretrained(SHELL)
     raises_one_line(ValueError, "exceed the context of 128", lambda: list(generate.generate_tokens(
@@ -148,8 +148,8 @@ def test_generate_beyond_context():
 def test_first_line_of_any_exception():
     """The one helper every one-line error uses: the first non-empty line; the type's name for an empty message
     (an unguarded str(e).splitlines()[0] raised IndexError there)."""
-    import machine
+    from dense_engine.system import errors
 
-    assert machine.first_line(ValueError("")) == "ValueError"
-    assert machine.first_line(OSError("\n  disk full\nmore")) == "disk full"
-    assert machine.first_line(RuntimeError("x" * 300)) == "x" * 200
+    assert errors.first_line(ValueError("")) == "ValueError"
+    assert errors.first_line(OSError("\n  disk full\nmore")) == "disk full"
+    assert errors.first_line(RuntimeError("x" * 300)) == "x" * 200

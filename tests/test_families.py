@@ -15,15 +15,13 @@ import sys
 import pytest
 import torch
 
-import checkpoint
 import dense
-import generate
-import kernels
-import quantized
-import speculative
 from conftest import FIXTURES, ROOT, rel_err
-from load import from_pretrained
-from steps import Steps
+from dense_engine.cpu import kernels, quantized
+from dense_engine.formats import checkpoint
+from dense_engine.formats.load import from_pretrained
+from dense_engine.runtime import generate, speculative
+from dense_engine.runtime.steps import Steps
 
 transformers = pytest.importorskip("transformers")
 

@@ -169,8 +169,9 @@ def make_sources(work: str) -> tuple[str, str]:
     """A native folder (the Llama fixture converted, with its tokenizer and template) and a small GGUF."""
     sys.path.insert(0, ROOT)
     sys.path.insert(0, HERE)
-    import convert
     import test_gguf
+
+    from dense_engine.formats import convert
 
     native = os.path.join(work, "native")
     convert.convert(os.path.join(HERE, "fixtures", "llama"), native)
@@ -185,8 +186,8 @@ def make_sources(work: str) -> tuple[str, str]:
 def attempt(folder: str, kind: str) -> None:
     """What a user's first command does with a checkpoint: load it, read its tokenizer, render its template."""
     import dense
-    import load
-    import vocab as vocab_module
+    from dense_engine.formats import load
+    from dense_engine.formats import vocab as vocab_module
 
     path = folder if kind == "native" else os.path.join(folder, "model.gguf")
     model = load.from_pretrained(path)
@@ -204,8 +205,8 @@ def run(work: str, cases: int, seed: int) -> dict:
 
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
     sys.path.insert(0, ROOT)
-    import checkpoint
-    import vocab as vocab_module
+    from dense_engine.formats import checkpoint
+    from dense_engine.formats import vocab as vocab_module
 
     native, gguf_dir = make_sources(work)
 
@@ -283,9 +284,9 @@ def test_fuzz_damaged_cache_files_end_in_the_answer_or_a_one_line_error(tmp_path
     """The cache folder's own files damaged at random (a compiled step, a converted model's weights; the kernel
     library: tests/test_reliability.py): the next run answers as before (having rebuilt what was damaged, with a
     note) or stops with one line; never a crash, never a wrong answer from a damaged file."""
-    import convert
-    import kernels
-    import machine
+    from dense_engine.cpu import kernels
+    from dense_engine.formats import convert
+    from dense_engine.system import machine
 
     chat = os.path.join(ROOT, "chat.py")
     native = str(tmp_path / "native")

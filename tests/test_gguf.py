@@ -2,7 +2,7 @@
 writer (random weights, several quantization types, BPE and SentencePiece vocabularies); values from gguf's
 dequantizer, ids from the original `tokenizers` tokenizer, logits from the model the GGUF was made from, and, for
 every architecture (tests/gguf_cases.py), llama.cpp's own logits and token ids on the same files, checked in by
-bench/gguf_reference.py."""
+tests/gguf_reference.py."""
 
 import json
 import os
@@ -10,19 +10,17 @@ import subprocess
 import sys
 
 import gguf
+import gguf_cases
 import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import checkpoint
 import dense
-import generate
-import gguf_import
-import load
-import quantized
-import gguf_cases
 from conftest import ROOT
+from dense_engine.cpu import quantized
+from dense_engine.formats import checkpoint, gguf_import, load
+from dense_engine.runtime import generate
 
 Q = gguf.GGMLQuantizationType
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -201,7 +199,7 @@ def test_convert_writes_a_native_folder_with_tokenizer_and_template(tmp_path, to
     model = small_llama(tied=True)
     write_gguf(tmp_path / "m.gguf", model, tokenizer, "gpt2", {"attn_q": Q.Q8_0})
     dst = tmp_path / "native"
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), str(tmp_path / "m.gguf"), str(dst)],
+    result = subprocess.run([sys.executable, "-m", "dense_engine.formats.convert", str(tmp_path / "m.gguf"), str(dst)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     ids = torch.randint(0, 400, (1, 16), generator=torch.Generator().manual_seed(3))
@@ -232,7 +230,7 @@ def test_unsupported_gguf_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("block_type", [Q.Q4_1, Q.Q4_0])
 def test_quant_auto_loads_q4_blocks_as_int4_bit_for_bit(tmp_path, tokenizer, block_type):
-    import convert
+    from dense_engine.formats import convert
 
     model = small_llama(tied=True, hidden=128, ffn=192)
     linears = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -276,7 +274,7 @@ def fixture_dir(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Every architecture against llama.cpp (references made once by bench/gguf_reference.py)
+# Every architecture against llama.cpp (references made once by tests/gguf_reference.py)
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "fixtures", "gguf")
 
@@ -381,7 +379,7 @@ def test_chat_and_convert_take_a_gguf_of_another_architecture(gguf_files, tmp_pa
     out = out[:next((i for i, t in enumerate(out) if t in stops), len(out))]
     assert result.stdout == tokenizer.decode(out, skip_special_tokens=True)
     dst = tmp_path / "native"
-    assert subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), gguf_files["gemma3"][0], str(dst)],
+    assert subprocess.run([sys.executable, "-m", "dense_engine.formats.convert", gguf_files["gemma3"][0], str(dst)],
                           capture_output=True).returncode == 0
     ids = torch.tensor([ids])
     assert torch.equal(load.from_pretrained(str(dst))(ids), load.from_pretrained(gguf_files["gemma3"][0])(ids))

@@ -12,14 +12,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
-import generate
-import kernels
-import load
-import quantized
-from checkpoint import CheckpointError
-from steps import Steps
 from test_gguf import Q, original_tokenizer, small_llama, write_gguf
+
+from dense_engine.cpu import kernels, quantized
+from dense_engine.formats import load
+from dense_engine.runtime import generate
+from dense_engine.runtime.steps import Steps
+from dense_engine.system.errors import CheckpointError
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 VNNI CPU or no C++ compiler")
 SCALES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
@@ -141,7 +140,7 @@ def test_a_fused_projection_writes_its_parts_in_place_in_the_models_order(rows):
 
 def write_mixed(path, tied: bool) -> None:
     """A small llama whose tensors are of MIXED's types (the same file every time: seeded weights and blocks; a
-    pre-tokenizer llama.cpp knows, for bench/gguf_reference.py)."""
+    pre-tokenizer llama.cpp knows, for tests/gguf_reference.py)."""
     write_gguf(path, small_llama(tied=tied, hidden=256, ffn=512), original_tokenizer("gpt2"), "llama-bpe", MIXED)
 
 
@@ -195,7 +194,7 @@ KQUANT_REFERENCE = os.path.join(os.path.dirname(__file__), "fixtures", "gguf", "
 def test_a_long_prefill_is_as_near_the_float_path_as_llama_cpps(mixed_files):
     """Past 12 tokens the K-quant linears take x rounded to 8 bits a value (llama.cpp's Q8_K, as llama.cpp computes
     them): a 40-token prefill's logits are no farther from the float path than llama.cpp's own on the same file
-    (its logits made once by bench/gguf_reference.py --kquant-prefill), and near them. (Without AVX-512 the products
+    (its logits made once by tests/gguf_reference.py --kquant-prefill), and near them. (Without AVX-512 the products
     are float32's or bfloat16's: near the float path.)"""
     from safetensors.torch import load_file
 

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import dense
-import generate
-import kernels
-import quantized
-from steps import Steps
+from dense_engine.cpu import kernels, quantized
+from dense_engine.runtime import generate
+from dense_engine.runtime.steps import Steps
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no AVX2 or AVX-512 CPU, or no C++ compiler")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +28,7 @@ def test_the_avx2_kernels_pass_the_kernel_tests_too():
                           "tests/test_kernels.py", "tests/test_gguf_blocks.py"], cwd=ROOT, capture_output=True,
                          text=True, env={**os.environ, "DENSE_KERNELS": "avx2"})
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
-    took = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.digits_for_int4())"], cwd=ROOT,
+    took = subprocess.run([sys.executable, "-c", "from dense_engine.cpu import kernels; print(kernels.digits_for_int4())"], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "DENSE_KERNELS": "avx2"})
     assert took.stdout.strip() == "True"  # (the process above ran kernels_avx2.cpp)
 
@@ -274,8 +273,8 @@ def test_attention_kernel_equals_the_reference_over_the_visible_slots(dtype, B, 
 @needs_kernels
 @pytest.mark.parametrize("compile", [False, True])
 def test_generation_on_the_kernel_cache_equals_the_argmax_loop(compile, tmp_path, monkeypatch):
-    import generate
     from conftest import random_model
+    from dense_engine.runtime import generate
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = random_model()

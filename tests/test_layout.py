@@ -1,27 +1,54 @@
-"""The module layout: every import between the project's modules points one way (down from the programs to dense.py),
-counting imports made inside functions, and dense.py imports nothing of the project."""
+"""The layout: the folders of dense_engine/ are floors, and every import between the project's modules (those inside
+functions too) points down them or stays on its floor, with no cycle; dense.py imports nothing of the project; only
+the root's named files are installed as top-level modules; tests and bench/ do not reach into each other."""
 
 import ast
 import glob
 import os
+import re
+
+import tomllib
 
 from conftest import ROOT
+
+# Bottom to top: what a module may import is on its own floor or below. dense.py stands under them all; the root's
+# programs on top.
+FLOORS = ["dense", "dense_engine.system", "dense_engine.cpu", "dense_engine.formats", "dense_engine.runtime",
+          "dense_engine", "dense_engine.cli", "dense_engine.server", "programs"]
+PROGRAMS = {"chat", "quantize", "serve"}
+
+
+def modules() -> dict[str, str]:
+    """{dotted module name: path} of every module of the project (the root's files and the package's)."""
+    found = {name: os.path.join(ROOT, name + ".py") for name in ("dense", *PROGRAMS)}
+    for path in glob.glob(os.path.join(ROOT, "dense_engine", "**", "*.py"), recursive=True):
+        name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+        found[name] = path
+    return found
+
+
+def floor(module: str) -> int:
+    if module in PROGRAMS:
+        return FLOORS.index("programs")
+    package = module if module == "dense" or module in FLOORS else module.rsplit(".", 1)[0]  # (a folder: itself)
+    return FLOORS.index(package)
 
 
 def project_imports() -> dict[str, set[str]]:
     """{module: the project modules it imports anywhere in its file (top level or inside functions)}."""
-    modules = {os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(ROOT, "*.py"))}
+    known = modules()
     graph = {}
-    for name, path in modules.items():
+    for name, path in known.items():
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
         found = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                found |= {alias.name.split(".")[0] for alias in node.names}
+                found |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module.split(".")[0])
-        graph[name] = {m for m in found if m in modules and m != name}
+                found.add(node.module)  # `from dense_engine.cpu import kernels` imports the module kernels
+                found |= {f"{node.module}.{alias.name}" for alias in node.names}
+        graph[name] = {m for m in found if m in known and m != name}
     return graph
 
 
@@ -53,9 +80,29 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_imports_point_one_way():
     graph = project_imports()
-    assert {"dense", "kernels", "load", "generate", "chat"} <= set(graph)
-    cycle = find_cycle(graph)
+    assert {"dense", "dense_engine.cpu.kernels", "dense_engine.formats.load", "dense_engine.runtime.generate",
+            "chat"} <= set(graph)
+    cycle = find_cycle({name: {m for m in imports if m != "dense_engine"} for name, imports in graph.items()})
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_imports_point_down_the_folders():
+    upward = [f"{name} imports {m}" for name, imports in project_imports().items() for m in sorted(imports)
+              if m != "dense_engine" and floor(m) > floor(name)]
+    assert not upward, "imports up the floors: " + "; ".join(upward)
+
+
+def test_every_folder_is_a_floor():
+    folders = {os.path.relpath(p, ROOT).replace(os.sep, ".") for p in glob.glob(os.path.join(ROOT, "dense_engine", "*"))
+               if os.path.isdir(p) and not p.endswith("__pycache__")}
+    assert folders == set(FLOORS) - {"dense", "dense_engine", "programs"}
+    for name in modules():
+        floor(name)  # (raises for a module outside the floors)
+
+
+def test_the_floor_rule_finds_upward_imports():
+    assert floor("dense_engine.cpu.kernels") < floor("dense_engine.runtime.generate") < floor("chat")
+    assert floor("dense") < floor("dense_engine.system.machine") < floor("dense_engine.server.serve")
 
 
 def test_dense_imports_only_torch():
@@ -67,9 +114,40 @@ def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
+def test_only_the_named_files_are_top_level_modules():
+    """What pip installs at the top of site-packages: dense, chat, quantize, serve and the one package."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    setuptools = project["tool"]["setuptools"]
+    assert set(setuptools["py-modules"]) == {"dense", *PROGRAMS}
+    assert setuptools["packages"]["find"]["include"] == ["dense_engine*"]
+    root_modules = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))}
+    assert root_modules == {"dense", *PROGRAMS}
+    assert set(setuptools["package-data"]["dense_engine.cpu"]) == {"*.cpp", "*.h"}
+    assert set(project["project"]["scripts"]) == {"dense-chat", "dense-serve", "dense-quantize", "dense-convert"}
+
+
+def test_tests_and_bench_do_not_reach_into_each_other():
+    bench = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "bench", "*.py"))}
+    tests = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "tests", "*.py"))}
+    crossings = []
+    for folder, others in (("tests", bench), ("bench", tests)):
+        for path in glob.glob(os.path.join(ROOT, folder, "*.py")):
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            tree = ast.parse(text, path)
+            for node in ast.walk(tree):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                crossings += [f"{path}: {n}" for n in names if n.split(".")[0] in others | {folder}]
+            if folder == "bench" and re.search(r"sys\.path\.(insert|append)|sys\.path\[", text):
+                crossings.append(f"{path}: edits sys.path")
+    assert not crossings, "; ".join(crossings)
+
+
 def test_dense_holds_the_model_not_its_loading():
     """dense.py defines the model, its cache and sampling; reading, checking and loading checkpoints (and memory checks)
-    live in checkpoint.py, load.py and machine.py."""
+    live in dense_engine/formats/ and dense_engine/system/."""
     with open(os.path.join(ROOT, "dense.py"), encoding="utf-8") as f:
         tree = ast.parse(f.read())
     names = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef))}

@@ -12,13 +12,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import checkpoint
 import dense
-import generate
-import load
 import quantize
-import quantized
 from conftest import FIXTURES, ROOT, expected, fixture_path, rel_err
+from dense_engine.cpu import quantized
+from dense_engine.formats import checkpoint, load
+from dense_engine.runtime import generate
 
 # Max logit error against full precision on the random-weight fixtures, as measured (tests/fixtures draw weights
 # with large norm gains, so 4-bit errors are far larger than on trained models; see BENCHMARKS.md for perplexity).

@@ -4,8 +4,6 @@ the edge values of every numeric flag, and error lines that stay one line whatev
 
 import json
 import os
-import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -66,7 +64,7 @@ def run_until(cmd, env, appears, timeout=120):
 
 @pytest.mark.slow
 def test_a_kernel_build_killed_or_damaged_is_built_again(tmp_path):
-    import machine
+    from dense_engine.system import machine
 
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     folder = tmp_path / "dense-engine" / "kernels"
@@ -94,7 +92,7 @@ def test_a_default_model_conversion_killed_or_damaged_is_redone(tmp_path):
     source = str(tmp_path / "stand-in.gguf")
     gguf_cases.write("qwen2", source)
     script = (f"import sys; sys.path[:0] = [{ROOT!r}]\n"
-              "import default_model, rich.console\n"
+              "from dense_engine.formats import default_model; import rich.console\n"
               f"default_model.fetch_default_gguf = lambda work: {source!r}\n"
               "print(default_model.default_checkpoint(rich.console.Console(stderr=True, soft_wrap=True)))\n")
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}

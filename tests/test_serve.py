@@ -295,7 +295,7 @@ class Pieces:
 def quiet_request(prompt, n=10, sent=None, stop=(), **fields):
     """A greedy Request for a scheduler (or serve.finish) driven by hand, no event loop: its events go to `sent`, or
     nowhere."""
-    import serve
+    from dense_engine.server import serve
 
     put = sent.append if sent is not None else (lambda event: None)
     loop = type("Loop", (), {"call_soon_threadsafe": staticmethod(lambda fn, event: fn(event))})()
@@ -305,7 +305,7 @@ def quiet_request(prompt, n=10, sent=None, stop=(), **fields):
 
 def run_finish(pieces, stop, max_tokens=100):
     """The text events finish() sends for tokens 0..len(pieces)-1 in order, and the finish reason."""
-    import serve
+    from dense_engine.server import serve
 
     sent = []
     request = quiet_request([1], max_tokens, sent, stop=stop)
@@ -402,7 +402,7 @@ def test_cors_preflight_is_answered_before_the_api_key():
 
 @pytest.fixture(scope="module")
 def plain():
-    import load
+    from dense_engine.formats import load
 
     return load.from_pretrained(LLAMA)
 
@@ -637,7 +637,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 
 def test_tool_calls_in_each_format_are_parsed():
-    import tools
+    from dense_engine.runtime import tools
 
     names = {"get_weather", "get_time"}
     hermes = 'I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n' \
@@ -717,9 +717,9 @@ def test_a_full_tool_round_trip_through_the_families_templates(tmp_path, templat
 def test_a_fault_in_a_scheduler_step_fails_the_requests_in_flight_and_serving_goes_on(monkeypatch):
     """A model call that raises: the requests in flight get an error (never a hang), the rows are freed, the next
     request is served as if nothing happened."""
-    import load
-    import serve
-    import vocab as vocab_module
+    from dense_engine.formats import load
+    from dense_engine.formats import vocab as vocab_module
+    from dense_engine.server import serve
 
     model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
     scheduler = serve.Scheduler(model, vocab, 2, 64, compile=False)
@@ -797,9 +797,9 @@ def test_prefix_reuse_prefills_only_the_new_turn_and_gives_the_cold_prefills_tok
     """A conversation's second turn (its history + a new message) after the first: the row that served the first
     turn holds its tokens, so only the new ones are prefilled; the greedy reply equals a cold prefill's, in a
     scheduler without reuse. A prompt sharing nothing takes another free row's cache from slot 0."""
-    import load
-    import serve
-    import vocab as vocab_module
+    from dense_engine.formats import load
+    from dense_engine.formats import vocab as vocab_module
+    from dense_engine.server import serve
 
     model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
     prefilled = []
@@ -835,9 +835,9 @@ def test_prefix_reuse_prefills_only_the_new_turn_and_gives_the_cold_prefills_tok
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_rows_steps(monkeypatch, compiled):
     """A long prompt arriving while another request decodes: at most --prefill-chunk tokens of it a turn, each turn
     also a decode step of the running row; both greedy replies equal the same requests served alone, whole."""
-    import load
-    import serve
-    import vocab as vocab_module
+    from dense_engine.formats import load
+    from dense_engine.formats import vocab as vocab_module
+    from dense_engine.server import serve
 
     model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
     calls = []
@@ -873,9 +873,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_rows_steps(mon
 def test_requests_arriving_together_are_prefilled_in_one_pass_with_their_tokens_alone(monkeypatch):
     """Three prompts of different lengths arriving together: one pass over the three rows (each padded at its end);
     each greedy reply equals the same request's alone."""
-    import load
-    import serve
-    import vocab as vocab_module
+    from dense_engine.formats import load
+    from dense_engine.formats import vocab as vocab_module
+    from dense_engine.server import serve
 
     model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
     calls = []

@@ -6,9 +6,8 @@ j in 0..k; the sampling rule's output distribution against the target's (chi-squ
 import pytest
 import torch
 
-import generate
-import speculative
 from conftest import random_model
+from dense_engine.runtime import generate, speculative
 
 K = 4
 

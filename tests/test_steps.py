@@ -8,16 +8,16 @@ import sys
 import pytest
 import torch
 
-import generate
 from conftest import ROOT, random_model
-from steps import Steps
+from dense_engine.runtime import generate
+from dense_engine.runtime.steps import Steps
 
 SCRIPT = """
 import sys, torch
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-import generate
+from dense_engine.runtime import generate
 from conftest import random_model
-from steps import Steps
+from dense_engine.runtime.steps import Steps
 model = random_model()
 model.setup_cache(1, 256)
 steps = Steps(model)

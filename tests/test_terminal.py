@@ -11,8 +11,8 @@ import sys
 import pexpect
 import pytest
 
-import terminal
 from conftest import FIXTURES, ROOT
+from dense_engine.cli import terminal
 
 CHAT = os.path.join(ROOT, "chat.py")
 LLAMA = os.path.join(FIXTURES, "llama")

@@ -2,7 +2,6 @@
 the same greedy tokens for five layouts (eager; compiled for one), the GPT-NeoX original release read shard-per-rank,
 int8/int4 shards, each rank's weight bytes, and chat.py under torchrun."""
 
-import json
 import os
 import subprocess
 import sys
@@ -11,14 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import convert
 import dense
-import generate
-import load
-import tp
-from benchmark import stored_bytes
-from conftest import ROOT, expected, fixture_path, random_model, rel_err
+from conftest import ROOT, fixture_path, random_model, rel_err
+from dense_engine.cli.benchmark import stored_bytes
+from dense_engine.formats import checkpoint, convert, load
+from dense_engine.runtime import generate, tp
 
 LAYOUTS = ["shellelastic", "gptneox", "llama", "openelm", "neox_original"]
 

@@ -32,9 +32,8 @@ import torch
 import torch.distributed as dist
 
 import dense
-import families
-import load
-from checkpoint import CheckpointError
+from dense_engine.formats import families, load
+from dense_engine.system.errors import CheckpointError
 
 
 def world() -> tuple[int, int]:

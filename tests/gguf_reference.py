@@ -2,8 +2,8 @@
 architecture and tokenizer kind gguf_import reads), llama.cpp's logits at every position of a fixed prompt and its
 token ids for a set of texts. Made once; the files they come from are rewritten by the tests, bit for bit.
 
-    python bench/gguf_reference.py --llama-python VENV/bin/python      # -> tests/fixtures/gguf/reference.*
-    python bench/gguf_reference.py --llama-python VENV/bin/python --kquant-prefill   # -> .../kquant_prefill.*
+    python tests/gguf_reference.py --llama-python VENV/bin/python      # -> tests/fixtures/gguf/reference.*
+    python tests/gguf_reference.py --llama-python VENV/bin/python --kquant-prefill   # -> .../kquant_prefill.*
 
 --kquant-prefill: llama.cpp's logits of a 40-token prefill on tests/test_gguf_blocks.py's mixed K-quant file (its
 quantized matmuls round x to 8 bits; the test holds this engine's to no farther from the float path).
@@ -25,10 +25,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-sys.path.insert(0, ROOT)
 
-import gguf_cases  # noqa: E402
+import gguf_cases
 
 OUT = os.path.join(ROOT, "tests", "fixtures", "gguf")
 
@@ -107,9 +105,8 @@ def kquant_prefill(python: str) -> int:
     import hashlib
 
     import numpy as np
-    from safetensors.numpy import save_file
-
     import test_gguf_blocks
+    from safetensors.numpy import save_file
 
     ids = np.random.default_rng(3).integers(0, 400, 40).tolist()
     with tempfile.TemporaryDirectory() as work:

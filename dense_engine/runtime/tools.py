@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 
-import grammar
+from dense_engine.runtime import grammar
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 JSON_OPTIONS = {"whitespace_flexible": False}

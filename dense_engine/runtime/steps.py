@@ -23,14 +23,19 @@ from typing import Callable
 import torch
 
 import dense
-import kernels
-import machine
-from machine import first_line, note
-from checkpoint import atomic_write
+from dense_engine.cpu import kernels
+from dense_engine.formats.checkpoint import atomic_write
+from dense_engine.system import machine
+from dense_engine.system.errors import first_line
+from dense_engine.system.machine import note
 
 _state: dict = {}
-SOURCES = ("dense.py", "quantized.py", "kernels.py", "kernels.h", "kernels.cpp", "kernels_avx2.cpp", "generate.py",
-           "steps.py")  # code that shapes a graph
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dense_engine/
+# the code that shapes a graph: dense.py (beside the package, in a clone or in site-packages) and these
+SOURCES = (os.path.join(os.path.dirname(PACKAGE), "dense.py"),
+           *(os.path.join(PACKAGE, "cpu", name) for name in ("quantized.py", "kernels.py", "kernels.h", "kernels.cpp",
+                                                             "kernels_avx2.cpp")),
+           *(os.path.join(PACKAGE, "runtime", name) for name in ("generate.py", "steps.py")))
 
 
 def trust_the_cpu_flags() -> None:
@@ -43,10 +48,9 @@ def trust_the_cpu_flags() -> None:
 
 def code_version() -> str:
     digest = hashlib.sha256()
-    here = os.path.dirname(os.path.abspath(__file__))
-    for name in SOURCES:
-        if os.path.isfile(os.path.join(here, name)):
-            with open(os.path.join(here, name), "rb") as f:
+    for path in SOURCES:
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
                 digest.update(f.read())
     return digest.hexdigest()[:16]
 

@@ -22,11 +22,11 @@ import time
 
 import torch
 
-import generate
-import machine
-import load
-from checkpoint import atomic_write, locked
-from steps import Steps, rebuild
+from dense_engine.formats import load
+from dense_engine.formats.checkpoint import atomic_write, locked
+from dense_engine.runtime import generate
+from dense_engine.runtime.steps import Steps, rebuild
+from dense_engine.system import machine
 
 ORDER = ("decode", "prefill", "verify")  # what a reply spends its time in first
 
@@ -54,7 +54,10 @@ class Compiler:
         path = os.path.join(folder, "jobs", job["key"] + ".json")
         atomic_write(path, lambda p: open(p, "w").write(json.dumps({**job, **self.recipe})))
         with open(os.path.join(folder, "jobs", "worker.log"), "a") as log:  # (the worker keeps its own handle)
-            subprocess.Popen([sys.executable, os.path.abspath(__file__), folder], stdin=subprocess.DEVNULL,
+            # run as a file (`ps` names it), the package and dense.py found where this process found them
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+            subprocess.Popen([sys.executable, os.path.abspath(__file__), folder], stdin=subprocess.DEVNULL, env=env,
                              stdout=log, stderr=log, start_new_session=True)  # (its own session: outlives this one)
         self.started.append(job["kind"])
         # the worker takes one core: this process leaves it (threads waiting at a barrier for a thread the worker

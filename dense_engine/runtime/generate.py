@@ -1,6 +1,7 @@
 """generate.py: generation over dense.py's static KV cache: a prefill, then one fixed-shape decode step per token.
 
-    import load, generate
+    from dense_engine.formats import load
+    from dense_engine.runtime import generate
     model = load.from_pretrained("path/to/ckpt")
     out = generate.generate(model, input_ids, 64, temperature=0.0, eos_id=None, compile=True)     # [B, T + 64]
     rows = generate.generate(model, [[1, 2, 3], [4, 5]], 64, eos_id=2)                            # ragged: a list
@@ -29,9 +30,9 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 import dense
-import kernels
-import machine
-from steps import Steps, steps_for
+from dense_engine.cpu import kernels
+from dense_engine.runtime.steps import Steps, steps_for
+from dense_engine.system import machine
 
 MIN_BUCKET = 256
 PREFILL_CHUNK = 32  # prompts up to this long prefill in one compiled step (any length); longer ones in one eager pass

@@ -20,12 +20,12 @@ import sys
 
 import torch
 
-import families
-import gguf_import
-import quantized
-from checkpoint import (Checkpoint, CheckpointError, atomic_write, config_from_dict, locked, open_safetensors, read_json,
-                        torch_dtype)
 from dense import DenseConfig
+from dense_engine.cpu import quantized
+from dense_engine.formats import families, gguf_import
+from dense_engine.formats.checkpoint import (Checkpoint, atomic_write, config_from_dict, locked, open_safetensors,
+                                             read_json, torch_dtype)
+from dense_engine.system.errors import CheckpointError, run_program
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
@@ -238,18 +238,6 @@ def write_variant(checkpoint, mode: str, dst: str, params: dict, progress=None, 
     return target
 
 
-def report_errors(action, debug: bool) -> int:
-    """Run action(); a CheckpointError or OSError becomes one line on stderr and exit status 2 (--debug: traceback)."""
-    try:
-        action()
-    except (CheckpointError, OSError) as e:
-        if debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Convert a checkpoint of any supported family to the native format.")
     parser.add_argument("src", help="checkpoint folder or file (.pt, .gguf, ...)")
@@ -258,10 +246,13 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="cast the weights")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
-    status = report_errors(lambda: convert(args.src, args.dst, args.force, torch_dtype(args.dtype)), args.debug)
-    if status == 0:
+
+    def work() -> int:
+        convert(args.src, args.dst, args.force, torch_dtype(args.dtype))
         print(f"wrote {args.dst}")
-    return status
+        return 0
+
+    return run_program(work, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

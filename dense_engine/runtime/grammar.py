@@ -20,7 +20,8 @@ import json
 import numpy as np
 import torch
 
-from vocab import UsageError, Vocabulary
+from dense_engine.formats.vocab import Vocabulary
+from dense_engine.system.errors import UsageError
 
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a model cannot pad a reply with endless whitespace
 

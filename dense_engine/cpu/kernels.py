@@ -35,7 +35,8 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import dense
-from machine import cache_dir, compiler, first_line, intact, note, seal, unwritable_cache
+from dense_engine.system.errors import first_line
+from dense_engine.system.machine import cache_dir, compiler, intact, note, seal, unwritable_cache
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # kernels.cpp for CPUs with AVX-512 (VNNI, BF16); kernels_avx2.cpp, the same operators in 8-lane registers, for those

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from checkpoint import CheckpointError
 from dense import DenseDecoder
+from dense_engine.cpu import kernels
+from dense_engine.system.errors import CheckpointError
 
 MODES = ("int8", "int4", "nf4", "llm.int8")  # (and "gguf" at load time: a GGUF file's own blocks, below)
 # bitsandbytes' NF4 code (float32), in increasing order.

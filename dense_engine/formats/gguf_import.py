@@ -34,11 +34,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import families
-import quantized
-from checkpoint import Checkpoint, CheckpointError, atomic_write, make_config
 from dense import DenseConfig
-from machine import cache_dir, first_line, unwritable_cache
+from dense_engine.cpu import quantized
+from dense_engine.formats import families
+from dense_engine.formats.checkpoint import Checkpoint, atomic_write, make_config
+from dense_engine.system.errors import CheckpointError, first_line
+from dense_engine.system.machine import cache_dir, unwritable_cache
 
 ARCHITECTURES = tuple(families.BY_GGUF)  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3
 # Token texts that end a turn in common chat formats (llama.cpp recognises them the same way).

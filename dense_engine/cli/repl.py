@@ -1,5 +1,5 @@
 """repl.py: chat.py's interactive mode: read a message, stream the reply, keep the conversation; slash commands
-(/retry, /undo, /save, /load, /set, ...). Stands on session.py (the Session and its vocabulary) and terminal.py
+(/retry, /undo, /save, /load, /set, ...). Stands on session.py (the Session and its vocabulary), the /set options beside it, and terminal.py
 (line editing, Markdown rendering).
 """
 
@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-import convert
 import dense
-import machine
-import terminal
-import tp
-from session import SETTINGS, Session, ctrl_c_as_key, set_option
-from vocab import UsageError, Vocabulary
+from dense_engine.cli import terminal
+from dense_engine.formats import convert
+from dense_engine.formats.vocab import Vocabulary
+from dense_engine.runtime import tp
+from dense_engine.runtime.session import Session
+from dense_engine.system import machine
+from dense_engine.system.errors import UsageError
 
 HELP = """/help          this text               /exit          quit (or Ctrl-D); Ctrl-C stops a reply
 /retry         a new reply to the last message (its prompt is already in the cache)
@@ -32,8 +33,46 @@ Up/down recall earlier messages. A pasted block is one message; end a line with 
 
 # The sampling settings: (type, valid value, what is expected). parse_args checks the flags with them, /set the
 # values typed in a session, /save and /load keep them.
+SETTINGS = {"temperature": (float, lambda v: 0 <= v < float("inf"), "a number >= 0"),  # (NaN fails every comparison)
+            "top-k": (int, lambda v: v >= 1, "a whole number >= 1"),
+            "top-p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
+            "max-new-tokens": (int, lambda v: v >= 1, "a whole number >= 1")}
 
 EOF = "\x04"  # what interactive mode's reader gives for Ctrl-D (sent to the other ranks too)
+
+
+def set_option(settings, text: str) -> str:
+    """/set NAME VALUE for the rest of the session: temperature, top-k, top-p (both: none to turn off),
+    max-new-tokens."""
+    name, _, value = text.partition(" ")
+    name, value = name.strip().replace("_", "-"), value.strip()
+    if name not in SETTINGS or not value:
+        raise UsageError(f"expected /set NAME VALUE with NAME one of {', '.join(SETTINGS)}")
+    if value.lower() == "none" and name in ("top-k", "top-p"):
+        parsed = None
+    else:
+        try:
+            parsed = SETTINGS[name][0](value)
+        except ValueError:
+            raise UsageError(f"{name} must be {'a number' if SETTINGS[name][0] is float else 'a whole number'}, "
+                             f"got {value!r}") from None
+        if not SETTINGS[name][1](parsed):
+            raise UsageError(f"{name} {value} is out of range")
+    setattr(settings, name.replace("-", "_"), parsed)
+    return f"{name} = {parsed}"
+
+
+def ctrl_c_as_key(session: Session):
+    """Under torchrun, which ends the whole job on the terminal's SIGINT: rank 0 reads Ctrl-C as a key
+    (terminal.CtrlCAsKey) and every rank stops the reply at the same token. Returns what to restore() at the end."""
+    rank, size = tp.world()
+    keys = terminal.CtrlCAsKey(sys.stdin.fileno()) if terminal.CtrlCAsKey.wanted(rank, size) else None
+    if size == 1 or not tp.broadcast(keys is not None):  # no terminal to watch: no broadcast after every token
+        return None
+    session.stop = lambda: tp.agree(keys is not None and keys.pressed(), session.model.device)
+    if keys is not None:
+        keys.start()
+    return keys
 
 
 @dataclass
@@ -120,13 +159,13 @@ def command(session: Session, vocab: Vocabulary, talk: Conversation, line: str, 
                 console.print("[yellow]nothing to undo[/yellow]")
         elif name == "/save":
             if tp.world()[0] == 0:
-                save_conversation(rest, talk, session.args, ckpt)
+                save_conversation(rest, talk, session.settings, ckpt)
             console.print(f"[dim]saved {len(talk.messages)} messages to {rest}[/dim]")
         elif name == "/load":
-            note = load_conversation(rest, talk, session.args, ckpt)
+            note = load_conversation(rest, talk, session.settings, ckpt)
             console.print(f"[dim]loaded {len(talk.messages)} messages from {rest}{note}[/dim]")
         elif name == "/set":
-            console.print(f"[dim]{set_option(session.args, rest)}[/dim]")
+            console.print(f"[dim]{set_option(session.settings, rest)}[/dim]")
         elif name == "/model":
             console.print(describe_model(session, ckpt, why), markup=False)
         else:
@@ -167,7 +206,7 @@ def turn(session: Session, vocab: Vocabulary, talk: Conversation, line: str | No
 CONVERSATION_FORMAT = "dense-engine conversation"
 
 
-def save_conversation(path: str, talk: Conversation, args, ckpt: str) -> None:
+def save_conversation(path: str, talk: Conversation, settings, ckpt: str) -> None:
     """The conversation as JSON, written to a temporary file and renamed; an existing file is replaced only when it is
     a saved conversation itself."""
     if not path:
@@ -183,7 +222,7 @@ def save_conversation(path: str, talk: Conversation, args, ckpt: str) -> None:
             raise UsageError(f"{path} exists and is not a saved conversation; choose another name")
     record = {"format": CONVERSATION_FORMAT, "version": 1, "model": os.path.abspath(ckpt), "mode": talk.mode,
               "system": talk.system, "messages": talk.messages,
-              "sampling": {key: getattr(args, key.replace("-", "_")) for key in SETTINGS}}
+              "sampling": {key: getattr(settings, key.replace("-", "_")) for key in SETTINGS}}
     try:
         convert.atomic_write(path, lambda p: open(p, "w", encoding="utf-8").write(json.dumps(record, indent=1,
                                                                                              ensure_ascii=False)))
@@ -191,7 +230,7 @@ def save_conversation(path: str, talk: Conversation, args, ckpt: str) -> None:
         raise UsageError(f"{path}: {e.strerror or e}") from None
 
 
-def load_conversation(path: str, talk: Conversation, args, ckpt: str) -> str:
+def load_conversation(path: str, talk: Conversation, settings, ckpt: str) -> str:
     """Restore a saved conversation (messages, system message, sampling settings); returns a note for the user."""
     if not path:
         raise UsageError("which file? /load FILE")
@@ -214,7 +253,7 @@ def load_conversation(path: str, talk: Conversation, args, ckpt: str) -> str:
     for key, value in (record.get("sampling") or {}).items():
         if key in SETTINGS:
             try:
-                set_option(args, f"{key} {'none' if value is None else value}")
+                set_option(settings, f"{key} {'none' if value is None else value}")
             except UsageError:
                 pass
     other = record.get("model")
@@ -254,6 +293,6 @@ def fit_conversation(session: Session, vocab: Vocabulary, system: str | None, hi
     head = [{"role": "system", "content": system}] if system else []
     for dropped in range(0, len(history), 2):
         ids = vocab.encode(vocab.render(head + history[dropped:]), special=False)
-        if len(ids) + min(session.args.max_new_tokens, 64) <= session.max_seq_len:
+        if len(ids) + min(session.settings.max_new_tokens, 64) <= session.max_seq_len:
             return ids, dropped
     return None, 0

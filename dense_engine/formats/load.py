@@ -1,6 +1,6 @@
 """load.py: a checkpoint path -> a model ready to run, in one downward pass.
 
-    import load
+    from dense_engine.formats import load
     model = load.from_pretrained("path/to/ckpt", device="cpu", dtype=torch.float32, quant="auto")
 
 read the checkpoint (convert.py: the native format and every foreign layout) -> choose what to load (a saved
@@ -20,16 +20,13 @@ from typing import Callable
 
 import numpy as np
 import torch
-
 from torch import nn
 
-import convert
 import dense
-import gguf_import
-import kernels
-import machine
-import quantized
-from checkpoint import CheckpointError
+from dense_engine.cpu import kernels, quantized
+from dense_engine.formats import convert, gguf_import
+from dense_engine.system import machine
+from dense_engine.system.errors import CheckpointError
 
 
 def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant: str | None = None,

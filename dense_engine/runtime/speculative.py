@@ -4,7 +4,8 @@ At batch 1 a decode step is bound by reading the weights once; checking k + 1 to
 A draft proposes k tokens; the target scores [current token, draft_1 .. draft_k] in one step (k + 1 positions, a
 fixed shape, compiled once) and keeps the longest prefix it agrees with, plus one token of its own.
 
-    import generate, speculative
+    from dense_engine.runtime import generate
+    from dense_engine.runtime import speculative
     draft = speculative.ModelDraft(small_model)                   # a separate small model, same tokenizer
     draft = speculative.ModelDraft(speculative.quantized_copy(target, "int4"))   # self-speculation
     draft = speculative.LookupDraft(max_ngram=3)                   # prompt lookup: copies from the context
@@ -25,8 +26,9 @@ import copy
 import torch
 
 import dense
-import quantized
-from generate import Runner, Sampling, Steps, collect, prepare, setup_cache, steps_for
+from dense_engine.cpu import quantized
+from dense_engine.runtime.generate import Runner, Sampling, collect, prepare, setup_cache
+from dense_engine.runtime.steps import Steps, steps_for
 
 
 class ModelDraft:

@@ -7,7 +7,7 @@ Warm-up first (its extra time over a measured run is reported as compile_s), the
 prefill of --prompt-len tokens and --gen-len decode steps at --batch-size; medians with min..max spread.
 Bytes per token counts the weights one decode step reads (every linear and norm, the head; not the embedding table,
 of which a step reads one row); bandwidth = bytes per token x decode steps per second, as gpt-fast reports it.
-Stands on session.py (loading as chat.py does) and generate.py.
+Stands on flags.py (loading as chat.py does), session.py and generate.py.
 """
 
 from __future__ import annotations
@@ -23,16 +23,13 @@ import time
 import torch
 
 import dense
-import families
-import generate
-import kernels
-import quantized
-import session
-import speculative
-import tp
-import vocab as vocab_module
-import checkpoint
-from checkpoint import atomic_write
+from dense_engine.cpu import kernels, quantized
+from dense_engine.formats import checkpoint, families
+from dense_engine.formats import vocab as vocab_module
+from dense_engine.formats.checkpoint import atomic_write
+from dense_engine.cli import flags
+from dense_engine.runtime.steps import steps_for
+from dense_engine.runtime import generate, session, speculative, tp
 
 IMPORTED = time.perf_counter()
 
@@ -236,13 +233,14 @@ def run_benchmark(model, *, batch: int, prompt_len: int | tuple[int, int], gen_l
     context = model.config.max_position_embeddings
     if needed > context:
         raise ValueError(f"--prompt-len {lengths[1]} + --gen-len {gen_len} exceed the context of {context}")
-    cache_len = cache_len or (session.fitting_cache(model) if batch == 1 else generate.cache_length(needed, context))
+    cache_len = (session.fitting_cache(model, 1, cache_len) if batch == 1 else
+                 cache_len or generate.cache_length(needed, context))
     if cache_len < needed:
         raise ValueError(f"--max-seq-len {cache_len} is shorter than --prompt-len + --gen-len ({needed})")
     generate.setup_cache(model, batch, cache_len)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    steps = generate.steps_for(model) if compile else None  # (shared with a later --plot run)
+    steps = steps_for(model) if compile else None  # (shared with a later --plot run)
     if steps is not None:
         steps.status = progress
     if progress:
@@ -404,15 +402,15 @@ def main(args, console, ckpt: str | None) -> int:
                 model = quantized.quantize_model(model, quant)
             title = f"{args.shape} (random weights)"
         else:
-            model, line = session.load_model(ckpt, args, console)
+            model, line = flags.load_model(ckpt, args, console)
             quant, reason = line.split(" (", 1)[0].removeprefix("weights: "), line.split(" (", 1)[1].rstrip(")")
             title = ckpt
             if args.prompt is not None:  # a real prompt (prompt lookup needs one): its ids, as one-shot would
                 vocab = vocab_module.load_vocabulary(ckpt, args.tokenizer)
-                mode = session.prompt_mode(args, vocab, ckpt)
-                prompt_ids = session.prompt_ids(vocab, session.prompt_text(args, mode), mode,
+                mode = flags.prompt_mode(args, vocab, ckpt)
+                prompt_ids = flags.prompt_ids(vocab, flags.prompt_text(args, mode), mode,
                                              args.system)
-    draft = session.make_draft(args, model, console)
+    draft = flags.make_draft(args, model, console)
     check_plot_path(args.plot)
     with console.status("Benchmarking...") as status:
         result = run_benchmark(model, batch=args.batch_size or 1, prompt_len=args.prompt_len, gen_len=args.gen_len,
@@ -426,7 +424,7 @@ def main(args, console, ckpt: str | None) -> int:
         result["rank_peak_mem_bytes"] = tp.gather(peak_memory(device))
     if args.plot:  # decode speed against the position in the cache, one synchronized step at a time
         lengths = args.prompt_len if isinstance(args.prompt_len, tuple) else (args.prompt_len, args.prompt_len)
-        steps = generate.steps_for(model) if args.compile else None
+        steps = steps_for(model) if args.compile else None
         with console.status("Timing each step for the plot..."):
             positions, rates = position_curve(model, steps, lengths, args.gen_len)
 

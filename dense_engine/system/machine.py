@@ -1,6 +1,6 @@
 """machine.py: this machine as the engine meets it: the cache folder and the sealed files kept in it, the C++
-compiler, the memory a new allocation can take, and the two kinds of one-line message the programs print (a note on
-stderr; an exception's first line). Imports nothing of the project.
+compiler, the memory a new allocation can take, and the one-line notes the programs print on stderr (errors:
+errors.py). Imports nothing of the project.
 """
 
 from __future__ import annotations
@@ -89,11 +89,6 @@ def available_memory(device: torch.device) -> int:
     except (OSError, StopIteration, ValueError, ImportError):
         pass
     return have
-
-
-def first_line(e: BaseException, limit: int = 200) -> str:
-    """An exception's message as one line (its first non-empty one; its type's name when it has no message)."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
 
 
 def note(message: str) -> None:

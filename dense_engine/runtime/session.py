@@ -1,0 +1,185 @@
+"""session.py: Session, generation over a KV cache that outlives a reply (a conversation's turns prefill only what
+is new), with its Settings record, the cache's default length and the compiled steps a program's model runs.
+chat.py, the Python API (dense_engine/api.py), benchmark.py and the server share it; the flags that make one are the
+CLI's (dense_engine/cli/flags.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dense_engine.cpu import kernels
+from dense_engine.formats.vocab import TextStream, Vocabulary
+from dense_engine.runtime import background, generate, speculative, tp
+from dense_engine.runtime.steps import Steps
+from dense_engine.system import machine
+
+# ----------------------------------------------------------------------------------------------------------------
+# A conversation over one static KV cache
+
+
+@dataclass
+class ReplyStats:
+    tokens: int = 0
+    prefilled: int = 0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    compile_s: float | None = None
+    interrupted: bool = False
+    speculation: dict | None = None  # proposed, accepted, target_steps
+
+    def line(self) -> str:
+        decode_s = self.total_s - self.ttft_s
+        rate = f"{(self.tokens - 1) / decode_s:.1f} tok/s" if self.tokens > 1 and decode_s > 0 else "- tok/s"
+        text = (f"{self.tokens} tokens, {rate}, first token {self.ttft_s * 1000:.0f} ms, "
+                f"prefilled {self.prefilled} tokens")
+        spec = self.speculation
+        if spec and spec.get("target_steps"):
+            rate = spec["accepted"] / spec["proposed"] if spec["proposed"] else 0.0
+            text += (f", drafts accepted {rate:.0%} ({(self.tokens - 1) / spec['target_steps']:.2f} tokens per "
+                     "target step)")
+        if self.compile_s:
+            text += f", steps compiled in {self.compile_s:.1f} s"
+        return text + (" (interrupted)" if self.interrupted else "")
+
+
+def steps_for_program(model, batch: int, seq_len: int, status=None, note=None) -> Steps:
+    """The compiled steps of a program's model: a step not compiled yet on this machine is compiled by a background
+    process while the program answers eagerly (background.py), where that can be done (a model loaded from a
+    checkpoint, on the CPU, in one process); else compiled here, before answering. note(message): one line about
+    background compiles."""
+    compiler = None
+    if (background.enabled() and getattr(model, "source", None) and model.device.type == "cpu" and tp.world()[1] == 1
+            and machine.unwritable_cache() is None):
+        compiler = background.Compiler(**model.source, batch=batch, seq_len=seq_len, status=note)
+    return Steps(model, status=status, background=compiler)
+
+
+def fitting_cache(model, batch: int = 1, asked: int | None = None) -> int:
+    """The cache's length for `batch` rows: `asked` (--max-seq-len) when given; else the model's whole context, or the
+    largest power of two that fits in a quarter of the memory still available (with a note). (Its pages are
+    committed only as positions are used.)"""
+    if asked:
+        return asked
+    context = model.config.max_position_embeddings
+    dtype = kernels.cache_for(model)[1]
+    budget = machine.available_memory(model.device) // 4
+    if model.cache_bytes(batch, context, dtype) <= budget:
+        return context
+    length = 256
+    while length * 2 < context and model.cache_bytes(batch, length * 2, dtype) <= budget:
+        length *= 2
+    rows = f" x {batch} rows" if batch > 1 else ""
+    machine.note(f"the cache holds {length} tokens{rows}: the model's context of {context} would need "
+                 f"{model.cache_bytes(batch, context, dtype) / 2**30:.1f} GiB (--max-seq-len sets it)")
+    return length
+
+
+@dataclass
+class Settings:
+    """How a Session answers: sampling (temperature 0 is greedy; top_k, top_p None: off), the longest reply, the
+    cache's length (None: fitting_cache's choice), compiled steps, and the draft tokens a speculative step checks."""
+    temperature: float = 0.7
+    top_k: int | None = None
+    top_p: float | None = None
+    max_new_tokens: int = 512
+    max_seq_len: int | None = None
+    compile: bool = True
+    speculate_k: int = 4
+
+
+def common_prefix(cached: list[int], prompt: list[int]) -> int:
+    """How many of prompt's first tokens a cache holding `cached` already has: the shared prefix, leaving at least
+    one token of the prompt to prefill (its logits give the first new token)."""
+    n, limit = 0, min(len(cached), len(prompt) - 1)
+    while n < limit and cached[n] == prompt[n]:
+        n += 1
+    return n
+
+
+class Session:
+    """Generation over a cache that outlives a reply: `cached` lists the tokens whose keys/values sit in the cache
+    at positions 0.. len(cached) - 1, so the next prompt prefills only what follows its common prefix with them."""
+
+    def __init__(self, model, vocab: Vocabulary, settings: Settings | None = None, status=None, draft=None,
+                 note=None) -> None:
+        self.model, self.vocab, self.settings, self.draft = model, vocab, settings or Settings(), draft
+        self.max_seq_len = fitting_cache(model, 1, self.settings.max_seq_len)
+        generate.setup_cache(model, 1, self.max_seq_len)
+        self.steps = steps_for_program(model, 1, self.max_seq_len, status, note) if self.settings.compile else None
+        self.cached: list[int] = []
+        self.prefilled = 0  # tokens prefilled by the replies, in all (/stats)
+        self.compile_s: float | None = None
+        self.last = ReplyStats()
+        self.stop = None  # under torchrun: a function every rank calls after each token; True stops the reply
+        self.constraint = None  # a function making each reply's grammar.Constraint (chat.py --json-schema)
+
+    def warm_up(self) -> float:
+        """Load (or compile: in the background the first time on this machine) the prefill and decode steps a first
+        reply needs, and run the eager prefill once (its first call sets up the matmul libraries: 0.3 s), on
+        throwaway tokens, so that the first reply is not slowed by it. Returns the seconds spent compiling here."""
+        list(self.generate([0] * (generate.PREFILL_CHUNK + 1), 2, start_pos=0))
+        list(self.generate([0], 3, start_pos=0))
+        self.cached = []
+        if self.draft is not None:
+            self.draft.reset()
+        compiled = self.steps.compile_s if self.steps is not None else 0.0
+        return compiled + (self.draft_steps_compile_s() if self.draft is not None else 0.0)
+
+    def draft_steps_compile_s(self) -> float:
+        runner = getattr(self.draft, "runner", None)
+        return runner.steps.compile_s if runner is not None and runner.steps is not None else 0.0
+
+    def generate(self, new_ids: list[int], max_new: int, start_pos: int, context: list[int] | None = None,
+                 stats: dict | None = None):
+        args = self.settings
+        ids = torch.tensor([new_ids], device=self.model.device)
+        vocab_limit = self.vocab.size if self.vocab.size < self.model.config.vocab_size else None
+        settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, start_pos=start_pos,
+                        vocab_limit=vocab_limit, steps=self.steps)
+        if self.draft is None:
+            constraint = self.constraint() if self.constraint is not None else None
+            return generate.generate_tokens(self.model, ids, max_new, constraint=constraint, **settings)
+        return speculative.generate_tokens(self.model, ids, max_new, self.draft, speculate_k=args.speculate_k,
+                                           stats=stats, context=self.cached[:start_pos] if context is None else context,
+                                           **settings)
+
+    def room(self, prompt_len: int) -> int:
+        return min(self.settings.max_new_tokens, self.max_seq_len - prompt_len)
+
+    def reply(self, prompt_ids: list[int], write) -> tuple[list[int], ReplyStats]:
+        """Generate after prompt_ids, streaming text through write(str). Ctrl-C stops the reply, not the session."""
+        common = common_prefix(self.cached, prompt_ids)
+        stats = ReplyStats(prefilled=len(prompt_ids) - common, compile_s=self.compile_s,
+                           speculation={} if self.draft is not None else None)
+        self.prefilled += stats.prefilled
+        self.compile_s = None
+        stream, generated, yielded = TextStream(self.vocab), [], 0
+        start = time.perf_counter()
+        try:
+            tokens = self.generate(prompt_ids[common:], self.room(len(prompt_ids)), common, prompt_ids[:common],
+                                   stats.speculation)
+            for (token,) in generate.ahead(tokens):  # (on a GPU the next step is queued before this one is read)
+                yielded += 1
+                if yielded == 1:
+                    stats.ttft_s = time.perf_counter() - start
+                if token in self.vocab.stop_ids:
+                    break
+                generated.append(token)
+                write(stream.push(token))
+                if self.stop is not None and self.stop():
+                    stats.interrupted = True
+                    break
+        except KeyboardInterrupt:
+            stats.interrupted = True
+        write(stream.finish())
+        stats.total_s, stats.tokens = time.perf_counter() - start, yielded
+        # every yielded token but the last was fed back, so the cache now holds these positions
+        self.cached = (prompt_ids + generated)[: len(prompt_ids) + max(yielded - 1, 0)]
+        self.last = stats
+        return generated, stats
+
+
