@@ -23,6 +23,7 @@ from dense_engine.cli import benchmark
 from dense_engine.cli.flags import (add_model_flags, check_environment, load_model, make_draft, parse_flags,
                                     positive_int, prompt_ids, prompt_mode, prompt_text, settings)
 from dense_engine.cli.repl import SETTINGS, ctrl_c_as_key, interactive
+from dense_engine.cli.terminal import Notes
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
 from dense_engine.runtime import generate, grammar, tp
@@ -106,7 +107,7 @@ def read_schema(path: str) -> dict:
     return schema
 
 
-def one_shot(session: Session, vocab: Vocabulary, args, mode: str) -> int:
+def one_shot(session: Session, vocab: Vocabulary, args, mode: str, notes: Notes) -> int:
     ids = prompt_ids(vocab, prompt_text(args, mode), mode, args.system)
     if not ids:
         raise UsageError("the prompt is empty")
@@ -114,12 +115,14 @@ def one_shot(session: Session, vocab: Vocabulary, args, mode: str) -> int:
         raise UsageError(f"the prompt has {len(ids)} tokens; the context (--max-seq-len) holds {session.max_seq_len}")
     keys = ctrl_c_as_key(session)
     try:
-        _, stats = session.reply(ids, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+        with notes.held():  # (printed after the reply's line)
+            _, stats = session.reply(ids, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+            if sys.stdout.isatty():
+                sys.stdout.write("\n")
+                sys.stdout.flush()
     finally:
         if keys is not None:
             keys.restore()
-    if sys.stdout.isatty():
-        sys.stdout.write("\n")
     if args.stats and tp.world()[0] == 0:
         print(stats.line(), file=sys.stderr)
     return 0
@@ -260,10 +263,11 @@ def run(argv, console) -> int:
     mode = prompt_mode(args, vocab, ckpt)
     if args.prompt_file is not None:
         return prompt_file(model, vocab, args, mode, console)
+    notes = Notes(console)
     draft = make_draft(args, model, console)
     with console.status("Loading the compiled steps..." if args.compile else "Warming up...") as status:
         session = Session(model, vocab, settings(args), status=status.update, draft=draft,
-                          note=lambda message: console.print(f"[dim]note: {message}[/dim]"))
+                          note=lambda message: notes(f"note: {message}"))
         if args.prompt is None:
             session.compile_s = session.warm_up()
         elif session.steps is not None:
@@ -276,8 +280,8 @@ def run(argv, console) -> int:
         grammar_text, tokenizer = grammar.json_grammar(schema), grammar.tokenizer_for(vocab, model.config.vocab_size)
         session.constraint = lambda: grammar.Constraint(grammar_text, tokenizer, model.config.vocab_size)
     if args.prompt is not None:
-        return one_shot(session, vocab, args, mode)
-    return interactive(session, vocab, args, mode, console, ckpt, why)
+        return one_shot(session, vocab, args, mode, notes)
+    return interactive(session, vocab, args, mode, console, ckpt, why, notes)
 
 
 def main(argv=None) -> int:

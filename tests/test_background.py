@@ -88,3 +88,27 @@ def test_a_worker_killed_while_compiling_leaves_no_broken_step(tmp_path):
         time.sleep(1)
     third = subprocess.run(run, capture_output=True, text=True, env=env)  # loads the step
     assert third.returncode == 0 and third.stdout == first.stdout and "background" not in third.stderr
+
+
+@pytest.mark.slow
+def test_the_background_note_never_lands_inside_the_answer(tmp_path):
+    """On a terminal (stdout and stderr on one pty) a fresh machine's first one-shot answer starts its background
+    compile after the first token: the note waits for the answer's line to end, and the answer reads whole."""
+    import pexpect
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "DENSE_BACKGROUND_COMPILE": "1", "TERM": "dumb"}
+    run = [os.path.join(ROOT, "chat.py"), "--ckpt", LLAMA, "--prompt", "hi", "--temperature", "0", "--max-new-tokens",
+           "12", "--complete"]
+    piped = subprocess.run([sys.executable, *run], capture_output=True, text=True, env=env)  # (the answer alone)
+    assert piped.returncode == 0 and piped.stdout
+    subprocess.run(["pkill", "-f", f"background.py {tmp_path}"])
+    for p in (tmp_path / "dense-engine" / "compiled").glob("*.bin"):
+        p.unlink()  # a fresh machine again: the next run compiles in the background too
+    child = pexpect.spawn(sys.executable, run, env=env, encoding="utf-8", timeout=120, dimensions=(40, 200))
+    child.expect(pexpect.EOF)
+    child.close()
+    subprocess.run(["pkill", "-f", f"background.py {tmp_path}"])
+    screen = child.before.replace("\r\n", "\n")
+    assert child.exitstatus == 0 and "in the background" in screen
+    assert piped.stdout + "\n" in screen  # the answer whole, on its own line
+    assert all(line.startswith("note: ") for line in screen.split("\n") if "note:" in line)

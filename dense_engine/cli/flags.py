@@ -12,7 +12,7 @@ import sys
 import torch
 
 from dense_engine.cpu import quantized
-from dense_engine.formats import convert, load
+from dense_engine.formats import load
 from dense_engine.formats.checkpoint import torch_dtype
 from dense_engine.formats.vocab import Vocabulary
 from dense_engine.runtime import speculative, tp
@@ -98,11 +98,7 @@ def parse_flags(p: argparse.ArgumentParser, argv):
 def load_model(ckpt: str, args, console):
     """The model as --quant asks, and one line saying what was loaded and why."""
     with console.status(f"Loading {ckpt} ({str(args.dtype).removeprefix('torch.')}, {args.device})..."):
-        checkpoint = convert.read_checkpoint(ckpt)
-        if args.quant == "auto":
-            quant, reason = load.auto_mode(checkpoint, args.device)
-        else:
-            quant, reason = (None if args.quant == "none" else args.quant), f"--quant {args.quant}"
+        quant, reason = load.choose_quant(ckpt, args.quant, args.device)
         loader = tp.from_pretrained if tp.world()[1] > 1 else load.from_pretrained
         model = loader(ckpt, device=args.device, dtype=args.dtype, quant=quant or "none")
     return model, f"weights: {quant or 'full precision'} ({reason})"

@@ -84,14 +84,14 @@ class Conversation:
     last_line: str | None = None
 
 
-def interactive(session: Session, vocab: Vocabulary, args, mode: str, console, ckpt: str, why: str) -> int:
+def interactive(session: Session, vocab: Vocabulary, args, mode: str, console, ckpt: str, why: str, notes) -> int:
     talk = Conversation(mode, args.system)
     markdown = console.is_terminal and not console.is_dumb_terminal and not args.plain
     rank = tp.world()[0]
     reader = terminal.LineReader(os.path.join(machine.cache_dir(), "history") if rank == 0 else None,
                                  sys.stdin.isatty())
     if session.steps is not None:  # a later compile (a /set that changes sampling) says so
-        session.steps.status = lambda message: console.print(f"[dim]{message}[/dim]")
+        session.steps.status = notes
     console.print(f"[dim]{mode} mode, cache {session.max_seq_len} tokens. /help for commands.[/dim]")
     keys = ctrl_c_as_key(session)
     try:
@@ -109,11 +109,11 @@ def interactive(session: Session, vocab: Vocabulary, args, mode: str, console, c
             if not line.strip():
                 continue
             if line.startswith("/"):
-                if command(session, vocab, talk, line, console, ckpt, why, markdown) == "exit":
+                if command(session, vocab, talk, line, console, ckpt, why, markdown, notes) == "exit":
                     return 0
                 continue
             try:
-                turn(session, vocab, talk, line, console, markdown)
+                turn(session, vocab, talk, line, console, markdown, notes)
             except KeyboardInterrupt:  # Ctrl-C before the reply started: back to the prompt
                 console.print("[dim](interrupted)[/dim]")
     finally:
@@ -123,7 +123,7 @@ def interactive(session: Session, vocab: Vocabulary, args, mode: str, console, c
 
 
 def command(session: Session, vocab: Vocabulary, talk: Conversation, line: str, console, ckpt: str, why: str,
-            markdown: bool) -> str | None:
+            markdown: bool, notes) -> str | None:
     """One slash command. Bad arguments print one line and the session goes on."""
     name, _, rest = line.strip().partition(" ")
     rest = rest.strip()
@@ -145,9 +145,9 @@ def command(session: Session, vocab: Vocabulary, talk: Conversation, line: str, 
         elif name == "/retry":
             if talk.mode == "chat" and talk.messages and talk.messages[-1]["role"] == "assistant":
                 talk.messages = talk.messages[:-1]
-                turn(session, vocab, talk, None, console, markdown)
+                turn(session, vocab, talk, None, console, markdown, notes)
             elif talk.mode == "complete" and talk.last_line is not None:
-                turn(session, vocab, talk, talk.last_line, console, markdown)
+                turn(session, vocab, talk, talk.last_line, console, markdown, notes)
             else:
                 console.print("[yellow]no reply to retry yet[/yellow]")
         elif name == "/undo":
@@ -175,7 +175,8 @@ def command(session: Session, vocab: Vocabulary, talk: Conversation, line: str, 
     return None
 
 
-def turn(session: Session, vocab: Vocabulary, talk: Conversation, line: str | None, console, markdown: bool) -> None:
+def turn(session: Session, vocab: Vocabulary, talk: Conversation, line: str | None, console, markdown: bool,
+         notes) -> None:
     """One exchange: prompt -> streamed reply -> stats line. line None: reply again to the conversation as it is
     (/retry: its prompt is all in the cache, so only its last token is fed again)."""
     if talk.mode == "chat":
@@ -193,12 +194,13 @@ def turn(session: Session, vocab: Vocabulary, talk: Conversation, line: str | No
         talk.last_line = line
         ids = vocab.encode(line, special=True)[: session.max_seq_len - 1]
     view = terminal.ReplyView(console, markdown)
-    try:
-        reply, stats = session.reply(ids, view.write)
-    except BaseException:
-        view.finish("(stopped)")
-        raise
-    view.finish(stats.line())
+    with notes.held():  # (after the reply and its status line)
+        try:
+            reply, stats = session.reply(ids, view.write)
+        except BaseException:
+            view.finish("(stopped)")
+            raise
+        view.finish(stats.line())
     if talk.mode == "chat":
         talk.messages = talk.messages + [{"role": "assistant", "content": vocab.decode(reply)}]
 

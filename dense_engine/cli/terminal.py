@@ -172,3 +172,34 @@ class ReplyView:
         else:
             self.console.print()
         self.console.print(f"[dim]{stats_line}[/dim]", soft_wrap=True)
+
+
+class Notes:
+    """The programs' one-line notes (dim, on the console). While a reply streams (inside `held()`), a note waits and
+    is printed after the reply's last line: on a terminal a note printed mid-reply lands inside the answer's words
+    (a background compile starts after the first token)."""
+
+    def __init__(self, console) -> None:
+        self.console, self.waiting = console, None
+
+    def __call__(self, message: str) -> None:
+        if self.waiting is not None:
+            self.waiting.append(message)
+        else:
+            self.console.print(f"[dim]{message}[/dim]", highlight=False)
+
+    def held(self):
+        """A context: the notes of a reply, printed when it ends (after the caller's last write of the reply)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def holding():
+            self.waiting = []
+            try:
+                yield
+            finally:
+                waiting, self.waiting = self.waiting, None
+                for message in waiting:
+                    self(message)
+
+        return holding()

@@ -103,6 +103,13 @@ def auto_mode(checkpoint, device="cpu") -> tuple[str | None, str]:
     return None, f"{what}: loaded as stored (--quant int4 for the fastest CPU decode)"
 
 
+def choose_quant(path: str, quant: str, device="cpu") -> tuple[str | None, str]:
+    """The quantization to load path with, and why: auto_mode's choice for "auto", none for "none", else `quant`."""
+    if quant == "auto":
+        return auto_mode(convert.read_checkpoint(path), device)
+    return (None if quant == "none" else quant), f"--quant {quant}"
+
+
 def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> tuple[str | None, dict, dict]:
     """(mode, layer params, {checkpoint name: thunk}) for from_pretrained: the saved variant of `quant` when there is
     one, else the full-precision tensors quantized one by one as they load, on `device` (a GPU's minutes are a CPU's

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -113,7 +114,7 @@ class Session:
         self.cached: list[int] = []
         self.prefilled = 0  # tokens prefilled by the replies, in all (/stats)
         self.compile_s: float | None = None
-        self.last = ReplyStats()
+        self.last, self.reply_ids = ReplyStats(), []  # the last reply's stats and tokens
         self.stop = None  # under torchrun: a function every rank calls after each token; True stops the reply
         self.constraint = None  # a function making each reply's grammar.Constraint (chat.py --json-schema)
 
@@ -150,14 +151,16 @@ class Session:
     def room(self, prompt_len: int) -> int:
         return min(self.settings.max_new_tokens, self.max_seq_len - prompt_len)
 
-    def reply(self, prompt_ids: list[int], write) -> tuple[list[int], ReplyStats]:
-        """Generate after prompt_ids, streaming text through write(str). Ctrl-C stops the reply, not the session."""
+    def stream(self, prompt_ids: list[int]) -> Iterator[str]:
+        """Generate after prompt_ids, yielding the reply's text as it grows (pieces that are whole characters). When
+        it ends (a stop token, the length, Ctrl-C, or the consumer closing it), self.last holds its ReplyStats and
+        self.reply_ids its tokens. Ctrl-C stops the reply, not the session."""
         common = common_prefix(self.cached, prompt_ids)
         stats = ReplyStats(prefilled=len(prompt_ids) - common, compile_s=self.compile_s,
                            speculation={} if self.draft is not None else None)
         self.prefilled += stats.prefilled
-        self.compile_s = None
-        stream, generated, yielded = TextStream(self.vocab), [], 0
+        self.compile_s, self.last, self.reply_ids = None, stats, []
+        text, generated, yielded = TextStream(self.vocab), self.reply_ids, 0
         start = time.perf_counter()
         try:
             tokens = self.generate(prompt_ids[common:], self.room(len(prompt_ids)), common, prompt_ids[:common],
@@ -169,17 +172,27 @@ class Session:
                 if token in self.vocab.stop_ids:
                     break
                 generated.append(token)
-                write(stream.push(token))
+                if piece := text.push(token):
+                    yield piece
                 if self.stop is not None and self.stop():
                     stats.interrupted = True
                     break
         except KeyboardInterrupt:
             stats.interrupted = True
-        write(stream.finish())
-        stats.total_s, stats.tokens = time.perf_counter() - start, yielded
-        # every yielded token but the last was fed back, so the cache now holds these positions
-        self.cached = (prompt_ids + generated)[: len(prompt_ids) + max(yielded - 1, 0)]
-        self.last = stats
-        return generated, stats
+        finally:  # (also when the consumer stops early: the cache's bookkeeping stays right)
+            stats.total_s, stats.tokens = time.perf_counter() - start, yielded
+            # every yielded token but the last was fed back, so the cache now holds these positions
+            self.cached = (prompt_ids + generated)[: len(prompt_ids) + max(yielded - 1, 0)]
+        if rest := text.finish():
+            yield rest
 
-
+    def reply(self, prompt_ids: list[int], write) -> tuple[list[int], ReplyStats]:
+        """stream(), each piece through write(str); Ctrl-C while a piece is written stops the reply there too."""
+        pieces = self.stream(prompt_ids)
+        try:
+            for piece in pieces:
+                write(piece)
+        except KeyboardInterrupt:
+            pieces.close()
+            self.last.interrupted = True
+        return self.reply_ids, self.last
