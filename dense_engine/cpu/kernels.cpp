@@ -64,14 +64,8 @@ void f32_tile(const float* x, const float* w, int64_t K, float* y, int64_t N, in
     for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-at::Tensor linear_f32(const at::Tensor& x_, const at::Tensor& w) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.is_contiguous());
-  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
-  int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "linear_f32: x has ", K, " features, the weight ", w.size(1));
-  auto y = output_like(x_, N);
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+// y [M, N] = x [M, K] w^T, every M (float32 weights have no GEMM path of their own)
+void f32_tiles(const float* xp, const float* wp, int64_t M, int64_t K, float* yp, int64_t N) {
   // One row of x and short weight rows: one weight row after another, no software prefetch. The weights are then one
   // sequential stream, which the hardware prefetchers read fastest (SmolLM2's shapes 1.14-1.6x, the 1B shape's K =
   // 2048 ones 1.05x, over 4 rows a tile with the L2 prefetch; within 5-15% of a plain sum over the same bytes). With
@@ -81,7 +75,7 @@ at::Tensor linear_f32(const at::Tensor& x_, const at::Tensor& w) {
     for_each_tile<1>(M, N, K, K * 4, [&](int64_t, int64_t, int64_t n0, int64_t) {
       f32_tile<1, 1, false>(xp, wp, K, yp, N, n0);
     });
-    return y;
+    return;
   }
   // 4 weight rows against up to 8 rows of x, each weight row read once (measured best of 2, 3 and 4 rows)
   for_each_tile<4>(M, N, K, 4 * K, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
@@ -91,7 +85,6 @@ at::Tensor linear_f32(const at::Tensor& x_, const at::Tensor& w) {
       for (int64_t j = 0; j < nb; ++j) DISPATCH_ROWS(rows, (f32_tile<R, 1>(xp + m0 * K, wp, K, yp + m0 * N, N, n0 + j)));
     }
   });
-  return y;
 }
 
 // ---- int8 weights, one scale per output row ------------------------------------------------------------------------
@@ -158,17 +151,9 @@ void int8_tile(const DigitRows& xs, int64_t m0, const uint8_t* w, const float* s
     }
 }
 
-at::Tensor linear_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& s) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kByte && s.scalar_type() == at::kFloat);
-  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
-  int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % 64 == 0 && K <= 65536 && w.size(1) == K && w.is_contiguous() && s.numel() == N,
-              "linear_int8: bad shapes");  // (K <= 65536: the int32 sums cannot overflow)
-  DigitRows digits(x.data_ptr<float>(), M, K);
-  auto y = output_like(x_, N);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* sp = s.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+// y [M, N] = x [M, K] w^T, every M
+void int8_tiles(const float* xp, const uint8_t* wp, const float* sp, int64_t M, int64_t K, float* yp, int64_t N) {
+  DigitRows digits(xp, M, K);
   // Each step prefetches the weights >= 8 KB ahead into L2, as float32's tiles do (a tile of int8 rows is a quarter
   // of float32's bytes: the next tile alone was too close, 1.15x slower on SmolLM2's linears)
   const int64_t rows_ahead = (8192 + K - 1) / K;
@@ -181,7 +166,7 @@ at::Tensor linear_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tens
         for (int64_t j = 0; j < nb; ++j) int8_tile<1, 1>(digits, 0, wp, sp, K, yp, N, n0 + j, ahead);
       }
     });
-    return y;
+    return;
   }
   // 2 weight rows against up to 4 rows of x: 2 x 4 x 2 int32 accumulators fill half the registers
   const int64_t ahead = (rows_ahead + 1) / 2 * 2;
@@ -192,7 +177,6 @@ at::Tensor linear_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tens
       DISPATCH_ROWS(rows, (int8_tile<R, 1>(digits, m0, wp, sp, K, yp + m0 * N, N, n0, ahead)));
     }
   });
-  return y;
 }
 
 // ---- int4 weights, llama.cpp's Q4_1 grid: w = d * code + m per block of 32 --------------------------------------
@@ -215,17 +199,6 @@ void int4_rows(const uint8_t* qp, const float* dp, const float* mp, int64_t K, i
     }
 }
 
-// An int4 weight as bfloat16 [N, K] (a CPU model's weights for another device's step, tests)
-at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
-  const int64_t N = q.size(0), K = q.size(1) * 2;
-  auto w = at::empty({N, K}, q.options().dtype(at::kBFloat16));
-  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr());
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    int4_rows(q.data_ptr<uint8_t>(), d.data_ptr<float>(), mn.data_ptr<float>(), K, n0, n1, wp + n0 * K);
-  });
-  return w;
-}
-
 // nf4 weight rows n0 .. n1 - 1 (our repacked layout) as bfloat16 into out [n1 - n0, K], rounded as PyTorch rounds
 // float32 code * absmax
 void nf4_rows(const uint8_t* qp, const float* ap, const float* code, int64_t K, int64_t n0, int64_t n1, uint16_t* wp) {
@@ -244,21 +217,6 @@ void nf4_rows(const uint8_t* qp, const float* ap, const float* code, int64_t K, 
         _mm256_storeu_si256((__m256i*)(out + 32), (__m256i)_mm512_cvtneps_pbh(hi));
       }
     }
-}
-
-// nf4 [N, K/2] -> bfloat16 [N, K]
-at::Tensor dequantize_nf4(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code) {
-  TORCH_CHECK(q.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat && code.scalar_type() == at::kFloat &&
-              code.numel() == 16 && q.is_contiguous() && absmax.is_contiguous() && q.size(1) % 32 == 0 &&
-              absmax.numel() == q.size(0) * q.size(1) / 32, "dequantize_nf4: bad shapes");
-  const int64_t N = q.size(0), K = q.size(1) * 2;
-  auto w = at::empty({N, K}, q.options().dtype(at::kBFloat16));
-  const auto table = code.contiguous();
-  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr());
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    nf4_rows(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), table.data_ptr<float>(), K, n0, n1, wp + n0 * K);
-  });
-  return w;
 }
 
 template <int R, int NB>
@@ -293,19 +251,9 @@ void int4_tile(const float* x, const uint8_t* q, const float* d, const float* mn
     for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r][j], acc[1][r][j]));
 }
 
-at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && q.scalar_type() == at::kByte && d.scalar_type() == at::kFloat &&
-              mn.scalar_type() == at::kFloat);
-  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
-  int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / 32;
-  TORCH_CHECK(K % 32 == 0 && q.size(1) == K / 2 && d.numel() == N * G && mn.numel() == N * G && q.is_contiguous() &&
-              d.is_contiguous() && mn.is_contiguous(), "linear_int4: bad shapes");
-  const float *xp = x.data_ptr<float>(), *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  if (M > GEMM_ROWS)
-    return gemm_by_tiles<uint16_t>(x_, N, [&](int64_t n0, int64_t nb, uint16_t* out) { int4_rows(qp, dp, mp, K, n0, n0 + nb, out); });
-  auto y = output_like(x_, N);
-  float* yp = y.data_ptr<float>();
+// y [M, N] = x [M, K] w^T for M <= GEMM_ROWS
+void int4_tiles(const float* xp, const uint8_t* qp, const float* dp, const float* mp, int64_t M, int64_t K, float* yp,
+                int64_t N) {
   for_each_tile<2>(M, N, K, K / 2, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
     if (nb == 2 && rows <= 4) {
       DISPATCH_ROWS(rows, (int4_tile<R, 2>(xp + m0 * K, qp, dp, mp, K, yp + m0 * N, N, n0)));
@@ -313,7 +261,6 @@ at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tens
       for (int64_t j = 0; j < nb; ++j) DISPATCH_ROWS(rows, (int4_tile<R, 1>(xp + m0 * K, qp, dp, mp, K, yp + m0 * N, N, n0 + j)));
     }
   });
-  return y;
 }
 
 // ---- nf4 weights (bitsandbytes' NF4 code), one absmax per block of 64 ----------------------------------------------
@@ -358,23 +305,12 @@ void nf4_tile(const float* x, const uint8_t* q, const float* absmax, const float
     for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-at::Tensor linear_nf4(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && q.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat &&
-              code.scalar_type() == at::kFloat && code.numel() == 16);
-  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
-  int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(K % 64 == 0 && q.size(1) == K / 2 && absmax.numel() == N * K / 64 && q.is_contiguous() &&
-              absmax.is_contiguous(), "linear_nf4: bad shapes");
-  const float *xp = x.data_ptr<float>(), *ap = absmax.data_ptr<float>(), *cp = code.data_ptr<float>();
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  if (M > GEMM_ROWS)
-    return gemm_by_tiles<uint16_t>(x_, N, [&](int64_t n0, int64_t nb, uint16_t* out) { nf4_rows(qp, ap, cp, K, n0, n0 + nb, out); });
-  auto y = output_like(x_, N);
-  float* yp = y.data_ptr<float>();
+// y [M, N] = x [M, K] w^T for M <= GEMM_ROWS
+void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float* cp, int64_t M, int64_t K, float* yp,
+               int64_t N) {
   for_each_tile<1>(M, N, K, K / 2, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
     DISPATCH_ROWS(rows, (nf4_tile<R, 1>(xp + m0 * K, qp, ap, cp, K, yp + m0 * N, N, n0)));
   });
-  return y;
 }
 
 // ---- GGUF blocks as the file stores them: llama.cpp's K-quants (Q4_K, Q5_K, Q6_K, super-blocks of 256) and its
@@ -579,7 +515,8 @@ void block32_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_
 }
 
 template <int64_t T>
-void gguf_matmul(const WordRows& xs, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
+void gguf_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
+  const WordRows xs(x, M, K);
   auto tile = [&](auto rows_tag, auto nb_tag, int64_t m0, int64_t n0) {
     constexpr int R = decltype(rows_tag)::value, NB = decltype(nb_tag)::value;
     if constexpr (T >= GQ4_K)
@@ -633,19 +570,6 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t*
       }
     }
   });
-}
-
-at::Tensor dequantize_gguf(const at::Tensor& w, int64_t type, int64_t K, bool bf16) {
-  check_blocks(w, type, K, "dequantize_gguf");
-  const int64_t N = w.size(0);
-  auto out = at::empty({N, K}, w.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  if (bf16) {
-    DISPATCH_GGUF(type, (dequantize_rows<T>(wp, w.size(1), N, K, reinterpret_cast<uint16_t*>(out.data_ptr()))));
-  } else {
-    DISPATCH_GGUF(type, (dequantize_rows<T>(wp, w.size(1), N, K, out.data_ptr<float>())));
-  }
-  return out;
 }
 
 // ---- A long prefill on GGUF blocks: 8-bit activations and integer dot products ------------------------------------
@@ -932,7 +856,7 @@ inline void byte_pass(const ByteRows& xs, int64_t m0, const Tile& t, int64_t K, 
 
 // y [M, ldy] (its columns[n] for weight row n; columns null: y [M, N]) = x [M, K] w^T
 template <int64_t T>
-void byte_gemm(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
+void gguf_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
                const int64_t* columns) {
   const int64_t M = x.size(0), K = x.size(1);
   const ByteRows xs(x.data_ptr<float>(), M, K, T >= GQ4_K ? 256 : 32);
@@ -967,39 +891,6 @@ void byte_gemm(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t
       }
     });
   }
-}
-
-// y = x w^T for x [..., K] float32 and w [N, bytes] the file's rows of blocks
-at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_gguf: x must be float32");
-  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  check_blocks(w, type, K, "linear_gguf");
-  TORCH_CHECK(K % 16 == 0 && K <= 65536, "linear_gguf: ", K, " inputs");
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t row_bytes = w.size(1);
-  at::Tensor y = output_like(x_, N);
-  if (M > GEMM_ROWS) {  // a prefill: x in bytes
-    DISPATCH_GGUF(type, (byte_gemm<T>(x, wp, row_bytes, N, y.data_ptr<float>(), N, nullptr)));
-    return y;
-  }
-  WordRows xs(x.data_ptr<float>(), M, K);
-  DISPATCH_GGUF(type, (gguf_matmul<T>(xs, M, wp, row_bytes, K, y.data_ptr<float>(), N)));
-  return y;
-}
-
-// out[..., columns[n]] = (x w^T)[..., n]: one part of a fused projection written in place, in the model's order (no
-// join of the parts' outputs, no reordering of llama's q/k rows after it). A prefill writes there directly.
-void linear_gguf_into(const at::Tensor& x_, const at::Tensor& w, int64_t type, at::Tensor& out, const at::Tensor& columns) {
-  check_columns(x_, w, out, columns);
-  const auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
-  if (x.size(0) > GEMM_ROWS) {
-    check_blocks(w, type, x.size(1), "linear_gguf_into");
-    DISPATCH_GGUF(type, (byte_gemm<T>(x, w.data_ptr<uint8_t>(), w.size(1), w.size(0), out.data_ptr<float>(),
-                                      out.size(-1), columns.data_ptr<int64_t>())));
-    return;
-  }
-  write_columns(linear_gguf(x_, w, type), out, columns);
 }
 
 // ---- attention over the cache ------------------------------------------------------------------------------------
@@ -1120,4 +1011,4 @@ void attend_part(const float* const* q, const int64_t* start, const int64_t* end
 
 }  // namespace
 
-REGISTER_OPS()
+REGISTER_OPS(uint16_t)  // (W: bfloat16 words)

@@ -108,15 +108,13 @@ at::Tensor output_like(const at::Tensor& x, int64_t N) {
 constexpr int64_t GEMM_TILE_BYTES = 2 << 20;
 constexpr int64_t GEMM_ROWS = 12;
 
-// y [M, N] = x [M, K] w^T, w's rows n0 .. n0 + nb - 1 written as W [nb, K] (bfloat16 bits or float32) by
-// rows(n0, nb, out)
-template <typename W, typename Rows>
-at::Tensor gemm_by_tiles(const at::Tensor& x_, int64_t N, Rows rows) {
+// y [M, ldy] (its columns[n] for weight row n; columns null: y [M, N]) = x [M, K] w^T, w's rows n0 .. n0 + nb - 1
+// written as W [nb, K] (bfloat16 bits or float32) by unpack(n0, nb, out)
+template <typename W, typename Unpack>
+void gemm_by_tiles(const at::Tensor& x_, int64_t N, float* y, int64_t ldy, const int64_t* columns, Unpack unpack) {
   constexpr bool bf16 = std::is_same_v<W, uint16_t>;  // else float32 (a CPU without AVX512-BF16)
   const auto x16 = x_.reshape({-1, x_.size(-1)}).to(bf16 ? at::kBFloat16 : at::kFloat).contiguous();
   const int64_t M = x16.size(0), K = x16.size(1);
-  auto y_ = output_like(x_, N);
-  float* y = y_.data_ptr<float>();
   const int64_t threads = at::get_num_threads();  // at least two tiles a thread where N allows
   const int64_t NB = std::max<int64_t>(16, std::min(GEMM_TILE_BYTES / ((int64_t)sizeof(W) * K), (N + 2 * threads - 1) / (2 * threads)) / 16 * 16);
   const int64_t tiles = (N + NB - 1) / NB;
@@ -126,21 +124,21 @@ at::Tensor gemm_by_tiles(const at::Tensor& x_, int64_t N, Rows rows) {
     W* wt = reinterpret_cast<W*>(tile.data_ptr());
     for (int64_t t = next++; t < tiles; t = next++) {
       const int64_t n0 = t * NB, nb = std::min(NB, N - n0);
-      rows(n0, nb, wt);
+      unpack(n0, nb, wt);
       const auto part = at::mm(x16, tile.narrow(0, 0, nb).t());  // [M, nb] bfloat16 (or float32)
       const W* p = reinterpret_cast<const W*>(part.data_ptr());
       for (int64_t m = 0; m < M; ++m)
         for (int64_t j = 0; j < nb; ++j) {
+          float* out = y + m * ldy + (columns ? columns[n0 + j] : n0 + j);
           if constexpr (bf16) {
             const uint32_t bits = (uint32_t)p[m * nb + j] << 16;
-            memcpy(y + m * N + n0 + j, &bits, 4);
+            memcpy(out, &bits, 4);
           } else {
-            y[m * N + n0 + j] = p[m * nb + j];
+            *out = p[m * nb + j];
           }
         }
     }
   });
-  return y_;
 }
 
 enum : int64_t { GQ4_0 = 2, GQ4_1 = 3, GQ5_0 = 6, GQ5_1 = 7, GQ8_0 = 8, GQ4_K = 12, GQ5_K = 13, GQ6_K = 14 };
@@ -410,22 +408,203 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_t, const at::Tens
   return out;
 }
 
+// ---- the operators' ATen side, the same on both instruction sets ----------------------------------------------------
+// Each file defines, in its own registers, the names declared here: the tiles (y [M, N] = x [M, K] w^T: every M for
+// float32 and int8, up to GEMM_ROWS rows of x for the rest), the weight rows unpacked for a long prefill's GEMM into
+// W (bfloat16 words where the CPU has AVX512-BF16, float32 where it does not) and a GGUF prefill. These wrappers check
+// the tensors, take x [..., K] as rows [M, K] and pick the path.
+void f32_tiles(const float* x, const float* w, int64_t M, int64_t K, float* y, int64_t N);
+void int8_tiles(const float* x, const uint8_t* w, const float* s, int64_t M, int64_t K, float* y, int64_t N);
+void int4_tiles(const float* x, const uint8_t* q, const float* d, const float* mn, int64_t M, int64_t K, float* y,
+                int64_t N);
+void nf4_tiles(const float* x, const uint8_t* q, const float* absmax, const float* code, int64_t M, int64_t K, float* y,
+               int64_t N);
+void int4_rows(const uint8_t* q, const float* d, const float* mn, int64_t K, int64_t n0, int64_t n1, float* out);
+void int4_rows(const uint8_t* q, const float* d, const float* mn, int64_t K, int64_t n0, int64_t n1, uint16_t* out);
+void nf4_rows(const uint8_t* q, const float* absmax, const float* code, int64_t K, int64_t n0, int64_t n1, float* out);
+void nf4_rows(const uint8_t* q, const float* absmax, const float* code, int64_t K, int64_t n0, int64_t n1,
+              uint16_t* out);
+template <int64_t T>
+void gguf_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N);
+template <int64_t T>  // y [M, ldy] (its columns[n] for weight row n; columns null: y [M, N]) = x [M, K] w^T
+void gguf_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
+                  const int64_t* columns);
+template <int64_t T, typename Out>
+void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, Out* out);
+
+struct Rows {  // x [..., K] float32 as contiguous rows [M, K]
+  at::Tensor t;
+  int64_t M, K;
+  explicit Rows(const at::Tensor& x) : t(x.reshape({-1, x.size(-1)}).contiguous()), M(t.size(0)), K(t.size(1)) {}
+  const float* data() const { return t.data_ptr<float>(); }
+};
+
+at::Tensor linear_f32(const at::Tensor& x_, const at::Tensor& w) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.is_contiguous());
+  const Rows x(x_);
+  TORCH_CHECK(w.size(1) == x.K, "linear_f32: x has ", x.K, " features, the weight ", w.size(1));
+  auto y = output_like(x_, w.size(0));
+  f32_tiles(x.data(), w.data_ptr<float>(), x.M, x.K, y.data_ptr<float>(), w.size(0));
+  return y;
+}
+
+at::Tensor linear_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& s) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kByte && s.scalar_type() == at::kFloat);
+  const Rows x(x_);
+  const int64_t N = w.size(0);
+  TORCH_CHECK(x.K % 64 == 0 && x.K <= 65536 && w.size(1) == x.K && w.is_contiguous() && s.numel() == N,
+              "linear_int8: bad shapes");  // (K <= 65536: the int32 sums cannot overflow)
+  auto y = output_like(x_, N);
+  int8_tiles(x.data(), w.data_ptr<uint8_t>(), s.data_ptr<float>(), x.M, x.K, y.data_ptr<float>(), N);
+  return y;
+}
+
+void check_int4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn, int64_t K, const char* op) {
+  const int64_t N = q.size(0), G = K / 32;
+  TORCH_CHECK(q.scalar_type() == at::kByte && d.scalar_type() == at::kFloat && mn.scalar_type() == at::kFloat, op,
+              ": codes must be uint8, scales and mins float32");
+  TORCH_CHECK(K % 32 == 0 && q.size(1) == K / 2 && d.numel() == N * G && mn.numel() == N * G && q.is_contiguous() &&
+              d.is_contiguous() && mn.is_contiguous(), op, ": bad shapes");
+}
+
+void check_nf4(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code, int64_t K, const char* op) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat && code.scalar_type() == at::kFloat &&
+              code.numel() == 16, op, ": codes must be uint8, absmax and the 16 code values float32");
+  TORCH_CHECK(K % 64 == 0 && q.size(1) == K / 2 && absmax.numel() == q.size(0) * K / 64 && q.is_contiguous() &&
+              absmax.is_contiguous(), op, ": bad shapes");
+}
+
+template <typename W>
+at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_int4: x must be float32");
+  const Rows x(x_);
+  const int64_t N = q.size(0), K = x.K;
+  check_int4(q, d, mn, K, "linear_int4");
+  const float *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  auto y = output_like(x_, N);
+  if (x.M > GEMM_ROWS)
+    gemm_by_tiles<W>(x.t, N, y.data_ptr<float>(), N, nullptr, [&](int64_t n0, int64_t nb, W* out) {
+      int4_rows(qp, dp, mp, K, n0, n0 + nb, out);
+    });
+  else
+    int4_tiles(x.data(), qp, dp, mp, x.M, K, y.data_ptr<float>(), N);
+  return y;
+}
+
+template <typename W>
+at::Tensor linear_nf4(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_nf4: x must be float32");
+  const Rows x(x_);
+  const int64_t N = q.size(0), K = x.K;
+  check_nf4(q, absmax, code, K, "linear_nf4");
+  const auto table = code.contiguous();
+  const float *ap = absmax.data_ptr<float>(), *cp = table.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  auto y = output_like(x_, N);
+  if (x.M > GEMM_ROWS)
+    gemm_by_tiles<W>(x.t, N, y.data_ptr<float>(), N, nullptr, [&](int64_t n0, int64_t nb, W* out) {
+      nf4_rows(qp, ap, cp, K, n0, n0 + nb, out);
+    });
+  else
+    nf4_tiles(x.data(), qp, ap, cp, x.M, K, y.data_ptr<float>(), N);
+  return y;
+}
+
+// [N, K] bfloat16 from unpack(n0, n1, rows n0 .. n1 - 1 as W): a CPU model's weights for another device's step, tests
+template <typename W, typename Unpack>
+at::Tensor unpacked_bf16(int64_t N, int64_t K, const at::TensorOptions& options, Unpack unpack) {
+  auto w = at::empty({N, K}, options.dtype(std::is_same_v<W, uint16_t> ? at::kBFloat16 : at::kFloat));
+  W* wp = reinterpret_cast<W*>(w.data_ptr());
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { unpack(n0, n1, wp + n0 * K); });
+  return w.to(at::kBFloat16);  // (float32 rounded to nearest even, as vcvtneps2bf16 rounds)
+}
+
+template <typename W>
+at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
+  const int64_t K = q.size(1) * 2;
+  check_int4(q, d, mn, K, "dequantize_int4");
+  return unpacked_bf16<W>(q.size(0), K, q.options(), [&](int64_t n0, int64_t n1, W* out) {
+    int4_rows(q.data_ptr<uint8_t>(), d.data_ptr<float>(), mn.data_ptr<float>(), K, n0, n1, out);
+  });
+}
+
+template <typename W>
+at::Tensor dequantize_nf4(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code) {
+  const int64_t K = q.size(1) * 2;
+  check_nf4(q, absmax, code, K, "dequantize_nf4");
+  const auto table = code.contiguous();
+  return unpacked_bf16<W>(q.size(0), K, q.options(), [&](int64_t n0, int64_t n1, W* out) {
+    nf4_rows(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), table.data_ptr<float>(), K, n0, n1, out);
+  });
+}
+
+// y = x w^T for x [..., K] float32 and w [N, bytes] the file's rows of blocks
+at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_gguf: x must be float32");
+  const Rows x(x_);
+  const int64_t N = w.size(0), row_bytes = w.size(1);
+  check_blocks(w, type, x.K, "linear_gguf");
+  TORCH_CHECK(x.K % 16 == 0 && x.K <= 65536, "linear_gguf: ", x.K, " inputs");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  auto y = output_like(x_, N);
+  float* yp = y.data_ptr<float>();
+  if (x.M > GEMM_ROWS) {
+    DISPATCH_GGUF(type, (gguf_prefill<T>(x.t, wp, row_bytes, N, yp, N, nullptr)));
+  } else {
+    DISPATCH_GGUF(type, (gguf_tiles<T>(x.data(), x.M, wp, row_bytes, x.K, yp, N)));
+  }
+  return y;
+}
+
+// out[..., columns[n]] = (x w^T)[..., n]: one part of a fused projection written in place, in the model's order (no
+// join of the parts' outputs, no reordering of llama's q/k rows after it). A prefill writes there directly.
+void linear_gguf_into(const at::Tensor& x_, const at::Tensor& w, int64_t type, at::Tensor& out, const at::Tensor& columns) {
+  check_columns(x_, w, out, columns);
+  const Rows x(x_);
+  if (x.M <= GEMM_ROWS) {
+    write_columns(linear_gguf(x_, w, type), out, columns);
+    return;
+  }
+  TORCH_CHECK(x.t.scalar_type() == at::kFloat, "linear_gguf_into: x must be float32");
+  check_blocks(w, type, x.K, "linear_gguf_into");
+  DISPATCH_GGUF(type, (gguf_prefill<T>(x.t, w.data_ptr<uint8_t>(), w.size(1), w.size(0), out.data_ptr<float>(),
+                                       out.size(-1), columns.data_ptr<int64_t>())));
+}
+
+template <typename W>
+at::Tensor dequantize_gguf(const at::Tensor& w, int64_t type, int64_t K, bool bf16) {
+  check_blocks(w, type, K, "dequantize_gguf");
+  const int64_t N = w.size(0);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if constexpr (std::is_same_v<W, uint16_t>) {  // bfloat16 words written directly
+    if (bf16) {
+      auto out = at::empty({N, K}, w.options().dtype(at::kBFloat16));
+      DISPATCH_GGUF(type, (dequantize_rows<T>(wp, w.size(1), N, K, reinterpret_cast<uint16_t*>(out.data_ptr()))));
+      return out;
+    }
+  }
+  auto out = at::empty({N, K}, w.options().dtype(at::kFloat));
+  DISPATCH_GGUF(type, (dequantize_rows<T>(wp, w.size(1), N, K, out.data_ptr<float>())));
+  return bf16 ? out.to(at::kBFloat16) : out;
+}
+
 }  // namespace
 
-// The operators, declared and implemented (after the including file has defined them)
-#define REGISTER_OPS()                                     \
+// The operators, declared and implemented (after the including file has defined its tiles), W as above
+#define REGISTER_OPS(W)                                    \
   TORCH_LIBRARY(dense_kernels, m) { define_ops(m); }       \
   TORCH_LIBRARY_IMPL(dense_kernels, CPU, m) {              \
     m.impl("linear_f32", &linear_f32);                     \
     m.impl("linear_int8", &linear_int8);                   \
-    m.impl("linear_int4", &linear_int4);                   \
+    m.impl("linear_int4", &linear_int4<W>);                \
     m.impl("attention", &attention);                       \
-    m.impl("dequantize_int4", &dequantize_int4);           \
-    m.impl("dequantize_nf4", &dequantize_nf4);             \
-    m.impl("linear_nf4", &linear_nf4);                     \
+    m.impl("dequantize_int4", &dequantize_int4<W>);        \
+    m.impl("dequantize_nf4", &dequantize_nf4<W>);          \
+    m.impl("linear_nf4", &linear_nf4<W>);                  \
     m.impl("linear_gguf", &linear_gguf);                   \
     m.impl("linear_gguf_into", &linear_gguf_into);         \
-    m.impl("dequantize_gguf", &dequantize_gguf);           \
+    m.impl("dequantize_gguf", &dequantize_gguf<W>);        \
   }
 
 inline void define_ops(torch::Library& m) {

@@ -101,13 +101,15 @@ def available() -> bool:
     if forced == "0" or source is None:
         return False
     paths = [os.path.join(HERE, source), os.path.join(HERE, "kernels.h")]
-    if not all(os.path.isfile(p) for p in paths):  # installed without its source (pip install -e . keeps it here)
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:  # a copy installed without its package data
+        note(f"CPU kernels unavailable ({missing[0]} is missing; reinstall the package); using PyTorch's")
         return False
     code = b"".join(pathlib.Path(p).read_bytes() for p in paths)
     key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
     folder = cache_dir() if unwritable_cache() is None else tempfile.mkdtemp(prefix="dense-kernels-")
     target = os.path.join(folder, "kernels", key, "libdense_kernels.so")
-    if not intact(target) and compiler() is None:  # nothing built to load (session.py says so once)
+    if not intact(target) and compiler() is None:  # nothing built to load (cli/flags.check_environment says so once)
         return False
     try:
         if not intact(target):

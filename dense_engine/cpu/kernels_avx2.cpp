@@ -72,21 +72,15 @@ void f32_tile(const float* x, const float* w, int64_t K, float* y, int64_t N, in
     for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = hsum(acc[r][j]);
 }
 
-at::Tensor linear_f32(const at::Tensor& x_, const at::Tensor& w) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.is_contiguous());
-  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
-  int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "linear_f32: x has ", K, " features, the weight ", w.size(1));
-  auto y = output_like(x_, N);
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+// y [M, N] = x [M, K] w^T, every M
+void f32_tiles(const float* xp, const float* wp, int64_t M, int64_t K, float* yp, int64_t N) {
   // 4 weight rows against one row of x, 2 against up to 4 (8 accumulators, 2 weights and x: 11 of 16 registers)
   if (M == 1) {
     for_each_tile<4>(M, N, K, 4 * K, [&](int64_t, int64_t, int64_t n0, int64_t nb) {
       if (nb == 4) f32_tile<1, 4>(xp, wp, K, yp, N, n0);
       else for (int64_t j = 0; j < nb; ++j) f32_tile<1, 1>(xp, wp, K, yp, N, n0 + j);
     });
-    return y;
+    return;
   }
   for_each_tile<2, 4>(M, N, K, 2 * K, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
     if (nb == 2) {
@@ -95,7 +89,6 @@ at::Tensor linear_f32(const at::Tensor& x_, const at::Tensor& w) {
       DISPATCH_ROWS(rows, (f32_tile<R, 1>(xp + m0 * K, wp, K, yp + m0 * N, N, n0)));
     }
   });
-  return y;
 }
 
 // ---- int8 weights, one scale per output row ------------------------------------------------------------------------
@@ -171,28 +164,19 @@ void int8_tile(const DigitRows& xs, int64_t m0, const uint8_t* w, const float* s
     }
 }
 
-at::Tensor linear_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& s) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kByte && s.scalar_type() == at::kFloat);
-  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
-  int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % 64 == 0 && K <= 65536 && w.size(1) == K && w.is_contiguous() && s.numel() == N,
-              "linear_int8: bad shapes");
-  DigitRows digits(x.data_ptr<float>(), M, K);
-  auto y = output_like(x_, N);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* sp = s.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+// y [M, N] = x [M, K] w^T, every M
+void int8_tiles(const float* xp, const uint8_t* wp, const float* sp, int64_t M, int64_t K, float* yp, int64_t N) {
+  DigitRows digits(xp, M, K);
   if (M == 1) {  // 2 weight rows a tile: 4 accumulators, 4 weight registers
     for_each_tile<2>(M, N, K, 2 * K, [&](int64_t, int64_t, int64_t n0, int64_t nb) {
       if (nb == 2) int8_tile<1, 2>(digits, 0, wp, sp, K, yp, N, n0);
       else int8_tile<1, 1>(digits, 0, wp, sp, K, yp, N, n0);
     });
-    return y;
+    return;
   }
   for_each_tile<1, 4>(M, N, K, K, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
     DISPATCH_ROWS(rows, (int8_tile<R, 1>(digits, m0, wp, sp, K, yp + m0 * N, N, n0)));
   });
-  return y;
 }
 
 // ---- int4 weights, llama.cpp's Q4_1 grid: w = d * code + m per block of 32 --------------------------------------
@@ -212,15 +196,6 @@ void int4_rows(const uint8_t* qp, const float* dp, const float* mp, int64_t K, i
       for (int i = 0; i < 4; ++i)
         _mm256_storeu_ps(out + (n - n0) * K + g * 32 + 8 * i, _mm256_fmadd_ps(to_float(eights[i]), d, m));
     }
-}
-
-at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
-  const int64_t N = q.size(0), K = q.size(1) * 2;
-  auto w = at::empty({N, K}, q.options().dtype(at::kFloat));
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    int4_rows(q.data_ptr<uint8_t>(), d.data_ptr<float>(), mn.data_ptr<float>(), K, n0, n1, w.data_ptr<float>() + n0 * K);
-  });
-  return w.to(at::kBFloat16);  // (rounded to nearest even, as kernels.cpp's vcvtne2ps2bf16)
 }
 
 // NB weight rows against R rows of x as 16-bit integers X (WordRows: x = unit X, X = 127 q1 + q2, within 1/32258 of
@@ -260,26 +235,16 @@ void int4_tile(const WordRows& xs, int64_t m0, const uint8_t* q, const float* d,
     for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = (hsum(acc[r][j]) + mins[r][j]) * xs.unit[m0 + r];
 }
 
-at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && q.scalar_type() == at::kByte && d.scalar_type() == at::kFloat &&
-              mn.scalar_type() == at::kFloat);
-  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
-  int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / 32;
-  TORCH_CHECK(K % 32 == 0 && q.size(1) == K / 2 && d.numel() == N * G && mn.numel() == N * G && q.is_contiguous() &&
-              d.is_contiguous() && mn.is_contiguous(), "linear_int4: bad shapes");
-  const float *xp = x.data_ptr<float>(), *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  if (M > GEMM_ROWS)
-    return gemm_by_tiles<float>(x_, N, [&](int64_t n0, int64_t nb, float* out) { int4_rows(qp, dp, mp, K, n0, n0 + nb, out); });
-  auto y = output_like(x_, N);
-  float* yp = y.data_ptr<float>();
-  WordRows xs(xp, M, K);
+// y [M, N] = x [M, K] w^T for M <= GEMM_ROWS
+void int4_tiles(const float* xp, const uint8_t* qp, const float* dp, const float* mp, int64_t M, int64_t K, float* yp,
+                int64_t N) {
+  const WordRows xs(xp, M, K);
   if (M == 1) {
     for_each_tile<4>(M, N, K, 2 * K, [&](int64_t, int64_t, int64_t n0, int64_t nb) {
       if (nb == 4) int4_tile<1, 4>(xs, 0, qp, dp, mp, K, yp, N, n0);
       else for (int64_t j = 0; j < nb; ++j) int4_tile<1, 1>(xs, 0, qp, dp, mp, K, yp, N, n0 + j);
     });
-    return y;
+    return;
   }
   for_each_tile<2, 4>(M, N, K, K, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
     if (nb == 2) {
@@ -288,7 +253,6 @@ at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tens
       DISPATCH_ROWS(rows, (int4_tile<R, 1>(xs, m0, qp, dp, mp, K, yp + m0 * N, N, n0)));
     }
   });
-  return y;
 }
 
 // ---- nf4 weights (bitsandbytes' NF4 code), one absmax per block of 64 ----------------------------------------------
@@ -328,20 +292,6 @@ void nf4_rows(const uint8_t* qp, const float* ap, const float* code, int64_t K, 
     }
 }
 
-at::Tensor dequantize_nf4(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code) {
-  TORCH_CHECK(q.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat && code.scalar_type() == at::kFloat &&
-              code.numel() == 16 && q.is_contiguous() && absmax.is_contiguous() && q.size(1) % 32 == 0 &&
-              absmax.numel() == q.size(0) * q.size(1) / 32, "dequantize_nf4: bad shapes");
-  const int64_t N = q.size(0), K = q.size(1) * 2;
-  auto w = at::empty({N, K}, q.options().dtype(at::kFloat));
-  const auto table = code.contiguous();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    nf4_rows(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), table.data_ptr<float>(), K, n0, n1,
-             w.data_ptr<float>() + n0 * K);
-  });
-  return w.to(at::kBFloat16);
-}
-
 template <int R>
 void nf4_tile(const float* x, const uint8_t* q, const float* absmax, const NF4Table& table, int64_t K, float* y,
               int64_t N, int64_t n) {
@@ -367,24 +317,13 @@ void nf4_tile(const float* x, const uint8_t* q, const float* absmax, const NF4Ta
   for (int r = 0; r < R; ++r) y[r * N + n] = hsum(acc[r]);
 }
 
-at::Tensor linear_nf4(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && q.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat &&
-              code.scalar_type() == at::kFloat && code.numel() == 16);
-  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
-  int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(K % 64 == 0 && q.size(1) == K / 2 && absmax.numel() == N * K / 64 && q.is_contiguous() &&
-              absmax.is_contiguous(), "linear_nf4: bad shapes");
-  const float *xp = x.data_ptr<float>(), *ap = absmax.data_ptr<float>(), *cp = code.data_ptr<float>();
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  if (M > GEMM_ROWS)
-    return gemm_by_tiles<float>(x_, N, [&](int64_t n0, int64_t nb, float* out) { nf4_rows(qp, ap, cp, K, n0, n0 + nb, out); });
-  auto y = output_like(x_, N);
-  float* yp = y.data_ptr<float>();
+// y [M, N] = x [M, K] w^T for M <= GEMM_ROWS
+void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float* cp, int64_t M, int64_t K, float* yp,
+               int64_t N) {
   const NF4Table table(cp);
   for_each_tile<1>(M, N, K, K / 2, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
     DISPATCH_ROWS(rows, (nf4_tile<R>(xp + m0 * K, qp, ap, table, K, yp + m0 * N, N, n0)));
   });
-  return y;
 }
 
 // ---- GGUF blocks as the file stores them (see kernels.cpp) -----------------------------------------------------------
@@ -563,7 +502,8 @@ void block32_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_
 }
 
 template <int64_t T>
-void gguf_matmul(const WordRows& xs, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
+void gguf_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
+  const WordRows xs(x, M, K);
   for_each_tile<1, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
     if constexpr (T >= GQ4_K) {
       DISPATCH_ROWS(rows, (kquant_tile<T, R>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0)));
@@ -575,9 +515,10 @@ void gguf_matmul(const WordRows& xs, int64_t M, const uint8_t* w, int64_t row_by
 
 // Rows of blocks -> [N, K] values as gguf's own dequantizer computes them: A (u - off) + B, two roundings (no fused
 // multiply-adds), A, off and B per 16 values (chunk_params)
-template <int64_t T>
+template <int64_t T, typename Out>
 __attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t N,
-                                                                   int64_t K, float* out) {
+                                                                   int64_t K, Out* out) {
+  static_assert(std::is_same_v<Out, float>, "no bfloat16 words without AVX512-BF16");
   const int64_t blocks = K / block_elements(T), chunks = (K + 63) / 64;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     float A[4], off[4], B[4];  // of each 16 values of a chunk of 64
@@ -601,41 +542,18 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t*
   });
 }
 
-at::Tensor dequantize_gguf(const at::Tensor& w, int64_t type, int64_t K, bool bf16) {
-  check_blocks(w, type, K, "dequantize_gguf");
-  const int64_t N = w.size(0);
-  auto out = at::empty({N, K}, w.options().dtype(at::kFloat));
-  DISPATCH_GGUF(type, (dequantize_rows<T>(w.data_ptr<uint8_t>(), w.size(1), N, K, out.data_ptr<float>())));
-  return bf16 ? out.to(at::kBFloat16) : out;
+// y [M, ldy] (its columns[n] for weight row n; columns null: y [M, N]) = x [M, K] w^T, the dequantized tiles'
+// float32 GEMM
+template <int64_t T>
+void gguf_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
+                  const int64_t* columns) {
+  const int64_t K = x.size(1);
+  gemm_by_tiles<float>(x, N, y, ldy, columns, [&](int64_t n0, int64_t nb, float* out) {
+    dequantize_rows<T>(w + n0 * row_bytes, row_bytes, nb, K, out);
+  });
 }
 
-// y = x w^T for x [..., K] float32 and w [N, bytes] the file's rows of blocks
-at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) {
-  TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_gguf: x must be float32");
-  auto x = x_.reshape({-1, x_.size(-1)}).contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  check_blocks(w, type, K, "linear_gguf");
-  TORCH_CHECK(K % 16 == 0 && K <= 65536, "linear_gguf: ", K, " inputs");
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t row_bytes = w.size(1);
-  at::Tensor y;
-  if (M > GEMM_ROWS) {
-    DISPATCH_GGUF(type, (y = gemm_by_tiles<float>(x_, N, [&](int64_t n0, int64_t nb, float* out) {
-      dequantize_rows<T>(wp + n0 * row_bytes, row_bytes, nb, K, out);
-    })));
-    return y;
-  }
-  y = output_like(x_, N);
-  WordRows xs(x.data_ptr<float>(), M, K);
-  DISPATCH_GGUF(type, (gguf_matmul<T>(xs, M, wp, row_bytes, K, y.data_ptr<float>(), N)));
-  return y;
-}
 
-// out[..., columns[n]] = (x w^T)[..., n] (kernels.cpp says why)
-void linear_gguf_into(const at::Tensor& x, const at::Tensor& w, int64_t type, at::Tensor& out, const at::Tensor& columns) {
-  check_columns(x, w, out, columns);
-  write_columns(linear_gguf(x, w, type), out, columns);
-}
 
 // ---- attention over the cache (kernels.h; kernels.cpp says how) ------------------------------------------------------
 
@@ -791,4 +709,4 @@ void attend_part(const float* const* q, const int64_t* start, const int64_t* end
 
 }  // namespace
 
-REGISTER_OPS()
+REGISTER_OPS(float)  // (W: float32, no AVX512-BF16)
