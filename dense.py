@@ -1,22 +1,19 @@
 """dense.py: one config-driven dense decoder-only transformer, with a static KV cache for fast decoding.
 
-Read it top to bottom: the config -> rotary embeddings -> attention and its cache -> the MLP -> the decoder layer ->
-the model (and the one place where a step's masks and rotary rows are decided) -> sampling.
-
-How generation uses it (generate.py): a prefill writes the prompt's keys and values into the cache, then each decode
-step feeds one token at a fixed shape. A step attends over a fixed number of cache slots (`attend`), so
-torch.compile turns it into one graph per slot count, replayed for every token.
+Read it top to bottom: config -> norms -> rotary -> attention and its cache (and the one place where a step's masks
+and rotary rows are decided) -> MLP -> layer -> model -> sampling; the rope scalings are an appendix. A prefill writes
+the prompt's keys and values into the cache, then each decode step feeds one token at a fixed shape over a fixed
+number of cache slots (`attend`): torch.compile makes it one graph, replayed for every token (runtime/generate.py).
 
 Shapes: B batch, T tokens in this call, S cache length, A slots attended, H query heads, K key/value heads,
-D head_dim, C hidden size, R rotary channels, V vocabulary. This file imports nothing of the project but torch:
-checkpoints are read, checked and mapped to these tensor names in checkpoint.py, families.py and gguf_import.py,
-loaded by load.py; quantized linears live in quantized.py; tensor parallel (tp.py) hooks into a built model.
+D head_dim, C hidden size, R rotary channels, V vocabulary. This file imports only torch: the package dense_engine
+reads checkpoints into these names (formats/), quantizes the linears (cpu/quantized.py) and runs it (runtime/).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -107,19 +104,15 @@ class DenseConfig:
     def rope_dim(self) -> int:
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # 2. Norms and rotary embeddings
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * gain, statistics in float32 over the last `dims` dims (2: over all heads at once). The result is
-    cast back to x's dtype before the gain (Llama), or after it when gain_in_float32 (torch.nn.RMSNorm); the two differ
-    only below float32. unit_offset: the gain is 1 + weight, in float32 (Gemma). gain_shape lets a flat gain [H * D]
-    act on per-head input [..., H, D]."""
+    """x / rms(x) * gain, statistics in float32 over the last `dims` dims (2: all heads at once), cast back to x's dtype
+    before the gain (Llama) or after it (gain_in_float32: torch.nn.RMSNorm). unit_offset: the gain is 1 + weight, in
+    float32 (Gemma). gain_shape lets a flat gain [H * D] act on per-head input [..., H, D]."""
 
     def __init__(self, dim: int, eps: float, gain_shape: tuple[int, ...] | None = None,
                  gain_in_float32: bool = False, unit_offset: bool = False, dims: int = 1) -> None:
@@ -175,65 +168,13 @@ def qk_norm(config: DenseConfig, heads: int) -> nn.Module:
 
 def rope_frequencies(config: DenseConfig, seq_len: int, local: bool = False) -> tuple[torch.Tensor, float]:
     """The rotary frequencies [R/2] (float32) of a sequence of up to seq_len tokens, and the factor that scales
-    cos and sin (1 unless yarn or longrope says otherwise). Each scaling as transformers computes it.
-
-    local: the sliding-window layers' tables (their own base, unscaled). seq_len matters to two scalings: "longrope"
-    uses its long factors when seq_len exceeds the original context (a cache longer than that: every position, as
-    llama.cpp chooses by its context size), its short ones otherwise; "dynamic" raises the base only past the
-    model's context, which no sequence here reaches (so it rotates as plain rope)."""
-    dim = config.rope_dim
+    cos and sin (1 unless yarn or longrope says otherwise). local: the sliding-window layers' tables (their own base,
+    unscaled). A config's rope_scaling changes them as its function in the appendix (section 7) says."""
     base = config.rope_local_theta if local else config.rope_theta
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # [R/2]
-    scaling = None if local else config.rope_scaling
-    kind = scaling["rope_type"] if scaling else None
-    if kind == "dynamic" and seq_len > config.max_position_embeddings:
-        factor = scaling["factor"]
-        base = base * ((factor * seq_len / config.max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
-    inv_freq = 1.0 / (base ** exponents)
-    if kind in (None, "dynamic"):
-        return inv_freq, 1.0
-    if kind == "linear":
-        return inv_freq / scaling["factor"], 1.0
-    if kind == "factors":  # a divisor per frequency (a GGUF's rope_freqs tensor)
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
+    powers = base ** (torch.arange(0, config.rope_dim, 2, dtype=torch.int64).float() / config.rope_dim)  # [R/2]
+    scaling = (None if local else config.rope_scaling) or {"rope_type": "plain"}
     original = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
-    if kind == "llama3":  # long wavelengths divided by factor, short ones kept, a smooth blend between
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
-        smooth = (original / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < original / high) * ~(wavelen > original / low)
-        return torch.where(medium, blended, scaled), 1.0
-    factor = scaling.get("factor") or config.max_position_embeddings / original
-    if kind == "longrope":
-        attention = scaling.get("attention_factor")
-        if attention is None:
-            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-        ext = scaling["long_factor"] if seq_len > original else scaling["short_factor"]
-        return 1.0 / (torch.tensor(ext, dtype=torch.float32) * base ** exponents), attention
-    # yarn: frequencies blended between interpolated (slow ones) and extrapolated (fast ones) by a linear ramp
-
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention = scaling.get("attention_factor")
-    if attention is None:
-        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-
-    def correction_dim(rotations):
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
-    positions_freq = base ** exponents
-    extrapolate = 1 - ramp
-    inv_freq = (1.0 / (factor * positions_freq)) * (1 - extrapolate) + (1.0 / positions_freq) * extrapolate
-    return inv_freq, float(attention)
+    return ROPE_SCALINGS[scaling["rope_type"]](config, scaling, powers, original, seq_len)
 
 
 def rope_tables(config: DenseConfig, positions: torch.Tensor, seq_len: int | None = None,
@@ -243,23 +184,15 @@ def rope_tables(config: DenseConfig, positions: torch.Tensor, seq_len: int | Non
     equals these rows computed one at a time."""
     inv_freq, attention_factor = rope_frequencies(config, len(positions) if seq_len is None else seq_len, local)
     inv_freq = inv_freq.to(positions.device)
-    if config.rope_precision == "bfloat16":
-        # Round each step to bfloat16; the product of two bfloat16 numbers is exact in float32, so rounding it once
-        # gives the bfloat16 product.
-        def bf16(t: torch.Tensor) -> torch.Tensor:
-            return t.to(torch.bfloat16).float()
-
-        angles = bf16(torch.outer(bf16(positions), bf16(inv_freq)))
-    else:
-        angles = torch.outer(positions, inv_freq)  # [P, R/2]
+    # bfloat16: every step rounded (a product of two bfloat16 numbers is exact in float32: rounding it once gives the
+    # bfloat16 product)
+    rounded = (lambda t: t.to(torch.bfloat16).float()) if config.rope_precision == "bfloat16" else (lambda t: t)
+    angles = rounded(torch.outer(rounded(positions), rounded(inv_freq)))  # [P, R/2]
     if config.rope_layout == "half":
         angles = torch.cat((angles, angles), dim=-1)  # channel i and i + R/2 share an angle
     else:
         angles = angles.repeat_interleave(2, dim=-1)  # channels 2i and 2i + 1 share an angle
-    cos, sin = angles.cos(), angles.sin()
-    if config.rope_precision == "bfloat16":
-        return bf16(cos), bf16(sin)
-    return cos * attention_factor, sin * attention_factor
+    return rounded(angles.cos() * attention_factor), rounded(angles.sin() * attention_factor)  # (yarn, longrope: != 1)
 
 
 class Rotary(nn.Module):
@@ -293,11 +226,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
 
 @dataclass
 class View:
-    """What the layers of one attention kind ("full" or "sliding") see in a step.
-    own_keys: the step sees only its own keys and values (a plain pass, or a prefill from slot 0): attention runs on
-    them directly, causal (mask None: SDPA's causal kernel) or with mask [T, T]. Else it reads the cache: slots
-    0..attend-1 through mask [T, A] or [B, 1, T, A] (True: seen), or only the W slots `slots` [B or 1, W] (a sliding
-    layer's decode step) through mask [B or 1, 1, 1, W]."""
+    """What the layers of one attention kind ("full" or "sliding") see in a step. own_keys: only the step's own keys
+    and values (a plain pass, a prefill from slot 0), causal (mask None: SDPA's causal kernel) or through mask [T, T].
+    Else the cache: slots 0..attend-1 through mask [T, A] or [B, 1, T, A] (True: seen), or only the W slots `slots`
+    [B or 1, W] (a sliding layer's decode step) through mask [B or 1, 1, 1, W]."""
     own_keys: bool
     mask: torch.Tensor | None
     attend: int
@@ -307,15 +239,52 @@ class View:
 
 @dataclass
 class Step:
-    """Everything a forward call tells its layers, decided once (DenseDecoder.step): where this call's keys and values
-    go (input_pos [T], or [B, T]: a slot per row; None: nowhere, a plain pass), the cache rows its batch rows use
-    (rows [B], None: 0..B-1), where left-padded rows begin (row_start [B]), a View per attention kind, and the
-    (cos, sin) rows [T, R] or [B, T, R] per rotary kind."""
+    """What a forward call tells its layers, decided once (make_step): the slots its keys and values go to (input_pos
+    [T] or [B, T]; None: a plain pass), its cache rows (rows [B]; None: 0..B-1), where left-padded rows begin
+    (row_start [B]), a View per attention kind and the (cos, sin) rows [T, R] or [B, T, R] per rotary kind."""
     input_pos: torch.Tensor | None
     rows: torch.Tensor | None
     row_start: torch.Tensor | None
     views: dict[str, View]
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def make_step(model: DenseDecoder, T: int, input_pos: torch.Tensor | None = None, attend: int | None = None,
+              row_start: torch.Tensor | None = None, rows: torch.Tensor | None = None, causal: bool = False) -> Step:
+    """What every layer of a call of T tokens sees, decided once. Without input_pos: a plain causal pass over its own
+    keys (no cache written). With input_pos [T] (or [B, T]): a cached step that writes at those slots and attends over
+    slots 0..attend-1, each token up to its own slot (row_start [B]: left-padded rows, whose earlier slots are never
+    seen). causal: input_pos is 0..T-1 of every row and the cache holds nothing else: the call's own keys, causal."""
+    config, device = model.config, model.device
+    window, sliding, own_keys = config.sliding_window, "sliding" in model.attention_kinds, input_pos is None or causal
+    own = torch.arange(T, device=device) if own_keys else None  # positions 0..T-1 of the call's own tokens
+    if input_pos is None:  # plain pass: rotary rows for positions 0..T-1 of a T-token sequence
+        rope = {kind: rope_tables(config, own.float(), T, kind == "local") for kind in model.rope_kinds}
+    else:  # cached: the rows of the cache's tables at each token's position
+        positions = input_pos if row_start is None else (input_pos[None, :] - row_start[:, None]).clamp(min=0)
+        rope = {kind: (model.rotary[kind].cos[positions], model.rotary[kind].sin[positions])
+                for kind in model.rope_kinds}
+    if own_keys:  # the call's own keys, causal (a sliding layer: itself and the window - 1 tokens before it)
+        views = {"full": View(own_keys=True, mask=None, attend=T)}
+        if sliding:
+            in_window = (own <= own[:, None]) & (own > own[:, None] - window)  # [T, T]
+            views["sliding"] = View(own_keys=True, mask=in_window, attend=T, window=window)
+        return Step(input_pos, rows, row_start, views, rope)
+    slots = model.kv_slots[:attend]
+    pos = input_pos[..., None] if input_pos.ndim == 1 else input_pos[:, None, :, None]  # [T, 1] or [B, 1, T, 1]
+    mask = slots <= pos  # [T, A] or [B, 1, T, A]: a token at slot p sees the keys at slots 0..p
+    if row_start is not None:  # [B, 1, T, A]: padding is never seen, but a padding token sees itself (no empty row)
+        mask = (mask & (slots >= row_start[:, None, None, None])) | (slots == pos)
+    views = {"full": View(own_keys=False, mask=mask, attend=attend)}
+    if sliding and T == 1 and window < attend:  # decode: a sliding layer reads only its window's W slots
+        first = input_pos.reshape(-1, 1) - (window - 1)  # [B or 1, 1]
+        wanted = first + torch.arange(window, device=device)  # [B or 1, W], < 0 before the first token
+        seen = wanted >= (0 if row_start is None else row_start[:, None])
+        views["sliding"] = View(own_keys=False, mask=seen[:, None, None, :], attend=attend, window=window,
+                                slots=wanted.clamp(min=0))
+    elif sliding:
+        views["sliding"] = View(own_keys=False, mask=mask & (slots > pos - window), attend=attend, window=window)
+    return Step(input_pos, rows, row_start, views, rope)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -349,6 +318,11 @@ def row_slots(step: Step, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rows[:, None].expand(B, T), step.input_pos.expand(B, T)
 
 
+def cache_rows(cache: torch.Tensor, step: Step, B: int) -> torch.Tensor:
+    """The step's B rows of cache [max batch, ...]: rows 0..B-1, or step.rows [B]."""
+    return cache[:B] if step.rows is None else cache.index_select(0, step.rows)
+
+
 class NoCache(nn.Module):
     """A layer's cache before setup_cache: a plain pass attends over its own keys and values and keeps nothing."""
 
@@ -357,10 +331,9 @@ class NoCache(nn.Module):
 
 
 class KVCache(NoCache):
-    """Static cache: keys and values of every position so far, preallocated once: [B, K, S + 1, D] each. The extra
-    last slot is scratch: tokens that are only padding (a fixed-size chunk's tail, an idle row of a server's batch)
-    write there, and nothing reads it. (kernels.py subclasses it for the CPU: a layout and an attention kernel that
-    read only the slots in use.)"""
+    """Static cache: keys and values of every position so far, preallocated once: [B, K, S + 1, D] each. The last slot
+    is scratch: tokens that are only padding (a chunk's tail, an idle row of a server's batch) write there, and nothing
+    reads it. (cpu/kernels.py subclasses it: a layout and an attention kernel that read only the slots in use.)"""
 
     def __init__(self, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype, device) -> None:
         super().__init__()
@@ -368,8 +341,18 @@ class KVCache(NoCache):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write k, v [B, K, T, D] at the step's slots, in place."""
+    def attend(self, q, k, v, step: Step, view: View, scale: float, softcap: float | None) -> torch.Tensor:
+        """Write this step's k, v [B, K, T, D] (a plain pass writes nothing); attend q [B, H, T, D] over what the view
+        shows -> [B, H, T, D]."""
+        if step.input_pos is not None:
+            self.write(step, k, v)
+        if view.own_keys:
+            return attention(q, k, v, view.mask, scale, softcap)
+        keys, values = self.read(step, view, q.shape[0])
+        return attention(q, keys.to(q.dtype), values.to(q.dtype), view.mask, scale, softcap)
+
+    def write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, K, T, D] into the step's slots, in place."""
         k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         if step.input_pos.ndim == 1 and step.rows is None:  # every row writes the same slots
             self.k[: k.shape[0]].index_copy_(2, step.input_pos, k)
@@ -379,20 +362,17 @@ class KVCache(NoCache):
         self.k[rows, :, pos] = k.transpose(1, 2)  # [B, T, K, D] by (row, slot)
         self.v[rows, :, pos] = v.transpose(1, 2)
 
-    def attend(self, q, k, v, step: Step, view: View, scale: float, softcap: float | None) -> torch.Tensor:
-        """Write this step's k, v [B, K, T, D] (a plain pass writes nothing); attend q [B, H, T, D] over what the view
-        shows -> [B, H, T, D]."""
-        if step.input_pos is not None:
-            self.update(step, k, v)
-        if view.own_keys:
-            return attention(q, k, v, view.mask, scale, softcap)
-        B = q.shape[0]
-        cache = (self.k, self.v) if view.slots is not None else (self.k[:, :, :view.attend], self.v[:, :, :view.attend])
-        keys, values = (c[:B] if step.rows is None else c.index_select(0, step.rows) for c in cache)
-        if view.slots is not None:  # a sliding layer's decode step: only its window's slots, [B, K, W, D]
-            index = view.slots[:, None, :, None].expand(B, self.k.shape[1], -1, self.k.shape[3])
-            keys, values = keys.gather(2, index), values.gather(2, index)
-        return attention(q, keys.to(q.dtype), values.to(q.dtype), view.mask, scale, softcap)
+    def read(self, step: Step, view: View, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values the view shows the step's B rows: slots 0..attend-1, [B, K, A, D] each."""
+        if view.slots is not None:
+            return self.window(step, view.slots, B)
+        keys, values = self.k[:, :, :view.attend], self.v[:, :, :view.attend]  # [max batch, K, A, D]
+        return cache_rows(keys, step, B), cache_rows(values, step, B)  # [B, K, A, D]
+
+    def window(self, step: Step, slots: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sliding layer's decode step: only the W slots of its window, slots [B or 1, W] -> [B, K, W, D] each."""
+        index = slots[:, None, :, None].expand(B, self.k.shape[1], -1, self.k.shape[3])  # [B, K, W, D]
+        return cache_rows(self.k, step, B).gather(2, index), cache_rows(self.v, step, B).gather(2, index)
 
 
 class Attention(nn.Module):
@@ -464,20 +444,10 @@ class MLP(nn.Module):
         return self.down_proj(F.gelu(self.up_proj(x)))
 
 
-class Scale(nn.Module):
-    def __init__(self, factor: float) -> None:
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.factor
-
-
 class DecoderLayer(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)): norms on each branch's input (pre-norms), on its output (post-norms),
-    or both; or GPT-NeoX's parallel form, both branches reading x. A norm a family does not have is an Identity, so
-    is a residual scale of 1. (tp.py sums each branch's partial output over ranks as it enters its post-norm: a
-    forward pre-hook on attn_post_norm and mlp_post_norm.)"""
+    or both; or GPT-NeoX's parallel form, both branches reading x. A norm a family does not have is an Identity.
+    (runtime/tp.py sums each branch's partial output over ranks as it enters its post-norm: a forward pre-hook.)"""
 
     def __init__(self, config: DenseConfig, layer: int) -> None:
         super().__init__()
@@ -490,14 +460,17 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(config, layer)
         self.mlp = MLP(config, layer) if config.mlp == "gelu" else GatedMLP(config, layer)
         self.attn_post_norm, self.mlp_post_norm = norm(config.post_norms), norm(config.post_norms)
-        self.residual_scale = Scale(config.residual_scale) if config.residual_scale != 1.0 else nn.Identity()
+        self.residual_scale = config.residual_scale
+
+    def scaled(self, y: torch.Tensor) -> torch.Tensor:  # (Granite; 1.0 elsewhere, no multiply in the graph)
+        return y if self.residual_scale == 1.0 else y * self.residual_scale
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         if self.parallel:  # GPT-NeoX: both branches read x; (attn + mlp) + x, as the reference sums them
             branches = self.attn(self.attn_norm(x), step) + self.mlp(self.mlp_norm(x))
-            return x + self.residual_scale(self.attn_post_norm(branches))
-        h = x + self.residual_scale(self.attn_post_norm(self.attn(self.attn_norm(x), step)))
-        return h + self.residual_scale(self.mlp_post_norm(self.mlp(self.mlp_norm(h))))
+            return x + self.scaled(self.attn_post_norm(branches))
+        h = x + self.scaled(self.attn_post_norm(self.attn(self.attn_norm(x), step)))
+        return h + self.scaled(self.mlp_post_norm(self.mlp(self.mlp_norm(h))))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -531,11 +504,6 @@ class DenseDecoder(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
-    def cache_bytes(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None) -> int:
-        elem = torch.empty((), dtype=dtype or self.dtype).element_size()
-        return sum(2 * max_batch_size * layer.attn.n_kv_heads * (max_seq_len + 1) * layer.attn.head_dim * elem
-                   for layer in self.layers)
-
     def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
                     cache_class: type[KVCache] = KVCache) -> None:
         """Allocate the static KV cache, [max_batch_size, K, max_seq_len + 1, D] per layer (in `dtype`, default the
@@ -557,48 +525,10 @@ class DenseDecoder(nn.Module):
                                      for kind in self.rope_kinds})
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
-    def step(self, T: int, input_pos: torch.Tensor | None = None, attend: int | None = None,
-             row_start: torch.Tensor | None = None, rows: torch.Tensor | None = None, causal: bool = False) -> Step:
-        """What every layer of a call of T tokens sees, decided once. Without input_pos: a plain causal pass over its
-        own keys (no cache written). With input_pos [T] (or [B, T]): a cached step that writes at those slots and
-        attends over slots 0..attend-1, each token up to its own slot (row_start [B]: left-padded rows, whose slots
-        before it are never seen). causal: the caller says input_pos is 0..T-1 of every row and nothing else is in
-        the cache: attention runs on the call's own keys, causal (SDPA's causal kernel)."""
-        window, device = self.config.sliding_window, self.device
-        sliding, own_keys = "sliding" in self.attention_kinds, input_pos is None or causal
-        own = torch.arange(T, device=device) if own_keys else None  # positions 0..T-1 of the call's own tokens
-        if input_pos is None:  # plain pass: rotary rows for positions 0..T-1 of a T-token sequence
-            rope = {kind: rope_tables(self.config, own.float(), T, kind == "local") for kind in self.rope_kinds}
-        else:  # cached: the rows of the cache's tables at each token's position
-            positions = input_pos if row_start is None else (input_pos[None, :] - row_start[:, None]).clamp(min=0)
-            rope = {kind: (self.rotary[kind].cos[positions], self.rotary[kind].sin[positions])
-                    for kind in self.rope_kinds}
-        if own_keys:  # the call's own keys, causal (a sliding layer: within its window)
-            views = {"full": View(True, None, T)}
-            if sliding:
-                views["sliding"] = View(True, window_mask(own, T, window), T, window)
-            return Step(input_pos, rows, row_start, views, rope)
-        slots = self.kv_slots[:attend]
-        mask = slots <= input_pos[..., None]  # [T, A] or [B, T, A]: a token at slot p sees the keys at slots 0..p
-        if row_start is not None:
-            mask = mask & (slots >= row_start[:, None, None])  # [B, T, A]: padding is never seen
-            mask = mask | (slots == input_pos[..., None])  # a padding token sees itself (no empty row)
-        views = {"full": View(False, heads_dim(mask), attend)}
-        if sliding:
-            if T == 1 and window < attend:  # decode: a sliding layer reads only its window's W slots
-                first = input_pos.reshape(-1, 1) - (window - 1)  # [B or 1, 1]
-                wanted = first + torch.arange(window, device=device)  # [B or 1, W], < 0 before the first token
-                seen = wanted >= (0 if row_start is None else row_start[:, None])
-                views["sliding"] = View(False, seen[:, None, None, :], attend, window, wanted.clamp(min=0))
-            else:
-                views["sliding"] = View(False, heads_dim(mask & (slots > input_pos[..., None] - window)), attend,
-                                        window)
-        return Step(input_pos, rows, row_start, views, rope)
-
     def hidden_states(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None, attend: int | None = None,
                       row_start: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                       causal: bool = False) -> torch.Tensor:
-        """Final hidden states after the last norm, [B, T, C], in the model's dtype. The arguments as in step();
+        """Final hidden states after the last norm, [B, T, C], in the model's dtype. The arguments as in make_step();
         attend is a Python int (the fixed width of a compiled step); eager calls may leave it None for "the slots in
         use"."""
         if not torch.compiler.is_compiling():
@@ -606,7 +536,7 @@ class DenseDecoder(nn.Module):
         T = input_ids.shape[1]
         if input_pos is not None and attend is None:
             attend = int(input_pos.max()) + 1
-        step = self.step(T, input_pos, attend, row_start, rows, causal)
+        step = make_step(self, T, input_pos, attend, row_start, rows, causal)
         x = self.embed_tokens(input_ids)  # [B, T, C]
         if self.config.embed_scale is not None:  # the scale rounded to the model's dtype first, as Gemma does
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
@@ -666,28 +596,15 @@ class DenseDecoder(nn.Module):
             raise ValueError("a causal step writes slots 0..T-1 of every row")
 
 
-def window_mask(input_pos: torch.Tensor, attend: int, window: int) -> torch.Tensor:
-    """[..., T, A]: which of slots 0..A-1 a token at slot input_pos [..., T] sees through a causal sliding window:
-    itself and the window - 1 slots before it."""
-    slots = torch.arange(attend, device=input_pos.device)
-    return (slots <= input_pos[..., None]) & (slots > input_pos[..., None] - window)
-
-
-def heads_dim(mask: torch.Tensor) -> torch.Tensor:
-    """A per-row mask [B, T, A] gets a heads dim, [B, 1, T, A]; a shared [T, A] one stays."""
-    return mask[:, None] if mask.ndim == 3 else mask
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # 6. Sampling
 
 
 def sample(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, vocab_limit: int | None = None,
            noise: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, V] -> next ids [B, 1]. temperature, top_k and top_p: numbers for every row, or [B] tensors, a value
-    per row (inputs of a compiled step, so new values need no new graph; per row, temperature 0 is greedy, top_k 0
-    and top_p 1 are off). Everything stays on the device (no host sync): argmax(p / q) with q ~ Exp(1) samples from
-    p without torch.multinomial; noise [B, V] gives those draws (default: drawn here from torch's generator)."""
+    """logits [B, V] -> next ids [B, 1]. temperature, top_k, top_p: numbers, or [B] tensors (a compiled step's inputs:
+    new values, no new graph; temperature 0 is greedy, top_k 0 and top_p 1 are off). No host sync: argmax(p / q) with
+    q ~ Exp(1) samples from p without torch.multinomial; noise [B, V] gives those draws (default: torch's generator)."""
     probs = probabilities(logits, temperature, top_k, top_p, vocab_limit)
     if probs is None:
         return mask_vocab(logits, vocab_limit).argmax(dim=-1, keepdim=True)
@@ -730,3 +647,74 @@ def probabilities(logits: torch.Tensor, temperature, top_k=None, top_p=None,
         drop = probs.cumsum(dim=-1) - probs > limit  # keep the smallest prefix whose mass reaches top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
     return logits.softmax(dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 7. Appendix: the rope scalings, as transformers computes them. (config, rope_scaling, powers [R/2] = base^(2i/R),
+# the original context, seq_len) -> (frequencies [R/2], the attention factor that scales cos and sin).
+
+
+# (also "dynamic": NTK-aware scaling raises the base only past the model's context, which no cache reaches)
+def plain_rope(config, scaling, powers, original, seq_len):
+    return 1.0 / powers, 1.0
+
+
+def linear_rope(config, scaling, powers, original, seq_len):
+    return 1.0 / powers / scaling["factor"], 1.0
+
+
+def factors_rope(config, scaling, powers, original, seq_len):  # a divisor per frequency (a GGUF's rope_freqs)
+    return 1.0 / powers / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
+
+
+def llama3_rope(config, scaling, powers, original, seq_len):
+    """Long wavelengths divided by factor, short ones kept, a smooth blend between."""
+    inv_freq = 1.0 / powers
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+    return torch.where(medium, blended, scaled), 1.0
+
+
+def longrope(config, scaling, powers, original, seq_len):
+    """Phi-3: its long factors when seq_len exceeds the original context (a cache longer than that: every position,
+    as llama.cpp chooses by its context size), its short ones otherwise."""
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = scaling["long_factor"] if seq_len > original else scaling["short_factor"]
+    return 1.0 / (torch.tensor(ext, dtype=torch.float32) * powers), attention
+
+
+def yarn_mscale(scale, m=1.0):
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def yarn_rope(config, scaling, powers, original, seq_len):
+    """Frequencies blended between interpolated (slow ones) and extrapolated (fast ones) by a linear ramp."""
+    dim, base = config.rope_dim, config.rope_theta
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    inv_freq = (1.0 / (factor * powers)) * (1 - extrapolate) + (1.0 / powers) * extrapolate
+    return inv_freq, float(attention)
+
+
+ROPE_SCALINGS = {"plain": plain_rope, "dynamic": plain_rope, "linear": linear_rope, "factors": factors_rope,
+                 "llama3": llama3_rope, "longrope": longrope, "yarn": yarn_rope}

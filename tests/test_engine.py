@@ -60,6 +60,24 @@ def test_rope_precision_bfloat16_rounds_every_step():
     assert not torch.equal(f32[257], f32[256])
 
 
+@pytest.mark.parametrize("scaling, factor", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 0.1 * math.log(4.0) + 1),
+    ({"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 3.0, 5.0, 8.0],
+      "original_max_position_embeddings": 64}, math.sqrt(1 + math.log(256 / 64) / math.log(64)))])
+def test_bfloat16_rotary_tables_carry_the_attention_factor(scaling, factor):
+    """yarn and longrope scale cos and sin by their attention factor; in bfloat16 tables too (the product rounded)."""
+    cfg = DenseConfig(num_hidden_layers=1, head_dim=8, max_position_embeddings=256, rope_precision="bfloat16",
+                      rope_scaling=scaling)
+    cos, sin = dense.rope_tables(cfg, torch.arange(256.0))
+    inv = dense.rope_frequencies(cfg, 256)[0].bfloat16().float()
+    angle = (torch.arange(256.0).bfloat16().float()[:, None] * inv[None, :]).bfloat16().float()
+    assert torch.equal(cos[:, :4], (angle.cos() * factor).bfloat16().float())
+    assert torch.equal(sin[:, 4:], (angle.sin() * factor).bfloat16().float())
+    f32 = dense.rope_tables(DenseConfig(num_hidden_layers=1, head_dim=8, max_position_embeddings=256,
+                                        rope_scaling=scaling), torch.arange(256.0))[0]
+    assert float(f32[0, 0]) == pytest.approx(factor) and float(cos[0, 0]) == float(torch.tensor(factor).bfloat16())
+
+
 def test_labels_give_mean_cross_entropy_ignoring_minus_100():
     exp = expected("shellelastic")
     model = from_pretrained(fixture_path("shellelastic"))

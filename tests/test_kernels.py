@@ -238,7 +238,7 @@ def test_attention_kernel_equals_the_reference_over_the_visible_slots(dtype, B, 
     rows_in_cache = B + 1 if per_row else B
     cache = kernels.KVCache(rows_in_cache, K, S, D, dtype, "cpu")
     keys, values = torch.randn(rows_in_cache, K, S + 1, D), torch.randn(rows_in_cache, K, S + 1, D)
-    cache.update(dense.Step(torch.arange(S + 1), None, None, {}, {}), keys, values)
+    cache.write(dense.Step(torch.arange(S + 1), None, None, {}, {}), keys, values)
     q = torch.randn(B, H, T, D)
     pos = torch.arange(P, P + T)
     if T == 64:

@@ -11,6 +11,7 @@ Imports nothing of the project (readline, termios and rich only).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -188,18 +189,13 @@ class Notes:
         else:
             self.console.print(f"[dim]{message}[/dim]", highlight=False)
 
+    @contextlib.contextmanager
     def held(self):
         """A context: the notes of a reply, printed when it ends (after the caller's last write of the reply)."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def holding():
-            self.waiting = []
-            try:
-                yield
-            finally:
-                waiting, self.waiting = self.waiting, None
-                for message in waiting:
-                    self(message)
-
-        return holding()
+        self.waiting = []
+        try:
+            yield
+        finally:
+            waiting, self.waiting = self.waiting, None
+            for message in waiting:
+                self(message)

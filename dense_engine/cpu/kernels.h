@@ -474,6 +474,17 @@ void check_nf4(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& 
               absmax.is_contiguous(), op, ": bad shapes");
 }
 
+// y [..., N]: a few rows of x by tiles(y), more by GEMMs on the weight rows unpack(n0, nb, out) writes (int4, nf4)
+template <typename W, typename Tiles, typename Unpack>
+at::Tensor by_rows_of_x(const Rows& x, const at::Tensor& x_, int64_t N, Tiles tiles, Unpack unpack) {
+  auto y = output_like(x_, N);
+  if (x.M > GEMM_ROWS)
+    gemm_by_tiles<W>(x.t, N, y.data_ptr<float>(), N, nullptr, unpack);
+  else
+    tiles(y.data_ptr<float>());
+  return y;
+}
+
 template <typename W>
 at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_int4: x must be float32");
@@ -482,14 +493,8 @@ at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tens
   check_int4(q, d, mn, K, "linear_int4");
   const float *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  auto y = output_like(x_, N);
-  if (x.M > GEMM_ROWS)
-    gemm_by_tiles<W>(x.t, N, y.data_ptr<float>(), N, nullptr, [&](int64_t n0, int64_t nb, W* out) {
-      int4_rows(qp, dp, mp, K, n0, n0 + nb, out);
-    });
-  else
-    int4_tiles(x.data(), qp, dp, mp, x.M, K, y.data_ptr<float>(), N);
-  return y;
+  return by_rows_of_x<W>(x, x_, N, [&](float* y) { int4_tiles(x.data(), qp, dp, mp, x.M, K, y, N); },
+                        [&](int64_t n0, int64_t nb, W* out) { int4_rows(qp, dp, mp, K, n0, n0 + nb, out); });
 }
 
 template <typename W>
@@ -501,14 +506,8 @@ at::Tensor linear_nf4(const at::Tensor& x_, const at::Tensor& q, const at::Tenso
   const auto table = code.contiguous();
   const float *ap = absmax.data_ptr<float>(), *cp = table.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  auto y = output_like(x_, N);
-  if (x.M > GEMM_ROWS)
-    gemm_by_tiles<W>(x.t, N, y.data_ptr<float>(), N, nullptr, [&](int64_t n0, int64_t nb, W* out) {
-      nf4_rows(qp, ap, cp, K, n0, n0 + nb, out);
-    });
-  else
-    nf4_tiles(x.data(), qp, ap, cp, x.M, K, y.data_ptr<float>(), N);
-  return y;
+  return by_rows_of_x<W>(x, x_, N, [&](float* y) { nf4_tiles(x.data(), qp, ap, cp, x.M, K, y, N); },
+                        [&](int64_t n0, int64_t nb, W* out) { nf4_rows(qp, ap, cp, K, n0, n0 + nb, out); });
 }
 
 // [N, K] bfloat16 from unpack(n0, n1, rows n0 .. n1 - 1 as W): a CPU model's weights for another device's step, tests

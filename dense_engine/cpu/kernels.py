@@ -249,7 +249,7 @@ class KVCache(dense.KVCache):
         self.register_buffer("k", k, persistent=False)
         self.register_buffer("v", v, persistent=False)
 
-    def update(self, step, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, step, k: torch.Tensor, v: torch.Tensor) -> None:
         k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         if step.input_pos.ndim == 1 and step.rows is None:  # every row writes the same slots
             pos, B = step.input_pos, k.shape[0]
@@ -263,7 +263,7 @@ class KVCache(dense.KVCache):
     def attend(self, q, k, v, step: dense.Step, view: dense.View, scale: float, softcap: float | None):
         if view.own_keys:  # a plain pass or a prefill from slot 0: dense.py's attention on this call's own k, v
             return super().attend(q, k, v, step, view, scale, softcap)
-        self.update(step, k, v)
+        self.write(step, k, v)
         # a prefill chunk after earlier tokens: one masked SDPA over the slots in use (a compiled prefill step, whose
         # length is dynamic, up to generate.PREFILL_CHUNK: the kernel)
         if statically_known_true(q.shape[2] > PER_QUERY_TOKENS):

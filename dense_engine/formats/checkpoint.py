@@ -268,5 +268,3 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
             if len(config.rope_scaling[key]) != config.rope_dim // 2:
                 bad(f"rope_scaling {key} has {len(config.rope_scaling[key])} entries, expected rotary dimension / 2"
                     f" = {config.rope_dim // 2}")
-        if config.rope_precision != "float32":
-            bad("rope_scaling needs rope_precision 'float32'")

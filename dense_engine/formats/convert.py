@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import glob
 import json
@@ -153,7 +154,7 @@ def write_native(dst: str, config: DenseConfig, tensors: dict[str, torch.Tensor]
 
     os.makedirs(dst, exist_ok=True)
     atomic_write(os.path.join(dst, "model.safetensors"), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    values = {**config.to_dict(), **(record or {})}
+    values = {**dataclasses.asdict(config), **(record or {})}
     if dtype is not None:
         values["torch_dtype"] = str(dtype).removeprefix("torch.")
     atomic_write(os.path.join(dst, "config.json"), lambda p: open(p, "w").write(json.dumps(values, indent=2) + "\n"))
@@ -225,7 +226,7 @@ def write_variant(checkpoint, mode: str, dst: str, params: dict, progress=None, 
             values = read_json(config_path)  # keep the release's own config.json, adding the record
         else:
             declared = checkpoint.dtype
-            values = {**checkpoint.config.to_dict(), **({"torch_dtype": str(declared).removeprefix("torch.")}
+            values = {**dataclasses.asdict(checkpoint.config), **({"torch_dtype": str(declared).removeprefix("torch.")}
                                                          if declared else {})}
         values.setdefault("quantization", {})[mode] = {"file": variant_file(mode), "group_size": params["group_size"]
                                                        if mode == "int4" else None, "double_quant": double_quant,

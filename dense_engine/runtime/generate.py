@@ -52,13 +52,19 @@ def bucket_for(length: int, cache_len: int) -> int:
     return next(b for b in buckets(cache_len) if b >= length)
 
 
+def cache_bytes(model: dense.DenseDecoder, batch: int, seq_len: int, dtype: torch.dtype | None = None) -> int:
+    """The bytes of a KV cache of batch x seq_len tokens (+ the scratch slot) in dtype (default the model's)."""
+    elem = torch.empty((), dtype=dtype or model.dtype).element_size()
+    return sum(2 * batch * layer.attn.n_kv_heads * (seq_len + 1) * layer.attn.head_dim * elem for layer in model.layers)
+
+
 def setup_cache(model: dense.DenseDecoder, batch: int, seq_len: int) -> None:
     """model.setup_cache with the cache this device runs fastest (on CPU, float32: kernels.py's), refused in one line
     when it would not fit the memory available."""
     cache_class, dtype = kernels.cache_for(model)
     for layer in model.layers:  # (the old cache's memory counts as available)
         layer.attn.kv_cache = dense.NoCache()
-    need, have = model.cache_bytes(batch, seq_len, dtype), machine.available_memory(model.device)
+    need, have = cache_bytes(model, batch, seq_len, dtype), machine.available_memory(model.device)
     if need > have:
         raise ValueError(f"a KV cache of {seq_len} tokens x batch {batch} needs {need / 2**30:.1f} GiB; "
                          f"{model.device.type} has {have / 2**30:.1f} GiB available (a smaller max_seq_len fits)")

@@ -68,14 +68,14 @@ def fitting_cache(model, batch: int = 1, asked: int | None = None) -> int:
     context = model.config.max_position_embeddings
     dtype = kernels.cache_for(model)[1]
     budget = machine.available_memory(model.device) // 4
-    if model.cache_bytes(batch, context, dtype) <= budget:
+    if generate.cache_bytes(model, batch, context, dtype) <= budget:
         return context
     length = 256
-    while length * 2 < context and model.cache_bytes(batch, length * 2, dtype) <= budget:
+    while length * 2 < context and generate.cache_bytes(model, batch, length * 2, dtype) <= budget:
         length *= 2
     rows = f" x {batch} rows" if batch > 1 else ""
     machine.note(f"the cache holds {length} tokens{rows}: the model's context of {context} would need "
-                 f"{model.cache_bytes(batch, context, dtype) / 2**30:.1f} GiB (--max-seq-len sets it)")
+                 f"{generate.cache_bytes(model, batch, context, dtype) / 2**30:.1f} GiB (--max-seq-len sets it)")
     return length
 
 

@@ -176,6 +176,21 @@ def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, dra
     checked by the target (see the module's docstring). stats gets proposed / accepted / target_steps; context: the
     tokens already in the target's cache at 0..start_pos - 1 (a chat's conversation), which a draft model needs to
     follow it."""
+    device = model.device
+    for new in generate_rounds(model, prompts, max_new_tokens, draft, speculate_k=speculate_k,
+                               temperature=temperature, top_k=top_k, top_p=top_p, compile=compile,
+                               start_pos=start_pos, vocab_limit=vocab_limit, steps=steps, stats=stats,
+                               context=context):
+        for t in new:
+            yield torch.tensor([[t]], device=device)
+
+
+def generate_rounds(model: dense.DenseDecoder, prompts, max_new_tokens: int, draft, *, speculate_k: int = 4,
+                    temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                    compile: bool = False, start_pos: int = 0, vocab_limit: int | None = None,
+                    steps: Steps | None = None, stats: dict | None = None, context: list[int] | None = None):
+    """generate_tokens' tokens a target step at a time: yields a list of token ids per step (the first: the prompt's
+    prefill and its token), so a caller may run other work between two rounds (serve.py's other rows)."""
     runner, ids, _ = prepare(model, prompts, max_new_tokens, start_pos, compile, steps)
     sampling = Sampling(temperature, top_k, top_p, vocab_limit)
     if ids.shape[0] != 1:
@@ -193,7 +208,7 @@ def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, dra
     logits = runner.prefill(ids, start_pos, None)[0]
     token = dense.sample(logits[None], sampling.temperature, sampling.top_k, sampling.top_p, sampling.vocab_limit)
     produced = 1
-    yield token
+    yield [int(token)]
     context.append(int(token))
     while produced < max_new_tokens:
         pos = len(context) - 1  # the current token's position: written by this verify step
@@ -210,10 +225,9 @@ def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, dra
             stats["proposed"] += n
             stats["accepted"] += accepted
         stats["target_steps"] += 1
-        for t in new:
-            yield torch.tensor([[t]], device=device)
-            context.append(t)
-            produced += 1
+        yield new
+        context += new
+        produced += len(new)
 
 
 @torch.no_grad()

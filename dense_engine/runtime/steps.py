@@ -12,6 +12,7 @@ checkpoint.py (atomic writes).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -61,7 +62,7 @@ def model_signature(model: dense.DenseDecoder) -> dict:
     tensors.update({name: [list(t.shape), str(t.dtype)] for name, t in model.named_parameters()})
     layers = {name: type(m).__name__ + "".join(getattr(m, "kinds", ())) for name, m in model.named_modules()
               if not list(m.children())}
-    return {"config": model.config.to_dict(), "tensors": tensors, "layers": layers, "device": model.device.type,
+    return {"config": dataclasses.asdict(model.config), "tensors": tensors, "layers": layers, "device": model.device.type,
             "kernels": kernels.available() if model.device.type == "cpu" else None}
 
 
