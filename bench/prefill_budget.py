@@ -18,7 +18,7 @@ import torch
 
 from dense_engine.cli.flags import load_model
 from dense_engine.formats.vocab import load_vocabulary
-from dense_engine.server import serve
+from dense_engine.server.scheduler import Scheduler
 
 
 def timed(fn) -> float:
@@ -48,7 +48,7 @@ def main() -> int:
     model, _ = load_model(ckpt, flags, console)
     vocab = load_vocabulary(ckpt, None)
     ctx = 1 << (args.long + 64).bit_length()
-    scheduler = serve.Scheduler(model, vocab, 8, ctx, compile=False)
+    scheduler = Scheduler(model, vocab, 8, ctx, compile=False)
     runner = scheduler.runner
     questions = [vocab.encode(vocab.render([{"role": "user", "content": q}]), special=False) for q in
                  ("What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis simply.",

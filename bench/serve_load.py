@@ -21,6 +21,8 @@ The other scenarios (this engine only, a server of their own each):
 - timeouts: 8 non-streamed requests (max_tokens 2000, end of text suppressed) whose clients give up after 1 s; the
   time of a request sent after them against the same request on the idle server.
 - flood: 100 requests at once with --max-queue 16: answered, refused (503), or neither within 300 s; then one more.
+- speculative: --lookup; one client whose prompt repeats itself beside 4 plain ones, started together: each one's
+  time to first token and largest gap between two pieces of text.
 --root runs another checkout's serve.py (a before/after pair from one script).
 """
 
@@ -219,8 +221,26 @@ async def flood(port: int, count: int = 100, limit: float = 300) -> dict:
             "other": [s for s in statuses if s not in (200, 503)], "seconds": elapsed, "next_request": after}
 
 
+async def speculative(port: int) -> dict:
+    """One client whose reply speculates (prompt lookup: a prompt that repeats itself) beside 4 plain ones, started
+    together: each client's time to first token and its largest gap between two pieces of text."""
+    repeated = "Repeat this list exactly, ten times: alpha, beta, gamma, delta, epsilon."
+    prompts = [repeated] + PROMPTS[:4]
+    async with openai_client(port) as client:
+        await stream_chat(client, [{"role": "user", "content": "Hello!"}], 8)  # (warm-up)
+        replies = await asyncio.gather(*(stream_chat(client, [{"role": "user", "content": p}], 96) for p in prompts))
+    def gaps(r):
+        return [b - a for a, b in zip(r["times"], r["times"][1:])] or [0.0]
+    return {"scenario": "speculative", "ttft_ms": [round(r["ttft"] * 1000) for r in replies],
+            "largest_gap_ms": [round(max(gaps(r)) * 1000) for r in replies],
+            "median_gap_ms": [round(sorted(gaps(r))[len(gaps(r)) // 2] * 1000, 1) for r in replies],
+            "tokens": [r["tokens"] for r in replies],
+            "seconds": [round(r["end"] - r["times"][0] + r["ttft"], 2) if r["times"] else None for r in replies]}
+
+
 SCENARIOS = {"multi-turn": (multi_turn, None, ()), "long-prompt": (long_prompt, 4096, ()),
-             "timeouts": (timeouts, None, ()), "flood": (flood, None, ("--max-queue", "16"))}
+             "timeouts": (timeouts, None, ()), "flood": (flood, None, ("--max-queue", "16")),
+             "speculative": (speculative, None, ("--lookup",))}
 
 
 def main() -> int:
@@ -250,8 +270,8 @@ def main() -> int:
         if name == "load":
             continue
         scenario, ctx, extra = SCENARIOS[name]
-        with open(os.path.join(args.root, "serve.py")) as f:
-            extra = extra if all(flag in f.read() for flag in extra[::2]) else ()  # (an older serve.py: without)
+        with open(os.path.join(args.root, "serve.py")) as f:  # (an older serve.py: without its new flags)
+            extra = extra if name == "speculative" or all(flag in f.read() for flag in extra[::2]) else ()
         process, port = start("dense", args, ctx, extra)
         try:
             row = asyncio.run(scenario(port))
@@ -285,14 +305,14 @@ def main() -> int:
             process.terminate()
             process.wait(timeout=30)
     print(f"\n{'engine':6s} {'load':30s} {'req/s':>6s} {'tok/s':>7s} {'TTFT p50/p95 ms':>16s} {'ITL p50/p95 ms':>15s}")
-    for r in rows:
+    for r in (r for r in rows if "engine" in r):  # (the scenarios' rows were printed as they came)
         print(f"{r['engine']:6s} {r['mode']:30s} {r['requests_per_s']:6.2f} {r['tokens_per_s']:7.1f} "
               f"{r['ttft_p50_ms'] or 0:7.0f} /{r['ttft_p95_ms'] or 0:6.0f} {r['itl_p50_ms'] or 0:7.1f} /"
               f"{r['itl_p95_ms'] or 0:6.1f}")
     for engine in args.engines.split(","):
-        seq = next(r for r in rows if r["engine"] == engine and "one after" in r["mode"])
-        eight = next((r for r in rows if r["engine"] == engine and r["clients"] == 8 and "one after" not in r["mode"]),
-                     None)
+        seq = next(r for r in rows if r.get("engine") == engine and "one after" in r["mode"])
+        eight = next((r for r in rows if r.get("engine") == engine and r["clients"] == 8
+                      and "one after" not in r["mode"]), None)
         if eight:
             print(f"{engine}: 8 clients {eight['tokens_per_s'] / seq['tokens_per_s']:.2f}x the same requests one after "
                   "another")

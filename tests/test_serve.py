@@ -273,11 +273,11 @@ def test_torchrun_serves_from_rank_0_with_the_others_following(server, tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Stop strings split across tokens (serve.finish, fed token by token as the scheduler does)
+# Stop strings split across tokens (scheduler.finish, fed token by token as the scheduler does)
 
 
 class Pieces:
-    """A vocabulary whose token i is pieces[i] (its text), for serve.finish."""
+    """A vocabulary whose token i is pieces[i] (its text), for scheduler.finish."""
     stop_ids: set = set()
 
     def __init__(self, pieces):
@@ -293,25 +293,23 @@ class Pieces:
 
 
 def quiet_request(prompt, n=10, sent=None, stop=(), **fields):
-    """A greedy Request for a scheduler (or serve.finish) driven by hand, no event loop: its events go to `sent`, or
-    nowhere."""
-    from dense_engine.server import serve
+    """A greedy Request for a scheduler (or scheduler.finish) driven by hand, no event loop: its events go to
+    `sent`, or nowhere."""
+    from dense_engine.server import scheduler
 
     put = sent.append if sent is not None else (lambda event: None)
-    loop = type("Loop", (), {"call_soon_threadsafe": staticmethod(lambda fn, event: fn(event))})()
-    events = type("Events", (), {"put_nowait": staticmethod(put)})()
-    return serve.Request(prompt, n, 0.0, None, None, list(stop), torch_generator(), loop, events, **fields)
+    return scheduler.Request(prompt, n, 0.0, None, None, list(stop), torch_generator(), put, **fields)
 
 
 def run_finish(pieces, stop, max_tokens=100):
     """The text events finish() sends for tokens 0..len(pieces)-1 in order, and the finish reason."""
-    from dense_engine.server import serve
+    from dense_engine.server import scheduler
 
     sent = []
     request = quiet_request([1], max_tokens, sent, stop=stop)
     reason = None
     for token in range(len(pieces)):
-        reason = serve.finish(Pieces(pieces), request, token)
+        reason = scheduler.finish(Pieces(pieces), request, token)
         if reason:
             break
     return [e[2] for e in sent if e[1] == "text"], reason  # (events: index, kind, text, logprob entries)
@@ -719,32 +717,33 @@ def test_a_fault_in_a_scheduler_step_fails_the_requests_in_flight_and_serving_go
     request is served as if nothing happened."""
     from dense_engine.formats import load
     from dense_engine.formats import vocab as vocab_module
-    from dense_engine.server import serve
+    from dense_engine.server import runner
+    from dense_engine.server.scheduler import Scheduler
 
     model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
-    scheduler = serve.Scheduler(model, vocab, 2, 64, compile=False)
+    scheduler = Scheduler(model, vocab, 2, 64, compile=False)
     sent = []
 
     def request(i):
         return quiet_request([1, 5, 9], 6, sent, index=i)
 
-    healthy = serve.step
+    healthy = runner.ModelCalls.call
     calls = []
 
-    def faulty(runner, action):
-        calls.append(action[0])
-        if action[0] == "decode":
+    def faulty(self, name, **args):
+        calls.append(name)
+        if name == "decode":
             raise RuntimeError("a device fell over")
-        return healthy(runner, action)
+        return healthy(self, name, **args)
 
-    monkeypatch.setattr(serve, "step", faulty)
+    monkeypatch.setattr(runner.ModelCalls, "call", faulty)
     scheduler.submit(request(0))
     scheduler.submit(request(1))
     scheduler.safe_turn()  # both admitted, then the decode step raises
     failed = [e for e in sent if e[1] == "error"]
     assert sorted(e[0] for e in failed) == [0, 1] and "a device fell over" in failed[0][2]
     assert scheduler.rows == [None, None]
-    monkeypatch.setattr(serve, "step", healthy)
+    monkeypatch.setattr(runner.ModelCalls, "call", healthy)
     sent.clear()
     scheduler.submit(request(2))
     for _ in range(10):
@@ -799,20 +798,21 @@ def test_prefix_reuse_prefills_only_the_new_turn_and_gives_the_cold_prefills_tok
     scheduler without reuse. A prompt sharing nothing takes another free row's cache from slot 0."""
     from dense_engine.formats import load
     from dense_engine.formats import vocab as vocab_module
-    from dense_engine.server import serve
+    from dense_engine.server import runner
+    from dense_engine.server.scheduler import Scheduler
 
     model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
     prefilled = []
-    healthy = serve.step
+    healthy = runner.ModelCalls.call
 
-    def counting(runner, action):
-        if action[0] == "prefill":
-            prefilled.append((action[1], len(action[2]), action[4]))  # (row, tokens prefilled, from slot)
-        return healthy(runner, action)
+    def counting(self, name, **args):
+        if name == "prefill":
+            prefilled.append((args["row"], len(args["prompt"]), args["start"]))  # (row, tokens prefilled, from slot)
+        return healthy(self, name, **args)
 
-    monkeypatch.setattr(serve, "step", counting)
-    reusing = serve.Scheduler(model, vocab, 2, 128, compile=compiled)
-    cold = serve.Scheduler(model, vocab, 2, 128, compile=compiled, reuse=False)
+    monkeypatch.setattr(runner.ModelCalls, "call", counting)
+    reusing = Scheduler(model, vocab, 2, 128, compile=compiled)
+    cold = Scheduler(model, vocab, 2, 128, compile=compiled, reuse=False)
 
 
     first_prompt = vocab.encode(vocab.render([{"role": "user", "content": "hello there"}]), special=False)
@@ -837,19 +837,20 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_rows_steps(mon
     also a decode step of the running row; both greedy replies equal the same requests served alone, whole."""
     from dense_engine.formats import load
     from dense_engine.formats import vocab as vocab_module
-    from dense_engine.server import serve
+    from dense_engine.server import runner
+    from dense_engine.server.scheduler import Scheduler
 
     model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
     calls = []
-    healthy = serve.step
+    healthy = runner.ModelCalls.call
 
-    def recording(runner, action):
-        calls.append((action[0], len(action[2]) if action[0] == "prefill" else None))
-        return healthy(runner, action)
+    def recording(self, name, **args):
+        calls.append((name, len(args["prompt"]) if name == "prefill" else None))
+        return healthy(self, name, **args)
 
-    monkeypatch.setattr(serve, "step", recording)
-    chunked = serve.Scheduler(model, vocab, 2, 128, compile=compiled, prefill_chunk=8)
-    whole = serve.Scheduler(model, vocab, 2, 128, compile=compiled, reuse=False, prefill_chunk=0)
+    monkeypatch.setattr(runner.ModelCalls, "call", recording)
+    chunked = Scheduler(model, vocab, 2, 128, compile=compiled, prefill_chunk=8)
+    whole = Scheduler(model, vocab, 2, 128, compile=compiled, reuse=False, prefill_chunk=0)
     short = vocab.encode("the cat sat", special=False)
     long = vocab.encode("a long pasted page of text " * 4, special=False)
     assert len(long) > 40
@@ -875,18 +876,19 @@ def test_requests_arriving_together_are_prefilled_in_one_pass_with_their_tokens_
     each greedy reply equals the same request's alone."""
     from dense_engine.formats import load
     from dense_engine.formats import vocab as vocab_module
-    from dense_engine.server import serve
+    from dense_engine.server import runner
+    from dense_engine.server.scheduler import Scheduler
 
     model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
     calls = []
-    healthy = serve.step
+    healthy = runner.ModelCalls.call
 
-    def recording(runner, action):
-        calls.append(action[0])
-        return healthy(runner, action)
+    def recording(self, name, **args):
+        calls.append(name)
+        return healthy(self, name, **args)
 
-    monkeypatch.setattr(serve, "step", recording)
-    together = serve.Scheduler(model, vocab, 4, 128, compile=False)
+    monkeypatch.setattr(runner.ModelCalls, "call", recording)
+    together = Scheduler(model, vocab, 4, 128, compile=False)
     prompts = [vocab.encode(text, special=False) for text in
                ("once upon a time there was a small village by the sea " * 2, "the quick brown fox jumps " * 5,
                 "to be or not to be, that is the question " * 3)]
@@ -897,6 +899,38 @@ def test_requests_arriving_together_are_prefilled_in_one_pass_with_their_tokens_
     for _ in range(20):
         together.safe_turn()
     assert calls[0] == "prefill_rows" and "prefill" not in calls
-    alone = serve.Scheduler(model, vocab, 4, 128, compile=False, reuse=False)  # (a new cache: the model has one)
+    alone = Scheduler(model, vocab, 4, 128, compile=False, reuse=False)  # (a new cache: the model has one)
     for r, p in zip(requests, prompts):
         assert r.generated == run_alone(alone, quiet_request(p, 8))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_speculative_request_decodes_beside_the_batch_with_every_answer_its_own(compiled):
+    """With a draft (prompt lookup), the first request speculates in row 0, a round a turn, while the next two
+    decode in the other rows: they get their first tokens before it ends; every greedy reply equals the same
+    request's alone in a scheduler without a draft."""
+    from dense_engine.formats import load
+    from dense_engine.formats import vocab as vocab_module
+    from dense_engine.runtime import speculative
+    from dense_engine.server.scheduler import Scheduler, Status
+
+    model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
+    beside = Scheduler(model, vocab, 3, 128, compile=compiled, draft=speculative.LookupDraft(), speculate_k=3)
+    prompts = [vocab.encode("one two three one two three one two three one two", special=False),
+               vocab.encode("the cat sat", special=False), vocab.encode("a zebra crossing", special=False)]
+    requests = [quiet_request(p, 24) for p in prompts]
+    for r in requests:
+        beside.submit(r)
+    seen_speculating, first_while_speculating = False, set()
+    for _ in range(200):
+        beside.safe_turn()
+        speculating = requests[0].status is Status.SPECULATING
+        seen_speculating |= speculating
+        first_while_speculating |= {i for i in (1, 2) if speculating and requests[i].generated}
+        if all(r.finish_reason for r in requests):
+            break
+    assert seen_speculating and first_while_speculating == {1, 2}
+    assert beside.speculation is None and beside.rows == [None, None, None]
+    plain = Scheduler(model, vocab, 3, 128, compile=compiled, reuse=False)
+    for r, p in zip(requests, prompts):
+        assert r.generated == run_alone(plain, quiet_request(p, 24))

@@ -181,3 +181,29 @@ class TextStream:
         text = self.vocab.decode(self.ids)
         new, self.shown = text[self.shown:], len(text)
         return new
+
+
+class StopText:
+    """A reply's text as it grows, cut at the first stop string: push(piece) returns what is safe to show now,
+    holding back a tail that could still grow into a stop string (in order, until it completes one or cannot);
+    `stopped` once one appeared (nothing from it on is shown)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops, self.pending, self.stopped = stops, "", False
+
+    def push(self, piece: str) -> str:
+        self.pending += piece
+        for stop in self.stops:
+            at = self.pending.find(stop)
+            if at >= 0:
+                shown, self.pending, self.stopped = self.pending[:at], "", True
+                return shown
+        keep = max((n for stop in self.stops for n in range(1, len(stop)) if self.pending.endswith(stop[:n])),
+                   default=0)  # the longest tail that could still grow into a stop string
+        shown, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        return shown
+
+    def flush(self) -> str:
+        """What is held back (the text ends here)."""
+        held, self.pending = self.pending, ""
+        return held

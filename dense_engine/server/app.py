@@ -1,0 +1,278 @@
+"""The HTTP app (Starlette): routes as small functions over the server's state. A completion: parse the body
+(protocol.py) in a worker thread, one scheduler Request per prompt whose events come back on an asyncio queue, and
+those events read once (responses.ClientEvents) into a stream of chunks or one body (a Reply of the route's format).
+Errors are the APIs' own bodies (BadRequest) with their status; a bug of ours is a 500 and the server goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import uuid
+
+import torch
+
+from dense_engine.runtime import grammar
+from dense_engine.server.protocol import BadRequest, Settings, parse_request
+from dense_engine.server.responses import FORMATS, ClientEvents
+from dense_engine.server.scheduler import Request
+
+COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+
+
+def make_jobs(settings: Settings, server, sink) -> list[Request]:
+    """A scheduler Request per prompt of the settings, each with its own seeded noise; their events go to sink."""
+    vocab, model = server.vocab, server.scheduler.model
+    V = model.config.vocab_size
+    return [Request(prompt, settings.max_tokens, settings.temperature, settings.top_p, settings.top_k,
+                    settings.stop, torch.Generator(model.device).manual_seed((settings.seed + i) % 2**63), sink,
+                    logprobs=settings.logprobs, echo=settings.echo, index=i,
+                    constraint=grammar.Constraint(settings.grammar, grammar.tokenizer_for(vocab, V), V)
+                    if settings.grammar else None, logit_bias=settings.logit_bias,
+                    presence_penalty=settings.presence_penalty, frequency_penalty=settings.frequency_penalty)
+            for i, prompt in enumerate(settings.prompts)]
+
+
+def make_app(server):
+    """The ASGI app: the routes below (each finds the server's state as request.app.state.server), the APIs' error
+    bodies, then the API key and the log line (Guard) and, when asked for, CORS outermost."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Route
+
+    routes = [Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
+              Route("/v1/chat/completions", chat, methods=["POST"]),
+              Route("/v1/completions", complete, methods=["POST"]),
+              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
+    app = Starlette(routes=routes, exception_handlers={BadRequest: bad_request, HTTPException: http_error,
+                                                        Exception: crash})
+    app.state.server = server
+    app = Guard(app, server.args.api_key, server.metrics)
+    origins = getattr(server.args, "cors_origin", None)
+    if origins:  # outermost: a browser's preflight is answered before the API key is asked for
+        from starlette.middleware.cors import CORSMiddleware
+
+        app = CORSMiddleware(app, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
+                             allow_headers=["*"])
+    return app
+
+
+def state(request):
+    return request.app.state.server
+
+
+async def health(request):
+    server = state(request)
+    if server.error:
+        return json_response({"status": "error", "error": server.error}, 500)
+    ready = server.ready.is_set()
+    return json_response({"status": "ok"} if ready else {"status": "loading"}, 200 if ready else 503)
+
+
+async def models(request):
+    return json_response({"object": "list", "data": [{"id": state(request).name, "object": "model",
+                                                      "created": int(time.time()), "owned_by": "dense-engine"}]})
+
+
+async def chat(request):
+    return await completions(request, "chat")
+
+
+async def complete(request):
+    return await completions(request, "completion")
+
+
+async def completions(request, kind: str):
+    """A chat completion or a completion: its jobs submitted, their events read into the route's format."""
+    from starlette.responses import StreamingResponse
+
+    server, body = state(request), await ready_json(request)
+    refuse_if_full(server, 1)  # (before the work of parsing it)
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+    def sink(event) -> None:  # (called on the scheduler's thread)
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    # the template's rendering, the tokenizing and a grammar's compiling run in a worker thread: the event loop
+    # keeps streaming the other requests' tokens meanwhile
+    settings, jobs = await asyncio.to_thread(parse_jobs, server, body, kind, sink)
+    refuse_if_full(server, len(jobs))
+    head = {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
+            "model": body.get("model") if isinstance(body.get("model"), str) else server.name,
+            "system_fingerprint": None}
+    for job in jobs:
+        server.scheduler.submit(job)
+    request.scope.setdefault("state", {})["job"] = jobs[0]
+    reader, reply = ClientEvents(jobs, server.vocab, settings.calling), FORMATS[kind](head, jobs, server.vocab)
+    if settings.stream:
+        return StreamingResponse(streamed(reader, reply, events, jobs, settings.include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    if not await whole(request, reader, reply, events, jobs):
+        return json_response({}, 499)
+    return json_response(reply.body())
+
+
+def parse_jobs(server, body: dict, kind: str, sink) -> tuple[Settings, list[Request]]:
+    settings = parse_request(body, kind, server.vocab, server.max_seq_len, server.scheduler.draft is not None)
+    return settings, make_jobs(settings, server, sink)
+
+
+async def tokenize(request):
+    """llama-server's shape: {"content": text, "add_special": false, "with_pieces": false} -> {"tokens": [...]}."""
+    vocab, body = state(request).vocab, await ready_json(request)
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise BadRequest("'content' must be a string", "content")
+    ids = vocab.encode(content, special=bool(body.get("add_special", False)))
+    if body.get("with_pieces"):
+        return json_response({"tokens": [{"id": i, "piece": vocab.tokenizer.id_to_token(i)} for i in ids]})
+    return json_response({"tokens": ids})
+
+
+async def detokenize(request):
+    """{"tokens": [ids]} -> {"content": text}."""
+    vocab, body = state(request).vocab, await ready_json(request)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab.size
+                                            for i in ids):
+        raise BadRequest(f"'tokens' must be a list of token ids in 0..{vocab.size - 1}", "tokens")
+    return json_response({"content": vocab.tokenizer.decode(ids, skip_special_tokens=False)})
+
+
+async def metrics(request):
+    from starlette.responses import Response
+
+    text, media_type = state(request).metrics.text()
+    return Response(text, media_type=media_type)
+
+
+async def ready_json(request) -> dict:
+    if not state(request).ready.is_set():
+        raise BadRequest("the model is loading; try again shortly", status=503, kind="server_error")
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON ({getattr(e, 'msg', 'not UTF-8')})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+async def bad_request(request, e: BadRequest):
+    return error_response(e)
+
+
+async def http_error(request, e):
+    message = "not found" if e.status_code == 404 else e.detail
+    return error_response(BadRequest(f"{request.method} {request.url.path}: {message}", status=e.status_code))
+
+
+async def crash(request, e: Exception):  # a bug of ours: one line in the log, a 500 body, the server goes on
+    print(f"error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+    return error_response(BadRequest(f"internal error: {type(e).__name__}", status=500, kind="server_error"))
+
+
+def json_response(content, status: int = 200, headers: dict | None = None):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(content, status_code=status, headers=headers)
+
+
+async def streamed(reader: ClientEvents, reply, events: asyncio.Queue, jobs: list[Request], include_usage: bool):
+    """Server-sent events: the reply's chunks as its pieces come, then the usage (when asked) and [DONE]."""
+    try:
+        for chunk in reply.start():
+            yield sse(chunk)
+        while reader.open:
+            for piece in reader.feed(await events.get()):
+                for chunk in reply.chunks(piece):
+                    yield sse(chunk)
+        if include_usage:
+            yield sse(reply.usage_chunk())
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away (or the stream ended): the rows are freed at the next step
+        for job in jobs:
+            job.cancelled = job.finish_reason is None
+
+
+async def whole(request, reader: ClientEvents, reply, events: asyncio.Queue, jobs: list[Request]) -> bool:
+    """Fold every piece into the reply; False when the client went away first (its rows are freed at the next
+    step, and no one is answered)."""
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        while reader.open:
+            got = asyncio.ensure_future(events.get())
+            await asyncio.wait([got, gone], return_when=asyncio.FIRST_COMPLETED)
+            if gone.done():
+                got.cancel()
+                for job in jobs:
+                    job.cancelled = True
+                return False
+            for piece in reader.feed(got.result()):
+                reply.fold(piece)
+        return True
+    finally:
+        gone.cancel()
+
+
+async def disconnected(request) -> None:
+    """Returns when the client of a non-streamed request goes away (its body is read: the next message of the
+    connection is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def refuse_if_full(server, incoming: int) -> None:
+    waiting = server.scheduler.waiting.qsize()
+    if waiting + incoming > server.args.max_queue:
+        raise BadRequest(f"the server is busy ({waiting} requests wait for a row); try again shortly",
+                         status=503, kind="server_error", code="queue_full")
+
+
+def error_response(e: BadRequest):
+    return json_response(e.body(), e.status, {"Retry-After": "1"} if e.status == 503 else None)
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Guard:
+    """ASGI middleware: the API key (when --api-key is set) and one log line per request (method, path, status,
+    tokens, time)."""
+
+    def __init__(self, app, api_key: str | None, metrics=None) -> None:
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [0]
+        scope.setdefault("state", {})
+        if self.api_key is not None and scope["path"] != "/health":
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+                response = error_response(BadRequest("invalid or missing API key (Authorization: Bearer KEY)",
+                                                     status=401, code="invalid_api_key"))
+                await response(scope, receive, send)
+                log(scope, 401, None, start)
+                return
+
+        async def watched(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                log(scope, status[0], scope["state"].get("job"), start)
+                if self.metrics is not None and scope["path"] in COMPLETION_ROUTES:
+                    self.metrics.requests.labels(str(status[0])).inc()
+
+        await self.app(scope, receive, watched)
+
+
+def log(scope, status: int, job: Request | None, start: float) -> None:
+    tokens = f"{len(job.prompt)}+{len(job.generated)} tokens" if job is not None else "-"
+    print(f"{scope['method']} {scope['path']} {status} {tokens} {(time.perf_counter() - start) * 1000:.0f} ms",
+          file=sys.stderr, flush=True)

@@ -1,0 +1,329 @@
+"""What a request asks, checked: OpenAI's chat and completions bodies -> one frozen Settings record and its prompts,
+or BadRequest (a 4xx with OpenAI's error body naming the parameter). No HTTP here and no model: the vocabulary, the
+context length and whether the server speculates are all it needs to know."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from dense_engine.formats.vocab import Vocabulary
+from dense_engine.runtime import grammar, tools
+from dense_engine.system.errors import UsageError
+
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+# Parameters that change results and are not implemented: refused by name (400), never ignored. Parameters this
+# server does not know at all are ignored with one log line, as llama-server and vLLM do (front-ends send many).
+REFUSED = {"n": lambda v: v not in (None, 1), "functions": bool, "function_call": lambda v: v not in (None, "none"),
+           "best_of": lambda v: v not in (None, 1), "suffix": lambda v: v not in (None, ""),
+           "prediction": lambda v: v is not None, "audio": lambda v: v is not None,
+           "modalities": lambda v: v not in (None, ["text"])}
+IGNORED = ("model", "user", "metadata", "store", "service_tier")  # no effect on the text
+SHARED = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+          "stream_options", "logprobs", "response_format", "logit_bias", "presence_penalty", "frequency_penalty"}
+KNOWN = {"chat": {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}, "completion": {
+    "prompt", "echo"}}
+
+
+class BadRequest(Exception):
+    """A request the server refuses: 4xx with OpenAI's error body naming the parameter."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.status, self.kind, self.code = param, status, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """The tools a chat request offers: their names, the reply format the template's family writes calls in, whether
+    several calls may come at once, and the grammar of a required call (None: the model may answer in text)."""
+    tools: list
+    names: frozenset
+    format: str
+    parallel: bool
+    grammar: str | None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One request's settings, checked: a prompt per choice (token ids), how to sample, when to stop, what to report."""
+    prompts: list[list[int]]
+    max_tokens: int
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    seed: int
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # alternatives per token (0: the chosen one's alone); None: no logprobs
+    echo: bool  # (completions) the prompt and its logprobs before the reply
+    grammar: str | None  # a response_format's or a required tool call's
+    logit_bias: dict
+    presence_penalty: float
+    frequency_penalty: float
+    calling: ToolCalling | None
+
+
+def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculative: bool = False) -> Settings:
+    """The settings of a JSON body (chat: messages rendered by the checkpoint's template; completion: the prompt as
+    `chat.py --complete` tokenizes it), or BadRequest. The checks run in the order a reader meets the parameters."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    check_names(body, kind)
+    if kind == "chat":
+        prompt, calling = chat_prompt(body, vocab)
+        prompts, logprobs, echo = [prompt], chat_logprobs(body), False
+    else:
+        prompts, calling = completion_prompts(body.get("prompt"), vocab), None
+        logprobs, echo = number(body, "logprobs", int, None, low=0, high=20), flag(body, "echo")
+    if speculative:
+        refuse_shaping(body, logprobs, echo)
+    max_tokens = token_limit(body, prompts, "messages" if kind == "chat" else "prompt", max_seq_len, echo)
+    stop, stream = stop_strings(body), flag(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise BadRequest("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
+    seed = number(body, "seed", int, None)
+    seed = seed if seed is not None else int(torch.randint(2**62, ()))
+    top_p = number(body, "top_p", float, None, low=0, high=1, low_open=True)
+    required = calling is not None and calling.grammar is not None
+    if required and body.get("response_format") not in (None, {"type": "text"}):
+        raise BadRequest("'response_format' and a required tool call cannot both shape the reply", "response_format")
+    shape = calling.grammar if required else response_grammar(body.get("response_format"))
+    bias = logit_bias(body.get("logit_bias"), vocab.size)
+    presence = number(body, "presence_penalty", float, 0.0, low=-2, high=2)
+    frequency = number(body, "frequency_penalty", float, 0.0, low=-2, high=2)
+    return Settings(prompts=prompts, max_tokens=max_tokens,
+                    temperature=number(body, "temperature", float, 1.0, low=0, high=2),
+                    top_p=None if top_p == 1 else top_p, top_k=number(body, "top_k", int, None, low=1), seed=seed,
+                    stop=stop, stream=stream, include_usage=options.get("include_usage", False), logprobs=logprobs,
+                    echo=echo, grammar=shape, logit_bias=bias, presence_penalty=presence, frequency_penalty=frequency,
+                    calling=calling)
+
+
+def check_names(body: dict, kind: str) -> None:
+    """Refuse what changes results and is not implemented; note what is unknown (and ignored)."""
+    allowed = KNOWN[kind] | SHARED | set(REFUSED) | set(IGNORED)
+    for name, value in body.items():
+        if name in REFUSED and REFUSED[name](value):
+            raise BadRequest(f"'{name}' is not supported by this server", name)
+        if name not in allowed:
+            print(f"note: ignoring the unknown parameter '{name}'", file=sys.stderr, flush=True)
+
+
+def chat_prompt(body: dict, vocab: Vocabulary) -> tuple[list[int], ToolCalling | None]:
+    """The messages (and the tools offered) rendered by the checkpoint's chat template, as token ids."""
+    messages = chat_messages(body.get("messages"))
+    if not vocab.chat_template:
+        raise BadRequest("this checkpoint has no chat template: use /v1/completions", "messages")
+    keep = ("role", "content", "tool_calls", "tool_call_id", "name")
+    messages = [{k: ("system" if k == "role" and v == "developer" else v) for k, v in m.items() if k in keep}
+                for m in messages]
+    calling, render_tools = tool_calling(body, vocab), None
+    if calling is not None:
+        messages, render_tools = tools.template_messages(messages, calling.tools, vocab.chat_template)
+    elif any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        messages = tools.template_messages(messages, [], vocab.chat_template)[0]
+    try:
+        return vocab.encode(vocab.render(messages, render_tools), special=False), calling
+    except UsageError as e:
+        raise BadRequest(str(e), "messages") from None
+
+
+def chat_messages(messages) -> list[dict]:
+    """The messages, checked: objects with a role and a string content (an assistant's tool calls: content null)."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
+    messages = [dict(m, content=message_text(m, i)) if isinstance(m, dict) else m for i, m in enumerate(messages)]
+    for i, m in enumerate(messages):
+        calls = isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls")
+        if not isinstance(m, dict) or not (isinstance(m.get("content"), str) or calls and m["content"] is None):
+            raise BadRequest(f"messages[{i}] must be an object with a string 'content'", f"messages[{i}]")
+        if m.get("role") not in CHAT_ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}",
+                             f"messages[{i}].role")
+        if calls and not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                          and isinstance(c["function"].get("name"), str)
+                                                          for c in calls)):
+            raise BadRequest(f"messages[{i}].tool_calls must be a list of {{id, type, function: {{name, "
+                             "arguments}}}", f"messages[{i}].tool_calls")
+    return messages
+
+
+def message_text(message: dict, i: int):
+    """A message's content as one string: text content parts ([{"type": "text", "text": ...}]) joined; any other
+    part refused by name. Other shapes are left for the caller's check."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise BadRequest(f"messages[{i}].content[{j}]: only text parts are supported, got type {kind!r}",
+                             f"messages[{i}].content[{j}]")
+        texts.append(part["text"])
+    return "\n".join(texts)  # (as vLLM joins them)
+
+
+def chat_logprobs(body: dict) -> int | None:
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, True, False):
+        raise BadRequest("'logprobs' must be true or false", "logprobs")
+    top = number(body, "top_logprobs", int, None, low=0, high=20)
+    if top is not None and not logprobs:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if logprobs else None
+
+
+def tool_calling(body: dict, vocab: Vocabulary) -> ToolCalling | None:
+    """The request's tools, checked, or None when there are none or tool_choice is "none"."""
+    given, choice = body.get("tools"), body.get("tool_choice")
+    if given in (None, []):
+        if choice not in (None, "none"):
+            raise BadRequest("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(given, list) or not all(
+            isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) and isinstance(t["function"].get("parameters", {}), dict)
+            for t in given):
+        raise BadRequest("'tools' must be a list of {type: function, function: {name, description, parameters}}",
+                         "tools")
+    names = frozenset(t["function"]["name"] for t in given)
+    choice = "auto" if choice is None else choice
+    only = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not (choice in ("none", "auto", "required") or only in names):
+        raise BadRequest(f"'tool_choice' must be none, auto, required or a function of 'tools' ({', '.join(sorted(names))})",
+                         "tool_choice")
+    if choice == "none":
+        return None
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise BadRequest("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    fmt = tools.reply_format(vocab.chat_template)
+    forced = None
+    if choice == "required" or only:
+        try:
+            forced = tools.call_grammar(given, only, fmt, parallel and not only)
+        except UsageError as e:
+            raise BadRequest(str(e), "tool_choice", status=500, kind="server_error") from None
+    return ToolCalling(given, names, fmt, parallel, forced)
+
+
+def completion_prompts(prompt, vocab: Vocabulary) -> list[list[int]]:
+    """A completion's prompts as token ids: a string, a list of strings (one choice each), a list of token ids, or
+    a list of lists of ids (what evaluation harnesses send)."""
+    def ids(value) -> bool:
+        return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+    if isinstance(prompt, str) or ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or ids(p) for p in prompt):
+        raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of lists of "
+                         "token ids", "prompt")
+    if len(prompt) > 64:
+        raise BadRequest(f"'prompt' has {len(prompt)} prompts; at most 64 a request", "prompt")
+    for p in prompt:
+        if not isinstance(p, str) and not all(0 <= i < vocab.size for i in p):
+            raise BadRequest(f"'prompt' has a token id outside 0..{vocab.size - 1}", "prompt")
+    return [vocab.encode(p, special=True) if isinstance(p, str) else list(p) for p in prompt]
+
+
+def refuse_shaping(body: dict, logprobs: int | None, echo: bool) -> None:
+    """What speculative decoding does not serve (its tokens come from the draft and the check, not one sampler)."""
+    shaping = {"logprobs": logprobs is not None, "echo": echo,
+               "response_format": body.get("response_format") not in (None, {"type": "text"}),
+               "logit_bias": bool(body.get("logit_bias")), "presence_penalty": bool(body.get("presence_penalty")),
+               "frequency_penalty": bool(body.get("frequency_penalty"))}
+    name = next((k for k, v in shaping.items() if v), None)
+    if name is not None:
+        raise BadRequest(f"'{name}' is not served with speculative decoding (--draft, --lookup)", name)
+
+
+def token_limit(body: dict, prompts: list[list[int]], where: str, max_seq_len: int, echo: bool) -> int:
+    """max_tokens (or max_completion_tokens), clamped to the context the longest prompt leaves ("length" there); 0
+    only with echo (an evaluation harness's log-likelihoods)."""
+    for prompt in prompts:
+        if not prompt:
+            raise BadRequest("the prompt is empty", where)
+        if len(prompt) >= max_seq_len:
+            raise BadRequest(f"the prompt has {len(prompt)} tokens; the context holds {max_seq_len}", where,
+                             code="context_length_exceeded")
+    room = max_seq_len - max(len(p) for p in prompts)
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return min(number(body, name, int, room, low=0 if echo else 1), room)
+
+
+def stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
+        raise BadRequest("'stop' must be a string or a list of up to 16 non-empty strings", "stop")
+    return stop
+
+
+def response_grammar(response_format) -> str | None:
+    """The grammar of `response_format`: None for text, any JSON object, or JSON valid against a schema."""
+    if response_format in (None, {"type": "text"}):
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    try:
+        if kind == "json_object":
+            return grammar.json_grammar(None)
+        spec = response_format.get("json_schema") if kind == "json_schema" else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise BadRequest("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                             "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}",
+                             "response_format")
+        return grammar.json_grammar(spec.get("schema") or {})
+    except ValueError as e:
+        raise BadRequest(f"'response_format': the JSON schema cannot be used ({e})", "response_format") from None
+    except UsageError as e:
+        raise BadRequest(str(e), "response_format", status=500, kind="server_error") from None
+
+
+def logit_bias(value, size: int) -> dict[int, float]:
+    """OpenAI's logit_bias, {"token id": -100..100}, as {id: bias}."""
+    if value is None:
+        return {}
+    out = {}
+    if isinstance(value, dict):
+        for key, bias in value.items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < size or isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
+                    not -100 <= bias <= 100:
+                break
+            out[token] = float(bias)
+        else:
+            return out
+    raise BadRequest(f"'logit_bias' must map token ids (0..{size - 1}) to numbers in -100..100", "logit_bias")
+
+
+def flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be true or false", name)
+    return value
+
+
+def number(body: dict, name: str, kind, default, low=None, high=None, low_open=False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise BadRequest(f"'{name}' must be {'a number' if kind is float else 'an integer'}, got {value!r}", name)
+    if low is not None and (value <= low if low_open else value < low):
+        raise BadRequest(f"'{name}' must be {'above' if low_open else 'at least'} {low}, got {value}", name)
+    if high is not None and value > high:
+        raise BadRequest(f"'{name}' must be at most {high}, got {value}", name)
+    return kind(value)

@@ -1,0 +1,422 @@
+"""The scheduler: one thread owns the model and runs requests in the cache's rows, continuous batching.
+
+Read it top to bottom as a turn goes: admit (a waiting request gets the free row whose cache holds the longest prefix
+of its prompt) -> prefill (the admitted prompts, in chunks while other rows decode) -> decode (one step of every
+decoding row, each at its own position) -> deliver (a token's text to its client, the row freed when it ends). With a
+draft (--draft, --lookup) one request at a time decodes speculatively in row 0, a round a turn, beside the batch.
+Records: a Request with a Status, a Row per cache row, an Event per thing a client is told. Model calls go through
+runner.ModelCalls by name (every tensor-parallel rank makes the same ones)."""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+import torch
+
+import dense
+from dense_engine.formats.vocab import StopText, TextStream, Vocabulary
+from dense_engine.runtime import generate, speculative
+from dense_engine.runtime.session import common_prefix, steps_for_program
+from dense_engine.server.runner import ModelCalls
+from dense_engine.system.errors import first_line
+
+PREFILL_BUDGET = 64  # prompt tokens prefilled per scheduler turn while other rows decode (measured: BENCHMARKS.md)
+
+
+class Event(NamedTuple):
+    """What a request's client is told: ("text", piece, logprob entries), ("done", finish reason, entries) or
+    ("error", message, []), with the index of the request's choice."""
+    index: int
+    kind: str
+    text: str
+    entries: list
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # in line for a row
+    PREFILLING = "prefilling"  # in a row, its prompt going into the cache
+    DECODING = "decoding"  # in a row, a token a step
+    SPECULATING = "speculating"  # in row 0, a draft's tokens checked a round a turn
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One completion: its prompt ids, its settings, and `sink`, which takes the Events its client is told (the HTTP
+    side puts them on an asyncio queue of its loop)."""
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    stop: list[str]
+    generator: torch.Generator  # its own noise: its sampled text depends on nothing else
+    sink: Callable[[Event], None]
+    status: Status = Status.WAITING
+    cancelled: bool = False  # the client went away: free the row
+    generated: list[int] = field(default_factory=list)
+    text: TextStream | None = None  # the generated text, decoded as it grows
+    held: StopText | None = None  # ... cut at a stop string, a tail that may start one held back
+    finish_reason: str | None = None
+    arrived: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None
+    logprobs: int | None = None  # the alternatives to report per token (0: only the chosen one); None: no logprobs
+    echo: bool = False  # (completions) the prompt's own logprobs too
+    index: int = 0  # its choice's index (a completion request may carry several prompts)
+    entries: list = field(default_factory=list)  # logprob entries of tokens whose text is not sent yet
+    prompt_entries: list = field(default_factory=list)  # (echo) one per prompt token, the first None
+    constraint: object = None  # a grammar.Constraint (response_format): the tokens its grammar allows
+    logit_bias: dict = field(default_factory=dict)  # token id -> added to its logit
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # ... times how often it was generated
+    counts: dict = field(default_factory=dict)  # token id -> times generated (for the penalties)
+    filled: int = 0  # its prompt tokens in its row's cache so far
+
+    @property
+    def shaped(self) -> bool:
+        """Whether something but the sampler picks its tokens (logprobs, echo, a grammar, a bias or penalties)."""
+        return (self.logprobs is not None or self.echo or self.constraint is not None or bool(self.logit_bias)
+                or bool(self.presence_penalty or self.frequency_penalty))
+
+    def bias(self, vocab: int) -> torch.Tensor | None:
+        """[V] float32 added to this request's logits before sampling (OpenAI's semantics), or None: none."""
+        penalties = self.counts and (self.presence_penalty or self.frequency_penalty)
+        if self.constraint is None and not self.logit_bias and not penalties:
+            return None
+        bias = self.constraint.bias("cpu") if self.constraint is not None else torch.zeros(vocab)
+        if self.logit_bias:
+            bias[list(self.logit_bias)] += torch.tensor(list(self.logit_bias.values()))
+        if penalties:
+            counts = torch.tensor(list(self.counts.values()), dtype=torch.float32)
+            bias[list(self.counts)] -= self.presence_penalty + self.frequency_penalty * counts
+        return bias
+
+    def chose(self, token: int, stop_ids) -> None:
+        """A token was chosen: the grammar and (for the penalties) the counts move on."""
+        if token in stop_ids:
+            return
+        if self.constraint is not None:
+            self.constraint.consume(token)
+        if self.presence_penalty or self.frequency_penalty:
+            self.counts[token] = self.counts.get(token, 0) + 1
+
+    def send(self, kind: str, text: str, entries: list) -> None:
+        self.sink(Event(self.index, kind, text, entries))
+
+    def end(self, reason: str, entries: list | None = None) -> None:
+        self.finish_reason, self.status = reason, Status.FINISHED
+        self.send("done", reason, self.take_entries() if entries is None else entries)
+
+    def take_entries(self) -> list:
+        entries, self.entries = self.entries, []
+        return entries
+
+
+@dataclass
+class Row:
+    """One row of the cache: the request it runs (None: free), the tokens its cache holds at slots 0.., the slot its
+    next token goes to and the token it feeds next."""
+    request: Request | None = None
+    tokens: list[int] = field(default_factory=list)
+    position: int = 0
+    last: int = 0
+
+
+class Scheduler:
+    """Owns the model: admits waiting requests into free cache rows (a prefill each), then runs one decode step over
+    every row, until stopped. Under tensor parallel, rank 0 runs it and the other ranks make the same model calls."""
+
+    def __init__(self, model: dense.DenseDecoder, vocab: Vocabulary, max_batch: int, max_seq_len: int,
+                 compile: bool, draft=None, speculate_k: int = 4, metrics=None, reuse: bool = True,
+                 prefill_chunk: int = PREFILL_BUDGET) -> None:
+        self.model, self.vocab, self.draft, self.speculate_k = model, vocab, draft, speculate_k
+        self.metrics, self.reuse, self.prefill_chunk = metrics, reuse, prefill_chunk
+        self.slots = [Row() for _ in range(max_batch)]
+        self.speculation = None  # (the token generator of the request speculating in row 0)
+        self.waiting: queue.Queue[Request] = queue.Queue()
+        self.vocab_limit = vocab.size if vocab.size < model.config.vocab_size else None
+        self.stopping = threading.Event()
+        self.idle_generator = torch.Generator(model.device)  # (an idle row's noise, never used)
+        generate.setup_cache(model, max_batch, max_seq_len)
+        self.max_seq_len = max_seq_len
+        steps = steps_for_program(model, max_batch, max_seq_len) if compile else None
+        self.calls = ModelCalls(generate.Runner(model, steps))
+        self.thread = threading.Thread(target=self.run, name="scheduler", daemon=True)
+
+    @property
+    def rows(self) -> list[Request | None]:
+        """The request in each cache row (None: free)."""
+        return [row.request for row in self.slots]
+
+    def submit(self, request: Request) -> None:
+        self.waiting.put(request)
+
+    def forget(self) -> None:
+        """Drop what the rows' caches hold (after a warm-up: no later prompt reuses its throwaway tokens)."""
+        for row in self.slots:
+            row.tokens = []
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            self.safe_turn()
+        self.calls.stop()
+
+    def safe_turn(self) -> None:
+        """One turn; an exception in it (a bug, a fault in a model call) fails the requests in flight with an error
+        the clients see, is logged with its traceback, and serving goes on with the next requests: a server that
+        stopped would leave every client hanging on a connection that never ends."""
+        try:
+            self.turn()
+        except Exception as e:
+            traceback.print_exc()
+            self.fail(e)
+
+    def turn(self) -> None:
+        """Admit waiting requests into free rows, prefill up to the budget, a speculative round, then one decode step
+        of the decoding rows."""
+        self.admit()
+        self.prefill()
+        if self.speculation is not None:
+            self.speculate()
+        busy = [r for r, row in enumerate(self.slots) if row.request and row.request.status is Status.DECODING]
+        if busy:
+            self.decode(busy)
+        elif not any(self.rows):
+            try:  # idle: wait for a request
+                self.waiting.put(self.waiting.get(timeout=0.1))
+            except queue.Empty:
+                pass
+
+    def fail(self, e: Exception) -> None:
+        message = f"internal error: {type(e).__name__}: {first_line(e)}"
+        for request in self.rows:
+            if request is not None and request.finish_reason is None:
+                request.finish_reason, request.status = "error", Status.FINISHED
+                request.send("error", message, [])
+        self.slots = [Row() for _ in self.slots]  # (what a failed step left in the cache is not known)
+        self.speculation = None
+
+    # ---- admit -> prefill -> decode -> deliver
+
+    def admit(self) -> None:
+        """Give waiting requests the free rows (their prompts are prefilled by `prefill`). A row keeps the tokens of
+        its last request in its cache: a new request takes the free row whose tokens share the longest prefix with
+        its prompt, and only the rest is prefilled (a conversation's next turn, a shared system prompt). With a
+        draft, a request the sampler alone decides takes row 0 to speculate, when no other request does."""
+        while None in self.rows:
+            try:
+                request = self.waiting.get_nowait()
+            except queue.Empty:
+                return
+            if request.cancelled:
+                continue
+            if self.draft is not None and self.speculation is None and self.slots[0].request is None \
+                    and not request.shaped:
+                self.start_speculation(request)
+                continue
+            row, common = self.pick_row(request)
+            slot = self.slots[row]
+            slot.request, slot.tokens = request, slot.tokens[:common]
+            request.status, request.filled = Status.PREFILLING, common
+
+    def pick_row(self, request: Request) -> tuple[int, int]:
+        """(the free row to prefill into, how many of the prompt's first tokens its cache already holds)."""
+        free = [r for r, row in enumerate(self.slots) if row.request is None
+                and not (r == 0 and self.draft is not None and self.speculation is None and len(self.slots) > 1)]
+        free = free or [r for r, row in enumerate(self.slots) if row.request is None]
+        if not self.reuse or request.echo:  # (echo's logprobs need every prompt position computed)
+            return free[0], 0
+
+        def common(row: int) -> int:
+            return common_prefix(self.slots[row].tokens, request.prompt)
+
+        # the longest shared prefix; with none, the row holding least (an idle one keeps another conversation)
+        best = max(free, key=lambda r: (common(r), -len(self.slots[r].tokens) if common(r) == 0 else 0, -r))
+        return best, common(best)
+
+    def prefill(self) -> None:
+        """Prefill the admitted prompts, oldest first. While other rows decode, at most `prefill_chunk` tokens a turn:
+        a long prompt goes in chunks between their steps (no stream waits for a whole long prefill); with none
+        decoding, every prompt whole. Chunks of several prompts go in one pass (the weights are read once)."""
+        group = self.prefill_group()
+        if not group:
+            return
+        if len(group) == 1 or any(end - start <= generate.PREFILL_CHUNK for _, start, end in group):
+            for row, start, end in group:  # (a short chunk runs a compiled step, alone)
+                request = self.slots[row].request
+                self.prefilled(row, end, self.calls.call("prefill", row=row, prompt=request.prompt[start:end],
+                                                         every=request.echo, start=start))
+            return
+        logits = self.calls.call("prefill_rows", rows=[row for row, _, _ in group],
+                                 chunks=[self.slots[r].request.prompt[s:e] for r, s, e in group],
+                                 starts=[s for _, s, _ in group])
+        for i, (row, _, end) in enumerate(group):
+            self.prefilled(row, end, logits[i:i + 1])
+
+    def prefill_group(self) -> list[tuple[int, int, int]]:
+        """This turn's chunks, (row, start, end) each, within the budget; cancelled requests' rows freed."""
+        filling = sorted((r for r, q in enumerate(self.rows) if q is not None and q.status is Status.PREFILLING),
+                         key=lambda r: self.slots[r].request.arrived)
+        running = sum(q is not None for q in self.rows)  # (a speculating row 0 among them)
+        budget = self.prefill_chunk if self.prefill_chunk and len(filling) < running else None
+        group = []
+        for row in filling:
+            request = self.slots[row].request
+            if request.cancelled:  # (the cache keeps what was prefilled)
+                self.slots[row].request = None
+                continue
+            if budget is not None and budget <= 0:
+                break
+            end = len(request.prompt) if budget is None else min(len(request.prompt), request.filled + budget)
+            if request.echo:  # every position's logits: alone, whole
+                return group or [(row, request.filled, len(request.prompt))]
+            group.append((row, request.filled, end))
+            budget = None if budget is None else budget - (end - request.filled)
+        return group
+
+    def prefilled(self, row: int, end: int, logits: torch.Tensor) -> None:
+        """A chunk of row's prompt is in the cache, up to `end`; logits: the last token's [1, V] (echo: every token's
+        [1, T, V]). At the prompt's end, the first token is drawn and the row decodes from the next step."""
+        slot = self.slots[row]
+        request = slot.request
+        request.filled, slot.tokens = end, list(request.prompt[:end])
+        if request.echo:  # [1, T, V]: position p's logits rate prompt token p + 1
+            request.prompt_entries = [None] + [logprob_entry(logits[0, p], request.prompt[p + 1],
+                                                             request.logprobs or 0)
+                                               for p in range(len(request.prompt) - 1)]
+            logits = logits[:, -1]
+        if end < len(request.prompt):
+            return
+        request.status = Status.DECODING
+        if request.max_tokens == 0:  # (echo alone: the prompt's logprobs, nothing generated)
+            request.end("length", [])
+            slot.request = None
+            return
+        token = int(sample_one(logits, request, self.vocab_limit, request.bias(logits.shape[-1])))
+        slot.position, slot.last = len(request.prompt), token
+        self.deliver(row, token, logits[0])
+
+    def decode(self, busy: list[int]) -> None:
+        """One step of every decoding row: each feeds its last token at its own position. A request alone (admitted
+        to row 0, the first free one) decodes in a batch-1 step, at batch 1's speed; otherwise every row steps (two
+        compiled graphs in all, whatever the load); an idle, prefilling or speculating row writes to the scratch
+        slot, which nothing reads."""
+        width = 1 if busy == [0] else len(self.slots)
+        rows = [self.slots[r].request if r in busy else None for r in range(width)]
+        tokens = [self.slots[r].last if r in busy else 0 for r in range(width)]
+        positions = [self.slots[r].position if r in busy else self.max_seq_len for r in range(width)]
+        with_logits = any(r is not None and r.logprobs is not None for r in rows)
+        out = self.calls.call("decode", tokens=tokens, positions=positions, sampling=self.sampling(rows),
+                              with_logits=with_logits)
+        out, logits = out if with_logits else (out, None)
+        out = out[:, 0].tolist()
+        for row in busy:
+            slot = self.slots[row]
+            slot.tokens.append(tokens[row])  # (fed at its position: now in the cache)
+            slot.position, slot.last = slot.position + 1, out[row]
+            self.deliver(row, out[row], None if logits is None else logits[row])
+
+    def sampling(self, rows: list[Request | None]) -> generate.Sampling:
+        """Each row's sampling settings, inputs of the compiled step; a bias [B, V] only when a row has one (a
+        constrained, biased or penalized row: else the plain step runs)."""
+        V = self.model.config.vocab_size
+        biases = [r.bias(V) if r is not None else None for r in rows]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.stack([b if b is not None else torch.zeros(V) for b in biases]).to(self.model.device)
+        return generate.Sampling(
+            tuple(r.temperature if r else 0.0 for r in rows), tuple(r.top_k if r else None for r in rows),
+            tuple(r.top_p if r else None for r in rows), self.vocab_limit,
+            tuple(r.generator if r else self.idle_generator for r in rows), bias)
+
+    def deliver(self, row: int, token: int, logits: torch.Tensor | None = None) -> None:
+        """A row's new token (and the logits it was drawn from, when the request wants logprobs): its text to the
+        client (held back while it may start a stop string), and the row freed when the request is done."""
+        request = self.slots[row].request
+        if request.logprobs is not None and logits is not None and token not in self.vocab.stop_ids:
+            request.entries.append(logprob_entry(logits, token, request.logprobs))
+        request.chose(token, self.vocab.stop_ids)
+        reason = finish(self.vocab, request, token)
+        if self.metrics is not None:
+            self.metrics.token(request)
+            if reason or request.cancelled:
+                self.metrics.prompt_tokens.inc(len(request.prompt))
+        if reason or request.cancelled:
+            request.end(reason or "cancelled")
+            self.slots[row].request = None
+
+    # ---- speculative decoding, beside the batch
+
+    def start_speculation(self, request: Request) -> None:
+        """The request takes row 0 (its cache from slot 0) and the draft: a round of draft tokens checked by the
+        target each turn, the exact output of speculative decoding in fewer target steps."""
+        self.slots[0].request, self.slots[0].tokens, request.status = request, [], Status.SPECULATING
+        self.speculation = speculative.generate_rounds(
+            self.model, torch.tensor([request.prompt], device=self.model.device), request.max_tokens, self.draft,
+            speculate_k=self.speculate_k, temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+            steps=self.calls.runner.steps, vocab_limit=self.vocab_limit)
+
+    def speculate(self) -> None:
+        """The tokens of one round (the first: the prompt's prefill and its token), delivered one by one; row 0 and
+        the draft are free again when the request ends."""
+        request = self.slots[0].request
+        new = None if request.cancelled else next(self.speculation, None)
+        for token in new or []:
+            self.deliver(0, token)
+            if request.status is Status.FINISHED:
+                break
+        if new is None and request.status is not Status.FINISHED:  # (cancelled, or no more tokens)
+            request.end("cancelled" if request.cancelled else "length")
+        if request.status is Status.FINISHED:
+            self.speculation.close()
+            self.speculation, self.slots[0] = None, Row()
+
+
+def logprob_entry(logits: torch.Tensor, token: int, top: int) -> tuple:
+    """(token, its logprob, [(id, logprob)] of the `top` likeliest): the float32 log-softmax of the model's logits
+    [V], before temperature or any filter, as OpenAI reports them."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = logprobs.topk(top) if top else None
+    alternatives = list(zip(best.indices.tolist(), best.values.tolist())) if top else []
+    return token, float(logprobs[token]), alternatives
+
+
+def sample_one(logits: torch.Tensor, request: Request, vocab_limit: int | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The first token of a request, from its prefill's logits [1, V] (plus its bias), with its own noise."""
+    if bias is not None:
+        logits = logits + bias.to(logits.device)
+    noise = torch.empty_like(logits).exponential_(1, generator=request.generator)
+    return dense.sample(logits, request.temperature, request.top_k, request.top_p, vocab_limit, noise)
+
+
+def finish(vocab: Vocabulary, request: Request, token: int) -> str | None:
+    """Take one generated token and send its text (what a stop string cannot still claim); returns the finish
+    reason once the request is done ("stop": an end-of-text token, a stop string, or a complete grammar; "length")."""
+    if request.text is None:
+        request.text, request.held = TextStream(vocab), StopText(request.stop)
+    if token in vocab.stop_ids:
+        send_text(request, request.held.flush())
+        return "stop"
+    request.generated.append(token)
+    shown = request.held.push(request.text.push(token))
+    if request.held.stopped:  # a stop string ends the text before it
+        send_text(request, shown)
+        return "stop"
+    complete = request.constraint is not None and request.constraint.done  # the grammar takes no more tokens
+    if len(request.generated) >= request.max_tokens or complete:
+        send_text(request, shown + request.held.flush() + request.text.finish())
+        return "length" if len(request.generated) >= request.max_tokens else "stop"
+    send_text(request, shown)
+    return None
+
+
+def send_text(request: Request, text: str) -> None:
+    if text:  # (logprob entries wait for the text their tokens make)
+        request.send("text", text, request.take_entries())
