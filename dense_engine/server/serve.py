@@ -74,12 +74,13 @@ class Server:
         self.ready.set()
 
 
-def load_for_serving(args, console) -> tuple[str, Vocabulary, object]:
-    """(the checkpoint, its vocabulary, the model): what every rank loads."""
-    check_environment(args, console)
+def load_for_serving(args, console, rank0: bool = True) -> tuple[str, Vocabulary, object]:
+    """(the checkpoint, its vocabulary, the model): what every rank loads (rank 0 says what it loaded)."""
+    if rank0:
+        check_environment(args, console)
     ckpt = args.ckpt or default_checkpoint(console)
     vocab = load_vocabulary(ckpt, args.tokenizer)
-    if vocab.chat_template:
+    if vocab.chat_template and rank0:
         from jinja2 import TemplateError
 
         try:
@@ -87,7 +88,8 @@ def load_for_serving(args, console) -> tuple[str, Vocabulary, object]:
         except TemplateError:
             pass  # (a chat request says what is wrong with it; completions still work)
     model, why = load_model(ckpt, args, console)
-    print(why, file=sys.stderr, flush=True)
+    if rank0:
+        print(why, file=sys.stderr, flush=True)
     return ckpt, vocab, model
 
 
@@ -189,7 +191,7 @@ def serve(args, console) -> int:
 
 def serve_follower(args, console) -> int:
     """A rank other than 0 under torchrun: the same model and cache, every model call rank 0 makes."""
-    _, vocab, model = load_for_serving(args, console)
+    _, vocab, model = load_for_serving(args, console, rank0=False)
     max_seq_len = fitting_cache(model, args.max_batch, args.max_seq_len)
     scheduler = Scheduler(model, vocab, args.max_batch, max_seq_len, args.compile)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop
