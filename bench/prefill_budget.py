@@ -49,7 +49,7 @@ def main() -> int:
     vocab = load_vocabulary(ckpt, None)
     ctx = 1 << (args.long + 64).bit_length()
     scheduler = Scheduler(model, vocab, 8, ctx, compile=False)
-    runner = scheduler.runner
+    runner = scheduler.calls.runner
     questions = [vocab.encode(vocab.render([{"role": "user", "content": q}]), special=False) for q in
                  ("What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis simply.",
                   "List three uses of copper.", "Why is the sky blue?", "Tell me a short story about a cat.",

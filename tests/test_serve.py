@@ -3,9 +3,11 @@ client would not send such a request): chat and completion, streams equal to the
 usage, concurrent requests equal to the same requests one at a time (and to chat.py's stdout), a request joining a
 running batch, bad requests, a client going away, the API key, SIGTERM."""
 
+import functools
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -934,3 +936,119 @@ def test_a_speculative_request_decodes_beside_the_batch_with_every_answer_its_ow
     plain = Scheduler(model, vocab, 3, 128, compile=compiled, reuse=False)
     for r, p in zip(requests, prompts):
         assert r.generated == run_alone(plain, quiet_request(p, 24))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hostile and careless clients
+
+
+def raw_http(port: int, head: bytes, parts=(), timeout: float = 20) -> tuple[int, dict | None, float]:
+    """Send a request's head and body parts on one connection and read the response (the server may answer before
+    the body is whole): (status, its JSON body, seconds)."""
+    start = time.monotonic()
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    try:
+        s.sendall(head)
+        for part in parts:
+            s.sendall(part)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
+                re.search(rb"content-length: (\d+)", data.lower()).group(1)):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except (ConnectionResetError, socket.timeout):
+        pass
+    s.close()
+    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else 0
+    body = data.split(b"\r\n\r\n", 1)[1] if b"\r\n\r\n" in data else b""
+    return status, json.loads(body) if body.startswith(b"{") else None, time.monotonic() - start
+
+
+def post_head(length: int | None) -> bytes:
+    size = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{size}\r\n\r\n"
+            ).encode()
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+
+
+HOSTILE = [  # (what, raw body, status, param, words)
+    ("NaN temperature", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, None, "NaN"),
+    ("Infinity max_tokens", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": Infinity}', 400, None,
+     "Infinity"),
+    ("nested 100,000 deep", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "nests deeper"),
+    ("16 stop strings of 100 KB", json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                              "stop": ["x" * 100_000] * 16}).encode(), 400, "stop", "at most 500"),
+    ("2,000 logit_bias entries", json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                             "logit_bias": {str(i): 1 for i in range(2000)}}).encode(), 400,
+     "logit_bias", "at most 1024"),
+    ("200 tools", json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(200)]}).encode(), 400,
+     "tools", "at most 64"),
+    ("a schema 40 deep", json.dumps({"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": functools.reduce(
+            lambda inner, _: {"type": "object", "properties": {"a": inner}}, range(20), {"type": "string"})}}}).encode(),
+     400, "response_format", "deeper than 32"),
+    ("5,000 messages", json.dumps({"messages": [{"role": "user", "content": "hi"}] * 5000}).encode(), 400,
+     "messages", "at most 4096"),
+    ("a message of 10 MB", json.dumps({"messages": [{"role": "user", "content": "word " * 2_000_000}]}).encode(), 400,
+     "messages", "the context holds"),
+    ("a lone surrogate", b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}', 200, None, None),
+    ("a schema that refers to itself", json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                                                   "response_format": {"type": "json_schema", "json_schema": {
+                                                       "name": "s", "schema": {"type": "object", "properties": {
+                                                           "next": {"$ref": "#"}}}}}}).encode(),
+     (200, 400), "response_format", ""),
+]
+
+
+@pytest.mark.slow
+def test_hostile_requests_get_a_4xx_at_once_and_the_server_goes_on_as_before(server):
+    """Each probe: its status (a 4xx naming the field, or a 200 where the input is fine) within seconds; then the
+    oversized bodies (declared, and chunked past the limit) a 413 before they are read; 300 half-sent requests and 48
+    streams dropped after their first chunk keep no one out; the server's memory stays put, and a plain greedy
+    request gives the text it gave before."""
+    client = server.client()
+    before, memory = chat(client, "the same question").choices[0].message.content, rss(server.process.pid)
+    for what, raw, status, param, words in HOSTILE:
+        got, answer, seconds = raw_http(server.port, post_head(len(raw)), [raw])
+        assert got in (status if isinstance(status, tuple) else (status,)) and seconds < 10, (what, got, seconds)
+        if got != 200:
+            assert answer["error"]["param"] == param and words in answer["error"]["message"], (what, answer)
+    got, answer, seconds = raw_http(server.port, post_head(64 << 20), [b"{" + b" " * (1 << 20)])
+    assert got == 413 and answer["error"]["code"] == "request_too_large" and seconds < 5
+    chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
+    got, answer, seconds = raw_http(server.port, post_head(None), [b"1\r\n{\r\n"] + [chunk] * 17)
+    assert got == 413 and seconds < 10
+    loris = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(300)]
+    for s in loris:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n")  # (never finished)
+    try:
+        start = time.monotonic()
+        assert chat(client, "the same question").choices[0].message.content == before
+        assert time.monotonic() - start < 30
+    finally:
+        for s in loris:
+            s.close()
+    for _ in range(48):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps({
+            "messages": [{"role": "user", "content": "go on"}], "max_tokens": 200, "stream": True}),
+            {"Content-Type": "application/json"})
+        conn.getresponse().readline()  # the first chunk, then the client goes away
+        conn.close()
+    end = time.monotonic() + 30
+    while time.monotonic() < end and b"dense_busy_rows 0.0" not in server.get("/metrics")[1]:
+        time.sleep(0.2)
+    assert b"dense_busy_rows 0.0" in server.get("/metrics")[1]
+    assert chat(client, "the same question").choices[0].message.content == before
+    assert rss(server.process.pid) - memory < 256 << 20
+    assert server.get("/health")[0] == 200

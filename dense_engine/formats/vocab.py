@@ -198,8 +198,8 @@ class StopText:
             if at >= 0:
                 shown, self.pending, self.stopped = self.pending[:at], "", True
                 return shown
-        keep = max((n for stop in self.stops for n in range(1, len(stop)) if self.pending.endswith(stop[:n])),
-                   default=0)  # the longest tail that could still grow into a stop string
+        keep = max((n for stop in self.stops for n in range(1, min(len(stop), len(self.pending) + 1))
+                    if self.pending.endswith(stop[:n])), default=0)  # the longest tail that may grow into a stop
         shown, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
         return shown
 

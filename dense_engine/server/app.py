@@ -14,7 +14,7 @@ import uuid
 import torch
 
 from dense_engine.runtime import grammar
-from dense_engine.server.protocol import BadRequest, Settings, parse_request
+from dense_engine.server.protocol import BadRequest, Settings, decode_body, parse_request
 from dense_engine.server.responses import FORMATS, ClientEvents
 from dense_engine.server.scheduler import Request
 
@@ -149,15 +149,25 @@ async def metrics(request):
 
 
 async def ready_json(request) -> dict:
-    if not state(request).ready.is_set():
+    """The body, read up to --max-body-mb (413 past it, before the rest is read), decoded in a worker thread (a
+    large or deep body never holds the event loop)."""
+    server = state(request)
+    if not server.ready.is_set():
         raise BadRequest("the model is loading; try again shortly", status=503, kind="server_error")
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the body is not valid JSON ({getattr(e, 'msg', 'not UTF-8')})") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
+    megabytes = getattr(server.args, "max_body_mb", 16)
+    limit = megabytes << 20
+    too_large = BadRequest(f"the body is larger than {megabytes} MiB (serve.py --max-body-mb)", status=413,
+                           code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return await asyncio.to_thread(decode_body, b"".join(chunks))
 
 
 async def bad_request(request, e: BadRequest):

@@ -4,6 +4,8 @@ context length and whether the server speculates are all it needs to know."""
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from dataclasses import dataclass
 
@@ -25,6 +27,16 @@ SHARED = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k"
           "stream_options", "logprobs", "response_format", "logit_bias", "presence_penalty", "frequency_penalty"}
 KNOWN = {"chat": {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}, "completion": {
     "prompt", "echo"}}
+# The bounds of a request (README, Serve): past one, a 400 naming the field. The body's size: serve.py --max-body-mb.
+MAX_DEPTH = 64  # JSON nesting of a body
+MAX_STOPS, MAX_STOP_CHARS = 16, 500  # stop strings, and the characters of each
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_TOOLS, MAX_TOOLS_CHARS = 64, 256_000  # tools, and their JSON's characters in all
+MAX_SCHEMA_DEPTH = 32  # nesting of a JSON schema (response_format, a tool's parameters)
+MAX_MESSAGES = 4096
+MAX_PROMPTS = 64  # a completion's prompts
+CHARS_PER_TOKEN = 32  # a prompt of more characters than this times the context cannot fit: refused before tokenizing
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # (json.loads pairs the valid ones into one character)
 
 
 class BadRequest(Exception):
@@ -71,6 +83,45 @@ class Settings:
     calling: ToolCalling | None
 
 
+def decode_body(raw: bytes) -> dict:
+    """A request's JSON body as Python values, or BadRequest: an object, nested at most MAX_DEPTH deep, no NaN or
+    Infinity anywhere, lone surrogates (valid JSON escapes, invalid text) replaced by U+FFFD in every string."""
+    def no_constants(name: str):
+        raise BadRequest(f"the body is not valid JSON ({name} is not a number JSON allows)")
+
+    try:
+        body = json.loads(raw, parse_constant=no_constants)
+    except RecursionError:
+        raise BadRequest(f"the body nests deeper than {MAX_DEPTH} levels") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON ({getattr(e, 'msg', 'not UTF-8')})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return clean(body, 0)
+
+
+def clean(value, depth: int):
+    """value with lone surrogates replaced in its strings; BadRequest when it nests deeper than MAX_DEPTH."""
+    if depth > MAX_DEPTH:
+        raise BadRequest(f"the body nests deeper than {MAX_DEPTH} levels")
+    if isinstance(value, str):
+        return LONE_SURROGATE.sub("\ufffd", value) if LONE_SURROGATE.search(value) else value
+    if isinstance(value, list):
+        return [clean(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return {clean(k, depth + 1): clean(v, depth + 1) for k, v in value.items()}
+    return value
+
+
+def depth_of(value) -> int:
+    """How deep lists and objects nest in value (a scalar: 0)."""
+    if isinstance(value, dict):
+        return 1 + max(map(depth_of, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(depth_of, value), default=0)
+    return 0
+
+
 def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculative: bool = False) -> Settings:
     """The settings of a JSON body (chat: messages rendered by the checkpoint's template; completion: the prompt as
     `chat.py --complete` tokenizes it), or BadRequest. The checks run in the order a reader meets the parameters."""
@@ -78,10 +129,10 @@ def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculat
         raise BadRequest("the request body must be a JSON object")
     check_names(body, kind)
     if kind == "chat":
-        prompt, calling = chat_prompt(body, vocab)
+        prompt, calling = chat_prompt(body, vocab, max_seq_len)
         prompts, logprobs, echo = [prompt], chat_logprobs(body), False
     else:
-        prompts, calling = completion_prompts(body.get("prompt"), vocab), None
+        prompts, calling = completion_prompts(body.get("prompt"), vocab, max_seq_len), None
         logprobs, echo = number(body, "logprobs", int, None, low=0, high=20), flag(body, "echo")
     if speculative:
         refuse_shaping(body, logprobs, echo)
@@ -118,9 +169,10 @@ def check_names(body: dict, kind: str) -> None:
             print(f"note: ignoring the unknown parameter '{name}'", file=sys.stderr, flush=True)
 
 
-def chat_prompt(body: dict, vocab: Vocabulary) -> tuple[list[int], ToolCalling | None]:
+def chat_prompt(body: dict, vocab: Vocabulary, max_seq_len: int) -> tuple[list[int], ToolCalling | None]:
     """The messages (and the tools offered) rendered by the checkpoint's chat template, as token ids."""
     messages = chat_messages(body.get("messages"))
+    refuse_long_text(sum(len(m["content"] or "") for m in messages), "messages", max_seq_len)
     if not vocab.chat_template:
         raise BadRequest("this checkpoint has no chat template: use /v1/completions", "messages")
     keep = ("role", "content", "tool_calls", "tool_call_id", "name")
@@ -141,6 +193,8 @@ def chat_messages(messages) -> list[dict]:
     """The messages, checked: objects with a role and a string content (an assistant's tool calls: content null)."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise BadRequest(f"'messages' has {len(messages)} messages; at most {MAX_MESSAGES} a request", "messages")
     messages = [dict(m, content=message_text(m, i)) if isinstance(m, dict) else m for i, m in enumerate(messages)]
     for i, m in enumerate(messages):
         calls = isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls")
@@ -196,6 +250,11 @@ def tool_calling(body: dict, vocab: Vocabulary) -> ToolCalling | None:
             for t in given):
         raise BadRequest("'tools' must be a list of {type: function, function: {name, description, parameters}}",
                          "tools")
+    if len(given) > MAX_TOOLS or len(json.dumps(given)) > MAX_TOOLS_CHARS:
+        raise BadRequest(f"'tools' may hold at most {MAX_TOOLS} functions and {MAX_TOOLS_CHARS} characters of JSON",
+                         "tools")
+    if any(depth_of(t["function"].get("parameters", {})) > MAX_SCHEMA_DEPTH for t in given):
+        raise BadRequest(f"a tool's 'parameters' schema nests deeper than {MAX_SCHEMA_DEPTH} levels", "tools")
     names = frozenset(t["function"]["name"] for t in given)
     choice = "auto" if choice is None else choice
     only = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
@@ -217,7 +276,7 @@ def tool_calling(body: dict, vocab: Vocabulary) -> ToolCalling | None:
     return ToolCalling(given, names, fmt, parallel, forced)
 
 
-def completion_prompts(prompt, vocab: Vocabulary) -> list[list[int]]:
+def completion_prompts(prompt, vocab: Vocabulary, max_seq_len: int) -> list[list[int]]:
     """A completion's prompts as token ids: a string, a list of strings (one choice each), a list of token ids, or
     a list of lists of ids (what evaluation harnesses send)."""
     def ids(value) -> bool:
@@ -228,12 +287,20 @@ def completion_prompts(prompt, vocab: Vocabulary) -> list[list[int]]:
     if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or ids(p) for p in prompt):
         raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of lists of "
                          "token ids", "prompt")
-    if len(prompt) > 64:
-        raise BadRequest(f"'prompt' has {len(prompt)} prompts; at most 64 a request", "prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise BadRequest(f"'prompt' has {len(prompt)} prompts; at most {MAX_PROMPTS} a request", "prompt")
+    refuse_long_text(max((len(p) for p in prompt if isinstance(p, str)), default=0), "prompt", max_seq_len)
     for p in prompt:
         if not isinstance(p, str) and not all(0 <= i < vocab.size for i in p):
             raise BadRequest(f"'prompt' has a token id outside 0..{vocab.size - 1}", "prompt")
     return [vocab.encode(p, special=True) if isinstance(p, str) else list(p) for p in prompt]
+
+
+def refuse_long_text(chars: int, where: str, max_seq_len: int) -> None:
+    """A text that cannot fit the context whatever its tokens, refused before the work of tokenizing it."""
+    if chars > CHARS_PER_TOKEN * max_seq_len:
+        raise BadRequest(f"'{where}' holds {chars} characters: more than the context holds ({max_seq_len} tokens)",
+                         where, code="context_length_exceeded")
 
 
 def refuse_shaping(body: dict, logprobs: int | None, echo: bool) -> None:
@@ -264,8 +331,10 @@ def token_limit(body: dict, prompts: list[list[int]], where: str, max_seq_len: i
 def stop_strings(body: dict) -> list[str]:
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop or []
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
-        raise BadRequest("'stop' must be a string or a list of up to 16 non-empty strings", "stop")
+    if not isinstance(stop, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop) or \
+            len(stop) > MAX_STOPS:
+        raise BadRequest(f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings of at most "
+                         f"{MAX_STOP_CHARS} characters", "stop")
     return stop
 
 
@@ -282,6 +351,9 @@ def response_grammar(response_format) -> str | None:
             raise BadRequest("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
                              "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}",
                              "response_format")
+        if depth_of(spec.get("schema") or {}) > MAX_SCHEMA_DEPTH:
+            raise BadRequest(f"'response_format': the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels",
+                             "response_format")
         return grammar.json_grammar(spec.get("schema") or {})
     except ValueError as e:
         raise BadRequest(f"'response_format': the JSON schema cannot be used ({e})", "response_format") from None
@@ -293,6 +365,8 @@ def logit_bias(value, size: int) -> dict[int, float]:
     """OpenAI's logit_bias, {"token id": -100..100}, as {id: bias}."""
     if value is None:
         return {}
+    if isinstance(value, dict) and len(value) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"'logit_bias' has {len(value)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
     out = {}
     if isinstance(value, dict):
         for key, bias in value.items():

@@ -121,6 +121,8 @@ def parse_args(argv):
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_BUDGET, metavar="N",
                    help=f"prompt tokens prefilled between two decode steps while other requests stream (default "
                         f"{PREFILL_BUDGET}: a long prompt never stalls them for long); 0: every prompt whole")
+    p.add_argument("--max-body-mb", type=positive_int, default=16, metavar="MB",
+                   help="the largest request body (default 16 MiB); a larger one is answered 413 before it is read")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait for a row (default 64); more are answered 503 with Retry-After")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
