@@ -227,9 +227,7 @@ class Scheduler:
 
     def pick_row(self, request: Request) -> tuple[int, int]:
         """(the free row to prefill into, how many of the prompt's first tokens its cache already holds)."""
-        free = [r for r, row in enumerate(self.slots) if row.request is None
-                and not (r == 0 and self.draft is not None and self.speculation is None and len(self.slots) > 1)]
-        free = free or [r for r, row in enumerate(self.slots) if row.request is None]
+        free = [r for r, row in enumerate(self.slots) if row.request is None]
         if not self.reuse or request.echo:  # (echo's logprobs need every prompt position computed)
             return free[0], 0
 

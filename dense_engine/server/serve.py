@@ -102,7 +102,7 @@ def warm_up(scheduler: Scheduler) -> None:
         for prompt in prompts:
             scheduler.submit(Request(prompt, 2, 0.0, None, None, [], scheduler.idle_generator, lambda event: None))
         scheduler.turn()
-        while any(scheduler.rows) or scheduler.speculation is not None:
+        while any(scheduler.rows):  # (a speculating request holds row 0)
             scheduler.turn()
     scheduler.forget()
 
