@@ -33,9 +33,9 @@ def quantize_checkpoint(src: str, mode: str, out: str | None = None, group_size:
         raise CheckpointError("--double-quant applies to --mode nf4 only")
     if mode == "int4" and group_size not in (32, 64, 128):
         raise CheckpointError(f"--group-size must be 32, 64 or 128, got {group_size}")
-    exact = checkpoint.exact_int4 if mode == "int4" and group_size == 32 else None
-    return convert.write_variant(checkpoint, mode, out or src,
-                                 {"group_size": group_size, "double_quant": double_quant}, progress, exact)
+    exact, params = convert.exact_variant(checkpoint, mode, group_size)
+    return convert.write_variant(checkpoint, mode, out or src, {**params, "double_quant": double_quant}, progress,
+                                 exact)
 
 
 def main(argv=None) -> int:

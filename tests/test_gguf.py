@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import dense
 from conftest import ROOT
-from dense_engine.cpu import quantized
+from dense_engine.cpu import kernels, quantized
 from dense_engine.formats import checkpoint, gguf_import, load
 from dense_engine.runtime import generate
 
@@ -241,9 +241,24 @@ def test_quant_auto_loads_q4_blocks_as_int4_bit_for_bit(tmp_path, tokenizer, blo
     record = json.loads((dst / "config.json").read_text())
     assert record["source_tensor_types"] == {"blocks": {block_type.name: 14}, "other": {"Q8_0": 1, "F32": 5}}
     assert record["quantization"]["int4"]["group_size"] == 32
+    assert record["quantization"]["int4"]["head"] == "Q8_0"  # the tied head: the embedding's own blocks
     mode, reason = load.auto_mode(convert.read_checkpoint(str(dst)))
     assert mode == "int4" and block_type.name in reason
     loaded = load.from_pretrained(str(dst), quant="auto")
+    direct = load.from_pretrained(str(tmp_path / "m.gguf"), quant="auto")
+    embedding = torch.from_numpy(gguf.quants.dequantize(*written["token_embd.weight"]).copy()).reshape(400, 128)
+    plain = load.from_pretrained(str(dst), quant="none")
+    ids = torch.randint(0, 400, (1, 40), generator=torch.Generator().manual_seed(0))
+    hidden = plain.hidden_states(ids)[0]  # [40, C]
+    exact = hidden.double() @ embedding.double().T
+    for head_of in (loaded, direct):
+        assert isinstance(head_of.lm_head, quantized.GGUFHead) and head_of.lm_head.kinds == ["Q8_0"]
+        assert torch.equal(head_of.lm_head.dequantize(torch.float32), embedding)  # the file's own blocks
+        assert torch.equal(head_of.embed_tokens.weight, embedding)  # (float32 holds Q8_0's values exactly)
+        logits = head_of.logits(hidden)
+        assert ((logits.double() - exact).abs() <= 1e-6 * (hidden.double().abs() @ embedding.double().abs().T)).all()
+        for m in (1, 12, 13) if kernels.available() else ():  # a row's logits whatever the rows beside it (a
+            assert torch.equal(head_of.logits(hidden[:m]), logits[:m])  # batch, a prompt's echo; PyTorch's: no)
     for i in range(2):
         def gguf_rows(name, heads=0):
             raw, qtype = written[f"blk.{i}.{name}.weight"]

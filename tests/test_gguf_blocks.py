@@ -81,6 +81,28 @@ def test_kernels_equal_ggufs_dequantizer_and_the_float_product(kind):
             assert_prefill_product(kind, x, blocks, want)
 
 
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_1"])
+def test_float_x_is_the_float_product_and_a_rows_bits_whatever_the_rows(kind):
+    """linear_gguf(float_x=True), the output head of int4 made from a GGUF (quantized.GGUFHead): x stays float32, so
+    the result is the dequantized weights' product to float32's rounding (Q8_0, the default model's head: its own
+    kernel; the other types dequantize tiles), at every number of rows, and a row's bits do not depend on the rows
+    beside it (1, 5, 12, 13 or 40)."""
+    ggml_id = quantized.GGUF_TYPES[kind][0]
+    cols = 576 if kind != "Q6_K" else 512
+    raw = random_blocks(kind, 37, cols, seed=3)
+    blocks = torch.from_numpy(raw)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(37, cols).copy()).double()
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(1))
+    x[3, 7] = 60.0  # an outlier channel (the final hidden states have them): digits would lose the others
+    alone = torch.cat([torch.ops.dense_kernels.linear_gguf(x[i:i + 1], blocks, ggml_id, True) for i in range(40)])
+    exact = x.double() @ want.T
+    scale = (x.double().abs() @ want.abs().T)  # what float32's rounding of the sums is relative to
+    assert ((alone.double() - exact).abs() <= 1e-6 * scale).all(), kind
+    for m in (5, 12, 13, 40):
+        assert torch.equal(torch.ops.dense_kernels.linear_gguf(x[:m], blocks, ggml_id, True), alone[:m]), (kind, m)
+
+
 def x_in_bytes(x: torch.Tensor, group: int) -> torch.Tensor:
     """x as a GGUF prefill rounds it (float64): each group of values (K-quants 256, llama.cpp's Q8_K; 32-blocks 32,
     its Q8_0) to 8 bits, q = x * (127 / max|x|) rounded to the nearest (even) integer in float32, times max|x| / 127."""

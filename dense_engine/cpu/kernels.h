@@ -538,8 +538,37 @@ at::Tensor dequantize_nf4(const at::Tensor& q, const at::Tensor& absmax, const a
   });
 }
 
-// y = x w^T for x [..., K] float32 and w [N, bytes] the file's rows of blocks
-at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) {
+// y [M, ldy] (columns 0 .. nb - 1) = x [M, K] w^T for a tile of nb float32 weight rows [nb, K], in one thread: each
+// output summed in the float32 tiles' own order (a row's bits whatever M)
+void f32_rows(const float* x, int64_t M, const float* w, int64_t nb, int64_t K, float* y, int64_t ldy);
+// y [M, N] = x [M, K] w^T for Q8_0 rows at float32's precision (each ISA's file): codes widened to float, FMAs
+void q8_0_float_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N);
+
+// y [M, N] = x [M, K] w^T at float32's precision, for any M: each thread dequantizes F32_ROWS weight rows as gguf does
+// (into its cache) and multiplies every row of x by them in float32. The dequantized weights' product as the float
+// path computes it (an output head, whose logits x rounded to digits would put 1e-4 from it), the same bits for a row
+// whatever rows beside it; the dequantizing costs about what reading the blocks does.
+constexpr int64_t F32_ROWS = 16;
+template <int64_t T>
+void gguf_float_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
+  if constexpr (T == GQ8_0) {  // (the default model's head: at the memory's speed, dequantizing as it goes)
+    q8_0_float_tiles(x, M, w, row_bytes, K, y, N);
+    return;
+  }
+  const int64_t block = std::max<int64_t>(1, (64 << 10) / (F32_ROWS * row_bytes));
+  for_each_tile_shared((N + F32_ROWS - 1) / F32_ROWS, block, [&](int64_t t) {
+    thread_local std::vector<float> tile;
+    tile.resize(F32_ROWS * K);
+    const int64_t n0 = t * F32_ROWS, nb = std::min(F32_ROWS, N - n0);
+    dequantize_rows<T>(w + n0 * row_bytes, row_bytes, nb, K, tile.data());
+    f32_rows(x, M, tile.data(), nb, K, y + n0, N);
+  });
+}
+
+// y = x w^T for x [..., K] float32 and w [N, bytes] the file's rows of blocks. float_x: x in float32 at every M
+// (gguf_float_tiles); else x as two int8 digits up to GEMM_ROWS rows and, past them, the prefill's x rounded to 8 bits
+// (AVX2: float32 GEMMs on dequantized tiles)
+at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type, bool float_x) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_gguf: x must be float32");
   const Rows x(x_);
   const int64_t N = w.size(0), row_bytes = w.size(1);
@@ -548,7 +577,9 @@ at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type) 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   auto y = output_like(x_, N);
   float* yp = y.data_ptr<float>();
-  if (x.M > GEMM_ROWS) {
+  if (float_x) {
+    DISPATCH_GGUF(type, (gguf_float_tiles<T>(x.data(), x.M, wp, row_bytes, x.K, yp, N)));
+  } else if (x.M > GEMM_ROWS) {
     DISPATCH_GGUF(type, (gguf_prefill<T>(x.t, wp, row_bytes, N, yp, N, nullptr)));
   } else {
     DISPATCH_GGUF(type, (gguf_tiles<T>(x.data(), x.M, wp, row_bytes, x.K, yp, N)));
@@ -562,7 +593,7 @@ void linear_gguf_into(const at::Tensor& x_, const at::Tensor& w, int64_t type, a
   check_columns(x_, w, out, columns);
   const Rows x(x_);
   if (x.M <= GEMM_ROWS) {
-    write_columns(linear_gguf(x_, w, type), out, columns);
+    write_columns(linear_gguf(x_, w, type, false), out, columns);
     return;
   }
   TORCH_CHECK(x.t.scalar_type() == at::kFloat, "linear_gguf_into: x must be float32");
@@ -615,7 +646,7 @@ inline void define_ops(torch::Library& m) {
   m.def("dequantize_int4(Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("dequantize_nf4(Tensor q, Tensor absmax, Tensor code) -> Tensor");
   m.def("linear_nf4(Tensor x, Tensor q, Tensor absmax, Tensor code) -> Tensor");
-  m.def("linear_gguf(Tensor x, Tensor blocks, int type) -> Tensor");
+  m.def("linear_gguf(Tensor x, Tensor blocks, int type, bool float_x=False) -> Tensor");
   m.def("linear_gguf_into(Tensor x, Tensor blocks, int type, Tensor(a!) out, Tensor columns) -> ()");
   m.def("dequantize_gguf(Tensor blocks, int type, int K, bool bf16) -> Tensor");
 }

@@ -208,7 +208,7 @@ def register_shapes() -> None:
         torch.library.register_fake(f"dense_kernels::{name}")(lambda q, *_: q.new_empty(
             q.shape[0], q.shape[1] * 2, dtype=torch.bfloat16))
     torch.library.register_fake("dense_kernels::linear_nf4")(lambda x, q, a, c: out(x, q.shape[0]))
-    torch.library.register_fake("dense_kernels::linear_gguf")(lambda x, blocks, kind: out(x, blocks.shape[0]))
+    torch.library.register_fake("dense_kernels::linear_gguf")(lambda x, blocks, kind, float_x=False: out(x, blocks.shape[0]))
     torch.library.register_fake("dense_kernels::linear_gguf_into")(lambda x, blocks, kind, y, columns: None)
     torch.library.register_fake("dense_kernels::dequantize_gguf")(lambda blocks, kind, k, bf16: blocks.new_empty(
         blocks.shape[0], k, dtype=torch.bfloat16 if bf16 else torch.float32))

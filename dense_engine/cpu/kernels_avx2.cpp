@@ -91,6 +91,15 @@ void f32_tiles(const float* xp, const float* wp, int64_t M, int64_t K, float* yp
   });
 }
 
+void f32_rows(const float* x, int64_t M, const float* w, int64_t nb, int64_t K, float* y, int64_t ldy) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {  // 2 weight rows against up to 4 rows of x, as f32_tiles
+    const int64_t rows = std::min<int64_t>(4, M - m0);
+    int64_t j = 0;
+    for (; j + 2 <= nb; j += 2) DISPATCH_ROWS(rows, (f32_tile<R, 2>(x + m0 * K, w, K, y + m0 * ldy, ldy, j)));
+    for (; j < nb; ++j) DISPATCH_ROWS(rows, (f32_tile<R, 1>(x + m0 * K, w, K, y + m0 * ldy, ldy, j)));
+  }
+}
+
 // ---- int8 weights, one scale per output row ------------------------------------------------------------------------
 // x as two int8 digits a row, as kernels.cpp: d = max|x| / 127, q1 = round(x / d), q2 = round((x / d - q1) * 127).
 // vpmaddubsw multiplies unsigned by signed bytes: |w| by the digit with w's sign (|w| <= 128, so a pair of products
@@ -499,6 +508,37 @@ void block32_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_
     }
   }
   for (int r = 0; r < R; ++r) y[r * N + n] = (hsum(acc[r]) + mins[r]) * xs.unit[m0 + r];
+}
+
+// R rows of x against Q8_0 weight row n in float32 (as kernels.cpp's, in 8 lanes)
+template <int R>
+void q8_0_float_tile(const float* x, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N, int64_t n) {
+  const uint8_t* row = w + n * row_bytes;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  auto block = [&](int64_t b, int half) {
+    const uint8_t* blk = row + b * 34;
+    _mm_prefetch((const char*)blk + AHEAD, _MM_HINT_T1);
+    __m256 wv[4];
+    for (int i = 0; i < 4; ++i) wv[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * i))));
+    const __m256 d = _mm256_set1_ps(half_at(blk));
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * K + 32 * b;
+      __m256 s = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xb));
+      for (int i = 1; i < 4; ++i) s = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xb + 8 * i), s);
+      acc[r][half] = _mm256_fmadd_ps(s, d, acc[r][half]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= K / 32; b += 2) block(b, 0), block(b + 1, 1);
+  if (b < K / 32) block(b, 0);
+  for (int r = 0; r < R; ++r) y[r * N + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+void q8_0_float_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
+  for_each_tile<1, 4>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
+    DISPATCH_ROWS(rows, (q8_0_float_tile<R>(x + m0 * K, w, row_bytes, K, y + m0 * N, N, n0)));
+  });
 }
 
 template <int64_t T>

@@ -3,7 +3,8 @@ their stored tensors. Stands on dense.py and kernels.py (whose CPU kernels the l
 
 Which layers: every linear of the decoder blocks; the output head in int8 for the 4-bit modes (it is the most
 sensitive layer) and in the mode itself for int8; the embedding table stays in the model's dtype (gguf: every tensor,
-embedding and head included, in the file's own type).
+embedding and head included, in the file's own type; int4 made from a GGUF's Q4_0/Q4_1 blocks: the head in the
+file's own blocks too, GGUFHead, and the embedding's float32 values are the file's exactly).
 
 | mode     | stored per linear                                   | value                          |
 | -------- | --------------------------------------------------- | ------------------------------ |
@@ -284,7 +285,7 @@ class LLMInt8Linear(Int8Linear):
         return self.layer(x)
 
 
-LINEARS = {"int8": Int8Linear, "int4": Int4Linear, "nf4": NF4Linear, "llm.int8": LLMInt8Linear}
+LINEARS = {"int8": Int8Linear, "int4": Int4Linear, "nf4": NF4Linear, "llm.int8": LLMInt8Linear}  # (+ "gguf" below)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -368,10 +369,12 @@ class GGUFLinear(QuantLinear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kinds={'+'.join(self.kinds)}"
 
+    float_x = False  # x in float32 at every number of rows (GGUFHead), not as digits or rounded to 8 bits
+
     def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
         blocks, kind = getattr(self, f"blocks{i}"), self.kinds[i]
         if blocks.device.type == "cpu" and x.dtype == torch.float32 and kernels.available():
-            return torch.ops.dense_kernels.linear_gguf(x, blocks, GGUF_TYPES[kind][0])  # kernels.cpp
+            return torch.ops.dense_kernels.linear_gguf(x, blocks, GGUF_TYPES[kind][0], self.float_x)  # kernels.cpp
         # elsewhere: dequantize-and-matmul (torch.compile fuses the dequantizing into the weight loads)
         return F.linear(x, gguf_dequantize(blocks, kind, self.in_features).to(x.dtype))
 
@@ -391,6 +394,25 @@ class GGUFLinear(QuantLinear):
         ys = [self.part(x, i) for i in range(len(self.kinds))]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return self.add_bias(y if self.order is None else y.index_select(-1, self.order))
+
+
+class GGUFHead(GGUFLinear):
+    """The output head in its GGUF file's own blocks beside int4-g32 block linears made from the file's Q4_0/Q4_1
+    blocks (the default model: a tied head multiplying the embedding's Q8_0 blocks), so that every tensor is the
+    file's own. head: the GGUF type; blocks0 is filled from the variant file or the GGUF (a persistent buffer). x
+    stays float32 whatever the rows (a prompt's logprobs, a batch of 16): the logits are the float path's to float32's
+    rounding (x as two int8 digits put them 2e-4 from it: the final hidden states have outlier channels), the same
+    bits for a row whatever runs beside it."""
+    float_x = True
+
+    def __init__(self, in_features, out_features, bias, head: str = "Q8_0", **_) -> None:
+        _, values, size = GGUF_TYPES[head]
+        blocks = torch.empty(out_features, in_features // values * size, dtype=torch.uint8)
+        super().__init__(in_features, out_features, bias, parts=[(head, blocks)])
+        self.register_buffer("blocks0", self.blocks0)  # (persistent: load.load_tensors fills it by name)
+
+
+LINEARS["gguf"] = GGUFHead
 
 
 class GGUFEmbedding(nn.Module):
@@ -423,17 +445,18 @@ def head_mode(mode: str) -> str:
     return "int8" if mode in ("int4", "nf4") else mode
 
 
-def layer_modes(model: DenseDecoder, mode: str) -> dict[str, str]:
-    """{model linear name: mode} for the layers a mode quantizes: block linears in the mode, the head in int8."""
+def layer_modes(model: DenseDecoder, mode: str, head: str | None = None) -> dict[str, str]:
+    """{model linear name: mode} for the layers a mode quantizes: block linears in the mode, the head in int8 (head:
+    a GGUF type, the head in the file's own blocks, GGUFHead)."""
     chosen = {name: mode for name, m in model.named_modules() if isinstance(m, nn.Linear) and MODEL_LINEAR.fullmatch(name)}
-    chosen["lm_head"] = head_mode(mode)
+    chosen["lm_head"] = "gguf" if head else head_mode(mode)
     return chosen
 
 
 def swap_linears(model: DenseDecoder, mode: str | None, params: dict) -> DenseDecoder:
     """Replace the model's nn.Linear layers by empty quantized ones (mode None: by kernels.Linear, whose CPU decode
     calls run kernels.cpp), built on the same device (meta while loading) and filled by load.load_tensors."""
-    chosen = layer_modes(model, mode) if mode else {name: None for name, m in model.named_modules()
+    chosen = layer_modes(model, mode, params.get("head")) if mode else {name: None for name, m in model.named_modules()
                                                      if type(m) is nn.Linear}
     for name, layer_mode in chosen.items():
         old = model.get_submodule(name)

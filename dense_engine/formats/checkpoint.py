@@ -36,7 +36,7 @@ class Checkpoint:
     dtype: torch.dtype | None = None
     record: dict = field(default_factory=dict)
     source_types: dict[str, str] = field(default_factory=dict)  # native weight name -> GGUF tensor type
-    exact_int4: dict[str, Callable[[], dict]] = field(default_factory=dict)  # linear name -> its int4 tensors
+    exact_int4: dict[str, Callable[[], dict]] = field(default_factory=dict)  # block linear name -> its int4 tensors
     blocks: dict = field(default_factory=dict)  # native weight name -> gguf_import.Blocks (GGUF types with kernels)
 
     @property

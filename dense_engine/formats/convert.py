@@ -134,7 +134,23 @@ def convert(src: str, dst: str, force: bool = False, dtype: torch.dtype | None =
         atomic_write(os.path.join(dst, name), write)
     blocks = {n.removesuffix(".weight") for n in checkpoint.source_types if quantized.BLOCK_LINEAR.fullmatch(n[:-7])}
     if blocks and blocks <= set(checkpoint.exact_int4):
-        write_variant(read_checkpoint(dst), "int4", dst, {"group_size": 32}, exact=checkpoint.exact_int4)
+        exact, params = exact_variant(checkpoint, "int4", 32)
+        write_variant(read_checkpoint(dst), "int4", dst, params, exact=exact)
+
+
+def exact_variant(checkpoint: Checkpoint, mode: str, group_size: int, device="cpu") -> tuple[dict | None, dict]:
+    """(exact tensors, layer params) for making `mode` from a GGUF's own blocks: int4-g32 holds its Q4_0/Q4_1 block
+    linears exactly, and the head keeps the file's own blocks (a tied head: the embedding's), multiplied as stored
+    (quantized.GGUFHead; on the CPU, where a kernel does it). (None, params): nothing exact to keep."""
+    params = {"group_size": group_size}
+    if mode != "int4" or group_size != 32 or not checkpoint.exact_int4:
+        return None, params
+    exact = dict(checkpoint.exact_int4)
+    head = checkpoint.blocks.get("lm_head.weight" if "lm_head.weight" in checkpoint.tensors else "embed_tokens.weight")
+    if head is not None and torch.device(device).type == "cpu":
+        exact["lm_head"] = lambda: {"blocks0": head.read()}
+        params["head"] = head.kind
+    return exact, params
 
 
 def source_record(checkpoint: Checkpoint) -> dict:
@@ -175,7 +191,7 @@ def quantized_table(checkpoint, mode: str, params: dict, exact: dict | None = No
     table = dict(checkpoint.tensors)
     names = [n.removesuffix(".weight") for n in table if n.endswith(".weight") and quantized.BLOCK_LINEAR.fullmatch(n[:-7])]
     modes = {name: mode for name in names}
-    modes["lm_head"] = quantized.head_mode(mode)
+    modes["lm_head"] = "gguf" if params.get("head") else quantized.head_mode(mode)  # (gguf: from exact)
     if "lm_head.weight" not in table:  # tied: the head gets its own quantized copy of the embedding
         table["lm_head.weight"] = table["embed_tokens.weight"]
     exact = exact or {}
@@ -192,7 +208,7 @@ def quantized_table(checkpoint, mode: str, params: dict, exact: dict | None = No
     table_weights = {name: table.pop(f"{name}.weight") for name in modes}
     for name, layer_mode in modes.items():
         keys = {"int8": ("weight", "scales"), "llm.int8": ("weight", "scales"), "int4": ("qweight", "scales", "mins"),
-                "nf4": ("weight", "absmax")}[layer_mode]
+                "nf4": ("weight", "absmax"), "gguf": ("blocks0",)}[layer_mode]
         for key in keys:
             table[f"{name}.{key}"] = lambda name=name, key=key: stored(name)[key]
     return table
@@ -230,7 +246,7 @@ def write_variant(checkpoint, mode: str, dst: str, params: dict, progress=None, 
                                                          if declared else {})}
         values.setdefault("quantization", {})[mode] = {"file": variant_file(mode), "group_size": params["group_size"]
                                                        if mode == "int4" else None, "double_quant": double_quant,
-                                                       "head": quantized.head_mode(mode)}
+                                                       "head": params.get("head") or quantized.head_mode(mode)}
         atomic_write(config_path, lambda p: open(p, "w").write(json.dumps(values, indent=2) + "\n"))
     if os.path.abspath(dst) != os.path.abspath(checkpoint.path):  # tokenizer files travel; existing ones stay
         for name, write in side_files(checkpoint.path).items():

@@ -32,10 +32,6 @@ def default_checkpoint(console) -> str:
     target = os.path.join(machine.cache_dir(), DEFAULT_NAME)
     if default_complete(target):
         return target
-    if os.path.isfile(os.path.join(target, "model.int4.safetensors")) and not os.path.exists(
-            os.path.join(target, ".complete")) and machine.unwritable_cache() is None:
-        seal_default(target)  # converted by an earlier version (renamed into place whole, unsealed)
-        return target
     if machine.unwritable_cache() is not None:
         work = tempfile.mkdtemp(prefix="dense-default-")
         import atexit
@@ -50,7 +46,9 @@ def default_checkpoint(console) -> str:
         for stale in glob.glob(os.path.join(machine.cache_dir(), ".fetch-*")):  # a killed run's (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
         if os.path.isdir(target):
-            console.print(f"[dim]note: {target} is incomplete or damaged; converting it again[/dim]")
+            why = "was converted by an earlier version (its head requantized)" if outdated(target) else \
+                "is incomplete or damaged"
+            console.print(f"[dim]note: {target} {why}; converting it again[/dim]")
         convert_default(target, console, machine.cache_dir())
     console.print(f"[dim]Converted the default model into {target}[/dim]")
     return target
@@ -58,12 +56,23 @@ def default_checkpoint(console) -> str:
 
 def default_complete(target: str) -> bool:
     """Whether the default model's folder is whole: every file the seal lists, at its size (a damaged or truncated
-    file fails here before anything reads it)."""
+    file fails here before anything reads it), and its int4 variant keeps the file's own head (an earlier version
+    requantized it to int8, 1% from the file's logits: such a folder is converted again)."""
     try:
         with open(os.path.join(target, ".complete")) as f:
             sizes = json.load(f)
-        return bool(sizes) and all(os.path.getsize(os.path.join(target, n)) == size for n, size in sizes.items())
+        return bool(sizes) and not outdated(target) and all(os.path.getsize(os.path.join(target, n)) == size
+                                                            for n, size in sizes.items())
     except (OSError, ValueError, AttributeError, TypeError):
+        return False
+
+
+def outdated(target: str) -> bool:
+    """Whether the folder's int4 variant has the head an earlier version made (int8, requantized from the file's)."""
+    try:
+        with open(os.path.join(target, "config.json")) as f:
+            return json.load(f)["quantization"]["int4"]["head"] == "int8"
+    except (OSError, ValueError, KeyError, TypeError):
         return False
 
 

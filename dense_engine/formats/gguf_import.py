@@ -392,6 +392,15 @@ class Blocks:
     row_bytes: int
     heads: int | None = None
 
+    def read(self) -> torch.Tensor:
+        """The rows as stored, uint8 [rows, row_bytes] (a copy)."""
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(self.rows * self.row_bytes)
+        if len(data) != self.rows * self.row_bytes:
+            raise CheckpointError(f"{self.path}: tensor {self.name!r} is truncated")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(self.rows, self.row_bytes)
+
 
 def int4_tensors(t, shape: tuple[int, ...], permute_heads: int | None, path: str) -> dict:
     """A Q4_0 / Q4_1 tensor's blocks as int4-g32's stored tensors, exactly: Q4_1 blocks are {d, m, 16 bytes} with

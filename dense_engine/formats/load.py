@@ -132,12 +132,14 @@ def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> 
     quantized.check_mode(quant)
     record = saved.get(quant, {})
     params = {"group_size": record.get("group_size") or 32}
+    if record.get("head") in quantized.GGUF_TYPES:  # the head in its GGUF's own blocks (convert.exact_variant)
+        params["head"] = record["head"]
     file = os.path.join(checkpoint.path, convert.variant_file(quant))
     if record and os.path.isfile(file):
         return quant, params, expand_double_quant(convert.open_safetensors(file))
     if not checkpoint.tensors:
         raise CheckpointError(f"{checkpoint.path}: no saved {quant} variant and no full-precision weights to make one")
-    exact = checkpoint.exact_int4 if quant == "int4" and params["group_size"] == 32 else None
+    exact, params = convert.exact_variant(checkpoint, quant, params["group_size"], device)
     if not exact:
         notice(f"{checkpoint.path}: no saved {quant} variant; quantizing at load time (python quantize.py --ckpt "
                f"{checkpoint.path} --mode {quant} saves one)")
