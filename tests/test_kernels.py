@@ -33,6 +33,33 @@ def test_the_avx2_kernels_pass_the_kernel_tests_too():
     assert took.stdout.strip() == "True"  # (the process above ran kernels_avx2.cpp)
 
 
+def instructions(library: str) -> str:
+    return subprocess.run(["objdump", "-d", library], capture_output=True, text=True).stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.available() or kernels.compiler() is None, reason="no C++ compiler")
+def test_the_avx2_build_takes_vpdpbusd_where_the_cpu_has_vnni(tmp_path):
+    """kernels_avx2.cpp's int8 products: AVX-VNNI's VEX vpdpbusd where -march=native enables it (Alder Lake and
+    later), AVX-512 VNNI's 256-bit one under DENSE_KERNELS=avx2-vnni, and vpmaddubsw + vpmaddwd without either (the
+    kernel tests pass on each: test_the_avx2_kernels_pass_the_kernel_tests_too and the run below). This machine may
+    have no AVX-VNNI: the VEX build is only compiled (-mavxvnni) and read, not run."""
+    assert kernels.isa_flags("avx2") == ["-mno-avx512f"] and kernels.isa_flags("avx2-vnni") == []
+    assert kernels.isa_flags(None) == kernels.isa_flags("0") == []
+    source = os.path.join(os.path.dirname(kernels.__file__), "kernels_avx2.cpp")
+    vex, plain = str(tmp_path / "vex.so"), str(tmp_path / "plain.so")
+    kernels.build(source, vex, ["-mno-avx512f", "-mavxvnni"])
+    kernels.build(source, plain, ["-mno-avx512f", "-mno-avxvnni"])
+    if subprocess.run(["objdump", "--version"], capture_output=True).returncode == 0:
+        assert "{vex} vpdpbusd" in instructions(vex) and "zmm" not in instructions(vex)
+        assert "vpdpbusd" not in instructions(plain) and "vpmaddubsw" in instructions(plain)
+    if "avx512_vnni" in kernels.cpu_flags().split():  # the VNNI path run: the kernel tests under avx2-vnni
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
+                              "tests/test_kernels.py", "tests/test_gguf_blocks.py"], cwd=ROOT, capture_output=True,
+                             text=True, env={**os.environ, "DENSE_KERNELS": "avx2-vnni"})
+        assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 

@@ -16,7 +16,8 @@ into later processes as is: kernels.cpp on a CPU with AVX-512 VNNI and BF16 (AMD
 Rapids and later), kernels_avx2.cpp on one with AVX2 and FMA only (AMD Zen 1-3, Intel's laptops and desktops since
 Alder Lake): the same operators in 8-lane registers, int4 on two int8 digits of x too, long prefills as float32 GEMMs
 (no bfloat16 arithmetic there). Without a compiler, or on an older CPU, everything runs on PyTorch's own kernels
-(`DENSE_KERNELS=0` forces that; `DENSE_KERNELS=avx2` takes kernels_avx2.cpp on an AVX-512 CPU too). Stands on
+(`DENSE_KERNELS=0` forces that; `DENSE_KERNELS=avx2` takes kernels_avx2.cpp on an AVX-512 CPU too, built without
+AVX-512 as such a CPU runs it, `avx2-vnni` with AVX-512 VNNI's 256-bit vpdpbusd standing in for AVX-VNNI's). Stands on
 dense.py (its KV cache, which this file's CPU cache subclasses).
 """
 
@@ -64,7 +65,15 @@ def cpu_flags() -> str:
         return ""
 
 
-def build(source: str, target: str) -> None:
+def isa_flags(forced: str | None) -> list[str]:
+    """The compiler's instruction-set flags past -march=native. DENSE_KERNELS=avx2 builds kernels_avx2.cpp as a CPU
+    without AVX-512 runs it (-mno-avx512f: no EVEX instruction, and so no VNNI unless the CPU has AVX-VNNI, which
+    -march=native then enables and the file's int8 products use); avx2-vnni keeps AVX-512 VNNI's 256-bit vpdpbusd
+    (the same instruction and sums as AVX-VNNI's, EVEX-encoded), so an AVX-512 machine tests that path too."""
+    return {"avx2": ["-mno-avx512f"], "avx2-vnni": []}.get(forced or "", [])
+
+
+def build(source: str, target: str, flags: list[str] = ()) -> None:
     """Compile source into target (written to a temporary file, then renamed, then sealed: concurrent builds are
     safe, and a killed one leaves nothing that looks complete)."""
     import torch.utils.cpp_extension as ext
@@ -74,7 +83,7 @@ def build(source: str, target: str) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".so")
     os.close(fd)
-    cmd = [compiler() or "c++", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
+    cmd = [compiler() or "c++", "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *(f"-I{p}" for p in include), source,
            "-o", tmp, f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
     try:
@@ -96,7 +105,7 @@ def available() -> bool:
         return _state["ok"]
     _state["ok"] = False
     flags, forced = cpu_flags().split(), os.environ.get("DENSE_KERNELS")
-    names = ["kernels_avx2.cpp"] if forced == "avx2" else list(SOURCES)  # (avx2: the AVX2 ones on any CPU with AVX2)
+    names = ["kernels_avx2.cpp"] if forced in ("avx2", "avx2-vnni") else list(SOURCES)  # (on any CPU with AVX2)
     source = next((name for name in names if SOURCES[name] <= set(flags)), None)
     if forced == "0" or source is None:
         return False
@@ -106,7 +115,8 @@ def available() -> bool:
         note(f"CPU kernels unavailable ({missing[0]} is missing; reinstall the package); using PyTorch's")
         return False
     code = b"".join(pathlib.Path(p).read_bytes() for p in paths)
-    key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
+    extra = isa_flags(forced)
+    key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(flags) + extra).encode()).hexdigest()[:16]
     folder = cache_dir() if unwritable_cache() is None else tempfile.mkdtemp(prefix="dense-kernels-")
     target = os.path.join(folder, "kernels", key, "libdense_kernels.so")
     if not intact(target) and compiler() is None:  # nothing built to load (cli/flags.check_environment says so once)
@@ -116,7 +126,7 @@ def available() -> bool:
             if os.path.exists(target):
                 note(f"{target} is damaged or incomplete; building it again")
             note(f"building the CPU kernels ({source}, once per machine, about 15 s)...")
-            build(os.path.join(HERE, source), target)
+            build(os.path.join(HERE, source), target, extra)
         torch.ops.load_library(target)
         register_shapes()
         _state["ok"], _state["source"] = True, source

@@ -2,9 +2,10 @@
 // desktops since Alder Lake, which dropped AVX-512): the same operators and schemas, in 8-lane registers. kernels.py
 // builds this file where kernels.cpp cannot run. What differs:
 //   * 16 registers, not 32: tiles hold fewer accumulators (one to four weight rows against up to 4 or 8 rows of x);
-//   * no VNNI: 8-bit products by vpmaddubsw (unsigned x signed bytes, pairs in int16) and vpmaddwd (pairs in int32);
-//     int8 weights go through it as |w| times x with w's sign (pairs stay below int16's limit); int4 takes x as two
-//     int8 digits too (kernels.cpp: float32), within 1/32258 of a row's largest value;
+//   * 8-bit products by vpmaddubsw (unsigned x signed bytes, pairs in int16) and vpmaddwd (pairs in int32), or by one
+//     vpdpbusd where the CPU has AVX-VNNI (dot_bytes; the int8 weights' products, the same integers); int8 weights go
+//     through it as |w| times x with w's sign (pairs stay below int16's limit); int4 takes x as two int8 digits too
+//     (kernels.cpp: float32), within 1/32258 of a row's largest value;
 //   * no bfloat16 arithmetic: a long prefill's GEMMs run in float32 on the dequantized tiles (oneDNN or MKL's sgemm).
 // Each row of x is still summed in one fixed order whatever the tile or the batch: a row's result does not depend on
 // the other rows.
@@ -15,6 +16,26 @@
 #include "kernels.h"
 
 namespace {
+
+// sum + the four products of unsigned bytes u and signed bytes s in each 32-bit lane: one vpdpbusd with AVX-VNNI
+// (Alder Lake and later; -march=native enables it) or AVX-512 VNNI's 256-bit form; else vpmaddubsw (pairs in int16:
+// callers keep |u s| pairs below 32768) and vpmaddwd by ones. The same integers either way.
+inline __m256i dot_bytes(__m256i sum, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(sum, u, s);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(sum, u, s);
+#else
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+constexpr bool VNNI =
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    true;
+#else
+    false;
+#endif
 
 inline float hsum(__m256 v) {  // lanes summed pairwise: (0+4, 1+5, 2+6, 3+7), then (0+2, 1+3), then 0+1
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -148,7 +169,7 @@ void int8_tile(const DigitRows& xs, int64_t m0, const uint8_t* w, const float* s
   __m256i big[R][NB], small[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) big[r][j] = small[r][j] = _mm256_setzero_si256();
-  const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8((char)0x80);
   for (int64_t k = 0; k < K; k += 32) {
     __m256i wabs[NB], wsgn[NB];
     for (int j = 0; j < NB; ++j) {
@@ -159,10 +180,8 @@ void int8_tile(const DigitRows& xs, int64_t m0, const uint8_t* w, const float* s
       const __m256i a = _mm256_loadu_si256((const __m256i*)(xs.q1.data() + (m0 + r) * K + k));
       const __m256i c = _mm256_loadu_si256((const __m256i*)(xs.q2.data() + (m0 + r) * K + k));
       for (int j = 0; j < NB; ++j) {
-        const __m256i pa = _mm256_maddubs_epi16(wabs[j], _mm256_sign_epi8(a, wsgn[j]));
-        const __m256i pc = _mm256_maddubs_epi16(wabs[j], _mm256_sign_epi8(c, wsgn[j]));
-        big[r][j] = _mm256_add_epi32(big[r][j], _mm256_madd_epi16(pa, ones));
-        small[r][j] = _mm256_add_epi32(small[r][j], _mm256_madd_epi16(pc, ones));
+        big[r][j] = dot_bytes(big[r][j], wabs[j], _mm256_sign_epi8(a, wsgn[j]));
+        small[r][j] = dot_bytes(small[r][j], wabs[j], _mm256_sign_epi8(c, wsgn[j]));
       }
     }
   }
