@@ -1020,7 +1020,9 @@ def test_hostile_requests_get_a_4xx_at_once_and_the_server_goes_on_as_before(ser
     before, memory = chat(client, "the same question").choices[0].message.content, rss(server.process.pid)
     for what, raw, status, param, words in HOSTILE:
         got, answer, seconds = raw_http(server.port, post_head(len(raw)), [raw])
-        assert got in (status if isinstance(status, tuple) else (status,)) and seconds < 10, (what, got, seconds)
+        # a 4xx at once; a 200 is a real reply, which may wait on a step compiling (10.07 s seen once on 2 cores)
+        assert got in (status if isinstance(status, tuple) else (status,)) and seconds < (10 if got != 200 else 60), \
+            (what, got, seconds)
         if got != 200:
             assert answer["error"]["param"] == param and words in answer["error"]["message"], (what, answer)
     got, answer, seconds = raw_http(server.port, post_head(64 << 20), [b"{" + b" " * (1 << 20)])
