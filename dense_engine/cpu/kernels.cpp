@@ -525,7 +525,7 @@ void block32_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_
 
 // R rows of x against Q8_0 weight row n in float32: per block its 32 codes widened to float times x (a multiply and
 // an FMA), then d times that block sum into the row's sum, even and odd blocks in two sums (one chain of FMAs
-// waited on their latency: 1.8x) added at the end (a fixed order: a row's bits whatever M)
+// waits on their latency) added at the end (a fixed order: a row's bits whatever M)
 template <int R>
 void q8_0_float_tile(const float* x, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N, int64_t n) {
   const uint8_t* row = w + n * row_bytes;

@@ -547,11 +547,11 @@ void q8_0_float_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_b
 // y [M, N] = x [M, K] w^T at float32's precision, for any M: each thread dequantizes F32_ROWS weight rows as gguf does
 // (into its cache) and multiplies every row of x by them in float32. The dequantized weights' product as the float
 // path computes it (an output head, whose logits x rounded to digits would put 1e-4 from it), the same bits for a row
-// whatever rows beside it; the dequantizing costs about what reading the blocks does.
+// whatever rows beside it.
 constexpr int64_t F32_ROWS = 16;
 template <int64_t T>
 void gguf_float_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
-  if constexpr (T == GQ8_0) {  // (the default model's head: at the memory's speed, dequantizing as it goes)
+  if constexpr (T == GQ8_0) {  // (the default model's head: its own tiles widen the codes as they load them)
     q8_0_float_tiles(x, M, w, row_bytes, K, y, N);
     return;
   }

@@ -30,13 +30,6 @@ inline __m256i dot_bytes(__m256i sum, __m256i u, __m256i s) {
 #endif
 }
 
-constexpr bool VNNI =
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-    true;
-#else
-    false;
-#endif
-
 inline float hsum(__m256 v) {  // lanes summed pairwise: (0+4, 1+5, 2+6, 3+7), then (0+2, 1+3), then 0+1
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -123,8 +116,8 @@ void f32_rows(const float* x, int64_t M, const float* w, int64_t nb, int64_t K, 
 
 // ---- int8 weights, one scale per output row ------------------------------------------------------------------------
 // x as two int8 digits a row, as kernels.cpp: d = max|x| / 127, q1 = round(x / d), q2 = round((x / d - q1) * 127).
-// vpmaddubsw multiplies unsigned by signed bytes: |w| by the digit with w's sign (|w| <= 128, so a pair of products
-// stays within int16), vpmaddwd adds the pairs into int32. The sums over K are exact integers, as with VNNI.
+// dot_bytes multiplies unsigned by signed bytes: |w| by the digit with w's sign (|w| <= 128, so a pair of products
+// stays within int16 where vpmaddubsw takes them). The sums over K are exact integers, as with kernels.cpp's VNNI.
 
 struct DigitRows {
   std::vector<int8_t> q1, q2;  // [M, K]
