@@ -27,7 +27,7 @@ from dense_engine.cli.terminal import Notes
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
 from dense_engine.runtime import generate, grammar, tp
-from dense_engine.runtime.session import Session, fitting_cache
+from dense_engine.runtime.session import Session, filters, fitting_cache
 from dense_engine.runtime.steps import Steps
 from dense_engine.system.errors import UsageError, run_program
 
@@ -57,6 +57,12 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens less likely than MIN_P times the likeliest")
+    p.add_argument("--typical-p", type=float, default=None, help="locally typical sampling's mass")
+    p.add_argument("--repetition-penalty", "--repeat-penalty", type=float, default=None,
+                   help="divide a positive logit (multiply a negative one) of the tokens among the last "
+                        "--repeat-last-n by this (1: off)")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="how many last tokens the penalty looks at (-1: all)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling noise: any integer in -2**63..2**64-1 "
                    "(default: a new one each run)")
     p.add_argument("--stats", action="store_true", help="one-shot: print speed to stderr")
@@ -189,7 +195,8 @@ def prompt_file(model, vocab: Vocabulary, args, mode: str, console) -> int:
         max_new = min(args.max_new_tokens, model.max_seq_len - longest)
         outputs, finished = [[] for _ in rows], [None] * len(rows)
         tokens = generate.generate_tokens(model, [ids for *_, ids in rows], max_new, temperature=args.temperature,
-                                          top_k=args.top_k, top_p=args.top_p, vocab_limit=vocab_limit, steps=steps)
+                                          top_k=args.top_k, top_p=args.top_p, vocab_limit=vocab_limit, steps=steps,
+                                          **filters(settings(args)))
         for token in generate.ahead(tokens):
             for i, t in enumerate(token):
                 if finished[i] is None:
@@ -246,6 +253,9 @@ def run(argv, console) -> int:
         raise UsageError(f"{'--json-schema' if args.json_schema else '--json-object'} applies to one-shot --prompt "
                          "runs, without speculative decoding")
     schema = read_schema(args.json_schema) if args.json_schema else None
+    if (args.min_p or args.typical_p or args.repetition_penalty) and (args.draft or args.draft_quant or args.lookup):
+        raise UsageError("--min-p, --typical-p and --repetition-penalty are not served with speculative decoding "
+                         "(--draft, --draft-quant, --lookup)")
     if args.prompt_file is not None and (args.draft or args.draft_quant or args.lookup):
         raise UsageError("--prompt-file runs batches; speculative decoding (--draft, --draft-quant, --lookup) runs at "
                          "batch 1")

@@ -1,7 +1,8 @@
 """The replies' translators without HTTP: scripted scheduler events (text pieces with logprob entries, tool-call
 text, an echoed prompt, two prompts' events interleaved, an error) -> responses.ClientEvents -> each format's Reply,
 streamed and whole; the bytes equal those the server sent for the same events before its split into rooms
-(tests/fixtures/server_replies.json, recorded from the old serve.py over HTTP), and the HTTP app sends them too."""
+(tests/fixtures/server_replies.json, recorded from the old serve.py over HTTP; a streamed reply with tools was
+recorded again when calls came to be streamed as they are written), and the HTTP app sends them too."""
 
 import json
 import os

@@ -636,20 +636,55 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "additionalProperties": False}}}
 
 
-def test_tool_calls_in_each_format_are_parsed():
+def read_calls(text: str, fmt: str, names, step: int) -> tuple[str, list[dict], list]:
+    """text fed to a CallStream `step` characters at a time -> (the text told, the calls, the pieces per feed)."""
+    from dense_engine.runtime import tools
+
+    stream, told, calls, fed = tools.CallStream(fmt, names), [], [], []
+    for at in range(0, len(text), step):
+        fed.append(stream.feed(text[at:at + step]))
+    fed.append(stream.finish())
+    for kind, *rest in (e for pieces in fed for e in pieces):
+        if kind == "text":
+            told.append(rest[0])
+        elif kind == "call":
+            calls.append({"name": rest[1], "arguments": ""})
+        else:
+            calls[rest[0]]["arguments"] += rest[1]
+    return "".join(told), [{**c, "arguments": json.loads(c["arguments"])} for c in calls], fed
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_tool_calls_in_each_format_are_read_as_they_come(step):
+    """The same calls and text whatever the pieces the reply comes in; a call's name is told as soon as it is
+    written and its arguments before the reply's end; text that is not a call is told at once but for the few
+    characters that could still open a call."""
     from dense_engine.runtime import tools
 
     names = {"get_weather", "get_time"}
     hermes = 'I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n' \
              '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
-    assert tools.parse_calls(hermes, "hermes", names) == [{"name": "get_weather", "arguments": {"city": "Oslo"}},
-                                                          {"name": "get_time", "arguments": {"zone": "UTC"}}]
-    assert tools.parse_calls('{"name": "get_time", "parameters": {"zone": "CET"}}', "llama3", names) == [
-        {"name": "get_time", "arguments": {"zone": "CET"}}]
-    assert tools.parse_calls('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]',
-                             "mistral", names) == [{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]
-    assert tools.parse_calls("The weather is fine.", "hermes", names) == []
-    assert tools.parse_calls('{"name": "launch_rocket", "parameters": {}}', "llama3", names) == []
+    text, calls, fed = read_calls(hermes, "hermes", names, step)
+    assert text == "I will check.\n" and calls == [{"name": "get_weather", "arguments": {"city": "Oslo"}},
+                                                  {"name": "get_time", "arguments": {"zone": "UTC"}}]
+    assert read_calls('{"name": "get_time", "parameters": {"zone": "CET"}}', "llama3", names, step)[:2] == (
+        "", [{"name": "get_time", "arguments": {"zone": "CET"}}])
+    assert read_calls('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]', "mistral",
+                      names, step)[:2] == ("", [{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}])
+    assert read_calls("The weather is fine.", "hermes", names, step)[:2] == ("The weather is fine.", [])
+    odd = '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>'
+    assert read_calls(odd, "hermes", names, step)[:2] == (odd, [])
+    assert read_calls('{"name": "launch_rocket", "parameters": {}}', "llama3", names, step)[:2] == (
+        '{"name": "launch_rocket", "parameters": {}}', [])
+    if step == 1:  # told as it comes: each feed's text at once but for a partial opener; the arguments in pieces
+        fed = [[e for e in pieces] for pieces in read_calls(hermes, "hermes", names, 1)[2]]
+        kinds = [e[0] for pieces in fed for e in pieces]
+        first_argument = next(i for i, pieces in enumerate(fed) if any(e[0] == "arguments" for e in pieces))
+        assert first_argument < hermes.index("Oslo") and kinds.count("arguments") > 10
+        assert all(pieces == [("text", c)] for pieces, c in zip(fed, "I will check.\n"))
+        told = read_calls("see <tool_", "hermes", names, 1)[2]
+        assert [e for pieces in told[:-1] for e in pieces] == [("text", c) for c in "see "]  # "<tool_" held
+        assert told[-1] == [("text", "<tool_")]  # ... and told at the end
     assert tools.reply_format(open(os.path.join(ROOT, "tests", "fixtures", "templates", "qwen2.5.jinja")).read()) \
         == "hermes"
     assert tools.reply_format(open(os.path.join(ROOT, "tests", "fixtures", "templates", "llama3.1.jinja")).read()) \

@@ -1,6 +1,7 @@
 """Compiled steps saved across processes (generate.Steps): a second process loads what the first compiled and gets
 the same tokens; damaged or foreign artifacts are compiled again with a notice, never a crash."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -89,19 +90,24 @@ def test_keys_change_with_what_shapes_a_graph(tmp_path):
 
 @pytest.mark.slow
 def test_one_compiled_step_serves_every_sampling_value(tmp_path):
-    """Temperatures, top-k and top-p changed between replies (chat's /set, a server's requests) reuse one compiled
+    """Temperatures, top-k, top-p, min-p, typical-p and penalties changed between replies (chat's /set, a server's requests) reuse one compiled
     step per kind, and give the tokens an eager step gives from the same noise; rows of one batch may differ."""
     model = random_model()
     generate.setup_cache(model, 3, 256)
     steps = Steps(model, folder=str(tmp_path))
     ids = torch.tensor([[5, 17, 99, 3, 250, 7]] * 3)
+    penalty = torch.ones(3, model.config.vocab_size)
+    penalty[:, [5, 17, 99]] = torch.tensor([[1.3], [1.0], [0.8]])
     settings = [generate.Sampling(0.7), generate.Sampling(1.3), generate.Sampling(0.9, top_k=5, top_p=0.8),
-                generate.Sampling(0.6, top_k=40), generate.Sampling((0.0, 0.8, 1.5), (None, 3, None), (None, None, 0.7))]
+                generate.Sampling(0.6, top_k=40), generate.Sampling((0.0, 0.8, 1.5), (None, 3, None), (None, None, 0.7)),
+                generate.Sampling(0.8, min_p=0.05), generate.Sampling(0.8, typical_p=0.9),
+                generate.Sampling((0.7, 0.7, 1.1), min_p=(None, 0.2, 0.02), typical_p=(0.95, None, 0.5)),
+                generate.Sampling(0.9, top_k=8, penalty=penalty), generate.Sampling(1.2, min_p=0.1, penalty=penalty)]
     for sampling in settings:
         runs = []
         for runner in (generate.Runner(model, steps), generate.Runner(model, None)):
-            sampling_run = generate.Sampling(sampling.temperature, sampling.top_k, sampling.top_p,
-                                             generators=tuple(torch.Generator().manual_seed(r) for r in range(3)))
+            sampling_run = dataclasses.replace(
+                sampling, generators=tuple(torch.Generator().manual_seed(r) for r in range(3)))
             token = runner.prefill(ids, 0, None).argmax(-1, keepdim=True)
             out = []
             for i in range(12):
@@ -109,7 +115,8 @@ def test_one_compiled_step_serves_every_sampling_value(tmp_path):
                 out.append(token[:, 0].tolist())
             runs.append(out)
         assert runs[0] == runs[1], sampling
-    assert steps.compiled == 3  # one prefill, one "sampled" and one "filtered" decode step for all five
+    # one prefill, one "sampled" and one "filtered" decode step for the unpenalized ones, one penalized step
+    assert steps.compiled == 4
 
 
 def test_buckets():

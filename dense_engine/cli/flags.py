@@ -156,6 +156,8 @@ def make_draft(args, model, console):
 
 def settings(args) -> Settings:
     """The Session settings the flags give."""
-    return Settings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+    return Settings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    typical_p=args.typical_p, repetition_penalty=args.repetition_penalty,
+                    repeat_last_n=args.repeat_last_n,
                     max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len, compile=args.compile,
                     speculate_k=args.speculate_k)

@@ -27,7 +27,8 @@ HELP = """/help          this text               /exit          quit (or Ctrl-D)
 /system TEXT   set the system message (starts a new conversation)
 /save FILE     the conversation as JSON (messages, system message, model, sampling settings)
 /load FILE     continue a saved conversation
-/set NAME VAL  temperature, top-k, top-p (none: off), max-new-tokens, for the rest of the session
+/set NAME VAL  temperature, top-k, top-p, min-p, typical-p, repetition-penalty (none: off), repeat-last-n,
+               max-new-tokens, for the rest of the session
 /model         what is loaded          /stats         cache and speed of the last reply
 Up/down recall earlier messages. A pasted block is one message; end a line with \\ to type another."""
 
@@ -36,20 +37,25 @@ Up/down recall earlier messages. A pasted block is one message; end a line with 
 SETTINGS = {"temperature": (float, lambda v: 0 <= v < float("inf"), "a number >= 0"),  # (NaN fails every comparison)
             "top-k": (int, lambda v: v >= 1, "a whole number >= 1"),
             "top-p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
+            "min-p": (float, lambda v: 0 <= v <= 1, "in [0, 1]"),
+            "typical-p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
+            "repetition-penalty": (float, lambda v: 0 < v <= 10, "in (0, 10]"),
+            "repeat-last-n": (int, lambda v: v >= -1, "a whole number >= -1 (-1: the whole context)"),
             "max-new-tokens": (int, lambda v: v >= 1, "a whole number >= 1")}
 
+OFF = {"top-k": None, "top-p": None, "min-p": None, "typical-p": None, "repetition-penalty": None}  # /set NAME none
 EOF = "\x04"  # what interactive mode's reader gives for Ctrl-D (sent to the other ranks too)
 
 
 def set_option(settings, text: str) -> str:
-    """/set NAME VALUE for the rest of the session: temperature, top-k, top-p (both: none to turn off),
-    max-new-tokens."""
+    """/set NAME VALUE for the rest of the session: a name of SETTINGS (the filters and the penalty: none turns
+    them off)."""
     name, _, value = text.partition(" ")
     name, value = name.strip().replace("_", "-"), value.strip()
     if name not in SETTINGS or not value:
         raise UsageError(f"expected /set NAME VALUE with NAME one of {', '.join(SETTINGS)}")
-    if value.lower() == "none" and name in ("top-k", "top-p"):
-        parsed = None
+    if value.lower() == "none" and name in OFF:
+        parsed = OFF[name]
     else:
         try:
             parsed = SETTINGS[name][0](value)

@@ -94,7 +94,10 @@ class Sampling:
     top_p: float | None | tuple = None
     vocab_limit: int | None = None
     generators: tuple | None = None
-    bias: torch.Tensor | None = None  # [B, V] float32 added to the logits first (a grammar's -inf, logit_bias, ...)
+    bias: torch.Tensor | None = None  # [B, V] float32 added to the logits (a grammar's -inf, logit_bias, penalties)
+    min_p: float | None | tuple = None
+    typical_p: float | None | tuple = None
+    penalty: torch.Tensor | None = None  # [B, V] float32 repetition penalties (1: none), before the bias
 
     def per_row(self, name: str, batch: int) -> list:
         value = getattr(self, name)
@@ -104,16 +107,20 @@ class Sampling:
         """"greedy" (no noise, no sort), "sampled", or "filtered" (top-k or top-p: a sort of each row)."""
         if all(t == 0 for t in self.per_row("temperature", batch)):
             return "greedy"
-        filtered = any(self.per_row("top_k", batch)) or any(p is not None and p < 1 for p in self.per_row("top_p", batch))
+        filtered = any(self.per_row("top_k", batch)) or any(self.per_row("min_p", batch)) or any(
+            p is not None and p < 1 for name in ("top_p", "typical_p") for p in self.per_row(name, batch))
         return "filtered" if filtered else "sampled"
 
     def settings(self, batch: int, device) -> tuple:
-        """(temperature [B], top_k [B] (0: off), top_p [B] (1: off)): inputs of a step of kind "sampled" or
-        "filtered", with noise()."""
+        """(temperature, top_k (0: off), top_p (1: off), min_p (0: off), typical_p (1: off)), each [B]: inputs of a
+        step of kind "sampled" or "filtered", with noise()."""
+        def values(name: str, off: float) -> torch.Tensor:
+            return torch.tensor([off if v is None else v for v in self.per_row(name, batch)], dtype=torch.float32,
+                                device=device)
+
         temperature = torch.tensor(self.per_row("temperature", batch), dtype=torch.float32, device=device)
         top_k = torch.tensor([k or 0 for k in self.per_row("top_k", batch)], device=device)
-        top_p = torch.tensor([1.0 if p is None else p for p in self.per_row("top_p", batch)], device=device)
-        return temperature, top_k, top_p
+        return temperature, top_k, values("top_p", 1.0), values("min_p", 0.0), values("typical_p", 1.0)
 
     def noise(self, batch: int, vocab: int, device) -> torch.Tensor:
         """Exp(1) draws [B, V] on `device`, each row from its generator (drawn on the generator's own device)."""
@@ -133,30 +140,39 @@ class Sampling:
 
 
 def decode_step(model, token, input_pos, row_start, attend: int, kind: str, vocab_limit: int | None,
-                temperature, top_k, top_p, noise, bias=None):
+                temperature, top_k, top_p, min_p, typical_p, noise, bias=None, penalty=None):
     """token [B, 1] at slot input_pos [1] (or [B, 1]: a slot per row) -> the next token [B, 1]. kind and vocab_limit
-    shape the graph; the sampling values (Sampling.settings and noise, or None when greedy) are its inputs, and so is
-    bias [B, V] when a row is constrained (a graph of its own: unconstrained batches run the step without it)."""
+    shape the graph; the sampling values (Sampling.settings and noise, or None when greedy) are its inputs, and so are
+    bias and penalty [B, V] when a row is constrained or penalized (a graph of its own: other batches run the step
+    without them)."""
     logits = model(token, input_pos, attend=attend, row_start=row_start)[:, -1]
-    return next_token(logits, kind, vocab_limit, temperature, top_k, top_p, noise, bias)
+    return next_token(logits, kind, vocab_limit, temperature, top_k, top_p, min_p, typical_p, noise, bias, penalty)
 
 
 def decode_logits_step(model, token, input_pos, row_start, attend: int, kind: str, vocab_limit: int | None,
-                       temperature, top_k, top_p, noise, bias=None):
+                       temperature, top_k, top_p, min_p, typical_p, noise, bias=None, penalty=None):
     """decode_step that also returns the float32 logits [B, V] of the model (before the bias: a server's logprobs)."""
     logits = model(token, input_pos, attend=attend, row_start=row_start)[:, -1]
-    return next_token(logits, kind, vocab_limit, temperature, top_k, top_p, noise, bias), logits
+    return next_token(logits, kind, vocab_limit, temperature, top_k, top_p, min_p, typical_p, noise, bias,
+                      penalty), logits
 
 
-def next_token(logits, kind: str, vocab_limit: int | None, temperature, top_k, top_p, noise,
-               bias=None) -> torch.Tensor:
-    if bias is not None:
-        logits = logits + bias
+def next_token(logits, kind: str, vocab_limit: int | None, temperature, top_k, top_p, min_p, typical_p, noise,
+               bias=None, penalty=None) -> torch.Tensor:
+    logits = shape_logits(logits, bias, penalty)
     if kind == "greedy":
         return dense.sample(logits, 0.0, vocab_limit=vocab_limit)
-    filtered = kind == "filtered"
-    return dense.sample(logits, temperature, top_k if filtered else None, top_p if filtered else None, vocab_limit,
-                        noise)
+    if kind != "filtered":
+        top_k = top_p = min_p = typical_p = None
+    return dense.sample(logits, temperature, top_k, top_p, vocab_limit, noise, min_p, typical_p)
+
+
+def shape_logits(logits, bias=None, penalty=None):
+    """logits [B, V] with the repetition penalties [B, V] (a token's positive logit divided by its penalty, a negative
+    one multiplied: CTRL's rule, as transformers and llama.cpp apply it), then the bias [B, V] added."""
+    if penalty is not None:
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return logits if bias is None else logits + bias
 
 
 def prefill_step(model, tokens, input_pos, row_start, attend: int, last, rows=None):
@@ -191,11 +207,11 @@ class Runner:
         return self.slot_ids[start:end]
 
     def sampling_values(self, sampling: Sampling, batch: int) -> tuple:
-        """The step's sampling inputs: (None,) * 4 when greedy, else the settings' tensors (kept) and fresh noise."""
+        """The step's sampling inputs: (None,) * 6 when greedy, else the settings' tensors (kept) and fresh noise."""
         if sampling.kind(batch) == "greedy":
-            return (None,) * 4
+            return (None,) * 6
         V, device = self.model.config.vocab_size, self.model.device
-        key = (sampling.temperature, sampling.top_k, sampling.top_p, batch)
+        key = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.typical_p, batch)
         if key not in self.sampling_inputs:
             self.sampling_inputs = {key: sampling.settings(batch, device)}
         return (*self.sampling_inputs[key], sampling.noise(batch, V, device))
@@ -256,9 +272,13 @@ class Runner:
         values = self.sampling_values(sampling, B)
         last = max((p for p in pos if p < model.max_seq_len), default=0) if per_row else pos  # (idle rows: scratch)
         attend = None if self.steps is None else attend_width(model, min(last + 1, model.max_seq_len))
-        biased = sampling.bias is not None
+        biased = sampling.bias is not None or sampling.penalty is not None
+        if biased:  # (one graph takes both: a row without one gets zeros / ones)
+            V = model.config.vocab_size
+            bias = sampling.bias if sampling.bias is not None else torch.zeros(B, V, device=token.device)
+            penalty = sampling.penalty if sampling.penalty is not None else torch.ones(B, V, device=token.device)
         args = (model, token, input_pos, row_start, attend, kind, sampling.vocab_limit, *values,
-                *((sampling.bias,) if biased else ()))
+                *((bias, penalty) if biased else ()))
         step_fn = decode_logits_step if with_logits else decode_step
         fn = None if self.steps is None else self.steps.get(
             "decode_logits" if with_logits else "decode", step_fn, args, batch=B, attend=attend, sampling=kind,
@@ -307,27 +327,57 @@ def as_batch(prompts, device) -> tuple[torch.Tensor, torch.Tensor | None, list[i
 @torch.no_grad()
 def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, *, temperature: float = 0.0,
                     top_k: int | None = None, top_p: float | None = None, compile: bool = False, start_pos: int = 0,
-                    vocab_limit: int | None = None, steps: Steps | None = None,
-                    constraint=None) -> Iterator[torch.Tensor]:
+                    vocab_limit: int | None = None, steps: Steps | None = None, constraint=None,
+                    min_p: float | None = None, typical_p: float | None = None, repetition_penalty: float = 1.0,
+                    repeat_last_n: int = 64) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens new tokens [B, 1], one per step. prompts: [B, T] ids, or a list of prompts of any
     lengths (left-padded; every row's positions start at 0). The prompt is prefilled at slots start_pos..; slots
     before start_pos must already hold this conversation (a chat continuing it). The last token yielded has not been
     fed to the model yet. compile=True (or steps) runs compiled, bucketed steps. constraint (batch 1; grammar.py):
-    every token is one its grammar allows (a host read per token)."""
+    every token is one its grammar allows (a host read per token). min_p, typical_p: dense.sample's; a
+    repetition_penalty other than 1 penalizes the tokens among the last repeat_last_n (-1: all) of the prompt and
+    the reply (a [B, V] input of the step, made on the device)."""
     runner, ids, row_start = prepare(model, prompts, max_new_tokens, start_pos, compile, steps)
-    sampling = Sampling(temperature, top_k, top_p, vocab_limit)
+    sampling = Sampling(temperature, top_k, top_p, vocab_limit, min_p=min_p, typical_p=typical_p)
     T = ids.shape[1]
+    recent = Recent(ids, row_start, repetition_penalty, repeat_last_n, model.config.vocab_size)
     logits = runner.prefill(ids, start_pos, row_start)
-    if constraint is not None:
-        logits = logits + constraint.bias(logits.device)
-    token = dense.sample(logits, temperature, top_k, top_p, vocab_limit)
+    bias = constraint.bias(logits.device) if constraint is not None else None
+    logits = shape_logits(logits, bias, recent.penalties())
+    token = dense.sample(logits, temperature, top_k, top_p, vocab_limit, None, min_p, typical_p)
     yield token
     for i in range(max_new_tokens - 1):  # the token stays on the device: nothing here waits for the GPU
         if constraint is not None:
             constraint.consume(int(token))
             sampling = dataclasses.replace(sampling, bias=constraint.bias(token.device)[None])
+        if recent.on:
+            recent.add(token)
+            sampling = dataclasses.replace(sampling, penalty=recent.penalties())
         token = runner.decode(token, start_pos + T + i, row_start, sampling)
         yield token
+
+
+class Recent:
+    """The tokens a repetition penalty looks at: the last `window` (-1: all) of each row's prompt and reply, on the
+    device; penalties() is the step's [B, V] input (penalty at those tokens, 1 elsewhere), or None when off."""
+
+    def __init__(self, ids: torch.Tensor, row_start: torch.Tensor | None, penalty: float, window: int, V: int) -> None:
+        self.on, self.penalty, self.window, self.V = penalty != 1 and window != 0, penalty, window, V
+        if row_start is not None:  # a left-padded row's padding counts as no token (column V, dropped)
+            ids = ids.masked_fill(torch.arange(ids.shape[1], device=ids.device) < row_start[:, None], V)
+        self.tokens = ids
+
+    def add(self, token: torch.Tensor) -> None:
+        self.tokens = torch.cat([self.tokens, token], dim=1)
+        if self.window > 0:
+            self.tokens = self.tokens[:, -self.window:]
+
+    def penalties(self) -> torch.Tensor | None:
+        if not self.on:
+            return None
+        seen = self.tokens if self.window < 0 else self.tokens[:, -self.window:]
+        out = torch.ones(seen.shape[0], self.V + 1, device=seen.device)
+        return out.scatter_(1, seen, self.penalty)[:, :self.V]
 
 
 def ahead(tokens: Iterable[torch.Tensor]) -> Iterator[list[int]]:

@@ -17,6 +17,7 @@ from dense_engine.formats.vocab import TextStream, Vocabulary
 from dense_engine.runtime import background, generate, speculative, tp
 from dense_engine.runtime.steps import Steps
 from dense_engine.system import machine
+from dense_engine.system.errors import UsageError
 
 # ----------------------------------------------------------------------------------------------------------------
 # A conversation over one static KV cache
@@ -86,10 +87,20 @@ class Settings:
     temperature: float = 0.7
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    repetition_penalty: float | None = None  # (None or 1: off)
+    repeat_last_n: int = 64
     max_new_tokens: int = 512
     max_seq_len: int | None = None
     compile: bool = True
     speculate_k: int = 4
+
+
+def filters(settings: Settings) -> dict:
+    """The sampling settings beyond temperature, top-k and top-p, as generate_tokens takes them."""
+    return dict(min_p=settings.min_p, typical_p=settings.typical_p,
+                repetition_penalty=settings.repetition_penalty or 1.0, repeat_last_n=settings.repeat_last_n)
 
 
 def common_prefix(cached: list[int], prompt: list[int]) -> int:
@@ -143,7 +154,11 @@ class Session:
                         vocab_limit=vocab_limit, steps=self.steps)
         if self.draft is None:
             constraint = self.constraint() if self.constraint is not None else None
-            return generate.generate_tokens(self.model, ids, max_new, constraint=constraint, **settings)
+            return generate.generate_tokens(self.model, ids, max_new, constraint=constraint, **settings,
+                                            **filters(args))
+        extra = filters(args)
+        if extra["min_p"] or extra["typical_p"] or extra["repetition_penalty"] != 1:
+            raise UsageError("min-p, typical-p and repetition-penalty are not served with speculative decoding")
         return speculative.generate_tokens(self.model, ids, max_new, self.draft, speculate_k=args.speculate_k,
                                            stats=stats, context=self.cached[:start_pos] if context is None else context,
                                            **settings)

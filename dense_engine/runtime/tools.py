@@ -1,5 +1,6 @@
 """tools.py: function calling for serve.py: tools rendered through the checkpoint's chat template, the model's reply
-parsed into OpenAI tool calls, and the grammar that makes a reply a call when the request requires one.
+read into tool calls as it is written (CallStream), and the grammar that makes a reply a call when the request
+requires one.
 
 Three reply formats, picked from what the chat template writes:
   hermes   <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>   (Qwen2.5/3, Hermes, SmolLM3, Granite;
@@ -17,7 +18,6 @@ import re
 
 from dense_engine.runtime import grammar
 
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
@@ -70,24 +70,6 @@ def arguments_object(arguments):
     return arguments
 
 
-def parse_calls(text: str, fmt: str, names: set[str]) -> list[dict]:
-    """The calls in a reply, [{"name", "arguments": object}], or [] when it is text (or names no known function)."""
-    found = []
-    if fmt == "hermes":
-        found = [load(body) for body in HERMES_CALL.findall(text)]
-    else:
-        body = text.strip().removeprefix("[TOOL_CALLS]").removeprefix("<|python_tag|>").strip()
-        value = load(body)
-        found = value if isinstance(value, list) else [value]
-    calls = []
-    for call in found:
-        if not isinstance(call, dict) or call.get("name") not in names:
-            return []
-        arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append({"name": call["name"], "arguments": arguments if isinstance(arguments, dict) else {}})
-    return calls
-
-
 def load(text: str):
     try:
         return json.loads(text)
@@ -113,3 +95,185 @@ def call_grammar(tools: list[dict], only: str | None, fmt: str, parallel: bool) 
     else:
         start = "start: call"
     return grammar.llguidance().LLMatcher.grammar_from_lark(start + "\n" + call)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tool calls read as the model writes them: a stream of text pieces in, ("text", s) / ("call", i, name) /
+# ("arguments", i, piece) out. A call's name is told as soon as it is written, its arguments piece by piece as
+# they come (the JSON value as the model writes it), and no call text reaches the content. Text that could still
+# open a call (a partial "<tool_call>", a llama3 reply's first "{") is held back, at most that many characters.
+
+HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+OPENERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3": None}
+HERMES_CLOSE = "</tool_call>"
+MAX_HEAD = 512  # characters after an opener with no {"name": "...", "arguments": yet: it is text after all
+
+
+class CallStream:
+    """One reply's tool calls, read as its text comes (feed, then finish at its end). names: the tools offered (a
+    call of another name is text); parallel False: only the first call is told."""
+
+    def __init__(self, fmt: str, names, parallel: bool = True) -> None:
+        self.fmt, self.names, self.parallel = fmt, names, parallel
+        self.opener = OPENERS[fmt]
+        self.state = "start" if fmt == "llama3" else "text"
+        self.buf, self.calls = "", 0
+        self.value = None  # the arguments' scanner state: [depth, in string, escaped, started, closer]
+
+    def feed(self, text: str) -> list[tuple]:
+        self.buf += text
+        return self.run(False)
+
+    def finish(self) -> list[tuple]:
+        return self.run(True)
+
+    def run(self, final: bool) -> list[tuple]:
+        out = []
+        while True:
+            before = (self.state, len(self.buf))
+            getattr(self, "step_" + self.state)(out, final)
+            if (self.state, len(self.buf)) == before:
+                return [e for e in out if e[-1]]  # (no empty pieces)
+
+    def told(self) -> bool:  # whether the call being read is told (parallel False: the first alone)
+        return self.parallel or self.calls == 1
+
+    # states
+
+    def step_text(self, out, final) -> None:
+        at = self.buf.find(self.opener)
+        if at >= 0:
+            out.append(("text", self.buf[:at]))
+            self.buf, self.state = self.buf[at + len(self.opener):], "open" if self.fmt == "mistral" else "head"
+            return
+        keep = 0 if final else next((n for n in range(min(len(self.opener) - 1, len(self.buf)), 0, -1)
+                                     if self.opener.startswith(self.buf[-n:])), 0)
+        out.append(("text", self.buf[:len(self.buf) - keep]))
+        self.buf = self.buf[len(self.buf) - keep:]
+
+    def step_plain(self, out, final) -> None:  # text to the end
+        out.append(("text", self.buf))
+        self.buf = ""
+
+    def step_start(self, out, final) -> None:  # (llama3) a call is the whole reply: "{" or <|python_tag|> first
+        s = self.buf.lstrip()
+        tag = "<|python_tag|>"
+        if s.startswith(tag) or s.startswith("{"):
+            self.buf, self.state = s.removeprefix(tag), "head"
+        elif s and not tag.startswith(s) or final:
+            self.state = "plain"
+
+    def step_open(self, out, final) -> None:  # (mistral) [TOOL_CALLS] then a JSON list of calls
+        s = self.buf.lstrip()
+        if s.startswith("["):
+            self.buf, self.state = s[1:], "head"
+        elif s or final:
+            self.buf, self.state = self.opener + self.buf, "plain"
+
+    def step_head(self, out, final) -> None:
+        m = HEAD.match(self.buf)
+        if m:
+            name = json.loads('"' + m.group(1) + '"')
+            if name in self.names:
+                self.calls += 1
+                if self.told():
+                    out.append(("call", self.calls - 1, name))
+                self.buf, self.state, self.value = self.buf[m.end():], "arguments", None
+                return
+        closed = self.fmt == "hermes" and HERMES_CLOSE in self.buf
+        if m or closed or final or len(self.buf) > MAX_HEAD:
+            self.whole_call(out, closed)
+
+    def whole_call(self, out, closed: bool) -> None:
+        """A call not in the usual order ("arguments" first), or text after all: read whole, or told as text."""
+        body = self.buf[:self.buf.find(HERMES_CLOSE)] if closed else self.buf
+        value = load(body.strip().rstrip(",]").strip()) if self.fmt != "hermes" or closed else None
+        arguments = value.get("arguments", value.get("parameters")) if isinstance(value, dict) else None
+        if isinstance(value, dict) and value.get("name") in self.names and arguments is not None:
+            self.calls += 1
+            if self.told():
+                out += [("call", self.calls - 1, value["name"]),
+                        ("arguments", self.calls - 1, json.dumps(arguments, ensure_ascii=False))]
+            self.buf = self.buf[len(body) + len(HERMES_CLOSE):] if closed else ""
+            self.state = "between"
+            return
+        opened = "" if self.fmt == "llama3" else self.opener + ("[" if self.fmt == "mistral" else "")
+        self.buf = opened + self.buf
+        self.state = "plain" if self.fmt != "hermes" or self.calls else "text"
+        if self.state == "text":  # (this opener is text: look for the next one after it)
+            out.append(("text", self.buf[:len(self.opener)]))
+            self.buf = self.buf[len(self.opener):]
+
+    def step_arguments(self, out, final) -> None:
+        """The arguments' JSON value, told as it comes, up to its end (an object, list, string or number)."""
+        if self.value is None:
+            s = self.buf.lstrip()
+            if not s:
+                self.buf = ""
+                return
+            self.buf, self.value = s, [0, False, False, False, None]
+        depth, in_string, escaped, started, _ = self.value
+        end = None
+        for i, c in enumerate(self.buf):
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif c == "\\":
+                    escaped = True
+                elif c == '"':
+                    in_string = False
+                    if depth == 0:
+                        end = i + 1
+                        break
+            elif c == '"':
+                in_string, started = True, True
+            elif c in "{[":
+                depth, started = depth + 1, True
+            elif c in "}]":
+                if depth == 0:  # (a number's end: the call's closing brace)
+                    end = i
+                    break
+                depth -= 1
+                if depth == 0:
+                    end = i + 1
+                    break
+            elif c in ", \n\t\r" and depth == 0 and started:
+                end = i
+                break
+            else:
+                started = True
+        self.value = [depth, in_string, escaped, started, None]
+        piece, self.buf = (self.buf, "") if end is None else (self.buf[:end], self.buf[end:])
+        if self.told():
+            out.append(("arguments", self.calls - 1, piece))
+        if end is not None:
+            self.state = "tail"
+
+    def step_tail(self, out, final) -> None:  # what closes a call: hermes' </tool_call>, else the object's "}"
+        close = HERMES_CLOSE if self.fmt == "hermes" else "}"
+        at = self.buf.find(close)
+        if at >= 0:
+            self.buf, self.state = self.buf[at + len(close):], "between"
+        elif final:
+            self.buf = ""
+
+    def step_between(self, out, final) -> None:  # after a call: another one, or the end
+        s = self.buf.lstrip()
+        if self.fmt == "hermes":
+            if s.startswith(self.opener):
+                self.buf, self.state = s[len(self.opener):], "head"
+            elif s and not self.opener.startswith(s) or final:
+                self.state = "text"
+        elif self.fmt == "mistral":
+            if s.startswith(","):
+                self.buf, self.state = s[1:], "head"
+            elif s.startswith("]"):
+                self.buf, self.state = s[1:], "plain"
+            elif s or final:
+                self.state = "plain"
+        else:
+            s = s.lstrip(";,").lstrip()
+            if s.startswith("{"):
+                self.buf, self.state = s, "head"
+            elif s or final:
+                self.state = "plain"

@@ -30,7 +30,9 @@ def make_jobs(settings: Settings, server, sink) -> list[Request]:
                     logprobs=settings.logprobs, echo=settings.echo, index=i,
                     constraint=grammar.Constraint(settings.grammar, grammar.tokenizer_for(vocab, V), V)
                     if settings.grammar else None, logit_bias=settings.logit_bias,
-                    presence_penalty=settings.presence_penalty, frequency_penalty=settings.frequency_penalty)
+                    presence_penalty=settings.presence_penalty, frequency_penalty=settings.frequency_penalty,
+                    min_p=settings.min_p, typical_p=settings.typical_p,
+                    repetition_penalty=settings.repetition_penalty, repeat_last_n=settings.repeat_last_n)
             for i, prompt in enumerate(settings.prompts)]
 
 

@@ -21,10 +21,15 @@ CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 REFUSED = {"n": lambda v: v not in (None, 1), "functions": bool, "function_call": lambda v: v not in (None, "none"),
            "best_of": lambda v: v not in (None, 1), "suffix": lambda v: v not in (None, ""),
            "prediction": lambda v: v is not None, "audio": lambda v: v is not None,
-           "modalities": lambda v: v not in (None, ["text"])}
+           "modalities": lambda v: v not in (None, ["text"]),
+           # samplers of llama-server's not served here: refused when they would act, accepted when off (front-ends
+           # send their defaults)
+           "dry_multiplier": lambda v: v not in (None, 0, 0.0), "mirostat": lambda v: v not in (None, 0),
+           "xtc_probability": lambda v: v not in (None, 0, 0.0), "top_n_sigma": lambda v: v not in (None, -1, 0)}
 IGNORED = ("model", "user", "metadata", "store", "service_tier")  # no effect on the text
 SHARED = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-          "stream_options", "logprobs", "response_format", "logit_bias", "presence_penalty", "frequency_penalty"}
+          "stream_options", "logprobs", "response_format", "logit_bias", "presence_penalty", "frequency_penalty",
+          "min_p", "typical_p", "repetition_penalty", "repeat_penalty", "repeat_last_n"}
 KNOWN = {"chat": {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}, "completion": {
     "prompt", "echo"}}
 # The bounds of a request (README, Serve): past one, a 400 naming the field. The body's size: serve.py --max-body-mb.
@@ -81,6 +86,10 @@ class Settings:
     presence_penalty: float
     frequency_penalty: float
     calling: ToolCalling | None
+    min_p: float | None = None  # (0: off)
+    typical_p: float | None = None  # (1: off)
+    repetition_penalty: float = 1.0
+    repeat_last_n: int = 64
 
 
 def decode_body(raw: bytes) -> dict:
@@ -151,12 +160,21 @@ def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculat
     bias = logit_bias(body.get("logit_bias"), vocab.size)
     presence = number(body, "presence_penalty", float, 0.0, low=-2, high=2)
     frequency = number(body, "frequency_penalty", float, 0.0, low=-2, high=2)
+    min_p = number(body, "min_p", float, 0.0, low=0, high=1)
+    typical_p = number(body, "typical_p", float, 1.0, low=0, high=1, low_open=True)
+    if body.get("repetition_penalty") is not None and body.get("repeat_penalty") is not None:
+        raise BadRequest("'repetition_penalty' and 'repeat_penalty' are one setting: send one of them",
+                         "repeat_penalty")
+    name = "repeat_penalty" if body.get("repeat_penalty") is not None else "repetition_penalty"
+    repetition = number(body, name, float, 1.0, low=0, high=10, low_open=True)
+    repeat_last_n = number(body, "repeat_last_n", int, 64, low=-1)
     return Settings(prompts=prompts, max_tokens=max_tokens,
                     temperature=number(body, "temperature", float, 1.0, low=0, high=2),
                     top_p=None if top_p == 1 else top_p, top_k=number(body, "top_k", int, None, low=1), seed=seed,
                     stop=stop, stream=stream, include_usage=options.get("include_usage", False), logprobs=logprobs,
                     echo=echo, grammar=shape, logit_bias=bias, presence_penalty=presence, frequency_penalty=frequency,
-                    calling=calling)
+                    calling=calling, min_p=min_p or None, typical_p=None if typical_p == 1 else typical_p,
+                    repetition_penalty=repetition, repeat_last_n=repeat_last_n)
 
 
 def check_names(body: dict, kind: str) -> None:

@@ -5,7 +5,6 @@ completions are the two formats here; another API is another Reply. No HTTP: the
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import NamedTuple
 
@@ -17,23 +16,28 @@ from dense_engine.server.scheduler import Event, Request
 
 class Piece(NamedTuple):
     """What a choice's client is told next: "text" (text, its logprob entries), "prompt" (echo: the prompt's text and
-    entries, before the reply's), "calls" (the reply parsed as tool calls: the text, its entries, the calls), "done"
-    (the finish reason, entries) or "error" (a message)."""
+    entries, before the reply's), "call" (a tool call begins: text is its name, call its number in the reply),
+    "arguments" (a piece of call `call`'s arguments, as the model writes them), "done" (the finish reason, entries)
+    or "error" (a message)."""
     index: int
     kind: str
     text: str
     entries: list
-    calls: list | None = None
+    call: int | None = None
 
 
 class ClientEvents:
     """The events of a request's choices, in the order its client is told them: an echoed prompt before a choice's
-    first piece; a reply that may be tool calls held back to its end, then sent as calls or as text."""
+    first piece; with tools, the reply read by tools.CallStream as it comes: text, and calls with their arguments
+    in pieces (text that could still open a call held back, a few characters at most)."""
 
     def __init__(self, jobs: list[Request], vocab: Vocabulary, calling: ToolCalling | None) -> None:
         self.jobs, self.vocab, self.calling = jobs, vocab, calling
         self.open = len(jobs)  # choices not done (0 after an error: nothing more is told)
-        self.echoed, self.held = set(), {job.index: [] for job in jobs}
+        self.echoed = set()
+        self.streams = {job.index: tools.CallStream(calling.format, calling.names, calling.parallel)
+                        for job in jobs} if calling is not None else {}
+        self.pending = {job.index: [] for job in jobs}  # logprob entries of text a CallStream holds back
 
     def feed(self, event: Event) -> list[Piece]:
         job = self.jobs[event.index]
@@ -42,7 +46,7 @@ class ClientEvents:
             return [Piece(event.index, "error", event.text, [])]
         self.open -= event.kind == "done"
         if self.calling is not None:
-            return self.hold(job, event)
+            return self.read_calls(job, event)
         pieces = []
         if job.echo and job.index not in self.echoed and (event.kind == "done" or event.text):  # the prompt first
             self.echoed.add(job.index)
@@ -50,26 +54,23 @@ class ClientEvents:
             pieces.append(Piece(job.index, "prompt", self.vocab.decode(job.prompt), entries))
         return pieces + [Piece(event.index, event.kind, event.text, event.entries)]
 
-    def hold(self, job: Request, event: Event) -> list[Piece]:
-        held = self.held[job.index]
-        held.append((event.text if event.kind == "text" else "", event.entries))
-        if event.kind != "done":
-            return []
-        text, entries = "".join(t for t, _ in held), [e for _, got in held for e in got]
-        calls = tool_calls(text, self.calling)
-        if calls:
-            return [Piece(job.index, "calls", text, entries, calls)]
-        said = [Piece(job.index, "text", text, entries)] if text or entries else []
-        return said + [Piece(job.index, "done", event.text, [])]
+    def read_calls(self, job: Request, event: Event) -> list[Piece]:
+        stream, pending = self.streams[job.index], self.pending[job.index]
+        pending += event.entries
+        found = stream.feed(event.text) if event.kind == "text" else stream.finish()
+        pieces = []
+        for kind, *rest in found:
+            entries, pending[:] = list(pending), []
+            call, text = (rest[0], rest[1]) if kind != "text" else (None, rest[0])
+            pieces.append(Piece(job.index, kind, text, entries, call))
+        if event.kind == "done":
+            entries, pending[:] = list(pending), []
+            pieces.append(Piece(job.index, "done", event.text, entries))
+        return pieces
 
 
-def tool_calls(text: str, calling: ToolCalling) -> list[dict]:
-    """The reply's calls in OpenAI's form (none unless the reply is calls of the offered tools)."""
-    calls = tools.parse_calls(text, calling.format, calling.names)
-    calls = calls if calling.parallel else calls[:1]
-    return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-            for c in calls]
+def call_id(prefix: str = "call_") -> str:
+    return prefix + uuid.uuid4().hex[:24]
 
 
 class Reply:
@@ -83,7 +84,7 @@ class Reply:
         self.offsets = {job.index: 0 for job in jobs}  # (streamed) text sent per choice: completions' text_offset
         self.texts = {job.index: [] for job in jobs}  # (whole) per choice: its texts, entries and calls
         self.entries = {job.index: [] for job in jobs}
-        self.calls = {}
+        self.calls = {job.index: [] for job in jobs}  # per choice: its calls so far, {"id", "name", "arguments"}
 
     def piece(self, token: int) -> str:
         return self.vocab.tokenizer.decode([token], skip_special_tokens=False)
@@ -104,8 +105,9 @@ class Reply:
         if piece.kind == "error":
             return [BadRequest(piece.text, status=500, kind="server_error").body()]
         job, at = self.jobs[piece.index], self.offsets[piece.index]
-        if piece.kind == "calls":
-            return self.call_chunks(piece.calls)
+        if piece.kind in ("call", "arguments"):
+            self.track(piece)
+            return self.call_chunks(piece, self.calls[piece.index][piece.call])
         if piece.kind == "done":
             return [self.chunk([self.choice(job, None, piece.text, True, piece.entries, at)])]
         self.offsets[piece.index] = at + len(piece.text)
@@ -114,8 +116,16 @@ class Reply:
     def usage_chunk(self) -> dict:
         return self.chunk([], usage=self.usage())
 
-    def call_chunks(self, calls: list[dict]) -> list[dict]:
+    def call_chunks(self, piece: Piece, call: dict) -> list[dict]:
+        """A call's start (its name) or a piece of its arguments, as the format streams them."""
         raise NotImplementedError
+
+    def track(self, piece: Piece) -> None:
+        calls = self.calls[piece.index]
+        if piece.kind == "call":
+            calls.append({"id": call_id(), "name": piece.text, "arguments": ""})
+        else:
+            calls[piece.call]["arguments"] += piece.text
 
     # whole
 
@@ -126,20 +136,23 @@ class Reply:
             self.texts[piece.index].insert(0, piece.text)
             self.entries[piece.index][:0] = piece.entries
             return
-        if piece.kind in ("text", "calls"):
+        if piece.kind == "text":
             self.texts[piece.index].append(piece.text)
         self.entries[piece.index] += piece.entries
-        if piece.kind == "calls":
-            self.calls[piece.index] = piece.calls
+        if piece.kind in ("call", "arguments"):
+            self.track(piece)
 
     def body(self) -> dict:
         choices = []
         for job in self.jobs:
             text, entries = "".join(self.texts[job.index]), self.entries[job.index]
             choices.append(self.choice(job, text, job.finish_reason, False, entries))
-            if self.calls.get(job.index):
+            if self.calls[job.index]:
                 choices[-1].update(finish_reason="tool_calls")
-                choices[-1]["message"].update(content=None, tool_calls=self.calls[job.index])
+                calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"],
+                                                                          "arguments": c["arguments"]}}
+                         for c in self.calls[job.index]]
+                choices[-1]["message"].update(content=text.strip() or None, tool_calls=calls)
         return {**self.head, "object": self.obj, "choices": choices, "usage": self.usage()}
 
     def choice(self, job: Request, text: str | None, reason: str | None, delta: bool, entries=(), offset=0) -> dict:
@@ -170,20 +183,21 @@ class ChatReply(Reply):
 
         return {"content": [{**one(t, lp), "top_logprobs": [one(a, alp) for a, alp in alts]} for t, lp, alts in entries]}
 
-    def call_chunks(self, calls: list[dict]) -> list[dict]:
-        """Each call's name first, then its arguments in pieces (as OpenAI streams them), then the finish."""
-        def delta(value: dict, reason=None) -> dict:
-            return self.chunk([{"index": 0, "delta": value, "finish_reason": reason, "logprobs": None}])
+    def call_chunks(self, piece: Piece, call: dict) -> list[dict]:
+        """A call's id and name first, then its arguments in pieces as they come (OpenAI's tool_calls deltas)."""
+        if piece.kind == "call":
+            value = {"index": piece.call, "id": call["id"], "type": "function",
+                     "function": {"name": call["name"], "arguments": ""}}
+        else:
+            value = {"index": piece.call, "function": {"arguments": piece.text}}
+        return [self.chunk([{"index": piece.index, "delta": {"tool_calls": [value]}, "finish_reason": None,
+                             "logprobs": None}])]
 
-        out = []
-        for i, call in enumerate(calls):
-            out.append(delta({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                              "function": {"name": call["function"]["name"], "arguments": ""}}]}))
-            arguments = call["function"]["arguments"]
-            step = max(1, len(arguments) // 3 + 1)
-            out += [delta({"tool_calls": [{"index": i, "function": {"arguments": arguments[at:at + step]}}]})
-                    for at in range(0, len(arguments), step)]
-        return out + [delta({}, "tool_calls")]
+    def chunks(self, piece: Piece) -> list[dict]:
+        if piece.kind == "done" and self.calls[piece.index]:  # the finish of a reply that called tools
+            return [self.chunk([{"index": piece.index, "delta": {}, "finish_reason": "tool_calls",
+                                 "logprobs": self.logprobs(self.jobs[piece.index], list(piece.entries))}])]
+        return super().chunks(piece)
 
 
 class CompletionReply(Reply):

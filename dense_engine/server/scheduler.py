@@ -77,12 +77,30 @@ class Request:
     frequency_penalty: float = 0.0  # ... times how often it was generated
     counts: dict = field(default_factory=dict)  # token id -> times generated (for the penalties)
     filled: int = 0  # its prompt tokens in its row's cache so far
+    min_p: float | None = None
+    typical_p: float | None = None
+    repetition_penalty: float = 1.0  # of the tokens among the last repeat_last_n (-1: all) of prompt and reply
+    repeat_last_n: int = 64
 
     @property
     def shaped(self) -> bool:
         """Whether something but the sampler picks its tokens (logprobs, echo, a grammar, a bias or penalties)."""
         return (self.logprobs is not None or self.echo or self.constraint is not None or bool(self.logit_bias)
-                or bool(self.presence_penalty or self.frequency_penalty))
+                or bool(self.presence_penalty or self.frequency_penalty) or self.penalized)
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 and self.repeat_last_n != 0
+
+    def penalty(self, vocab: int) -> torch.Tensor | None:
+        """[V] float32 repetition penalties (generate.shape_logits' rule), or None: none."""
+        if not self.penalized:
+            return None
+        seen = self.prompt + self.generated
+        seen = seen if self.repeat_last_n < 0 else seen[-self.repeat_last_n:]
+        out = torch.ones(vocab)
+        out[seen] = self.repetition_penalty
+        return out
 
     def bias(self, vocab: int) -> torch.Tensor | None:
         """[V] float32 added to this request's logits before sampling (OpenAI's semantics), or None: none."""
@@ -217,7 +235,7 @@ class Scheduler:
             if request.cancelled:
                 continue
             if self.draft is not None and self.speculation is None and self.slots[0].request is None \
-                    and not request.shaped:
+                    and not request.shaped and request.min_p is None and request.typical_p is None:
                 self.start_speculation(request)
                 continue
             row, common = self.pick_row(request)
@@ -296,7 +314,8 @@ class Scheduler:
             request.end("length", [])
             slot.request = None
             return
-        token = int(sample_one(logits, request, self.vocab_limit, request.bias(logits.shape[-1])))
+        V = logits.shape[-1]
+        token = int(sample_one(logits, request, self.vocab_limit, request.bias(V), request.penalty(V)))
         slot.position, slot.last = len(request.prompt), token
         self.deliver(row, token, logits[0])
 
@@ -324,14 +343,19 @@ class Scheduler:
         """Each row's sampling settings, inputs of the compiled step; a bias [B, V] only when a row has one (a
         constrained, biased or penalized row: else the plain step runs)."""
         V = self.model.config.vocab_size
-        biases = [r.bias(V) if r is not None else None for r in rows]
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.stack([b if b is not None else torch.zeros(V) for b in biases]).to(self.model.device)
+
+        def stacked(make, empty) -> torch.Tensor | None:  # [B, V], or None when no row has one
+            got = [make(r) if r is not None else None for r in rows]
+            if all(g is None for g in got):
+                return None
+            return torch.stack([g if g is not None else empty(V) for g in got]).to(self.model.device)
+
         return generate.Sampling(
             tuple(r.temperature if r else 0.0 for r in rows), tuple(r.top_k if r else None for r in rows),
             tuple(r.top_p if r else None for r in rows), self.vocab_limit,
-            tuple(r.generator if r else self.idle_generator for r in rows), bias)
+            tuple(r.generator if r else self.idle_generator for r in rows),
+            stacked(lambda r: r.bias(V), torch.zeros), tuple(r.min_p if r else None for r in rows),
+            tuple(r.typical_p if r else None for r in rows), stacked(lambda r: r.penalty(V), torch.ones))
 
     def deliver(self, row: int, token: int, logits: torch.Tensor | None = None) -> None:
         """A row's new token (and the logits it was drawn from, when the request wants logprobs): its text to the
@@ -385,13 +409,15 @@ def logprob_entry(logits: torch.Tensor, token: int, top: int) -> tuple:
     return token, float(logprobs[token]), alternatives
 
 
-def sample_one(logits: torch.Tensor, request: Request, vocab_limit: int | None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The first token of a request, from its prefill's logits [1, V] (plus its bias), with its own noise."""
-    if bias is not None:
-        logits = logits + bias.to(logits.device)
+def sample_one(logits: torch.Tensor, request: Request, vocab_limit: int | None, bias: torch.Tensor | None = None,
+               penalty: torch.Tensor | None = None) -> torch.Tensor:
+    """The first token of a request, from its prefill's logits [1, V] (its penalties and bias applied, as the decode
+    step applies them), with its own noise."""
+    logits = generate.shape_logits(logits, None if bias is None else bias.to(logits.device),
+                                   None if penalty is None else penalty.to(logits.device))
     noise = torch.empty_like(logits).exponential_(1, generator=request.generator)
-    return dense.sample(logits, request.temperature, request.top_k, request.top_p, vocab_limit, noise)
+    return dense.sample(logits, request.temperature, request.top_k, request.top_p, vocab_limit, noise,
+                        request.min_p, request.typical_p)
 
 
 def finish(vocab: Vocabulary, request: Request, token: int) -> str | None:
