@@ -190,6 +190,7 @@ class StopText:
 
     def __init__(self, stops: list[str]) -> None:
         self.stops, self.pending, self.stopped = stops, "", False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, piece: str) -> str:
         self.pending += piece
@@ -197,6 +198,7 @@ class StopText:
             at = self.pending.find(stop)
             if at >= 0:
                 shown, self.pending, self.stopped = self.pending[:at], "", True
+                self.matched = stop
                 return shown
         keep = max((n for stop in self.stops for n in range(1, min(len(stop), len(self.pending) + 1))
                     if self.pending.endswith(stop[:n])), default=0)  # the longest tail that may grow into a stop

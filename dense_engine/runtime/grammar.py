@@ -58,6 +58,36 @@ def json_grammar(schema: dict | None = None) -> str:
     return grammar
 
 
+def checked(grammar: str) -> str:
+    """grammar, or ValueError with the first line of llguidance's complaint."""
+    error = llguidance().LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise ValueError(" ".join(error.split("\n")[:1]).strip())
+    return grammar
+
+
+def regex_grammar(pattern: str) -> str:
+    """Text matching a regular expression (Rust's regex syntax, as vLLM's guided_regex)."""
+    return checked(llguidance().LLMatcher.grammar_from_regex(pattern))
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """Exactly one of the strings."""
+    return checked(llguidance().LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices)))
+
+
+def lark_grammar(text: str) -> str:
+    """A context-free grammar in Lark's syntax (vLLM's guided_grammar) or in llama.cpp's GBNF (llama-server's
+    `grammar`): llguidance tells them apart and converts GBNF."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        lark = any_to_lark(text)
+    except Exception as e:  # (the converter's own errors: GbnfToLarkError, and what its parser raises)
+        raise ValueError(" ".join(str(e).split())) from None
+    return checked(llguidance().LLMatcher.grammar_from_lark(lark))
+
+
 class Constraint:
     """One reply's grammar state: which tokens may come next, updated as tokens are chosen."""
 

@@ -99,7 +99,7 @@ def call_grammar(tools: list[dict], only: str | None, fmt: str, parallel: bool) 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tool calls read as the model writes them: a stream of text pieces in, ("text", s) / ("call", i, name) /
-# ("arguments", i, piece) out. A call's name is told as soon as it is written, its arguments piece by piece as
+# ("arguments", i, piece) / ("end", i, name) out. A call's name is told as soon as it is written, its arguments piece by piece as
 # they come (the JSON value as the model writes it), and no call text reaches the content. Text that could still
 # open a call (a partial "<tool_call>", a llama3 reply's first "{") is held back, at most that many characters.
 
@@ -117,7 +117,7 @@ class CallStream:
         self.fmt, self.names, self.parallel = fmt, names, parallel
         self.opener = OPENERS[fmt]
         self.state = "start" if fmt == "llama3" else "text"
-        self.buf, self.calls = "", 0
+        self.buf, self.calls, self.name = "", 0, None
         self.value = None  # the arguments' scanner state: [depth, in string, escaped, started, closer]
 
     def feed(self, text: str) -> list[tuple]:
@@ -176,6 +176,7 @@ class CallStream:
             name = json.loads('"' + m.group(1) + '"')
             if name in self.names:
                 self.calls += 1
+                self.name = name
                 if self.told():
                     out.append(("call", self.calls - 1, name))
                 self.buf, self.state, self.value = self.buf[m.end():], "arguments", None
@@ -193,7 +194,8 @@ class CallStream:
             self.calls += 1
             if self.told():
                 out += [("call", self.calls - 1, value["name"]),
-                        ("arguments", self.calls - 1, json.dumps(arguments, ensure_ascii=False))]
+                        ("arguments", self.calls - 1, json.dumps(arguments, ensure_ascii=False)),
+                        ("end", self.calls - 1, value["name"])]
             self.buf = self.buf[len(body) + len(HERMES_CLOSE):] if closed else ""
             self.state = "between"
             return
@@ -248,6 +250,8 @@ class CallStream:
             out.append(("arguments", self.calls - 1, piece))
         if end is not None:
             self.state = "tail"
+            if self.told():
+                out.append(("end", self.calls - 1, self.name))
 
     def step_tail(self, out, final) -> None:  # what closes a call: hermes' </tool_call>, else the object's "}"
         close = HERMES_CLOSE if self.fmt == "hermes" else "}"

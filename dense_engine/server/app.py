@@ -6,19 +6,53 @@ Errors are the APIs' own bodies (BadRequest) with their status; a bug of ours is
 from __future__ import annotations
 
 import asyncio
-import json
+import re
 import sys
 import time
 import uuid
 
 import torch
 
+from dataclasses import dataclass
+from typing import Callable
+
 from dense_engine.runtime import grammar
+from dense_engine.server import anthropic_messages, infill, ollama_api, openai_responses
 from dense_engine.server.protocol import BadRequest, Settings, decode_body, parse_request
-from dense_engine.server.responses import FORMATS, ClientEvents
+from dense_engine.server.responses import ChatReply, ClientEvents, CompletionReply, sse  # noqa: F401 (sse: tests)
 from dense_engine.server.scheduler import Request
 
-COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+
+@dataclass(frozen=True)
+class API:
+    """A route's API: its translator (its body -> the kind protocol.py parses, that body in OpenAI's chat or
+    completions form, and what the reply needs of its own request), its Reply, the prefix of a reply's id."""
+    translate: Callable  # (body, server) -> (kind, OpenAI body, meta)
+    reply: type
+    id_prefix: str
+
+
+def as_is(kind: str) -> Callable:
+    return lambda body, server: (kind, body, {})
+
+
+APIS = {"/v1/chat/completions": API(as_is("chat"), ChatReply, "chatcmpl-"),
+        "/v1/completions": API(infill.completions_body, CompletionReply, "cmpl-"),
+        "/v1/responses": API(openai_responses.translate, openai_responses.ResponsesReply, "resp_"),
+        "/v1/messages": API(anthropic_messages.translate, anthropic_messages.MessagesReply, "msg_"),
+        "/infill": API(infill.translate, infill.InfillReply, "infill-"),
+        "/api/chat": API(ollama_api.translate_chat, ollama_api.ChatReply, ""),
+        "/api/generate": API(ollama_api.translate_generate, ollama_api.GenerateReply, "")}
+COMPLETION_ROUTES = tuple(APIS)
+
+
+def error_body(path: str, e: BadRequest) -> dict:
+    """The error body in the shape of the API a path belongs to."""
+    if path.startswith("/v1/messages"):
+        return anthropic_messages.error_body(e)
+    if path.startswith("/api/"):
+        return ollama_api.error_body(e)
+    return e.body()
 
 
 def make_jobs(settings: Settings, server, sink) -> list[Request]:
@@ -44,8 +78,11 @@ def make_app(server):
     from starlette.routing import Route
 
     routes = [Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
-              Route("/v1/chat/completions", chat, methods=["POST"]),
-              Route("/v1/completions", complete, methods=["POST"]),
+              *(Route(path, completion, methods=["POST"]) for path in APIS),
+              Route("/v1/messages/count_tokens", anthropic_count_tokens, methods=["POST"]),
+              Route("/v1/responses/{id}", openai_responses_get, methods=["GET", "DELETE"]),
+              Route("/api/tags", ollama_tags), Route("/api/ps", ollama_tags), Route("/api/version", ollama_version),
+              Route("/api/show", ollama_show, methods=["POST"]),
               Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
     app = Starlette(routes=routes, exception_handlers={BadRequest: bad_request, HTTPException: http_error,
                                                         Exception: crash})
@@ -77,48 +114,87 @@ async def models(request):
                                                       "created": int(time.time()), "owned_by": "dense-engine"}]})
 
 
-async def chat(request):
-    return await completions(request, "chat")
-
-
-async def complete(request):
-    return await completions(request, "completion")
-
-
-async def completions(request, kind: str):
-    """A chat completion or a completion: its jobs submitted, their events read into the route's format."""
+async def completion(request):
+    """A completion of any API: its body translated into OpenAI's form and parsed, its jobs submitted, their events
+    read into the API's reply, streamed or whole."""
     from starlette.responses import StreamingResponse
 
-    server, body = state(request), await ready_json(request)
+    api, server, body = APIS[request.url.path], state(request), await ready_json(request)
     refuse_if_full(server, 1)  # (before the work of parsing it)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
     def sink(event) -> None:  # (called on the scheduler's thread)
         loop.call_soon_threadsafe(events.put_nowait, event)
 
-    # the template's rendering, the tokenizing and a grammar's compiling run in a worker thread: the event loop
-    # keeps streaming the other requests' tokens meanwhile
-    settings, jobs = await asyncio.to_thread(parse_jobs, server, body, kind, sink)
+    # the translating, the template's rendering, the tokenizing and a grammar's compiling run in a worker thread:
+    # the event loop keeps streaming the other requests' tokens meanwhile
+    settings, jobs, meta = await asyncio.to_thread(parse_jobs, server, api, body, sink)
+    if settings is None:
+        return json_response(meta)
     refuse_if_full(server, len(jobs))
-    head = {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
+    head = {"id": api.id_prefix + uuid.uuid4().hex[:24], "created": int(time.time()),
             "model": body.get("model") if isinstance(body.get("model"), str) else server.name,
             "system_fingerprint": None}
     for job in jobs:
         server.scheduler.submit(job)
     request.scope.setdefault("state", {})["job"] = jobs[0]
-    reader, reply = ClientEvents(jobs, server.vocab, settings.calling), FORMATS[kind](head, jobs, server.vocab)
+    reader = ClientEvents(jobs, server.vocab, settings.calling)
+    reply = api.reply(head, jobs, server.vocab, settings, meta)
     if settings.stream:
-        return StreamingResponse(streamed(reader, reply, events, jobs, settings.include_usage),
-                                 media_type="text/event-stream",
+        return StreamingResponse(streamed(reader, reply, events, jobs), media_type=reply.media_type,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     if not await whole(request, reader, reply, events, jobs):
         return json_response({}, 499)
     return json_response(reply.body())
 
 
-def parse_jobs(server, body: dict, kind: str, sink) -> tuple[Settings, list[Request]]:
-    settings = parse_request(body, kind, server.vocab, server.max_seq_len, server.scheduler.draft is not None)
-    return settings, make_jobs(settings, server, sink)
+def parse_jobs(server, api: API, body: dict, sink) -> tuple[Settings | None, list[Request], dict]:
+    """The request translated and parsed, and its jobs; (None, [], the answer) for one that needs no model."""
+    kind, body, meta = api.translate(body, server)
+    if kind is None:
+        return None, [], body
+    try:
+        settings = parse_request(body, kind, server.vocab, server.max_seq_len, server.scheduler.draft is not None)
+    except BadRequest as e:
+        raise renamed(e, meta.get("fields", {})) from None
+    return settings, make_jobs(settings, server, sink), meta
+
+
+def renamed(e: BadRequest, fields: dict) -> BadRequest:
+    """An error of the translated body in the names of the API's own fields (chat's max_tokens -> Responses'
+    max_output_tokens, ...)."""
+    message, param = str(e), e.param
+    for ours, theirs in fields.items():
+        message = re.sub(rf"'{re.escape(ours)}'|\b{re.escape(ours)}(\[\d+\])+", f"'{theirs}'", message)
+        if param is not None and re.match(rf"{re.escape(ours)}($|\[|\.)", param):
+            param = theirs
+    return BadRequest(message, param, e.status, e.kind, e.code)
+
+
+async def anthropic_count_tokens(request):
+    server, body = state(request), await ready_json(request)
+    return json_response(await asyncio.to_thread(anthropic_messages.count_tokens, body, server))
+
+
+async def openai_responses_get(request):
+    """GET /v1/responses/{id}: a stored response; DELETE: forget it."""
+    found = openai_responses.STORE.get(request.path_params["id"], request.method == "DELETE")
+    if found is None:
+        raise BadRequest(f"no stored response with id '{request.path_params['id']}'", "response_id", status=404,
+                         code="not_found")
+    return json_response(found)
+
+
+async def ollama_tags(request):
+    return json_response(ollama_api.tags(state(request), running=request.url.path == "/api/ps"))
+
+
+async def ollama_version(request):
+    return json_response(ollama_api.version())
+
+
+async def ollama_show(request):
+    return json_response(ollama_api.show(state(request), await ready_json(request)))
 
 
 async def tokenize(request):
@@ -173,17 +249,20 @@ async def ready_json(request) -> dict:
 
 
 async def bad_request(request, e: BadRequest):
-    return error_response(e)
+    return error_response(e, request.url.path)
 
 
 async def http_error(request, e):
     message = "not found" if e.status_code == 404 else e.detail
-    return error_response(BadRequest(f"{request.method} {request.url.path}: {message}", status=e.status_code))
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return error_response(BadRequest(f"{request.method} {request.url.path}: {message}", status=e.status_code,
+                                     kind=kind), request.url.path)
 
 
 async def crash(request, e: Exception):  # a bug of ours: one line in the log, a 500 body, the server goes on
     print(f"error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-    return error_response(BadRequest(f"internal error: {type(e).__name__}", status=500, kind="server_error"))
+    return error_response(BadRequest(f"internal error: {type(e).__name__}", status=500, kind="server_error"),
+                          request.url.path)
 
 
 def json_response(content, status: int = 200, headers: dict | None = None):
@@ -192,18 +271,19 @@ def json_response(content, status: int = 200, headers: dict | None = None):
     return JSONResponse(content, status_code=status, headers=headers)
 
 
-async def streamed(reader: ClientEvents, reply, events: asyncio.Queue, jobs: list[Request], include_usage: bool):
-    """Server-sent events: the reply's chunks as its pieces come, then the usage (when asked) and [DONE]."""
+async def streamed(reader: ClientEvents, reply, events: asyncio.Queue, jobs: list[Request]):
+    """The reply's chunks as its pieces come (server-sent events, or Ollama's lines), then its last ones."""
     try:
         for chunk in reply.start():
-            yield sse(chunk)
+            yield reply.frame(chunk)
         while reader.open:
             for piece in reader.feed(await events.get()):
                 for chunk in reply.chunks(piece):
-                    yield sse(chunk)
-        if include_usage:
-            yield sse(reply.usage_chunk())
-        yield "data: [DONE]\n\n"
+                    yield reply.frame(chunk)
+        for chunk in reply.end():
+            yield reply.frame(chunk)
+        if reply.done_line:
+            yield reply.done_line
     finally:  # the client went away (or the stream ended): the rows are freed at the next step
         for job in jobs:
             job.cancelled = job.finish_reason is None
@@ -243,12 +323,8 @@ def refuse_if_full(server, incoming: int) -> None:
                          status=503, kind="server_error", code="queue_full")
 
 
-def error_response(e: BadRequest):
-    return json_response(e.body(), e.status, {"Retry-After": "1"} if e.status == 503 else None)
-
-
-def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def error_response(e: BadRequest, path: str = ""):
+    return json_response(error_body(path, e), e.status, {"Retry-After": "1"} if e.status == 503 else None)
 
 
 class Guard:
@@ -265,9 +341,11 @@ class Guard:
         scope.setdefault("state", {})
         if self.api_key is not None and scope["path"] != "/health":
             headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
-                response = error_response(BadRequest("invalid or missing API key (Authorization: Bearer KEY)",
-                                                     status=401, code="invalid_api_key"))
+            bearer = headers.get(b"authorization", b"").decode("latin-1") == f"Bearer {self.api_key}"
+            if not bearer and headers.get(b"x-api-key", b"").decode("latin-1") != self.api_key:  # (Anthropic's)
+                response = error_response(BadRequest("invalid or missing API key (Authorization: Bearer KEY, or "
+                                                     "x-api-key: KEY)", status=401, code="invalid_api_key"),
+                                          scope["path"])
                 await response(scope, receive, send)
                 log(scope, 401, None, start)
                 return

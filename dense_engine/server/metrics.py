@@ -37,6 +37,7 @@ class Metrics:
         now = time.perf_counter()
         if request.last_token_at is None:
             self.ttft.observe(now - request.arrived)
+            request.first_token_at = now
         else:
             self.itl.observe(now - request.last_token_at)
         request.last_token_at = now

@@ -26,10 +26,16 @@ REFUSED = {"n": lambda v: v not in (None, 1), "functions": bool, "function_call"
            # send their defaults)
            "dry_multiplier": lambda v: v not in (None, 0, 0.0), "mirostat": lambda v: v not in (None, 0),
            "xtc_probability": lambda v: v not in (None, 0, 0.0), "top_n_sigma": lambda v: v not in (None, -1, 0)}
-IGNORED = ("model", "user", "metadata", "store", "service_tier")  # no effect on the text
+IGNORED = ("model", "user", "metadata", "store", "service_tier", "guided_decoding_backend",
+           "guided_whitespace_pattern")  # no effect on the text
 SHARED = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
           "stream_options", "logprobs", "response_format", "logit_bias", "presence_penalty", "frequency_penalty",
-          "min_p", "typical_p", "repetition_penalty", "repeat_penalty", "repeat_last_n"}
+          "min_p", "typical_p", "repetition_penalty", "repeat_penalty", "repeat_last_n", "structured_outputs",
+          "guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema"}
+# What shapes a reply (one at most): OpenAI's response_format, vLLM's structured_outputs and guided_* fields,
+# llama-server's grammar (GBNF) and json_schema
+SHAPES = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+          "grammar", "json_schema")
 KNOWN = {"chat": {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}, "completion": {
     "prompt", "echo"}}
 # The bounds of a request (README, Serve): past one, a 400 naming the field. The body's size: serve.py --max-body-mb.
@@ -38,6 +44,7 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 500  # stop strings, and the characters of each
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_TOOLS, MAX_TOOLS_CHARS = 64, 256_000  # tools, and their JSON's characters in all
 MAX_SCHEMA_DEPTH = 32  # nesting of a JSON schema (response_format, a tool's parameters)
+MAX_GRAMMAR_CHARS = 100_000  # a regex or a grammar
 MAX_MESSAGES = 4096
 MAX_PROMPTS = 64  # a completion's prompts
 CHARS_PER_TOKEN = 32  # a prompt of more characters than this times the context cannot fit: refused before tokenizing
@@ -153,10 +160,7 @@ def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculat
     seed = number(body, "seed", int, None)
     seed = seed if seed is not None else int(torch.randint(2**62, ()))
     top_p = number(body, "top_p", float, None, low=0, high=1, low_open=True)
-    required = calling is not None and calling.grammar is not None
-    if required and body.get("response_format") not in (None, {"type": "text"}):
-        raise BadRequest("'response_format' and a required tool call cannot both shape the reply", "response_format")
-    shape = calling.grammar if required else response_grammar(body.get("response_format"))
+    shape = requested_grammar(body, calling)
     bias = logit_bias(body.get("logit_bias"), vocab.size)
     presence = number(body, "presence_penalty", float, 0.0, low=-2, high=2)
     frequency = number(body, "frequency_penalty", float, 0.0, low=-2, high=2)
@@ -324,7 +328,7 @@ def refuse_long_text(chars: int, where: str, max_seq_len: int) -> None:
 def refuse_shaping(body: dict, logprobs: int | None, echo: bool) -> None:
     """What speculative decoding does not serve (its tokens come from the draft and the check, not one sampler)."""
     shaping = {"logprobs": logprobs is not None, "echo": echo,
-               "response_format": body.get("response_format") not in (None, {"type": "text"}),
+               **{name: body.get(name) not in (None, "", {"type": "text"}) for name in SHAPES},
                "logit_bias": bool(body.get("logit_bias")), "presence_penalty": bool(body.get("presence_penalty")),
                "frequency_penalty": bool(body.get("frequency_penalty"))}
     name = next((k for k, v in shaping.items() if v), None)
@@ -354,6 +358,54 @@ def stop_strings(body: dict) -> list[str]:
         raise BadRequest(f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings of at most "
                          f"{MAX_STOP_CHARS} characters", "stop")
     return stop
+
+
+def requested_grammar(body: dict, calling: ToolCalling | None) -> str | None:
+    """The grammar the request asks its reply to follow (a required tool call's, or one of SHAPES), compiled; None
+    when nothing shapes it. Two shapes at once are refused: they would not both hold."""
+    given = [name for name in SHAPES if body.get(name) not in (None, "", {"type": "text"})]
+    if calling is not None and calling.grammar is not None:
+        if given:
+            raise BadRequest(f"'{given[0]}' and a required tool call cannot both shape the reply", given[0])
+        return calling.grammar
+    if len(given) > 1:
+        raise BadRequest(f"'{given[0]}' and '{given[1]}' cannot both shape the reply", given[1])
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    if name == "response_format":
+        return response_grammar(value)
+    if name == "structured_outputs":
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if value.get(k) not in (None, False)] \
+            if isinstance(value, dict) else []
+        if len(kinds) != 1:
+            raise BadRequest("'structured_outputs' must hold one of json, regex, choice, grammar or json_object",
+                             name)
+        kind = kinds[0]
+        name, value = f"structured_outputs.{kind}", value[kind]
+        kind = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                "grammar": "guided_grammar", "json_object": "json_object"}[kind]
+    else:
+        kind = name
+    try:
+        if kind == "json_object":
+            return grammar.json_grammar(None)
+        if kind in ("guided_json", "json_schema"):
+            schema = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(schema, dict) or depth_of(schema) > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"a JSON schema is an object nested at most {MAX_SCHEMA_DEPTH} levels")
+            return grammar.json_grammar(schema)
+        if kind == "guided_choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise ValueError("a choice is a non-empty list of non-empty strings")
+            return grammar.choice_grammar(value)
+        if not isinstance(value, str) or len(value) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"a grammar is a string of at most {MAX_GRAMMAR_CHARS} characters")
+        return grammar.regex_grammar(value) if kind == "guided_regex" else grammar.lark_grammar(value)
+    except (ValueError, json.JSONDecodeError) as e:
+        raise BadRequest(f"'{name}' cannot be used: {e}", name) from None
+    except UsageError as e:
+        raise BadRequest(str(e), name, status=500, kind="server_error") from None
 
 
 def response_grammar(response_format) -> str | None:

@@ -5,6 +5,7 @@ completions are the two formats here; another API is another Reply. No HTTP: the
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import NamedTuple
 
@@ -73,14 +74,26 @@ def call_id(prefix: str = "call_") -> str:
     return prefix + uuid.uuid4().hex[:24]
 
 
-class Reply:
-    """One request's reply in one format: `chunks(piece)` for a stream (after `start()`), or `fold(piece)` for each
-    piece and then `body()` for the whole reply. head: the id, created, model and system_fingerprint of every
-    chunk and body."""
-    obj = chunk_obj = ""
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    def __init__(self, head: dict, jobs: list[Request], vocab: Vocabulary) -> None:
-        self.head, self.jobs, self.vocab = head, jobs, vocab
+
+def sse_event(obj: dict) -> str:
+    """A server-sent event named by its type (Anthropic's and the Responses API's streams)."""
+    return f"event: {obj['type']}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Reply:
+    """One request's reply in one format: `chunks(piece)` for a stream (after `start()`, then `end()`), each chunk
+    sent as `frame(chunk)`, or `fold(piece)` for each piece and then `body()` for the whole reply. head: the id,
+    created, model and system_fingerprint of every chunk and body; settings: the parsed request; meta: what the
+    API's translator kept of its own request (protocol.py knows none of it)."""
+    obj = chunk_obj = ""
+    call_prefix = "call_"  # (a tool call's id)
+    media_type, done_line = "text/event-stream", "data: [DONE]\n\n"
+
+    def __init__(self, head: dict, jobs: list[Request], vocab: Vocabulary, settings=None, meta: dict | None = None):
+        self.head, self.jobs, self.vocab, self.settings, self.meta = head, jobs, vocab, settings, meta or {}
         self.offsets = {job.index: 0 for job in jobs}  # (streamed) text sent per choice: completions' text_offset
         self.texts = {job.index: [] for job in jobs}  # (whole) per choice: its texts, entries and calls
         self.entries = {job.index: [] for job in jobs}
@@ -101,11 +114,18 @@ class Reply:
     def start(self) -> list[dict]:
         return []
 
+    def end(self) -> list[dict]:
+        """The stream's last chunks (OpenAI's: the usage, when stream_options asked for it)."""
+        return [self.usage_chunk()] if self.settings is not None and self.settings.include_usage else []
+
+    def frame(self, chunk: dict) -> str:
+        return sse(chunk)
+
     def chunks(self, piece: Piece) -> list[dict]:
         if piece.kind == "error":
             return [BadRequest(piece.text, status=500, kind="server_error").body()]
         job, at = self.jobs[piece.index], self.offsets[piece.index]
-        if piece.kind in ("call", "arguments"):
+        if piece.kind in ("call", "arguments", "end"):
             self.track(piece)
             return self.call_chunks(piece, self.calls[piece.index][piece.call])
         if piece.kind == "done":
@@ -123,8 +143,8 @@ class Reply:
     def track(self, piece: Piece) -> None:
         calls = self.calls[piece.index]
         if piece.kind == "call":
-            calls.append({"id": call_id(), "name": piece.text, "arguments": ""})
-        else:
+            calls.append({"id": call_id(self.call_prefix), "name": piece.text, "arguments": ""})
+        elif piece.kind == "arguments":
             calls[piece.call]["arguments"] += piece.text
 
     # whole
@@ -139,7 +159,7 @@ class Reply:
         if piece.kind == "text":
             self.texts[piece.index].append(piece.text)
         self.entries[piece.index] += piece.entries
-        if piece.kind in ("call", "arguments"):
+        if piece.kind in ("call", "arguments", "end"):
             self.track(piece)
 
     def body(self) -> dict:
@@ -185,6 +205,8 @@ class ChatReply(Reply):
 
     def call_chunks(self, piece: Piece, call: dict) -> list[dict]:
         """A call's id and name first, then its arguments in pieces as they come (OpenAI's tool_calls deltas)."""
+        if piece.kind == "end":
+            return []
         if piece.kind == "call":
             value = {"index": piece.call, "id": call["id"], "type": "function",
                      "function": {"name": call["name"], "arguments": ""}}

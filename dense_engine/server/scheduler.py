@@ -66,6 +66,7 @@ class Request:
     finish_reason: str | None = None
     arrived: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
+    first_token_at: float | None = None
     logprobs: int | None = None  # the alternatives to report per token (0: only the chosen one); None: no logprobs
     echo: bool = False  # (completions) the prompt's own logprobs too
     index: int = 0  # its choice's index (a completion request may carry several prompts)
