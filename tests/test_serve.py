@@ -648,9 +648,14 @@ def read_calls(text: str, fmt: str, names, step: int) -> tuple[str, list[dict], 
         if kind == "text":
             told.append(rest[0])
         elif kind == "call":
-            calls.append({"name": rest[1], "arguments": ""})
-        else:
+            calls.append({"name": rest[1], "arguments": "", "ended": False})
+        elif kind == "arguments":
             calls[rest[0]]["arguments"] += rest[1]
+        else:  # ("end": the call's arguments are whole)
+            assert calls[rest[0]]["name"] == rest[1] and not calls[rest[0]]["ended"]
+            calls[rest[0]]["ended"] = True
+    assert all(c["ended"] for c in calls)
+    calls = [{"name": c["name"], "arguments": c["arguments"]} for c in calls]
     return "".join(told), [{**c, "arguments": json.loads(c["arguments"])} for c in calls], fed
 
 

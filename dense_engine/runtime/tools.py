@@ -263,6 +263,9 @@ class CallStream:
 
     def step_between(self, out, final) -> None:  # after a call: another one, or the end
         s = self.buf.lstrip()
+        if not s:  # (whitespace after a call is no content)
+            self.buf = "" if final else self.buf
+            return
         if self.fmt == "hermes":
             if s.startswith(self.opener):
                 self.buf, self.state = s[len(self.opener):], "head"

@@ -254,9 +254,8 @@ async def bad_request(request, e: BadRequest):
 
 async def http_error(request, e):
     message = "not found" if e.status_code == 404 else e.detail
-    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return error_response(BadRequest(f"{request.method} {request.url.path}: {message}", status=e.status_code,
-                                     kind=kind), request.url.path)
+    return error_response(BadRequest(f"{request.method} {request.url.path}: {message}", status=e.status_code),
+                          request.url.path)
 
 
 async def crash(request, e: Exception):  # a bug of ours: one line in the log, a 500 body, the server goes on
