@@ -665,7 +665,8 @@ def typical(logits: torch.Tensor, mass) -> torch.Tensor:
     distance, order = (-logp - entropy).abs().sort(dim=-1)
     sorted_logits = logits.gather(-1, order)
     limit = mass[:, None] if torch.is_tensor(mass) else mass
-    last = (sorted_logits.softmax(dim=-1).cumsum(dim=-1) < limit).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+    last = (sorted_logits.softmax(dim=-1).cumsum(dim=-1) < limit).sum(dim=-1, keepdim=True)
+    last = last.clamp(max=logits.shape[-1] - 1)  # the last token kept: the one whose mass reaches `mass`
     drop = distance > distance.gather(-1, last)
     drop[..., 0] = False  # (the most typical token always stays)
     kept = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))

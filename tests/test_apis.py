@@ -9,6 +9,7 @@ import queue
 import threading
 import time
 import types
+from typing import Literal
 
 import pytest
 import torch
@@ -355,7 +356,8 @@ def test_a_streamed_tool_call_arrives_before_the_reply_ends(vocab):
     first = next(t for t, c in chat if c.choices and c.choices[0].delta.tool_calls
                  and c.choices[0].delta.tool_calls[0].function.arguments)
     assert first < end / 2 and chat[-1][0] >= end * 0.9
-    names = [c.choices[0].delta.tool_calls[0].function.name for _, c in chat if c.choices and c.choices[0].delta.tool_calls]
+    names = [c.choices[0].delta.tool_calls[0].function.name for _, c in chat
+             if c.choices and c.choices[0].delta.tool_calls]
     arguments = "".join(c.choices[0].delta.tool_calls[0].function.arguments or "" for _, c in chat
                         if c.choices and c.choices[0].delta.tool_calls)
     assert names[0] == "get_weather" and json.loads(arguments) == {"city": "Oslo"}
@@ -503,3 +505,52 @@ def test_infill_prompts_equal_the_hand_built_prompts_tokens(tmp_path):
                                                                                  "num_predict": 12}).response == want
     finally:
         s.stop()
+
+
+@pytest.mark.slow
+def test_an_agent_turn_against_the_real_model_equals_the_chat_endpoints(tmp_path):
+    """An openai-agents agent whose first step must call the tool (a grammar makes the random model's reply a valid
+    call), then answers: the tool got a string city, and the answer is the chat endpoint's greedy reply to the same
+    conversation (the instructions, the question, the call and its result)."""
+    agents = pytest.importorskip("agents")
+    asked = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return "sunny, 21 C"
+
+    from test_serve import Server, checkpoint_with_template
+
+    server = Server("--no-compile", "--max-batch", "1", ckpt=checkpoint_with_template(tmp_path, "qwen2.5"))
+    try:
+        agent_turn(server, agents, get_weather, asked)
+    finally:
+        server.stop()
+
+
+def agent_turn(server, agents, get_weather, asked) -> None:
+    agents.set_tracing_disabled(True)
+    model = agents.OpenAIResponsesModel(model="m", openai_client=openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="unused", max_retries=0))
+    settings = agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=300, parallel_tool_calls=False)
+    # (the answer as a choice of two words: a reply of random weights that ends by itself, not at max_tokens)
+    agent = agents.Agent(name="weather", instructions="Answer with the tool.", tools=[get_weather], model=model,
+                         model_settings=settings, output_type=Literal["sunny", "rainy"])
+    result = agents.Runner.run_sync(agent, "Weather in Oslo?", max_turns=3)
+    assert len(asked) == 1 and isinstance(asked[0], str)
+    call = next(item.raw_item for item in result.new_items if item.type == "tool_call_item")
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                             "parameters": get_weather.params_json_schema}}
+    messages = [{"role": "system", "content": "Answer with the tool."}, {"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call.call_id, "type": "function", "function": {"name": "get_weather",
+                                                                          "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}]
+    schema = {"type": "object", "properties": {"response": {"enum": ["sunny", "rainy"], "type": "string"}},
+              "required": ["response"], "additionalProperties": False}
+    shape = {"type": "json_schema", "json_schema": {"name": "final_output", "schema": schema}}
+    reply = server.client().chat.completions.create(model="m", messages=messages, tools=[tool], temperature=0,
+                                                    max_tokens=300, response_format=shape)
+    assert result.final_output == json.loads(reply.choices[0].message.content)["response"]

@@ -123,8 +123,9 @@ def test_the_step_samples_from_that_distribution():
     """next_token with min_p / typical_p / penalties draws only kept tokens, and as often as their probability."""
     logits = logits_rows()[2:3].expand(20000, V).contiguous()
     penalty = torch.ones_like(logits).scatter_(1, torch.tensor([[0, 1]] * 20000), 2.0)
-    tokens = generate.next_token(logits, "filtered", None, torch.full((20000,), 0.9), torch.zeros(20000, dtype=torch.long),
-                                 torch.ones(20000), torch.full((20000,), 0.05), torch.full((20000,), 0.95),
+    n = len(logits)
+    tokens = generate.next_token(logits, "filtered", None, torch.full((n,), 0.9), torch.zeros(n, dtype=torch.long),
+                                 torch.ones(n), torch.full((n,), 0.05), torch.full((n,), 0.95),
                                  torch.empty_like(logits).exponential_(1, generator=torch.Generator().manual_seed(1)),
                                  None, penalty)
     p = dense.probabilities(generate.shape_logits(logits[:1], None, penalty[:1]), 0.9, min_p=0.05, typical_p=0.95)[0]

@@ -99,8 +99,8 @@ def call_grammar(tools: list[dict], only: str | None, fmt: str, parallel: bool) 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tool calls read as the model writes them: a stream of text pieces in, ("text", s) / ("call", i, name) /
-# ("arguments", i, piece) / ("end", i, name) out. A call's name is told as soon as it is written, its arguments piece by piece as
-# they come (the JSON value as the model writes it), and no call text reaches the content. Text that could still
+# ("arguments", i, piece) / ("end", i, name) out. A call's name is told as soon as it is written, its arguments
+# piece by piece as they come (the JSON value as the model writes it), and no call text reaches the content. Text that could still
 # open a call (a partial "<tool_call>", a llama3 reply's first "{") is held back, at most that many characters.
 
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')

@@ -154,11 +154,12 @@ def show(server, body: dict) -> dict:
     config = server.scheduler.model.config
     capabilities = ["completion"] + (["tools"] if server.vocab.chat_template and "tools" in server.vocab.chat_template
                                      else []) + (["insert"] if infill.fim_tokens(server.vocab) else [])
+    info = {"general.architecture": server.name,
+            "general.parameter_count": sum(p.numel() for p in server.scheduler.model.parameters()),
+            "context_length": config.max_position_embeddings, "embedding_length": config.hidden_size,
+            "block_count": config.num_hidden_layers}
     return {"modelfile": "", "parameters": "", "template": server.vocab.chat_template or "", "details": details(server),
-            "model_info": {"general.architecture": server.name, "general.parameter_count": sum(
-                p.numel() for p in server.scheduler.model.parameters()), "context_length": config.max_position_embeddings,
-                           "embedding_length": config.hidden_size, "block_count": config.num_hidden_layers},
-            "capabilities": capabilities, "modified_at": now_iso()}
+            "model_info": info, "capabilities": capabilities, "modified_at": now_iso()}
 
 
 def version() -> dict:

@@ -365,6 +365,8 @@ def requested_grammar(body: dict, calling: ToolCalling | None) -> str | None:
     when nothing shapes it. Two shapes at once are refused: they would not both hold."""
     given = [name for name in SHAPES if body.get(name) not in (None, "", {"type": "text"})]
     if calling is not None and calling.grammar is not None:
+        # a response_format shapes text, and a required call's reply has none (agents send both on every step)
+        given = [name for name in given if name != "response_format"]
         if given:
             raise BadRequest(f"'{given[0]}' and a required tool call cannot both shape the reply", given[0])
         return calling.grammar
@@ -376,8 +378,8 @@ def requested_grammar(body: dict, calling: ToolCalling | None) -> str | None:
     if name == "response_format":
         return response_grammar(value)
     if name == "structured_outputs":
-        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if value.get(k) not in (None, False)] \
-            if isinstance(value, dict) else []
+        named = ("json", "regex", "choice", "grammar", "json_object")
+        kinds = [k for k in named if value.get(k) not in (None, False)] if isinstance(value, dict) else []
         if len(kinds) != 1:
             raise BadRequest("'structured_outputs' must hold one of json, regex, choice, grammar or json_object",
                              name)
