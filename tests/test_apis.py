@@ -455,6 +455,16 @@ def test_every_api_gives_the_chat_endpoints_greedy_text(server):
                            options={**options, "repeat_penalty": 0.7, "repeat_last_n": -1}).message.content
     assert penalized == chat_text(server, messages, extra_body={"repetition_penalty": 0.7, "repeat_last_n": -1})
     assert penalized != want  # (a penalty below 1 repeats what the random model said: another text)
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    cli = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", fixture_path("llama"), "--prompt",
+                          "hi there", "--system", "Be terse.", "--temperature", "0", "--max-new-tokens", "16",
+                          "--repeat-penalty", "0.7", "--repeat-last-n", "-1"], capture_output=True, text=True)
+    assert cli.returncode == 0 and cli.stdout == penalized, cli.stderr
 
 
 @pytest.mark.slow

@@ -105,3 +105,49 @@ def test_a_body_past_the_limit_is_413_and_nan_deep_or_surrogate_bodies_are_handl
     for route in ("/v1/chat/completions", "/tokenize"):
         raw = lone if route != "/tokenize" else b'{"content": "a\\ud800b"}'
         assert client.post(route, content=raw, headers={"Content-Type": "application/json"}).status_code == 200
+
+
+# The other APIs: their own fields, each API's own error shape
+API_FIELDS = {
+    "/v1/responses": ["input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "temperature",
+                      "top_p", "stream", "previous_response_id", "store", "background", "include", "reasoning",
+                      "parallel_tool_calls", "min_p", "guided_regex"],
+    "/v1/messages": ["messages", "system", "max_tokens", "tools", "tool_choice", "stop_sequences", "temperature",
+                     "top_p", "top_k", "stream", "thinking", "metadata"],
+    "/api/chat": ["messages", "tools", "format", "options", "stream", "keep_alive", "think"],
+    "/api/generate": ["prompt", "suffix", "system", "raw", "format", "options", "stream", "template", "images"],
+    "/infill": ["input_prefix", "input_suffix", "input_extra", "prompt", "n_predict", "temperature", "stream"],
+}
+API_VALUES = [HI, "hi", [{"type": "function_call_output", "call_id": "x", "output": "o"}],
+              [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "r"}]}],
+              {"temperature": 2, "num_predict": 3}, {"temperature": "hot"}, {"format": {"type": "json_schema"}},
+              [{"type": "function", "name": "f"}], [{"name": "f", "input_schema": {"type": "object"}}],
+              {"type": "any"}, {"type": "enabled"}, "json", 8]
+
+
+def api_error_is_its_shape(route: str, answer: dict) -> bool:
+    if route == "/v1/messages":
+        return answer["type"] == "error" and set(answer["error"]) == {"type", "message"} and answer["error"]["message"]
+    if route.startswith("/api/"):
+        return set(answer) == {"error"} and isinstance(answer["error"], str) and answer["error"]
+    return set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["message"]
+
+
+@pytest.mark.parametrize("route", list(API_FIELDS))
+def test_every_api_answers_hostile_bodies_with_a_4xx_in_its_own_shape(client, route):
+    rng, statuses = random.Random(route), {}
+    for _ in range(400):
+        sent = {"model": "m"}
+        for name in rng.sample(API_FIELDS[route], rng.randint(1, 5)):
+            sent[name] = rng.choice(WEIRD + API_VALUES)
+        data = json.dumps(sent, allow_nan=True).encode("utf-8", "surrogatepass")
+        response = client.post(route, content=data, headers={"Content-Type": "application/json"})
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        assert response.status_code < 500, (sent, response.text)
+        if response.status_code != 200:
+            assert api_error_is_its_shape(route, response.json()), (sent, response.text)
+    assert sum(v for k, v in statuses.items() if 400 <= k < 500) > 100
+    plain = {"/v1/responses": {"input": "hi"}, "/v1/messages": {"messages": HI, "max_tokens": 4},
+             "/api/chat": {"messages": HI, "stream": False}, "/api/generate": {"prompt": "hi", "stream": False},
+             "/infill": {"input_prefix": "a"}}[route]
+    assert client.post(route, json={"model": "m", **plain}).status_code == (400 if route == "/infill" else 200)

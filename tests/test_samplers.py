@@ -188,3 +188,19 @@ def test_greedy_generation_with_a_penalty_equals_a_slow_loop():
                 ids.append(int(penalty_reference(logits, seen, penalty).argmax()))
         assert ours == ids[len(prompt):], (penalty, window)
         assert ours != plain or penalty > 1, (penalty, window)
+
+
+def test_set_takes_the_new_sampler_settings():
+    from dense_engine.cli.repl import set_option
+    from dense_engine.runtime.session import Settings, filters
+    from dense_engine.system.errors import UsageError
+
+    settings = Settings()
+    for line in ("min-p 0.1", "typical-p 0.9", "repetition-penalty 1.2", "repeat-last-n -1"):
+        set_option(settings, line)
+    assert filters(settings) == {"min_p": 0.1, "typical_p": 0.9, "repetition_penalty": 1.2, "repeat_last_n": -1}
+    set_option(settings, "repetition-penalty none")
+    assert filters(settings)["repetition_penalty"] == 1.0
+    for bad in ("typical-p 0", "min-p 2", "repeat-last-n -2", "repetition-penalty x"):
+        with pytest.raises(UsageError):
+            set_option(settings, bad)
