@@ -63,6 +63,11 @@ def parse_args(argv):
                    help="divide a positive logit (multiply a negative one) of the tokens among the last "
                         "--repeat-last-n by this (1: off)")
     p.add_argument("--repeat-last-n", type=int, default=64, help="how many last tokens the penalty looks at (-1: all)")
+    p.add_argument("--dry-multiplier", type=float, default=None, help="DRY: penalize what would repeat the context "
+                   "(0: off; 0.8 is a common choice)")
+    p.add_argument("--dry-base", type=float, default=1.75)
+    p.add_argument("--dry-allowed-length", type=int, default=2)
+    p.add_argument("--dry-penalty-last-n", type=int, default=-1, help="how many last tokens DRY looks at (-1: all)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling noise: any integer in -2**63..2**64-1 "
                    "(default: a new one each run)")
     p.add_argument("--stats", action="store_true", help="one-shot: print speed to stderr")
@@ -196,7 +201,7 @@ def prompt_file(model, vocab: Vocabulary, args, mode: str, console) -> int:
         outputs, finished = [[] for _ in rows], [None] * len(rows)
         tokens = generate.generate_tokens(model, [ids for *_, ids in rows], max_new, temperature=args.temperature,
                                           top_k=args.top_k, top_p=args.top_p, vocab_limit=vocab_limit, steps=steps,
-                                          **filters(settings(args)))
+                                          **filters(settings(args), vocab))
         for token in generate.ahead(tokens):
             for i, t in enumerate(token):
                 if finished[i] is None:
@@ -253,9 +258,10 @@ def run(argv, console) -> int:
         raise UsageError(f"{'--json-schema' if args.json_schema else '--json-object'} applies to one-shot --prompt "
                          "runs, without speculative decoding")
     schema = read_schema(args.json_schema) if args.json_schema else None
-    if (args.min_p or args.typical_p or args.repetition_penalty) and (args.draft or args.draft_quant or args.lookup):
-        raise UsageError("--min-p, --typical-p and --repetition-penalty are not served with speculative decoding "
-                         "(--draft, --draft-quant, --lookup)")
+    if (args.min_p or args.typical_p or args.repetition_penalty or args.dry_multiplier) and (
+            args.draft or args.draft_quant or args.lookup):
+        raise UsageError("--min-p, --typical-p, --repetition-penalty and --dry-multiplier are not served with "
+                         "speculative decoding (--draft, --draft-quant, --lookup)")
     if args.prompt_file is not None and (args.draft or args.draft_quant or args.lookup):
         raise UsageError("--prompt-file runs batches; speculative decoding (--draft, --draft-quant, --lookup) runs at "
                          "batch 1")

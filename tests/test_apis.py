@@ -419,8 +419,8 @@ def server():
 
 
 def chat_text(server, messages, **settings):
-    reply = server.client().chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=16,
-                                                    **settings)
+    reply = server.client().chat.completions.create(model="m", messages=messages, **{"temperature": 0,
+                                                                                     "max_tokens": 16, **settings})
     return reply.choices[0].message.content
 
 
@@ -465,6 +465,12 @@ def test_every_api_gives_the_chat_endpoints_greedy_text(server):
                           "hi there", "--system", "Be terse.", "--temperature", "0", "--max-new-tokens", "16",
                           "--repeat-penalty", "0.7", "--repeat-last-n", "-1"], capture_output=True, text=True)
     assert cli.returncode == 0 and cli.stdout == penalized, cli.stderr
+    dry = {"dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1}
+    served = chat_text(server, messages, max_tokens=24, extra_body=dry)
+    cli = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", fixture_path("llama"), "--prompt",
+                          "hi there", "--system", "Be terse.", "--temperature", "0", "--max-new-tokens", "24",
+                          "--dry-multiplier", "0.8", "--no-compile"], capture_output=True, text=True)
+    assert cli.returncode == 0 and cli.stdout == served, cli.stderr
 
 
 @pytest.mark.slow

@@ -124,7 +124,7 @@ def test_the_step_samples_from_that_distribution():
     logits = logits_rows()[2:3].expand(20000, V).contiguous()
     penalty = torch.ones_like(logits).scatter_(1, torch.tensor([[0, 1]] * 20000), 2.0)
     n = len(logits)
-    tokens = generate.next_token(logits, "filtered", None, torch.full((n,), 0.9), torch.zeros(n, dtype=torch.long),
+    tokens = generate.next_token(logits, "sampled+min-p+typical", None, torch.full((n,), 0.9), torch.zeros(n, dtype=torch.long),
                                  torch.ones(n), torch.full((n,), 0.05), torch.full((n,), 0.95),
                                  torch.empty_like(logits).exponential_(1, generator=torch.Generator().manual_seed(1)),
                                  None, penalty)
@@ -145,7 +145,10 @@ class FakeVocab:
                                         ({"repeat_penalty": "x"}, "repeat_penalty"),
                                         ({"repeat_last_n": -2}, "repeat_last_n"),
                                         ({"repeat_penalty": 1.1, "repetition_penalty": 1.2}, "repeat_penalty"),
-                                        ({"dry_multiplier": 0.8}, "dry_multiplier"),
+                                        ({"dry_multiplier": -1}, "dry_multiplier"),
+                                        ({"dry_multiplier": 0.8, "dry_sequence_breakers": "\n"},
+                                         "dry_sequence_breakers"),
+                                        ({"dry_multiplier": 0.8, "dry_base": 0.5}, "dry_base"),
                                         ({"mirostat": 2}, "mirostat")])
 def test_a_bad_sampler_value_is_a_400_naming_it(body, field):
     with pytest.raises(BadRequest) as e:
@@ -196,11 +199,81 @@ def test_set_takes_the_new_sampler_settings():
     from dense_engine.system.errors import UsageError
 
     settings = Settings()
-    for line in ("min-p 0.1", "typical-p 0.9", "repetition-penalty 1.2", "repeat-last-n -1"):
+    for line in ("min-p 0.1", "typical-p 0.9", "repetition-penalty 1.2", "repeat-last-n -1", "dry-multiplier 0.8",
+                 "dry-base 2"):
         set_option(settings, line)
-    assert filters(settings) == {"min_p": 0.1, "typical_p": 0.9, "repetition_penalty": 1.2, "repeat_last_n": -1}
+    assert filters(settings) == {"min_p": 0.1, "typical_p": 0.9, "repetition_penalty": 1.2, "repeat_last_n": -1,
+                                 "dry": None}
+    assert (settings.dry_multiplier, settings.dry_base) == (0.8, 2.0)
     set_option(settings, "repetition-penalty none")
-    assert filters(settings)["repetition_penalty"] == 1.0
-    for bad in ("typical-p 0", "min-p 2", "repeat-last-n -2", "repetition-penalty x"):
+    set_option(settings, "dry-multiplier none")
+    assert filters(settings)["repetition_penalty"] == 1.0 and settings.dry_multiplier is None
+    for bad in ("typical-p 0", "min-p 2", "repeat-last-n -2", "repetition-penalty x", "dry-base 0.5"):
         with pytest.raises(UsageError):
             set_option(settings, bad)
+
+
+def dry_reference(tokens, V, multiplier, base, allowed, breakers):
+    """text-generation-webui's DRY, one earlier position at a time."""
+    out = [0.0] * V
+    if len(tokens) < 2 or tokens[-1] in breakers:
+        return out
+    longest = {}
+    for i in range(len(tokens) - 1):
+        if tokens[i] != tokens[-1] or tokens[i + 1] in breakers:
+            continue
+        n = 1
+        while i - n >= 0 and tokens[i - n] == tokens[-1 - n] and tokens[i - n] not in breakers:
+            n += 1
+        longest[tokens[i + 1]] = max(longest.get(tokens[i + 1], 0), n)
+    for token, n in longest.items():
+        if n >= allowed:
+            out[token] = multiplier * base ** (n - allowed)
+    return out
+
+
+def test_dry_penalizes_what_the_rule_penalizes():
+    import random
+
+    from dense_engine.runtime.dry import Dry
+
+    rng = random.Random(0)
+    for trial in range(200):
+        V = rng.choice([5, 12, 40])
+        phrase = [rng.randrange(V) for _ in range(rng.randint(2, 8))]
+        tokens = [rng.randrange(V) for _ in range(rng.randint(0, 30))]
+        for _ in range(rng.randint(1, 4)):  # repetitions of a phrase, with noise between
+            tokens += phrase + [rng.randrange(V) for _ in range(rng.randint(0, 5))]
+        tokens += phrase[:rng.randint(1, len(phrase))]
+        breakers = frozenset(rng.sample(range(V), rng.randint(0, 2)))
+        allowed, multiplier, base = rng.randint(1, 4), rng.choice([0.5, 0.8, 2.0]), rng.choice([1.5, 1.75])
+        ours = Dry(multiplier, base, allowed, -1, breakers).penalty(tokens, V)
+        ref = torch.tensor(dry_reference(tokens, V, multiplier, base, allowed, breakers))
+        assert torch.allclose(ours, ref.float(), rtol=1e-6), (trial, tokens, breakers, allowed)
+    window = Dry(1.0, 2.0, 2, 6).penalty([1, 2, 3, 9, 9, 9, 9, 1, 2], 10)  # the first 1 2 3 is out of the window
+    assert torch.all(window == 0)
+    assert Dry(1.0, 2.0, 2, -1).penalty([1, 2, 3, 9, 9, 9, 9, 1, 2], 10)[3] == 1.0
+
+
+def test_greedy_generation_with_dry_equals_a_slow_loop():
+    """generate_tokens' DRY against a loop with no cache that applies text-generation-webui's rule to the whole
+    sequence each step; a ragged batch's rows each their own."""
+    from conftest import random_model
+    from dense_engine.runtime.dry import Dry
+
+    model = random_model()
+    V = model.config.vocab_size
+    # the second: a phrase, the random model's greedy reply to it, the phrase again (its reply would repeat)
+    prompts = [[5, 17, 99, 3, 250, 7, 17, 17, 3, 505, 384, 233, 95, 326, 269, 269],
+               [5, 17, 99, 3, 250, 486, 460, 146, 437, 397, 288, 283, 355, 5, 17, 99, 3, 250]]
+    dry = Dry(0.8, 1.75, 2, -1, frozenset({7}))
+    plain = generate.collect(generate.generate_tokens(model, prompts, 24), prompts, None, model.device)
+    ours = generate.collect(generate.generate_tokens(model, prompts, 24, dry=dry), prompts, None, model.device)
+    for prompt, got, free in zip(prompts, ours, plain):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(24):
+                logits = model(torch.tensor([ids]))[0, -1].double()
+                ids.append(int((logits - torch.tensor(dry_reference(ids, V, 0.8, 1.75, 2, {7}))).argmax()))
+        assert got.tolist() == ids[len(prompt):]
+    assert any(got.tolist() != free.tolist() for got, free in zip(ours, plain))  # (DRY changed a reply)

@@ -86,6 +86,8 @@ def test_keys_change_with_what_shapes_a_graph(tmp_path):
     # sampling values are inputs: a new temperature, top-k or top-p is the same graph
     assert generate.Sampling(temperature=0.7).kind() == generate.Sampling(temperature=1.3).kind() == "sampled"
     assert generate.Sampling(0.7, top_k=5).kind() == generate.Sampling(0.9, top_p=0.5).kind() == "filtered"
+    assert generate.Sampling(0.7, min_p=0.1).kind() == "sampled+min-p"  # (a graph holds the filters asked for)
+    assert generate.Sampling(0.7, top_k=5, min_p=0.1, typical_p=0.9).kind() == "filtered+min-p+typical"
 
 
 @pytest.mark.slow
@@ -115,8 +117,9 @@ def test_one_compiled_step_serves_every_sampling_value(tmp_path):
                 out.append(token[:, 0].tolist())
             runs.append(out)
         assert runs[0] == runs[1], sampling
-    # one prefill, one "sampled" and one "filtered" decode step for the unpenalized ones, one penalized step
-    assert steps.compiled == 4
+    # one prefill; "sampled", "filtered", "sampled+min-p", "sampled+typical", "sampled+min-p+typical" decode steps;
+    # and penalized ("filtered", "sampled+min-p")
+    assert steps.compiled == 8
 
 
 def test_buckets():

@@ -158,6 +158,7 @@ def settings(args) -> Settings:
     """The Session settings the flags give."""
     return Settings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                     typical_p=args.typical_p, repetition_penalty=args.repetition_penalty,
-                    repeat_last_n=args.repeat_last_n,
+                    repeat_last_n=args.repeat_last_n, dry_multiplier=args.dry_multiplier, dry_base=args.dry_base,
+                    dry_allowed_length=args.dry_allowed_length, dry_penalty_last_n=args.dry_penalty_last_n,
                     max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len, compile=args.compile,
                     speculate_k=args.speculate_k)

@@ -28,7 +28,7 @@ HELP = """/help          this text               /exit          quit (or Ctrl-D)
 /save FILE     the conversation as JSON (messages, system message, model, sampling settings)
 /load FILE     continue a saved conversation
 /set NAME VAL  temperature, top-k, top-p, min-p, typical-p, repetition-penalty (none: off), repeat-last-n,
-               max-new-tokens, for the rest of the session
+               dry-multiplier, dry-base, dry-allowed-length, dry-penalty-last-n, max-new-tokens
 /model         what is loaded          /stats         cache and speed of the last reply
 Up/down recall earlier messages. A pasted block is one message; end a line with \\ to type another."""
 
@@ -41,9 +41,14 @@ SETTINGS = {"temperature": (float, lambda v: 0 <= v < float("inf"), "a number >=
             "typical-p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
             "repetition-penalty": (float, lambda v: 0 < v <= 10, "in (0, 10]"),
             "repeat-last-n": (int, lambda v: v >= -1, "a whole number >= -1 (-1: the whole context)"),
+            "dry-multiplier": (float, lambda v: 0 <= v <= 100, "in [0, 100] (0: off)"),
+            "dry-base": (float, lambda v: 1 <= v <= 10, "in [1, 10]"),
+            "dry-allowed-length": (int, lambda v: v >= 1, "a whole number >= 1"),
+            "dry-penalty-last-n": (int, lambda v: v >= -1, "a whole number >= -1 (-1: the whole context)"),
             "max-new-tokens": (int, lambda v: v >= 1, "a whole number >= 1")}
 
-OFF = {"top-k": None, "top-p": None, "min-p": None, "typical-p": None, "repetition-penalty": None}  # /set NAME none
+OFF = {"top-k": None, "top-p": None, "min-p": None, "typical-p": None, "repetition-penalty": None,
+       "dry-multiplier": None}  # /set NAME none
 EOF = "\x04"  # what interactive mode's reader gives for Ctrl-D (sent to the other ranks too)
 
 

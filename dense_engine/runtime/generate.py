@@ -104,12 +104,17 @@ class Sampling:
         return list(value) if isinstance(value, tuple) else [value] * batch
 
     def kind(self, batch: int = 1) -> str:
-        """"greedy" (no noise, no sort), "sampled", or "filtered" (top-k or top-p: a sort of each row)."""
+        """"greedy" (no noise, no sort), "sampled", or "filtered" (top-k or top-p: a sort of each row), then
+        "+min-p" and "+typical" when a row uses them: a graph holds the filters some row asks for, no others."""
         if all(t == 0 for t in self.per_row("temperature", batch)):
             return "greedy"
-        filtered = any(self.per_row("top_k", batch)) or any(self.per_row("min_p", batch)) or any(
-            p is not None and p < 1 for name in ("top_p", "typical_p") for p in self.per_row(name, batch))
-        return "filtered" if filtered else "sampled"
+        filtered = any(self.per_row("top_k", batch)) or any(p is not None and p < 1 for p in self.per_row("top_p", batch))
+        kind = "filtered" if filtered else "sampled"
+        if any(self.per_row("min_p", batch)):
+            kind += "+min-p"
+        if any(p is not None and p < 1 for p in self.per_row("typical_p", batch)):
+            kind += "+typical"
+        return kind
 
     def settings(self, batch: int, device) -> tuple:
         """(temperature, top_k (0: off), top_p (1: off), min_p (0: off), typical_p (1: off)), each [B]: inputs of a
@@ -162,8 +167,10 @@ def next_token(logits, kind: str, vocab_limit: int | None, temperature, top_k, t
     logits = shape_logits(logits, bias, penalty)
     if kind == "greedy":
         return dense.sample(logits, 0.0, vocab_limit=vocab_limit)
-    if kind != "filtered":
-        top_k = top_p = min_p = typical_p = None
+    base, *extra = kind.split("+")
+    top_k, top_p = (top_k, top_p) if base == "filtered" else (None, None)
+    min_p = min_p if "min-p" in extra else None
+    typical_p = typical_p if "typical" in extra else None
     return dense.sample(logits, temperature, top_k, top_p, vocab_limit, noise, min_p, typical_p)
 
 
@@ -329,27 +336,40 @@ def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, *, 
                     top_k: int | None = None, top_p: float | None = None, compile: bool = False, start_pos: int = 0,
                     vocab_limit: int | None = None, steps: Steps | None = None, constraint=None,
                     min_p: float | None = None, typical_p: float | None = None, repetition_penalty: float = 1.0,
-                    repeat_last_n: int = 64) -> Iterator[torch.Tensor]:
+                    repeat_last_n: int = 64, dry=None) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens new tokens [B, 1], one per step. prompts: [B, T] ids, or a list of prompts of any
     lengths (left-padded; every row's positions start at 0). The prompt is prefilled at slots start_pos..; slots
     before start_pos must already hold this conversation (a chat continuing it). The last token yielded has not been
     fed to the model yet. compile=True (or steps) runs compiled, bucketed steps. constraint (batch 1; grammar.py):
     every token is one its grammar allows (a host read per token). min_p, typical_p: dense.sample's; a
     repetition_penalty other than 1 penalizes the tokens among the last repeat_last_n (-1: all) of the prompt and
-    the reply (a [B, V] input of the step, made on the device)."""
+    the reply (a [B, V] input of the step, made on the device); dry (a dry.Dry) penalizes what would repeat the
+    context, in the bias (a host read per token)."""
     runner, ids, row_start = prepare(model, prompts, max_new_tokens, start_pos, compile, steps)
     sampling = Sampling(temperature, top_k, top_p, vocab_limit, min_p=min_p, typical_p=typical_p)
     T = ids.shape[1]
-    recent = Recent(ids, row_start, repetition_penalty, repeat_last_n, model.config.vocab_size)
+    V = model.config.vocab_size
+    recent = Recent(ids, row_start, repetition_penalty, repeat_last_n, V)
+    rows = [row[int(row_start[i]) if row_start is not None else 0:].tolist() for i, row in enumerate(ids)] if dry else []
+
+    def bias_now() -> torch.Tensor | None:  # [B, V]: the grammar's and DRY's
+        bias = constraint.bias(ids.device)[None] if constraint is not None else None
+        if dry is not None:
+            penalties = -torch.stack([dry.penalty(row, V) for row in rows]).to(ids.device)
+            bias = penalties if bias is None else bias + penalties
+        return bias
+
     logits = runner.prefill(ids, start_pos, row_start)
-    bias = constraint.bias(logits.device) if constraint is not None else None
-    logits = shape_logits(logits, bias, recent.penalties())
+    logits = shape_logits(logits, bias_now(), recent.penalties())
     token = dense.sample(logits, temperature, top_k, top_p, vocab_limit, None, min_p, typical_p)
     yield token
     for i in range(max_new_tokens - 1):  # the token stays on the device: nothing here waits for the GPU
         if constraint is not None:
             constraint.consume(int(token))
-            sampling = dataclasses.replace(sampling, bias=constraint.bias(token.device)[None])
+        for row, t in zip(rows, token[:, 0].tolist() if dry is not None else []):
+            row.append(t)
+        if constraint is not None or dry is not None:
+            sampling = dataclasses.replace(sampling, bias=bias_now())
         if recent.on:
             recent.add(token)
             sampling = dataclasses.replace(sampling, penalty=recent.penalties())

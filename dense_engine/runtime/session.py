@@ -14,7 +14,7 @@ import torch
 
 from dense_engine.cpu import kernels
 from dense_engine.formats.vocab import TextStream, Vocabulary
-from dense_engine.runtime import background, generate, speculative, tp
+from dense_engine.runtime import background, dry, generate, speculative, tp
 from dense_engine.runtime.steps import Steps
 from dense_engine.system import machine
 from dense_engine.system.errors import UsageError
@@ -91,16 +91,24 @@ class Settings:
     typical_p: float | None = None
     repetition_penalty: float | None = None  # (None or 1: off)
     repeat_last_n: int = 64
+    dry_multiplier: float | None = None  # (None or 0: off)
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
     max_new_tokens: int = 512
     max_seq_len: int | None = None
     compile: bool = True
     speculate_k: int = 4
 
 
-def filters(settings: Settings) -> dict:
-    """The sampling settings beyond temperature, top-k and top-p, as generate_tokens takes them."""
+def filters(settings: Settings, vocab: Vocabulary | None = None) -> dict:
+    """The sampling settings beyond temperature, top-k and top-p, as generate_tokens takes them (DRY's sequence
+    breakers are the vocabulary's tokens that hold llama.cpp's default breakers)."""
+    on = settings.dry_multiplier and settings.dry_penalty_last_n and vocab is not None
     return dict(min_p=settings.min_p, typical_p=settings.typical_p,
-                repetition_penalty=settings.repetition_penalty or 1.0, repeat_last_n=settings.repeat_last_n)
+                repetition_penalty=settings.repetition_penalty or 1.0, repeat_last_n=settings.repeat_last_n,
+                dry=dry.Dry(settings.dry_multiplier, settings.dry_base, settings.dry_allowed_length,
+                            settings.dry_penalty_last_n, dry.breaker_ids(vocab, dry.BREAKERS)) if on else None)
 
 
 def common_prefix(cached: list[int], prompt: list[int]) -> int:
@@ -155,10 +163,10 @@ class Session:
         if self.draft is None:
             constraint = self.constraint() if self.constraint is not None else None
             return generate.generate_tokens(self.model, ids, max_new, constraint=constraint, **settings,
-                                            **filters(args))
-        extra = filters(args)
-        if extra["min_p"] or extra["typical_p"] or extra["repetition_penalty"] != 1:
-            raise UsageError("min-p, typical-p and repetition-penalty are not served with speculative decoding")
+                                            **filters(args, self.vocab))
+        extra = filters(args, self.vocab)
+        if extra["min_p"] or extra["typical_p"] or extra["repetition_penalty"] != 1 or extra["dry"]:
+            raise UsageError("min-p, typical-p, repetition-penalty and DRY are not served with speculative decoding")
         return speculative.generate_tokens(self.model, ids, max_new, self.draft, speculate_k=args.speculate_k,
                                            stats=stats, context=self.cached[:start_pos] if context is None else context,
                                            **settings)

@@ -16,7 +16,7 @@ import torch
 from dataclasses import dataclass
 from typing import Callable
 
-from dense_engine.runtime import grammar
+from dense_engine.runtime import dry, grammar
 from dense_engine.server import anthropic_messages, infill, ollama_api, openai_responses
 from dense_engine.server.protocol import BadRequest, Settings, decode_body, parse_request
 from dense_engine.server.responses import ChatReply, ClientEvents, CompletionReply, sse  # noqa: F401 (sse: tests)
@@ -55,6 +55,13 @@ def error_body(path: str, e: BadRequest) -> dict:
     return e.body()
 
 
+def make_dry(values: tuple | None, vocab) -> dry.Dry | None:
+    if values is None:
+        return None
+    multiplier, base, allowed, window, breakers = values
+    return dry.Dry(multiplier, base, allowed, window, dry.breaker_ids(vocab, breakers))
+
+
 def make_jobs(settings: Settings, server, sink) -> list[Request]:
     """A scheduler Request per prompt of the settings, each with its own seeded noise; their events go to sink."""
     vocab, model = server.vocab, server.scheduler.model
@@ -66,7 +73,8 @@ def make_jobs(settings: Settings, server, sink) -> list[Request]:
                     if settings.grammar else None, logit_bias=settings.logit_bias,
                     presence_penalty=settings.presence_penalty, frequency_penalty=settings.frequency_penalty,
                     min_p=settings.min_p, typical_p=settings.typical_p,
-                    repetition_penalty=settings.repetition_penalty, repeat_last_n=settings.repeat_last_n)
+                    repetition_penalty=settings.repetition_penalty, repeat_last_n=settings.repeat_last_n,
+                    dry=make_dry(settings.dry, vocab))
             for i, prompt in enumerate(settings.prompts)]
 
 

@@ -18,7 +18,8 @@ SPELLINGS = [("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-
              ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>")]  # DeepSeek-Coder
 FILE_SEPARATORS = ("<|file_sep|>", "<file_sep>")
 SAMPLERS = {"temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n",
-            "presence_penalty", "frequency_penalty", "seed", "stop", "stream"}
+            "presence_penalty", "frequency_penalty", "seed", "stop", "stream", "dry_multiplier", "dry_base",
+            "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers"}
 IGNORED = {"input_prefix", "input_suffix", "input_extra", "prompt", "n_predict", "max_tokens", "model", "id_slot",
            "cache_prompt", "t_max_predict_ms", "samplers", "n_indent", "return_tokens"}
 

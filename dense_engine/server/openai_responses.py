@@ -26,7 +26,8 @@ REFUSED = {"background": lambda v: v not in (None, False), "conversation": lambd
            "prompt": lambda v: v is not None, "top_logprobs": lambda v: v not in (None, 0)}
 PASSED = {"temperature", "top_p", "top_k", "seed", "stop", "stream", "parallel_tool_calls", "logit_bias",
           "presence_penalty", "frequency_penalty", "min_p", "typical_p", "repetition_penalty", "repeat_penalty",
-          "repeat_last_n"}  # (the samplers beyond OpenAI's: vLLM's and llama-server's names, as in chat)
+          "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+          "dry_sequence_breakers"}  # (the samplers beyond OpenAI's: vLLM's and llama-server's names, as in chat)
 FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}  # chat -> ours
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dense_engine.formats.vocab import Vocabulary
-from dense_engine.runtime import grammar, tools
+from dense_engine.runtime import dry, grammar, tools
 from dense_engine.system.errors import UsageError
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -24,14 +24,15 @@ REFUSED = {"n": lambda v: v not in (None, 1), "functions": bool, "function_call"
            "modalities": lambda v: v not in (None, ["text"]),
            # samplers of llama-server's not served here: refused when they would act, accepted when off (front-ends
            # send their defaults)
-           "dry_multiplier": lambda v: v not in (None, 0, 0.0), "mirostat": lambda v: v not in (None, 0),
+           "mirostat": lambda v: v not in (None, 0),
            "xtc_probability": lambda v: v not in (None, 0, 0.0), "top_n_sigma": lambda v: v not in (None, -1, 0)}
 IGNORED = ("model", "user", "metadata", "store", "service_tier", "guided_decoding_backend",
            "guided_whitespace_pattern")  # no effect on the text
 SHARED = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
           "stream_options", "logprobs", "response_format", "logit_bias", "presence_penalty", "frequency_penalty",
           "min_p", "typical_p", "repetition_penalty", "repeat_penalty", "repeat_last_n", "structured_outputs",
-          "guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema"}
+          "guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema", "dry_multiplier",
+          "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers"}
 # What shapes a reply (one at most): OpenAI's response_format, vLLM's structured_outputs and guided_* fields,
 # llama-server's grammar (GBNF) and json_schema
 SHAPES = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -97,6 +98,7 @@ class Settings:
     typical_p: float | None = None  # (1: off)
     repetition_penalty: float = 1.0
     repeat_last_n: int = 64
+    dry: tuple | None = None  # (multiplier, base, allowed_length, window, breakers): dry.Dry's
 
 
 def decode_body(raw: bytes) -> dict:
@@ -172,13 +174,29 @@ def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculat
     name = "repeat_penalty" if body.get("repeat_penalty") is not None else "repetition_penalty"
     repetition = number(body, name, float, 1.0, low=0, high=10, low_open=True)
     repeat_last_n = number(body, "repeat_last_n", int, 64, low=-1)
+    dry = dry_settings(body)
     return Settings(prompts=prompts, max_tokens=max_tokens,
                     temperature=number(body, "temperature", float, 1.0, low=0, high=2),
                     top_p=None if top_p == 1 else top_p, top_k=number(body, "top_k", int, None, low=1), seed=seed,
                     stop=stop, stream=stream, include_usage=options.get("include_usage", False), logprobs=logprobs,
                     echo=echo, grammar=shape, logit_bias=bias, presence_penalty=presence, frequency_penalty=frequency,
                     calling=calling, min_p=min_p or None, typical_p=None if typical_p == 1 else typical_p,
-                    repetition_penalty=repetition, repeat_last_n=repeat_last_n)
+                    repetition_penalty=repetition, repeat_last_n=repeat_last_n, dry=dry)
+
+
+def dry_settings(body: dict) -> tuple | None:
+    """llama-server's DRY fields, checked; None when dry_multiplier is 0 (off) or absent, or the window is 0."""
+    multiplier = number(body, "dry_multiplier", float, 0.0, low=0, high=100)
+    base = number(body, "dry_base", float, 1.75, low=1, high=10)
+    allowed = number(body, "dry_allowed_length", int, 2, low=1, high=1024)
+    window = number(body, "dry_penalty_last_n", int, -1, low=-1)
+    breakers = body.get("dry_sequence_breakers")
+    breakers = list(dry.BREAKERS) if breakers is None else breakers
+    if not isinstance(breakers, list) or len(breakers) > MAX_STOPS or not all(
+            isinstance(b, str) and 0 < len(b) <= MAX_STOP_CHARS for b in breakers):
+        raise BadRequest(f"'dry_sequence_breakers' must be a list of up to {MAX_STOPS} non-empty strings",
+                         "dry_sequence_breakers")
+    return (multiplier, base, allowed, window, tuple(breakers)) if multiplier and window else None
 
 
 def check_names(body: dict, kind: str) -> None:

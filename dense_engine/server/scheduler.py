@@ -82,12 +82,13 @@ class Request:
     typical_p: float | None = None
     repetition_penalty: float = 1.0  # of the tokens among the last repeat_last_n (-1: all) of prompt and reply
     repeat_last_n: int = 64
+    dry: object = None  # a dry.Dry: what would repeat the context is penalized (in the bias)
 
     @property
     def shaped(self) -> bool:
         """Whether something but the sampler picks its tokens (logprobs, echo, a grammar, a bias or penalties)."""
         return (self.logprobs is not None or self.echo or self.constraint is not None or bool(self.logit_bias)
-                or bool(self.presence_penalty or self.frequency_penalty) or self.penalized)
+                or bool(self.presence_penalty or self.frequency_penalty) or self.penalized or self.dry is not None)
 
     @property
     def penalized(self) -> bool:
@@ -106,7 +107,7 @@ class Request:
     def bias(self, vocab: int) -> torch.Tensor | None:
         """[V] float32 added to this request's logits before sampling (OpenAI's semantics), or None: none."""
         penalties = self.counts and (self.presence_penalty or self.frequency_penalty)
-        if self.constraint is None and not self.logit_bias and not penalties:
+        if self.constraint is None and not self.logit_bias and not penalties and self.dry is None:
             return None
         bias = self.constraint.bias("cpu") if self.constraint is not None else torch.zeros(vocab)
         if self.logit_bias:
@@ -114,6 +115,8 @@ class Request:
         if penalties:
             counts = torch.tensor(list(self.counts.values()), dtype=torch.float32)
             bias[list(self.counts)] -= self.presence_penalty + self.frequency_penalty * counts
+        if self.dry is not None:
+            bias -= self.dry.penalty(self.prompt + self.generated, vocab)
         return bias
 
     def chose(self, token: int, stop_ids) -> None:
