@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 BREAKERS = ("\n", ":", '"', "*")  # llama.cpp's and text-generation-webui's defaults
-MAX_MATCH = 512  # a longer repetition is penalized as this long (its penalty has long been enormous)
+MAX_MATCH = 64  # a longer repetition is penalized as this long (1.75 ** 62: a ban already), so a step's work is
+# bounded by 64 passes over the window whatever the text (a context of one token repeated is the worst)
 
 
 def breaker_ids(vocab, breakers) -> frozenset[int]:
