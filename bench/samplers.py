@@ -8,19 +8,16 @@ on top, the same prompt and seed each time; each setting warmed up first (its st
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from dense_engine.formats import load  # noqa: E402
-from dense_engine.formats.default_model import default_checkpoint  # noqa: E402
-from dense_engine.formats.vocab import load_vocabulary  # noqa: E402
-from dense_engine.runtime import dry, generate  # noqa: E402
-from dense_engine.runtime.steps import Steps  # noqa: E402
+from dense_engine.formats import load
+from dense_engine.formats.default_model import default_checkpoint
+from dense_engine.formats.vocab import load_vocabulary
+from dense_engine.runtime import dry, generate
+from dense_engine.runtime.steps import Steps
 
 SETTINGS = {  # name -> generate_tokens' sampling keywords (chat.py's default temperature 0.7 under each)
     "greedy": {"temperature": 0.0},
