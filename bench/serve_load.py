@@ -21,6 +21,8 @@ The other scenarios (this engine only, a server of their own each):
 - timeouts: 8 non-streamed requests (max_tokens 2000, end of text suppressed) whose clients give up after 1 s; the
   time of a request sent after them against the same request on the idle server.
 - flood: 100 requests at once with --max-queue 16: answered, refused (503), or neither within 300 s; then one more.
+- conversations-4, conversations-20: that many conversations, each with its own ~800-token system prompt, a turn
+  each in turn, 3 rounds: the median time to first token per round (8 rows: 4 fit, 20 do not).
 - speculative: --lookup; one client whose prompt repeats itself beside 4 plain ones, started together: each one's
   time to first token and largest gap between two pieces of text.
 --root runs another checkout's serve.py (a before/after pair from one script).
@@ -33,6 +35,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -238,7 +241,35 @@ async def speculative(port: int) -> dict:
             "seconds": [round(r["end"] - r["times"][0] + r["ttft"], 2) if r["times"] else None for r in replies]}
 
 
+async def conversations(port: int, count: int, turns: int = 3, system_tokens: int = 800) -> dict:
+    """`count` conversations, each with its own ~800-token system prompt (they share the chat template's first
+    tokens, as every conversation does), a turn each in turn, `turns` rounds: the median time to first token per
+    round (issue 55: a conversation that fits in the rows should find its row again)."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "english.txt")) as f:
+        words = f.read().split()
+    per = system_tokens * 3 // 4  # (about 0.75 words a token)
+    systems = [f"You are assistant {k}. Read this first: " + " ".join(
+        words[(k * 997) % max(1, len(words) - per):][:per]) for k in range(count)]
+    histories = [[{"role": "system", "content": system}] for system in systems]
+    questions = ["What is this text about?", "Say more about its second part.", "Summarize it in a line."]
+    rounds = []
+    async with openai_client(port) as client:
+        await stream_chat(client, [{"role": "user", "content": "Hello!"}], 8)  # (warm-up)
+        for turn in range(turns):
+            ttft = []
+            for history in histories:
+                history.append({"role": "user", "content": questions[turn % len(questions)]})
+                reply = await stream_chat(client, history, 32)
+                history.append({"role": "assistant", "content": reply["text"]})
+                ttft.append(reply["ttft"] * 1000)
+            rounds.append(statistics.median(ttft))
+    return {"scenario": f"conversations-{count}", "ttft_ms_median_per_turn": rounds,
+            "turn3_over_turn1": rounds[-1] / rounds[0]}
+
+
 SCENARIOS = {"multi-turn": (multi_turn, None, ()), "long-prompt": (long_prompt, 4096, ()),
+             "conversations-4": (lambda port: conversations(port, 4), None, ()),
+             "conversations-20": (lambda port: conversations(port, 20), None, ()),
              "timeouts": (timeouts, None, ()), "flood": (flood, None, ("--max-queue", "16")),
              "speculative": (speculative, None, ("--lookup",))}
 

@@ -873,6 +873,50 @@ def test_prefix_reuse_prefills_only_the_new_turn_and_gives_the_cold_prefills_tok
     assert prefilled[0][2] == 0 and prefilled[0][0] != row  # (the conversation's row is kept for its next turn)
 
 
+def test_a_new_conversation_takes_an_empty_row_not_another_conversations(monkeypatch):
+    """Conversations whose system prompts share their first tokens (the chat template's and "You are assistant
+    number"), a turn each in turn, then their second turns: each second turn finds its own first turn in its row
+    (only the new tokens prefilled), since a prompt sharing little with a row takes an empty one; with every row
+    holding a conversation, a new one overwrites the least recently used."""
+    from dense_engine.formats import load
+    from dense_engine.formats import vocab as vocab_module
+    from dense_engine.server import runner
+    from dense_engine.server.scheduler import Scheduler
+
+    model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
+    prefilled = []
+    healthy = runner.ModelCalls.call
+
+    def counting(self, name, **args):
+        if name == "prefill":
+            prefilled.append((args["row"], args["start"]))
+        return healthy(self, name, **args)
+
+    monkeypatch.setattr(runner.ModelCalls, "call", counting)
+    scheduler = Scheduler(model, vocab, 3, 128, compile=False)
+
+    def system(k: int) -> list[dict]:
+        topic = ["the sea and its fish", "mountains in winter", "old trains"][k % 3]
+        return [{"role": "system", "content": f"You are assistant number {k}. You talk about {topic}."},
+                {"role": "user", "content": "hi"}]
+
+    rows, firsts = {}, {}
+    for k in (1, 2, 3):
+        firsts[k] = vocab.encode(vocab.render(system(k)), special=False)
+        reply = run_alone(scheduler, quiet_request(firsts[k], 4))
+        rows[k] = prefilled[-1][0]
+        firsts[k] = (firsts[k], reply)
+    assert sorted(rows.values()) == [0, 1, 2]  # (each took an empty row)
+    for k in (1, 2, 3):
+        prompt, reply = firsts[k]
+        history = system(k) + [{"role": "assistant", "content": vocab.decode(reply)}, {"role": "user", "content": "ok"}]
+        run_alone(scheduler, quiet_request(vocab.encode(vocab.render(history), special=False), 2))
+        row, start = prefilled[-1]
+        assert row == rows[k] and start >= len(prompt), (k, row, start)  # its own row: its first turn reused
+    run_alone(scheduler, quiet_request(vocab.encode(vocab.render(system(4)), special=False), 2))
+    assert prefilled[-1][0] == rows[1]  # every row busy with a conversation: the least recently used one goes
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_rows_steps(monkeypatch, compiled):
     """A long prompt arriving while another request decodes: at most --prefill-chunk tokens of it a turn, each turn

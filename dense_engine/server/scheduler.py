@@ -27,6 +27,10 @@ from dense_engine.server.runner import ModelCalls
 from dense_engine.system.errors import first_line
 
 PREFILL_BUDGET = 64  # prompt tokens prefilled per scheduler turn while other rows decode (measured: BENCHMARKS.md)
+# A free row is taken for a prompt that shares at least this share of what the row's cache holds (what is kept, and
+# not prefilled again, outweighs what is overwritten); below it, an empty row: a chat template's first tokens, which
+# every conversation shares, are no reason to overwrite another conversation
+REUSE_SHARE = 0.5
 
 
 class Event(NamedTuple):
@@ -148,6 +152,7 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     position: int = 0
     last: int = 0
+    used: int = 0  # when a request last took it (the scheduler's count of admissions): least recently used first
 
 
 class Scheduler:
@@ -161,6 +166,7 @@ class Scheduler:
         self.metrics, self.reuse, self.prefill_chunk = metrics, reuse, prefill_chunk
         self.slots = [Row() for _ in range(max_batch)]
         self.speculation = None  # (the token generator of the request speculating in row 0)
+        self.admitted = 0  # requests given a row so far (Row.used)
         self.waiting: queue.Queue[Request] = queue.Queue()
         self.vocab_limit = vocab.size if vocab.size < model.config.vocab_size else None
         self.stopping = threading.Event()
@@ -244,21 +250,24 @@ class Scheduler:
                 continue
             row, common = self.pick_row(request)
             slot = self.slots[row]
-            slot.request, slot.tokens = request, slot.tokens[:common]
+            self.admitted += 1
+            slot.request, slot.tokens, slot.used = request, slot.tokens[:common], self.admitted
             request.status, request.filled = Status.PREFILLING, common
 
     def pick_row(self, request: Request) -> tuple[int, int]:
-        """(the free row to prefill into, how many of the prompt's first tokens its cache already holds)."""
+        """(the free row to prefill into, how many of the prompt's first tokens its cache already holds): the row
+        sharing the longest prefix when that is at least REUSE_SHARE of what it holds (a conversation's next turn);
+        else an empty row; else the least recently used one (its conversation the least likely to come back)."""
         free = [r for r, row in enumerate(self.slots) if row.request is None]
         if not self.reuse or request.echo:  # (echo's logprobs need every prompt position computed)
             return free[0], 0
-
-        def common(row: int) -> int:
-            return common_prefix(self.slots[row].tokens, request.prompt)
-
-        # the longest shared prefix; with none, the row holding least (an idle one keeps another conversation)
-        best = max(free, key=lambda r: (common(r), -len(self.slots[r].tokens) if common(r) == 0 else 0, -r))
-        return best, common(best)
+        shared = {r: common_prefix(self.slots[r].tokens, request.prompt) for r in free}
+        best = max(free, key=lambda r: (shared[r], -r))
+        if shared[best] and shared[best] >= REUSE_SHARE * len(self.slots[best].tokens):
+            return best, shared[best]
+        empty = [r for r in free if not self.slots[r].tokens]
+        row = empty[0] if empty else min(free, key=lambda r: self.slots[r].used)
+        return row, shared[row]
 
     def prefill(self) -> None:
         """Prefill the admitted prompts, oldest first. While other rows decode, at most `prefill_chunk` tokens a turn:
