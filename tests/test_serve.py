@@ -373,8 +373,13 @@ def test_metrics_count_requests_and_tokens_in_prometheus_format(server):
 
     assert value(after, 'dense_requests_total{status="200"}') == value(before, 'dense_requests_total{status="200"}') + 1
     assert value(after, "dense_generated_tokens_total") >= value(before, "dense_generated_tokens_total") + 1
+    chat(server.client(), "count me", max_tokens=3)  # (the same prompt again: its row holds all of it but one token)
+    again = server.get("/metrics")[1].decode()
+    assert value(again, "dense_prefix_hits_total") >= value(after, "dense_prefix_hits_total") + 1
+    assert value(again, "dense_prefix_reused_tokens_total") >= value(after, "dense_prefix_reused_tokens_total") + 5
     for name in ("dense_queue_depth", "dense_busy_rows", "dense_time_to_first_token_seconds_bucket",
-                 "dense_inter_token_latency_seconds_count", "dense_prompt_tokens_total"):
+                 "dense_inter_token_latency_seconds_count", "dense_prompt_tokens_total", "dense_prefix_hits_total",
+                 "dense_prefix_reused_tokens_total"):
         assert name in after
 
 

@@ -19,6 +19,10 @@ class Metrics:
         self.prompt_tokens = Counter("dense_prompt_tokens", "Prompt tokens of finished requests",
                                      registry=self.registry)
         self.generated_tokens = Counter("dense_generated_tokens", "Tokens generated", registry=self.registry)
+        self.prefix_hits = Counter("dense_prefix_hits", "Requests whose row's cache already held a prefix of the prompt",
+                                   registry=self.registry)
+        self.reused_tokens = Counter("dense_prefix_reused_tokens", "Prompt tokens found in a row's cache (not "
+                                     "prefilled again)", registry=self.registry)
         self.queue = Gauge("dense_queue_depth", "Requests waiting for a row", registry=self.registry)
         self.busy = Gauge("dense_busy_rows", "Cache rows running a request", registry=self.registry)
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

@@ -252,6 +252,9 @@ class Scheduler:
             slot = self.slots[row]
             self.admitted += 1
             slot.request, slot.tokens, slot.used = request, slot.tokens[:common], self.admitted
+            if self.metrics is not None and common:
+                self.metrics.prefix_hits.inc()
+                self.metrics.reused_tokens.inc(common)
             request.status, request.filled = Status.PREFILLING, common
 
     def pick_row(self, request: Request) -> tuple[int, int]:
