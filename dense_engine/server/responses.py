@@ -18,8 +18,8 @@ from dense_engine.server.scheduler import Event, Request
 class Piece(NamedTuple):
     """What a choice's client is told next: "text" (text, its logprob entries), "prompt" (echo: the prompt's text and
     entries, before the reply's), "call" (a tool call begins: text is its name, call its number in the reply),
-    "arguments" (a piece of call `call`'s arguments, as the model writes them), "done" (the finish reason, entries)
-    or "error" (a message)."""
+    "arguments" (a piece of call `call`'s arguments, as the model writes them), "end" (call `call`'s arguments are
+    whole), "done" (the finish reason, entries) or "error" (a message)."""
     index: int
     kind: str
     text: str
