@@ -27,6 +27,8 @@ from dense_engine.runtime.session import ReplyStats, Session, Settings
 from dense_engine.system.errors import UsageError
 
 Prompt = str | list[int] | list[dict]
+SAMPLERS = ("min_p", "typical_p", "repetition_penalty", "repeat_last_n", "dry_multiplier", "dry_base",
+            "dry_allowed_length", "dry_penalty_last_n")  # the Settings a call may set besides temperature and top-k/p
 
 
 @dataclass
@@ -56,21 +58,29 @@ class LLM:
         return self.vocab.encode(self.vocab.render(messages), special=False)
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,
-               top_p: float | None = None, chat: bool | None = None, system: str | None = None) -> Iterator[str]:
-        """The reply's text as it is generated (temperature 0: greedy, the same tokens every run)."""
+               top_p: float | None = None, chat: bool | None = None, system: str | None = None,
+               **sampling) -> Iterator[str]:
+        """The reply's text as it is generated (temperature 0: greedy, the same tokens every run). sampling: the
+        other fields of session.Settings (min_p, typical_p, repetition_penalty, repeat_last_n, dry_multiplier, ...)."""
         ids = self.encode(prompt, chat, system)
         if not ids:
             raise UsageError("the prompt is empty")
         if len(ids) >= self.session.max_seq_len:
             raise UsageError(f"the prompt has {len(ids)} tokens; the cache holds {self.session.max_seq_len}")
-        self.session.settings = dataclasses.replace(self.session.settings, temperature=temperature, top_k=top_k,
-                                                    top_p=top_p, max_new_tokens=max_new_tokens)
+        off = {f.name: f.default for f in dataclasses.fields(Settings) if f.name in SAMPLERS}  # (each call's own)
+        try:
+            self.session.settings = dataclasses.replace(self.session.settings, temperature=temperature, top_k=top_k,
+                                                        top_p=top_p, max_new_tokens=max_new_tokens,
+                                                        **{**off, **sampling})
+        except TypeError:
+            raise UsageError(f"unknown sampling settings {sorted(sampling)}: expected fields of Settings "
+                             "(min_p, typical_p, repetition_penalty, repeat_last_n, dry_multiplier, ...)") from None
         return self.session.stream(ids)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, chat: bool | None = None, system: str | None = None) -> str:
+                 top_p: float | None = None, chat: bool | None = None, system: str | None = None, **sampling) -> str:
         """The whole reply's text; its tokens are `llm.session.reply_ids`, its numbers `llm.stats`."""
-        return "".join(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, chat, system))
+        return "".join(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, chat, system, **sampling))
 
     @property
     def stats(self) -> ReplyStats:

@@ -40,6 +40,24 @@ def test_generate_equals_the_plain_path(llm):
     assert llm.stats.tokens >= len(want) and llm.stats.prefilled == len(ids)
 
 
+def test_the_other_samplers_reach_the_reply(llm):
+    """repetition_penalty (and the other Settings fields) as keywords: the plain path's tokens under the same
+    penalty; an unknown keyword is a one-line error."""
+    ids = llm.encode("the cat sat on", chat=False)
+    llm.session.cached = []  # (a fresh reply: the penalty's window is this call's tokens)
+    llm.generate("the cat sat on", max_new_tokens=16, chat=False, repetition_penalty=1.5, repeat_last_n=-1)
+    model = load.from_pretrained(LLAMA)
+    out = [int(t) for t in generate.generate_tokens(model, torch.tensor([ids]), 16, repetition_penalty=1.5,
+                                                    repeat_last_n=-1)]
+    want = next((out[:i] for i, t in enumerate(out) if t in llm.vocab.stop_ids), out)
+    assert llm.session.reply_ids == want and want != plain_tokens(LLAMA, ids, 16, llm.vocab.stop_ids)
+    assert llm.session.settings.repetition_penalty == 1.5
+    llm.generate("the cat", max_new_tokens=2, chat=False)  # (a call's settings are its own)
+    assert llm.session.settings.repetition_penalty is None
+    with pytest.raises(UsageError, match="unknown sampling"):
+        llm.generate("the cat", max_new_tokens=2, chat=False, temprature=0.5)
+
+
 def test_stream_and_ids_and_messages_are_one_reply(llm):
     messages = [{"role": "user", "content": "hi there"}]
     ids = llm.vocab.encode(llm.vocab.render(messages), special=False)
