@@ -44,7 +44,7 @@ def main() -> int:
     steps = Steps(model)
     ids = torch.tensor([vocab.encode(vocab.render([{"role": "user", "content": "Tell me about the sea."}]),
                                      special=False)])
-    on = dry.Dry(0.8, 1.75, 2, -1, dry.breaker_ids(vocab, dry.BREAKERS))
+    on = dry.Dry.for_vocab(vocab, 0.8)
     print(f"{ckpt}: {ids.shape[1]} prompt tokens, {args.tokens} new, best of {args.repeat}")
     base = None
     for name, settings in SETTINGS.items():

@@ -130,7 +130,7 @@ def test_the_translators_give_the_bytes_the_server_sent_before(name, stream, usa
                 chunks += reply.chunks(piece)
         chunks += [reply.usage_chunk()] if usage else []
         assert want["status"] == 200
-        assert "".join(app.sse(c) for c in chunks) + "data: [DONE]\n\n" == want["body"]
+        assert "".join(responses.sse(c) for c in chunks) + "data: [DONE]\n\n" == want["body"]
         return
     try:
         for event in events:

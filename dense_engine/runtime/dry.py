@@ -7,7 +7,7 @@ repeat it. Its logit loses multiplier * base ** (match - allowed_length) once th
 longest match of each token counts). The matches are found for every i at once, one comparison of shifted arrays a
 step of the match (numpy), so a step costs about the longest match times the window, not its square.
 
-    dry = Dry(multiplier=0.8, base=1.75, allowed_length=2, window=-1, breakers=breaker_ids(vocab, ["\\n", ":"]))
+    dry = Dry.for_vocab(vocab, multiplier=0.8, base=1.75, allowed_length=2, window=-1, breakers=["\\n", ":"])
     bias[V] -= dry.penalty(tokens, V)      # tokens: the prompt and the reply so far
 """
 
@@ -28,9 +28,7 @@ def breaker_ids(vocab, breakers) -> frozenset[int]:
     kept = vocab.__dict__.setdefault("dry_breakers", {})  # (kept with the vocabulary it was made from)
     key = tuple(breakers)
     if key not in kept:
-        pieces = [vocab.tokenizer.id_to_token(i) or "" for i in range(vocab.size)]
-        decoded = vocab.tokenizer.decode_batch([[i] for i in range(vocab.size)], skip_special_tokens=False) \
-            if hasattr(vocab.tokenizer, "decode_batch") else pieces
+        decoded = vocab.tokenizer.decode_batch([[i] for i in range(vocab.size)], skip_special_tokens=False)
         kept[key] = frozenset(i for i, text in enumerate(decoded) if any(b in text for b in breakers))
     return kept[key]
 
@@ -42,6 +40,12 @@ class Dry:
     allowed_length: int = 2
     window: int = -1  # the last `window` tokens are looked at (-1: all)
     breakers: frozenset = frozenset()
+
+    @classmethod
+    def for_vocab(cls, vocab, multiplier: float, base: float = 1.75, allowed_length: int = 2, window: int = -1,
+                  breakers=BREAKERS) -> Dry:
+        """The sampler with its breakers as the vocabulary's token ids."""
+        return cls(multiplier, base, allowed_length, window, breaker_ids(vocab, breakers))
 
     def penalty(self, tokens: list[int], V: int) -> torch.Tensor:
         """[V] float32: what each token's logit loses (0 for most)."""

@@ -107,8 +107,8 @@ def filters(settings: Settings, vocab: Vocabulary | None = None) -> dict:
     on = settings.dry_multiplier and settings.dry_penalty_last_n and vocab is not None
     return dict(min_p=settings.min_p, typical_p=settings.typical_p,
                 repetition_penalty=settings.repetition_penalty or 1.0, repeat_last_n=settings.repeat_last_n,
-                dry=dry.Dry(settings.dry_multiplier, settings.dry_base, settings.dry_allowed_length,
-                            settings.dry_penalty_last_n, dry.breaker_ids(vocab, dry.BREAKERS)) if on else None)
+                dry=dry.Dry.for_vocab(vocab, settings.dry_multiplier, settings.dry_base, settings.dry_allowed_length,
+                                      settings.dry_penalty_last_n) if on else None)
 
 
 def common_prefix(cached: list[int], prompt: list[int]) -> int:

@@ -118,7 +118,7 @@ class CallStream:
         self.opener = OPENERS[fmt]
         self.state = "start" if fmt == "llama3" else "text"
         self.buf, self.calls, self.name = "", 0, None
-        self.value = None  # the arguments' scanner state: [depth, in string, escaped, started, closer]
+        self.value = None  # the arguments' scanner state: [depth, in string, escaped, started]
 
     def feed(self, text: str) -> list[tuple]:
         self.buf += text
@@ -213,8 +213,8 @@ class CallStream:
             if not s:
                 self.buf = ""
                 return
-            self.buf, self.value = s, [0, False, False, False, None]
-        depth, in_string, escaped, started, _ = self.value
+            self.buf, self.value = s, [0, False, False, False]
+        depth, in_string, escaped, started = self.value
         end = None
         for i, c in enumerate(self.buf):
             if in_string:
@@ -244,7 +244,7 @@ class CallStream:
                 break
             else:
                 started = True
-        self.value = [depth, in_string, escaped, started, None]
+        self.value = [depth, in_string, escaped, started]
         piece, self.buf = (self.buf, "") if end is None else (self.buf[:end], self.buf[end:])
         if self.told():
             out.append(("arguments", self.calls - 1, piece))

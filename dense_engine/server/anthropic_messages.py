@@ -8,9 +8,8 @@ message_stop) or folds them into one message. Errors are Anthropic's bodies: {"t
 from __future__ import annotations
 
 import json
-import sys
 
-from dense_engine.server.protocol import BadRequest, chat_prompt
+from dense_engine.server.protocol import BadRequest, chat_prompt, check_fields, joined_text
 from dense_engine.server.responses import Piece, Reply, sse_event
 
 IGNORED = {"model", "metadata", "service_tier", "container", "context_management", "anthropic_version"}
@@ -31,11 +30,7 @@ def error_body(e: BadRequest) -> dict:
 
 def translate(body: dict, server) -> tuple[str, dict, dict]:
     """A Messages request -> ("chat", the chat completion's body, what the reply needs)."""
-    for name, value in body.items():
-        if name in REFUSED and REFUSED[name](value):
-            raise BadRequest(f"{name}: not supported by this server", name)
-        if name not in IGNORED | PASSED | KNOWN | set(REFUSED):
-            print(f"note: ignoring the unknown parameter '{name}'", file=sys.stderr, flush=True)
+    check_fields(body, IGNORED | PASSED | KNOWN, REFUSED)
     if body.get("max_tokens") is None:
         raise BadRequest("max_tokens: Field required", "max_tokens")
     chat = {name: body[name] for name in PASSED if name in body}
@@ -76,13 +71,7 @@ def block_text(blocks, where: str) -> str:
         return blocks
     if not isinstance(blocks, list):
         raise BadRequest(f"{where}: must be a string or a list of text blocks", where)
-    texts = []
-    for j, block in enumerate(blocks):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else None
-            raise BadRequest(f"{where}.{j}: only text blocks are supported here, got type {kind!r}", f"{where}.{j}")
-        texts.append(block["text"])
-    return "\n".join(texts)
+    return joined_text(blocks, ("text",), "\n", lambda j: f"{where}.{j}")
 
 
 def messages(given) -> list[dict]:

@@ -11,15 +11,15 @@ import sys
 import time
 import uuid
 
-import torch
-
 from dataclasses import dataclass
 from typing import Callable
 
-from dense_engine.runtime import dry, grammar
+import torch
+
+from dense_engine.runtime import grammar
 from dense_engine.server import anthropic_messages, infill, ollama_api, openai_responses
 from dense_engine.server.protocol import BadRequest, Settings, decode_body, parse_request
-from dense_engine.server.responses import ChatReply, ClientEvents, CompletionReply, sse  # noqa: F401 (sse: tests)
+from dense_engine.server.responses import ChatReply, ClientEvents, CompletionReply
 from dense_engine.server.scheduler import Request
 
 
@@ -55,13 +55,6 @@ def error_body(path: str, e: BadRequest) -> dict:
     return e.body()
 
 
-def make_dry(values: tuple | None, vocab) -> dry.Dry | None:
-    if values is None:
-        return None
-    multiplier, base, allowed, window, breakers = values
-    return dry.Dry(multiplier, base, allowed, window, dry.breaker_ids(vocab, breakers))
-
-
 def make_jobs(settings: Settings, server, sink) -> list[Request]:
     """A scheduler Request per prompt of the settings, each with its own seeded noise; their events go to sink."""
     vocab, model = server.vocab, server.scheduler.model
@@ -74,7 +67,7 @@ def make_jobs(settings: Settings, server, sink) -> list[Request]:
                     presence_penalty=settings.presence_penalty, frequency_penalty=settings.frequency_penalty,
                     min_p=settings.min_p, typical_p=settings.typical_p,
                     repetition_penalty=settings.repetition_penalty, repeat_last_n=settings.repeat_last_n,
-                    dry=make_dry(settings.dry, vocab))
+                    dry=settings.dry)
             for i, prompt in enumerate(settings.prompts)]
 
 

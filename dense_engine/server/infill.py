@@ -6,9 +6,8 @@ completions' `suffix` (and Ollama's generate `suffix`). A vocabulary without FIM
 
 from __future__ import annotations
 
-import sys
 
-from dense_engine.server.protocol import BadRequest
+from dense_engine.server.protocol import BadRequest, check_fields
 from dense_engine.server.responses import Piece, Reply
 
 # (prefix, suffix, middle) as each family spells them; the file separator of repository-level prompts
@@ -72,9 +71,7 @@ def completions_body(body: dict, server) -> tuple[str, dict, dict]:
 
 def translate(body: dict, server) -> tuple[str, dict, dict]:
     """llama-server's /infill: input_prefix, input_suffix, input_extra, prompt, n_predict and the samplers."""
-    for name in body:
-        if name not in IGNORED | SAMPLERS:
-            print(f"note: ignoring the unknown parameter '{name}'", file=sys.stderr, flush=True)
+    check_fields(body, IGNORED | SAMPLERS)
     for name in ("input_prefix", "input_suffix", "prompt"):
         if not isinstance(body.get(name, ""), str):
             raise BadRequest(f"'{name}' must be a string", name)

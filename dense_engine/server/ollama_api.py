@@ -10,11 +10,10 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import sys
 import time
 
 from dense_engine.server import infill
-from dense_engine.server.protocol import BadRequest
+from dense_engine.server.protocol import BadRequest, check_fields, note_unknown
 from dense_engine.server.responses import Piece, Reply
 
 VERSION = "0.13.3"  # the Ollama API this follows (clients check it for features: tools, thinking, ...)
@@ -41,9 +40,7 @@ def now_iso() -> str:
 
 def common(body: dict) -> dict:
     """The fields /api/chat and /api/generate share, as a chat or completion body's."""
-    for name in body:
-        if name not in IGNORED:
-            print(f"note: ignoring the unknown parameter '{name}'", file=sys.stderr, flush=True)
+    check_fields(body, IGNORED)
     if body.get("think") not in (None, False):
         raise BadRequest("this model does not think ('think' must be false or absent)", "think")
     options = body.get("options") or {}
@@ -58,7 +55,7 @@ def common(body: dict) -> dict:
                 continue  # -1: no limit, -2: fill the context (both: what the context leaves)
             out["max_tokens"] = value
         elif name not in IGNORED_OPTIONS:
-            print(f"note: ignoring the unknown option '{name}'", file=sys.stderr, flush=True)
+            note_unknown(name, "option")
     fmt = body.get("format")
     if fmt == "json":
         out["response_format"] = {"type": "json_object"}

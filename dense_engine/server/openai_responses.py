@@ -8,12 +8,11 @@ in-memory store, so that `previous_response_id` continues its conversation and G
 from __future__ import annotations
 
 import copy
-import sys
 import threading
 import uuid
 from collections import OrderedDict
 
-from dense_engine.server.protocol import BadRequest
+from dense_engine.server.protocol import BadRequest, check_fields, joined_text
 from dense_engine.server.responses import Piece, Reply, sse_event
 
 STORED_RESPONSES = 1024  # responses kept for previous_response_id, the least recently used dropped first
@@ -60,12 +59,8 @@ STORE = Store(STORED_RESPONSES)
 
 def translate(body: dict, server) -> tuple[str, dict, dict]:
     """A Responses request -> ("chat", the chat completion's body, what the reply needs of the request)."""
-    for name, value in body.items():
-        if name in REFUSED and REFUSED[name](value):
-            raise BadRequest(f"'{name}' is not supported by this server", name)
-        if name not in IGNORED | PASSED | set(REFUSED) | {"input", "instructions", "tools", "tool_choice", "text",
-                                                            "max_output_tokens", "previous_response_id"}:
-            print(f"note: ignoring the unknown parameter '{name}'", file=sys.stderr, flush=True)
+    check_fields(body, IGNORED | PASSED | {"input", "instructions", "tools", "tool_choice", "text",
+                                           "max_output_tokens", "previous_response_id"}, REFUSED)
     earlier, previous = [], body.get("previous_response_id")
     if previous is not None:
         found = STORE.entry(previous) if isinstance(previous, str) else None
@@ -140,15 +135,7 @@ def item_text(content, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise BadRequest(f"{where}: content must be a string or a list of text parts", where)
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else None
-            raise BadRequest(f"{where}.content[{j}]: only text parts are supported, got type {kind!r}",
-                             f"{where}.content[{j}]")
-        texts.append(part["text"])
-    return "".join(texts)
+    return joined_text(content, ("input_text", "output_text", "text"), "", lambda j: f"{where}.content[{j}]")
 
 
 def chat_tools(tools) -> list[dict]:

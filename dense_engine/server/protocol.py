@@ -98,7 +98,7 @@ class Settings:
     typical_p: float | None = None  # (1: off)
     repetition_penalty: float = 1.0
     repeat_last_n: int = 64
-    dry: tuple | None = None  # (multiplier, base, allowed_length, window, breakers): dry.Dry's
+    dry: dry.Dry | None = None
 
 
 def decode_body(raw: bytes) -> dict:
@@ -174,17 +174,17 @@ def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculat
     name = "repeat_penalty" if body.get("repeat_penalty") is not None else "repetition_penalty"
     repetition = number(body, name, float, 1.0, low=0, high=10, low_open=True)
     repeat_last_n = number(body, "repeat_last_n", int, 64, low=-1)
-    dry = dry_settings(body)
+    dry_sampler = dry_settings(body, vocab)
     return Settings(prompts=prompts, max_tokens=max_tokens,
                     temperature=number(body, "temperature", float, 1.0, low=0, high=2),
                     top_p=None if top_p == 1 else top_p, top_k=number(body, "top_k", int, None, low=1), seed=seed,
                     stop=stop, stream=stream, include_usage=options.get("include_usage", False), logprobs=logprobs,
                     echo=echo, grammar=shape, logit_bias=bias, presence_penalty=presence, frequency_penalty=frequency,
                     calling=calling, min_p=min_p or None, typical_p=None if typical_p == 1 else typical_p,
-                    repetition_penalty=repetition, repeat_last_n=repeat_last_n, dry=dry)
+                    repetition_penalty=repetition, repeat_last_n=repeat_last_n, dry=dry_sampler)
 
 
-def dry_settings(body: dict) -> tuple | None:
+def dry_settings(body: dict, vocab: Vocabulary) -> dry.Dry | None:
     """llama-server's DRY fields, checked; None when dry_multiplier is 0 (off) or absent, or the window is 0."""
     multiplier = number(body, "dry_multiplier", float, 0.0, low=0, high=100)
     base = number(body, "dry_base", float, 1.75, low=1, high=10)
@@ -196,17 +196,27 @@ def dry_settings(body: dict) -> tuple | None:
             isinstance(b, str) and 0 < len(b) <= MAX_STOP_CHARS for b in breakers):
         raise BadRequest(f"'dry_sequence_breakers' must be a list of up to {MAX_STOPS} non-empty strings",
                          "dry_sequence_breakers")
-    return (multiplier, base, allowed, window, tuple(breakers)) if multiplier and window else None
+    return dry.Dry.for_vocab(vocab, multiplier, base, allowed, window, breakers) if multiplier and window else None
 
 
 def check_names(body: dict, kind: str) -> None:
     """Refuse what changes results and is not implemented; note what is unknown (and ignored)."""
-    allowed = KNOWN[kind] | SHARED | set(REFUSED) | set(IGNORED)
+    check_fields(body, KNOWN[kind] | SHARED | set(IGNORED), REFUSED)
+
+
+def check_fields(body: dict, known, refused: dict | None = None) -> None:
+    """Any API's fields: a refused one that would act (its test says so) is a 400 naming it; one not known is
+    noted in the log and ignored, as llama-server and vLLM do (front-ends send many)."""
+    refused = refused or {}
     for name, value in body.items():
-        if name in REFUSED and REFUSED[name](value):
+        if name in refused and refused[name](value):
             raise BadRequest(f"'{name}' is not supported by this server", name)
-        if name not in allowed:
-            print(f"note: ignoring the unknown parameter '{name}'", file=sys.stderr, flush=True)
+        if name not in known and name not in refused:
+            note_unknown(name)
+
+
+def note_unknown(name: str, what: str = "parameter") -> None:
+    print(f"note: ignoring the unknown {what} '{name}'", file=sys.stderr, flush=True)
 
 
 def chat_prompt(body: dict, vocab: Vocabulary, max_seq_len: int) -> tuple[list[int], ToolCalling | None]:
@@ -257,14 +267,19 @@ def message_text(message: dict, i: int):
     content = message.get("content")
     if not isinstance(content, list):
         return content
+    return joined_text(content, ("text",), "\n", lambda j: f"messages[{i}].content[{j}]")  # (as vLLM joins them)
+
+
+def joined_text(parts: list, kinds: tuple, sep: str, name) -> str:
+    """Text parts ({"type": one of kinds, "text": ...}, any API's) joined by sep; any other part refused by name
+    (name(j): the field of part j)."""
     texts = []
-    for j, part in enumerate(content):
+    for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise BadRequest(f"messages[{i}].content[{j}]: only text parts are supported, got type {kind!r}",
-                             f"messages[{i}].content[{j}]")
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise BadRequest(f"{name(j)}: only text parts are supported, got type {kind!r}", name(j))
         texts.append(part["text"])
-    return "\n".join(texts)  # (as vLLM joins them)
+    return sep.join(texts)
 
 
 def chat_logprobs(body: dict) -> int | None:
@@ -346,7 +361,7 @@ def refuse_long_text(chars: int, where: str, max_seq_len: int) -> None:
 def refuse_shaping(body: dict, logprobs: int | None, echo: bool) -> None:
     """What speculative decoding does not serve (its tokens come from the draft and the check, not one sampler)."""
     shaping = {"logprobs": logprobs is not None, "echo": echo,
-               **{name: body.get(name) not in (None, "", {"type": "text"}) for name in SHAPES},
+               **{name: True for name in shapes_given(body)},
                "logit_bias": bool(body.get("logit_bias")), "presence_penalty": bool(body.get("presence_penalty")),
                "frequency_penalty": bool(body.get("frequency_penalty"))}
     name = next((k for k, v in shaping.items() if v), None)
@@ -378,10 +393,15 @@ def stop_strings(body: dict) -> list[str]:
     return stop
 
 
+def shapes_given(body: dict) -> list[str]:
+    """The fields of SHAPES the body sets (a text response_format shapes nothing)."""
+    return [name for name in SHAPES if body.get(name) not in (None, "", {"type": "text"})]
+
+
 def requested_grammar(body: dict, calling: ToolCalling | None) -> str | None:
     """The grammar the request asks its reply to follow (a required tool call's, or one of SHAPES), compiled; None
     when nothing shapes it. Two shapes at once are refused: they would not both hold."""
-    given = [name for name in SHAPES if body.get(name) not in (None, "", {"type": "text"})]
+    given = shapes_given(body)
     if calling is not None and calling.grammar is not None:
         # a response_format shapes text, and a required call's reply has none (agents send both on every step)
         given = [name for name in given if name != "response_format"]
