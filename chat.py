@@ -26,7 +26,7 @@ from dense_engine.cli.repl import SETTINGS, ctrl_c_as_key, interactive
 from dense_engine.cli.terminal import Notes
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
-from dense_engine.runtime import generate, grammar, tp
+from dense_engine.runtime import cache_files, generate, grammar, tp
 from dense_engine.runtime.session import Session, filters, fitting_cache
 from dense_engine.runtime.steps import Steps
 from dense_engine.system.errors import UsageError, run_program
@@ -50,6 +50,9 @@ def parse_args(argv):
     p.add_argument("--prompt-file", metavar="FILE", help="generate for every prompt in FILE (one a line, or JSONL with "
                    "a \"prompt\" field; '-' reads stdin), in batches: one JSON line per prompt on stdout")
     p.add_argument("--system", help="system message for chat")
+    p.add_argument("--prompt-cache", metavar="FILE",
+                   help="--prompt: start from the cache FILE holds (a prompt that begins as the saved one prefills "
+                        "only the rest), then save this prompt's cache to FILE (llama.cpp's --prompt-cache)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="mode", action="store_const", const="chat", help="force chat mode")
     mode.add_argument("--complete", dest="mode", action="store_const", const="complete", help="force completion")
@@ -118,12 +121,27 @@ def read_schema(path: str) -> dict:
     return schema
 
 
+def load_prompt_cache(session: Session, path: str, notes: Notes) -> None:
+    """--prompt-cache FILE: its cache into the session when this model saved it (else a note: the prompt is prefilled
+    whole and FILE written again); a file that is not a prompt cache is refused, never overwritten."""
+    if not os.path.exists(path):
+        return
+    if not cache_files.is_cache_file(path):
+        raise UsageError(f"--prompt-cache {path}: not a prompt cache (this would overwrite it); choose another name")
+    try:
+        session.load_cache(path)
+    except (ValueError, OSError) as e:
+        notes(f"note: --prompt-cache {path} not used: {cache_files.first_words(e)}; it is written again")
+
+
 def one_shot(session: Session, vocab: Vocabulary, args, mode: str, notes: Notes) -> int:
     ids = prompt_ids(vocab, prompt_text(args, mode), mode, args.system)
     if not ids:
         raise UsageError("the prompt is empty")
     if len(ids) >= session.max_seq_len:
         raise UsageError(f"the prompt has {len(ids)} tokens; the context (--max-seq-len) holds {session.max_seq_len}")
+    if args.prompt_cache:
+        load_prompt_cache(session, args.prompt_cache, notes)
     keys = ctrl_c_as_key(session)
     try:
         with notes.held():  # (printed after the reply's line)
@@ -134,6 +152,8 @@ def one_shot(session: Session, vocab: Vocabulary, args, mode: str, notes: Notes)
     finally:
         if keys is not None:
             keys.restore()
+    if args.prompt_cache and tp.world()[0] == 0:
+        session.save_cache(args.prompt_cache, len(ids))  # (the prompt's tokens: the next run's shared prefix)
     if args.stats and tp.world()[0] == 0:
         print(stats.line(), file=sys.stderr)
     return 0
@@ -262,6 +282,11 @@ def run(argv, console) -> int:
             args.draft or args.draft_quant or args.lookup):
         raise UsageError("--min-p, --typical-p, --repetition-penalty and --dry-multiplier are not served with "
                          "speculative decoding (--draft, --draft-quant, --lookup)")
+    if args.prompt_cache and args.prompt is None:
+        raise UsageError("--prompt-cache applies to one-shot --prompt runs (interactive: /save and /load keep the "
+                         "conversation's cache)")
+    if args.prompt_cache and tp.world()[1] > 1:
+        raise UsageError("--prompt-cache is not kept under torchrun (tensor parallel)")
     if args.prompt_file is not None and (args.draft or args.draft_quant or args.lookup):
         raise UsageError("--prompt-file runs batches; speculative decoding (--draft, --draft-quant, --lookup) runs at "
                          "batch 1")

@@ -374,6 +374,16 @@ class KVCache(NoCache):
         index = slots[:, None, :, None].expand(B, self.k.shape[1], -1, self.k.shape[3])  # [B, K, W, D]
         return cache_rows(self.k, step, B).gather(2, index), cache_rows(self.v, step, B).gather(2, index)
 
+    def slots(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of row's keys and values at slots start..end-1, [K, n, D] each (joined along dim 1, put back by
+        put_slots: a server keeps prefixes beyond its rows this way)."""
+        return self.k[row, :, start:end], self.v[row, :, start:end]
+
+    def put_slots(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """What slots() gave, into row's slots from start on."""
+        self.k[row, :, start:start + k.shape[1]].copy_(k)
+        self.v[row, :, start:start + v.shape[1]].copy_(v)
+
 
 class Attention(nn.Module):
     """Queries, keys, values (and the output gate) come from one fused projection: their weights are stacked by rows,

@@ -5,7 +5,8 @@ by side, each in its own process (started here, stopped after its rows).
 
     python bench/serve_load.py [--clients 1,4,8,16] [--seconds 60] [--engines dense,llama] \
         [--llama-python VENV/bin/python] [--quant auto] [--gguf FILE] [--replies short|long] \
-        [--scenarios load,multi-turn,long-prompt,timeouts,flood] [--root CHECKOUT] [--serve-flag=--no-prefix-reuse]
+        [--scenarios load,multi-turn,long-prompt,timeouts,flood,restart] [--root CHECKOUT] \
+        [--serve-flag=--no-prefix-reuse]
 
 Also measures the same 8 requests sent one after another (one client, 8 requests), the reference for the batching
 gain: aggregate tokens/s with 8 clients over it. Greedy (temperature 0), 128 tokens a request, prompts from a fixed
@@ -25,6 +26,8 @@ The other scenarios (this engine only, a server of their own each):
   each in turn, 3 rounds: the median time to first token per round (8 rows: 4 fit, 20 do not).
 - speculative: --lookup; one client whose prompt repeats itself beside 4 plain ones, started together: each one's
   time to first token and largest gap between two pieces of text.
+- restart: a ~3,000-token system prompt asked about twice, the server restarted, then asked again: the time to first
+  token after the restart (the prefix store's disk files) against the first, cold one.
 --root runs another checkout's serve.py (a before/after pair from one script).
 """
 
@@ -267,6 +270,38 @@ async def conversations(port: int, count: int, turns: int = 3, system_tokens: in
             "turn3_over_turn1": rounds[-1] / rounds[0]}
 
 
+def restart(args) -> dict:
+    """A ~3,000-token system prompt (new to this run: a nonce in front) and a question, asked twice on one server (the
+    second finds the prompt in a row: a prefix used twice, written to disk); the server stopped and started again;
+    the same system prompt with another question: its time to first token against the first (cold) request's."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "english.txt")) as f:
+        words = f.read().split()
+    system = f"Session {time.time_ns()}. Read this first: " + " ".join((words * 4)[:2250])
+
+    async def ask(port: int, question: str) -> float:
+        async with openai_client(port) as client:
+            reply = await stream_chat(client, [{"role": "system", "content": system},
+                                               {"role": "user", "content": question}], 16)
+            return reply["ttft"] * 1000
+
+    ttft = []
+    for questions in (["What is this text about?", "Who wrote it?"], ["Summarize it in a line."]):
+        process, port = start("dense", args, 4096)
+        try:
+            asyncio.run(stream_chat_once(port))  # (warm-up: the first request is not a compile)
+            ttft += [asyncio.run(ask(port, q)) for q in questions]
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    return {"scenario": "restart", "cold_ttft_ms": ttft[0], "same_server_ttft_ms": ttft[1],
+            "after_restart_ttft_ms": ttft[2], "after_restart_over_cold": ttft[2] / ttft[0]}
+
+
+async def stream_chat_once(port: int) -> None:
+    async with openai_client(port) as client:
+        await stream_chat(client, [{"role": "user", "content": "Hello!"}], 8)
+
+
 SCENARIOS = {"multi-turn": (multi_turn, None, ()), "long-prompt": (long_prompt, 4096, ()),
              "conversations-4": (lambda port: conversations(port, 4), None, ()),
              "conversations-20": (lambda port: conversations(port, 20), None, ()),
@@ -288,7 +323,8 @@ def main() -> int:
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--replies", choices=["short", "long"], default="short",
                    help="questions answered in 8-128 tokens (88 on average), or essays that run to --tokens")
-    p.add_argument("--scenarios", default="load", help="load (the clients above) and/or " + ", ".join(SCENARIOS))
+    p.add_argument("--scenarios", default="load",
+                   help="load (the clients above) and/or " + ", ".join([*SCENARIOS, "restart"]))
     p.add_argument("--root", default=ROOT, help="the checkout whose serve.py runs (default: this one)")
     p.add_argument("--serve-flag", action="append", default=[], help="one more serve.py flag (repeat it)")
     args = p.parse_args()
@@ -299,6 +335,10 @@ def main() -> int:
     rows = []
     for name in args.scenarios.split(","):
         if name == "load":
+            continue
+        if name == "restart":
+            rows.append(restart(args))
+            print(json.dumps(rows[-1]), flush=True)
             continue
         scenario, ctx, extra = SCENARIOS[name]
         with open(os.path.join(args.root, "serve.py")) as f:  # (an older serve.py: without its new flags)

@@ -68,6 +68,30 @@ def test_one_shot_chat_renders_template_and_stops_at_eos():
     assert re.search(r"\d+ tokens, .* tok/s, first token \d+ ms, prefilled %d tokens" % len(ids), result.stderr)
 
 
+def test_prompt_cache_starts_a_one_shot_run_from_the_saved_prompt(tmp_path):
+    """--prompt-cache FILE: the first run writes its prompt's cache, a second run with a longer prompt that starts
+    with it prefills only the rest and prints what a run without the file prints; a file that is not a prompt cache
+    is refused and left as it was; another model's file is not used (a note) and written again."""
+    cache = tmp_path / "p.cache"
+    flags = ["--ckpt", LLAMA, "--complete", "--max-new-tokens", 12, "--temperature", 0, "--stats", "--no-compile"]
+    head = "the cat sat on the mat and looked at the dog"
+    first = run_chat(*flags, "--prompt", head, "--prompt-cache", cache)
+    assert first.returncode == 0, first.stderr and cache.exists()
+    n = int(re.search(r"prefilled (\d+) tokens", first.stderr).group(1))
+    second = run_chat(*flags, "--prompt", head + " and the bird", "--prompt-cache", cache)
+    plain = run_chat(*flags, "--prompt", head + " and the bird")
+    assert second.returncode == 0 and second.stdout == plain.stdout
+    total = int(re.search(r"prefilled (\d+) tokens", plain.stderr).group(1))
+    assert int(re.search(r"prefilled (\d+) tokens", second.stderr).group(1)) == total - n  # only what follows
+    other = run_chat(*flags, "--quant", "int8", "--prompt", head, "--prompt-cache", cache)
+    assert other.returncode == 0 and f"--prompt-cache {cache} not used" in other.stderr
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    refused = run_chat(*flags, "--prompt", head, "--prompt-cache", notes)
+    assert refused.returncode == 2 and "not a prompt cache" in refused.stderr and "Traceback" not in refused.stderr
+    assert notes.read_text() == "my notes"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--ckpt", "/no/such/ckpt"], "--ckpt /no/such/ckpt: no such file or folder"),
     (["--ckpt", os.path.join(FIXTURES, "openelm")], "no tokenizer.json beside the checkpoint; pass --tokenizer"),
@@ -225,8 +249,10 @@ def test_chat_keeps_the_cache_across_turns():
     assert got == len(turn2) - common and common >= len(turn1)  # turn 1 is not prefilled again
     child.expect(">>> ")
     child.sendline("/stats")
-    child.expect(r"(\d+) tokens prefilled in all")
-    assert int(child.match.group(1)) == len(turn1) + got
+    child.expect(r"prefilled \d+ tokens, (\d+) from the cache")
+    assert int(child.match.group(1)) == common  # the last reply's prompt tokens the cache held
+    child.expect(r"(\d+) tokens prefilled in all, (\d+) from the cache")
+    assert int(child.match.group(1)) == len(turn1) + got and int(child.match.group(2)) == common
     child.expect(">>> ")
     child.sendline("/reset")
     child.expect("new conversation")

@@ -124,11 +124,23 @@ def test_save_then_load_in_a_new_process_continues_the_conversation(tmp_path, ca
     close(child)
     assert record["system"] == "be brief" and record["sampling"]["temperature"] == 0.0
     assert record["model"] == os.path.abspath(LLAMA)
+    assert os.path.exists(tmp_path / "conv.json.cache")  # (its cache beside it)
     child = start(cache, "--temperature", "1.0")  # the saved sampling settings come back with the conversation
     child.sendline(f"/load {tmp_path / 'conv.json'}")
-    child.expect("loaded 2 messages")
+    child.expect(r"loaded 2 messages .* and its cache \((\d+) tokens: not prefilled again\)")
+    kept = int(child.match.group(1))
     child.expect(">>> ")
-    assert say(child, "how are you") == want
+    assert say(child, "how are you") == want  # the same reply, from the saved cache
+    child.sendline("/stats")
+    child.expect(r"prefilled \d+ tokens, (\d+) from the cache")
+    # the first turn's prompt came from the file (the reply's 8 tokens, decoded and encoded again, may differ)
+    assert kept - 8 <= int(child.match.group(1)) <= kept
+    child.expect(">>> ")
+    close(child)
+    child = start(cache, "--quant", "int8")  # another model: its cache is not used, the conversation is
+    child.sendline(f"/load {tmp_path / 'conv.json'}")
+    child.expect(r"loaded 2 messages .*its cache not used: ")
+    child.expect(">>> ")
     close(child)
 
 

@@ -16,7 +16,7 @@ import dense
 from dense_engine.cli import terminal
 from dense_engine.formats import convert
 from dense_engine.formats.vocab import Vocabulary
-from dense_engine.runtime import tp
+from dense_engine.runtime import cache_files, tp
 from dense_engine.runtime.session import Session
 from dense_engine.system import machine
 from dense_engine.system.errors import UsageError
@@ -25,8 +25,8 @@ HELP = """/help          this text               /exit          quit (or Ctrl-D)
 /retry         a new reply to the last message (its prompt is already in the cache)
 /undo          drop the last exchange  /reset         new conversation
 /system TEXT   set the system message (starts a new conversation)
-/save FILE     the conversation as JSON (messages, system message, model, sampling settings)
-/load FILE     continue a saved conversation
+/save FILE     the conversation as JSON (messages, system message, model, sampling settings), its cache beside
+/load FILE     continue a saved conversation (from its cache, when this model saved it: nothing prefilled again)
 /set NAME VAL  temperature, top-k, top-p, min-p, typical-p, repetition-penalty (none: off), repeat-last-n,
                dry-multiplier, dry-base, dry-allowed-length, dry-penalty-last-n, max-new-tokens
 /model         what is loaded          /stats         cache and speed of the last reply
@@ -150,9 +150,9 @@ def command(session: Session, vocab: Vocabulary, talk: Conversation, line: str, 
             talk.system, talk.messages = rest or None, []
             console.print(f"[dim]system message {'set' if rest else 'cleared'}; new conversation[/dim]")
         elif name == "/stats":
-            console.print(f"[dim]last reply: {session.last.line()}\ncache: {len(session.cached)} of "
-                          f"{session.max_seq_len} positions in use; {session.prefilled} tokens "
-                          "prefilled in all[/dim]", soft_wrap=True)
+            console.print(f"[dim]last reply: {session.last.line()}, {session.last.reused} from the cache\ncache: "
+                          f"{len(session.cached)} of {session.max_seq_len} positions in use; {session.prefilled} "
+                          f"tokens prefilled in all, {session.reused} from the cache[/dim]", soft_wrap=True)
         elif name == "/retry":
             if talk.mode == "chat" and talk.messages and talk.messages[-1]["role"] == "assistant":
                 talk.messages = talk.messages[:-1]
@@ -169,11 +169,14 @@ def command(session: Session, vocab: Vocabulary, talk: Conversation, line: str, 
             else:
                 console.print("[yellow]nothing to undo[/yellow]")
         elif name == "/save":
+            kept = ""
             if tp.world()[0] == 0:
                 save_conversation(rest, talk, session.settings, ckpt)
-            console.print(f"[dim]saved {len(talk.messages)} messages to {rest}[/dim]")
+                kept = save_cache_beside(session, rest)
+            console.print(f"[dim]saved {len(talk.messages)} messages to {rest}{kept}[/dim]")
         elif name == "/load":
             note = load_conversation(rest, talk, session.settings, ckpt)
+            note += load_cache_beside(session, rest)
             console.print(f"[dim]loaded {len(talk.messages)} messages from {rest}{note}[/dim]")
         elif name == "/set":
             console.print(f"[dim]{set_option(session.settings, rest)}[/dim]")
@@ -271,6 +274,32 @@ def load_conversation(path: str, talk: Conversation, settings, ckpt: str) -> str
                 pass
     other = record.get("model")
     return f" (saved with {other})" if isinstance(other, str) and other != os.path.abspath(ckpt) else ""
+
+
+def save_cache_beside(session: Session, path: str) -> str:
+    """/save's second file, PATH.cache: the conversation's tokens in the cache and their keys and values (/load
+    continues without prefilling them again); a note for the user. Not under tensor parallel (each rank holds a
+    part of every key)."""
+    cache = os.path.expanduser(path) + ".cache"
+    if tp.world()[1] > 1 or not session.cached:
+        return ""
+    if os.path.exists(cache) and not cache_files.is_cache_file(cache):
+        return f" (its cache not saved: {cache} exists and is not a conversation's cache)"
+    try:
+        return f" and its cache ({session.save_cache(cache)} tokens) to {cache}"
+    except OSError as e:
+        return f" (its cache not saved: {cache}: {e.strerror or e})"
+
+
+def load_cache_beside(session: Session, path: str) -> str:
+    """/load's second file, PATH.cache, when there is one: into the session's cache when this model saved it."""
+    cache = os.path.expanduser(path) + ".cache"
+    if tp.world()[1] > 1 or not os.path.exists(cache):
+        return ""
+    try:
+        return f" and its cache ({session.load_cache(cache)} tokens: not prefilled again)"
+    except (ValueError, OSError) as e:
+        return f" (its cache not used: {cache_files.first_words(e)})"
 
 
 def describe_model(session: Session, ckpt: str, why: str) -> str:

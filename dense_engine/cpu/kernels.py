@@ -270,6 +270,16 @@ class KVCache(dense.KVCache):
         self.k[rows, :, pos // 16, :, pos % 16] = k.transpose(1, 2)  # [B, T, K, D] by (row, slot)
         self.v[rows, :, pos] = v.transpose(1, 2)
 
+    def slots(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [K, n / 16, D, 16] (whole blocks: start and end multiples of 16) and values [K, n, D]."""
+        assert start % 16 == 0 and end % 16 == 0, (start, end)
+        return self.k[row, :, start // 16:end // 16], self.v[row, :, start:end]
+
+    def put_slots(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert start % 16 == 0, start
+        self.k[row, :, start // 16:start // 16 + k.shape[1]].copy_(k)
+        self.v[row, :, start:start + v.shape[1]].copy_(v)
+
     def attend(self, q, k, v, step: dense.Step, view: dense.View, scale: float, softcap: float | None):
         if view.own_keys:  # a plain pass or a prefill from slot 0: dense.py's attention on this call's own k, v
             return super().attend(q, k, v, step, view, scale, softcap)

@@ -14,7 +14,7 @@ import torch
 
 from dense_engine.cpu import kernels
 from dense_engine.formats.vocab import TextStream, Vocabulary
-from dense_engine.runtime import background, dry, generate, speculative, tp
+from dense_engine.runtime import background, cache_files, dry, generate, speculative, tp
 from dense_engine.runtime.steps import Steps
 from dense_engine.system import machine
 from dense_engine.system.errors import UsageError
@@ -27,6 +27,7 @@ from dense_engine.system.errors import UsageError
 class ReplyStats:
     tokens: int = 0
     prefilled: int = 0
+    reused: int = 0  # prompt tokens the cache held already (not prefilled)
     ttft_s: float = 0.0
     total_s: float = 0.0
     compile_s: float | None = None
@@ -131,7 +132,7 @@ class Session:
         generate.setup_cache(model, 1, self.max_seq_len)
         self.steps = steps_for_program(model, 1, self.max_seq_len, status, note) if self.settings.compile else None
         self.cached: list[int] = []
-        self.prefilled = 0  # tokens prefilled by the replies, in all (/stats)
+        self.prefilled = self.reused = 0  # prompt tokens prefilled by the replies / found in the cache, in all (/stats)
         self.compile_s: float | None = None
         self.last, self.reply_ids = ReplyStats(), []  # the last reply's stats and tokens
         self.stop = None  # under torchrun: a function every rank calls after each token; True stops the reply
@@ -179,9 +180,10 @@ class Session:
         it ends (a stop token, the length, Ctrl-C, or the consumer closing it), self.last holds its ReplyStats and
         self.reply_ids its tokens. Ctrl-C stops the reply, not the session."""
         common = common_prefix(self.cached, prompt_ids)
-        stats = ReplyStats(prefilled=len(prompt_ids) - common, compile_s=self.compile_s,
+        stats = ReplyStats(prefilled=len(prompt_ids) - common, reused=common, compile_s=self.compile_s,
                            speculation={} if self.draft is not None else None)
         self.prefilled += stats.prefilled
+        self.reused += common
         self.compile_s, self.last, self.reply_ids = None, stats, []
         text, generated, yielded = TextStream(self.vocab), self.reply_ids, 0
         start = time.perf_counter()
@@ -208,6 +210,32 @@ class Session:
             self.cached = (prompt_ids + generated)[: len(prompt_ids) + max(yielded - 1, 0)]
         if rest := text.finish():
             yield rest
+
+    def save_cache(self, path: str, tokens: int | None = None) -> int:
+        """The first `tokens` (default all) the cache holds, with their keys and values, into a cache file
+        (cache_files: sealed, the model's key in it): how many."""
+        n = len(self.cached) if tokens is None else min(tokens, len(self.cached))
+        layers = [tuple(t.to("cpu", copy=True) for t in layer.attn.kv_cache.slots(0, 0, cache_files.whole_slots(n)))
+                  for layer in self.model.layers]
+        cache_files.write(path, self.cached[:n], layers, {"model": self.model_key()})
+        return n
+
+    def load_cache(self, path: str) -> int:
+        """A cache file's tokens and their keys and values into the cache (the next prompt that starts with them
+        prefills only the rest): how many; ValueError (or OSError) saying why it cannot be used."""
+        like = [layer.attn.kv_cache.slots(0, 0, 0) for layer in self.model.layers]
+        tokens, layers = cache_files.read_whole(path, like, self.model_key(), self.max_seq_len)
+        for (k, v), layer in zip(layers, self.model.layers):
+            layer.attn.kv_cache.put_slots(0, 0, k.to(self.model.device), v.to(self.model.device))
+        self.cached = tokens
+        if self.draft is not None:
+            self.draft.reset()  # (a draft model's own cache does not hold them)
+        return len(tokens)
+
+    def model_key(self) -> str:
+        if getattr(self, "_model_key", None) is None:
+            self._model_key = cache_files.model_key(self.model)
+        return self._model_key
 
     def reply(self, prompt_ids: list[int], write) -> tuple[list[int], ReplyStats]:
         """stream(), each piece through write(str); Ctrl-C while a piece is written stops the reply there too."""

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from dense_engine.runtime import grammar
-from dense_engine.server import anthropic_messages, infill, ollama_api, openai_responses
+from dense_engine.server import anthropic_messages, infill, ollama_api, openai_responses, slots
 from dense_engine.server.protocol import BadRequest, Settings, decode_body, parse_request
 from dense_engine.server.responses import ChatReply, ClientEvents, CompletionReply
 from dense_engine.server.scheduler import Request
@@ -84,7 +84,8 @@ def make_app(server):
               Route("/v1/responses/{id}", openai_responses_get, methods=["GET", "DELETE"]),
               Route("/api/tags", ollama_tags), Route("/api/ps", ollama_tags), Route("/api/version", ollama_version),
               Route("/api/show", ollama_show, methods=["POST"]),
-              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
+              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
+              Route("/slots/{id}", slots.slots_action, methods=["POST"])]
     app = Starlette(routes=routes, exception_handlers={BadRequest: bad_request, HTTPException: http_error,
                                                         Exception: crash})
     app.state.server = server

@@ -7,8 +7,9 @@ import time
 
 class Metrics:
     """What /metrics reports, in Prometheus' text format (prometheus_client, a registry of the server's own):
-    requests by status, prompt and generated tokens, the queue and the busy rows, time to first token and the time
-    between tokens (seconds, histograms)."""
+    requests by status, prompt and generated tokens, prefixes reused (from the rows and the prefix store: hits,
+    tokens, the store's bytes and evictions), the queue and the busy rows, time to first token and the time between
+    tokens (seconds, histograms)."""
 
     def __init__(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -21,8 +22,16 @@ class Metrics:
         self.generated_tokens = Counter("dense_generated_tokens", "Tokens generated", registry=self.registry)
         self.prefix_hits = Counter("dense_prefix_hits", "Requests whose row's cache already held a prefix of the prompt",
                                    registry=self.registry)
-        self.reused_tokens = Counter("dense_prefix_reused_tokens", "Prompt tokens found in a row's cache (not "
-                                     "prefilled again)", registry=self.registry)
+        self.reused_tokens = Counter("dense_prefix_reused_tokens", "Prompt tokens found in a row's cache or the "
+                                     "prefix store (not prefilled again)", registry=self.registry)
+        self.stored_tokens = Counter("dense_prefix_store_reused_tokens", "Prompt tokens copied from the prefix "
+                                     "store into a row (part of dense_prefix_reused_tokens)", registry=self.registry)
+        self.disk_tokens = Counter("dense_prefix_disk_read_tokens", "Prompt tokens read back from the prefix "
+                                   "store's disk files", registry=self.registry)
+        self.evictions = Counter("dense_prefix_store_evictions", "Blocks dropped from the prefix store to make room",
+                                 registry=self.registry)
+        self.store_bytes = Gauge("dense_prefix_store_bytes", "Bytes of keys and values the prefix store holds",
+                                 registry=self.registry)
         self.queue = Gauge("dense_queue_depth", "Requests waiting for a row", registry=self.registry)
         self.busy = Gauge("dense_busy_rows", "Cache rows running a request", registry=self.registry)
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -35,6 +44,7 @@ class Metrics:
     def watch(self, scheduler) -> None:
         self.queue.set_function(scheduler.waiting.qsize)
         self.busy.set_function(lambda: sum(r is not None for r in scheduler.rows))
+        self.store_bytes.set_function(lambda: scheduler.store.bytes if scheduler.store is not None else 0)
 
     def token(self, request) -> None:
         """A request's new token (called by the scheduler)."""

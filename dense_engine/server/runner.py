@@ -6,14 +6,18 @@ from __future__ import annotations
 import torch
 
 from dense_engine.runtime import generate, tp
+from dense_engine.server import prefix_store
 
 
 class ModelCalls:
-    """prefill, prefill_rows and decode over one generate.Runner (its eager or compiled steps), made on every rank."""
+    """prefill, prefill_rows and decode over one generate.Runner (its eager or compiled steps), made on every rank;
+    keep and restore: the prefix store's blocks (prefix_store.py), this rank's keys and values of them."""
 
     def __init__(self, runner: generate.Runner) -> None:
         self.runner = runner
         self.device = runner.model.device
+        self.kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # block id -> each layer's (k, v)
+        self.disk: prefix_store.DiskStore | None = None  # (one process only: no disk tier under tensor parallel)
 
     def call(self, name: str, **args):
         """Make the call `name` (a method below) here and, under tensor parallel, on every other rank."""
@@ -48,3 +52,48 @@ class ModelCalls:
         """One step of rows 0..B-1, token b at positions[b]: the next tokens [B, 1] (and the logits [B, V])."""
         return self.runner.decode(torch.tensor(tokens, device=self.device)[:, None], positions, None, sampling,
                                   with_logits)
+
+    def keep(self, row: int, blocks: list[tuple[int, int]], size: int, drop: list[int]) -> None:
+        """Forget the blocks `drop`, then copy row's slots start..start + size of each new block (id, start) into
+        host memory."""
+        for i in drop:
+            del self.kept[i]
+        caches = [layer.attn.kv_cache for layer in self.runner.model.layers]
+        for i, start in blocks:
+            self.kept[i] = [tuple(t.to("cpu", copy=True) for t in cache.slots(row, start, start + size))
+                            for cache in caches]
+
+    def restore(self, row: int, blocks: list[int], start: int) -> None:
+        """Kept blocks, in order, into row's slots from `start` on."""
+        for n, layer in enumerate(self.runner.model.layers):
+            k = torch.cat([self.kept[i][n][0] for i in blocks], dim=1)  # (dim 1: slots, in either cache layout)
+            v = torch.cat([self.kept[i][n][1] for i in blocks], dim=1)
+            layer.attn.kv_cache.put_slots(row, start, k.to(self.device), v.to(self.device))
+
+    def read_blocks(self, blocks: list[tuple[int, str, list[int]]], size: int, drop: list[int]) -> int:
+        """Forget the blocks `drop`, then read blocks of `size` tokens (id, file, the tokens of the prefix it ends)
+        from the disk, in order, until one is missing or not whole: how many were read."""
+        for i in drop:
+            del self.kept[i]
+        like = [layer.attn.kv_cache.slots(0, 0, size) for layer in self.runner.model.layers]  # (shapes, dtypes)
+        for n, (i, path, tokens) in enumerate(blocks):
+            layers = prefix_store.read_block(path, tokens, like)
+            if layers is None:
+                return n
+            self.kept[i] = layers
+        return len(blocks)
+
+    def write_blocks(self, blocks: list[tuple[int, str, list[int]]]) -> None:
+        """Queue kept blocks (id, file, the tokens of the prefix it ends) for the disk."""
+        for i, path, tokens in blocks:
+            self.disk.write(path, tokens, self.kept[i])
+
+    def row_slots(self, row: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies, in host memory, of row's keys and values at slots 0..end-1 (end: a multiple of 16)."""
+        return [tuple(t.to("cpu", copy=True) for t in layer.attn.kv_cache.slots(row, 0, end))
+                for layer in self.runner.model.layers]
+
+    def put_row(self, row: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """row_slots' copies into row's slots from 0 on."""
+        for (k, v), layer in zip(layers, self.runner.model.layers):
+            layer.attn.kv_cache.put_slots(row, 0, k.to(self.device), v.to(self.device))

@@ -9,7 +9,9 @@ runner.ModelCalls by name (every tensor-parallel rank makes the same ones)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
+import os
 import queue
 import threading
 import time
@@ -21,9 +23,11 @@ import torch
 
 import dense
 from dense_engine.formats.vocab import StopText, TextStream, Vocabulary
-from dense_engine.runtime import generate, speculative
+from dense_engine.runtime import cache_files, generate, speculative, tp
 from dense_engine.runtime.session import common_prefix, steps_for_program
+from dense_engine.server.prefix_store import BLOCK, DiskStore, PrefixStore, default_capacity_mb, default_disk_mb
 from dense_engine.server.runner import ModelCalls
+from dense_engine.system import machine
 from dense_engine.system.errors import first_line
 
 PREFILL_BUDGET = 64  # prompt tokens prefilled per scheduler turn while other rows decode (measured: BENCHMARKS.md)
@@ -161,13 +165,15 @@ class Scheduler:
 
     def __init__(self, model: dense.DenseDecoder, vocab: Vocabulary, max_batch: int, max_seq_len: int,
                  compile: bool, draft=None, speculate_k: int = 4, metrics=None, reuse: bool = True,
-                 prefill_chunk: int = PREFILL_BUDGET) -> None:
+                 prefill_chunk: int = PREFILL_BUDGET, prefix_cache_mb: int | None = None,
+                 prefix_disk_mb: int | None = 0, prefix_block: int = BLOCK) -> None:
         self.model, self.vocab, self.draft, self.speculate_k = model, vocab, draft, speculate_k
         self.metrics, self.reuse, self.prefill_chunk = metrics, reuse, prefill_chunk
         self.slots = [Row() for _ in range(max_batch)]
         self.speculation = None  # (the token generator of the request speculating in row 0)
         self.admitted = 0  # requests given a row so far (Row.used)
         self.waiting: queue.Queue[Request] = queue.Queue()
+        self.tasks: queue.Queue = queue.Queue()  # (function, Future): run on this thread between turns (slots.py)
         self.vocab_limit = vocab.size if vocab.size < model.config.vocab_size else None
         self.stopping = threading.Event()
         self.idle_generator = torch.Generator(model.device)  # (an idle row's noise, never used)
@@ -175,6 +181,15 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         steps = steps_for_program(model, max_batch, max_seq_len) if compile else None
         self.calls = ModelCalls(generate.Runner(model, steps))
+        if prefix_cache_mb is None:
+            prefix_cache_mb = default_capacity_mb()
+        self.store = PrefixStore(prefix_cache_mb << 20, token_bytes(model), prefix_block) \
+            if reuse and prefix_cache_mb else None
+        self.disk = None  # the store's disk tier: prefixes used more than once, kept across restarts
+        if self.store is not None and prefix_disk_mb != 0 and tp.world()[1] == 1:
+            self.disk = DiskStore(os.path.join(machine.cache_dir(), "prefixes"), (prefix_disk_mb or default_disk_mb())
+                                  << 20, lambda: f"{cache_files.model_key(model)}-{prefix_block}")
+            self.calls.disk = self.disk
         self.thread = threading.Thread(target=self.run, name="scheduler", daemon=True)
 
     @property
@@ -186,9 +201,12 @@ class Scheduler:
         self.waiting.put(request)
 
     def forget(self) -> None:
-        """Drop what the rows' caches hold (after a warm-up: no later prompt reuses its throwaway tokens)."""
+        """Drop what the rows' caches and the prefix store hold (after a warm-up: no later prompt reuses its
+        throwaway tokens)."""
         for row in self.slots:
             row.tokens = []
+        if self.store is not None:
+            self.calls.call("keep", row=0, blocks=[], size=self.store.block, drop=self.store.clear())
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -205,9 +223,22 @@ class Scheduler:
             traceback.print_exc()
             self.fail(e)
 
+    def call_soon(self, function: Callable[[], object]) -> concurrent.futures.Future:
+        """Run function() on the scheduler's thread before its next turn (it owns the model and the rows): a
+        Future of its result."""
+        done = concurrent.futures.Future()
+        self.tasks.put((function, done))
+        return done
+
     def turn(self) -> None:
-        """Admit waiting requests into free rows, prefill up to the budget, a speculative round, then one decode step
-        of the decoding rows."""
+        """Run the tasks asked for, admit waiting requests into free rows, prefill up to the budget, a speculative
+        round, then one decode step of the decoding rows."""
+        while not self.tasks.empty():
+            function, done = self.tasks.get_nowait()
+            try:
+                done.set_result(function())
+            except Exception as e:  # (the asker is told)
+                done.set_exception(e)
         self.admit()
         self.prefill()
         if self.speculation is not None:
@@ -215,7 +246,7 @@ class Scheduler:
         busy = [r for r, row in enumerate(self.slots) if row.request and row.request.status is Status.DECODING]
         if busy:
             self.decode(busy)
-        elif not any(self.rows):
+        elif not any(self.rows) and self.tasks.empty():
             try:  # idle: wait for a request
                 self.waiting.put(self.waiting.get(timeout=0.1))
             except queue.Empty:
@@ -250,12 +281,17 @@ class Scheduler:
                 continue
             row, common = self.pick_row(request)
             slot = self.slots[row]
+            self.keep(row, common)
+            stored = self.restore(row, request, common)
             self.admitted += 1
-            slot.request, slot.tokens, slot.used = request, slot.tokens[:common], self.admitted
-            if self.metrics is not None and common:
+            slot.request, slot.used = request, self.admitted
+            slot.tokens = request.prompt[:stored] if stored > common else slot.tokens[:common]
+            self.persist(row)
+            if self.metrics is not None and max(common, stored):
                 self.metrics.prefix_hits.inc()
-                self.metrics.reused_tokens.inc(common)
-            request.status, request.filled = Status.PREFILLING, common
+                self.metrics.reused_tokens.inc(max(common, stored))
+                self.metrics.stored_tokens.inc(max(0, stored - common))
+            request.status, request.filled = Status.PREFILLING, max(common, stored)
 
     def pick_row(self, request: Request) -> tuple[int, int]:
         """(the free row to prefill into, how many of the prompt's first tokens its cache already holds): the row
@@ -271,6 +307,73 @@ class Scheduler:
         empty = [r for r in free if not self.slots[r].tokens]
         row = empty[0] if empty else min(free, key=lambda r: self.slots[r].used)
         return row, shared[row]
+
+    def keep(self, row: int, common: int) -> None:
+        """Before row's cache is overwritten past its first `common` tokens: its whole blocks into the prefix
+        store (those not there yet; the least recently used go to make room)."""
+        tokens = self.slots[row].tokens
+        if self.store is None or len(tokens) <= common or len(tokens) < self.store.block:
+            return
+        self.keep_blocks(row, tokens)
+
+    def keep_blocks(self, row: int, tokens: list[int]) -> None:
+        """The whole blocks of `tokens` (row's first ones) into the store, those not there yet."""
+        blocks, evicted = self.store.add(tokens)
+        if blocks or evicted:
+            self.calls.call("keep", row=row, blocks=blocks, size=self.store.block, drop=evicted)
+        if self.metrics is not None:
+            self.metrics.evictions.inc(len(evicted))
+
+    def persist(self, row: int) -> None:
+        """A prefix used again (what the new request found in its row or the store): its whole blocks onto the
+        disk, those not there yet (the writer's thread writes them)."""
+        tokens, size = self.slots[row].tokens, self.store.block if self.store else 0
+        if self.disk is None or len(tokens) < size:
+            return
+        self.keep_blocks(row, tokens)
+        chain = self.store.match(tokens, len(tokens))
+        new = [(i, b) for i, b in enumerate(chain) if not b.on_disk]
+        self.calls.call("write_blocks", blocks=[(b.id, self.disk.path(tokens[:(i + 1) * size]),
+                                                 tokens[:(i + 1) * size]) for i, b in new])
+        for _, b in new:
+            b.on_disk = True
+
+    def restore(self, row: int, request: Request, common: int) -> int:
+        """How many of the prompt's first tokens row holds once the prefix store's longest match is copied in (when
+        it is longer than the `common` ones the row holds already); 0 when the store has nothing longer."""
+        if self.store is None or request.echo:
+            return 0
+        limit = len(request.prompt) - 1  # (the last token is prefilled: its logits give the first new token)
+        chain = self.store.match(request.prompt, limit)
+        if self.disk is not None and self.read_disk(request.prompt, len(chain), limit):
+            chain = self.store.match(request.prompt, limit)
+        size = self.store.block
+        if len(chain) * size <= common:
+            return 0
+        first = common // size  # (blocks before it: the row holds them already)
+        self.calls.call("restore", row=row, blocks=[b.id for b in chain[first:]], start=first * size)
+        return len(chain) * size
+
+    def read_disk(self, prompt: list[int], have: int, limit: int) -> int:
+        """Read into the store the blocks that follow the prompt's first `have` stored ones, as far as the disk has
+        them (within `limit` tokens): how many were read."""
+        size, ends = self.store.block, []
+        for end in range((have + 1) * size, limit + 1, size):
+            if not os.path.exists(self.disk.path(prompt[:end])):
+                break
+            ends.append(end)
+        if not ends:
+            return 0
+        new, evicted = self.store.add(prompt[:ends[-1]])
+        files = [(i, self.disk.path(prompt[:start + size]), prompt[:start + size]) for i, start in new]
+        read = self.calls.call("read_blocks", blocks=files, size=size, drop=evicted)
+        self.store.drop([i for i, _ in new[read:]][::-1])  # (missing or damaged: not kept)
+        for block in self.store.match(prompt, ends[-1]):
+            block.on_disk = True
+        if self.metrics is not None:
+            self.metrics.evictions.inc(len(evicted))
+            self.metrics.disk_tokens.inc(read * size)
+        return read
 
     def prefill(self) -> None:
         """Prefill the admitted prompts, oldest first. While other rows decode, at most `prefill_chunk` tokens a turn:
@@ -394,6 +497,7 @@ class Scheduler:
     def start_speculation(self, request: Request) -> None:
         """The request takes row 0 (its cache from slot 0) and the draft: a round of draft tokens checked by the
         target each turn, the exact output of speculative decoding in fewer target steps."""
+        self.keep(0, 0)
         self.slots[0].request, self.slots[0].tokens, request.status = request, [], Status.SPECULATING
         self.speculation = speculative.generate_rounds(
             self.model, torch.tensor([request.prompt], device=self.model.device), request.max_tokens, self.draft,
@@ -414,6 +518,12 @@ class Scheduler:
         if request.status is Status.FINISHED:
             self.speculation.close()
             self.speculation, self.slots[0] = None, Row()
+
+
+def token_bytes(model: dense.DenseDecoder) -> int:
+    """Bytes of one slot's keys and values in every layer's cache."""
+    return sum(2 * layer.attn.kv_cache.v[0, :, 0].numel() * layer.attn.kv_cache.v.element_size()
+               for layer in model.layers)
 
 
 def logprob_entry(logits: torch.Tensor, token: int, top: int) -> tuple:

@@ -5,7 +5,8 @@
 
 Endpoints: GET /health (200 when the model is ready, 503 before), GET /v1/models, POST /v1/chat/completions and
 POST /v1/completions (OpenAI's formats; "stream": true sends server-sent events), POST /tokenize and /detokenize
-(llama-server's shapes), GET /metrics (Prometheus).
+(llama-server's shapes), POST /slots/{id}?action=save|restore|erase (llama-server's slot files, --slot-save-path),
+GET /metrics (Prometheus).
 
 The rooms, each a module of this folder: protocol.py (a request body -> checked Settings, or an API's error),
 scheduler.py (the records and the turn: admit -> prefill -> decode -> deliver), runner.py (the model calls by name,
@@ -13,7 +14,8 @@ on every tensor-parallel rank), responses.py (the events -> each API's chunks an
 Starlette and uvicorn: small, well kept, plain ASGI), metrics.py; this file is the program (flags, load, signals).
 
 Continuous batching: one scheduler thread owns the model. The KV cache has --max-batch rows; each request gets a row
-while it runs (the free row whose cache already holds the longest prefix of its prompt: only the rest is prefilled).
+while it runs (the free row whose cache already holds the longest prefix of its prompt: only the rest is prefilled;
+what a row held before another request took it is kept in host memory, the prefix store, --prefix-cache-mb).
 Each scheduler turn admits waiting requests, prefills (while other rows stream, at most --prefill-chunk tokens, so a
 long prompt goes in chunks between their steps; prompts admitted together in one pass), then runs one decode step
 that feeds each busy row its own last token at its own position (an idle or still-prefilling row writes to the
@@ -66,7 +68,9 @@ class Server:
         draft = make_draft(args, model, console)
         self.max_seq_len = fitting_cache(model, args.max_batch, args.max_seq_len)
         self.scheduler = Scheduler(model, self.vocab, args.max_batch, self.max_seq_len, args.compile, draft,
-                                   args.speculate_k, reuse=args.prefix_reuse, prefill_chunk=args.prefill_chunk)
+                                   args.speculate_k, reuse=args.prefix_reuse, prefill_chunk=args.prefill_chunk,
+                                   prefix_cache_mb=args.prefix_cache_mb if args.prefix_cache else 0,
+                                   prefix_disk_mb=args.prefix_cache_disk_mb)
         warm_up(self.scheduler)
         self.scheduler.metrics = self.metrics  # (after the warm-up: its throwaway tokens are not counted)
         self.metrics.watch(self.scheduler)
@@ -116,8 +120,20 @@ def parse_args(argv):
                    help="requests decoded together (more wait in line); with a draft one of them speculates")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
     p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
-                   help="a request prefills only what follows the longest prefix a free row's cache already holds "
-                        "(default on)")
+                   help="a request prefills only what follows the longest prefix a free row's cache (or the prefix "
+                        "store) already holds (default on; off: the prefix store too)")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the prefixes rows held before other requests took them in host memory, and those used "
+                        "more than once on disk across restarts (the prefix store, default on)")
+    p.add_argument("--prefix-cache-mb", type=int, metavar="MB",
+                   help="the prefix store's host memory (default 4096 MiB or a quarter of the memory available, the "
+                        "less)")
+    p.add_argument("--prefix-cache-disk-mb", type=int, metavar="MB",
+                   help="the prefix store's files in the cache folder (default 8192 MiB or a quarter of the free "
+                        "disk, the less; 0: none)")
+    p.add_argument("--slot-save-path", metavar="DIR",
+                   help="the folder of POST /slots/{id}?action=save|restore (llama-server's slot files; the client "
+                        "names a file in it, never a path); without it, those actions are answered 501")
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_BUDGET, metavar="N",
                    help=f"prompt tokens prefilled between two decode steps while other requests stream (default "
                         f"{PREFILL_BUDGET}: a long prompt never stalls them for long); 0: every prompt whole")
@@ -132,6 +148,9 @@ def parse_args(argv):
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
     if args.prefill_chunk < 0:
         raise UsageError(f"--prefill-chunk must be 0 or more, got {args.prefill_chunk}")
+    for flag in ("prefix_cache_mb", "prefix_cache_disk_mb"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be 0 or more, got {getattr(args, flag)}")
     if args.max_queue < 0:
         raise UsageError(f"--max-queue must be 0 or more, got {args.max_queue}")
     if tp.world()[1] > 1 and (args.draft or args.draft_quant or args.lookup):
@@ -186,6 +205,8 @@ def serve(args, console) -> int:
         server.scheduler.stopping.set()
         if tp.world()[1] > 1:
             server.scheduler.thread.join(timeout=5)
+        if server.scheduler.disk is not None:
+            server.scheduler.disk.flush()  # (the prefix blocks still queued for the disk)
     if tp.world()[1] > 1:
         tp.exit(0 if server.error is None else 2)
     return 0 if server.error is None else 2

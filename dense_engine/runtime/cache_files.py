@@ -1,0 +1,110 @@
+"""Files of cached keys and values: a prompt's tokens and each layer's keys and values of their slots, sealed by a
+digest of their bytes, and the key of the model that computed them. The server's prefix store (its disk tier and
+llama-server's slot files) and chat.py (/save beside a conversation, --prompt-cache) write and read them; a file is
+used only by the model, quantization, dtype and cache layout that wrote it, and never for other tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import torch
+
+
+def write(path: str, tokens: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]],
+          metadata: dict | None = None) -> int:
+    """The file: the tokens and each layer's keys and values (safetensors: no code in it), with a digest of their
+    bytes in its metadata; a temporary file, then renamed into place. Its size in bytes."""
+    from safetensors.torch import save_file
+
+    tensors = {"tokens": torch.tensor(tokens, dtype=torch.int32)}
+    for n, (k, v) in enumerate(layers):
+        tensors[f"k.{n}"], tensors[f"v.{n}"] = k.contiguous(), v.contiguous()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        save_file(tensors, tmp, metadata={**(metadata or {}), "sha256": tensors_digest(tensors)})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return os.path.getsize(path)
+
+
+def read(path: str, like: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[int], list, dict]:
+    """(tokens, each layer's (k, v), metadata) of a file write() wrote, its layers shaped as `like`'s but for
+    the slots (dim 1); ValueError when it is not whole (its digest), not such a file, or another cache's."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            metadata = f.metadata() or {}
+    except (SafetensorError, RuntimeError) as e:
+        raise ValueError(f"not a whole file of keys and values ({first_words(e)})") from None
+    if sorted(tensors) != sorted(["tokens", *(f"{t}.{n}" for n in range(len(like)) for t in "kv")]):
+        raise ValueError(f"not a file of this model's {len(like)} layers")
+    layers = [(tensors[f"k.{n}"], tensors[f"v.{n}"]) for n in range(len(like))]
+    for (k, v), (a, b) in zip(layers, like):
+        if (k.dtype, v.dtype) != (a.dtype, b.dtype) or k.shape[:1] + k.shape[2:] != a.shape[:1] + a.shape[2:] \
+                or v.shape[:1] + v.shape[2:] != b.shape[:1] + b.shape[2:]:
+            raise ValueError("its keys and values are another cache's (shape or dtype)")
+    if metadata.get("sha256") != tensors_digest(tensors):
+        raise ValueError("damaged: its digest is not the one written with it")
+    return tensors["tokens"].tolist(), layers, metadata
+
+
+def first_words(e: Exception) -> str:
+    return " ".join(str(e).split())[:120]
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def model_key(model) -> str:
+    """What the keys and values its cache holds depend on: every weight's bytes (quantized ones as quantized), the
+    config, the cache's class and dtype. (Hashing the weights reads them once: 0.1 s for 100 MB.)"""
+    cache = model.layers[0].attn.kv_cache
+    h = hashlib.sha256(f"{type(cache).__qualname__} {cache.v.dtype}".encode())
+    h.update(repr(sorted(vars(model.config).items())).encode())
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if ".kv_cache." in name or name.startswith("rotary") or name == "kv_slots":
+            continue  # (the cache itself and its position tables)
+        h.update(f"{name} {t.dtype} {list(t.shape)}".encode())
+        h.update(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()[:32]
+
+
+def whole_slots(n: int) -> int:
+    """The slots a file of n tokens holds: whole blocks of 16 (the CPU cache's keys come in blocks of 16 slots)."""
+    return -(-n // 16) * 16
+
+
+def is_cache_file(path: str) -> bool:
+    """Whether path is a file of this kind (one that may be replaced by a newer one), not somebody else's."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            return "tokens" in f.keys() and "sha256" in (f.metadata() or {})
+    except Exception:
+        return False
+
+
+def read_whole(path: str, like: list[tuple[torch.Tensor, torch.Tensor]], key: str, room: int):
+    """read() of a file holding a whole prefix (a slot's, a conversation's: not one block of it), written by the
+    model whose key is `key`, of fewer than `room` tokens: (tokens, layers); ValueError saying why not."""
+    tokens, layers, metadata = read(path, like)
+    if metadata.get("model") != key:
+        raise ValueError("saved by another model (weights, quantization or cache)")
+    if any(v.shape[1] < len(tokens) for _, v in layers):
+        raise ValueError("it holds fewer slots than tokens")
+    if len(tokens) >= room:
+        raise ValueError(f"it holds {len(tokens)} tokens; the cache holds {room - 1}")
+    return tokens, layers

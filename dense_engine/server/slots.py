@@ -1,0 +1,109 @@
+"""llama-server's slot files: POST /slots/{id}?action=save|restore|erase, {"filename": NAME} -> a cache row's tokens
+and their keys and values written to, or read from, a file of the --slot-save-path folder (names only: no path from
+the client reaches the disk), or the row's cache forgotten. A restored row serves the next request whose prompt
+starts with those tokens (the scheduler's prefix reuse) without prefilling them.
+
+The file is runtime/cache_files.py's, for the whole row (the tokens, each layer's keys and values of their slots,
+a digest of their bytes) with the model's key in its metadata: a file saved by another model, quantization, dtype or
+cache layout is refused, not read into the row. The work runs on the scheduler's thread (Scheduler.call_soon), on a
+row no request holds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from dense_engine.runtime import cache_files, tp
+from dense_engine.server.protocol import BadRequest
+
+ACTIONS = ("save", "restore", "erase")
+
+
+def slot_file(folder: str, body: dict) -> str:
+    """The path of the body's "filename" in folder: a plain name (no folder, no '..', no hidden file)."""
+    name = body.get("filename")
+    if not isinstance(name, str) or not name or len(name) > 255 or name != os.path.basename(name) \
+            or name.startswith(".") or "\\" in name or "\0" in name:
+        raise BadRequest("'filename' must be a file name (no folder, not hidden, at most 255 characters)",
+                         "filename")
+    return os.path.join(folder, name)
+
+
+async def slots_action(request):
+    """The route: checks the row and the name here, does the work on the scheduler's thread."""
+    from dense_engine.server.app import json_response, ready_json, state
+
+    server = state(request)
+    folder = getattr(server.args, "slot_save_path", None)
+    if not folder:
+        raise BadRequest("this server keeps no slot files: start it with --slot-save-path DIR", status=501,
+                         kind="not_supported_error")
+    if tp.world()[1] > 1:
+        raise BadRequest("slot files are not served under torchrun (tensor parallel)", status=501,
+                         kind="not_supported_error")
+    body = await ready_json(request)
+    action, scheduler = request.query_params.get("action"), server.scheduler
+    if action not in ACTIONS:
+        raise BadRequest(f"'action' must be one of {', '.join(ACTIONS)}, got {action!r}", "action")
+    row = request.path_params["id"]
+    if not row.isdigit() or int(row) >= len(scheduler.rows):
+        raise BadRequest(f"slot id must be in 0..{len(scheduler.rows) - 1}, got {row!r}", "id_slot")
+    row = int(row)
+    if action == "erase":
+        return json_response(await on_scheduler(scheduler, lambda: {"id_slot": row, "n_erased": erase(scheduler, row)}))
+    path = slot_file(folder, body)
+    work = save if action == "save" else restore
+    return json_response(await on_scheduler(scheduler, lambda: work(scheduler, row, path)))
+
+
+async def on_scheduler(scheduler, function):
+    """function()'s result, run between two turns; its ValueError a 400 naming the slot."""
+    try:
+        return await asyncio.wrap_future(scheduler.call_soon(function))
+    except ValueError as e:
+        raise BadRequest(str(e), "id_slot") from None
+
+
+def idle(scheduler, row: int) -> None:
+    if scheduler.slots[row].request is not None:
+        raise ValueError(f"slot {row} is running a request; try again when it is done")
+
+
+def model_key(scheduler) -> str:
+    if getattr(scheduler, "slot_key", None) is None:
+        scheduler.slot_key = cache_files.model_key(scheduler.model)
+    return scheduler.slot_key
+
+
+def save(scheduler, row: int, path: str) -> dict:
+    """The row's tokens and their keys and values into the file (a temporary file, then renamed)."""
+    idle(scheduler, row)
+    start, tokens = time.perf_counter(), list(scheduler.slots[row].tokens)
+    layers = scheduler.calls.row_slots(row, cache_files.whole_slots(len(tokens)))
+    written = cache_files.write(path, tokens, layers, {"model": model_key(scheduler)})
+    return {"id_slot": row, "filename": os.path.basename(path), "n_saved": len(tokens), "n_written": written,
+            "timings": {"save_ms": (time.perf_counter() - start) * 1000}}
+
+
+def restore(scheduler, row: int, path: str) -> dict:
+    """The file's tokens and their keys and values into the row, when this model saved it."""
+    idle(scheduler, row)
+    start, name = time.perf_counter(), os.path.basename(path)
+    like = scheduler.calls.row_slots(row, 0)
+    try:
+        tokens, layers = cache_files.read_whole(path, like, model_key(scheduler), scheduler.max_seq_len + 1)
+    except FileNotFoundError:
+        raise ValueError(f"no slot file {name!r}") from None
+    except (ValueError, OSError) as e:
+        raise ValueError(f"slot file {name!r}: {cache_files.first_words(e)}") from None
+    scheduler.calls.put_row(row, layers)
+    scheduler.slots[row].tokens = tokens
+    return {"id_slot": row, "filename": name, "n_restored": len(tokens), "n_read": os.path.getsize(path),
+            "timings": {"restore_ms": (time.perf_counter() - start) * 1000}}
+
+
+def erase(scheduler, row: int) -> int:
+    idle(scheduler, row)
+    erased, scheduler.slots[row].tokens = len(scheduler.slots[row].tokens), []
+    return erased
