@@ -385,6 +385,54 @@ class KVCache(NoCache):
         self.v[row, :, start:start + v.shape[1]].copy_(v)
 
 
+class Int8KVCache(KVCache):
+    """A quarter of float32's bytes (--kv-dtype int8): each key and value of a token and head as int8 channels and one
+    float32 scale, max |x| / 127 (llama.cpp's q8_0 rounding, one block a head). Written quantized, read back as the
+    query's dtype for the slots attended (cpu/kernels.py's cache reads the int8 slots in its kernel instead)."""
+
+    def __init__(self, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype, device) -> None:
+        super().__init__(batch, kv_heads, seq_len, head_dim, torch.int8, device)
+        shape = (batch, kv_heads, seq_len + 1, 1)
+        self.register_buffer("k_scale", torch.zeros(shape, device=device), persistent=False)
+        self.register_buffer("v_scale", torch.zeros(shape, device=device), persistent=False)
+
+    def write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
+        (qk, sk), (qv, sv) = int8_rows(k), int8_rows(v)  # [B, K, T, D] int8, [B, K, T, 1] float32
+        for cache, value in ((self.k, qk), (self.v, qv), (self.k_scale, sk), (self.v_scale, sv)):
+            if step.input_pos.ndim == 1 and step.rows is None:
+                cache[: value.shape[0]].index_copy_(2, step.input_pos, value)
+            else:
+                rows, pos = row_slots(step, value.shape[0], value.shape[2])
+                cache[rows, :, pos] = value.transpose(1, 2)
+
+    def read(self, step: Step, view: View, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if view.slots is not None:  # a sliding layer's window: [B, K, W, D] gathered, the scales with them
+            index = view.slots[:, None, :, None].expand(B, self.k.shape[1], -1, 1)
+            scales = [cache_rows(s, step, B).gather(2, index) for s in (self.k_scale, self.v_scale)]
+            keys, values = self.window(step, view.slots, B)
+        else:
+            keys, values = cache_rows(self.k[:, :, :view.attend], step, B), cache_rows(self.v[:, :, :view.attend],
+                                                                                      step, B)
+            scales = [cache_rows(s[:, :, :view.attend], step, B) for s in (self.k_scale, self.v_scale)]
+        return keys.float() * scales[0], values.float() * scales[1]
+
+    def slots(self, row: int, start: int, end: int) -> tuple[torch.Tensor, ...]:
+        return (*super().slots(row, start, end), self.k_scale[row, :, start:end], self.v_scale[row, :, start:end])
+
+    def put_slots(self, row: int, start: int, k, v, k_scale=None, v_scale=None) -> None:
+        super().put_slots(row, start, k, v)
+        self.k_scale[row, :, start:start + k_scale.shape[1]].copy_(k_scale)
+        self.v_scale[row, :, start:start + v_scale.shape[1]].copy_(v_scale)
+
+
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (int8 [..., D], float32 scales [..., 1]): x ~ q * scale, scale = max |x| / 127 per row."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(x / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-127, 127)
+    return q.to(torch.int8), scale
+
+
 class Attention(nn.Module):
     """Queries, keys, values (and the output gate) come from one fused projection: their weights are stacked by rows,
     so a step reads the input once and makes one matmul (checkpoints store the parts; loading stacks them)."""

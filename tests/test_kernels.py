@@ -246,7 +246,7 @@ def reference_attention(q, k, v, visible, scale, softcap):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("B, H, K, T, D, S, P, window, softcap, per_row", [
     (1, 9, 3, 1, 64, 4096, 100, 0, 0.0, False), (1, 9, 3, 1, 64, 4096, 3000, 0, 0.0, False),
     (2, 4, 2, 5, 16, 64, 30, 0, 0.0, False), (1, 4, 4, 3, 100, 50, 20, 0, 0.0, False),
@@ -260,10 +260,10 @@ def test_attention_kernel_equals_the_reference_over_the_visible_slots(dtype, B, 
                                                                      per_row):
     """kernels.cpp's attention against float64 attention over exactly the slots each query may see: its row's own
     slots (left padding, or a row of a server's batch at its own position, in its own cache row), its sliding window,
-    soft-capped scores."""
+    soft-capped scores. int8 (--kv-dtype int8): against the same attention over the int8 values times their scales."""
     torch.manual_seed(T * D + P + window)
     rows_in_cache = B + 1 if per_row else B
-    cache = kernels.KVCache(rows_in_cache, K, S, D, dtype, "cpu")
+    cache = (kernels.Int8KVCache if dtype == torch.int8 else kernels.KVCache)(rows_in_cache, K, S, D, dtype, "cpu")
     keys, values = torch.randn(rows_in_cache, K, S + 1, D), torch.randn(rows_in_cache, K, S + 1, D)
     cache.write(dense.Step(torch.arange(S + 1), None, None, {}, {}), keys, values)
     q = torch.randn(B, H, T, D)
@@ -277,7 +277,8 @@ def test_attention_kernel_equals_the_reference_over_the_visible_slots(dtype, B, 
         rows = torch.tensor([3, 0, 1])
     empty = pos.new_empty(0)
     out = torch.ops.dense_kernels.attention(q, cache.k, cache.v, pos, start if start is not None else empty,
-                                            rows if rows is not None else empty, D ** -0.5, window, softcap)
+                                            rows if rows is not None else empty, D ** -0.5, window, softcap,
+                                            *cache.scales())
     slots = torch.arange(S + 1)
     pos_bt = pos.expand(B, T)
     visible = slots <= pos_bt[..., None]  # [B, T, S + 1]
@@ -287,12 +288,17 @@ def test_attention_kernel_equals_the_reference_over_the_visible_slots(dtype, B, 
         visible &= slots > pos_bt[..., None] - window
     visible |= slots == pos_bt[..., None]
     cache_rows = rows if rows is not None else torch.arange(B)
-    k, v = keys.to(dtype).double()[cache_rows], values.to(dtype).double()[cache_rows]  # what the cache holds
+    if dtype == torch.int8:  # what the cache holds: int8 channels times a scale per slot and head
+        (qk, sk), (qv, sv) = dense.int8_rows(keys), dense.int8_rows(values)
+        assert torch.equal(cache.v, qv) and torch.equal(cache.v_scale[..., :S + 1], sv[..., 0])
+        k, v = (qk.double() * sk.double())[cache_rows], (qv.double() * sv.double())[cache_rows]
+    else:
+        k, v = keys.to(dtype).double()[cache_rows], values.to(dtype).double()[cache_rows]
     want = reference_attention(q, k, v, visible, D ** -0.5, softcap)
     real = pos_bt < S  # [B, T]
     err = (out.double() - want).abs().amax(dim=(1, 3))[real].max()
     assert err < 2e-6
-    if (~real).any():
+    if (~real).any() and dtype != torch.int8:  # (int8: the scratch slot's channels, unscaled: never read either)
         scratch = v[:, :, -1:].float().repeat_interleave(H // K, 1)  # [B, H, 1, D]
         assert torch.equal(out[:, :, ~real[0]], scratch.expand_as(out[:, :, ~real[0]]))
 

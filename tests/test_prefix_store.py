@@ -100,7 +100,7 @@ def greedy(prompt, n):
     return scheduler.Request(prompt, n, 0.0, None, None, [], torch.Generator().manual_seed(0), lambda event: None)
 
 
-@pytest.mark.parametrize("layout,compiled", [("kernels", False), ("kernels", True), ("dense", False)])
+@pytest.mark.parametrize("layout,compiled", [("kernels", False), ("kernels", True), ("dense", False), ("int8", False)])
 def test_a_returning_conversation_whose_row_was_taken_prefills_only_what_the_store_lacks(monkeypatch, layout,
                                                                                           compiled):
     """Three conversations on two rows: each one's second turn finds its row taken by another, takes its first
@@ -118,8 +118,10 @@ def test_a_returning_conversation_whose_row_was_taken_prefills_only_what_the_sto
     if layout == "dense":
         monkeypatch.setattr(kernels, "cache_for", lambda model: (dense.KVCache, None))
     vocab = vocab_module.load_vocabulary(LLAMA, None)
-    cold = Scheduler(load.from_pretrained(LLAMA), vocab, 2, 128, compile=compiled, reuse=False)
-    model = load.from_pretrained(LLAMA)
+    cold_model, model = load.from_pretrained(LLAMA), load.from_pretrained(LLAMA)
+    if layout == "int8":  # (--kv-dtype int8: the scales travel with the blocks)
+        cold_model.kv_dtype = model.kv_dtype = "int8"
+    cold = Scheduler(cold_model, vocab, 2, 128, compile=compiled, reuse=False)
     prefilled = []
     healthy = runner.ModelCalls.call
 
@@ -131,7 +133,8 @@ def test_a_returning_conversation_whose_row_was_taken_prefills_only_what_the_sto
     monkeypatch.setattr(runner.ModelCalls, "call", counting)
     for capacity_blocks in (1000, 5):
         scheduler = Scheduler(model, vocab, 2, 128, compile=compiled)
-        assert isinstance(model.layers[0].attn.kv_cache, kernels.KVCache) == (layout == "kernels")
+        assert isinstance(model.layers[0].attn.kv_cache, kernels.KVCache) == (layout != "dense")
+        assert isinstance(model.layers[0].attn.kv_cache, kernels.Int8KVCache) == (layout == "int8")
         scheduler.store = PrefixStore(capacity_blocks * 16 * token_bytes(model), token_bytes(model), block=16)
         scheduler.metrics = metrics = Metrics()
         metrics.watch(scheduler)
@@ -165,19 +168,28 @@ def test_a_returning_conversation_whose_row_was_taken_prefills_only_what_the_sto
 # ---- the disk tier
 
 
-def test_a_block_file_is_read_only_for_its_own_tokens_shapes_and_bytes(tmp_path):
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_block_file_is_read_only_for_its_own_tokens_shapes_and_bytes(tmp_path, int8):
     from dense_engine.runtime.cache_files import write as write_block
     from dense_engine.server.prefix_store import read_block
 
-    layers = [(torch.randn(2, 1, 8, 16), torch.randn(2, 16, 8)), (torch.randn(2, 1, 8, 16), torch.randn(2, 16, 8))]
+    def layer():  # keys [K, blocks, D, 16] and values [K, slots, D] (int8: and their scales [K, slots])
+        if int8:
+            return (torch.randint(-127, 128, (2, 1, 8, 16), dtype=torch.int8),
+                    torch.randint(-127, 128, (2, 16, 8), dtype=torch.int8), torch.rand(2, 16), torch.rand(2, 16))
+        return torch.randn(2, 1, 8, 16), torch.randn(2, 16, 8)
+
+    layers = [layer(), layer()]
     tokens = list(range(100, 116))
     path = str(tmp_path / "a" / "block.safetensors")
     write_block(path, tokens, layers)
     assert os.listdir(tmp_path / "a") == ["block.safetensors"]  # (no temporary file left)
     got = read_block(path, tokens, layers)
-    assert all(torch.equal(k, a) and torch.equal(v, b) for (k, v), (a, b) in zip(got, layers))
+    assert len(got) == 2 and all(len(g) == len(w) and all(torch.equal(t, u) for t, u in zip(g, w))
+                                 for g, w in zip(got, layers))
     assert read_block(path, tokens[:-1] + [0], layers) is None and os.path.exists(path)  # another prefix: not used
-    assert read_block(path, tokens, [(k.half(), v.half()) for k, v in layers]) is None  # another cache's dtype
+    other = [(torch.zeros(2, 1, 8, 16, dtype=torch.half), torch.zeros(2, 16, 8, dtype=torch.half))] * 2
+    assert read_block(path, tokens, other) is None  # another cache's
     assert not os.path.exists(path)  # (deleted: written again when next used)
     write_block(path, tokens, layers)
     data = bytearray(open(path, "rb").read())

@@ -977,13 +977,16 @@ inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps
 inline __m512 load16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
+inline __m512 load16(const int8_t* p, __mmask16 m) {  // (an int8 cache: times the slot's scale by the caller)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
 
 
 // Up to GROUP queries of one batch row against one key/value head, over slots lo..hi (each query's own slots
 // start[i]..end[i] intersected with it): the partial results, to be combined across parts.
 template <typename T>
 void attend_part(const float* const* q, const int64_t* start, const int64_t* end, int n, int64_t lo, int64_t hi,
-                 const T* kt, const T* vv, int64_t D, float scale, float softcap, Partial* out,
+                 const T* kt, const T* vv, Scales scales, int64_t D, float scale, float softcap, Partial* out,
                  std::vector<float>& buffer) {
   const int64_t first = lo / 16, last = hi / 16, base = first * 16;  // whole blocks of 16 slots
   const int64_t width = (last + 1) * 16 - base, stride = width + 16;
@@ -1004,6 +1007,7 @@ void attend_part(const float* const* q, const int64_t* start, const int64_t* end
     for (int i = 0; i < n; ++i)
       for (int64_t u = 0; u < count; ++u) {
         __m512 s = _mm512_mul_ps(acc[i][u], _mm512_set1_ps(scale));
+        if (scales.k) s = _mm512_mul_ps(s, _mm512_loadu_ps(scales.k + (blk + u) * 16));
         _mm512_storeu_ps(scores + i * stride + (blk + u) * 16 - base, softcap > 0.f ? softcap16(s, softcap) : s);
       }
   }
@@ -1029,6 +1033,7 @@ void attend_part(const float* const* q, const int64_t* start, const int64_t* end
     std::fill(s, s + a, 0.f);
     std::fill(s + b + 1, s + width, 0.f);
     out[i].sum = _mm512_reduce_add_ps(vsum);
+    scale_weights(s, a, b, base, scales.v);
   }
   const int64_t DV = (D + 15) / 16;
   __m512 acc[GROUP][4];  // 64 channels per pass: GROUP x 4 accumulators

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -275,6 +276,7 @@ struct Partial {  // one query's softmax over part of its slots: max score, sum 
 };
 
 inline float as_float(float v) { return v; }
+inline float as_float(int8_t v) { return (float)v; }  // (an int8 cache's padding output: never read)
 inline float as_float(uint16_t bf16) {
   const uint32_t bits = (uint32_t)bf16 << 16;
   float v;
@@ -282,21 +284,38 @@ inline float as_float(uint16_t bf16) {
   return v;
 }
 
+// The scales of an int8 cache's slots (a key's or a value's int8 channels times its slot's scale, one per token and
+// head: [B, K, blocks * 16] float32 each, as many as the keys' blocks have slots); null for a float32 or bfloat16
+// cache
+struct Scales {
+  const float* k;
+  const float* v;
+};
+
 // Up to GROUP queries of one batch row against one key/value head, over slots lo..hi (each query's own slots
-// start[i]..end[i] intersected with it): the partial results, to be combined across parts (each ISA's file)
+// start[i]..end[i] intersected with it): the partial results, to be combined across parts (each ISA's file).
+// scales (an int8 cache): a key's score is its slot's scale times q . k; a value's weight e^(s - max) is taken
+// times its slot's scale after the sum of the weights
 template <typename T>
 void attend_part(const float* const* q, const int64_t* start, const int64_t* end, int n, int64_t lo, int64_t hi,
-                 const T* kt, const T* vv, int64_t D, float scale, float softcap, Partial* out,
+                 const T* kt, const T* vv, Scales scales, int64_t D, float scale, float softcap, Partial* out,
                  std::vector<float>& buffer);
 
+// The value weights of slots base + a .. base + b (e^(s - max), summed already) times their values' scales
+inline void scale_weights(float* s, int64_t a, int64_t b, int64_t base, const float* value_scales) {
+  if (value_scales)
+    for (int64_t j = a; j <= b; ++j) s[j] *= value_scales[base + j];
+}
+
 template <typename T>
-void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor& v, const int64_t* positions,
-                    int64_t pos_stride, const int64_t* starts, const int64_t* rows, int64_t window, float scale,
-                    float softcap, at::Tensor& out) {
+void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor& v, const at::Tensor& k_scale,
+                    const at::Tensor& v_scale, const int64_t* positions, int64_t pos_stride, const int64_t* starts,
+                    const int64_t* rows, int64_t window, float scale, float softcap, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3), K = k_t.size(1), S1 = v.size(2);
   const float* qp = q.data_ptr<float>();
   const T* kp = reinterpret_cast<const T*>(k_t.data_ptr());
   const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+  const bool int8 = k_scale.defined();
   float* op = out.data_ptr<float>();
   const int64_t G = H / K, queries = G * T_, groups = (queries + GROUP - 1) / GROUP;
   auto position = [&](int64_t b, int64_t t) { return positions[b * pos_stride + t]; };  // slot of token t of row b
@@ -342,6 +361,9 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor
     const int64_t b = item / (K * groups), kv = (item / groups) % K, first = (item % groups) * GROUP;
     const T* kt = kp + cache_row(b) * k_t.stride(0) + kv * k_t.stride(1);
     const T* vv = vp + cache_row(b) * v.stride(0) + kv * v.stride(1);
+    const Scales scales = int8 ? Scales{k_scale.data_ptr<float>() + cache_row(b) * k_scale.stride(0) + kv * k_scale.stride(1),
+                                        v_scale.data_ptr<float>() + cache_row(b) * v_scale.stride(0) + kv * v_scale.stride(1)}
+                               : Scales{nullptr, nullptr};
     const float* qs[GROUP];
     int64_t start[GROUP], end[GROUP];
     int n = 0;
@@ -361,7 +383,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor
       for (int i = 0; i < GROUP; ++i) mine[i].max = -INFINITY, mine[i].sum = 0.f;
       return;
     }
-    attend_part<T>(qs, start, end, n, a, z, kt, vv, D, scale, softcap, mine, buffer);
+    attend_part<T>(qs, start, end, n, a, z, kt, vv, scales, D, scale, softcap, mine, buffer);
   };
   if (parts == 1) {  // the usual case: each work item finishes its own queries, one parallel region
     at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
@@ -384,9 +406,14 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor
 }
 
 at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_t, const at::Tensor& v, const at::Tensor& pos_,
-                     const at::Tensor& row_start, const at::Tensor& rows_, double scale, int64_t window, double softcap) {
-  TORCH_CHECK(q_.scalar_type() == at::kFloat && k_t.scalar_type() == v.scalar_type() && pos_.scalar_type() == at::kLong &&
-              (k_t.scalar_type() == at::kFloat || k_t.scalar_type() == at::kBFloat16));
+                     const at::Tensor& row_start, const at::Tensor& rows_, double scale, int64_t window, double softcap,
+                     const std::optional<at::Tensor>& k_scale_, const std::optional<at::Tensor>& v_scale_) {
+  const auto kind = k_t.scalar_type();
+  const bool int8 = kind == at::kChar;
+  TORCH_CHECK(q_.scalar_type() == at::kFloat && kind == v.scalar_type() && pos_.scalar_type() == at::kLong &&
+              (kind == at::kFloat || kind == at::kBFloat16 || int8) &&
+              int8 == (k_scale_.has_value() && v_scale_.has_value()),
+              "attention: a float32, bfloat16 or int8 cache (int8: with k_scale and v_scale)");
   auto q = q_.contiguous(), pos = pos_.contiguous(), rows = rows_.contiguous();
   const bool per_row = pos.dim() == 2;
   const int64_t D = q.size(3), S1 = v.size(2);
@@ -395,16 +422,27 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_t, const at::Tens
               (rows.numel() == 0 || rows.numel() == q.size(0)) && k_t.stride(2) == D * 16 &&
               k_t.stride(3) == 16 && k_t.stride(4) == 1 && v.stride(3) == 1 && v.stride(2) == D,
               "attention: bad shapes");
+  at::Tensor k_scale, v_scale;
+  if (int8) {
+    k_scale = *k_scale_, v_scale = *v_scale_;
+    for (const auto& t : {k_scale, v_scale})
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) == v.size(0) && t.size(1) == v.size(1) &&
+                  t.size(2) >= k_t.size(2) * 16 && t.stride(2) == 1,
+                  "attention: scales [B, K, slots] float32, for every slot of the keys' blocks");
+  }
   auto out = at::empty_like(q);
   const int64_t* starts = row_start.numel() ? row_start.data_ptr<int64_t>() : nullptr;
   const int64_t* row_of = rows.numel() ? rows.data_ptr<int64_t>() : nullptr;
   const int64_t stride = per_row ? q.size(2) : 0;
-  if (k_t.scalar_type() == at::kFloat)
-    attention_impl<float>(q, k_t, v, pos.data_ptr<int64_t>(), stride, starts, row_of, window, (float)scale,
-                          (float)softcap, out);
+  if (kind == at::kFloat)
+    attention_impl<float>(q, k_t, v, k_scale, v_scale, pos.data_ptr<int64_t>(), stride, starts, row_of, window,
+                          (float)scale, (float)softcap, out);
+  else if (kind == at::kBFloat16)
+    attention_impl<uint16_t>(q, k_t, v, k_scale, v_scale, pos.data_ptr<int64_t>(), stride, starts, row_of, window,
+                             (float)scale, (float)softcap, out);
   else
-    attention_impl<uint16_t>(q, k_t, v, pos.data_ptr<int64_t>(), stride, starts, row_of, window, (float)scale,
-                             (float)softcap, out);
+    attention_impl<int8_t>(q, k_t, v, k_scale, v_scale, pos.data_ptr<int64_t>(), stride, starts, row_of, window,
+                           (float)scale, (float)softcap, out);
   return out;
 }
 
@@ -642,7 +680,7 @@ inline void define_ops(torch::Library& m) {
   m.def("linear_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("attention(Tensor q, Tensor k_t, Tensor v, Tensor pos, Tensor row_start, Tensor rows, float scale, "
-        "int window, float softcap) -> Tensor");
+        "int window, float softcap, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def("dequantize_int4(Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("dequantize_nf4(Tensor q, Tensor absmax, Tensor code) -> Tensor");
   m.def("linear_nf4(Tensor x, Tensor q, Tensor absmax, Tensor code) -> Tensor");

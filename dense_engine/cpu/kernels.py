@@ -292,30 +292,99 @@ class KVCache(dense.KVCache):
         start = step.row_start if step.row_start is not None else empty
         rows = step.rows if step.rows is not None else empty
         return torch.ops.dense_kernels.attention(q, self.k, self.v, step.input_pos, start, rows, scale,
-                                                 view.window or 0, softcap or 0.0)
+                                                 view.window or 0, softcap or 0.0, *self.scales())
+
+    def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The keys' and values' scales per slot (an int8 cache's), or None: the kernel reads the slots as they are."""
+        return None, None
 
     def attend_chunk(self, q, step: dense.Step, view: dense.View, scale: float, softcap: float | None):
         """q [B, H, T, D] of many tokens: the keys and values of slots 0..attend-1 in dense.py's layout, [B, K, A, D]
         (a copy of A slots: small beside T queries reading them), and dense.py's attention with the view's mask.
         The kernel reads the cache once per query: fine for a decode step, slow for a chunk of hundreds."""
-        blocks = (view.attend + 15) // 16
-        k, v = self.k[:, :, :blocks], self.v[:, :, :view.attend]
+        k, v = self.in_use(step, view.attend, q.shape[0])
+        return dense.attention(q, k.to(q.dtype), v.to(q.dtype), view.mask, scale, softcap)  # (windows: in the mask)
+
+    def in_use(self, step: dense.Step, attend: int, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rows' keys and values of slots 0..attend-1, [B, K, A, D] each."""
+        blocks = (attend + 15) // 16
+        k, v = self.k[:, :, :blocks], self.v[:, :, :attend]
         if step.rows is not None:
             k, v = k.index_select(0, step.rows), v.index_select(0, step.rows)
         else:
-            k, v = k[:q.shape[0]], v[:q.shape[0]]
-        k = k.transpose(-1, -2).flatten(2, 3)[:, :, :view.attend]  # [B, K, blocks * 16, D] -> the slots in use
-        return dense.attention(q, k.to(q.dtype), v.to(q.dtype), view.mask, scale, softcap)  # (windows: in the mask)
+            k, v = k[:B], v[:B]
+        return k.transpose(-1, -2).flatten(2, 3)[:, :, :attend], v  # [B, K, blocks * 16, D] -> the slots in use
+
+
+class Int8KVCache(KVCache):
+    """KVCache's layout in int8 (--kv-dtype int8, dense.Int8KVCache's rounding): each key and value of a token and
+    head as int8 channels times one float32 scale, a quarter of float32's bytes.
+    The attention kernel reads the int8 slots and their scales (a key's score and a value's weight times its scale);
+    a chunk of many queries dequantizes the slots in use once."""
+
+    def __init__(self, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype, device) -> None:
+        nn.Module.__init__(self)
+        blocks = (seq_len + 1 + 15) // 16
+        shapes = [((batch, kv_heads, blocks, head_dim, 16), torch.int8),
+                  ((batch, kv_heads, seq_len + 1, head_dim), torch.int8),
+                  ((batch, kv_heads, blocks * 16), torch.float32), ((batch, kv_heads, blocks * 16), torch.float32)]
+        huge = 2 * batch * kv_heads * (seq_len + 1) * head_dim <= LONG_CACHE_BYTES
+        tensors = huge_pages([torch.empty(shape, dtype=dt, device="meta") for shape, dt in shapes], zeros=True,
+                             advise=huge)
+        if tensors[0].device.type == "meta":
+            tensors = [torch.zeros_like(t, device=device) for t in tensors]
+        for name, t in zip(("k", "v", "k_scale", "v_scale"), tensors):
+            self.register_buffer(name, t, persistent=False)
+
+    def write(self, step, k: torch.Tensor, v: torch.Tensor) -> None:
+        (qk, sk), (qv, sv) = dense.int8_rows(k), dense.int8_rows(v)  # [B, K, T, D] int8, [B, K, T, 1] float32
+        sk, sv = sk[..., 0], sv[..., 0]
+        if step.input_pos.ndim == 1 and step.rows is None:
+            pos, B = step.input_pos, k.shape[0]
+            self.k[:B, :, pos // 16, :, pos % 16] = qk.permute(2, 0, 1, 3)  # [T, B, K, D]
+            self.v[:B].index_copy_(2, pos, qv)
+            self.k_scale[:B].index_copy_(2, pos, sk)
+            self.v_scale[:B].index_copy_(2, pos, sv)
+            return
+        rows, pos = dense.row_slots(step, k.shape[0], k.shape[2])  # [B, T] each
+        self.k[rows, :, pos // 16, :, pos % 16] = qk.transpose(1, 2)  # [B, T, K, D] by (row, slot)
+        self.v[rows, :, pos] = qv.transpose(1, 2)
+        self.k_scale[rows, :, pos] = sk.transpose(1, 2)  # [B, T, K]
+        self.v_scale[rows, :, pos] = sv.transpose(1, 2)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_scale, self.v_scale
+
+    def in_use(self, step: dense.Step, attend: int, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = super().in_use(step, attend, B)  # int8 [B, K, A, D]
+        scales = torch.stack([self.k_scale[:, :, :attend], self.v_scale[:, :, :attend]])  # [2, rows, K, A]
+        scales = scales.index_select(1, step.rows) if step.rows is not None else scales[:, :B]
+        return k.float() * scales[0, ..., None], v.float() * scales[1, ..., None]
+
+    def slots(self, row: int, start: int, end: int) -> tuple[torch.Tensor, ...]:
+        """Keys and values as KVCache's, then their scales [K, n] each."""
+        return (*super().slots(row, start, end), self.k_scale[row, :, start:end], self.v_scale[row, :, start:end])
+
+    def put_slots(self, row: int, start: int, k, v, k_scale=None, v_scale=None) -> None:
+        super().put_slots(row, start, k, v)
+        self.k_scale[row, :, start:start + k_scale.shape[1]].copy_(k_scale)
+        self.v_scale[row, :, start:start + v_scale.shape[1]].copy_(v_scale)
 
 
 def cache_for(model) -> tuple[type, torch.dtype | None]:
-    """The KV cache a model's cached steps should use, and its dtype: ours on CPU for float32 models, in bfloat16
-    when the model's linears are quantized (their kernels already take activations in bfloat16 or 8 bits; half the
-    bytes to read per attended slot), else dense.py's in the model's dtype."""
+    """The KV cache a model's cached steps should use, and its dtype, as model.kv_dtype asks (--kv-dtype: "auto",
+    "bfloat16", "int8"). auto: ours on CPU for float32 models, in bfloat16 when the model's linears are quantized
+    (their kernels already take activations in bfloat16 or 8 bits; half the bytes to read per attended slot), else
+    dense.py's in the model's dtype. int8: a quarter of float32's bytes (Int8KVCache, or dense.py's off the kernels)."""
+    kind = getattr(model, "kv_dtype", "auto")
     if model.device.type == "cpu" and model.dtype == torch.float32 and available():
+        if kind == "int8":
+            return Int8KVCache, torch.int8
         quantized = any(hasattr(m, "kernel_weight") or hasattr(m, "kinds") for m in model.modules())
-        return KVCache, torch.bfloat16 if quantized else None
-    return dense.KVCache, None
+        return KVCache, torch.bfloat16 if kind == "bfloat16" or (kind == "auto" and quantized) else None
+    if kind == "int8":
+        return dense.Int8KVCache, torch.int8
+    return dense.KVCache, torch.bfloat16 if kind == "bfloat16" else None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -651,12 +651,17 @@ inline __m256 load8(const uint16_t* p, int64_t left) {
   }
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+inline __m256 load8(const int8_t* p, int64_t left) {  // (an int8 cache: times the slot's scale by the caller)
+  int64_t bytes = 0;
+  memcpy(&bytes, p, std::min<int64_t>(std::max<int64_t>(left, 0), 8));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
+}
 
 // The scores of N queries against U blocks of 16 keys at `keys` (each D x 16 contiguous values), scaled (and capped),
 // to dst + i * stride (query i). N and U are constants: the accumulators' loops unroll into registers.
 template <int N, int U, typename T>
-inline void score_blocks(const float* const* q, const T* keys, int64_t D, float scale, float softcap, float* dst,
-                         int64_t stride) {
+inline void score_blocks(const float* const* q, const T* keys, const float* key_scales, int64_t D, float scale,
+                         float softcap, float* dst, int64_t stride) {
   __m256 acc[N][U][2];
   for (int i = 0; i < N; ++i)
     for (int u = 0; u < U; ++u) acc[i][u][0] = acc[i][u][1] = _mm256_setzero_ps();
@@ -672,7 +677,8 @@ inline void score_blocks(const float* const* q, const T* keys, int64_t D, float 
   for (int i = 0; i < N; ++i)
     for (int u = 0; u < U; ++u)
       for (int h = 0; h < 2; ++h) {
-        const __m256 s = _mm256_mul_ps(acc[i][u][h], _mm256_set1_ps(scale));
+        __m256 s = _mm256_mul_ps(acc[i][u][h], _mm256_set1_ps(scale));
+        if (key_scales) s = _mm256_mul_ps(s, _mm256_loadu_ps(key_scales + u * 16 + 8 * h));
         _mm256_storeu_ps(dst + i * stride + u * 16 + 8 * h, softcap > 0.f ? softcap8(s, softcap) : s);
       }
 }
@@ -703,16 +709,18 @@ inline void weigh_values(const float* p, int64_t stride, int64_t base, int64_t l
 // attend_part for N queries (a constant: see score_blocks)
 template <int N, typename T>
 void attend_queries(const float* const* q, const int64_t* start, const int64_t* end, int64_t lo, int64_t hi,
-                    const T* kt, const T* vv, int64_t D, float scale, float softcap, Partial* out,
+                    const T* kt, const T* vv, Scales scales, int64_t D, float scale, float softcap, Partial* out,
                     std::vector<float>& buffer) {
   const int64_t first = lo / 16, last = hi / 16, base = first * 16;  // whole blocks of 16 slots
   const int64_t width = (last + 1) * 16 - base, stride = width + 16;
   buffer.resize(N * stride);
   float* scores = buffer.data();
   int64_t blk = first;
+  auto key_scales = [&](int64_t b) { return scales.k ? scales.k + b * 16 : nullptr; };
   for (; blk + 1 <= last; blk += 2)  // two blocks at a time: N x 4 accumulators (12 of 16 registers)
-    score_blocks<N, 2>(q, kt + blk * D * 16, D, scale, softcap, scores + blk * 16 - base, stride);
-  if (blk == last) score_blocks<N, 1>(q, kt + blk * D * 16, D, scale, softcap, scores + blk * 16 - base, stride);
+    score_blocks<N, 2>(q, kt + blk * D * 16, key_scales(blk), D, scale, softcap, scores + blk * 16 - base, stride);
+  if (blk == last)
+    score_blocks<N, 1>(q, kt + blk * D * 16, key_scales(blk), D, scale, softcap, scores + blk * 16 - base, stride);
   for (int i = 0; i < N; ++i) {  // e^(s - max) over the query's own slots in this part; zero elsewhere
     float* s = scores + i * stride;
     const int64_t a = std::max(start[i], lo) - base, b = std::min(end[i], hi) - base;
@@ -742,6 +750,7 @@ void attend_queries(const float* const* q, const int64_t* start, const int64_t* 
     std::fill(s, s + a, 0.f);
     std::fill(s + b + 1, s + width, 0.f);
     out[i].sum = hsum(vsum);
+    scale_weights(s, a, b, base, scales.v);
   }
   constexpr int C = N == 3 ? 2 : 4;  // registers of values a pass: N x C accumulators, C values, one weight
   for (int64_t c0 = 0; c0 < (D + 7) / 8; c0 += C)
@@ -751,12 +760,12 @@ void attend_queries(const float* const* q, const int64_t* start, const int64_t* 
 
 template <typename T>
 void attend_part(const float* const* q, const int64_t* start, const int64_t* end, int n, int64_t lo, int64_t hi,
-                 const T* kt, const T* vv, int64_t D, float scale, float softcap, Partial* out,
+                 const T* kt, const T* vv, Scales scales, int64_t D, float scale, float softcap, Partial* out,
                  std::vector<float>& buffer) {
   static_assert(GROUP == 3, "one case per query count");
-  if (n == 3) attend_queries<3>(q, start, end, lo, hi, kt, vv, D, scale, softcap, out, buffer);
-  else if (n == 2) attend_queries<2>(q, start, end, lo, hi, kt, vv, D, scale, softcap, out, buffer);
-  else attend_queries<1>(q, start, end, lo, hi, kt, vv, D, scale, softcap, out, buffer);
+  if (n == 3) attend_queries<3>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
+  else if (n == 2) attend_queries<2>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
+  else attend_queries<1>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
 }
 
 }  // namespace

@@ -12,15 +12,19 @@ import threading
 import torch
 
 
-def write(path: str, tokens: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]],
+PARTS = ("k", "v", "k_scale", "v_scale")  # a layer's tensors of a cache's slots (its slots(): dim 1 the slots)
+
+
+def write(path: str, tokens: list[int], layers: list[tuple[torch.Tensor, ...]],
           metadata: dict | None = None) -> int:
     """The file: the tokens and each layer's keys and values (safetensors: no code in it), with a digest of their
     bytes in its metadata; a temporary file, then renamed into place. Its size in bytes."""
     from safetensors.torch import save_file
 
     tensors = {"tokens": torch.tensor(tokens, dtype=torch.int32)}
-    for n, (k, v) in enumerate(layers):
-        tensors[f"k.{n}"], tensors[f"v.{n}"] = k.contiguous(), v.contiguous()
+    for n, parts in enumerate(layers):
+        for name, t in zip(PARTS, parts):
+            tensors[f"{name}.{n}"] = t.contiguous()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
@@ -32,7 +36,7 @@ def write(path: str, tokens: list[int], layers: list[tuple[torch.Tensor, torch.T
     return os.path.getsize(path)
 
 
-def read(path: str, like: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[int], list, dict]:
+def read(path: str, like: list[tuple[torch.Tensor, ...]]) -> tuple[list[int], list, dict]:
     """(tokens, each layer's (k, v), metadata) of a file write() wrote, its layers shaped as `like`'s but for
     the slots (dim 1); ValueError when it is not whole (its digest), not such a file, or another cache's."""
     from safetensors import SafetensorError, safe_open
@@ -43,12 +47,13 @@ def read(path: str, like: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list
             metadata = f.metadata() or {}
     except (SafetensorError, RuntimeError) as e:
         raise ValueError(f"not a whole file of keys and values ({first_words(e)})") from None
-    if sorted(tensors) != sorted(["tokens", *(f"{t}.{n}" for n in range(len(like)) for t in "kv")]):
-        raise ValueError(f"not a file of this model's {len(like)} layers")
-    layers = [(tensors[f"k.{n}"], tensors[f"v.{n}"]) for n in range(len(like))]
-    for (k, v), (a, b) in zip(layers, like):
-        if (k.dtype, v.dtype) != (a.dtype, b.dtype) or k.shape[:1] + k.shape[2:] != a.shape[:1] + a.shape[2:] \
-                or v.shape[:1] + v.shape[2:] != b.shape[:1] + b.shape[2:]:
+    names = [f"{name}.{n}" for n, parts in enumerate(like) for name in PARTS[:len(parts)]]
+    if sorted(tensors) != sorted(["tokens", *names]):
+        raise ValueError(f"not a file of this model's {len(like)} layers and cache")
+    layers = [tuple(tensors[f"{name}.{n}"] for name in PARTS[:len(parts)]) for n, parts in enumerate(like)]
+    for parts, wanted in zip(layers, like):
+        if any(t.dtype != u.dtype or t.shape[:1] + t.shape[2:] != u.shape[:1] + u.shape[2:]
+               for t, u in zip(parts, wanted)):
             raise ValueError("its keys and values are another cache's (shape or dtype)")
     if metadata.get("sha256") != tensors_digest(tensors):
         raise ValueError("damaged: its digest is not the one written with it")
@@ -97,7 +102,7 @@ def is_cache_file(path: str) -> bool:
         return False
 
 
-def read_whole(path: str, like: list[tuple[torch.Tensor, torch.Tensor]], key: str, room: int):
+def read_whole(path: str, like: list[tuple[torch.Tensor, ...]], key: str, room: int):
     """read() of a file holding a whole prefix (a slot's, a conversation's: not one block of it), written by the
     model whose key is `key`, of fewer than `room` tokens: (tokens, layers); ValueError saying why not."""
     tokens, layers, metadata = read(path, like)

@@ -53,9 +53,12 @@ def bucket_for(length: int, cache_len: int) -> int:
 
 
 def cache_bytes(model: dense.DenseDecoder, batch: int, seq_len: int, dtype: torch.dtype | None = None) -> int:
-    """The bytes of a KV cache of batch x seq_len tokens (+ the scratch slot) in dtype (default the model's)."""
+    """The bytes of a KV cache of batch x seq_len tokens (+ the scratch slot) in dtype (default the model's; int8: a
+    float32 scale per token and head beside)."""
     elem = torch.empty((), dtype=dtype or model.dtype).element_size()
-    return sum(2 * batch * layer.attn.n_kv_heads * (seq_len + 1) * layer.attn.head_dim * elem for layer in model.layers)
+    return sum(2 * batch * layer.attn.n_kv_heads * (seq_len + 1) * (layer.attn.head_dim * elem
+                                                                       + 4 * (dtype == torch.int8))
+               for layer in model.layers)
 
 
 def setup_cache(model: dense.DenseDecoder, batch: int, seq_len: int) -> None:

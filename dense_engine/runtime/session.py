@@ -225,8 +225,8 @@ class Session:
         prefills only the rest): how many; ValueError (or OSError) saying why it cannot be used."""
         like = [layer.attn.kv_cache.slots(0, 0, 0) for layer in self.model.layers]
         tokens, layers = cache_files.read_whole(path, like, self.model_key(), self.max_seq_len)
-        for (k, v), layer in zip(layers, self.model.layers):
-            layer.attn.kv_cache.put_slots(0, 0, k.to(self.model.device), v.to(self.model.device))
+        for parts, layer in zip(layers, self.model.layers):
+            layer.attn.kv_cache.put_slots(0, 0, *(t.to(self.model.device) for t in parts))
         self.cached = tokens
         if self.draft is not None:
             self.draft.reset()  # (a draft model's own cache does not hold them)

@@ -85,7 +85,7 @@ def make_app(server):
               Route("/api/tags", ollama_tags), Route("/api/ps", ollama_tags), Route("/api/version", ollama_version),
               Route("/api/show", ollama_show, methods=["POST"]),
               Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
-              Route("/slots/{id}", slots.slots_action, methods=["POST"])]
+              Route("/slots/{id}", slot_files, methods=["POST"])]
     app = Starlette(routes=routes, exception_handlers={BadRequest: bad_request, HTTPException: http_error,
                                                         Exception: crash})
     app.state.server = server
@@ -219,6 +219,12 @@ async def detokenize(request):
                                             for i in ids):
         raise BadRequest(f"'tokens' must be a list of token ids in 0..{vocab.size - 1}", "tokens")
     return json_response({"content": vocab.tokenizer.decode(ids, skip_special_tokens=False)})
+
+
+async def slot_files(request):
+    """POST /slots/{id}?action=save|restore|erase: llama-server's slot files (slots.py)."""
+    server, body = state(request), await ready_json(request)
+    return json_response(await slots.act(server, request.path_params["id"], request.query_params.get("action"), body))
 
 
 async def metrics(request):

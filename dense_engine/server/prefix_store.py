@@ -168,7 +168,7 @@ class DiskStore:
         digest = hashlib.sha256(array.array("i", tokens).tobytes()).hexdigest()[:40]
         return os.path.join(self.folder, digest + ".safetensors")
 
-    def write(self, path: str, tokens: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def write(self, path: str, tokens: list[int], layers: list[tuple[torch.Tensor, ...]]) -> None:
         """Queue a block (each layer's (k, v), never changed after: the writer reads them later)."""
         self.jobs.put((path, tokens, layers))
 
@@ -204,7 +204,7 @@ class DiskStore:
             total -= size
 
 
-def read_block(path: str, tokens: list[int], like: list[tuple[torch.Tensor, torch.Tensor]]):
+def read_block(path: str, tokens: list[int], like: list[tuple[torch.Tensor, ...]]):
     """The block's (k, v) per layer when the file holds exactly `tokens` and tensors shaped as `like`'s, whole
     (its digest holds); else None (a damaged or foreign file is deleted)."""
     try:
@@ -217,7 +217,7 @@ def read_block(path: str, tokens: list[int], like: list[tuple[torch.Tensor, torc
         except OSError:
             pass
         return None
-    if stored != list(tokens) or any(k.shape != a.shape for (k, _), (a, _) in zip(layers, like)):
+    if stored != list(tokens) or any(t.shape != u.shape for ts, us in zip(layers, like) for t, u in zip(ts, us)):
         return None  # (another prefix with the same digest: never mixed in)
     os.utime(path)  # (recently used: trimmed last)
     return layers

@@ -16,7 +16,7 @@ class ModelCalls:
     def __init__(self, runner: generate.Runner) -> None:
         self.runner = runner
         self.device = runner.model.device
-        self.kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # block id -> each layer's (k, v)
+        self.kept: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # block id -> each layer's (k, v[, their scales])
         self.disk: prefix_store.DiskStore | None = None  # (one process only: no disk tier under tensor parallel)
 
     def call(self, name: str, **args):
@@ -66,9 +66,9 @@ class ModelCalls:
     def restore(self, row: int, blocks: list[int], start: int) -> None:
         """Kept blocks, in order, into row's slots from `start` on."""
         for n, layer in enumerate(self.runner.model.layers):
-            k = torch.cat([self.kept[i][n][0] for i in blocks], dim=1)  # (dim 1: slots, in either cache layout)
-            v = torch.cat([self.kept[i][n][1] for i in blocks], dim=1)
-            layer.attn.kv_cache.put_slots(row, start, k.to(self.device), v.to(self.device))
+            parts = [torch.cat([self.kept[i][n][j] for i in blocks], dim=1).to(self.device)  # (dim 1: the slots in
+                     for j in range(len(self.kept[blocks[0]][n]))]  # every cache layout: keys, values, scales)
+            layer.attn.kv_cache.put_slots(row, start, *parts)
 
     def read_blocks(self, blocks: list[tuple[int, str, list[int]]], size: int, drop: list[int]) -> int:
         """Forget the blocks `drop`, then read blocks of `size` tokens (id, file, the tokens of the prefix it ends)
@@ -88,12 +88,12 @@ class ModelCalls:
         for i, path, tokens in blocks:
             self.disk.write(path, tokens, self.kept[i])
 
-    def row_slots(self, row: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def row_slots(self, row: int, end: int) -> list[tuple[torch.Tensor, ...]]:
         """Copies, in host memory, of row's keys and values at slots 0..end-1 (end: a multiple of 16)."""
         return [tuple(t.to("cpu", copy=True) for t in layer.attn.kv_cache.slots(row, 0, end))
                 for layer in self.runner.model.layers]
 
-    def put_row(self, row: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def put_row(self, row: int, layers: list[tuple[torch.Tensor, ...]]) -> None:
         """row_slots' copies into row's slots from 0 on."""
-        for (k, v), layer in zip(layers, self.runner.model.layers):
-            layer.attn.kv_cache.put_slots(row, 0, k.to(self.device), v.to(self.device))
+        for parts, layer in zip(layers, self.runner.model.layers):
+            layer.attn.kv_cache.put_slots(row, 0, *(t.to(self.device) for t in parts))

@@ -521,9 +521,8 @@ class Scheduler:
 
 
 def token_bytes(model: dense.DenseDecoder) -> int:
-    """Bytes of one slot's keys and values in every layer's cache."""
-    return sum(2 * layer.attn.kv_cache.v[0, :, 0].numel() * layer.attn.kv_cache.v.element_size()
-               for layer in model.layers)
+    """Bytes of one slot's keys and values (and an int8 cache's scales) in every layer's cache."""
+    return sum(t.numel() * t.element_size() for layer in model.layers for t in layer.attn.kv_cache.slots(0, 0, 16)) // 16
 
 
 def logprob_entry(logits: torch.Tensor, token: int, top: int) -> tuple:

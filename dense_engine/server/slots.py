@@ -30,11 +30,9 @@ def slot_file(folder: str, body: dict) -> str:
     return os.path.join(folder, name)
 
 
-async def slots_action(request):
-    """The route: checks the row and the name here, does the work on the scheduler's thread."""
-    from dense_engine.server.app import json_response, ready_json, state
-
-    server = state(request)
+async def act(server, row: str, action: str | None, body: dict) -> dict:
+    """The route's answer (app.py's slots route): the row and the name checked here, the work done on the
+    scheduler's thread."""
     folder = getattr(server.args, "slot_save_path", None)
     if not folder:
         raise BadRequest("this server keeps no slot files: start it with --slot-save-path DIR", status=501,
@@ -42,19 +40,17 @@ async def slots_action(request):
     if tp.world()[1] > 1:
         raise BadRequest("slot files are not served under torchrun (tensor parallel)", status=501,
                          kind="not_supported_error")
-    body = await ready_json(request)
-    action, scheduler = request.query_params.get("action"), server.scheduler
+    scheduler = server.scheduler
     if action not in ACTIONS:
         raise BadRequest(f"'action' must be one of {', '.join(ACTIONS)}, got {action!r}", "action")
-    row = request.path_params["id"]
     if not row.isdigit() or int(row) >= len(scheduler.rows):
         raise BadRequest(f"slot id must be in 0..{len(scheduler.rows) - 1}, got {row!r}", "id_slot")
     row = int(row)
     if action == "erase":
-        return json_response(await on_scheduler(scheduler, lambda: {"id_slot": row, "n_erased": erase(scheduler, row)}))
+        return await on_scheduler(scheduler, lambda: {"id_slot": row, "n_erased": erase(scheduler, row)})
     path = slot_file(folder, body)
     work = save if action == "save" else restore
-    return json_response(await on_scheduler(scheduler, lambda: work(scheduler, row, path)))
+    return await on_scheduler(scheduler, lambda: work(scheduler, row, path))
 
 
 async def on_scheduler(scheduler, function):

