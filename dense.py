@@ -385,7 +385,19 @@ class KVCache(NoCache):
         self.v[row, :, start:start + v.shape[1]].copy_(v)
 
 
-class Int8KVCache(KVCache):
+class ScaledSlots:
+    """An int8 cache's slots(): its layout's keys and values, then their scales (dim 2 of k_scale, v_scale: slots)."""
+
+    def slots(self, row: int, start: int, end: int) -> tuple[torch.Tensor, ...]:
+        return (*super().slots(row, start, end), self.k_scale[row, :, start:end], self.v_scale[row, :, start:end])
+
+    def put_slots(self, row: int, start: int, k, v, k_scale=None, v_scale=None) -> None:
+        super().put_slots(row, start, k, v)
+        self.k_scale[row, :, start:start + k_scale.shape[1]].copy_(k_scale)
+        self.v_scale[row, :, start:start + v_scale.shape[1]].copy_(v_scale)
+
+
+class Int8KVCache(ScaledSlots, KVCache):
     """A quarter of float32's bytes (--kv-dtype int8): each key and value of a token and head as int8 channels and one
     float32 scale, max |x| / 127 (llama.cpp's q8_0 rounding, one block a head). Written quantized, read back as the
     query's dtype for the slots attended (cpu/kernels.py's cache reads the int8 slots in its kernel instead)."""
@@ -416,13 +428,6 @@ class Int8KVCache(KVCache):
             scales = [cache_rows(s[:, :, :view.attend], step, B) for s in (self.k_scale, self.v_scale)]
         return keys.float() * scales[0], values.float() * scales[1]
 
-    def slots(self, row: int, start: int, end: int) -> tuple[torch.Tensor, ...]:
-        return (*super().slots(row, start, end), self.k_scale[row, :, start:end], self.v_scale[row, :, start:end])
-
-    def put_slots(self, row: int, start: int, k, v, k_scale=None, v_scale=None) -> None:
-        super().put_slots(row, start, k, v)
-        self.k_scale[row, :, start:start + k_scale.shape[1]].copy_(k_scale)
-        self.v_scale[row, :, start:start + v_scale.shape[1]].copy_(v_scale)
 
 
 def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,25 +1,31 @@
 """The KV cache's numbers (--kv-dtype): its bytes, decode tokens/s and logits at long positions, int8 against
-bfloat16 (the default model's cache in its default mode, int4 weights) and float32, compiled steps, batch 1.
+bfloat16 (the default model's cache in its default mode, int4 weights) and float32, compiled steps, batch 1; or a
+random-weight model of a published shape (float32 weights) for positions past the default model's 8,192.
 
-    python bench/kv_dtype.py [--ckpt DIR] [--positions 4096,32768] [--steps 64] [--shape-bytes llama-3-8b]
+    python bench/kv_dtype.py [--ckpt DIR | --shape qwen2.5-0.5b --positions 4096,32640] [--positions 4096,8064]
+        [--steps 64]
 
 A 4,096-token text is prefilled once per cache; a position past it is reached by copying those slots along the
 cache (the same content again: a decode step there reads as many slots as a real conversation of that length).
 Then `--steps` tokens of the text are fed one at a time (teacher-forced, the same tokens for every cache): the
 logits of each step against the float32 cache's (largest difference over the largest logit), the steps whose
 likeliest token differs from the float32 cache's, and decode tokens/s. Also the cache's bytes for 32,768 tokens of
-the model (and of an 8B shape: its KV heads and layers) from the same count the memory check uses.
+the model and of an 8B shape (Llama-3-8B's 32 layers of 8 KV heads) by the count the memory check uses, and the peak
+RSS that 8B shape's cache adds to a process once every slot is written (a process per dtype).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 
 import torch
+from rich.console import Console
 
+from dense_engine.cli import benchmark
 from dense_engine.formats import load
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import load_vocabulary
@@ -61,18 +67,45 @@ def shape_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, dtype: t
     return layers * 2 * kv_heads * (tokens + 1) * (head_dim * per_value + 4 * (dtype == torch.int8))
 
 
+def cache_rss(dtype: str, tokens: int = 32768) -> None:
+    """(A process of its own) an 8B shape's cache for `tokens` tokens, every slot written: the peak RSS it adds, GiB."""
+    from dense_engine.cpu import kernels
+
+    def peak() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+
+    before = peak()
+    cache_class = kernels.Int8KVCache if dtype == "int8" else kernels.KVCache
+    caches = [cache_class(1, 8, tokens, 128, DTYPES[dtype], "cpu") for _ in range(32)]
+    for cache in caches:  # (every page committed, as a conversation of that length commits them)
+        for t in cache.buffers():
+            t.fill_(1)
+    print(f"{(peak() - before) / 2**30:.2f}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", default=None)
-    p.add_argument("--positions", default="4096,32768")
+    p.add_argument("--positions", default="4096,8064", help="where the timed decode steps start (+ --steps within "
+                   "the model's context)")
+    p.add_argument("--shape", help="a random-weight model of this published shape instead (chat.py --bench's "
+                   "shapes; qwen2.5-0.5b holds 32,768 positions)")
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--cache-rss", choices=tuple(DTYPES), help=argparse.SUPPRESS)  # (the child process's work)
     args = p.parse_args()
-    ckpt = args.ckpt or default_checkpoint(None)
+    if args.cache_rss:
+        cache_rss(args.cache_rss)
+        return 0
+    ckpt = args.ckpt or default_checkpoint(Console(stderr=True))
     vocab = load_vocabulary(ckpt, None)
-    model = load.from_pretrained(ckpt, quant="auto")
+    if args.shape:
+        model, ckpt = benchmark.random_model(args.shape, "cpu", torch.float32), f"{args.shape} (random weights)"
+    else:
+        model = load.from_pretrained(ckpt, quant="auto")
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "english.txt")) as f:
         text = f.read()
-    ids = vocab.encode(text, special=False)
+    ids = vocab.encode(text, special=False)  # (the default model's tokens: within any shape's vocabulary)
     ids = torch.tensor([(ids * (1 + (PREFIX + args.steps + 1) // len(ids)))[:PREFIX + args.steps + 1]])
     positions = [int(x) for x in args.positions.split(",")]
     results = {dtype: run(model, ids, dtype, positions, args.steps) for dtype in DTYPES}
@@ -92,6 +125,10 @@ def main() -> int:
             "an 8B shape (Llama-3-8B: 32 layers, 8 KV heads of 128)": (32, 8, 128)}.items():
         sizes = {dtype: shape_bytes(layers, kv_heads, head_dim, 32768, DTYPES[dtype]) / 2**30 for dtype in DTYPES}
         print(f"  {name}: " + ", ".join(f"{dtype} {gib:.2f} GiB" for dtype, gib in sizes.items()))
+    rss = {dtype: subprocess.run([sys.executable, __file__, "--cache-rss", dtype], capture_output=True, text=True,
+                                 check=True).stdout.strip() for dtype in DTYPES}
+    print("peak RSS of that 8B shape's cache, every slot of 32,768 written: "
+          + ", ".join(f"{dtype} {gib} GiB" for dtype, gib in rss.items()))
     return 0
 
 

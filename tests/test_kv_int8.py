@@ -76,3 +76,29 @@ def test_kv_dtype_reaches_the_cache(kv_dtype, cache_class, dtype):
     generate.setup_cache(model, 1, 32)
     cache = model.layers[0].attn.kv_cache
     assert type(cache) is cache_class and cache.v.dtype == dtype
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_a_compiled_decode_step_reads_the_int8_cache_as_the_eager_one(tmp_path):
+    """The compiled step calls the kernel with the scales (one graph, compiled, none failed) and gives the eager
+    step's tokens."""
+    from conftest import random_model
+    from dense_engine.runtime.steps import Steps
+
+    model = random_model()
+    model.kv_dtype = "int8"
+    generate.setup_cache(model, 2, 256)
+    assert type(model.layers[0].attn.kv_cache) is kernels.Int8KVCache
+    steps = Steps(model, folder=str(tmp_path))
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for runner in (generate.Runner(model, steps), generate.Runner(model, None)):
+        token = runner.prefill(ids, 0, None).argmax(-1, keepdim=True)
+        out = []
+        for i in range(16):
+            token = runner.decode(token, 40 + i, None, generate.Sampling())
+            out.append(token[:, 0].tolist())
+        runs.append(out)
+    assert runs[0] == runs[1]
+    assert steps.compiled >= 1 and not steps.failed

@@ -94,6 +94,21 @@ def run_alone(scheduler, request) -> list[int]:
     raise AssertionError("the request did not finish")
 
 
+def prefill_starts(monkeypatch) -> list[int]:
+    """The slot each prefill call starts at, appended as the scheduler makes them."""
+    from dense_engine.server import runner
+
+    starts, healthy = [], runner.ModelCalls.call
+
+    def counting(self, name, **args):
+        if name == "prefill":
+            starts.append(args["start"])
+        return healthy(self, name, **args)
+
+    monkeypatch.setattr(runner.ModelCalls, "call", counting)
+    return starts
+
+
 def greedy(prompt, n):
     from dense_engine.server import scheduler
 
@@ -111,7 +126,6 @@ def test_a_returning_conversation_whose_row_was_taken_prefills_only_what_the_sto
     from dense_engine.cpu import kernels
     from dense_engine.formats import load
     from dense_engine.formats import vocab as vocab_module
-    from dense_engine.server import runner
     from dense_engine.server.metrics import Metrics
     from dense_engine.server.scheduler import Scheduler, token_bytes
 
@@ -122,15 +136,7 @@ def test_a_returning_conversation_whose_row_was_taken_prefills_only_what_the_sto
     if layout == "int8":  # (--kv-dtype int8: the scales travel with the blocks)
         cold_model.kv_dtype = model.kv_dtype = "int8"
     cold = Scheduler(cold_model, vocab, 2, 128, compile=compiled, reuse=False)
-    prefilled = []
-    healthy = runner.ModelCalls.call
-
-    def counting(self, name, **args):
-        if name == "prefill":
-            prefilled.append(args["start"])
-        return healthy(self, name, **args)
-
-    monkeypatch.setattr(runner.ModelCalls, "call", counting)
+    prefilled = prefill_starts(monkeypatch)
     for capacity_blocks in (1000, 5):
         scheduler = Scheduler(model, vocab, 2, 128, compile=compiled)
         assert isinstance(model.layers[0].attn.kv_cache, kernels.KVCache) == (layout != "dense")
@@ -230,20 +236,11 @@ def test_a_prefix_used_twice_is_read_back_from_disk_after_a_restart_by_the_same_
     prefill does; a model with one weight changed reads none of them. The files stay within their bound."""
     from dense_engine.formats import load
     from dense_engine.formats import vocab as vocab_module
-    from dense_engine.server import runner
     from dense_engine.server.scheduler import Scheduler
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     vocab = vocab_module.load_vocabulary(LLAMA, None)
-    prefilled = []
-    healthy = runner.ModelCalls.call
-
-    def counting(self, name, **args):
-        if name == "prefill":
-            prefilled.append(args["start"])
-        return healthy(self, name, **args)
-
-    monkeypatch.setattr(runner.ModelCalls, "call", counting)
+    prefilled = prefill_starts(monkeypatch)
 
     first = vocab.encode(vocab.render(conversations(vocab, 1)), special=False)
     before = Scheduler(load.from_pretrained(LLAMA), vocab, 2, 128, compile=False, prefix_disk_mb=1, prefix_block=16)

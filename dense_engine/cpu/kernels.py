@@ -212,7 +212,8 @@ def register_shapes() -> None:
     torch.library.register_fake("dense_kernels::linear_f32")(lambda x, w: out(x, w.shape[0]))
     torch.library.register_fake("dense_kernels::linear_int8")(lambda x, w, s: out(x, w.shape[0]))
     torch.library.register_fake("dense_kernels::linear_int4")(lambda x, q, d, m: out(x, q.shape[0]))
-    torch.library.register_fake("dense_kernels::attention")(lambda q, k, v, pos, start, rows, scale, window, cap:
+    torch.library.register_fake("dense_kernels::attention")(lambda q, k, v, pos, start, rows, scale, window, cap,
+                                                            k_scale=None, v_scale=None:
                                                              torch.empty_like(q, memory_format=torch.contiguous_format))
     for name in ("dequantize_int4", "dequantize_nf4"):
         torch.library.register_fake(f"dense_kernels::{name}")(lambda q, *_: q.new_empty(
@@ -316,7 +317,7 @@ class KVCache(dense.KVCache):
         return k.transpose(-1, -2).flatten(2, 3)[:, :, :attend], v  # [B, K, blocks * 16, D] -> the slots in use
 
 
-class Int8KVCache(KVCache):
+class Int8KVCache(dense.ScaledSlots, KVCache):
     """KVCache's layout in int8 (--kv-dtype int8, dense.Int8KVCache's rounding): each key and value of a token and
     head as int8 channels times one float32 scale, a quarter of float32's bytes.
     The attention kernel reads the int8 slots and their scales (a key's score and a value's weight times its scale);
@@ -360,15 +361,6 @@ class Int8KVCache(KVCache):
         scales = torch.stack([self.k_scale[:, :, :attend], self.v_scale[:, :, :attend]])  # [2, rows, K, A]
         scales = scales.index_select(1, step.rows) if step.rows is not None else scales[:, :B]
         return k.float() * scales[0, ..., None], v.float() * scales[1, ..., None]
-
-    def slots(self, row: int, start: int, end: int) -> tuple[torch.Tensor, ...]:
-        """Keys and values as KVCache's, then their scales [K, n] each."""
-        return (*super().slots(row, start, end), self.k_scale[row, :, start:end], self.v_scale[row, :, start:end])
-
-    def put_slots(self, row: int, start: int, k, v, k_scale=None, v_scale=None) -> None:
-        super().put_slots(row, start, k, v)
-        self.k_scale[row, :, start:start + k_scale.shape[1]].copy_(k_scale)
-        self.v_scale[row, :, start:start + v_scale.shape[1]].copy_(v_scale)
 
 
 def cache_for(model) -> tuple[type, torch.dtype | None]:

@@ -1,7 +1,7 @@
 """The scheduler: one thread owns the model and runs requests in the cache's rows, continuous batching.
 
 Read it top to bottom as a turn goes: admit (a waiting request gets the free row whose cache holds the longest prefix
-of its prompt) -> prefill (the admitted prompts, in chunks while other rows decode) -> decode (one step of every
+of its prompt; what the row held goes to the prefix store, and a longer prefix comes back from it) -> prefill (the admitted prompts, in chunks while other rows decode) -> decode (one step of every
 decoding row, each at its own position) -> deliver (a token's text to its client, the row freed when it ends). With a
 draft (--draft, --lookup) one request at a time decodes speculatively in row 0, a round a turn, beside the batch.
 Records: a Request with a Status, a Row per cache row, an Event per thing a client is told. Model calls go through
@@ -266,8 +266,9 @@ class Scheduler:
     def admit(self) -> None:
         """Give waiting requests the free rows (their prompts are prefilled by `prefill`). A row keeps the tokens of
         its last request in its cache: a new request takes the free row whose tokens share the longest prefix with
-        its prompt, and only the rest is prefilled (a conversation's next turn, a shared system prompt). With a
-        draft, a request the sampler alone decides takes row 0 to speculate, when no other request does."""
+        its prompt, and only the rest is prefilled (a conversation's next turn, a shared system prompt). What the
+        row held is kept in the prefix store first, and a longer prefix from the store (or its disk) is copied in.
+        With a draft, a request the sampler alone decides takes row 0 to speculate, when no other request does."""
         while None in self.rows:
             try:
                 request = self.waiting.get_nowait()
@@ -333,6 +334,8 @@ class Scheduler:
         self.keep_blocks(row, tokens)
         chain = self.store.match(tokens, len(tokens))
         new = [(i, b) for i, b in enumerate(chain) if not b.on_disk]
+        if not new:
+            return
         self.calls.call("write_blocks", blocks=[(b.id, self.disk.path(tokens[:(i + 1) * size]),
                                                  tokens[:(i + 1) * size]) for i, b in new])
         for _, b in new:
