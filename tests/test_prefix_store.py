@@ -364,3 +364,57 @@ def test_a_slot_file_of_a_model_with_other_weights_is_refused(tmp_path):
     same = Scheduler(load.from_pretrained(LLAMA), vocab, 1, 128, compile=False)
     assert slots.restore(same, 0, str(tmp_path / "s"))["n_restored"] == 37
     assert same.slots[0].tokens == saver.slots[0].tokens
+
+
+def test_hostile_slot_requests_get_a_4xx_in_openais_shape_and_the_server_goes_on(tmp_path):
+    """Generated ids, actions, names and bodies against /slots/{id} (a real scheduler on the fixture): a 200 or a 4xx
+    with OpenAI's error body, never a 5xx; no file appears outside the slot folder; a plain save works after them."""
+    import json
+    import random
+    import threading
+    import types
+
+    from starlette.testclient import TestClient
+
+    from dense_engine.formats import load
+    from dense_engine.formats import vocab as vocab_module
+    from dense_engine.server import app
+    from dense_engine.server.metrics import Metrics
+    from dense_engine.server.scheduler import Scheduler
+
+    vocab = vocab_module.load_vocabulary(LLAMA, None)
+    scheduler = Scheduler(load.from_pretrained(LLAMA), vocab, 2, 128, compile=False)
+    run_alone(scheduler, greedy(list(range(5, 30)), 2))
+    folder = tmp_path / "slots"
+    folder.mkdir()
+    server = types.SimpleNamespace(vocab=vocab, max_seq_len=128, name="llama", scheduler=scheduler, error=None,
+                                   ready=threading.Event(), metrics=Metrics(),
+                                   args=types.SimpleNamespace(api_key=None, max_queue=64, cors_origin=None,
+                                                              max_body_mb=1, slot_save_path=str(folder)))
+    server.ready.set()
+    scheduler.thread.start()
+    rng = random.Random(0)
+    names = ["a", "../a", "/etc/passwd", "a/b", "..", ".", ".hidden", "", "x" * 300, "a\\b", "a\x00b", 5, None, [],
+             {"x": 1}, "ok.slot", "\ud800"]
+    try:
+        with TestClient(app.make_app(server), raise_server_exceptions=False) as client:
+            for _ in range(200):
+                row = rng.choice(["0", "1", "2", "-1", "x", "99999999999999999999", "0x1", " 1", "%20"])
+                action = rng.choice(["save", "restore", "erase", "", "SAVE", "fly", None])
+                sent = rng.choice([{"filename": rng.choice(names)}, {}, {"filename": "ok.slot", "extra": 1}])
+                query = "" if action is None else f"?action={action}"
+                data = json.dumps(sent).encode("utf-8", "surrogatepass")
+                response = client.post(f"/slots/{row}{query}", content=data,
+                                       headers={"Content-Type": "application/json"})
+                assert response.status_code < 500, (row, action, sent, response.text)
+                if response.status_code != 200:
+                    error = response.json()["error"]
+                    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+            assert set(os.listdir(tmp_path)) == {"slots"} and set(os.listdir(folder)) <= {"ok.slot", "a"}
+            held = len(scheduler.slots[0].tokens)  # (an erase among them may have emptied it)
+            answer = client.post("/slots/0?action=save", json={"filename": "plain.slot"})
+            assert answer.status_code == 200 and answer.json()["n_saved"] == held
+            assert client.post("/slots/1?action=restore", json={"filename": "plain.slot"}).json()["n_restored"] == held
+    finally:
+        scheduler.stopping.set()
+        scheduler.thread.join(timeout=10)
