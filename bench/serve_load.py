@@ -251,7 +251,8 @@ async def conversations(port: int, count: int, turns: int = 3, system_tokens: in
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "english.txt")) as f:
         words = f.read().split()
     per = system_tokens * 3 // 4  # (about 0.75 words a token)
-    systems = [f"You are assistant {k}. Read this first: " + " ".join(
+    run = time.time_ns()  # (new to this run: the prefix store's disk files of an earlier run hold none of them)
+    systems = [f"You are assistant {k} of run {run}. Read this first: " + " ".join(
         words[(k * 997) % max(1, len(words) - per):][:per]) for k in range(count)]
     histories = [[{"role": "system", "content": system}] for system in systems]
     questions = ["What is this text about?", "Say more about its second part.", "Summarize it in a line."]
