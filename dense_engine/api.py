@@ -89,13 +89,15 @@ class LLM:
 
 
 def load(path: str | None = None, quant: str = "auto", device: str | None = None, dtype: torch.dtype | None = None,
-         tokenizer: str | None = None, max_seq_len: int | None = None, compile: bool = True) -> LLM:
+         tokenizer: str | None = None, max_seq_len: int | None = None, compile: bool = True,
+         kv_dtype: str = "auto") -> LLM:
     """A checkpoint (a folder or file any loader reads: Hugging Face, GGUF, native; None: the default model) ready
     to answer. quant: "auto" (as chat.py: a GGUF's own blocks, int4 for Q4_0/Q4_1, else as stored), "none", "int8",
     "int4", "nf4", "llm.int8", "gguf". device: default cuda when there is one, else cpu; dtype: default bfloat16 on
     cuda, float32 elsewhere. max_seq_len: the cache (default the model's context, or what fits a quarter of the free
     memory). compile: compiled steps, saved for later processes (the first time on a machine they compile in the
-    background while it answers eagerly)."""
+    background while it answers eagerly). kv_dtype: the cache's numbers, as chat.py's --kv-dtype ("auto",
+    "bfloat16", "int8")."""
     from rich.console import Console
 
     path = path or default_checkpoint(Console(stderr=True, soft_wrap=True))
@@ -104,6 +106,9 @@ def load(path: str | None = None, quant: str = "auto", device: str | None = None
     vocab = load_vocabulary(path, tokenizer)
     mode, reason = loading.choose_quant(path, quant, device)
     model = loading.from_pretrained(path, device=device, dtype=dtype, quant=mode or "none")
+    if kv_dtype not in ("auto", "bfloat16", "int8"):
+        raise UsageError(f"kv_dtype must be 'auto', 'bfloat16' or 'int8', got {kv_dtype!r}")
+    model.kv_dtype = kv_dtype
     note = (lambda message: print(f"note: {message}", file=sys.stderr)) if compile else None
     session = Session(model, vocab, Settings(max_seq_len=max_seq_len, compile=compile), note=note)
     return LLM(model, vocab, path, f"{mode or 'full precision'} ({reason})", session)

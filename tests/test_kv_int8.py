@@ -102,3 +102,19 @@ def test_a_compiled_decode_step_reads_the_int8_cache_as_the_eager_one(tmp_path):
         runs.append(out)
     assert runs[0] == runs[1]
     assert steps.compiled >= 1 and not steps.failed
+
+
+@needs_kernels
+def test_the_python_api_takes_kv_dtype_and_answers_as_the_int8_cache_does():
+    import dense_engine
+    from dense_engine.system.errors import UsageError
+
+    llm = dense_engine.load(fixture_path("llama"), compile=False, kv_dtype="int8")
+    assert type(llm.model.layers[0].attn.kv_cache) is kernels.Int8KVCache
+    llm.generate("the cat sat", max_new_tokens=12, chat=False)
+    got = list(llm.session.reply_ids)
+    ids = llm.vocab.encode("the cat sat", special=True)
+    want = generate.generate(llm.model, torch.tensor([ids]), 12)[0, len(ids):].tolist()  # (an int8 cache too)
+    assert got == want[:len(got)] and len(got) >= 1
+    with pytest.raises(UsageError, match="kv_dtype must be"):
+        dense_engine.load(fixture_path("llama"), compile=False, kv_dtype="fp8")

@@ -361,9 +361,10 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor
     const int64_t b = item / (K * groups), kv = (item / groups) % K, first = (item % groups) * GROUP;
     const T* kt = kp + cache_row(b) * k_t.stride(0) + kv * k_t.stride(1);
     const T* vv = vp + cache_row(b) * v.stride(0) + kv * v.stride(1);
-    const Scales scales = int8 ? Scales{k_scale.data_ptr<float>() + cache_row(b) * k_scale.stride(0) + kv * k_scale.stride(1),
-                                        v_scale.data_ptr<float>() + cache_row(b) * v_scale.stride(0) + kv * v_scale.stride(1)}
-                               : Scales{nullptr, nullptr};
+    auto scales_of = [&](const at::Tensor& t) {  // (row b, head kv)'s slots
+      return t.data_ptr<float>() + cache_row(b) * t.stride(0) + kv * t.stride(1);
+    };
+    const Scales scales = int8 ? Scales{scales_of(k_scale), scales_of(v_scale)} : Scales{nullptr, nullptr};
     const float* qs[GROUP];
     int64_t start[GROUP], end[GROUP];
     int n = 0;

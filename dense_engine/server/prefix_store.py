@@ -153,14 +153,19 @@ class DiskStore:
         self.jobs: queue.Queue = queue.Queue()
 
         def name() -> None:
-            self._folder = os.path.join(root, key())
+            try:
+                self._folder = os.path.join(root, key())
+            except Exception as e:  # (no key, no disk: the store stays in memory)
+                self._folder = None
+                print(f"note: the prefix store keeps nothing on disk: {type(e).__name__}: {e}", file=sys.stderr)
             self.named.set()
 
         threading.Thread(target=name, name="prefix-key", daemon=True).start()
         threading.Thread(target=self.write_all, name="prefix-writer", daemon=True).start()
 
     @property
-    def folder(self) -> str:
+    def folder(self) -> str | None:
+        """The model's folder (None: its key could not be made); waits for the key."""
         self.named.wait()
         return self._folder
 

@@ -1,9 +1,10 @@
 """The scheduler: one thread owns the model and runs requests in the cache's rows, continuous batching.
 
-Read it top to bottom as a turn goes: admit (a waiting request gets the free row whose cache holds the longest prefix
-of its prompt; what the row held goes to the prefix store, and a longer prefix comes back from it) -> prefill (the admitted prompts, in chunks while other rows decode) -> decode (one step of every
-decoding row, each at its own position) -> deliver (a token's text to its client, the row freed when it ends). With a
-draft (--draft, --lookup) one request at a time decodes speculatively in row 0, a round a turn, beside the batch.
+Read it top to bottom as a turn goes: admit (a waiting request gets the free row whose cache holds the longest
+prefix of its prompt; what the row held goes to the prefix store, and a longer prefix comes back from it) -> prefill
+(the admitted prompts, in chunks while other rows decode) -> decode (one step of every decoding row, each at its own
+position) -> deliver (a token's text to its client, the row freed when it ends). With a draft (--draft, --lookup)
+one request at a time decodes speculatively in row 0, a round a turn, beside the batch.
 Records: a Request with a Status, a Row per cache row, an Event per thing a client is told. Model calls go through
 runner.ModelCalls by name (every tensor-parallel rank makes the same ones)."""
 
@@ -186,7 +187,7 @@ class Scheduler:
         self.store = PrefixStore(prefix_cache_mb << 20, token_bytes(model), prefix_block) \
             if reuse and prefix_cache_mb else None
         self.disk = None  # the store's disk tier: prefixes used more than once, kept across restarts
-        if self.store is not None and prefix_disk_mb != 0 and tp.world()[1] == 1:
+        if self.store is not None and prefix_disk_mb != 0 and tp.world()[1] == 1 and machine.unwritable_cache() is None:
             self.disk = DiskStore(os.path.join(machine.cache_dir(), "prefixes"), (prefix_disk_mb or default_disk_mb())
                                   << 20, lambda: f"{cache_files.model_key(model)}-{prefix_block}")
             self.calls.disk = self.disk
@@ -329,7 +330,7 @@ class Scheduler:
         """A prefix used again (what the new request found in its row or the store): its whole blocks onto the
         disk, those not there yet (the writer's thread writes them)."""
         tokens, size = self.slots[row].tokens, self.store.block if self.store else 0
-        if self.disk is None or len(tokens) < size:
+        if self.disk is None or len(tokens) < size or self.disk.folder is None:
             return
         self.keep_blocks(row, tokens)
         chain = self.store.match(tokens, len(tokens))
@@ -348,7 +349,7 @@ class Scheduler:
             return 0
         limit = len(request.prompt) - 1  # (the last token is prefilled: its logits give the first new token)
         chain = self.store.match(request.prompt, limit)
-        if self.disk is not None and self.read_disk(request.prompt, len(chain), limit):
+        if self.disk is not None and self.disk.folder is not None and self.read_disk(request.prompt, len(chain), limit):
             chain = self.store.match(request.prompt, limit)
         size = self.store.block
         if len(chain) * size <= common:
@@ -525,7 +526,8 @@ class Scheduler:
 
 def token_bytes(model: dense.DenseDecoder) -> int:
     """Bytes of one slot's keys and values (and an int8 cache's scales) in every layer's cache."""
-    return sum(t.numel() * t.element_size() for layer in model.layers for t in layer.attn.kv_cache.slots(0, 0, 16)) // 16
+    parts = [t for layer in model.layers for t in layer.attn.kv_cache.slots(0, 0, 16)]  # (16 slots: whole key blocks)
+    return sum(t.numel() * t.element_size() for t in parts) // 16
 
 
 def logprob_entry(logits: torch.Tensor, token: int, top: int) -> tuple:
