@@ -410,12 +410,14 @@ class Int8KVCache(ScaledSlots, KVCache):
 
     def write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
         (qk, sk), (qv, sv) = int8_rows(k), int8_rows(v)  # [B, K, T, D] int8, [B, K, T, 1] float32
-        for cache, value in ((self.k, qk), (self.v, qv), (self.k_scale, sk), (self.v_scale, sv)):
-            if step.input_pos.ndim == 1 and step.rows is None:
+        pairs = ((self.k, qk), (self.v, qv), (self.k_scale, sk), (self.v_scale, sv))
+        if step.input_pos.ndim == 1 and step.rows is None:  # every row writes the same slots
+            for cache, value in pairs:
                 cache[: value.shape[0]].index_copy_(2, step.input_pos, value)
-            else:
-                rows, pos = row_slots(step, value.shape[0], value.shape[2])
-                cache[rows, :, pos] = value.transpose(1, 2)
+            return
+        rows, pos = row_slots(step, k.shape[0], k.shape[2])  # [B, T] each
+        for cache, value in pairs:
+            cache[rows, :, pos] = value.transpose(1, 2)
 
     def read(self, step: Step, view: View, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         if view.slots is not None:  # a sliding layer's window: [B, K, W, D] gathered, the scales with them

@@ -46,6 +46,16 @@ def _fresh_dynamo():
     yield
 
 
+def run_alone(scheduler, request) -> list[int]:
+    """A server scheduler's turns, driven by hand, until the request (submitted alone) ends: its generated ids."""
+    scheduler.submit(request)
+    for _ in range(200):
+        scheduler.safe_turn()
+        if request.finish_reason is not None:
+            return list(request.generated)
+    raise AssertionError("the request did not finish")
+
+
 def random_model(context: int = 512, seed: int = 0, **overrides):
     """A small random-weight model (GQA, q/k norm, output gate) with a longer context than the fixtures, whose full
     precision linears run kernels.py as from_pretrained's do."""

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import fixture_path
+from conftest import fixture_path, run_alone
 
 from dense_engine.server.prefix_store import PrefixStore
 
@@ -83,15 +83,6 @@ def conversations(vocab, k: int) -> list[dict]:
              "old trains and their stations"][k % 3]
     return [{"role": "system", "content": f"You are assistant number {k}. You talk about {topic}."},
             {"role": "user", "content": "hi"}]
-
-
-def run_alone(scheduler, request) -> list[int]:
-    scheduler.submit(request)
-    for _ in range(200):
-        scheduler.safe_turn()
-        if request.finish_reason is not None:
-            return list(request.generated)
-    raise AssertionError("the request did not finish")
 
 
 def prefill_starts(monkeypatch) -> list[int]:

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, fixture_path
+from conftest import ROOT, fixture_path, run_alone
 
 openai = pytest.importorskip("openai")
 LLAMA = fixture_path("llama")  # a ChatML template; greedy text of random weights
@@ -827,15 +827,6 @@ def test_beyond_max_queue_requests_get_503_with_retry_after_and_the_server_goes_
         assert s.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
     finally:
         s.stop()
-
-
-def run_alone(scheduler, request) -> list[int]:
-    scheduler.submit(request)
-    for _ in range(200):
-        scheduler.safe_turn()
-        if request.finish_reason is not None:
-            return list(request.generated)
-    raise AssertionError("the request did not finish")
 
 
 @pytest.mark.parametrize("compiled", [False, True])

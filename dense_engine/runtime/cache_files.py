@@ -86,6 +86,18 @@ def model_key(model) -> str:
     return h.hexdigest()[:32]
 
 
+def copy_slots(model, row: int, start: int, end: int) -> list[tuple[torch.Tensor, ...]]:
+    """Each layer's keys and values (and an int8 cache's scales) of row's slots start..end-1, copied to host memory
+    (end and start: multiples of 16 for the CPU cache's key blocks)."""
+    return [tuple(t.to("cpu", copy=True) for t in layer.attn.kv_cache.slots(row, start, end)) for layer in model.layers]
+
+
+def put_slots(model, row: int, start: int, layers: list[tuple[torch.Tensor, ...]]) -> None:
+    """copy_slots' copies (or a file's) into row's slots from start on."""
+    for parts, layer in zip(layers, model.layers):
+        layer.attn.kv_cache.put_slots(row, start, *(t.to(model.device) for t in parts))
+
+
 def whole_slots(n: int) -> int:
     """The slots a file of n tokens holds: whole blocks of 16 (the CPU cache's keys come in blocks of 16 slots)."""
     return -(-n // 16) * 16

@@ -215,8 +215,7 @@ class Session:
         """The first `tokens` (default all) the cache holds, with their keys and values, into a cache file
         (cache_files: sealed, the model's key in it): how many."""
         n = len(self.cached) if tokens is None else min(tokens, len(self.cached))
-        layers = [tuple(t.to("cpu", copy=True) for t in layer.attn.kv_cache.slots(0, 0, cache_files.whole_slots(n)))
-                  for layer in self.model.layers]
+        layers = cache_files.copy_slots(self.model, 0, 0, cache_files.whole_slots(n))
         cache_files.write(path, self.cached[:n], layers, {"model": self.model_key()})
         return n
 
@@ -225,8 +224,7 @@ class Session:
         prefills only the rest): how many; ValueError (or OSError) saying why it cannot be used."""
         like = [layer.attn.kv_cache.slots(0, 0, 0) for layer in self.model.layers]
         tokens, layers = cache_files.read_whole(path, like, self.model_key(), self.max_seq_len)
-        for parts, layer in zip(layers, self.model.layers):
-            layer.attn.kv_cache.put_slots(0, 0, *(t.to(self.model.device) for t in parts))
+        cache_files.put_slots(self.model, 0, 0, layers)
         self.cached = tokens
         if self.draft is not None:
             self.draft.reset()  # (a draft model's own cache does not hold them)

@@ -78,6 +78,7 @@ class PrefixStore:
                 if victim is None:
                     return new, evicted
                 evicted.append(self.evict(victim))
+                self.evictions += 1
             parent = chain[-1] if chain else None
             block = Block(self.next_id, (parent.id if parent else -1, tuple(tokens[start:start + self.block])), parent)
             self.next_id += 1
@@ -99,7 +100,6 @@ class PrefixStore:
         del self.index[block.key]
         if block.parent is not None:
             block.parent.children -= 1
-        self.evictions += 1
         return block.id
 
     def drop(self, ids: list[int]) -> None:
@@ -107,7 +107,6 @@ class PrefixStore:
         by_id = {b.id: b for b in self.index.values()}
         for i in ids:
             self.evict(by_id[i])
-        self.evictions -= len(ids)  # (not evicted for room)
 
     def clear(self) -> list[int]:
         """Drop every block: their ids."""
@@ -181,8 +180,8 @@ class DiskStore:
         while True:
             job = self.jobs.get()
             try:
-                if job is not None:
-                    cache_files.write(*job)
+                cache_files.write(*job)
+                if self.jobs.qsize() == 0:  # (the folder scanned once a batch of blocks, not once a block)
                     self.trim()
             except OSError as e:  # (a full or read-only disk: the blocks stay in memory, nothing else changes)
                 print(f"note: the prefix store could not write {job[0]}: {e}", file=sys.stderr, flush=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dense_engine.runtime import generate, tp
+from dense_engine.runtime import cache_files, generate, tp
 from dense_engine.server import prefix_store
 
 
@@ -58,17 +58,14 @@ class ModelCalls:
         host memory."""
         for i in drop:
             del self.kept[i]
-        caches = [layer.attn.kv_cache for layer in self.runner.model.layers]
         for i, start in blocks:
-            self.kept[i] = [tuple(t.to("cpu", copy=True) for t in cache.slots(row, start, start + size))
-                            for cache in caches]
+            self.kept[i] = cache_files.copy_slots(self.runner.model, row, start, start + size)
 
     def restore(self, row: int, blocks: list[int], start: int) -> None:
         """Kept blocks, in order, into row's slots from `start` on."""
-        for n, layer in enumerate(self.runner.model.layers):
-            parts = [torch.cat([self.kept[i][n][j] for i in blocks], dim=1).to(self.device)  # (dim 1: the slots in
-                     for j in range(len(self.kept[blocks[0]][n]))]  # every cache layout: keys, values, scales)
-            layer.attn.kv_cache.put_slots(row, start, *parts)
+        layers = [tuple(torch.cat(parts, dim=1) for parts in zip(*(self.kept[i][n] for i in blocks)))  # (dim 1: the
+                  for n in range(len(self.runner.model.layers))]  # slots of keys, values, scales in every layout)
+        cache_files.put_slots(self.runner.model, row, start, layers)
 
     def read_blocks(self, blocks: list[tuple[int, str, list[int]]], size: int, drop: list[int]) -> int:
         """Forget the blocks `drop`, then read blocks of `size` tokens (id, file, the tokens of the prefix it ends)
@@ -90,10 +87,8 @@ class ModelCalls:
 
     def row_slots(self, row: int, end: int) -> list[tuple[torch.Tensor, ...]]:
         """Copies, in host memory, of row's keys and values at slots 0..end-1 (end: a multiple of 16)."""
-        return [tuple(t.to("cpu", copy=True) for t in layer.attn.kv_cache.slots(row, 0, end))
-                for layer in self.runner.model.layers]
+        return cache_files.copy_slots(self.runner.model, row, 0, end)
 
     def put_row(self, row: int, layers: list[tuple[torch.Tensor, ...]]) -> None:
         """row_slots' copies into row's slots from 0 on."""
-        for parts, layer in zip(layers, self.runner.model.layers):
-            layer.attn.kv_cache.put_slots(row, 0, *(t.to(self.device) for t in parts))
+        cache_files.put_slots(self.runner.model, row, 0, layers)

@@ -182,6 +182,7 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         steps = steps_for_program(model, max_batch, max_seq_len) if compile else None
         self.calls = ModelCalls(generate.Runner(model, steps))
+        self.key: str | None = None  # (model_key)
         if prefix_cache_mb is None:
             prefix_cache_mb = default_capacity_mb()
         self.store = PrefixStore(prefix_cache_mb << 20, token_bytes(model), prefix_block) \
@@ -189,9 +190,15 @@ class Scheduler:
         self.disk = None  # the store's disk tier: prefixes used more than once, kept across restarts
         if self.store is not None and prefix_disk_mb != 0 and tp.world()[1] == 1 and machine.unwritable_cache() is None:
             self.disk = DiskStore(os.path.join(machine.cache_dir(), "prefixes"), (prefix_disk_mb or default_disk_mb())
-                                  << 20, lambda: f"{cache_files.model_key(model)}-{prefix_block}")
+                                  << 20, lambda: f"{self.model_key()}-{prefix_block}")
             self.calls.disk = self.disk
         self.thread = threading.Thread(target=self.run, name="scheduler", daemon=True)
+
+    def model_key(self) -> str:
+        """cache_files.model_key of the model and its cache, made once (the disk tier's folder, slot files)."""
+        if self.key is None:
+            self.key = cache_files.model_key(self.model)
+        return self.key
 
     @property
     def rows(self) -> list[Request | None]:

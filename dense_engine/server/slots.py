@@ -66,18 +66,12 @@ def idle(scheduler, row: int) -> None:
         raise ValueError(f"slot {row} is running a request; try again when it is done")
 
 
-def model_key(scheduler) -> str:
-    if getattr(scheduler, "slot_key", None) is None:
-        scheduler.slot_key = cache_files.model_key(scheduler.model)
-    return scheduler.slot_key
-
-
 def save(scheduler, row: int, path: str) -> dict:
     """The row's tokens and their keys and values into the file (a temporary file, then renamed)."""
     idle(scheduler, row)
     start, tokens = time.perf_counter(), list(scheduler.slots[row].tokens)
     layers = scheduler.calls.row_slots(row, cache_files.whole_slots(len(tokens)))
-    written = cache_files.write(path, tokens, layers, {"model": model_key(scheduler)})
+    written = cache_files.write(path, tokens, layers, {"model": scheduler.model_key()})
     return {"id_slot": row, "filename": os.path.basename(path), "n_saved": len(tokens), "n_written": written,
             "timings": {"save_ms": (time.perf_counter() - start) * 1000}}
 
@@ -88,7 +82,7 @@ def restore(scheduler, row: int, path: str) -> dict:
     start, name = time.perf_counter(), os.path.basename(path)
     like = scheduler.calls.row_slots(row, 0)
     try:
-        tokens, layers = cache_files.read_whole(path, like, model_key(scheduler), scheduler.max_seq_len + 1)
+        tokens, layers = cache_files.read_whole(path, like, scheduler.model_key(), scheduler.max_seq_len + 1)
     except FileNotFoundError:
         raise ValueError(f"no slot file {name!r}") from None
     except (ValueError, OSError) as e:
