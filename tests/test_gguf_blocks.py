@@ -114,8 +114,8 @@ def x_in_bytes(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def assert_prefill_product(kind: str, x: torch.Tensor, blocks: torch.Tensor, want: torch.Tensor):
-    """Past GEMM_ROWS rows (AVX-512): the dequantized weights' product with x rounded to bytes, to float32's rounding
-    of the sums; AVX2: float32 GEMMs on tiles of the dequantized weight."""
+    """Past GEMM_ROWS rows (either ISA): the dequantized weights' product with x rounded to bytes, to float32's
+    rounding of the sums; PyTorch's kernels: bfloat16."""
     got = torch.ops.dense_kernels.linear_gguf(x, blocks, quantized.GGUF_TYPES[kind][0])
     if kernels.prefill_in_bytes():
         group = 256 if kind.endswith("_K") else 32
@@ -134,8 +134,8 @@ def assert_prefill_product(kind: str, x: torch.Tensor, blocks: torch.Tensor, wan
 @needs_kernels
 @pytest.mark.parametrize("kind", ["Q6_K", "Q4_K", "Q5_0"])
 def test_prefill_over_several_weight_tiles(kind):
-    """300 weight rows of 4096 inputs: 32-row tiles and a tail of 12 (x in bytes; AVX2: 2 MB float32 tiles of the
-    dequantized weight and a tail); x of 2 x 20 rows, each a row with one large input."""
+    """300 weight rows of 4096 inputs: 32-row tiles and a tail of 12 (AVX2: 16-row tiles and a tail of 12), x in
+    bytes; x of 2 x 20 rows, each a row with one large input."""
     raw = random_blocks(kind, 300, 4096)
     want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(300, 4096).copy())
     x = torch.randn(2, 20, 4096)
@@ -216,8 +216,8 @@ KQUANT_REFERENCE = os.path.join(os.path.dirname(__file__), "fixtures", "gguf", "
 def test_a_long_prefill_is_as_near_the_float_path_as_llama_cpps(mixed_files):
     """Past 12 tokens the K-quant linears take x rounded to 8 bits a value (llama.cpp's Q8_K, as llama.cpp computes
     them): a 40-token prefill's logits are no farther from the float path than llama.cpp's own on the same file
-    (its logits made once by tests/gguf_reference.py --kquant-prefill), and near them. (Without AVX-512 the products
-    are float32's or bfloat16's: near the float path.)"""
+    (its logits made once by tests/gguf_reference.py --kquant-prefill), and near them, on either ISA. (On PyTorch's
+    kernels the products are bfloat16's: near the float path.)"""
     from safetensors.torch import load_file
 
     with open(KQUANT_REFERENCE + ".json") as f:
@@ -239,7 +239,7 @@ def test_a_long_prefill_is_as_near_the_float_path_as_llama_cpps(mixed_files):
     assert rms(got) <= 1.1 * rms(theirs) and largest(got) <= 1.25 * largest(theirs), (rms(got), rms(theirs))
     if kernels.prefill_in_bytes():  # the same rounding: nearer llama.cpp's than either is to the float path
         assert float((got - theirs).square().mean().sqrt() / theirs.square().mean().sqrt()) <= 0.25 * rms(theirs)
-    else:  # float32 (AVX2) or bfloat16 (PyTorch) products of the dequantized weights
+    else:  # bfloat16 (PyTorch) products of the dequantized weights
         assert rms(got) <= 1e-2 * rms(theirs), rms(got)
 
 

@@ -606,7 +606,7 @@ void gguf_float_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_b
 
 // y = x w^T for x [..., K] float32 and w [N, bytes] the file's rows of blocks. float_x: x in float32 at every M
 // (gguf_float_tiles); else x as two int8 digits up to GEMM_ROWS rows and, past them, the prefill's x rounded to 8 bits
-// (AVX2: float32 GEMMs on dequantized tiles)
+// (both ISAs: integer products)
 at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type, bool float_x) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_gguf: x must be float32");
   const Rows x(x_);

@@ -14,8 +14,8 @@ The library is compiled on first use with the system C++ compiler against the in
 $XDG_CACHE_HOME/dense-engine/kernels/ (or ~/.cache/...), keyed by the source, torch version and CPU, and loaded
 into later processes as is: kernels.cpp on a CPU with AVX-512 VNNI and BF16 (AMD Zen 4 and later, Intel Sapphire
 Rapids and later), kernels_avx2.cpp on one with AVX2 and FMA only (AMD Zen 1-3, Intel's laptops and desktops since
-Alder Lake): the same operators in 8-lane registers, int4 on two int8 digits of x too, long prefills as float32 GEMMs
-(no bfloat16 arithmetic there). Without a compiler, or on an older CPU, everything runs on PyTorch's own kernels
+Alder Lake): the same operators in 8-lane registers, int4 on two int8 digits of x too, long int4/nf4/int8 prefills as
+float32 GEMMs (no bfloat16 arithmetic there), GGUF prefills by integer products as kernels.cpp's. Without a compiler, or on an older CPU, everything runs on PyTorch's own kernels
 (`DENSE_KERNELS=0` forces that; `DENSE_KERNELS=avx2` takes kernels_avx2.cpp on an AVX-512 CPU too, built without
 AVX-512 as such a CPU runs it, `avx2-vnni` with AVX-512 VNNI's 256-bit vpdpbusd standing in for AVX-VNNI's). Stands on
 dense.py (its KV cache, which this file's CPU cache subclasses).
@@ -49,8 +49,8 @@ SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"},
 # for bit). The int8 kernel serves up to INT8_ROWS: every length of a compiled prefill step (generate.PREFILL_CHUNK),
 # whose row count is dynamic (at 32 rows it is 2.5x the GEMM on its converted weight with AVX-512, 4x with AVX2).
 # The int4, nf4 and GGUF kernels decide for themselves past GEMM_ROWS (kernels.cpp's): int4 and nf4 run bfloat16
-# GEMMs on tiles of the weight they dequantize (2-3x float32's rate), GGUF blocks integer dot products on x in bytes
-# (AVX2: float32 GEMMs on dequantized tiles).
+# GEMMs on tiles of the weight they dequantize (2-3x float32's rate; AVX2 float32), GGUF blocks integer dot products
+# on x in bytes (both ISAs).
 MAX_ROWS = 16
 INT8_ROWS = 32
 GEMM_ROWS = 12
@@ -143,9 +143,9 @@ def digits_for_int4() -> bool:
 
 def prefill_in_bytes() -> bool:
     """Whether a GGUF linear past GEMM_ROWS rows of x takes x rounded to 8 bits a value, a scale per 256 (K-quants,
-    llama.cpp's Q8_K) or per 32 (32-blocks, its Q8_0): kernels.cpp's integer dot products, rather than float32
-    GEMMs on dequantized tiles (kernels_avx2.cpp) or PyTorch's bfloat16 matmul."""
-    return available() and _state.get("source") == "kernels.cpp"
+    llama.cpp's Q8_K) or per 32 (32-blocks, its Q8_0): the CPU kernels' integer dot products (both ISAs), rather
+    than PyTorch's bfloat16 matmul of the dequantized weights."""
+    return available()
 
 
 def huge_pages(tensors: list[torch.Tensor], zeros: bool = False, advise: bool = True) -> list[torch.Tensor]:

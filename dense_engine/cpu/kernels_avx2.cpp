@@ -6,7 +6,8 @@
 //     vpdpbusd where the CPU has AVX-VNNI (dot_bytes; the int8 weights' products, the same integers); int8 weights go
 //     through it as |w| times x with w's sign (pairs stay below int16's limit); int4 takes x as two int8 digits too
 //     (kernels.cpp: float32), within 1/32258 of a row's largest value;
-//   * no bfloat16 arithmetic: a long prefill's GEMMs run in float32 on the dequantized tiles (oneDNN or MKL's sgemm).
+//   * no bfloat16 arithmetic: a long prefill's int4, nf4 and int8 GEMMs run in float32 on the dequantized tiles
+//     (oneDNN or MKL's sgemm); GGUF blocks as kernels.cpp, integer products on x in bytes (vpmaddubsw or vpdpbusd).
 // Each row of x is still summed in one fixed order whatever the tile or the batch: a row's result does not depend on
 // the other rows.
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
@@ -594,18 +595,230 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t*
   });
 }
 
-// y [M, ldy] (its columns[n] for weight row n; columns null: y [M, N]) = x [M, K] w^T, the dequantized tiles'
-// float32 GEMM
+// ---- A long prefill on GGUF blocks: 8-bit activations and integer products (kernels.cpp's design, 8 lanes) ------
+// As kernels.cpp: past GEMM_ROWS rows each 256 values of a row of x (K-quants, llama.cpp's Q8_K; 32 for 32-blocks,
+// its Q8_0) become xq = x / dx rounded (dx = their max|x| / 127), stored + 128 as unsigned bytes; each thread decodes
+// a tile of 16 weight rows into signed codes s = u - off, four values of a row side by side, 8 rows a register, so
+// one dot_bytes adds four products of 8 weight rows against four values of one row of x (broadcast). Per sub-block
+// (32 values; Q6_K 16) the int32 sums times A in float, plus the mins' B times sum(xq); per scale of x, minus the
+// + 128's share G = 128 sum A sum(s), times dx. Without VNNI, vpmaddubsw keeps a pair (xq + 128) s below int16's
+// limit for every type but Q8_0 (|s| up to 128): its x stays signed and meets |s| with s's sign (vpsignb), G = 0.
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+constexpr bool VNNI = true;
+#else
+constexpr bool VNNI = false;
+#endif
+constexpr int B_TILE = 16;         // weight rows a tile: two registers of 8
+constexpr int B_ROWS = 3;          // rows of x a pass: 2 x 3 int32 sums, 2 x 3 float sums, 2 x 3 results
+constexpr int64_t B_BLOCK = 256;   // rows of x a round of tiles
+
+// x [M, K] in bytes; group: values a scale, 256 or 32
+struct ByteRows {
+  std::vector<uint8_t> xu;   // [M, K] xq + 128
+  std::vector<float> dx;     // [M, K / group]
+  std::vector<float> sum32;  // [M, K / 32]: sum(xq) over each 32 values
+  ByteRows(const float* x, int64_t M, int64_t K, int64_t group) : xu(M * K), dx(M * (K / group)), sum32(M * (K / 32)) {
+    at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t b = 0; b < K / group; ++b) {
+          const float* xb = x + m * K + b * group;
+          __m256 amax = _mm256_setzero_ps();
+          const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+          for (int k = 0; k < group; k += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(xb + k), abs));
+          const float top = hmax(amax);
+          dx[m * (K / group) + b] = top / 127.f;
+          const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+          for (int k = 0; k < group; k += 32) {
+            __m256i q[4];  // nearest (even), as kernels.cpp
+            for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + k + 8 * i), inv));
+            sum32[m * (K / 32) + (b * group + k) / 32] =
+                (float)hsum(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+            // packed: 4-byte groups 0, 2, 4, 6, 1, 3, 5, 7 of the 32 -> in order, then + 128
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i*)(xu.data() + m * K + b * group + k),
+                                _mm256_xor_si256(ordered, _mm256_set1_epi8((char)0x80)));
+          }
+        }
+    });
+  }
+};
+
+// 8 registers of 8 int32 lanes, transposed: lane j of register i <-> lane i of register j
+inline void transpose8(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]), u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }  // u[4a + b]: rows 4a .. 4a + 3 of columns b (low 128 bits) and b + 4 (high)
+  for (int i = 0; i < 4; ++i)
+    r[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20), r[i + 4] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+}
+
+// A tile of B_TILE weight rows, decoded: codes [K / 4][16 rows][4] (SIGNED_X: their magnitudes too), A and B
+// (w = A s + B) of each sub-block [K / SB][16], G of each scale of x [K / GROUP][16]
+template <int64_t T>
+struct ByteTile {
+  static constexpr int SB = T == GQ6_K ? 16 : 32;
+  static constexpr int64_t GROUP = T >= GQ4_K ? 256 : 32;
+  static constexpr bool MINS = T == GQ4_K || T == GQ5_K || T == GQ4_1 || T == GQ5_1;
+  static constexpr bool SIGNED_X = T == GQ8_0 && !VNNI;
+  static constexpr int OFF = T == GQ4_0 ? 8 : T == GQ5_0 ? 16 : T == GQ6_K ? 32 : T == GQ8_0 ? 128 : 0;
+  std::vector<int8_t> codes;
+  std::vector<uint8_t> mag;
+  std::vector<float> A, B, G;
+  explicit ByteTile(int64_t K)
+      : codes(K * B_TILE), mag(SIGNED_X ? K * B_TILE : 0), A(K / SB * B_TILE), B(K / SB * B_TILE),
+        G(K / GROUP * B_TILE) {}
+
+  void decode(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t nb) {
+    const int64_t blocks = K / block_elements(T);
+    std::fill(G.begin(), G.end(), 0.f);
+    for (int64_t r = 0; r < B_TILE; ++r) {  // A, B and G: a row's params, a quarter of 16 values at a time
+      const uint8_t* row = w + r * row_bytes;
+      for (int64_t c = 0; c < (K + 63) / 64; ++c) {
+        float a[4] = {}, off[4] = {}, b[4] = {};
+        if (r < nb) chunk_params<T>(row, c, blocks, a, off, b);
+        for (int q = 0; q < 4 && 64 * c + 16 * q < K; ++q)
+          if ((16 * q) % SB == 0) A[(64 * c + 16 * q) / SB * B_TILE + r] = a[q], B[(64 * c + 16 * q) / SB * B_TILE + r] = b[q];
+      }
+    }
+    for (int half = 0; half < 2; ++half)
+      for (int64_t v = 0; v < K / 32; ++v) {  // 32 values of 8 rows
+        __m256i s[8];
+        for (int i = 0; i < 8; ++i) {
+          const int64_t r = 8 * half + i;
+          if (r >= nb) {
+            s[i] = _mm256_setzero_si256();
+            continue;
+          }
+          const __m256i u = codes32<T>(w + r * row_bytes, v);
+          s[i] = _mm256_sub_epi8(u, _mm256_set1_epi8((char)OFF));
+          if (!SIGNED_X) {  // G: 128 A sum(s) over each 16 (sum(u) by vpsadbw, 8 bytes a lane)
+            alignas(32) int64_t eight[4];
+            _mm256_store_si256((__m256i*)eight, _mm256_sad_epu8(u, _mm256_setzero_si256()));
+            for (int q = 0; q < 2; ++q) {
+              const int64_t at = 32 * v + 16 * q;
+              const float sum = (float)(eight[2 * q] + eight[2 * q + 1] - 16 * OFF);
+              G[at / GROUP * B_TILE + r] += 128.f * A[at / SB * B_TILE + r] * sum;
+            }
+          }
+        }
+        transpose8(s);  // s[j]: values 4j .. 4j + 3 of the 32, of 8 rows
+        for (int j = 0; j < 8; ++j) {
+          const int64_t at = ((8 * v + j) * 2 + half) * 32;
+          _mm256_storeu_si256((__m256i*)(codes.data() + at), s[j]);
+          if constexpr (SIGNED_X) _mm256_storeu_si256((__m256i*)(mag.data() + at), _mm256_abs_epi8(s[j]));
+        }
+      }
+  }
+};
+
+// A pass's result for one row of x, the tile's weight rows n0 .. n0 + nb - 1: into y's row (its columns[n] for
+// weight row n where columns is given)
+inline void store_tile_row(const float* row, float* y_row, int64_t n0, int64_t nb, const int64_t* columns) {
+  if (columns) {
+    for (int64_t j = 0; j < nb; ++j) y_row[columns[n0 + j]] = row[j];
+    return;
+  }
+  _mm256_maskstore_ps(y_row + n0, lanes8(nb), _mm256_loadu_ps(row));
+  _mm256_maskstore_ps(y_row + n0 + 8, lanes8(std::max<int64_t>(0, nb - 8)), _mm256_loadu_ps(row + 8));
+}
+
+// R rows of x (from m0) against a decoded tile: per sub-block the int32 sums of each row against the tile's 16 rows
+// (two registers), times A (plus B sum(xq)); per scale of x, less G, times dx
+template <int64_t T, int R>
+void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, float* y, int64_t N, int64_t n0,
+               int64_t nb, const int64_t* columns) {
+  using Tile = ByteTile<T>;
+  constexpr int SB = Tile::SB;
+  constexpr int64_t GROUP = Tile::GROUP;
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+  __m256 out[R][2];
+  for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
+  const uint8_t* x = xs.xu.data() + m0 * K;
+  for (int64_t g = 0; g < K / GROUP; ++g) {
+    __m256 part[R][2];
+    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm256_setzero_ps();
+    for (int j = 0; j < GROUP / SB; ++j) {
+      const int64_t first = (g * GROUP + j * SB) / 4;  // the sub-block's first group of four values
+      __m256i sum[R][2];
+      for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+      _Pragma("GCC unroll 8") for (int q = 0; q < SB / 4; ++q) {
+        const int64_t at = (first + q) * 64;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i*)(t.codes.data() + at));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i*)(t.codes.data() + at + 32));
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          memcpy(&four, x + r * K + (first + q) * 4, 4);
+          const __m256i xb = _mm256_set1_epi32(four);
+          if constexpr (Tile::SIGNED_X) {  // |s| times xq with s's sign
+            const __m256i xq = _mm256_xor_si256(xb, flip);
+            const __m256i m0v = _mm256_loadu_si256((const __m256i*)(t.mag.data() + at));
+            const __m256i m1v = _mm256_loadu_si256((const __m256i*)(t.mag.data() + at + 32));
+            sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(m0v, _mm256_sign_epi8(xq, w0)), ones));
+            sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(m1v, _mm256_sign_epi8(xq, w1)), ones));
+          } else {
+            sum[r][0] = dot_bytes(sum[r][0], xb, w0);
+            sum[r][1] = dot_bytes(sum[r][1], xb, w1);
+          }
+        }
+      }
+      const int64_t sb = (g * GROUP + j * SB) / SB;
+      const __m256 a0 = _mm256_loadu_ps(t.A.data() + sb * B_TILE), a1 = _mm256_loadu_ps(t.A.data() + sb * B_TILE + 8);
+      for (int r = 0; r < R; ++r) {
+        part[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][0]), a0, part[r][0]);
+        part[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][1]), a1, part[r][1]);
+      }
+      if constexpr (Tile::MINS) {  // the mins: B times sum(xq) over the 32
+        const __m256 b0 = _mm256_loadu_ps(t.B.data() + sb * B_TILE), b1 = _mm256_loadu_ps(t.B.data() + sb * B_TILE + 8);
+        for (int r = 0; r < R; ++r) {
+          const __m256 s = _mm256_set1_ps(xs.sum32[(m0 + r) * (K / 32) + (g * GROUP + j * SB) / 32]);
+          part[r][0] = _mm256_fmadd_ps(b0, s, part[r][0]);
+          part[r][1] = _mm256_fmadd_ps(b1, s, part[r][1]);
+        }
+      }
+    }
+    const __m256 g0 = _mm256_loadu_ps(t.G.data() + g * B_TILE), g1 = _mm256_loadu_ps(t.G.data() + g * B_TILE + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_set1_ps(xs.dx[(m0 + r) * (K / GROUP) + g]);
+      out[r][0] = _mm256_fmadd_ps(_mm256_sub_ps(part[r][0], g0), d, out[r][0]);
+      out[r][1] = _mm256_fmadd_ps(_mm256_sub_ps(part[r][1], g1), d, out[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float row[B_TILE];
+    _mm256_store_ps(row, out[r][0]), _mm256_store_ps(row + 8, out[r][1]);
+    store_tile_row(row, y + (m0 + r) * N, n0, nb, columns);
+  }
+}
+
+// y [M, ldy] (its columns[n] for weight row n; columns null: y [M, N]) = x [M, K] w^T
 template <int64_t T>
 void gguf_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
                   const int64_t* columns) {
-  const int64_t K = x.size(1);
-  gemm_by_tiles<float>(x, N, y, ldy, columns, [&](int64_t n0, int64_t nb, float* out) {
-    dequantize_rows<T>(w + n0 * row_bytes, row_bytes, nb, K, out);
-  });
+  const int64_t M = x.size(0), K = x.size(1);
+  const ByteRows xs(x.data_ptr<float>(), M, K, block_elements(T));
+  const int64_t tiles = (N + B_TILE - 1) / B_TILE;
+  for (int64_t first = 0; first < M; first += B_BLOCK) {  // a tile passes over B_BLOCK rows from the thread's cache
+    const int64_t last = std::min(M, first + B_BLOCK);
+    std::atomic<int64_t> next{0};  // tiles claimed one at a time, as gemm_by_tiles does
+    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tiles), 1, [&](int64_t, int64_t) {
+      ByteTile<T> tile(K);
+      for (int64_t t = next++; t < tiles; t = next++) {
+        const int64_t n0 = t * B_TILE, nb = std::min<int64_t>(B_TILE, N - n0);
+        tile.decode(w + n0 * row_bytes, row_bytes, K, nb);
+        for (int64_t m0 = first; m0 < last; m0 += B_ROWS)
+          switch (std::min<int64_t>(B_ROWS, last - m0)) {
+            case 1: byte_pass<T, 1>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
+            case 2: byte_pass<T, 2>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
+            default: byte_pass<T, 3>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
+          }
+      }
+    });
+  }
 }
-
-
 
 // ---- attention over the cache (kernels.h; kernels.cpp says how) ------------------------------------------------------
 
