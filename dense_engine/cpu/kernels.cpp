@@ -620,11 +620,11 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t*
 // become xq = x / dx rounded (dx = their max|x| / 127), stored + 128 as unsigned bytes. Each thread decodes a tile
 // of 32 weight rows into signed codes s = u - off, four values of a row side by side, 16 rows a register (k-group g of the tile: 128 bytes), so one
 // vpdpbusd adds four products of 16 rows against four values of one row of x (broadcast). Per sub-block (32 values;
-// Q6_K 16) the int32 sums sum(s (xq + 128)) times A in float; per super-block, minus their + 128's share
-// (G = 128 sum_j A_j sum(s), the weights' own), times dx; the mins (Q4_K, Q5_K) times sum(xq) over their 32 before it. The
-// result is the dequantized weights' product with x rounded to 8 bits a value (to float32's rounding of the sums):
+// Q6_K 16) the int32 sums sum(s (xq + 128)) less their + 128's share (Z = 128 sum(s), the weights' own: exact in
+// int32, where a float difference of the two large sums lost digits) times A in float; per super-block, times dx; the
+// mins (Q4_K, Q5_K) times sum(xq) over their 32 before it. The result is the dequantized weights' product with x rounded to 8 bits a value (to float32's rounding of the sums):
 // 1.4-1.5x the rate of oneDNN's bfloat16 GEMM on weights already dequantized, on Zen 4 and 5 (BENCHMARKS.md).
-// 32-blocks (BlockTile, q8_pass32) the same with a scale of x per block: per block, sums times A less G, times dx.
+// 32-blocks (BlockTile, q8_pass32) the same with a scale of x per block: per block, sums less Z, times A, times dx.
 constexpr int Q8_TILE = 32;  // weight rows a tile: two registers of 16
 constexpr int Q8_ROWS = 6;   // rows of x a pass: 2 x 6 int32 sums and 2 x 6 float sums in registers
 constexpr int64_t Q8_BLOCK = 256;  // rows of x a round of tiles
@@ -690,13 +690,14 @@ inline void transpose16(__m512i r[16]) {
 }
 
 // A tile of Q8_TILE weight rows, decoded for q8_pass: codes [K / 4][32 rows][4], A and B (w = A (u - off) + B) of
-// each 16 values [K / 16][32], G [K / 256][32]
+// each 16 values [K / 16][32], Z = 128 sum(s) of each sub-block [K / 16][32] (SB 32: at its first 16's)
 template <int64_t T>
 struct ByteTile {
   static constexpr int SB = T == GQ6_K ? 16 : 32, OFF = T == GQ6_K ? 32 : 0;
   std::vector<int8_t> codes;
-  std::vector<float> A, B, G;
-  explicit ByteTile(int64_t K) : codes(K * Q8_TILE), A(K / 16 * Q8_TILE), B(K / 16 * Q8_TILE), G(K / 256 * Q8_TILE) {}
+  std::vector<float> A, B;
+  std::vector<int32_t> Z;
+  explicit ByteTile(int64_t K) : codes(K * Q8_TILE), A(K / 16 * Q8_TILE), B(K / 16 * Q8_TILE), Z(K / 16 * Q8_TILE) {}
 
   void decode(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t nb) {
     const int64_t blocks = K / 256;
@@ -717,7 +718,6 @@ struct ByteTile {
           if (T != GQ6_K) _mm512_storeu_si512(B.data() + (16 * b + q) * Q8_TILE + 16 * half, m[q]);
         }
       }
-      __m512 g = _mm512_setzero_ps();
       for (int64_t c = 0; c < K / 64; ++c) {
         __m512i u[16];
         for (int i = 0; i < 16; ++i) {
@@ -727,15 +727,14 @@ struct ByteTile {
         }
         transpose16(u);  // u[j]: values 4j .. 4j + 3 of the chunk, of 16 rows
         for (int j = 0; j < 16; ++j) _mm512_storeu_si512(codes.data() + ((16 * c + j) * 2 + half) * 64, u[j]);
-        for (int q = 0; q < 4; ++q) {  // the codes' share of x's + 128: 128 A sum(s) over each 16 values
-          __m512i s = _mm512_setzero_si512();
-          for (int j = 4 * q; j < 4 * q + 4; ++j) s = _mm512_dpbusd_epi32(s, ones, u[j]);
-          const __m512 aq = _mm512_loadu_ps(A.data() + (4 * c + q) * Q8_TILE + 16 * half);
-          g = _mm512_fmadd_ps(_mm512_mul_ps(aq, _mm512_set1_ps(128.f)), _mm512_cvtepi32_ps(s), g);
+        __m512i z[4];  // the codes' share of x's + 128: 128 sum(s) over each 16 values, then each sub-block
+        for (int q = 0; q < 4; ++q) {
+          z[q] = _mm512_setzero_si512();
+          for (int j = 4 * q; j < 4 * q + 4; ++j) z[q] = _mm512_dpbusd_epi32(z[q], ones, u[j]);
         }
-        if (c % 4 == 3) {
-          _mm512_storeu_ps(G.data() + (c / 4) * Q8_TILE + 16 * half, g);
-          g = _mm512_setzero_ps();
+        for (int q = 0; q < 4; q += SB / 16) {
+          const __m512i zs = SB == 16 ? z[q] : _mm512_add_epi32(z[q], z[q + 1]);
+          _mm512_storeu_si512(Z.data() + (4 * c + q) * Q8_TILE + 16 * half, _mm512_slli_epi32(zs, 7));
         }
       }
     }
@@ -786,11 +785,12 @@ void q8_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, fl
     for (int q = 0; q < 256 / SB; ++q) {
       __m512i sum[R][2];
       byte_sums<R, SB / 4>(codes, x, K, b * 64 + q * (SB / 4), sum);
-      const int64_t at = (b * 16 + q * (SB / 16)) * Q8_TILE;  // (SB 32: its first 16's A and B)
+      const int64_t at = (b * 16 + q * (SB / 16)) * Q8_TILE;  // (SB 32: its first 16's A, B and Z)
       const __m512 a0 = _mm512_loadu_ps(t.A.data() + at), a1 = _mm512_loadu_ps(t.A.data() + at + 16);
+      const __m512i z0 = _mm512_loadu_si512(t.Z.data() + at), z1 = _mm512_loadu_si512(t.Z.data() + at + 16);
       for (int r = 0; r < R; ++r) {
-        part[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), a0, part[r][0]);
-        part[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), a1, part[r][1]);
+        part[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][0], z0)), a0, part[r][0]);
+        part[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][1], z1)), a1, part[r][1]);
       }
       if constexpr (T != GQ6_K) {  // the mins: B times sum(xq) over the 32
         const __m512 b0 = _mm512_loadu_ps(t.B.data() + at), b1 = _mm512_loadu_ps(t.B.data() + at + 16);
@@ -801,25 +801,25 @@ void q8_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, fl
         }
       }
     }
-    const __m512 g0 = _mm512_loadu_ps(t.G.data() + b * Q8_TILE), g1 = _mm512_loadu_ps(t.G.data() + b * Q8_TILE + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 d = _mm512_set1_ps(xs.dx[(m0 + r) * (K / 256) + b]);
-      _mm512_store_ps(out[r], _mm512_fmadd_ps(_mm512_sub_ps(part[r][0], g0), d, _mm512_load_ps(out[r])));
-      _mm512_store_ps(out[r] + 16, _mm512_fmadd_ps(_mm512_sub_ps(part[r][1], g1), d, _mm512_load_ps(out[r] + 16)));
+      _mm512_store_ps(out[r], _mm512_fmadd_ps(part[r][0], d, _mm512_load_ps(out[r])));
+      _mm512_store_ps(out[r] + 16, _mm512_fmadd_ps(part[r][1], d, _mm512_load_ps(out[r] + 16)));
     }
   }
   for (int r = 0; r < R; ++r) store_tile_row(out[r], y + (m0 + r) * N, n0, nb, columns);
 }
 
 // A tile of Q8_TILE weight rows of a 32-block type: codes as ByteTile's (s = u - off: Q8_0's own int8), and of each
-// block [K / 32][32 rows] A and B (w = A s + B) and G = 128 A sum(s), the codes' share of x's + 128
+// block [K / 32][32 rows] A and B (w = A s + B) and Z = 128 sum(s), the codes' share of x's + 128
 template <int64_t T>
 struct BlockTile {
   static constexpr char OFF = T == GQ4_0 ? 8 : T == GQ5_0 ? 16 : T == GQ8_0 ? (char)128 : 0;
   std::vector<int8_t> codes;
-  std::vector<float> A, B, G;
+  std::vector<float> A, B;
+  std::vector<int32_t> Z;
   explicit BlockTile(int64_t K) : codes((K + 63) / 64 * 64 * Q8_TILE), A(K / 32 * Q8_TILE), B(K / 32 * Q8_TILE),
-                                  G(K / 32 * Q8_TILE) {}
+                                  Z(K / 32 * Q8_TILE) {}
 
   void decode(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t nb) {
     const int64_t blocks = K / 32;
@@ -843,15 +843,13 @@ struct BlockTile {
         for (int q = 0; q < 2 && 2 * c + q < blocks; ++q) {
           __m512i sum = _mm512_setzero_si512();
           for (int j = 8 * q; j < 8 * q + 8; ++j) sum = _mm512_dpbusd_epi32(sum, ones, u[j]);
-          const int64_t at = (2 * c + q) * Q8_TILE + 16 * half;
-          _mm512_storeu_ps(G.data() + at, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(A.data() + at),
-                                                                      _mm512_set1_ps(128.f)), _mm512_cvtepi32_ps(sum)));
+          _mm512_storeu_si512(Z.data() + (2 * c + q) * Q8_TILE + 16 * half, _mm512_slli_epi32(sum, 7));
         }
       }
   }
 };
 
-// R rows of x (from m0, a scale dx per 32) against a decoded 32-block tile: per block, the int32 sums times A less G,
+// R rows of x (from m0, a scale dx per 32) against a decoded 32-block tile: per block, the int32 sums less Z times A,
 // plus B times sum(xq), times dx, into 2 x R float sums in registers
 template <int64_t T, int R>
 void q8_pass32(const ByteRows& xs, int64_t m0, const BlockTile<T>& t, int64_t K, float* y, int64_t N, int64_t n0,
@@ -866,10 +864,10 @@ void q8_pass32(const ByteRows& xs, int64_t m0, const BlockTile<T>& t, int64_t K,
     byte_sums<R, 8>(codes, x, K, k * 8, sum);
     const int64_t at = k * Q8_TILE;
     const __m512 a0 = _mm512_loadu_ps(t.A.data() + at), a1 = _mm512_loadu_ps(t.A.data() + at + 16);
-    const __m512 g0 = _mm512_loadu_ps(t.G.data() + at), g1 = _mm512_loadu_ps(t.G.data() + at + 16);
+    const __m512i z0 = _mm512_loadu_si512(t.Z.data() + at), z1 = _mm512_loadu_si512(t.Z.data() + at + 16);
     for (int r = 0; r < R; ++r) {
-      __m512 v0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(sum[r][0]), a0, g0);
-      __m512 v1 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(sum[r][1]), a1, g1);
+      __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][0], z0)), a0);
+      __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][1], z1)), a1);
       if constexpr (T == GQ4_1 || T == GQ5_1) {  // the mins: B times sum(xq) over the block
         const __m512 s = _mm512_set1_ps(xs.sum32[(m0 + r) * blocks + k]);
         v0 = _mm512_fmadd_ps(_mm512_loadu_ps(t.B.data() + at), s, v0);

@@ -148,6 +148,13 @@ def prefill_in_bytes() -> bool:
     return available()
 
 
+def decode_in_bytes(kind: str) -> bool:
+    """Whether a GGUF linear of up to GEMM_ROWS rows (decoding) takes x rounded to 8 bits too: K-quants on
+    kernels_avx2.cpp (llama.cpp's Q8_K: one product a code where two int8 digits took two, 1.2-1.9x faster measured;
+    BENCHMARKS.md). Elsewhere x as two int8 digits, within 1/32258 of a row's largest value."""
+    return available() and _state.get("source") == "kernels_avx2.cpp" and kind.endswith("_K")
+
+
 def huge_pages(tensors: list[torch.Tensor], zeros: bool = False, advise: bool = True) -> list[torch.Tensor]:
     """Copies of CPU tensors in one anonymous mapping advised for transparent huge pages (Linux; elsewhere the
     tensors as they are). A decode step streams every weight once: with 4 KB pages the TLB misses cost about a fifth

@@ -348,6 +348,42 @@ void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float*
   });
 }
 
+// x [M, K] rounded to 8 bits a value, as llama.cpp's activations: each `group` values (256: its Q8_K; 32: its Q8_0)
+// xq = x / dx rounded, dx = their max|x| / 127; stored + 128 as unsigned bytes (the prefill's tiles take them so;
+// the K-quant decode flips the top bit back)
+struct ByteRows {
+  std::vector<uint8_t> xu;   // [M, K] xq + 128
+  std::vector<float> dx;     // [M, K / group]
+  std::vector<float> sum16, sum32;  // [M, K / 16], [M, K / 32]: sum(xq) over each 16 and 32 values
+  ByteRows(const float* x, int64_t M, int64_t K, int64_t group)
+      : xu(M * K), dx(M * (K / group)), sum16(M * (K / 16)), sum32(M * (K / 32)) {
+    at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t b = 0; b < K / group; ++b) {
+          const float* xb = x + m * K + b * group;
+          __m256 amax = _mm256_setzero_ps();
+          const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+          for (int k = 0; k < group; k += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(xb + k), abs));
+          const float top = hmax(amax);
+          dx[m * (K / group) + b] = top / 127.f;
+          const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+          for (int k = 0; k < group; k += 32) {
+            __m256i q[4];  // nearest (even), as kernels.cpp
+            for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + k + 8 * i), inv));
+            const int64_t at = m * K + b * group + k;
+            const int32_t low = hsum(_mm256_add_epi32(q[0], q[1])), high = hsum(_mm256_add_epi32(q[2], q[3]));
+            sum16[at / 16] = (float)low, sum16[at / 16 + 1] = (float)high, sum32[at / 32] = (float)(low + high);
+            // packed: 4-byte groups 0, 2, 4, 6, 1, 3, 5, 7 of the 32 -> in order, then + 128
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i*)(xu.data() + m * K + b * group + k),
+                                _mm256_xor_si256(ordered, _mm256_set1_epi8((char)0x80)));
+          }
+        }
+    });
+  }
+};
+
 // ---- GGUF blocks as the file stores them (see kernels.cpp) -----------------------------------------------------------
 // Every type is read as unsigned codes u, 32 to a register (one byte each), with w = A (u - off) + B per sub-block.
 // K-quants: codes times each digit of x by vpmaddubsw (pairs in int16), times the sub-block's integer scale by
@@ -404,10 +440,12 @@ inline __m256i codes32(const uint8_t* row, int64_t v) {
   }
 }
 
-// NB weight rows of a K-quant type against R rows of x, a super-block at a time (8 registers of 32 codes)
-template <int64_t T, int R>
-void kquant_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
+// One weight row of a K-quant type against R rows of x, a super-block at a time (8 registers of 32 codes). x as two
+// digits (WordRows: the sums of codes times each, in int32) or in bytes (ByteRows: one sum, times its 256's dx)
+template <int64_t T, int R, typename Rows>
+void kquant_tile(const Rows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
                  int64_t N, int64_t n) {
+  constexpr bool bytes = std::is_same_v<Rows, ByteRows>;
   const int64_t S = K / 256;
   const uint8_t* row = w + n * row_bytes;
   __m256 acc[R];
@@ -415,48 +453,67 @@ void kquant_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_b
   for (int64_t sb = 0; sb < S; ++sb) {
     const uint8_t* blk = row + sb * block_bytes(T);
     for (int line = 0; line < block_bytes(T); line += 64) _mm_prefetch((const char*)blk + AHEAD + line, _MM_HINT_T1);
-    int16_t scale[16];  // per sub-block (Q6_K: 16 of 16 values; Q4_K, Q5_K: 8 of 32)
-    float minv[16];     // what each sub-block's sum of X is multiplied by
+    // the sub-blocks' integer scales (int16 lanes, for vpmaddwd) and what each sub-block's sum of X is multiplied by
+    // (minv: Q4_K / Q5_K -dmin m, 8 lanes; Q6_K -32 d scale, 16), in registers: no scalar loop a super-block
+    __m128i scales;  // Q4_K / Q5_K: 8 int16; Q6_K: 16 int8
+    __m256 minv[2];
     float d;
     if constexpr (T == GQ6_K) {
       d = half_at(blk + 208);
-      for (int s = 0; s < 16; ++s) scale[s] = (int8_t)blk[192 + s], minv[s] = -32.f * d * (float)scale[s];
+      scales = _mm_loadu_si128((const __m128i*)(blk + 192));
+      const __m256 m32 = _mm256_set1_ps(-32.f * d);
+      minv[0] = _mm256_mul_ps(m32, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales)));
+      minv[1] = _mm256_mul_ps(m32, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8))));
     } else {
-      uint8_t sm[16];
-      _mm_storeu_si128((__m128i*)sm, kquant_scales(blk + 4));
+      const __m128i sm = kquant_scales(blk + 4);  // scales in bytes 0-7, mins in 8-15
       d = half_at(blk);
-      const float dmin = half_at(blk + 2);
-      for (int s = 0; s < 8; ++s) scale[s] = sm[s], minv[s] = -(dmin * (float)sm[8 + s]);
+      scales = _mm_cvtepu8_epi16(sm);
+      minv[0] = _mm256_mul_ps(_mm256_set1_ps(-half_at(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+      minv[1] = _mm256_setzero_ps();
     }
     __m256i s1[R], s2[R];
     for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm256_setzero_si256();
     for (int v = 0; v < 8; ++v) {
       const __m256i u = codes32<T>(row, sb * 8 + v);
-      const __m256i sc = T == GQ6_K ? _mm256_set_m128i(_mm_set1_epi16(scale[2 * v + 1]), _mm_set1_epi16(scale[2 * v]))
-                                    : _mm256_set1_epi16(scale[v]);
+      // sub-block v's scale in every lane (Q6_K: 2v's in the low 128 bits, 2v + 1's in the high)
+      const __m256i sc = T == GQ6_K ? _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_setr_epi8(
+                                          2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v + 1, 2 * v + 1,
+                                          2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1)))
+                                    : _mm256_broadcastw_epi16(_mm_shuffle_epi8(scales, _mm_set1_epi16((short)(0x0100 + 0x0202 * v))));
       for (int r = 0; r < R; ++r) {
         const int64_t at = (m0 + r) * K + sb * 256 + 32 * v;
-        const __m256i a = _mm256_loadu_si256((const __m256i*)(xs.digits.q1.data() + at));
-        const __m256i c = _mm256_loadu_si256((const __m256i*)(xs.digits.q2.data() + at));
-        s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), sc));
-        s2[r] = _mm256_add_epi32(s2[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, c), sc));
+        if constexpr (bytes) {  // xq (signed) times the codes
+          const __m256i a = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(xs.xu.data() + at)), _mm256_set1_epi8((char)0x80));
+          s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), sc));
+        } else {
+          const __m256i a = _mm256_loadu_si256((const __m256i*)(xs.digits.q1.data() + at));
+          const __m256i c = _mm256_loadu_si256((const __m256i*)(xs.digits.q2.data() + at));
+          s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), sc));
+          s2[r] = _mm256_add_epi32(s2[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, c), sc));
+        }
       }
     }
     const __m256 dv = _mm256_set1_ps(d);
-    for (int r = 0; r < R; ++r) {  // X = 127 q1 + q2: the sum in X's units, in float (127 s1 could pass int32)
-      const __m256 fsum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[r]), _mm256_set1_ps(127.f), _mm256_cvtepi32_ps(s2[r]));
-      acc[r] = _mm256_fmadd_ps(fsum, dv, acc[r]);
+    for (int r = 0; r < R; ++r) {
+      // digits: X = 127 q1 + q2, the sum in X's units, in float (127 s1 could pass int32); bytes: xq's units
+      const __m256 fsum = bytes ? _mm256_cvtepi32_ps(s1[r])
+                                : _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[r]), _mm256_set1_ps(127.f), _mm256_cvtepi32_ps(s2[r]));
+      __m256 part = _mm256_mul_ps(fsum, dv);
       if constexpr (T == GQ6_K) {
         const float* sums = xs.sum16.data() + (m0 + r) * (K / 16) + sb * 16;
-        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(minv), _mm256_loadu_ps(sums), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(minv + 8), _mm256_loadu_ps(sums + 8), acc[r]);
+        part = _mm256_fmadd_ps(minv[0], _mm256_loadu_ps(sums), part);
+        part = _mm256_fmadd_ps(minv[1], _mm256_loadu_ps(sums + 8), part);
       } else {
-        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(minv), _mm256_loadu_ps(xs.sum32.data() + (m0 + r) * (K / 32) + sb * 8),
-                                 acc[r]);
+        part = _mm256_fmadd_ps(minv[0], _mm256_loadu_ps(xs.sum32.data() + (m0 + r) * (K / 32) + sb * 8), part);
       }
+      if constexpr (bytes) acc[r] = _mm256_fmadd_ps(part, _mm256_set1_ps(xs.dx[(m0 + r) * S + sb]), acc[r]);
+      else acc[r] = _mm256_add_ps(acc[r], part);
     }
   }
-  for (int r = 0; r < R; ++r) y[r * N + n] = hsum(acc[r]) * xs.unit[m0 + r];
+  for (int r = 0; r < R; ++r) {
+    if constexpr (bytes) y[r * N + n] = hsum(acc[r]);
+    else y[r * N + n] = hsum(acc[r]) * xs.unit[m0 + r];
+  }
 }
 
 // A 32-block's values (code minus the type's offset; Q4_1 / Q5_1: the codes) as 16-bit integers, elements 0-15 in
@@ -554,16 +611,21 @@ void q8_0_float_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_b
   });
 }
 
+// Up to GEMM_ROWS rows of x: K-quants take x in bytes as llama.cpp does (half the integer work of two digits),
+// 32-blocks x as 16-bit words
 template <int64_t T>
 void gguf_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
-  const WordRows xs(x, M, K);
-  for_each_tile<1, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
-    if constexpr (T >= GQ4_K) {
+  if constexpr (T >= GQ4_K) {
+    const ByteRows xs(x, M, K, 256);
+    for_each_tile<1, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
       DISPATCH_ROWS(rows, (kquant_tile<T, R>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0)));
-    } else {
+    });
+  } else {
+    const WordRows xs(x, M, K);
+    for_each_tile<1, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
       DISPATCH_ROWS(rows, (block32_tile<T, R>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0)));
-    }
-  });
+    });
+  }
 }
 
 // Rows of blocks -> [N, K] values as gguf's own dequantizer computes them: A (u - off) + B, two roundings (no fused
@@ -600,9 +662,9 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t*
 // its Q8_0) become xq = x / dx rounded (dx = their max|x| / 127), stored + 128 as unsigned bytes; each thread decodes
 // a tile of 16 weight rows into signed codes s = u - off, four values of a row side by side, 8 rows a register, so
 // one dot_bytes adds four products of 8 weight rows against four values of one row of x (broadcast). Per sub-block
-// (32 values; Q6_K 16) the int32 sums times A in float, plus the mins' B times sum(xq); per scale of x, minus the
-// + 128's share G = 128 sum A sum(s), times dx. Without VNNI, vpmaddubsw keeps a pair (xq + 128) s below int16's
-// limit for every type but Q8_0 (|s| up to 128): its x stays signed and meets |s| with s's sign (vpsignb), G = 0.
+// (32 values; Q6_K 16) the int32 sums less the + 128's share Z = 128 sum(s) (exact, in int32), times A in float, plus
+// the mins' B times sum(xq); per scale of x, times dx. Without VNNI, vpmaddubsw keeps a pair (xq + 128) s below
+// int16's limit for every type but Q8_0 (|s| up to 128): its x stays signed and meets |s| with s's sign (vpsignb).
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 constexpr bool VNNI = true;
 #else
@@ -611,38 +673,6 @@ constexpr bool VNNI = false;
 constexpr int B_TILE = 16;         // weight rows a tile: two registers of 8
 constexpr int B_ROWS = 3;          // rows of x a pass: 2 x 3 int32 sums, 2 x 3 float sums, 2 x 3 results
 constexpr int64_t B_BLOCK = 256;   // rows of x a round of tiles
-
-// x [M, K] in bytes; group: values a scale, 256 or 32
-struct ByteRows {
-  std::vector<uint8_t> xu;   // [M, K] xq + 128
-  std::vector<float> dx;     // [M, K / group]
-  std::vector<float> sum32;  // [M, K / 32]: sum(xq) over each 32 values
-  ByteRows(const float* x, int64_t M, int64_t K, int64_t group) : xu(M * K), dx(M * (K / group)), sum32(M * (K / 32)) {
-    at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t b = 0; b < K / group; ++b) {
-          const float* xb = x + m * K + b * group;
-          __m256 amax = _mm256_setzero_ps();
-          const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-          for (int k = 0; k < group; k += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(xb + k), abs));
-          const float top = hmax(amax);
-          dx[m * (K / group) + b] = top / 127.f;
-          const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
-          for (int k = 0; k < group; k += 32) {
-            __m256i q[4];  // nearest (even), as kernels.cpp
-            for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + k + 8 * i), inv));
-            sum32[m * (K / 32) + (b * group + k) / 32] =
-                (float)hsum(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-            // packed: 4-byte groups 0, 2, 4, 6, 1, 3, 5, 7 of the 32 -> in order, then + 128
-            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-            const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i*)(xu.data() + m * K + b * group + k),
-                                _mm256_xor_si256(ordered, _mm256_set1_epi8((char)0x80)));
-          }
-        }
-    });
-  }
-};
 
 // 8 registers of 8 int32 lanes, transposed: lane j of register i <-> lane i of register j
 inline void transpose8(__m256i r[8]) {
@@ -656,8 +686,8 @@ inline void transpose8(__m256i r[8]) {
     r[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20), r[i + 4] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
 }
 
-// A tile of B_TILE weight rows, decoded: codes [K / 4][16 rows][4] (SIGNED_X: their magnitudes too), A and B
-// (w = A s + B) of each sub-block [K / SB][16], G of each scale of x [K / GROUP][16]
+// A tile of B_TILE weight rows, decoded: codes [K / 4][16 rows][4] (SIGNED_X: their magnitudes too), A, B (w = A s +
+// B) and Z = 128 sum(s) of each sub-block [K / SB][16] (SIGNED_X: Z = 0)
 template <int64_t T>
 struct ByteTile {
   static constexpr int SB = T == GQ6_K ? 16 : 32;
@@ -667,14 +697,15 @@ struct ByteTile {
   static constexpr int OFF = T == GQ4_0 ? 8 : T == GQ5_0 ? 16 : T == GQ6_K ? 32 : T == GQ8_0 ? 128 : 0;
   std::vector<int8_t> codes;
   std::vector<uint8_t> mag;
-  std::vector<float> A, B, G;
+  std::vector<float> A, B;
+  std::vector<int32_t> Z;
   explicit ByteTile(int64_t K)
       : codes(K * B_TILE), mag(SIGNED_X ? K * B_TILE : 0), A(K / SB * B_TILE), B(K / SB * B_TILE),
-        G(K / GROUP * B_TILE) {}
+        Z(K / SB * B_TILE) {}
 
   void decode(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t nb) {
     const int64_t blocks = K / block_elements(T);
-    std::fill(G.begin(), G.end(), 0.f);
+    std::fill(Z.begin(), Z.end(), 0);
     for (int64_t r = 0; r < B_TILE; ++r) {  // A, B and G: a row's params, a quarter of 16 values at a time
       const uint8_t* row = w + r * row_bytes;
       for (int64_t c = 0; c < (K + 63) / 64; ++c) {
@@ -695,14 +726,11 @@ struct ByteTile {
           }
           const __m256i u = codes32<T>(w + r * row_bytes, v);
           s[i] = _mm256_sub_epi8(u, _mm256_set1_epi8((char)OFF));
-          if (!SIGNED_X) {  // G: 128 A sum(s) over each 16 (sum(u) by vpsadbw, 8 bytes a lane)
+          if (!SIGNED_X) {  // Z: 128 sum(s) = 128 (sum(u) - off) over each 16 (sum(u) by vpsadbw, 8 bytes a lane)
             alignas(32) int64_t eight[4];
             _mm256_store_si256((__m256i*)eight, _mm256_sad_epu8(u, _mm256_setzero_si256()));
-            for (int q = 0; q < 2; ++q) {
-              const int64_t at = 32 * v + 16 * q;
-              const float sum = (float)(eight[2 * q] + eight[2 * q + 1] - 16 * OFF);
-              G[at / GROUP * B_TILE + r] += 128.f * A[at / SB * B_TILE + r] * sum;
-            }
+            for (int q = 0; q < 2; ++q)
+              Z[(32 * v + 16 * q) / SB * B_TILE + r] += 128 * (int32_t)(eight[2 * q] + eight[2 * q + 1] - 16 * OFF);
           }
         }
         transpose8(s);  // s[j]: values 4j .. 4j + 3 of the 32, of 8 rows
@@ -727,7 +755,7 @@ inline void store_tile_row(const float* row, float* y_row, int64_t n0, int64_t n
 }
 
 // R rows of x (from m0) against a decoded tile: per sub-block the int32 sums of each row against the tile's 16 rows
-// (two registers), times A (plus B sum(xq)); per scale of x, less G, times dx
+// (two registers) less Z, times A (plus B sum(xq)); per scale of x, times dx
 template <int64_t T, int R>
 void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, float* y, int64_t N, int64_t n0,
                int64_t nb, const int64_t* columns) {
@@ -767,9 +795,11 @@ void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, 
       }
       const int64_t sb = (g * GROUP + j * SB) / SB;
       const __m256 a0 = _mm256_loadu_ps(t.A.data() + sb * B_TILE), a1 = _mm256_loadu_ps(t.A.data() + sb * B_TILE + 8);
+      const __m256i z0 = _mm256_loadu_si256((const __m256i*)(t.Z.data() + sb * B_TILE));
+      const __m256i z1 = _mm256_loadu_si256((const __m256i*)(t.Z.data() + sb * B_TILE + 8));
       for (int r = 0; r < R; ++r) {
-        part[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][0]), a0, part[r][0]);
-        part[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][1]), a1, part[r][1]);
+        part[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][0], z0)), a0, part[r][0]);
+        part[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][1], z1)), a1, part[r][1]);
       }
       if constexpr (Tile::MINS) {  // the mins: B times sum(xq) over the 32
         const __m256 b0 = _mm256_loadu_ps(t.B.data() + sb * B_TILE), b1 = _mm256_loadu_ps(t.B.data() + sb * B_TILE + 8);
@@ -780,11 +810,10 @@ void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, 
         }
       }
     }
-    const __m256 g0 = _mm256_loadu_ps(t.G.data() + g * B_TILE), g1 = _mm256_loadu_ps(t.G.data() + g * B_TILE + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 d = _mm256_set1_ps(xs.dx[(m0 + r) * (K / GROUP) + g]);
-      out[r][0] = _mm256_fmadd_ps(_mm256_sub_ps(part[r][0], g0), d, out[r][0]);
-      out[r][1] = _mm256_fmadd_ps(_mm256_sub_ps(part[r][1], g1), d, out[r][1]);
+      out[r][0] = _mm256_fmadd_ps(part[r][0], d, out[r][0]);
+      out[r][1] = _mm256_fmadd_ps(part[r][1], d, out[r][1]);
     }
   }
   for (int r = 0; r < R; ++r) {
