@@ -135,6 +135,28 @@ def assert_prefill_product(kind: str, x: torch.Tensor, blocks: torch.Tensor, wan
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", list(quantized.GGUF_TYPES))
+def test_the_largest_codes_against_the_largest_x_stay_exact(kind):
+    """Every code at its extreme (bytes all 0xFF, then all 0x00: Q8_0's -1 and 0, the 4-bit types' 15 and 0, ...)
+    against x whose bytes are all +-127: the products' int16 pairs (AVX2's vpmaddubsw, several groups added before
+    vpmaddwd) at their largest, the prefill's and (AVX2's K-quants) the decode's results still the exact product of
+    x in bytes."""
+    _, values, size = quantized.GGUF_TYPES[kind]
+    for fill in (0xFF, 0x00, 0x80, 0x7F):
+        raw = np.full((20, 2 * 256 // values, size), fill, dtype=np.uint8)
+        for at in SCALES[kind]:
+            raw[..., at:at + 2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+        raw = raw.reshape(20, -1)
+        want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(20, 512).copy())
+        for sign in (1.0, -1.0):
+            x = torch.full((16, 512), sign)
+            x[1::2] *= torch.linspace(0.5, 1, 512)  # (every other row not all equal)
+            assert_prefill_product(kind, x, torch.from_numpy(raw), want)
+            if kernels.decode_in_bytes(kind):
+                assert_prefill_product(kind, x[:3], torch.from_numpy(raw), want)
+
+
+@needs_kernels
 @pytest.mark.parametrize("kind", ["Q6_K", "Q4_K", "Q5_0"])
 def test_prefill_over_several_weight_tiles(kind):
     """300 weight rows of 4096 inputs: 32-row tiles and a tail of 12 (AVX2: 16-row tiles and a tail of 12), x in

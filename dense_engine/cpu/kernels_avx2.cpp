@@ -5,7 +5,7 @@
 //   * 8-bit products by vpmaddubsw (unsigned x signed bytes, pairs in int16) and vpmaddwd (pairs in int32), or by one
 //     vpdpbusd where the CPU has AVX-VNNI (dot_bytes; the int8 weights' products, the same integers); int8 weights go
 //     through it as |w| times x with w's sign (pairs stay below int16's limit); int4 takes x as two int8 digits too
-//     (kernels.cpp: float32), within 1/32258 of a row's largest value;
+//     (kernels.cpp: float32), within 1/32258 of a row's largest value; K-quants decode on x in bytes (llama.cpp's);
 //   * no bfloat16 arithmetic: a long prefill's int4, nf4 and int8 GEMMs run in float32 on the dequantized tiles
 //     (oneDNN or MKL's sgemm); GGUF blocks as kernels.cpp, integer products on x in bytes (vpmaddubsw or vpdpbusd).
 // Each row of x is still summed in one fixed order whatever the tile or the batch: a row's result does not depend on
@@ -386,10 +386,11 @@ struct ByteRows {
 
 // ---- GGUF blocks as the file stores them (see kernels.cpp) -----------------------------------------------------------
 // Every type is read as unsigned codes u, 32 to a register (one byte each), with w = A (u - off) + B per sub-block.
-// K-quants: codes times each digit of x by vpmaddubsw (pairs in int16), times the sub-block's integer scale by
-// vpmaddwd (into int32), over a super-block, then once in float by d; the mins (Q4_K, Q5_K) or the offset 32 (Q6_K)
-// meet the sums of X. 32-blocks (codes16): the values u - off as 16-bit integers times X = 127 q1 + q2 by vpmaddwd,
-// a block at a time, then by d.
+// K-quants, decoding: codes times x in bytes (llama.cpp's Q8_K: one product a code where kernels.cpp's two digits
+// take two) by vpmaddubsw (pairs in int16), times the sub-block's integer scale by vpmaddwd (into int32), over a
+// super-block, then once in float by d; the mins (Q4_K, Q5_K) or the offset 32 (Q6_K) meet the sums of xq.
+// 32-blocks (codes16): the values u - off as 16-bit integers times X = 127 q1 + q2 by vpmaddwd, a block at a time,
+// then by d. A prefill (byte_pass, below): kernels.cpp's tiles.
 
 // 32 bits -> 32 bytes, byte j 0xFF where bit j is set
 inline __m256i bits_to_bytes(uint32_t bits) {
@@ -440,12 +441,12 @@ inline __m256i codes32(const uint8_t* row, int64_t v) {
   }
 }
 
-// One weight row of a K-quant type against R rows of x, a super-block at a time (8 registers of 32 codes). x as two
-// digits (WordRows: the sums of codes times each, in int32) or in bytes (ByteRows: one sum, times its 256's dx)
-template <int64_t T, int R, typename Rows>
-void kquant_tile(const Rows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
+// One weight row of a K-quant type against R rows of x in bytes (a scale per 256), a super-block at a time (8
+// registers of 32 codes): codes times xq (vpmaddubsw) times the sub-block's integer scale (vpmaddwd) in int32, then
+// d in float, the mins (Q4_K, Q5_K) or the offset 32 (Q6_K) against the sums of xq, times the 256's dx
+template <int64_t T, int R>
+void kquant_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
                  int64_t N, int64_t n) {
-  constexpr bool bytes = std::is_same_v<Rows, ByteRows>;
   const int64_t S = K / 256;
   const uint8_t* row = w + n * row_bytes;
   __m256 acc[R];
@@ -453,7 +454,7 @@ void kquant_tile(const Rows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes
   for (int64_t sb = 0; sb < S; ++sb) {
     const uint8_t* blk = row + sb * block_bytes(T);
     for (int line = 0; line < block_bytes(T); line += 64) _mm_prefetch((const char*)blk + AHEAD + line, _MM_HINT_T1);
-    // the sub-blocks' integer scales (int16 lanes, for vpmaddwd) and what each sub-block's sum of X is multiplied by
+    // the sub-blocks' integer scales (int16 lanes, for vpmaddwd) and what each sub-block's sum of xq is multiplied by
     // (minv: Q4_K / Q5_K -dmin m, 8 lanes; Q6_K -32 d scale, 16), in registers: no scalar loop a super-block
     __m128i scales;  // Q4_K / Q5_K: 8 int16; Q6_K: 16 int8
     __m256 minv[2];
@@ -471,8 +472,8 @@ void kquant_tile(const Rows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes
       minv[0] = _mm256_mul_ps(_mm256_set1_ps(-half_at(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
       minv[1] = _mm256_setzero_ps();
     }
-    __m256i s1[R], s2[R];
-    for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm256_setzero_si256();
+    __m256i sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
     for (int v = 0; v < 8; ++v) {
       const __m256i u = codes32<T>(row, sb * 8 + v);
       // sub-block v's scale in every lane (Q6_K: 2v's in the low 128 bits, 2v + 1's in the high)
@@ -480,25 +481,15 @@ void kquant_tile(const Rows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes
                                           2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v + 1, 2 * v + 1,
                                           2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1)))
                                     : _mm256_broadcastw_epi16(_mm_shuffle_epi8(scales, _mm_set1_epi16((short)(0x0100 + 0x0202 * v))));
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < R; ++r) {  // xq (the stored xq + 128 with its top bit flipped) times the codes (< 64)
         const int64_t at = (m0 + r) * K + sb * 256 + 32 * v;
-        if constexpr (bytes) {  // xq (signed) times the codes
-          const __m256i a = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(xs.xu.data() + at)), _mm256_set1_epi8((char)0x80));
-          s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), sc));
-        } else {
-          const __m256i a = _mm256_loadu_si256((const __m256i*)(xs.digits.q1.data() + at));
-          const __m256i c = _mm256_loadu_si256((const __m256i*)(xs.digits.q2.data() + at));
-          s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), sc));
-          s2[r] = _mm256_add_epi32(s2[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, c), sc));
-        }
+        const __m256i a = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(xs.xu.data() + at)), _mm256_set1_epi8((char)0x80));
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), sc));
       }
     }
     const __m256 dv = _mm256_set1_ps(d);
     for (int r = 0; r < R; ++r) {
-      // digits: X = 127 q1 + q2, the sum in X's units, in float (127 s1 could pass int32); bytes: xq's units
-      const __m256 fsum = bytes ? _mm256_cvtepi32_ps(s1[r])
-                                : _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[r]), _mm256_set1_ps(127.f), _mm256_cvtepi32_ps(s2[r]));
-      __m256 part = _mm256_mul_ps(fsum, dv);
+      __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(sum[r]), dv);
       if constexpr (T == GQ6_K) {
         const float* sums = xs.sum16.data() + (m0 + r) * (K / 16) + sb * 16;
         part = _mm256_fmadd_ps(minv[0], _mm256_loadu_ps(sums), part);
@@ -506,14 +497,10 @@ void kquant_tile(const Rows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes
       } else {
         part = _mm256_fmadd_ps(minv[0], _mm256_loadu_ps(xs.sum32.data() + (m0 + r) * (K / 32) + sb * 8), part);
       }
-      if constexpr (bytes) acc[r] = _mm256_fmadd_ps(part, _mm256_set1_ps(xs.dx[(m0 + r) * S + sb]), acc[r]);
-      else acc[r] = _mm256_add_ps(acc[r], part);
+      acc[r] = _mm256_fmadd_ps(part, _mm256_set1_ps(xs.dx[(m0 + r) * S + sb]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if constexpr (bytes) y[r * N + n] = hsum(acc[r]);
-    else y[r * N + n] = hsum(acc[r]) * xs.unit[m0 + r];
-  }
+  for (int r = 0; r < R; ++r) y[r * N + n] = hsum(acc[r]);
 }
 
 // A 32-block's values (code minus the type's offset; Q4_1 / Q5_1: the codes) as 16-bit integers, elements 0-15 in
@@ -694,6 +681,9 @@ struct ByteTile {
   static constexpr int64_t GROUP = T >= GQ4_K ? 256 : 32;
   static constexpr bool MINS = T == GQ4_K || T == GQ5_K || T == GQ4_1 || T == GQ5_1;
   static constexpr bool SIGNED_X = T == GQ8_0 && !VNNI;
+  // groups of four whose vpmaddubsw pairs add in int16 before vpmaddwd: 2 (xq + 128) |s| PACK stays below 32768 (|s|
+  // <= 16: 4; <= 32: 2); with VNNI, one vpdpbusd a group
+  static constexpr int PACK = VNNI || SIGNED_X ? 1 : (T == GQ4_0 || T == GQ4_1 || T == GQ5_0 || T == GQ4_K) ? 4 : 2;
   static constexpr int OFF = T == GQ4_0 ? 8 : T == GQ5_0 ? 16 : T == GQ6_K ? 32 : T == GQ8_0 ? 128 : 0;
   std::vector<int8_t> codes;
   std::vector<uint8_t> mag;
@@ -706,13 +696,26 @@ struct ByteTile {
   void decode(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t nb) {
     const int64_t blocks = K / block_elements(T);
     std::fill(Z.begin(), Z.end(), 0);
-    for (int64_t r = 0; r < B_TILE; ++r) {  // A, B and G: a row's params, a quarter of 16 values at a time
+    for (int64_t r = 0; r < B_TILE; ++r) {  // A and B of each sub-block, a block at a time (rows past nb: 0)
       const uint8_t* row = w + r * row_bytes;
-      for (int64_t c = 0; c < (K + 63) / 64; ++c) {
-        float a[4] = {}, off[4] = {}, b[4] = {};
-        if (r < nb) chunk_params<T>(row, c, blocks, a, off, b);
-        for (int q = 0; q < 4 && 64 * c + 16 * q < K; ++q)
-          if ((16 * q) % SB == 0) A[(64 * c + 16 * q) / SB * B_TILE + r] = a[q], B[(64 * c + 16 * q) / SB * B_TILE + r] = b[q];
+      for (int64_t k = 0; k < blocks; ++k) {
+        const uint8_t* blk = row + k * block_bytes(T);
+        float* a = A.data() + k * (block_elements(T) / SB) * B_TILE + r;
+        float* b = B.data() + k * (block_elements(T) / SB) * B_TILE + r;
+        if (r >= nb) {
+          for (int j = 0; j < block_elements(T) / SB; ++j) a[j * B_TILE] = b[j * B_TILE] = 0.f;
+        } else if constexpr (T == GQ6_K) {  // (as chunk_params: the dequantizer's values)
+          const float d = half_at(blk + 208);
+          for (int j = 0; j < 16; ++j) a[j * B_TILE] = d * (float)(int8_t)blk[192 + j], b[j * B_TILE] = 0.f;
+        } else if constexpr (T == GQ4_K || T == GQ5_K) {
+          uint8_t sm[16];
+          _mm_storeu_si128((__m128i*)sm, kquant_scales(blk + 4));
+          const float d = half_at(blk), dmin = half_at(blk + 2);
+          for (int j = 0; j < 8; ++j) a[j * B_TILE] = d * (float)sm[j], b[j * B_TILE] = -(dmin * (float)sm[8 + j]);
+        } else {
+          float off;
+          block_params<T>(blk, a[0], off, b[0]);
+        }
       }
     }
     for (int half = 0; half < 2; ++half)
@@ -773,23 +776,34 @@ void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, 
       const int64_t first = (g * GROUP + j * SB) / 4;  // the sub-block's first group of four values
       __m256i sum[R][2];
       for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
-      _Pragma("GCC unroll 8") for (int q = 0; q < SB / 4; ++q) {
-        const int64_t at = (first + q) * 64;
-        const __m256i w0 = _mm256_loadu_si256((const __m256i*)(t.codes.data() + at));
-        const __m256i w1 = _mm256_loadu_si256((const __m256i*)(t.codes.data() + at + 32));
+      _Pragma("GCC unroll 8") for (int q = 0; q < SB / 4; q += Tile::PACK) {
         for (int r = 0; r < R; ++r) {
-          int32_t four;
-          memcpy(&four, x + r * K + (first + q) * 4, 4);
-          const __m256i xb = _mm256_set1_epi32(four);
+          const auto bytes_at = [&](int i) {  // four values of row r's x, in every lane
+            int32_t four;
+            memcpy(&four, x + r * K + (first + q + i) * 4, 4);
+            return _mm256_set1_epi32(four);
+          };
+          const auto codes_at = [&](const auto* v, int i, int h) {
+            return _mm256_loadu_si256((const __m256i*)(v + (first + q + i) * 64 + 32 * h));
+          };
           if constexpr (Tile::SIGNED_X) {  // |s| times xq with s's sign
-            const __m256i xq = _mm256_xor_si256(xb, flip);
-            const __m256i m0v = _mm256_loadu_si256((const __m256i*)(t.mag.data() + at));
-            const __m256i m1v = _mm256_loadu_si256((const __m256i*)(t.mag.data() + at + 32));
-            sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(m0v, _mm256_sign_epi8(xq, w0)), ones));
-            sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(m1v, _mm256_sign_epi8(xq, w1)), ones));
-          } else {
-            sum[r][0] = dot_bytes(sum[r][0], xb, w0);
-            sum[r][1] = dot_bytes(sum[r][1], xb, w1);
+            const __m256i xq = _mm256_xor_si256(bytes_at(0), flip);
+            for (int h = 0; h < 2; ++h)
+              sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(
+                  codes_at(t.mag.data(), 0, h), _mm256_sign_epi8(xq, codes_at(t.codes.data(), 0, h))), ones));
+          } else if constexpr (Tile::PACK == 1) {
+            const __m256i xb = bytes_at(0);
+            for (int h = 0; h < 2; ++h) sum[r][h] = dot_bytes(sum[r][h], xb, codes_at(t.codes.data(), 0, h));
+          } else {  // PACK groups' pairs added in int16, then one vpmaddwd
+            __m256i pairs[2];
+            for (int i = 0; i < Tile::PACK; ++i) {
+              const __m256i xb = bytes_at(i);
+              for (int h = 0; h < 2; ++h) {
+                const __m256i p = _mm256_maddubs_epi16(xb, codes_at(t.codes.data(), i, h));
+                pairs[h] = i ? _mm256_add_epi16(pairs[h], p) : p;
+              }
+            }
+            for (int h = 0; h < 2; ++h) sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(pairs[h], ones));
           }
         }
       }
