@@ -421,8 +421,9 @@ inline __m256i codes32(const uint8_t* row, int64_t v) {
     const __m256i ql = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32 * i));
     const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
     const __m256i nib = _mm256_and_si256(k ? _mm256_srli_epi16(ql, 4) : ql, low4);
-    const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 4 * k + 2 * i), _mm256_set1_epi8(3));
-    return _mm256_or_si256(nib, _mm256_slli_epi16(top, 4));
+    const int at = 4 * k + 2 * i;  // the two bits moved to bits 4-5 (a constant where the caller's loop unrolls)
+    const __m256i moved = at < 4 ? _mm256_slli_epi16(qh, 4 - at) : at > 4 ? _mm256_srli_epi16(qh, at - 4) : qh;
+    return _mm256_or_si256(nib, _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
   } else {
     const uint8_t* blk = row + v * block_bytes(T);
     if constexpr (T == GQ8_0) {
@@ -474,7 +475,7 @@ void kquant_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_b
     }
     __m256i sum[R];
     for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
-    for (int v = 0; v < 8; ++v) {
+    _Pragma("GCC unroll 8") for (int v = 0; v < 8; ++v) {
       const __m256i u = codes32<T>(row, sb * 8 + v);
       // sub-block v's scale in every lane (Q6_K: 2v's in the low 128 bits, 2v + 1's in the high)
       const __m256i sc = T == GQ6_K ? _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_setr_epi8(
@@ -598,23 +599,6 @@ void q8_0_float_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_b
   });
 }
 
-// Up to GEMM_ROWS rows of x: K-quants take x in bytes as llama.cpp does (half the integer work of two digits),
-// 32-blocks x as 16-bit words
-template <int64_t T>
-void gguf_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
-  if constexpr (T >= GQ4_K) {
-    const ByteRows xs(x, M, K, 256);
-    for_each_tile<1, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
-      DISPATCH_ROWS(rows, (kquant_tile<T, R>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0)));
-    });
-  } else {
-    const WordRows xs(x, M, K);
-    for_each_tile<1, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
-      DISPATCH_ROWS(rows, (block32_tile<T, R>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0)));
-    });
-  }
-}
-
 // Rows of blocks -> [N, K] values as gguf's own dequantizer computes them: A (u - off) + B, two roundings (no fused
 // multiply-adds), A, off and B per 16 values (chunk_params)
 template <int64_t T, typename Out>
@@ -673,6 +657,24 @@ inline void transpose8(__m256i r[8]) {
     r[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20), r[i + 4] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
 }
 
+// A and B (w = A s + B) of each sub-block of one block, to a[j * stride] and b[j * stride] for sub-block j: the
+// dequantizer's values (as chunk_params)
+template <int64_t T>
+inline void block_scales(const uint8_t* blk, float* a, float* b, int64_t stride) {
+  if constexpr (T == GQ6_K) {
+    const float d = half_at(blk + 208);
+    for (int j = 0; j < 16; ++j) a[j * stride] = d * (float)(int8_t)blk[192 + j], b[j * stride] = 0.f;
+  } else if constexpr (T == GQ4_K || T == GQ5_K) {
+    uint8_t sm[16];
+    _mm_storeu_si128((__m128i*)sm, kquant_scales(blk + 4));
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    for (int j = 0; j < 8; ++j) a[j * stride] = d * (float)sm[j], b[j * stride] = -(dmin * (float)sm[8 + j]);
+  } else {
+    float off;
+    block_params<T>(blk, a[0], off, b[0]);
+  }
+}
+
 // A tile of B_TILE weight rows, decoded: codes [K / 4][16 rows][4] (SIGNED_X: their magnitudes too), A, B (w = A s +
 // B) and Z = 128 sum(s) of each sub-block [K / SB][16] (SIGNED_X: Z = 0)
 template <int64_t T>
@@ -702,20 +704,8 @@ struct ByteTile {
         const uint8_t* blk = row + k * block_bytes(T);
         float* a = A.data() + k * (block_elements(T) / SB) * B_TILE + r;
         float* b = B.data() + k * (block_elements(T) / SB) * B_TILE + r;
-        if (r >= nb) {
-          for (int j = 0; j < block_elements(T) / SB; ++j) a[j * B_TILE] = b[j * B_TILE] = 0.f;
-        } else if constexpr (T == GQ6_K) {  // (as chunk_params: the dequantizer's values)
-          const float d = half_at(blk + 208);
-          for (int j = 0; j < 16; ++j) a[j * B_TILE] = d * (float)(int8_t)blk[192 + j], b[j * B_TILE] = 0.f;
-        } else if constexpr (T == GQ4_K || T == GQ5_K) {
-          uint8_t sm[16];
-          _mm_storeu_si128((__m128i*)sm, kquant_scales(blk + 4));
-          const float d = half_at(blk), dmin = half_at(blk + 2);
-          for (int j = 0; j < 8; ++j) a[j * B_TILE] = d * (float)sm[j], b[j * B_TILE] = -(dmin * (float)sm[8 + j]);
-        } else {
-          float off;
-          block_params<T>(blk, a[0], off, b[0]);
-        }
+        if (r < nb) block_scales<T>(blk, a, b, B_TILE);
+        else for (int j = 0; j < block_elements(T) / SB; ++j) a[j * B_TILE] = b[j * B_TILE] = 0.f;
       }
     }
     for (int half = 0; half < 2; ++half)
@@ -834,6 +824,23 @@ void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, 
     alignas(32) float row[B_TILE];
     _mm256_store_ps(row, out[r][0]), _mm256_store_ps(row + 8, out[r][1]);
     store_tile_row(row, y + (m0 + r) * N, n0, nb, columns);
+  }
+}
+
+// Up to GEMM_ROWS rows of x: K-quants take x in bytes as llama.cpp does (half the integer work of two digits),
+// 32-blocks x as 16-bit words
+template <int64_t T>
+void gguf_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
+  if constexpr (T >= GQ4_K) {
+    const ByteRows xs(x, M, K, 256);
+    for_each_tile<1, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
+      DISPATCH_ROWS(rows, (kquant_tile<T, R>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0)));
+    });
+  } else {
+    const WordRows xs(x, M, K);
+    for_each_tile<1, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
+      DISPATCH_ROWS(rows, (block32_tile<T, R>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0)));
+    });
   }
 }
 
