@@ -620,9 +620,9 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t*
 // become xq = x / dx rounded (dx = their max|x| / 127), stored + 128 as unsigned bytes. Each thread decodes a tile
 // of 32 weight rows into signed codes s = u - off, four values of a row side by side, 16 rows a register (k-group g of the tile: 128 bytes), so one
 // vpdpbusd adds four products of 16 rows against four values of one row of x (broadcast). Per sub-block (32 values;
-// Q6_K 16) the int32 sums sum(s (xq + 128)) less their + 128's share (Z = 128 sum(s), the weights' own: exact in
-// int32, where a float difference of the two large sums lost digits) times A in float; per super-block, times dx; the
-// mins (Q4_K, Q5_K) times sum(xq) over their 32 before it. The result is the dequantized weights' product with x rounded to 8 bits a value (to float32's rounding of the sums):
+// Q6_K 16) the int32 sums sum(s (xq + 128)) less their + 128's share (they start at Z = -128 sum(s), the weights' own:
+// exact in int32, where a float difference of the two large sums lost digits) times A in float; per super-block,
+// times dx; the mins (Q4_K, Q5_K) times sum(xq) over their 32 before it. The result is the dequantized weights' product with x rounded to 8 bits a value (to float32's rounding of the sums):
 // 1.4-1.5x the rate of oneDNN's bfloat16 GEMM on weights already dequantized, on Zen 4 and 5 (BENCHMARKS.md).
 // 32-blocks (BlockTile, q8_pass32) the same with a scale of x per block: per block, sums less Z, times A, times dx.
 constexpr int Q8_TILE = 32;  // weight rows a tile: two registers of 16
@@ -690,7 +690,7 @@ inline void transpose16(__m512i r[16]) {
 }
 
 // A tile of Q8_TILE weight rows, decoded for q8_pass: codes [K / 4][32 rows][4], A and B (w = A (u - off) + B) of
-// each 16 values [K / 16][32], Z = 128 sum(s) of each sub-block [K / 16][32] (SB 32: at its first 16's)
+// each 16 values [K / 16][32], Z = -128 sum(s) of each sub-block [K / 16][32] (SB 32: at its first 16's)
 template <int64_t T>
 struct ByteTile {
   static constexpr int SB = T == GQ6_K ? 16 : 32, OFF = T == GQ6_K ? 32 : 0;
@@ -734,18 +734,21 @@ struct ByteTile {
         }
         for (int q = 0; q < 4; q += SB / 16) {
           const __m512i zs = SB == 16 ? z[q] : _mm512_add_epi32(z[q], z[q + 1]);
-          _mm512_storeu_si512(Z.data() + (4 * c + q) * Q8_TILE + 16 * half, _mm512_slli_epi32(zs, 7));
+          _mm512_storeu_si512(Z.data() + (4 * c + q) * Q8_TILE + 16 * half,
+                              _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(zs, 7)));
         }
       }
     }
   }
 };
 
-// The int32 sums of G groups of four values (from group `first`) of R rows of x (bytes, + 128) against a decoded
-// tile's 32 rows: one vpdpbusd adds four products of 16 weight rows against one row's four values (broadcast)
+// The int32 sums, from z0 / z1, of G groups of four values (from group `first`) of R rows of x (bytes, + 128) against
+// a decoded tile's 32 rows: one vpdpbusd adds four products of 16 weight rows against one row's four values
+// (broadcast)
 template <int R, int G>
-inline void byte_sums(const int8_t* codes, const uint8_t* x, int64_t K, int64_t first, __m512i sum[R][2]) {
-  for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+inline void byte_sums(const int8_t* codes, const uint8_t* x, int64_t K, int64_t first, __m512i z0, __m512i z1,
+                      __m512i sum[R][2]) {
+  for (int r = 0; r < R; ++r) sum[r][0] = z0, sum[r][1] = z1;
   _Pragma("GCC unroll 8") for (int g = 0; g < G; ++g) {
     const int64_t group = first + g;
     const __m512i w0 = _mm512_loadu_si512(codes + group * 4 * Q8_TILE), w1 = _mm512_loadu_si512(codes + group * 4 * Q8_TILE + 64);
@@ -784,13 +787,13 @@ void q8_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, fl
     for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
     for (int q = 0; q < 256 / SB; ++q) {
       __m512i sum[R][2];
-      byte_sums<R, SB / 4>(codes, x, K, b * 64 + q * (SB / 4), sum);
       const int64_t at = (b * 16 + q * (SB / 16)) * Q8_TILE;  // (SB 32: its first 16's A, B and Z)
+      byte_sums<R, SB / 4>(codes, x, K, b * 64 + q * (SB / 4), _mm512_loadu_si512(t.Z.data() + at),
+                           _mm512_loadu_si512(t.Z.data() + at + 16), sum);
       const __m512 a0 = _mm512_loadu_ps(t.A.data() + at), a1 = _mm512_loadu_ps(t.A.data() + at + 16);
-      const __m512i z0 = _mm512_loadu_si512(t.Z.data() + at), z1 = _mm512_loadu_si512(t.Z.data() + at + 16);
       for (int r = 0; r < R; ++r) {
-        part[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][0], z0)), a0, part[r][0]);
-        part[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][1], z1)), a1, part[r][1]);
+        part[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), a0, part[r][0]);
+        part[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), a1, part[r][1]);
       }
       if constexpr (T != GQ6_K) {  // the mins: B times sum(xq) over the 32
         const __m512 b0 = _mm512_loadu_ps(t.B.data() + at), b1 = _mm512_loadu_ps(t.B.data() + at + 16);
@@ -811,7 +814,7 @@ void q8_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, fl
 }
 
 // A tile of Q8_TILE weight rows of a 32-block type: codes as ByteTile's (s = u - off: Q8_0's own int8), and of each
-// block [K / 32][32 rows] A and B (w = A s + B) and Z = 128 sum(s), the codes' share of x's + 128
+// block [K / 32][32 rows] A and B (w = A s + B) and Z = -128 sum(s), the codes' share of x's + 128 (the sums' start)
 template <int64_t T>
 struct BlockTile {
   static constexpr char OFF = T == GQ4_0 ? 8 : T == GQ5_0 ? 16 : T == GQ8_0 ? (char)128 : 0;
@@ -843,13 +846,14 @@ struct BlockTile {
         for (int q = 0; q < 2 && 2 * c + q < blocks; ++q) {
           __m512i sum = _mm512_setzero_si512();
           for (int j = 8 * q; j < 8 * q + 8; ++j) sum = _mm512_dpbusd_epi32(sum, ones, u[j]);
-          _mm512_storeu_si512(Z.data() + (2 * c + q) * Q8_TILE + 16 * half, _mm512_slli_epi32(sum, 7));
+          _mm512_storeu_si512(Z.data() + (2 * c + q) * Q8_TILE + 16 * half,
+                              _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
         }
       }
   }
 };
 
-// R rows of x (from m0, a scale dx per 32) against a decoded 32-block tile: per block, the int32 sums less Z times A,
+// R rows of x (from m0, a scale dx per 32) against a decoded 32-block tile: per block, the int32 sums (from Z) times A,
 // plus B times sum(xq), times dx, into 2 x R float sums in registers
 template <int64_t T, int R>
 void q8_pass32(const ByteRows& xs, int64_t m0, const BlockTile<T>& t, int64_t K, float* y, int64_t N, int64_t n0,
@@ -861,13 +865,12 @@ void q8_pass32(const ByteRows& xs, int64_t m0, const BlockTile<T>& t, int64_t K,
   const uint8_t* x = xs.xu.data() + m0 * K;
   for (int64_t k = 0; k < blocks; ++k) {
     __m512i sum[R][2];
-    byte_sums<R, 8>(codes, x, K, k * 8, sum);
     const int64_t at = k * Q8_TILE;
+    byte_sums<R, 8>(codes, x, K, k * 8, _mm512_loadu_si512(t.Z.data() + at), _mm512_loadu_si512(t.Z.data() + at + 16), sum);
     const __m512 a0 = _mm512_loadu_ps(t.A.data() + at), a1 = _mm512_loadu_ps(t.A.data() + at + 16);
-    const __m512i z0 = _mm512_loadu_si512(t.Z.data() + at), z1 = _mm512_loadu_si512(t.Z.data() + at + 16);
     for (int r = 0; r < R; ++r) {
-      __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][0], z0)), a0);
-      __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][1], z1)), a1);
+      __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(sum[r][0]), a0);
+      __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(sum[r][1]), a1);
       if constexpr (T == GQ4_1 || T == GQ5_1) {  // the mins: B times sum(xq) over the block
         const __m512 s = _mm512_set1_ps(xs.sum32[(m0 + r) * blocks + k]);
         v0 = _mm512_fmadd_ps(_mm512_loadu_ps(t.B.data() + at), s, v0);

@@ -633,7 +633,7 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t*
 // its Q8_0) become xq = x / dx rounded (dx = their max|x| / 127), stored + 128 as unsigned bytes; each thread decodes
 // a tile of 16 weight rows into signed codes s = u - off, four values of a row side by side, 8 rows a register, so
 // one dot_bytes adds four products of 8 weight rows against four values of one row of x (broadcast). Per sub-block
-// (32 values; Q6_K 16) the int32 sums less the + 128's share Z = 128 sum(s) (exact, in int32), times A in float, plus
+// (32 values; Q6_K 16) the int32 sums, which start at Z = -128 sum(s) (the + 128's share, exact), times A in float, plus
 // the mins' B times sum(xq); per scale of x, times dx. Without VNNI, vpmaddubsw keeps a pair (xq + 128) s below
 // int16's limit for every type but Q8_0 (|s| up to 128): its x stays signed and meets |s| with s's sign (vpsignb).
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
@@ -676,7 +676,7 @@ inline void block_scales(const uint8_t* blk, float* a, float* b, int64_t stride)
 }
 
 // A tile of B_TILE weight rows, decoded: codes [K / 4][16 rows][4] (SIGNED_X: their magnitudes too), A, B (w = A s +
-// B) and Z = 128 sum(s) of each sub-block [K / SB][16] (SIGNED_X: Z = 0)
+// B) and Z = -128 sum(s) of each sub-block [K / SB][16] (SIGNED_X: Z = 0)
 template <int64_t T>
 struct ByteTile {
   static constexpr int SB = T == GQ6_K ? 16 : 32;
@@ -719,11 +719,11 @@ struct ByteTile {
           }
           const __m256i u = codes32<T>(w + r * row_bytes, v);
           s[i] = _mm256_sub_epi8(u, _mm256_set1_epi8((char)OFF));
-          if (!SIGNED_X) {  // Z: 128 sum(s) = 128 (sum(u) - off) over each 16 (sum(u) by vpsadbw, 8 bytes a lane)
+          if (!SIGNED_X) {  // Z: -128 sum(s) = -128 (sum(u) - off) over each 16 (sum(u) by vpsadbw, 8 bytes a lane)
             alignas(32) int64_t eight[4];
             _mm256_store_si256((__m256i*)eight, _mm256_sad_epu8(u, _mm256_setzero_si256()));
             for (int q = 0; q < 2; ++q)
-              Z[(32 * v + 16 * q) / SB * B_TILE + r] += 128 * (int32_t)(eight[2 * q] + eight[2 * q + 1] - 16 * OFF);
+              Z[(32 * v + 16 * q) / SB * B_TILE + r] -= 128 * (int32_t)(eight[2 * q] + eight[2 * q + 1] - 16 * OFF);
           }
         }
         transpose8(s);  // s[j]: values 4j .. 4j + 3 of the 32, of 8 rows
@@ -748,7 +748,7 @@ inline void store_tile_row(const float* row, float* y_row, int64_t n0, int64_t n
 }
 
 // R rows of x (from m0) against a decoded tile: per sub-block the int32 sums of each row against the tile's 16 rows
-// (two registers) less Z, times A (plus B sum(xq)); per scale of x, times dx
+// (two registers) from Z, times A (plus B sum(xq)); per scale of x, times dx
 template <int64_t T, int R>
 void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, float* y, int64_t N, int64_t n0,
                int64_t nb, const int64_t* columns) {
@@ -764,8 +764,10 @@ void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, 
     for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm256_setzero_ps();
     for (int j = 0; j < GROUP / SB; ++j) {
       const int64_t first = (g * GROUP + j * SB) / 4;  // the sub-block's first group of four values
+      const int64_t sb = (g * GROUP + j * SB) / SB;
       __m256i sum[R][2];
-      for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) sum[r][h] = _mm256_loadu_si256((const __m256i*)(t.Z.data() + sb * B_TILE + 8 * h));
       _Pragma("GCC unroll 8") for (int q = 0; q < SB / 4; q += Tile::PACK) {
         for (int r = 0; r < R; ++r) {
           const auto bytes_at = [&](int i) {  // four values of row r's x, in every lane
@@ -797,13 +799,10 @@ void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, 
           }
         }
       }
-      const int64_t sb = (g * GROUP + j * SB) / SB;
       const __m256 a0 = _mm256_loadu_ps(t.A.data() + sb * B_TILE), a1 = _mm256_loadu_ps(t.A.data() + sb * B_TILE + 8);
-      const __m256i z0 = _mm256_loadu_si256((const __m256i*)(t.Z.data() + sb * B_TILE));
-      const __m256i z1 = _mm256_loadu_si256((const __m256i*)(t.Z.data() + sb * B_TILE + 8));
       for (int r = 0; r < R; ++r) {
-        part[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][0], z0)), a0, part[r][0]);
-        part[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][1], z1)), a1, part[r][1]);
+        part[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][0]), a0, part[r][0]);
+        part[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][1]), a1, part[r][1]);
       }
       if constexpr (Tile::MINS) {  // the mins: B times sum(xq) over the 32
         const __m256 b0 = _mm256_loadu_ps(t.B.data() + sb * B_TILE), b1 = _mm256_loadu_ps(t.B.data() + sb * B_TILE + 8);
