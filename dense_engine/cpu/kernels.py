@@ -150,8 +150,8 @@ def prefill_in_bytes() -> bool:
 
 def decode_in_bytes(kind: str) -> bool:
     """Whether a GGUF linear of up to GEMM_ROWS rows (decoding) takes x rounded to 8 bits too: K-quants on
-    kernels_avx2.cpp (llama.cpp's Q8_K: one product a code where two int8 digits took two, 1.2-1.9x faster measured;
-    BENCHMARKS.md). Elsewhere x as two int8 digits, within 1/32258 of a row's largest value."""
+    kernels_avx2.cpp (llama.cpp's Q8_K: one product a code where two int8 digits took two, 1.6-1.9x faster at 12
+    rows; BENCHMARKS.md). Elsewhere x as two int8 digits, within 1/32258 of a row's largest value."""
     return available() and _state.get("source") == "kernels_avx2.cpp" and kind.endswith("_K")
 
 
