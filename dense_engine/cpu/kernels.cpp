@@ -762,17 +762,6 @@ inline void byte_sums(const int8_t* codes, const uint8_t* x, int64_t K, int64_t 
   }
 }
 
-// A pass's result for one row of x, the tile's weight rows n0 .. n0 + nb - 1: into y's row (its columns[n] for
-// weight row n where columns is given)
-inline void store_tile_row(const float* row, float* y_row, int64_t n0, int64_t nb, const int64_t* columns) {
-  if (columns) {
-    for (int64_t j = 0; j < nb; ++j) y_row[columns[n0 + j]] = row[j];
-    return;
-  }
-  _mm512_mask_storeu_ps(y_row + n0, lanes(nb), _mm512_loadu_ps(row));
-  _mm512_mask_storeu_ps(y_row + n0 + 16, lanes(std::max<int64_t>(0, nb - 16)), _mm512_loadu_ps(row + 16));
-}
-
 // R rows of x (from m0) against a decoded tile: 2 x R int32 sums and 2 x R float sums of a super-block in registers,
 // the running result in memory (L1)
 template <int64_t T, int R>

@@ -142,6 +142,12 @@ void gemm_by_tiles(const at::Tensor& x_, int64_t N, float* y, int64_t ldy, const
   });
 }
 
+// A GGUF prefill pass's result for one row of x, a tile's weight rows n0 .. n0 + nb - 1: into y's row (its
+// columns[n] for weight row n where columns is given: a fused projection's part)
+inline void store_tile_row(const float* row, float* y_row, int64_t n0, int64_t nb, const int64_t* columns) {
+  for (int64_t j = 0; j < nb; ++j) y_row[columns ? columns[n0 + j] : n0 + j] = row[j];
+}
+
 enum : int64_t { GQ4_0 = 2, GQ4_1 = 3, GQ5_0 = 6, GQ5_1 = 7, GQ8_0 = 8, GQ4_K = 12, GQ5_K = 13, GQ6_K = 14 };
 
 constexpr int64_t block_elements(int64_t t) { return t >= GQ4_K ? 256 : 32; }

@@ -736,17 +736,6 @@ struct ByteTile {
   }
 };
 
-// A pass's result for one row of x, the tile's weight rows n0 .. n0 + nb - 1: into y's row (its columns[n] for
-// weight row n where columns is given)
-inline void store_tile_row(const float* row, float* y_row, int64_t n0, int64_t nb, const int64_t* columns) {
-  if (columns) {
-    for (int64_t j = 0; j < nb; ++j) y_row[columns[n0 + j]] = row[j];
-    return;
-  }
-  _mm256_maskstore_ps(y_row + n0, lanes8(nb), _mm256_loadu_ps(row));
-  _mm256_maskstore_ps(y_row + n0 + 8, lanes8(std::max<int64_t>(0, nb - 8)), _mm256_loadu_ps(row + 8));
-}
-
 // R rows of x (from m0) against a decoded tile: per sub-block the int32 sums of each row against the tile's 16 rows
 // (two registers) from Z, times A (plus B sum(xq)); per scale of x, times dx
 template <int64_t T, int R>
