@@ -349,14 +349,15 @@ void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float*
 }
 
 // x [M, K] rounded to 8 bits a value, as llama.cpp's activations: each `group` values (256: its Q8_K; 32: its Q8_0)
-// xq = x / dx rounded, dx = their max|x| / 127; stored + 128 as unsigned bytes (the prefill's tiles take them so;
-// the K-quant decode flips the top bit back)
+// xq = x / dx rounded, dx = their max|x| / 127; stored + 128 as unsigned bytes for the prefill's tiles (plus128), as
+// signed bytes for the K-quant decode (codes times xq)
 struct ByteRows {
-  std::vector<uint8_t> xu;   // [M, K] xq + 128
+  std::vector<uint8_t> xu;   // [M, K] xq + 128 (plus128) or xq
   std::vector<float> dx;     // [M, K / group]
   std::vector<float> sum16, sum32;  // [M, K / 16], [M, K / 32]: sum(xq) over each 16 and 32 values
-  ByteRows(const float* x, int64_t M, int64_t K, int64_t group)
+  ByteRows(const float* x, int64_t M, int64_t K, int64_t group, bool plus128)
       : xu(M * K), dx(M * (K / group)), sum16(M * (K / 16)), sum32(M * (K / 32)) {
+    const __m256i top_bit = _mm256_set1_epi8(plus128 ? (char)0x80 : 0);
     at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)
         for (int64_t b = 0; b < K / group; ++b) {
@@ -373,11 +374,10 @@ struct ByteRows {
             const int64_t at = m * K + b * group + k;
             const int32_t low = hsum(_mm256_add_epi32(q[0], q[1])), high = hsum(_mm256_add_epi32(q[2], q[3]));
             sum16[at / 16] = (float)low, sum16[at / 16 + 1] = (float)high, sum32[at / 32] = (float)(low + high);
-            // packed: 4-byte groups 0, 2, 4, 6, 1, 3, 5, 7 of the 32 -> in order, then + 128
+            // packed: 4-byte groups 0, 2, 4, 6, 1, 3, 5, 7 of the 32 -> in order, then (plus128) + 128
             const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
             const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i*)(xu.data() + m * K + b * group + k),
-                                _mm256_xor_si256(ordered, _mm256_set1_epi8((char)0x80)));
+            _mm256_storeu_si256((__m256i*)(xu.data() + m * K + b * group + k), _mm256_xor_si256(ordered, top_bit));
           }
         }
     });
@@ -482,9 +482,8 @@ void kquant_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_b
                                           2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v + 1, 2 * v + 1,
                                           2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1)))
                                     : _mm256_broadcastw_epi16(_mm_shuffle_epi8(scales, _mm_set1_epi16((short)(0x0100 + 0x0202 * v))));
-      for (int r = 0; r < R; ++r) {  // xq (the stored xq + 128 with its top bit flipped) times the codes (< 64)
-        const int64_t at = (m0 + r) * K + sb * 256 + 32 * v;
-        const __m256i a = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(xs.xu.data() + at)), _mm256_set1_epi8((char)0x80));
+      for (int r = 0; r < R; ++r) {  // the codes (< 64) times xq (signed bytes)
+        const __m256i a = _mm256_loadu_si256((const __m256i*)(xs.xu.data() + (m0 + r) * K + sb * 256 + 32 * v));
         sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), sc));
       }
     }
@@ -820,7 +819,7 @@ void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, 
 template <int64_t T>
 void gguf_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
   if constexpr (T >= GQ4_K) {
-    const ByteRows xs(x, M, K, 256);
+    const ByteRows xs(x, M, K, 256, false);
     for_each_tile<1, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
       DISPATCH_ROWS(rows, (kquant_tile<T, R>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0)));
     });
@@ -837,7 +836,7 @@ template <int64_t T>
 void gguf_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
                   const int64_t* columns) {
   const int64_t M = x.size(0), K = x.size(1);
-  const ByteRows xs(x.data_ptr<float>(), M, K, block_elements(T));
+  const ByteRows xs(x.data_ptr<float>(), M, K, block_elements(T), true);
   const int64_t tiles = (N + B_TILE - 1) / B_TILE;
   for (int64_t first = 0; first < M; first += B_BLOCK) {  // a tile passes over B_BLOCK rows from the thread's cache
     const int64_t last = std::min(M, first + B_BLOCK);
