@@ -14,6 +14,10 @@ llama-cpp-python is built from source in a side virtualenv, for this machine's i
     ~/llamavenv/bin/pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/sdist
     CMAKE_ARGS="-DGGML_NATIVE=ON" ~/llamavenv/bin/pip install /tmp/sdist/llama_cpp_python-*.tar.gz numpy
 
+An AVX2 machine's rows on an AVX-512 one: llama.cpp in a second venv built with CMAKE_ARGS="-DGGML_NATIVE=OFF
+-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF", and
+this engine run as `DENSE_KERNELS=avx2 python bench/llamacpp.py --llama-python AVX2VENV/bin/python ...`.
+
 Models: "smollm2" is the default model's own Q4_1 GGUF (SmolLM2-135M-Instruct); "tinyllama" is a 1.1B Llama of
 TinyLlama's shape (22 layers, 2048 wide, GQA 32/4, FFN 5632; SmolLM2's vocabulary), "llama-3.2-1b" one of Llama 3.2
 1B's (16 layers, 2048 wide, GQA 32/8, FFN 8192, its 128256-token vocabulary, tied head, Llama 3's rope_freqs), and
