@@ -620,11 +620,13 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t*
 // become xq = x / dx rounded (dx = their max|x| / 127), stored + 128 as unsigned bytes. Each thread decodes a tile
 // of 32 weight rows into signed codes s = u - off, four values of a row side by side, 16 rows a register (k-group g of the tile: 128 bytes), so one
 // vpdpbusd adds four products of 16 rows against four values of one row of x (broadcast). Per sub-block (32 values;
-// Q6_K 16) the int32 sums sum(s (xq + 128)) less their + 128's share (they start at Z = -128 sum(s), the weights' own:
-// exact in int32, where a float difference of the two large sums lost digits) times A in float; per super-block,
-// times dx; the mins (Q4_K, Q5_K) times sum(xq) over their 32 before it. The result is the dequantized weights' product with x rounded to 8 bits a value (to float32's rounding of the sums):
-// 1.4-1.5x the rate of oneDNN's bfloat16 GEMM on weights already dequantized, on Zen 4 and 5 (BENCHMARKS.md).
-// 32-blocks (BlockTile, q8_pass32) the same with a scale of x per block: per block, sums less Z, times A, times dx.
+// Q6_K 16) the int32 sums sum(s (xq + 128)) less their + 128's share (they start at Z = -128 sum(s), the weights'
+// own: exact in int32, where a float difference of the two large sums lost digits) times A in float; per
+// super-block, times dx; the mins (Q4_K, Q5_K) times sum(xq) over their 32 before it. The result is the dequantized
+// weights' product with x rounded to 8 bits a value (to float32's rounding of the sums): 1.4-1.5x the rate of
+// oneDNN's bfloat16 GEMM on weights already dequantized, on Zen 4 and 5 (BENCHMARKS.md).
+// 32-blocks (BlockTile, q8_pass32) the same with a scale of x per block: per block, the sums (from Z) times A, times
+// dx.
 constexpr int Q8_TILE = 32;  // weight rows a tile: two registers of 16
 constexpr int Q8_ROWS = 6;   // rows of x a pass: 2 x 6 int32 sums and 2 x 6 float sums in registers
 constexpr int64_t Q8_BLOCK = 256;  // rows of x a round of tiles

@@ -15,7 +15,8 @@ $XDG_CACHE_HOME/dense-engine/kernels/ (or ~/.cache/...), keyed by the source, to
 into later processes as is: kernels.cpp on a CPU with AVX-512 VNNI and BF16 (AMD Zen 4 and later, Intel Sapphire
 Rapids and later), kernels_avx2.cpp on one with AVX2 and FMA only (AMD Zen 1-3, Intel's laptops and desktops since
 Alder Lake): the same operators in 8-lane registers, int4 on two int8 digits of x too, long int4/nf4/int8 prefills as
-float32 GEMMs (no bfloat16 arithmetic there), GGUF prefills by integer products as kernels.cpp's. Without a compiler, or on an older CPU, everything runs on PyTorch's own kernels
+float32 GEMMs (no bfloat16 arithmetic there), GGUF prefills by integer products as kernels.cpp's. Without a compiler,
+or on an older CPU, everything runs on PyTorch's own kernels
 (`DENSE_KERNELS=0` forces that; `DENSE_KERNELS=avx2` takes kernels_avx2.cpp on an AVX-512 CPU too, built without
 AVX-512 as such a CPU runs it, `avx2-vnni` with AVX-512 VNNI's 256-bit vpdpbusd standing in for AVX-VNNI's). Stands on
 dense.py (its KV cache, which this file's CPU cache subclasses).

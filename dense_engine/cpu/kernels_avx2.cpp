@@ -350,7 +350,7 @@ void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float*
 
 // x [M, K] rounded to 8 bits a value, as llama.cpp's activations: each `group` values (256: its Q8_K; 32: its Q8_0)
 // xq = x / dx rounded, dx = their max|x| / 127; stored + 128 as unsigned bytes for the prefill's tiles (plus128), as
-// signed bytes for the K-quant decode (codes times xq)
+// signed bytes for the K-quant decode and Q8_0's prefill without VNNI (codes or |s| times xq)
 struct ByteRows {
   std::vector<uint8_t> xu;   // [M, K] xq + 128 (plus128) or xq
   std::vector<float> dx;     // [M, K / group]
@@ -470,7 +470,8 @@ void kquant_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_b
       const __m128i sm = kquant_scales(blk + 4);  // scales in bytes 0-7, mins in 8-15
       d = half_at(blk);
       scales = _mm_cvtepu8_epi16(sm);
-      minv[0] = _mm256_mul_ps(_mm256_set1_ps(-half_at(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+      const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+      minv[0] = _mm256_mul_ps(_mm256_set1_ps(-half_at(blk + 2)), mins);
       minv[1] = _mm256_setzero_ps();
     }
     __m256i sum[R];
@@ -478,10 +479,10 @@ void kquant_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_b
     _Pragma("GCC unroll 8") for (int v = 0; v < 8; ++v) {
       const __m256i u = codes32<T>(row, sb * 8 + v);
       // sub-block v's scale in every lane (Q6_K: 2v's in the low 128 bits, 2v + 1's in the high)
-      const __m256i sc = T == GQ6_K ? _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_setr_epi8(
-                                          2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v + 1, 2 * v + 1,
-                                          2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1)))
-                                    : _mm256_broadcastw_epi16(_mm_shuffle_epi8(scales, _mm_set1_epi16((short)(0x0100 + 0x0202 * v))));
+      const char a = (char)(2 * v), b = (char)(2 * v + 1);
+      const __m256i sc = T == GQ6_K
+          ? _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)))
+          : _mm256_broadcastw_epi16(_mm_shuffle_epi8(scales, _mm_set1_epi16((short)(0x0100 + 0x0202 * v))));
       for (int r = 0; r < R; ++r) {  // the codes (< 64) times xq (signed bytes)
         const __m256i a = _mm256_loadu_si256((const __m256i*)(xs.xu.data() + (m0 + r) * K + sb * 256 + 32 * v));
         sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), sc));
@@ -632,9 +633,9 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t*
 // its Q8_0) become xq = x / dx rounded (dx = their max|x| / 127), stored + 128 as unsigned bytes; each thread decodes
 // a tile of 16 weight rows into signed codes s = u - off, four values of a row side by side, 8 rows a register, so
 // one dot_bytes adds four products of 8 weight rows against four values of one row of x (broadcast). Per sub-block
-// (32 values; Q6_K 16) the int32 sums, which start at Z = -128 sum(s) (the + 128's share, exact), times A in float, plus
-// the mins' B times sum(xq); per scale of x, times dx. Without VNNI, vpmaddubsw keeps a pair (xq + 128) s below
-// int16's limit for every type but Q8_0 (|s| up to 128): its x stays signed and meets |s| with s's sign (vpsignb).
+// (32 values; Q6_K 16) the int32 sums, which start at Z = -128 sum(s) (the + 128's share, exact), times A in float,
+// plus the mins' B times sum(xq); per scale of x, times dx. Without VNNI, vpmaddubsw keeps a pair (xq + 128) s below
+// int16's limit for every type but Q8_0 (|s| up to 128): its x is stored signed and meets |s| with s's sign (vpsignb).
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 constexpr bool VNNI = true;
 #else
@@ -647,7 +648,8 @@ constexpr int64_t B_BLOCK = 256;   // rows of x a round of tiles
 // 8 registers of 8 int32 lanes, transposed: lane j of register i <-> lane i of register j
 inline void transpose8(__m256i r[8]) {
   __m256i t[8], u[8];
-  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 2)
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
   for (int i = 0; i < 8; i += 4) {
     u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
     u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]), u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
@@ -743,7 +745,7 @@ void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, 
   using Tile = ByteTile<T>;
   constexpr int SB = Tile::SB;
   constexpr int64_t GROUP = Tile::GROUP;
-  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 out[R][2];
   for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
   const uint8_t* x = xs.xu.data() + m0 * K;
@@ -766,8 +768,8 @@ void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, 
           const auto codes_at = [&](const auto* v, int i, int h) {
             return _mm256_loadu_si256((const __m256i*)(v + (first + q + i) * 64 + 32 * h));
           };
-          if constexpr (Tile::SIGNED_X) {  // |s| times xq with s's sign
-            const __m256i xq = _mm256_xor_si256(bytes_at(0), flip);
+          if constexpr (Tile::SIGNED_X) {  // |s| times xq (stored signed) with s's sign
+            const __m256i xq = bytes_at(0);
             for (int h = 0; h < 2; ++h)
               sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(
                   codes_at(t.mag.data(), 0, h), _mm256_sign_epi8(xq, codes_at(t.codes.data(), 0, h))), ones));
@@ -836,7 +838,7 @@ template <int64_t T>
 void gguf_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
                   const int64_t* columns) {
   const int64_t M = x.size(0), K = x.size(1);
-  const ByteRows xs(x.data_ptr<float>(), M, K, block_elements(T), true);
+  const ByteRows xs(x.data_ptr<float>(), M, K, block_elements(T), !ByteTile<T>::SIGNED_X);
   const int64_t tiles = (N + B_TILE - 1) / B_TILE;
   for (int64_t first = 0; first < M; first += B_BLOCK) {  // a tile passes over B_BLOCK rows from the thread's cache
     const int64_t last = std::min(M, first + B_BLOCK);
