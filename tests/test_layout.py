@@ -6,6 +6,8 @@ import ast
 import glob
 import os
 import re
+import subprocess
+import sys
 
 import tomllib
 
@@ -107,6 +109,15 @@ def test_the_floor_rule_finds_upward_imports():
 
 def test_dense_imports_only_torch():
     assert project_imports()["dense"] == set()
+
+
+def test_the_programs_import_no_compiler_until_they_compile():
+    """sympy (torch's symbolic shapes, 0.3 s) and the compiler are imported when a graph is traced or a compiled step
+    loaded, not by the programs' imports: a warm one-shot run never traces."""
+    code = ("import sys, chat, serve, dense_engine.api; "
+            "print(sorted(m for m in ('sympy', 'torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    found = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "[]"
 
 
 def test_the_cycle_finder_finds_cycles():

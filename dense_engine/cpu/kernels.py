@@ -34,7 +34,6 @@ import tempfile
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import dense
 from dense_engine.system.errors import first_line
@@ -233,12 +232,22 @@ def register_shapes() -> None:
         blocks.shape[0], k, dtype=torch.bfloat16 if bf16 else torch.float32))
 
 
+def known_true(condition) -> bool:
+    """A plain bool as it is; a symbolic one (a compile with dynamic sizes) whether it holds at every size.
+    symbolic_shapes imports sympy (0.3 s): imported when a graph is traced, not at every start."""
+    if isinstance(condition, bool):
+        return condition
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(condition)
+
+
 def use_kernel(x: torch.Tensor, rows: int | None = MAX_ROWS) -> bool:
     """Whether x goes to a kernel of kernels.cpp (rows=None: at any number of rows; the quantized kernels multiply
     long inputs as bfloat16 GEMMs themselves). In a graph whose row count is dynamic (generate.py's prefill step),
     the many-rows path: the graph cannot depend on a number it does not know."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and (
-        rows is None or statically_known_true(x.numel() // x.shape[-1] <= rows))
+        rows is None or known_true(x.numel() // x.shape[-1] <= rows))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -295,7 +304,7 @@ class KVCache(dense.KVCache):
         self.write(step, k, v)
         # a prefill chunk after earlier tokens: one masked SDPA over the slots in use (a compiled prefill step, whose
         # length is dynamic, up to generate.PREFILL_CHUNK: the kernel)
-        if statically_known_true(q.shape[2] > PER_QUERY_TOKENS):
+        if known_true(q.shape[2] > PER_QUERY_TOKENS):
             return self.attend_chunk(q, step, view, scale, softcap)
         empty = step.input_pos.new_empty(0)
         start = step.row_start if step.row_start is not None else empty

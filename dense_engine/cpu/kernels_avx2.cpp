@@ -68,6 +68,8 @@ void f32_tile(const float* x, const float* w, int64_t K, float* y, int64_t N, in
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     __m256 wv[NB];
+    if (k % 16 == 0)  // each weight row AHEAD bytes on, a line at a time (as the int8 tile)
+      for (int j = 0; j < NB; ++j) _mm_prefetch((const char*)(w + (n0 + j) * K + k) + AHEAD, _MM_HINT_T1);
     for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_ps(w + (n0 + j) * K + k);
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * K + k);
@@ -166,6 +168,8 @@ void int8_tile(const DigitRows& xs, int64_t m0, const uint8_t* w, const float* s
   const __m256i flip = _mm256_set1_epi8((char)0x80);
   for (int64_t k = 0; k < K; k += 32) {
     __m256i wabs[NB], wsgn[NB];
+    if (k % 64 == 0)  // each weight row AHEAD bytes on (the hardware prefetcher alone falls well behind here)
+      for (int j = 0; j < NB; ++j) _mm_prefetch((const char*)(w + (n0 + j) * K + k) + AHEAD, _MM_HINT_T1);
     for (int j = 0; j < NB; ++j) {
       const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + (n0 + j) * K + k)), flip);  // int8
       wabs[j] = _mm256_abs_epi8(wv), wsgn[j] = wv;
