@@ -233,10 +233,11 @@ def register_shapes() -> None:
 
 
 def known_true(condition) -> bool:
-    """A plain bool as it is; a symbolic one (a compile with dynamic sizes) whether it holds at every size.
-    symbolic_shapes imports sympy (0.3 s): imported when a graph is traced, not at every start."""
-    if isinstance(condition, bool):
-        return condition
+    """condition itself when eager; while a graph is traced (dynamic sizes), whether it holds at every size.
+    symbolic_shapes imports sympy (0.3 s): imported when a graph is traced, not at every start. (Not isinstance:
+    the tracer reports a symbolic bool as a bool.)"""
+    if not torch.compiler.is_compiling():
+        return bool(condition)
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return statically_known_true(condition)
