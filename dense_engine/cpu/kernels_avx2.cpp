@@ -60,7 +60,7 @@ constexpr int64_t AHEAD = 8192;  // bytes ahead of a weight row's loads, into L2
 
 // ---- float32 weights --------------------------------------------------------------------------------------------
 
-template <int R, int NB>
+template <int R, int NB, bool AHEAD_OF_MEMORY = true>  // (false: weights already in the cache, f32_rows' tiles)
 void f32_tile(const float* x, const float* w, int64_t K, float* y, int64_t N, int64_t n0) {
   __m256 acc[R][NB];
   for (int r = 0; r < R; ++r)
@@ -68,7 +68,7 @@ void f32_tile(const float* x, const float* w, int64_t K, float* y, int64_t N, in
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     __m256 wv[NB];
-    if (k % 16 == 0)  // each weight row AHEAD bytes on, a line at a time (as the int8 tile)
+    if (AHEAD_OF_MEMORY && k % 16 == 0)  // each weight row AHEAD bytes on, a line at a time (as the int8 tile)
       for (int j = 0; j < NB; ++j) _mm_prefetch((const char*)(w + (n0 + j) * K + k) + AHEAD, _MM_HINT_T1);
     for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_ps(w + (n0 + j) * K + k);
     for (int r = 0; r < R; ++r) {
@@ -112,8 +112,8 @@ void f32_rows(const float* x, int64_t M, const float* w, int64_t nb, int64_t K, 
   for (int64_t m0 = 0; m0 < M; m0 += 4) {  // 2 weight rows against up to 4 rows of x, as f32_tiles
     const int64_t rows = std::min<int64_t>(4, M - m0);
     int64_t j = 0;
-    for (; j + 2 <= nb; j += 2) DISPATCH_ROWS(rows, (f32_tile<R, 2>(x + m0 * K, w, K, y + m0 * ldy, ldy, j)));
-    for (; j < nb; ++j) DISPATCH_ROWS(rows, (f32_tile<R, 1>(x + m0 * K, w, K, y + m0 * ldy, ldy, j)));
+    for (; j + 2 <= nb; j += 2) DISPATCH_ROWS(rows, (f32_tile<R, 2, false>(x + m0 * K, w, K, y + m0 * ldy, ldy, j)));
+    for (; j < nb; ++j) DISPATCH_ROWS(rows, (f32_tile<R, 1, false>(x + m0 * K, w, K, y + m0 * ldy, ldy, j)));
   }
 }
 
