@@ -152,6 +152,32 @@ def test_int8_kernel_is_the_dequantized_weights_product(M, N, K):
 
 
 @needs_kernels
+@pytest.mark.parametrize("M, N, K", [(33, 7, 64), (40, 64, 576), (200, 33, 192), (64, 20, 4096)])
+def test_a_long_int8_prefill_is_the_product_of_x_in_bytes(M, N, K):
+    """Past INT8_ROWS rows (a prompt prefilled in one pass) kernels_avx2.cpp rounds x to 8 bits a value, a scale per
+    32 (llama.cpp's Q8_0 activations: xq = round(x * 127 / max|x|), in float32) and multiplies in integers: the exact
+    product of those values with the dequantized weights, to float32's rounding of the sums; kernels.cpp's path is a
+    bfloat16 GEMM (x rounded to bfloat16, the codes exact in it, the sums rounded to bfloat16 before the scales)."""
+    torch.manual_seed(M + N + K)
+    x = torch.randn(M, K) * torch.rand(M, 1) * 3
+    x[:, 5] = 30  # an outlier channel coarsens its own 32 only
+    q = quantized.int8_quantize(torch.randn(N, K))
+    packed = kernels.pack_int8(q["weight"], q["scales"])
+    y = kernels.linear_int8(x, packed["kernel_weight"], packed["kernel_scales"])
+    weight = q["weight"].double() * q["scales"].double()[:, None]
+    if kernels.digits_for_int4():  # (kernels_avx2.cpp)
+        groups = x.reshape(M, -1, 32)
+        top = groups.abs().amax(-1, keepdim=True)
+        xq = torch.round(groups * torch.where(top > 0, 127 / top, torch.zeros_like(top))).double() * (top / 127).double()
+        want = xq.reshape(M, K) @ weight.T
+        assert rel(y, want) < 1e-6
+        assert rel(y, x.double() @ weight.T) > 1e-4  # (not x in float32 or in digits)
+    else:
+        want = (x.bfloat16().double() @ q["weight"].double().T).bfloat16().double() * q["scales"].double()
+        assert rel(y, want) < 1e-5
+
+
+@needs_kernels
 def test_int8_linear_takes_the_kernel_at_every_length_of_a_dynamic_prefill():
     """kernels.linear_int8 in a graph whose row count is dynamic (2..32, as generate.py's prefill step) multiplies
     by the kernel (x in two int8 digits: within 1/32258 of each row's largest value), not by a bfloat16 GEMM on the

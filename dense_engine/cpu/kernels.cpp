@@ -188,6 +188,11 @@ void int8_tiles(const float* xp, const uint8_t* wp, const float* sp, int64_t M, 
   });
 }
 
+// Past INT8_ROWS rows of x kernels.py multiplies by bfloat16 GEMMs (AVX512-BF16); the op's own answer: the tiles
+void int8_prefill(const at::Tensor& x, const uint8_t* w, const float* s, int64_t N, float* y) {
+  int8_tiles(x.data_ptr<float>(), w, s, x.size(0), x.size(1), y, N);
+}
+
 // ---- int4 weights, llama.cpp's Q4_1 grid: w = d * code + m per block of 32 --------------------------------------
 // Per row and block: 16 bytes, byte j holding code j (low nibble) and code j + 16 (high nibble); d and m float32
 // [N, K/32]. Per block, a register holds the block's 16 values d * c + m (one FMA); vpermps looks the codes up in

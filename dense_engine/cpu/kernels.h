@@ -460,6 +460,9 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_t, const at::Tens
 // the tensors, take x [..., K] as rows [M, K] and pick the path.
 void f32_tiles(const float* x, const float* w, int64_t M, int64_t K, float* y, int64_t N);
 void int8_tiles(const float* x, const uint8_t* w, const float* s, int64_t M, int64_t K, float* y, int64_t N);
+// y [M, N] = x [M, K] w^T past INT8_ROWS rows of x (a long prefill; kernels.py sends kernels.cpp's to bfloat16 GEMMs)
+void int8_prefill(const at::Tensor& x, const uint8_t* w, const float* s, int64_t N, float* y);
+constexpr int64_t INT8_ROWS = 32;  // (kernels.py's: every length of a compiled prefill step)
 void int4_tiles(const float* x, const uint8_t* q, const float* d, const float* mn, int64_t M, int64_t K, float* y,
                 int64_t N);
 void nf4_tiles(const float* x, const uint8_t* q, const float* absmax, const float* code, int64_t M, int64_t K, float* y,
@@ -500,7 +503,10 @@ at::Tensor linear_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tens
   TORCH_CHECK(x.K % 64 == 0 && x.K <= 65536 && w.size(1) == x.K && w.is_contiguous() && s.numel() == N,
               "linear_int8: bad shapes");  // (K <= 65536: the int32 sums cannot overflow)
   auto y = output_like(x_, N);
-  int8_tiles(x.data(), w.data_ptr<uint8_t>(), s.data_ptr<float>(), x.M, x.K, y.data_ptr<float>(), N);
+  if (x.M > INT8_ROWS)
+    int8_prefill(x.t, w.data_ptr<uint8_t>(), s.data_ptr<float>(), N, y.data_ptr<float>());
+  else
+    int8_tiles(x.data(), w.data_ptr<uint8_t>(), s.data_ptr<float>(), x.M, x.K, y.data_ptr<float>(), N);
   return y;
 }
 

@@ -14,8 +14,9 @@ The library is compiled on first use with the system C++ compiler against the in
 $XDG_CACHE_HOME/dense-engine/kernels/ (or ~/.cache/...), keyed by the source, torch version and CPU, and loaded
 into later processes as is: kernels.cpp on a CPU with AVX-512 VNNI and BF16 (AMD Zen 4 and later, Intel Sapphire
 Rapids and later), kernels_avx2.cpp on one with AVX2 and FMA only (AMD Zen 1-3, Intel's laptops and desktops since
-Alder Lake): the same operators in 8-lane registers, int4 on two int8 digits of x too, long int4/nf4/int8 prefills as
-float32 GEMMs (no bfloat16 arithmetic there), GGUF prefills by integer products as kernels.cpp's. Without a compiler,
+Alder Lake): the same operators in 8-lane registers, int4 on two int8 digits of x too, long int4/nf4 prefills as
+float32 GEMMs (no bfloat16 arithmetic there), GGUF prefills by integer products as kernels.cpp's, and int8 ones too
+(x rounded to 8 bits a value, llama.cpp's Q8_0 activations). Without a compiler,
 or on an older CPU, everything runs on PyTorch's own kernels
 (`DENSE_KERNELS=0` forces that; `DENSE_KERNELS=avx2` takes kernels_avx2.cpp on an AVX-512 CPU too, built without
 AVX-512 as such a CPU runs it, `avx2-vnni` with AVX-512 VNNI's 256-bit vpdpbusd standing in for AVX-VNNI's). Stands on
@@ -46,8 +47,9 @@ SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"},
            "kernels_avx2.cpp": {"avx2", "fma", "f16c"}}
 # Up to this many rows of x our float32 kernel beats PyTorch's (BENCHMARKS.md); beyond, a matmul is compute-bound
 # and runs as one BLAS GEMM (for float32, MKL also sums in the order the families' references do: their logits bit
-# for bit). The int8 kernel serves up to INT8_ROWS: every length of a compiled prefill step (generate.PREFILL_CHUNK),
-# whose row count is dynamic (at 32 rows it is 2.5x the GEMM on its converted weight with AVX-512, 4x with AVX2).
+# for bit). The int8 kernel (x in two digits) serves up to INT8_ROWS: every length of a compiled prefill step
+# (generate.PREFILL_CHUNK), whose row count is dynamic (at 32 rows it is 2.5x the GEMM on its converted weight with
+# AVX-512, 4x with AVX2); past it kernels_avx2.cpp's op multiplies x in bytes, kernels.cpp's callers a bfloat16 GEMM.
 # The int4, nf4 and GGUF kernels decide for themselves past GEMM_ROWS (kernels.cpp's): int4 and nf4 run bfloat16
 # GEMMs on tiles of the weight they dequantize (2-3x float32's rate; AVX2 float32), GGUF blocks integer dot products
 # on x in bytes (both ISAs).
@@ -437,13 +439,13 @@ def pack_int8(weight: torch.Tensor, scales: torch.Tensor) -> dict:
 
 def linear_int8(x: torch.Tensor, packed_weight: torch.Tensor, packed_scales: torch.Tensor) -> torch.Tensor:
     if packed_scales.dtype == torch.float32:
-        if use_kernel(x, INT8_ROWS):
+        # past INT8_ROWS kernels_avx2.cpp multiplies in bytes (x rounded to 8 bits a value, llama.cpp's Q8_0
+        # activations); with AVX512-BF16 a long prefill is the weight in bfloat16 once, then one bfloat16 GEMM
+        avx2 = _state.get("source") == "kernels_avx2.cpp"
+        if use_kernel(x, None if avx2 else INT8_ROWS):
             return torch.ops.dense_kernels.linear_int8(x, packed_weight, packed_scales)
-        # a long prefill is compute-bound: the weight in bfloat16 once, then one bfloat16 GEMM (2-3x float32's rate
-        # with AVX512-BF16; without it, bfloat16 is emulated at a seventh of float32's: float32 there)
-        dtype = torch.bfloat16 if _state.get("source") == "kernels.cpp" else torch.float32
-        w = (packed_weight.to(torch.int16) - 128).to(dtype)
-        return (F.linear(x.to(dtype), w).float() * packed_scales).to(x.dtype)
+        w = (packed_weight.to(torch.int16) - 128).to(torch.bfloat16)
+        return (F.linear(x.to(torch.bfloat16), w).float() * packed_scales).to(x.dtype)
     y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), packed_weight, packed_scales)
     return y.to(x.dtype).reshape(*x.shape[:-1], packed_weight.shape[0])
 

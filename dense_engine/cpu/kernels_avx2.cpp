@@ -6,8 +6,9 @@
 //     vpdpbusd where the CPU has AVX-VNNI (dot_bytes; the int8 weights' products, the same integers); int8 weights go
 //     through it as |w| times x with w's sign (pairs stay below int16's limit); int4 takes x as two int8 digits too
 //     (kernels.cpp: float32), within 1/32258 of a row's largest value; K-quants decode on x in bytes (llama.cpp's);
-//   * no bfloat16 arithmetic: a long prefill's int4, nf4 and int8 GEMMs run in float32 on the dequantized tiles
-//     (oneDNN or MKL's sgemm); GGUF blocks as kernels.cpp, integer products on x in bytes (vpmaddubsw or vpdpbusd).
+//   * no bfloat16 arithmetic: a long prefill's int4 and nf4 GEMMs run in float32 on the dequantized tiles (oneDNN
+//     or MKL's sgemm); GGUF blocks as kernels.cpp, integer products on x in bytes (vpmaddubsw or vpdpbusd), and int8
+//     weights past INT8_ROWS the same way (kernels.cpp: bfloat16 GEMMs), read as 32-blocks of a scale a row.
 // Each row of x is still summed in one fixed order whatever the tile or the batch: a row's result does not depend on
 // the other rows.
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
@@ -405,11 +406,17 @@ inline __m256i bits_to_bytes(uint32_t bits) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
 }
 
+// Not a GGUF type: an int8 linear's rows (int8 + 128, a float32 scale a row) read as 32-blocks whose A is the row's
+// scale, for its long prefill (int8_prefill, below)
+constexpr int64_t GINT8 = -1;
+
 // Values 32v .. 32v + 31 of a row as codes u, one a byte. blocks: the row's 32-blocks (K-quants: unused)
 template <int64_t T>
 inline __m256i codes32(const uint8_t* row, int64_t v) {
   const __m256i low4 = _mm256_set1_epi8(15);
-  if constexpr (T == GQ4_K || T == GQ5_K) {  // 32 bytes of qs: sub-block 2g low nibbles, 2g + 1 high ones
+  if constexpr (T == GINT8) {  // int8 weights, stored + 128
+    return _mm256_loadu_si256((const __m256i*)(row + 32 * v));
+  } else if constexpr (T == GQ4_K || T == GQ5_K) {  // 32 bytes of qs: sub-block 2g low nibbles, 2g + 1 high ones
     const uint8_t* blk = row + (v / 8) * block_bytes(T);
     const int s = v % 8, g = s / 2;
     const __m256i z = _mm256_loadu_si256((const __m256i*)(blk + (T == GQ4_K ? 16 : 48) + 32 * g));
@@ -687,11 +694,11 @@ struct ByteTile {
   static constexpr int SB = T == GQ6_K ? 16 : 32;
   static constexpr int64_t GROUP = T >= GQ4_K ? 256 : 32;
   static constexpr bool MINS = T == GQ4_K || T == GQ5_K || T == GQ4_1 || T == GQ5_1;
-  static constexpr bool SIGNED_X = T == GQ8_0 && !VNNI;
+  static constexpr bool SIGNED_X = (T == GQ8_0 || T == GINT8) && !VNNI;
   // groups of four whose vpmaddubsw pairs add in int16 before vpmaddwd: 2 (xq + 128) |s| PACK stays below 32768 (|s|
   // <= 16: 4; <= 32: 2); with VNNI, one vpdpbusd a group
   static constexpr int PACK = VNNI || SIGNED_X ? 1 : (T == GQ4_0 || T == GQ4_1 || T == GQ5_0 || T == GQ4_K) ? 4 : 2;
-  static constexpr int OFF = T == GQ4_0 ? 8 : T == GQ5_0 ? 16 : T == GQ6_K ? 32 : T == GQ8_0 ? 128 : 0;
+  static constexpr int OFF = T == GQ4_0 ? 8 : T == GQ5_0 ? 16 : T == GQ6_K ? 32 : T == GQ8_0 || T == GINT8 ? 128 : 0;
   std::vector<int8_t> codes;
   std::vector<uint8_t> mag;
   std::vector<float> A, B;
@@ -700,7 +707,8 @@ struct ByteTile {
       : codes(K * B_TILE), mag(SIGNED_X ? K * B_TILE : 0), A(K / SB * B_TILE), B(K / SB * B_TILE),
         Z(K / SB * B_TILE) {}
 
-  void decode(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t nb) {
+  // (row_scales: GINT8's scale of each of the nb rows)
+  void decode(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t nb, const float* row_scales) {
     const int64_t blocks = K / block_elements(T);
     std::fill(Z.begin(), Z.end(), 0);
     for (int64_t r = 0; r < B_TILE; ++r) {  // A and B of each sub-block, a block at a time (rows past nb: 0)
@@ -709,8 +717,9 @@ struct ByteTile {
         const uint8_t* blk = row + k * block_bytes(T);
         float* a = A.data() + k * (block_elements(T) / SB) * B_TILE + r;
         float* b = B.data() + k * (block_elements(T) / SB) * B_TILE + r;
-        if (r < nb) block_scales<T>(blk, a, b, B_TILE);
-        else for (int j = 0; j < block_elements(T) / SB; ++j) a[j * B_TILE] = b[j * B_TILE] = 0.f;
+        if (r >= nb) for (int j = 0; j < block_elements(T) / SB; ++j) a[j * B_TILE] = b[j * B_TILE] = 0.f;
+        else if constexpr (T == GINT8) a[0] = row_scales[r], b[0] = 0.f;
+        else block_scales<T>(blk, a, b, B_TILE);
       }
     }
     for (int half = 0; half < 2; ++half)
@@ -837,10 +846,10 @@ void gguf_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, 
   }
 }
 
-// y [M, ldy] (its columns[n] for weight row n; columns null: y [M, N]) = x [M, K] w^T
+// y [M, ldy] (its columns[n] for weight row n; columns null: y [M, N]) = x [M, K] w^T (GINT8: row_scales [N])
 template <int64_t T>
-void gguf_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
-                  const int64_t* columns) {
+void byte_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
+                  const int64_t* columns, const float* row_scales) {
   const int64_t M = x.size(0), K = x.size(1);
   const ByteRows xs(x.data_ptr<float>(), M, K, block_elements(T), !ByteTile<T>::SIGNED_X);
   const int64_t tiles = (N + B_TILE - 1) / B_TILE;
@@ -851,7 +860,7 @@ void gguf_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int6
       ByteTile<T> tile(K);
       for (int64_t t = next++; t < tiles; t = next++) {
         const int64_t n0 = t * B_TILE, nb = std::min<int64_t>(B_TILE, N - n0);
-        tile.decode(w + n0 * row_bytes, row_bytes, K, nb);
+        tile.decode(w + n0 * row_bytes, row_bytes, K, nb, row_scales ? row_scales + n0 : nullptr);
         for (int64_t m0 = first; m0 < last; m0 += B_ROWS)
           switch (std::min<int64_t>(B_ROWS, last - m0)) {
             case 1: byte_pass<T, 1>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
@@ -861,6 +870,18 @@ void gguf_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int6
       }
     });
   }
+}
+
+template <int64_t T>
+void gguf_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
+                  const int64_t* columns) {
+  byte_prefill<T>(x, w, row_bytes, N, y, ldy, columns, nullptr);
+}
+
+// An int8 linear past INT8_ROWS rows of x, as a Q8_0 file's prefill: x rounded to 8 bits a value, a scale per 32
+// (llama.cpp's Q8_0 activations), integer products (kernels.cpp: bfloat16 GEMMs, kernels.py's)
+void int8_prefill(const at::Tensor& x, const uint8_t* w, const float* s, int64_t N, float* y) {
+  byte_prefill<GINT8>(x, w, x.size(1), N, y, N, nullptr, s);
 }
 
 // ---- attention over the cache (kernels.h; kernels.cpp says how) ------------------------------------------------------
