@@ -319,37 +319,85 @@ void nf4_rows(const uint8_t* qp, const float* ap, const float* code, int64_t K, 
     }
 }
 
-template <int R>
-void nf4_tile(const float* x, const uint8_t* q, const float* absmax, const NF4Table& table, int64_t K, float* y,
-              int64_t N, int64_t n) {
-  const int64_t G = K / 64;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* block = q + n * (K / 2) + g * 32;
-    _mm_prefetch((const char*)block + PREFETCH, _MM_HINT_T0);
-    __m256 w[8];
-    nf4_block(block, table, w);
-    const __m256 scale = _mm256_set1_ps(absmax[n * G + g]);
-    for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * K + g * 64;
-      __m256 even = _mm256_mul_ps(_mm256_loadu_ps(xb), w[0]), odd = _mm256_mul_ps(_mm256_loadu_ps(xb + 8), w[1]);
-      for (int i = 2; i < 8; i += 2) {  // (two chains)
-        even = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * i), w[i], even);
-        odd = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * i + 8), w[i + 1], odd);
-      }
-      acc[r] = _mm256_fmadd_ps(_mm256_add_ps(even, odd), scale, acc[r]);
+// Decoding (up to GEMM_ROWS rows of x) multiplies in integers, as int4 does: x as 16-bit words X (WordRows, within
+// 1/32258 of a row's largest value) and each code's value as V = round(NF4[code] 2^14), within 2^-15 of the block's
+// absmax (NF4's own steps are 2500x that). vpshufb looks 32 codes up at once in two 16-byte tables (V's low and high
+// bytes), vpunpck{l,h}bw joins them into words; per block four vpmaddwd (8 products a lane: |V X| 8 <= 2^14 16193 8
+// < 2^31), then times absmax in float. A lookup of float32 values (vpermps in two registers, a blend: 2-3 shuffles
+// per 8 weights) ran at a third of the memory's speed. Within each 128-bit lane the words come out as codes 0-7 and
+// 16-23 (unpacklo), 8-15 and 24-31 (unpackhi), the same + 32 for the high nibbles: X is read in that order (NF4Words
+// permutes it once a call).
+struct NF4Words {
+  __m256i low, high;      // V's low and high bytes of each code, in both lanes
+  std::vector<int16_t> x;  // [M, K]: X, each 64 in the tile's order
+  NF4Words(const float* code, const WordRows& xs, int64_t M, int64_t K) : x(M * K) {
+    alignas(16) uint8_t lo[16], hi[16];
+    for (int v = 0; v < 16; ++v) {
+      const int16_t V = (int16_t)std::nearbyint(code[v] * 16384.f);
+      lo[v] = (uint8_t)(V & 0xFF), hi[v] = (uint8_t)((uint16_t)V >> 8);
     }
+    low = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)lo));
+    high = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)hi));
+    for (int64_t b = 0; b < M * K / 64; ++b)  // word 16 g + 8 lane + i <- value 32 (g / 2) + 8 (g % 2) + 16 lane + i
+      for (int g = 0; g < 4; ++g)
+        for (int lane = 0; lane < 2; ++lane)
+          for (int i = 0; i < 8; ++i) x[64 * b + 16 * g + 8 * lane + i] = xs.x[64 * b + 32 * (g / 2) + 8 * (g % 2) + 16 * lane + i];
   }
-  for (int r = 0; r < R; ++r) y[r * N + n] = hsum(acc[r]);
+};
+
+template <int R, int NB>
+void nf4_tile(const NF4Words& t, const float* unit, int64_t m0, const uint8_t* q, const float* absmax, int64_t K,
+              float* y, int64_t N, int64_t n0) {
+  const int64_t G = K / 64;
+  const int16_t* X = t.x.data() + m0 * K;
+  __m256 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(15);
+  for (int64_t g = 0; g < G; ++g)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n = n0 + j;
+      const uint8_t* block = q + n * (K / 2) + g * 32;
+      _mm_prefetch((const char*)block + PREFETCH, _MM_HINT_T0);
+      const __m256i b = _mm256_loadu_si256((const __m256i*)block);
+      __m256i w[4];
+      for (int h = 0; h < 2; ++h) {  // codes 0-31 (low nibbles), 32-63 (high)
+        const __m256i c = _mm256_and_si256(h ? _mm256_srli_epi16(b, 4) : b, low4);
+        const __m256i vl = _mm256_shuffle_epi8(t.low, c), vh = _mm256_shuffle_epi8(t.high, c);
+        w[2 * h] = _mm256_unpacklo_epi8(vl, vh), w[2 * h + 1] = _mm256_unpackhi_epi8(vl, vh);
+      }
+      const __m256 scale = _mm256_set1_ps(absmax[n * G + g]);
+      for (int r = 0; r < R; ++r) {
+        const int16_t* x = X + r * K + 64 * g;
+        __m256i sum = _mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i*)x));
+        for (int i = 1; i < 4; ++i)
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(w[i], _mm256_loadu_si256((const __m256i*)(x + 16 * i))));
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[r][j]);
+      }
+    }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = hsum(acc[r][j]) * (unit[m0 + r] * (1.f / 16384.f));
 }
 
 // y [M, N] = x [M, K] w^T for M <= GEMM_ROWS
 void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float* cp, int64_t M, int64_t K, float* yp,
                int64_t N) {
-  const NF4Table table(cp);
-  for_each_tile<1>(M, N, K, K / 2, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
-    DISPATCH_ROWS(rows, (nf4_tile<R>(xp + m0 * K, qp, ap, table, K, yp + m0 * N, N, n0)));
+  const WordRows xs(xp, M, K);
+  const NF4Words t(cp, xs, M, K);
+  const float* unit = xs.unit.data();
+  if (M == 1) {  // as int4: 4 weight rows a tile (more memory in flight)
+    for_each_tile<4>(M, N, K, 2 * K, [&](int64_t, int64_t, int64_t n0, int64_t nb) {
+      if (nb == 4) nf4_tile<1, 4>(t, unit, 0, qp, ap, K, yp, N, n0);
+      else for (int64_t j = 0; j < nb; ++j) nf4_tile<1, 1>(t, unit, 0, qp, ap, K, yp, N, n0 + j);
+    });
+    return;
+  }
+  for_each_tile<2, 4>(M, N, K, K, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
+    if (nb == 2) {
+      DISPATCH_ROWS(rows, (nf4_tile<R, 2>(t, unit, m0, qp, ap, K, yp + m0 * N, N, n0)));
+    } else {
+      DISPATCH_ROWS(rows, (nf4_tile<R, 1>(t, unit, m0, qp, ap, K, yp + m0 * N, N, n0)));
+    }
   });
 }
 
