@@ -14,7 +14,8 @@ The library is compiled on first use with the system C++ compiler against the in
 $XDG_CACHE_HOME/dense-engine/kernels/ (or ~/.cache/...), keyed by the source, torch version and CPU, and loaded
 into later processes as is: kernels.cpp on a CPU with AVX-512 VNNI and BF16 (AMD Zen 4 and later, Intel Sapphire
 Rapids and later), kernels_avx2.cpp on one with AVX2 and FMA only (AMD Zen 1-3, Intel's laptops and desktops since
-Alder Lake): the same operators in 8-lane registers, int4 on two int8 digits of x too, long int4/nf4 prefills as
+Alder Lake): the same operators in 8-lane registers, int4 and nf4 on two int8 digits of x too (nf4's values as 15-bit
+integers), long int4/nf4 prefills as
 float32 GEMMs (no bfloat16 arithmetic there), GGUF prefills by integer products as kernels.cpp's, and int8 ones too
 (x rounded to 8 bits a value, llama.cpp's Q8_0 activations). Without a compiler,
 or on an older CPU, everything runs on PyTorch's own kernels

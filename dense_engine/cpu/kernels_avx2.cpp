@@ -5,7 +5,8 @@
 //   * 8-bit products by vpmaddubsw (unsigned x signed bytes, pairs in int16) and vpmaddwd (pairs in int32), or by one
 //     vpdpbusd where the CPU has AVX-VNNI (dot_bytes; the int8 weights' products, the same integers); int8 weights go
 //     through it as |w| times x with w's sign (pairs stay below int16's limit); int4 takes x as two int8 digits too
-//     (kernels.cpp: float32), within 1/32258 of a row's largest value; K-quants decode on x in bytes (llama.cpp's);
+//     (kernels.cpp: float32), within 1/32258 of a row's largest value, and nf4 too (its values to 15 bits);
+//     K-quants decode on x in bytes (llama.cpp's);
 //   * no bfloat16 arithmetic: a long prefill's int4 and nf4 GEMMs run in float32 on the dequantized tiles (oneDNN
 //     or MKL's sgemm); GGUF blocks as kernels.cpp, integer products on x in bytes (vpmaddubsw or vpdpbusd), and int8
 //     weights past INT8_ROWS the same way (kernels.cpp: bfloat16 GEMMs), read as 32-blocks of a scale a row.
@@ -284,7 +285,8 @@ void int4_tiles(const float* xp, const uint8_t* qp, const float* dp, const float
 
 // ---- nf4 weights (bitsandbytes' NF4 code), one absmax per block of 64 ----------------------------------------------
 // Per row and block: 32 bytes, byte j holding code j (low nibble) and code j + 32 (high nibble); absmax float32
-// [N, K/64]. The 16 code values sit in two registers: vpermps looks a code up in both, its bit 3 picks one.
+// [N, K/64]. For a long prefill's float32 tiles (nf4_rows) the 16 code values sit in two registers: vpermps looks a
+// code up in both, its bit 3 picks one.
 
 struct NF4Table {
   __m256 low, high;
