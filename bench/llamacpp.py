@@ -177,9 +177,22 @@ def write_float_gguf(src: str, dst: str, float_type: str) -> None:
     os.replace(dst + ".tmp", dst)
 
 
+CONTROL_PADDING = 256  # (an earlier version made all 79-103K padded tokens control tokens: 0.25 s more a start)
+
+
+def padded_as_now(path: str) -> bool:
+    """Whether a random-shape file's padded tokens are typed as write_random types them now."""
+    import gguf
+
+    types = gguf.GGUFReader(path).fields["tokenizer.ggml.token_type"].contents()
+    return list(types[-CONTROL_PADDING - 1:]) == [1] + [3] * CONTROL_PADDING
+
+
 def write_random(template: str, dst: str, name: str) -> None:
     """An F32 GGUF of a published shape with random weights (N(0, 0.02), norms 1, biases 0.01), the template's
-    tokenizer (its token list padded with reserved control tokens to the shape's vocabulary)."""
+    tokenizer (its token list padded to the shape's vocabulary as the real files' are: normal tokens, the last
+    CONTROL_PADDING of them control tokens, as Llama 3's 256 reserved special tokens; a tokenizer loads each control
+    token as an added token, 2-3 us apiece)."""
     import math
 
     import gguf
@@ -198,7 +211,8 @@ def write_random(template: str, dst: str, name: str) -> None:
             if key == "tokenizer.ggml.tokens":
                 value = value + [f"<|reserved_{i}|>" for i in range(padding)]
             elif key == "tokenizer.ggml.token_type":
-                value = value + [3] * padding
+                control = min(padding, CONTROL_PADDING)
+                value = value + [1] * (padding - control) + [3] * control
             writer.add_key_value(key, value, vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY
                                  else None)
     writer.add_name(f"random {name} shape")
@@ -293,11 +307,12 @@ def model_files(name: str, llama_python: str, log, precisions=FLOAT_FILES) -> di
             if not os.path.isfile(files[p]):
                 log(f"writing {files[p]}")
                 write_float_gguf(smollm2, files[p], p)
-    elif not os.path.isfile(files["F32"]):
+    elif not os.path.isfile(files["F32"]) or not padded_as_now(files["F32"]):
         log(f"writing {files['F32']} (random weights)")
         write_random(smollm2, files["F32"], name)
-    for p in precisions:
-        if not os.path.isfile(files[p]):
+    for p in precisions:  # (a random shape's again where its F32 file is newer)
+        if not os.path.isfile(files[p]) or (name != "smollm2" and os.path.getmtime(files[p]) <
+                                            os.path.getmtime(files["F32"])):
             log(f"writing {files[p]} with llama.cpp's quantizer")
             llama_quantize(llama_python, files["F32"], files[p], "MOSTLY_" + p)
     return {p: files[p] for p in precisions}
