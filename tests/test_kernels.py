@@ -272,6 +272,18 @@ def test_nf4_kernel_equals_the_dequantized_weights(out_features, in_features):
     assert torch.equal(layer.weight, stored["weight"]) and torch.equal(layer.absmax, stored["absmax"])  # unchanged
 
 
+@needs_kernels
+def test_nf4_kernel_refuses_code_values_outside_nf4s_range():
+    """kernels_avx2.cpp takes the 16 values as round(v 2^14) in 16 bits, its sums bounded for |v| <= 1: a table
+    past that is refused in one line on either ISA, not summed into an overflow."""
+    layer = quantized.NF4Linear(64, 8, False)
+    layer._buffers.update(quantized.nf4_quantize(torch.randn(8, 64)))
+    layer.finish_loading()
+    with pytest.raises(RuntimeError, match=r"code values must lie in \[-1, 1\]"):
+        torch.ops.dense_kernels.linear_nf4(torch.randn(1, 64), layer.kernel_weight, layer.kernel_absmax,
+                                           layer.code * 1.5)
+
+
 def reference_attention(q, k, v, visible, scale, softcap):
     """float64 attention written out: q [B, H, T, D] over k, v [B, K, S, D]; visible [B, T, S] bool."""
     groups = q.shape[1] // k.shape[1]

@@ -521,6 +521,9 @@ void check_int4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn, 
 void check_nf4(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code, int64_t K, const char* op) {
   TORCH_CHECK(q.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat && code.scalar_type() == at::kFloat &&
               code.numel() == 16, op, ": codes must be uint8, absmax and the 16 code values float32");
+  const auto values = code.contiguous();  // (kernels_avx2.cpp takes them as 15-bit integers)
+  for (int v = 0; v < 16; ++v)
+    TORCH_CHECK(std::abs(values.data_ptr<float>()[v]) <= 1.f, op, ": the code values must lie in [-1, 1] (NF4's)");
   TORCH_CHECK(K % 64 == 0 && q.size(1) == K / 2 && absmax.numel() == q.size(0) * K / 64 && q.is_contiguous() &&
               absmax.is_contiguous(), op, ": bad shapes");
 }

@@ -343,7 +343,8 @@ struct NF4Words {
     for (int64_t b = 0; b < M * K / 64; ++b)  // word 16 g + 8 lane + i <- value 32 (g / 2) + 8 (g % 2) + 16 lane + i
       for (int g = 0; g < 4; ++g)
         for (int lane = 0; lane < 2; ++lane)
-          for (int i = 0; i < 8; ++i) x[64 * b + 16 * g + 8 * lane + i] = xs.x[64 * b + 32 * (g / 2) + 8 * (g % 2) + 16 * lane + i];
+          for (int i = 0; i < 8; ++i)
+            x[64 * b + 16 * g + 8 * lane + i] = xs.x[64 * b + 32 * (g / 2) + 8 * (g % 2) + 16 * lane + i];
   }
 };
 
