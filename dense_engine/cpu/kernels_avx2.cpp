@@ -263,23 +263,34 @@ void int4_tile(const WordRows& xs, int64_t m0, const uint8_t* q, const float* d,
     for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = (hsum(acc[r][j]) + mins[r][j]) * xs.unit[m0 + r];
 }
 
-// y [M, N] = x [M, K] w^T for M <= GEMM_ROWS
-void int4_tiles(const float* xp, const uint8_t* qp, const float* dp, const float* mp, int64_t M, int64_t K, float* yp,
-                int64_t N) {
-  const WordRows xs(xp, M, K);
+// The 4-bit tiles' schedule (int4, nf4: half a byte a weight): at one row of x 4 weight rows a tile (more memory in
+// flight), else 2 weight rows against up to 4 rows of x. tile(rows, weight_rows, m0, n0), the counts as
+// std::integral_constant (each tile a template on them)
+template <typename Tile>
+void four_bit_tiles(int64_t M, int64_t N, int64_t K, Tile tile) {
+  using std::integral_constant;
   if (M == 1) {
     for_each_tile<4>(M, N, K, 2 * K, [&](int64_t, int64_t, int64_t n0, int64_t nb) {
-      if (nb == 4) int4_tile<1, 4>(xs, 0, qp, dp, mp, K, yp, N, n0);
-      else for (int64_t j = 0; j < nb; ++j) int4_tile<1, 1>(xs, 0, qp, dp, mp, K, yp, N, n0 + j);
+      if (nb == 4) tile(integral_constant<int, 1>(), integral_constant<int, 4>(), 0, n0);
+      else for (int64_t j = 0; j < nb; ++j) tile(integral_constant<int, 1>(), integral_constant<int, 1>(), 0, n0 + j);
     });
     return;
   }
   for_each_tile<2, 4>(M, N, K, K, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
     if (nb == 2) {
-      DISPATCH_ROWS(rows, (int4_tile<R, 2>(xs, m0, qp, dp, mp, K, yp + m0 * N, N, n0)));
+      DISPATCH_ROWS(rows, (tile(integral_constant<int, R>(), integral_constant<int, 2>(), m0, n0)));
     } else {
-      DISPATCH_ROWS(rows, (int4_tile<R, 1>(xs, m0, qp, dp, mp, K, yp + m0 * N, N, n0)));
+      DISPATCH_ROWS(rows, (tile(integral_constant<int, R>(), integral_constant<int, 1>(), m0, n0)));
     }
+  });
+}
+
+// y [M, N] = x [M, K] w^T for M <= GEMM_ROWS
+void int4_tiles(const float* xp, const uint8_t* qp, const float* dp, const float* mp, int64_t M, int64_t K, float* yp,
+                int64_t N) {
+  const WordRows xs(xp, M, K);
+  four_bit_tiles(M, N, K, [&](auto rows, auto weight_rows, int64_t m0, int64_t n0) {
+    int4_tile<decltype(rows)::value, decltype(weight_rows)::value>(xs, m0, qp, dp, mp, K, yp + m0 * N, N, n0);
   });
 }
 
@@ -387,20 +398,8 @@ void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float*
                int64_t N) {
   const WordRows xs(xp, M, K);
   const NF4Words t(cp, xs, M, K);
-  const float* unit = xs.unit.data();
-  if (M == 1) {  // as int4: 4 weight rows a tile (more memory in flight)
-    for_each_tile<4>(M, N, K, 2 * K, [&](int64_t, int64_t, int64_t n0, int64_t nb) {
-      if (nb == 4) nf4_tile<1, 4>(t, unit, 0, qp, ap, K, yp, N, n0);
-      else for (int64_t j = 0; j < nb; ++j) nf4_tile<1, 1>(t, unit, 0, qp, ap, K, yp, N, n0 + j);
-    });
-    return;
-  }
-  for_each_tile<2, 4>(M, N, K, K, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
-    if (nb == 2) {
-      DISPATCH_ROWS(rows, (nf4_tile<R, 2>(t, unit, m0, qp, ap, K, yp + m0 * N, N, n0)));
-    } else {
-      DISPATCH_ROWS(rows, (nf4_tile<R, 1>(t, unit, m0, qp, ap, K, yp + m0 * N, N, n0)));
-    }
+  four_bit_tiles(M, N, K, [&](auto rows, auto weight_rows, int64_t m0, int64_t n0) {
+    nf4_tile<decltype(rows)::value, decltype(weight_rows)::value>(t, xs.unit.data(), m0, qp, ap, K, yp + m0 * N, N, n0);
   });
 }
 
