@@ -15,9 +15,8 @@ $XDG_CACHE_HOME/dense-engine/kernels/ (or ~/.cache/...), keyed by the source, to
 into later processes as is: kernels.cpp on a CPU with AVX-512 VNNI and BF16 (AMD Zen 4 and later, Intel Sapphire
 Rapids and later), kernels_avx2.cpp on one with AVX2 and FMA only (AMD Zen 1-3, Intel's laptops and desktops since
 Alder Lake): the same operators in 8-lane registers, int4 and nf4 on two int8 digits of x too (nf4's values as 15-bit
-integers), long int4/nf4 prefills as
-float32 GEMMs (no bfloat16 arithmetic there), GGUF prefills by integer products as kernels.cpp's, and int8 ones too
-(x rounded to 8 bits a value, llama.cpp's Q8_0 activations). Without a compiler,
+integers), long int4/nf4 prefills as float32 GEMMs (no bfloat16 arithmetic there), GGUF prefills by integer products
+as kernels.cpp's, and int8 ones too (x rounded to 8 bits a value, llama.cpp's Q8_0 activations). Without a compiler,
 or on an older CPU, everything runs on PyTorch's own kernels
 (`DENSE_KERNELS=0` forces that; `DENSE_KERNELS=avx2` takes kernels_avx2.cpp on an AVX-512 CPU too, built without
 AVX-512 as such a CPU runs it, `avx2-vnni` with AVX-512 VNNI's 256-bit vpdpbusd standing in for AVX-VNNI's). Stands on
@@ -445,8 +444,9 @@ def linear_int8(x: torch.Tensor, packed_weight: torch.Tensor, packed_scales: tor
         avx2 = _state.get("source") == "kernels_avx2.cpp"
         if use_kernel(x, None if avx2 else INT8_ROWS):
             return torch.ops.dense_kernels.linear_int8(x, packed_weight, packed_scales)
-        w = (packed_weight.to(torch.int16) - 128).to(torch.bfloat16)
-        return (F.linear(x.to(torch.bfloat16), w).float() * packed_scales).to(x.dtype)
+        dtype = torch.float32 if avx2 else torch.bfloat16  # (x not float32; AVX2 emulates bfloat16 at a seventh)
+        w = (packed_weight.to(torch.int16) - 128).to(dtype)
+        return (F.linear(x.to(dtype), w).float() * packed_scales).to(x.dtype)
     y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), packed_weight, packed_scales)
     return y.to(x.dtype).reshape(*x.shape[:-1], packed_weight.shape[0])
 
