@@ -332,18 +332,19 @@ void nf4_rows(const uint8_t* qp, const float* ap, const float* code, int64_t K, 
     }
 }
 
-// Decoding (up to GEMM_ROWS rows of x) multiplies in integers, as int4 does: x as 16-bit words X (WordRows, within
-// 1/32258 of a row's largest value) and each code's value as V = round(NF4[code] 2^14), within 2^-15 of the block's
-// absmax (NF4's own steps are 2500x that). vpshufb looks 32 codes up at once in two 16-byte tables (V's low and high
-// bytes), vpunpck{l,h}bw joins them into words; per block four vpmaddwd (8 products a lane: |V X| 8 <= 2^14 16193 8
-// < 2^31), then times absmax in float. A lookup of float32 values (vpermps in two registers, a blend: 2-3 shuffles
+// Decoding (up to GEMM_ROWS rows of x) multiplies in integers, as int4 does: x as 16-bit words X (WordRows' digits,
+// within 1/32258 of a row's largest value) and each code's value as V = round(NF4[code] 2^14), within 2^-15 of the
+// block's absmax (NF4's own steps are 2500x that). vpshufb looks 32 codes up at once in two 16-byte tables (V's low
+// and high bytes), vpunpck{l,h}bw joins them into words; per block four vpmaddwd (8 products a lane: |V X| 8 <= 2^14
+// 16193 8 < 2^31), then times absmax in float. A lookup of float32 values (vpermps in two registers, a blend: 2-3 shuffles
 // per 8 weights) ran at a third of the memory's speed. Within each 128-bit lane the words come out as codes 0-7 and
 // 16-23 (unpacklo), 8-15 and 24-31 (unpackhi), the same + 32 for the high nibbles: X is read in that order (NF4Words
 // permutes it once a call).
 struct NF4Words {
-  __m256i low, high;      // V's low and high bytes of each code, in both lanes
-  std::vector<int16_t> x;  // [M, K]: X, each 64 in the tile's order
-  NF4Words(const float* code, const WordRows& xs, int64_t M, int64_t K) : x(M * K) {
+  __m256i low, high;       // V's low and high bytes of each code, in both lanes
+  std::vector<int16_t> x;  // [M, K]: X = 127 q1 + q2 (x's digits), each 64 in the tile's order
+  std::vector<float> unit; // per row: the value of X = 1
+  NF4Words(const float* code, const float* xf, int64_t M, int64_t K) : x(M * K), unit(M) {
     alignas(16) uint8_t lo[16], hi[16];
     for (int v = 0; v < 16; ++v) {
       const int16_t V = (int16_t)std::nearbyint(code[v] * 16384.f);
@@ -351,17 +352,21 @@ struct NF4Words {
     }
     low = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)lo));
     high = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)hi));
+    const DigitRows digits(xf, M, K);  // (not WordRows: its sums serve int4's mins)
+    for (int64_t row = 0; row < M; ++row) unit[row] = digits.scale[row] / 127.f;
     for (int64_t b = 0; b < M * K / 64; ++b)  // word 16 g + 8 lane + i <- value 32 (g / 2) + 8 (g % 2) + 16 lane + i
       for (int g = 0; g < 4; ++g)
         for (int lane = 0; lane < 2; ++lane)
-          for (int i = 0; i < 8; ++i)
-            x[64 * b + 16 * g + 8 * lane + i] = xs.x[64 * b + 32 * (g / 2) + 8 * (g % 2) + 16 * lane + i];
+          for (int i = 0; i < 8; ++i) {
+            const int64_t from = 64 * b + 32 * (g / 2) + 8 * (g % 2) + 16 * lane + i;
+            x[64 * b + 16 * g + 8 * lane + i] = (int16_t)(127 * digits.q1[from] + digits.q2[from]);
+          }
   }
 };
 
 template <int R, int NB>
-void nf4_tile(const NF4Words& t, const float* unit, int64_t m0, const uint8_t* q, const float* absmax, int64_t K,
-              float* y, int64_t N, int64_t n0) {
+void nf4_tile(const NF4Words& t, int64_t m0, const uint8_t* q, const float* absmax, int64_t K, float* y, int64_t N,
+              int64_t n0) {
   const int64_t G = K / 64;
   const int16_t* X = t.x.data() + m0 * K;
   __m256 acc[R][NB];
@@ -390,16 +395,15 @@ void nf4_tile(const NF4Words& t, const float* unit, int64_t m0, const uint8_t* q
       }
     }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = hsum(acc[r][j]) * (unit[m0 + r] * (1.f / 16384.f));
+    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = hsum(acc[r][j]) * (t.unit[m0 + r] * (1.f / 16384.f));
 }
 
 // y [M, N] = x [M, K] w^T for M <= GEMM_ROWS
 void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float* cp, int64_t M, int64_t K, float* yp,
                int64_t N) {
-  const WordRows xs(xp, M, K);
-  const NF4Words t(cp, xs, M, K);
+  const NF4Words t(cp, xp, M, K);
   four_bit_tiles(M, N, K, [&](auto rows, auto weight_rows, int64_t m0, int64_t n0) {
-    nf4_tile<decltype(rows)::value, decltype(weight_rows)::value>(t, xs.unit.data(), m0, qp, ap, K, yp + m0 * N, N, n0);
+    nf4_tile<decltype(rows)::value, decltype(weight_rows)::value>(t, m0, qp, ap, K, yp + m0 * N, N, n0);
   });
 }
 
