@@ -979,36 +979,66 @@ inline __m512 load16(const int8_t* p, __mmask16 m) {  // (an int8 cache: times t
 }
 
 
+// The scores of N queries against U blocks of 16 keys at `keys` (each D x 16 contiguous values), scaled (and capped),
+// to dst + i * stride (query i). N and U are constants: the N x U accumulators stay in registers, each a chain over d
+// (the same sums, in the same order, whatever N or U: a query's scores do not depend on its companions)
+template <int N, int U, typename T>
+inline void score_blocks(const float* const* q, const T* keys, const float* key_scales, int64_t D, float scale,
+                         float softcap, float* dst, int64_t stride) {
+  __m512 acc[N][U];
+  for (int i = 0; i < N; ++i)
+    for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d)
+    for (int u = 0; u < U; ++u) {
+      const __m512 key = load16(keys + (u * D + d) * 16, 0xFFFF);
+      for (int i = 0; i < N; ++i) acc[i][u] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), key, acc[i][u]);
+    }
+  for (int i = 0; i < N; ++i)
+    for (int u = 0; u < U; ++u) {
+      __m512 s = _mm512_mul_ps(acc[i][u], _mm512_set1_ps(scale));
+      if (key_scales) s = _mm512_mul_ps(s, _mm512_loadu_ps(key_scales + u * 16));
+      _mm512_storeu_ps(dst + i * stride + u * 16, softcap > 0.f ? softcap16(s, softcap) : s);
+    }
+}
+
+// out[i].acc[c0 * 16 ..] = sum over slots lo..hi of p_ij v_j, 16 C channels of each value row, read once for the N
+// queries (p: scores, query i's at p + i * stride, slot j's at index j - base)
+template <int N, int C, typename T>
+inline void weigh_values(const float* p, int64_t stride, int64_t base, int64_t lo, int64_t hi, const T* vv, int64_t D,
+                         int64_t c0, Partial* out) {
+  __m512 acc[N][C];
+  for (int i = 0; i < N; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t j = lo; j <= hi; ++j) {
+    const T* row = vv + j * D;
+    __m512 value[C];
+    for (int c = 0; c < C; ++c) value[c] = load16(row + (c0 + c) * 16, lanes(D - (c0 + c) * 16));
+    for (int i = 0; i < N; ++i) {
+      const __m512 w = _mm512_set1_ps(p[i * stride + (j - base)]);
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(w, value[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < N; ++i)
+    for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(out[i].acc + (c0 + c) * 16, lanes(D - (c0 + c) * 16), acc[i][c]);
+}
+
 // Up to GROUP queries of one batch row against one key/value head, over slots lo..hi (each query's own slots
-// start[i]..end[i] intersected with it): the partial results, to be combined across parts.
-template <typename T>
-void attend_part(const float* const* q, const int64_t* start, const int64_t* end, int n, int64_t lo, int64_t hi,
-                 const T* kt, const T* vv, Scales scales, int64_t D, float scale, float softcap, Partial* out,
-                 std::vector<float>& buffer) {
+// start[i]..end[i] intersected with it): the partial results, to be combined across parts. N: how many (a constant)
+template <int N, typename T>
+void attend_queries(const float* const* q, const int64_t* start, const int64_t* end, int64_t lo, int64_t hi,
+                    const T* kt, const T* vv, Scales scales, int64_t D, float scale, float softcap, Partial* out,
+                    std::vector<float>& buffer) {
   const int64_t first = lo / 16, last = hi / 16, base = first * 16;  // whole blocks of 16 slots
   const int64_t width = (last + 1) * 16 - base, stride = width + 16;
-  buffer.resize(GROUP * stride);
+  buffer.resize(N * stride);
   float* scores = buffer.data();
-  for (int64_t blk = first; blk <= last; blk += CHUNK) {  // scores: each block of keys is D x 16 contiguous values
-    const int64_t count = std::min<int64_t>(CHUNK, last + 1 - blk);
-    __m512 acc[GROUP][CHUNK];
-    for (int i = 0; i < GROUP; ++i)
-      for (int u = 0; u < CHUNK; ++u) acc[i][u] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < count; ++u) {
-      const T* keys = kt + (blk + u) * D * 16;
-      for (int64_t d = 0; d < D; ++d) {
-        const __m512 key = load16(keys + d * 16, 0xFFFF);
-        for (int i = 0; i < n; ++i) acc[i][u] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), key, acc[i][u]);
-      }
-    }
-    for (int i = 0; i < n; ++i)
-      for (int64_t u = 0; u < count; ++u) {
-        __m512 s = _mm512_mul_ps(acc[i][u], _mm512_set1_ps(scale));
-        if (scales.k) s = _mm512_mul_ps(s, _mm512_loadu_ps(scales.k + (blk + u) * 16));
-        _mm512_storeu_ps(scores + i * stride + (blk + u) * 16 - base, softcap > 0.f ? softcap16(s, softcap) : s);
-      }
-  }
-  for (int i = 0; i < n; ++i) {  // e^(s - max) over the query's own slots in this part; zero elsewhere
+  auto key_scales = [&](int64_t b) { return scales.k ? scales.k + b * 16 : nullptr; };
+  int64_t blk = first;
+  for (; blk + CHUNK <= last + 1; blk += CHUNK)  // CHUNK blocks at a time: N x CHUNK accumulators
+    score_blocks<N, CHUNK>(q, kt + blk * D * 16, key_scales(blk), D, scale, softcap, scores + blk * 16 - base, stride);
+  for (; blk <= last; ++blk)
+    score_blocks<N, 1>(q, kt + blk * D * 16, key_scales(blk), D, scale, softcap, scores + blk * 16 - base, stride);
+  for (int i = 0; i < N; ++i) {  // e^(s - max) over the query's own slots in this part; zero elsewhere
     float* s = scores + i * stride;
     const int64_t a = std::max(start[i], lo) - base, b = std::min(end[i], hi) - base;
     out[i].max = -INFINITY, out[i].sum = 0.f;
@@ -1033,23 +1063,23 @@ void attend_part(const float* const* q, const int64_t* start, const int64_t* end
     scale_weights(s, a, b, base, scales.v);
   }
   const int64_t DV = (D + 15) / 16;
-  __m512 acc[GROUP][4];  // 64 channels per pass: GROUP x 4 accumulators
-  for (int64_t c0 = 0; c0 < DV; c0 += 4) {  // sum of e_j v_j, each value row read once for the group
-    const int64_t cn = std::min<int64_t>(4, DV - c0);
-    for (int i = 0; i < GROUP; ++i)
-      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
-    for (int64_t j = lo; j <= hi; ++j) {
-      const T* row = vv + j * D;
-      __m512 value[4];
-      for (int64_t c = 0; c < cn; ++c) value[c] = load16(row + (c0 + c) * 16, lanes(D - (c0 + c) * 16));
-      for (int i = 0; i < n; ++i) {
-        const __m512 p = _mm512_set1_ps(scores[i * stride + (j - base)]);
-        for (int64_t c = 0; c < cn; ++c) acc[i][c] = _mm512_fmadd_ps(p, value[c], acc[i][c]);
-      }
+  for (int64_t c0 = 0; c0 < DV; c0 += 4)  // 64 channels a pass: N x 4 accumulators
+    switch (std::min<int64_t>(4, DV - c0)) {
+      case 4: weigh_values<N, 4>(scores, stride, base, lo, hi, vv, D, c0, out); break;
+      case 3: weigh_values<N, 3>(scores, stride, base, lo, hi, vv, D, c0, out); break;
+      case 2: weigh_values<N, 2>(scores, stride, base, lo, hi, vv, D, c0, out); break;
+      default: weigh_values<N, 1>(scores, stride, base, lo, hi, vv, D, c0, out);
     }
-    for (int i = 0; i < n; ++i)
-      for (int64_t c = 0; c < cn; ++c) _mm512_mask_storeu_ps(out[i].acc + (c0 + c) * 16, lanes(D - (c0 + c) * 16), acc[i][c]);
-  }
+}
+
+template <typename T>
+void attend_part(const float* const* q, const int64_t* start, const int64_t* end, int n, int64_t lo, int64_t hi,
+                 const T* kt, const T* vv, Scales scales, int64_t D, float scale, float softcap, Partial* out,
+                 std::vector<float>& buffer) {
+  static_assert(GROUP == 3, "one case per query count");
+  if (n == 3) attend_queries<3>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
+  else if (n == 2) attend_queries<2>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
+  else attend_queries<1>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
 }
 
 }  // namespace

@@ -274,7 +274,7 @@ void check_blocks(const at::Tensor& w, int64_t type, int64_t K, const char* op) 
 // ---- attention over the cache (kernels.cpp says how) ----------------------------------------------------------------
 
 constexpr int GROUP = 3;   // queries scored together (GQA: the query heads of one key/value head), K and V read once
-constexpr int64_t SPLIT = 512;  // a query's slots are split across threads in parts of at least this many
+constexpr int64_t SPLIT = 512;  // a query's slots are cut into parts of this many (a part's results combined after)
 
 struct Partial {  // one query's softmax over part of its slots: max score, sum of e^(s - max), sum of e^(s - max) v
   float max, sum;
@@ -330,13 +330,12 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor
   for (int64_t b = 0; b < (pos_stride ? B : 1); ++b)
     for (int64_t t = 0; t < T_; ++t)
       if (position(b, t) < S1 - 1) longest = std::max(longest, position(b, t) + 1);
-  // work items: (batch row, key/value head, group of its queries, part of the slots); query index = t * G + g. Few
-  // items over many slots (decoding a long context) are split into parts so every thread streams its share.
+  // work items: (batch row, key/value head, group of its queries, part of the slots); query index = t * G + g. The
+  // slots are cut into parts at fixed places (every SPLIT slots), so a query's sums depend on its own slots only:
+  // the same bits whatever the batch, the threads or the other queries of the call (a prompt in chunks, alone or
+  // beside others).
   const int64_t items = B * K * groups;
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(longest / SPLIT,
-                                                               (2 * at::get_num_threads() + items - 1) / items));
-  const int64_t part_len = (longest + parts - 1) / parts;
-  std::vector<Partial> partials(parts > 1 ? items * parts * GROUP : 0);
+  const int64_t parts = std::max<int64_t>(1, (longest + SPLIT - 1) / SPLIT), part_len = SPLIT;
   auto finish = [&](int64_t item, const Partial* results) {  // combine a group's parts: weights e^(max_p - max)
     const int64_t b = item / (K * groups), kv = (item / groups) % K, first = (item % groups) * GROUP;
     int i = 0;
@@ -392,7 +391,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor
     }
     attend_part<T>(qs, start, end, n, a, z, kt, vv, scales, D, scale, softcap, mine, buffer);
   };
-  if (parts == 1) {  // the usual case: each work item finishes its own queries, one parallel region
+  if (parts == 1) {  // a short context: each work item finishes its own queries, one parallel region
     at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
       thread_local std::vector<float> buffer;
       Partial mine[GROUP];
@@ -403,7 +402,25 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor
     });
     return;
   }
-  at::parallel_for(0, items * parts, 1, [&](int64_t i0, int64_t i1) {
+  if (items >= 2 * at::get_num_threads()) {  // many queries (a long prefill): runs of RUN items of one thread, the
+    // parts outermost, so one part's keys and values stay in the thread's cache while the run's queries read them
+    constexpr int64_t RUN = 32;
+    at::parallel_for(0, (items + RUN - 1) / RUN, 1, [&](int64_t r0, int64_t r1) {
+      thread_local std::vector<float> buffer;
+      thread_local std::vector<Partial> mine;
+      mine.resize(RUN * parts * GROUP);
+      for (int64_t run = r0; run < r1; ++run) {
+        const int64_t first = run * RUN, last = std::min(items, first + RUN);
+        for (int64_t part = 0; part < parts; ++part)
+          for (int64_t item = first; item < last; ++item)
+            work_on(item * parts + part, mine.data() + ((item - first) * parts + part) * GROUP, buffer);
+        for (int64_t item = first; item < last; ++item) finish(item, mine.data() + (item - first) * parts * GROUP);
+      }
+    });
+    return;
+  }
+  std::vector<Partial> partials(items * parts * GROUP);  // few queries over many slots (decoding a long context):
+  at::parallel_for(0, items * parts, 1, [&](int64_t i0, int64_t i1) {  // the parts shared out among the threads
     thread_local std::vector<float> buffer;
     for (int64_t work = i0; work < i1; ++work) work_on(work, partials.data() + work * GROUP, buffer);
   });

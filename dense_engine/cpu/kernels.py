@@ -257,7 +257,6 @@ def use_kernel(x: torch.Tensor, rows: int | None = MAX_ROWS) -> bool:
 # The KV cache and its attention
 
 
-PER_QUERY_TOKENS = 16  # up to this many tokens a step (decode, a draft to verify, a short chunk): the kernel
 LONG_CACHE_BYTES = 64 << 20  # a layer's cache beyond this is committed in 4 KB pages (KVCache)
 
 
@@ -302,13 +301,13 @@ class KVCache(dense.KVCache):
         self.v[row, :, start:start + v.shape[1]].copy_(v)
 
     def attend(self, q, k, v, step: dense.Step, view: dense.View, scale: float, softcap: float | None):
-        if view.own_keys:  # a plain pass or a prefill from slot 0: dense.py's attention on this call's own k, v
+        if step.input_pos is None:  # a plain pass: dense.py's attention on this call's own k, v
             return super().attend(q, k, v, step, view, scale, softcap)
+        # Every cached step, a decode or a prefill of any length, from slot 0 or after earlier tokens, alone or
+        # beside other rows: the kernel over the slots as the cache holds them. A query's result then depends on its
+        # own slots only (the same bits whether its prompt went in whole, in chunks or beside others); SDPA's
+        # blocking follows the number of queries and keys of the call.
         self.write(step, k, v)
-        # a prefill chunk after earlier tokens: one masked SDPA over the slots in use (a compiled prefill step, whose
-        # length is dynamic, up to generate.PREFILL_CHUNK: the kernel)
-        if known_true(q.shape[2] > PER_QUERY_TOKENS):
-            return self.attend_chunk(q, step, view, scale, softcap)
         empty = step.input_pos.new_empty(0)
         start = step.row_start if step.row_start is not None else empty
         rows = step.rows if step.rows is not None else empty
@@ -319,29 +318,11 @@ class KVCache(dense.KVCache):
         """The keys' and values' scales per slot (an int8 cache's), or None: the kernel reads the slots as they are."""
         return None, None
 
-    def attend_chunk(self, q, step: dense.Step, view: dense.View, scale: float, softcap: float | None):
-        """q [B, H, T, D] of many tokens: the keys and values of slots 0..attend-1 in dense.py's layout, [B, K, A, D]
-        (a copy of A slots: small beside T queries reading them), and dense.py's attention with the view's mask.
-        The kernel reads the cache once per query: fine for a decode step, slow for a chunk of hundreds."""
-        k, v = self.in_use(step, view.attend, q.shape[0])
-        return dense.attention(q, k.to(q.dtype), v.to(q.dtype), view.mask, scale, softcap)  # (windows: in the mask)
-
-    def in_use(self, step: dense.Step, attend: int, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's rows' keys and values of slots 0..attend-1, [B, K, A, D] each."""
-        blocks = (attend + 15) // 16
-        k, v = self.k[:, :, :blocks], self.v[:, :, :attend]
-        if step.rows is not None:
-            k, v = k.index_select(0, step.rows), v.index_select(0, step.rows)
-        else:
-            k, v = k[:B], v[:B]
-        return k.transpose(-1, -2).flatten(2, 3)[:, :, :attend], v  # [B, K, blocks * 16, D] -> the slots in use
-
 
 class Int8KVCache(dense.ScaledSlots, KVCache):
     """KVCache's layout in int8 (--kv-dtype int8, dense.Int8KVCache's rounding): each key and value of a token and
     head as int8 channels times one float32 scale, a quarter of float32's bytes.
-    The attention kernel reads the int8 slots and their scales (a key's score and a value's weight times its scale);
-    a chunk of many queries dequantizes the slots in use once."""
+    The attention kernel reads the int8 slots and their scales (a key's score and a value's weight times its scale)."""
 
     def __init__(self, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype, device) -> None:
         nn.Module.__init__(self)
@@ -375,12 +356,6 @@ class Int8KVCache(dense.ScaledSlots, KVCache):
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_scale, self.v_scale
-
-    def in_use(self, step: dense.Step, attend: int, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = super().in_use(step, attend, B)  # int8 [B, K, A, D]
-        scales = torch.stack([self.k_scale[:, :, :attend], self.v_scale[:, :, :attend]])  # [2, rows, K, A]
-        scales = scales.index_select(1, step.rows) if step.rows is not None else scales[:, :B]
-        return k.float() * scales[0, ..., None], v.float() * scales[1, ..., None]
 
 
 def cache_for(model) -> tuple[type, torch.dtype | None]:
@@ -440,7 +415,8 @@ def pack_int8(weight: torch.Tensor, scales: torch.Tensor) -> dict:
 def linear_int8(x: torch.Tensor, packed_weight: torch.Tensor, packed_scales: torch.Tensor) -> torch.Tensor:
     if packed_scales.dtype == torch.float32:
         # past INT8_ROWS kernels_avx2.cpp multiplies in bytes (x rounded to 8 bits a value, llama.cpp's Q8_0
-        # activations); with AVX512-BF16 a long prefill is the weight in bfloat16 once, then one bfloat16 GEMM
+        # activations); with AVX512-BF16 a long prefill is the weight in bfloat16 once, then one bfloat16 GEMM (the
+        # tiles at every length were 1.3-1.9x slower on SmolLM2's prompts: BENCHMARKS.md)
         avx2 = _state.get("source") == "kernels_avx2.cpp"
         if use_kernel(x, None if avx2 else INT8_ROWS):
             return torch.ops.dense_kernels.linear_int8(x, packed_weight, packed_scales)

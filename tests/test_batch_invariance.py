@@ -1,0 +1,83 @@
+"""The same bits whatever the batch (issue 54, item 5): a query's attention over the cache depends on its own slots
+only, so a prompt prefilled in chunks of any length, one token at a time or beside another row's gives identical
+logits, bit for bit, while its linears stay within their tiles. (Still open: the float32 linears past 16 rows, int4,
+nf4 and GGUF blocks past 12 and int8 past 32 take other kernels, which round and sum otherwise.)"""
+
+import types
+
+import pytest
+import torch
+
+from conftest import fixture_path
+from dense_engine.cpu import kernels
+from dense_engine.formats.load import from_pretrained
+from dense_engine.runtime import generate
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no CPU kernels here")
+
+
+def attend(cache, q, pos, rows=None):
+    """The kernel's attention of queries q [B, H, T, D] at slots pos ([T], or [B, T] with cache rows `rows`)."""
+    empty = torch.empty(0, dtype=torch.long)
+    return torch.ops.dense_kernels.attention(q, cache.k, cache.v, pos, empty, empty if rows is None else rows,
+                                             0.25, 0, 0.0, *cache.scales())
+
+
+@needs_kernels
+@pytest.mark.parametrize("cache_class, dtype", [(kernels.KVCache, torch.float32), (kernels.KVCache, torch.bfloat16),
+                                                (kernels.Int8KVCache, torch.int8)])
+def test_a_querys_attention_is_the_same_bits_in_any_call(cache_class, dtype):
+    """1100 slots (three parts of the kernel's 512): every query of row 0 in one call, in chunks of 1, 7 and 300,
+    beside row 1's queries at other positions, and with one thread: the same bits."""
+    torch.manual_seed(0)
+    T, H, K, D = 1100, 4, 2, 16
+    cache = cache_class(2, K, 1200, D, dtype, "cpu")
+    k, v = torch.randn(2, K, T, D), torch.randn(2, K, T, D)
+    cache.write(types.SimpleNamespace(input_pos=torch.arange(T), rows=None, row_start=None), k, v)
+    q = torch.randn(1, H, T, D)
+    whole = attend(cache, q, torch.arange(T))
+    for size in (1, 7, 300):
+        for start in (0, 509, 1024, T - size):
+            piece = slice(start, start + size)
+            got = attend(cache, q[:, :, piece].contiguous(), torch.arange(T)[piece])
+            assert torch.equal(got, whole[:, :, piece]), (size, start)
+    other = torch.randint(0, T, (7,))  # row 1 at 7 other positions, beside row 0's 7 last
+    both = torch.stack([torch.arange(T - 7, T), other])  # [2, 7]
+    q2 = torch.cat([q[:, :, -7:], torch.randn(1, H, 7, D)])
+    assert torch.equal(attend(cache, q2, both, torch.tensor([0, 1]))[:1], whole[:, :, -7:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(attend(cache, q, torch.arange(T)), whole)
+        assert torch.equal(attend(cache, q[:, :, -1:].contiguous(), torch.arange(T - 1, T)), whole[:, :, -1:])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+def test_a_prompts_logits_are_the_same_bits_whole_in_chunks_or_beside_another():
+    """An int8 model, every call within its linears' tiles (up to 32 rows): a 40-token prompt prefilled in chunks of
+    20, 1, 12 and 7 tokens, one token at a time, and in chunks of 16 beside another row's (one pass of 32 rows)
+    gives the same logits: the attention of each chunk (from slot 0 or after others, of 1 or 20 queries) is the same
+    bits."""
+    model = from_pretrained(fixture_path("gptneox"), quant="int8")
+    generate.setup_cache(model, 2, 128)
+    runner = generate.Runner(model, None)
+    torch.manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 40))
+    other = torch.randint(0, model.config.vocab_size, (40,)).tolist()
+
+    def in_chunks(sizes):
+        start = 0
+        for size in sizes:
+            logits = runner.prefill(prompt[:, start:start + size], start, None)
+            start += size
+        return logits
+
+    want = in_chunks([20, 1, 12, 7])
+    assert torch.equal(in_chunks([1] * 40), want)
+    for start in range(0, 40, 16):
+        together = runner.prefill_rows([prompt[0, start:start + 16].tolist(), other[start:start + 16]], [start, start],
+                                       torch.tensor([0, 1]))
+    assert torch.equal(together[:1], want)
+    assert not torch.equal(together[1:], want)  # (the other row's own logits)
