@@ -1022,8 +1022,8 @@ inline void weigh_values(const float* p, int64_t stride, int64_t base, int64_t l
     for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(out[i].acc + (c0 + c) * 16, lanes(D - (c0 + c) * 16), acc[i][c]);
 }
 
-// Up to GROUP queries of one batch row against one key/value head, over slots lo..hi (each query's own slots
-// start[i]..end[i] intersected with it): the partial results, to be combined across parts. N: how many (a constant)
+// kernels.h's attend_queries: the scores of CHUNK blocks of keys at a time, the softmax over each query's own slots,
+// then the values
 template <int N, typename T>
 void attend_queries(const float* const* q, const int64_t* start, const int64_t* end, int64_t lo, int64_t hi,
                     const T* kt, const T* vv, Scales scales, int64_t D, float scale, float softcap, Partial* out,
@@ -1070,16 +1070,6 @@ void attend_queries(const float* const* q, const int64_t* start, const int64_t* 
       case 2: weigh_values<N, 2>(scores, stride, base, lo, hi, vv, D, c0, out); break;
       default: weigh_values<N, 1>(scores, stride, base, lo, hi, vv, D, c0, out);
     }
-}
-
-template <typename T>
-void attend_part(const float* const* q, const int64_t* start, const int64_t* end, int n, int64_t lo, int64_t hi,
-                 const T* kt, const T* vv, Scales scales, int64_t D, float scale, float softcap, Partial* out,
-                 std::vector<float>& buffer) {
-  static_assert(GROUP == 3, "one case per query count");
-  if (n == 3) attend_queries<3>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
-  else if (n == 2) attend_queries<2>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
-  else attend_queries<1>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
 }
 
 }  // namespace

@@ -298,14 +298,25 @@ struct Scales {
   const float* v;
 };
 
-// Up to GROUP queries of one batch row against one key/value head, over slots lo..hi (each query's own slots
-// start[i]..end[i] intersected with it): the partial results, to be combined across parts (each ISA's file).
-// scales (an int8 cache): a key's score is its slot's scale times q . k; a value's weight e^(s - max) is taken
-// times its slot's scale after the sum of the weights
+// N (a constant, up to GROUP) queries of one batch row against one key/value head, over slots lo..hi (each query's
+// own slots start[i]..end[i] intersected with it): the partial results, to be combined across parts (each ISA's
+// file). scales (an int8 cache): a key's score is its slot's scale times q . k; a value's weight e^(s - max) is
+// taken times its slot's scale after the sum of the weights
+template <int N, typename T>
+void attend_queries(const float* const* q, const int64_t* start, const int64_t* end, int64_t lo, int64_t hi,
+                    const T* kt, const T* vv, Scales scales, int64_t D, float scale, float softcap, Partial* out,
+                    std::vector<float>& buffer);
+
+// attend_queries for n of them (n known at run time)
 template <typename T>
 void attend_part(const float* const* q, const int64_t* start, const int64_t* end, int n, int64_t lo, int64_t hi,
                  const T* kt, const T* vv, Scales scales, int64_t D, float scale, float softcap, Partial* out,
-                 std::vector<float>& buffer);
+                 std::vector<float>& buffer) {
+  static_assert(GROUP == 3, "one case per query count");
+  if (n == 3) attend_queries<3>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
+  else if (n == 2) attend_queries<2>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
+  else attend_queries<1>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
+}
 
 // The value weights of slots base + a .. base + b (e^(s - max), summed already) times their values' scales
 inline void scale_weights(float* s, int64_t a, int64_t b, int64_t base, const float* value_scales) {

@@ -1037,7 +1037,7 @@ inline void weigh_values(const float* p, int64_t stride, int64_t base, int64_t l
       else _mm256_maskstore_ps(out[i].acc + (c0 + c) * 8, lanes8(D - (c0 + c) * 8), acc[i][c]);
 }
 
-// attend_part for N queries (a constant: see score_blocks)
+// kernels.h's attend_queries (N a constant: see score_blocks)
 template <int N, typename T>
 void attend_queries(const float* const* q, const int64_t* start, const int64_t* end, int64_t lo, int64_t hi,
                     const T* kt, const T* vv, Scales scales, int64_t D, float scale, float softcap, Partial* out,
@@ -1087,16 +1087,6 @@ void attend_queries(const float* const* q, const int64_t* start, const int64_t* 
   for (int64_t c0 = 0; c0 < (D + 7) / 8; c0 += C)
     if ((c0 + C) * 8 <= D) weigh_values<N, C, true>(scores, stride, base, lo, hi, vv, D, c0, out);
     else weigh_values<N, C, false>(scores, stride, base, lo, hi, vv, D, c0, out);
-}
-
-template <typename T>
-void attend_part(const float* const* q, const int64_t* start, const int64_t* end, int n, int64_t lo, int64_t hi,
-                 const T* kt, const T* vv, Scales scales, int64_t D, float scale, float softcap, Partial* out,
-                 std::vector<float>& buffer) {
-  static_assert(GROUP == 3, "one case per query count");
-  if (n == 3) attend_queries<3>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
-  else if (n == 2) attend_queries<2>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
-  else attend_queries<1>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
 }
 
 }  // namespace
