@@ -1,7 +1,8 @@
 """The same bits whatever the batch (issue 54, item 5): a query's attention over the cache depends on its own slots
 only, so a prompt prefilled in chunks of any length, one token at a time or beside another row's gives identical
-logits, bit for bit, while its linears stay within their tiles. (Still open: the float32 linears past 16 rows, int4,
-nf4 and GGUF blocks past 12 and int8 past 32 take other kernels, which round and sum otherwise.)"""
+logits, bit for bit, while its linears stay within their tiles; int4 linears run one tile at every number of rows.
+(Still open: the float32 linears past 16 rows, nf4 and GGUF blocks past 12 and int8 past 32 take other kernels, which
+round and sum otherwise.)"""
 
 import types
 
@@ -54,6 +55,15 @@ def test_a_querys_attention_is_the_same_bits_in_any_call(cache_class, dtype):
         torch.set_num_threads(threads)
 
 
+def in_chunks(runner, prompt, sizes):
+    """The last chunk's logits of prompt [1, T] prefilled from slot 0 in chunks of these sizes."""
+    start = 0
+    for size in sizes:
+        logits = runner.prefill(prompt[:, start:start + size], start, None)
+        start += size
+    return logits
+
+
 @needs_kernels
 def test_a_prompts_logits_are_the_same_bits_whole_in_chunks_or_beside_another():
     """An int8 model, every call within its linears' tiles (up to 32 rows): a 40-token prompt prefilled in chunks of
@@ -67,17 +77,33 @@ def test_a_prompts_logits_are_the_same_bits_whole_in_chunks_or_beside_another():
     prompt = torch.randint(0, model.config.vocab_size, (1, 40))
     other = torch.randint(0, model.config.vocab_size, (40,)).tolist()
 
-    def in_chunks(sizes):
-        start = 0
-        for size in sizes:
-            logits = runner.prefill(prompt[:, start:start + size], start, None)
-            start += size
-        return logits
-
-    want = in_chunks([20, 1, 12, 7])
-    assert torch.equal(in_chunks([1] * 40), want)
+    want = in_chunks(runner, prompt, [20, 1, 12, 7])
+    assert torch.equal(in_chunks(runner, prompt, [1] * 40), want)
     for start in range(0, 40, 16):
         together = runner.prefill_rows([prompt[0, start:start + 16].tolist(), other[start:start + 16]], [start, start],
                                        torch.tensor([0, 1]))
     assert torch.equal(together[:1], want)
     assert not torch.equal(together[1:], want)  # (the other row's own logits)
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["gptneox", "llama"])
+def test_an_int4_prompts_logits_are_the_same_bits_at_any_length_and_beside_another(family):
+    """int4 linears take one tile at every number of rows (kernels.h: x with a scale per 32 as a 16-bit integer and a
+    byte, exact integer sums per block, one order of float steps): a 40-token prompt prefilled whole (40 rows, where
+    bfloat16 GEMMs served past 12 before), in chunks of 20, 1, 12 and 7, a token at a time, and whole beside another
+    row's 40 (80 rows) gives the same logits, bit for bit."""
+    model = from_pretrained(fixture_path(family), quant="int4")
+    assert all(type(m).__name__ != "Linear" or m is model.lm_head for m in model.modules())  # (every linear int4)
+    generate.setup_cache(model, 2, 128)
+    runner = generate.Runner(model, None)
+    torch.manual_seed(2)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 40))
+    other = torch.randint(0, model.config.vocab_size, (40,)).tolist()
+
+    want = in_chunks(runner, prompt, [40])
+    assert torch.equal(in_chunks(runner, prompt, [20, 1, 12, 7]), want)
+    assert torch.equal(in_chunks(runner, prompt, [1] * 40), want)
+    together = runner.prefill_rows([prompt[0].tolist(), other], [0, 0], torch.tensor([0, 1]))
+    assert torch.equal(together[:1], want)
+    assert not torch.equal(together[1:], want)

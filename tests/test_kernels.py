@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not kernels.available() or kernels.digits_for_int4(), reason="these tests run the AVX2 kernels here")
+@pytest.mark.skipif(not kernels.available() or kernels.avx2_only(), reason="these tests run the AVX2 kernels here")
 def test_the_avx2_kernels_pass_the_kernel_tests_too():
     # An AVX-512 machine (CI's, often) would never build kernels_avx2.cpp, which serves CPUs without AVX-512 (Zen 1-3,
     # Intel's laptops): the kernel and GGUF block tests again, in a process that takes it (DENSE_KERNELS=avx2)
@@ -28,7 +28,7 @@ def test_the_avx2_kernels_pass_the_kernel_tests_too():
                           "tests/test_kernels.py", "tests/test_gguf_blocks.py"], cwd=ROOT, capture_output=True,
                          text=True, env={**os.environ, "DENSE_KERNELS": "avx2"})
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
-    took = subprocess.run([sys.executable, "-c", "from dense_engine.cpu import kernels; print(kernels.digits_for_int4())"], cwd=ROOT,
+    took = subprocess.run([sys.executable, "-c", "from dense_engine.cpu import kernels; print(kernels.avx2_only())"], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "DENSE_KERNELS": "avx2"})
     assert took.stdout.strip() == "True"  # (the process above ran kernels_avx2.cpp)
 
@@ -165,7 +165,7 @@ def test_a_long_int8_prefill_is_the_product_of_x_in_bytes(M, N, K):
     packed = kernels.pack_int8(q["weight"], q["scales"])
     y = kernels.linear_int8(x, packed["kernel_weight"], packed["kernel_scales"])
     weight = q["weight"].double() * q["scales"].double()[:, None]
-    if kernels.digits_for_int4():  # (kernels_avx2.cpp)
+    if kernels.avx2_only():  # (kernels_avx2.cpp)
         groups = x.reshape(M, -1, 32)
         top = groups.abs().amax(-1, keepdim=True)
         xq = torch.round(groups * torch.where(top > 0, 127 / top, torch.zeros_like(top))).double() * (top / 127).double()
@@ -198,24 +198,27 @@ def test_int8_linear_takes_the_kernel_at_every_length_of_a_dynamic_prefill():
 
 
 @needs_kernels
-@pytest.mark.parametrize("M, N, K", [(1, 3, 64), (4, 64, 192), (11, 29, 576), (17, 64, 128), (2, 5, 96)])
+@pytest.mark.parametrize("M, N, K", [(1, 3, 64), (4, 64, 192), (11, 29, 576), (17, 64, 128), (2, 5, 96), (70, 40, 256)])
 def test_int4_kernel_is_the_dequantized_weights_product(M, N, K):
+    """At every number of rows: x with a scale per 32 as a 16-bit integer and a byte (within 2^-23 of its 32's
+    largest), exact integer sums per block: the dequantized weights' product to float32's precision; each row the same
+    bits alone as beside the others (N not a multiple of 16: a last group of fewer weight rows)."""
     torch.manual_seed(M * K + N)
     x = torch.randn(M, K) * 2
+    x[:, 7] = 40  # (an outlier coarsens its own 32 only)
     stored = quantized.int4_quantize(torch.randn(N, K) * 0.1, 32)
     layer = quantized.Int4Linear(K, N, False, group_size=32)
     layer._buffers.update(stored)
     packed = kernels.pack_int4(layer.codes(), stored["scales"], stored["mins"], 32)
-    y = torch.ops.dense_kernels.linear_int4(x, packed["kernel_weight"], packed["kernel_scales"], packed["kernel_mins"])
-    # the dequantized weights' product; past GEMM_ROWS rows (a prefill) a bfloat16 GEMM on tiles of them (AVX2:
-    # float32); with AVX2, x in two int8 digits up to GEMM_ROWS (the int8 kernel's bound)
-    weight = layer.dequantize(torch.float64)
-    want = x.double() @ weight.T
-    if M <= kernels.GEMM_ROWS and kernels.digits_for_int4():
-        bound = weight.abs().sum(1)[None, :] * x.abs().amax(1, keepdim=True).double() / 32258
-        assert ((y.double() - want).abs() <= bound).all() and rel(y, want) < 1e-4
-    else:
-        assert rel(y, want) < (1e-5 if M <= kernels.GEMM_ROWS else 1e-2)
+    op = lambda x: torch.ops.dense_kernels.linear_int4(x, packed["kernel_weight"], packed["kernel_scales"],
+                                                      packed["kernel_mins"])
+    y = op(x)
+    want = x.double() @ layer.dequantize(torch.float64).T
+    assert rel(y, want) < 1e-6
+    assert all(torch.equal(op(x[m:m + 1]), y[m:m + 1]) for m in range(M))
+    assert torch.equal(torch.ops.dense_kernels.dequantize_int4(packed["kernel_weight"], packed["kernel_scales"],
+                                                               packed["kernel_mins"]),
+                       layer.dequantize(torch.float32).to(torch.bfloat16))  # (the packed layout read back)
 
 
 @needs_kernels
@@ -255,7 +258,7 @@ def test_nf4_kernel_equals_the_dequantized_weights(out_features, in_features):
         x = torch.randn(rows, in_features)
         x[:, 3] = 20  # (an outlier: x's digits coarsen with its row's largest value)
         reference = x.double() @ weight.T
-        if rows <= kernels.GEMM_ROWS and hasattr(layer, "kernel_weight") and kernels.digits_for_int4():
+        if rows <= kernels.GEMM_ROWS and hasattr(layer, "kernel_weight") and kernels.avx2_only():
             # kernels_avx2.cpp: x in two int8 digits (within 1/32258 of the row's largest value, as int4's) and
             # NF4's values to 15 bits (within 2^-15 of the block's absmax)
             absmax = layer.kernel_absmax.double().repeat_interleave(64, 1)

@@ -199,13 +199,18 @@ def test_a_block_file_is_read_only_for_its_own_tokens_shapes_and_bytes(tmp_path,
     assert read_block(str(tmp_path / "missing.safetensors"), tokens, layers) is None
 
 
-def test_the_models_key_changes_with_any_weight_and_the_caches_dtype():
+def test_the_models_key_changes_with_any_weight_the_caches_dtype_and_the_kernels(monkeypatch):
+    from dense_engine.cpu import kernels
     from dense_engine.runtime.cache_files import model_key
 
     model = load_and_cache(LLAMA)
     key = model_key(model)
     assert model_key(load_and_cache(LLAMA)) == key  # the same weights: the same key
     assert model_key(load_and_cache(LLAMA, torch.bfloat16)) != key  # another cache dtype
+    if kernels.available():  # another build of the kernels (an AVX2 one on this CPU): other roundings, another key
+        monkeypatch.setitem(kernels._state, "key", "another build")
+        assert model_key(model) != key
+        monkeypatch.undo()
     with torch.no_grad():
         model.layers[1].mlp.down_proj.weight[3, 5] += 1e-3
     assert model_key(model) != key

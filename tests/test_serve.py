@@ -601,6 +601,29 @@ def test_non_streamed_requests_whose_clients_gave_up_free_their_rows(default_ser
 
 
 @pytest.mark.slow
+def test_the_default_models_answers_are_the_same_bits_alone_or_beside_others(default_server):
+    """The default model's int4 linears run one tile at every number of rows (its head and the attention too): five
+    requests sent at once, with two rows (prompts prefilled together, a long one in chunks beside another's decode),
+    get the tokens and logprobs each gets alone, bit for bit."""
+    client = default_server.client()
+    prompts = ["What is the capital of France?", "Tell me about the sea. " * 14, "Name three colors.",
+               "Write a haiku about rain. " * 9, "Why is the sky blue?"]
+
+    def ask(i):
+        reply = chat(client, prompts[i], max_tokens=10, logprobs=True)
+        return [(t.token, t.logprob) for t in reply.choices[0].logprobs.content]
+
+    alone = [ask(i) for i in range(len(prompts))]
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, ask(i))) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(len(prompts))] == alone
+
+
+@pytest.mark.slow
 def test_structured_output_on_the_default_model_parses_into_a_pydantic_object(default_server):
     """The openai client's chat.completions.parse(response_format=Model), as agents and LangChain send it."""
     pydantic = pytest.importorskip("pydantic")

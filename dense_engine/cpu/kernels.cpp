@@ -4,7 +4,8 @@
 //
 //   dense_kernels::linear_f32 (x, w)          w float32 [N, K]
 //   dense_kernels::linear_int8(x, w, s)       w uint8 [N, K] = int8 weight + 128, s float32 [N]: w = s * q
-//   dense_kernels::linear_int4(x, q, d, m)    q uint8 [N, K/2], d and m float32 [N, K/32]: w = d * code + m
+//   dense_kernels::linear_int4(x, q, d, m)    q uint8 [N, K/2], d and m float32 [N, K/32]: w = d * code + m (in
+//                                             groups of 16 rows: kernels.h)
 //   dense_kernels::linear_nf4(x, q, absmax, code)   q uint8 [N, K/2], absmax float32 [N, K/64], code the 16 NF4 values
 //   dense_kernels::linear_gguf(x, blocks, type, float_x)  blocks uint8 [N, bytes]: a GGUF file's rows of blocks, as stored
 //                                             (type: ggml's id of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
@@ -15,10 +16,11 @@
 //                                             over the slots in use
 //
 // The quantized kernels multiply at float32's precision: int8 with AVX-512 VNNI on activations written as two int8
-// digits a row; int4 and nf4 by looking each block's float32 values up in a register. A tile computes NB weight rows
-// against up to 8 rows of x, so a weight row is loaded once for all of them. Past GEMM_ROWS rows of x (a prefill),
-// where arithmetic rather than memory bounds a matmul: int4 and nf4 bfloat16 GEMMs on dequantized tiles, GGUF blocks
-// integer dot products on x rounded to 8 bits (as llama.cpp computes every quantized matmul).
+// digits a row; int4 by integer products on x as a 16-bit integer and a byte a value (one tile at every number of
+// rows); nf4 by looking each block's float32 values up in a register. A tile computes NB weight rows against up to 8
+// rows of x, so a weight row is loaded once for all of them. Past GEMM_ROWS rows of x (a prefill), where arithmetic
+// rather than memory bounds a matmul: nf4 bfloat16 GEMMs on dequantized tiles, GGUF blocks integer dot products on x
+// rounded to 8 bits (as llama.cpp computes every quantized matmul).
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__AVX512BF16__)
 #error "kernels.cpp needs AVX-512 (F, BW, VNNI, BF16); kernels.py falls back to PyTorch's kernels"
 #endif
@@ -131,6 +133,13 @@ struct DigitRows {
   }
 };
 
+using WordRows = WordRowsOf<DigitRows>;
+
+// How far ahead a tile asks for its weight rows, into L2 (a row or a group of rows is one stream): 2 KB into L1 (the
+// old int4 tile's distance) streamed Q4_K_M's tensors at 16.5 GB/s, 8 KB into L2 at 26-30 (measured, huge pages; the file's own 4 KB
+// pages 21-27)
+constexpr int64_t AHEAD = 8192;
+
 template <int R, int NB>
 void int8_tile(const DigitRows& xs, int64_t m0, const uint8_t* w, const float* s, int64_t K, float* y, int64_t N,
                int64_t n0, int64_t ahead) {
@@ -194,24 +203,72 @@ void int8_prefill(const at::Tensor& x, const uint8_t* w, const float* s, int64_t
 }
 
 // ---- int4 weights, llama.cpp's Q4_1 grid: w = d * code + m per block of 32 --------------------------------------
-// Per row and block: 16 bytes, byte j holding code j (low nibble) and code j + 16 (high nibble); d and m float32
-// [N, K/32]. Per block, a register holds the block's 16 values d * c + m (one FMA); vpermps looks the codes up in
-// it; x stays float32: the dequantized weights' product, as float32 computes it. (8-bit activations, as llama.cpp
-// takes them, cost this grid 1% perplexity and flip answers of the default model that float32 gets right.)
+// Packed in groups of 16 weight rows, a lane each (kernels.h): one 64-byte load holds 8 codes of each of the 16 rows;
+// shifts and masks make four registers of code pairs (16-bit) and two of code quads (bytes); a row of x adds their
+// products with its H (four vpdpwssd) and L (two vpdpbusd) into each weight row's int32 sums. Per block, the float
+// steps of kernels.h. The one tile serves every number of rows of x: up to 4 rows of x against a group, the group's
+// codes loaded once for all of them (a long prefill reads them from L1).
 
-// int4 weight rows n0 .. n1 - 1 as bfloat16 (d * code + m) into out [n1 - n0, K]
-void int4_rows(const uint8_t* qp, const float* dp, const float* mp, int64_t K, int64_t n0, int64_t n1, uint16_t* out) {
+// R rows of x (from m0) against one group of 16 weight rows: y [R, N] from column n0, its first `width`
+template <int R>
+void int4_group(const BlockWords& xs, int64_t m0, const uint8_t* codes, const float* d, const float* mn, int64_t K,
+                float* y, int64_t N, int64_t n0, int64_t width) {
   const int64_t G = K / 32;
-  const __m512i low = _mm512_set1_epi32(15);
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t g = 0; g < G; ++g) {
-      __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qp + n * (K / 2) + g * 16)));
-      const __m512 s = _mm512_set1_ps(dp[n * G + g]), m = _mm512_set1_ps(mp[n * G + g]);
-      __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, low)), s, m);
-      __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), s, m);
-      _mm512_storeu_si512(out + (n - n0) * K + g * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  const int16_t* H = xs.high + m0 * K;
+  const int8_t* L = xs.low + m0 * K;
+  const float *U = xs.unit + m0 * G, *S = xs.sum + m0 * G;
+  const __m512i pair_mask = _mm512_set1_epi32(0x000F000F), quad_mask = _mm512_set1_epi32(0x0F0F0F0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < G; ++b) {
+    __m512i high[R], low[R];
+    for (int r = 0; r < R; ++r) high[r] = low[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {  // 8 inputs a load
+      const uint8_t* chunk = codes + (4 * b + c) * 64;
+      _mm_prefetch((const char*)chunk + AHEAD, _MM_HINT_T1);
+      const __m512i v = _mm512_loadu_si512(chunk), v4 = _mm512_srli_epi32(v, 4);
+      const __m512i pairs[4] = {_mm512_and_si512(v, pair_mask), _mm512_and_si512(v4, pair_mask),
+                                _mm512_and_si512(_mm512_srli_epi32(v, 8), pair_mask),
+                                _mm512_and_si512(_mm512_srli_epi32(v, 12), pair_mask)};
+      const __m512i quads[2] = {_mm512_and_si512(v, quad_mask), _mm512_and_si512(v4, quad_mask)};
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = r * K + 32 * b + 8 * c;
+        for (int p = 0; p < 4; ++p) {
+          int32_t h;
+          memcpy(&h, H + at + 2 * p, 4);
+          high[r] = _mm512_dpwssd_epi32(high[r], pairs[p], _mm512_set1_epi32(h));
+        }
+        for (int q = 0; q < 2; ++q) {
+          int32_t l;
+          memcpy(&l, L + at + 4 * q, 4);
+          low[r] = _mm512_dpbusd_epi32(low[r], quads[q], _mm512_set1_epi32(l));
+        }
+      }
     }
+    const __m512 dv = _mm512_loadu_ps(d + 16 * b), mv = _mm512_loadu_ps(mn + 16 * b);
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low[r]), _mm512_set1_ps(1.f / 128.f), _mm512_cvtepi32_ps(high[r]));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(x, _mm512_set1_ps(U[r * G + b])), dv, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(S[r * G + b]), mv, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + n0, lanes(width), acc[r]);
 }
+
+// y [M, N] = x [M, K] w^T, every M
+void int4_tiles(const float* xp, const uint8_t* qp, const float* dp, const float* mp, int64_t M, int64_t K, float* yp,
+                int64_t N) {
+  const BlockWords xs(xp, M, K);
+  for_each_int4_group<4>(M, N, K, qp, dp, mp, [&](int64_t m0, int64_t rows, const uint8_t* codes, const float* d,
+                                                      const float* mn, int64_t n0, int64_t width) {
+    DISPATCH_ROWS(rows, (int4_group<R>(xs, m0, codes, d, mn, K, yp + m0 * N, N, n0, width)));
+  });
+}
+
+// ---- nf4 weights (bitsandbytes' NF4 code), one absmax per block of 64 ----------------------------------------------
+// Per row and block: 32 bytes, byte j holding code j (low nibble) and code j + 32 (high nibble) (repacked at load
+// from bitsandbytes' layout); absmax float32 [N, K/64]. The 16 code values sit in one register and vpermps looks
+// them up; x stays float32: y = sum_blocks absmax * dot(NF4[code], x), the dequantized weights' product.
 
 // nf4 weight rows n0 .. n1 - 1 (our repacked layout) as bfloat16 into out [n1 - n0, K], rounded as PyTorch rounds
 // float32 code * absmax
@@ -232,55 +289,6 @@ void nf4_rows(const uint8_t* qp, const float* ap, const float* code, int64_t K, 
       }
     }
 }
-
-template <int R, int NB>
-void int4_tile(const float* x, const uint8_t* q, const float* d, const float* mn, int64_t K, float* y, int64_t N,
-               int64_t n0) {
-  const int64_t G = K / 32;
-  __m512 acc[2][R][NB];  // two accumulators a row: the low and the high half of each block
-  for (int a = 0; a < 2; ++a)
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) acc[a][r][j] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi32(15);
-  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 lo[NB], hi[NB];
-    for (int j = 0; j < NB; ++j) {
-      const uint8_t* block = q + (n0 + j) * (K / 2) + g * 16;
-      _mm_prefetch((const char*)block + PREFETCH, _MM_HINT_T0);
-      __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)block));
-      __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[(n0 + j) * G + g]), _mm512_set1_ps(mn[(n0 + j) * G + g]));
-      lo[j] = _mm512_permutexvar_ps(_mm512_and_si512(codes, low), table);
-      hi[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 xl = _mm512_loadu_ps(x + r * K + g * 32), xh = _mm512_loadu_ps(x + r * K + g * 32 + 16);
-      for (int j = 0; j < NB; ++j) {
-        acc[0][r][j] = _mm512_fmadd_ps(xl, lo[j], acc[0][r][j]);
-        acc[1][r][j] = _mm512_fmadd_ps(xh, hi[j], acc[1][r][j]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r][j], acc[1][r][j]));
-}
-
-// y [M, N] = x [M, K] w^T for M <= GEMM_ROWS
-void int4_tiles(const float* xp, const uint8_t* qp, const float* dp, const float* mp, int64_t M, int64_t K, float* yp,
-                int64_t N) {
-  for_each_tile<2>(M, N, K, K / 2, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
-    if (nb == 2 && rows <= 4) {
-      DISPATCH_ROWS(rows, (int4_tile<R, 2>(xp + m0 * K, qp, dp, mp, K, yp + m0 * N, N, n0)));
-    } else {  // 8 rows x 2 x 2 accumulators would not fit the registers: one weight row at a time
-      for (int64_t j = 0; j < nb; ++j) DISPATCH_ROWS(rows, (int4_tile<R, 1>(xp + m0 * K, qp, dp, mp, K, yp + m0 * N, N, n0 + j)));
-    }
-  });
-}
-
-// ---- nf4 weights (bitsandbytes' NF4 code), one absmax per block of 64 ----------------------------------------------
-// Per row and block: 32 bytes, byte j holding code j (low nibble) and code j + 32 (high nibble) (repacked at load
-// from bitsandbytes' layout); absmax float32 [N, K/64]. The 16 code values sit in one register and vpermps looks
-// them up; x stays float32: y = sum_blocks absmax * dot(NF4[code], x), the dequantized weights' product.
 
 template <int R, int NB>
 void nf4_tile(const float* x, const uint8_t* q, const float* absmax, const float* code, int64_t K, float* y, int64_t N,
@@ -340,11 +348,6 @@ void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float*
 // by vpdpwssd, a block at a time, then by its d. Mins and offsets meet the sums of X over their sub-blocks. The
 // result is the dequantized weights' product with x to within x's rounding.
 
-// How far ahead a tile asks for its weight rows, into L2 (the file's rows are one stream): 2 KB into L1 (int4's
-// distance) streamed Q4_K_M's tensors at 16.5 GB/s, 8 KB into L2 at 26-30 (measured, huge pages; the file's own 4 KB
-// pages 21-27)
-constexpr int64_t AHEAD = 8192;
-
 // A 32-block's 32 codes (elements in order)
 template <int64_t T>
 inline __m256i block_codes(const uint8_t* blk) {
@@ -396,7 +399,6 @@ inline __m512i chunk_codes(const uint8_t* row, int64_t c, int64_t blocks) {
   }
 }
 
-using WordRows = WordRowsOf<DigitRows>;
 
 // NB weight rows of a K-quant type against R rows of x, a super-block at a time: integer sums of codes x digits x
 // scales (no overflow: |codes x digit| pairs <= 2 x 63 x 127, times |scale| <= 128, 4 chunks a lane), then d in

@@ -209,6 +209,105 @@ inline void chunk_params(const uint8_t* row, int64_t c, int64_t blocks, float A[
   }
 }
 
+// ---- int4 weights, llama.cpp's Q4_1 grid: w = d * code + m per block of 32 --------------------------------------
+// Packed (kernels.pack_int4) for lanes over weight rows: rows in groups of 16 (the last may hold fewer: `lanes`),
+// each group's codes [K / 8][lanes][4 bytes], its d and m [K / 32][lanes] float32. The dword of row j and inputs
+// 8c .. 8c + 7 holds code 8c + 2p in bits 4p .. 4p + 3 and code 8c + 2p + 1 in bits 16 + 4p .. 16 + 4p + 3
+// (p = 0..3): (dword >> 4p) & 0x000F000F is that pair of codes as two 16-bit integers, what one vpdpwssd (or
+// vpmaddwd) multiplies by the pair's H (BlockWords) broadcast to every row of the group; the dword & 0x0F0F0F0F and
+// (dword >> 4) & 0x0F0F0F0F are codes 0 4 1 5 and 2 6 3 7 as bytes, what vpdpbusd (or vpmaddubsw) multiplies by L.
+// Every tile, at every number of rows of x and on both instruction sets, computes a row's result in one order:
+//   acc = 0; for each block b in order: acc = fma(u_b fma(BL_b, 1/128, BH_b), d_b, acc); acc = fma(s_b, m_b, acc)
+// with BH_b, BL_b the block's sums of code H and code L, exact integers (< 2^24: exact in float): a row's bits
+// whatever the call holds beside it (issue 54, item 5), and the same on AVX2 and AVX-512.
+constexpr int64_t INT4_LANES = 16;
+
+// x with a scale per 32 values as a 16-bit integer H and a signed byte L: x / u = H + L / 128 to within 1/256,
+// u = the 32's largest |x| / 32767 (|H| <= 32767, |L| <= 64): each value within 2^-23 of its 32's largest, float32's
+// precision (H alone, within 1/65534, put the default model's logits 2e-4 from its float path; issue 54 asks 1e-4).
+// L is stored in the order the codes' bytes take (kernels.h's int4 layout): inputs 0 4 1 5 2 6 3 7 of each 8. Per 32
+// also s = u (sum(H) + sum(L) / 128), what the block's m multiplies. The same float steps on both instruction sets.
+struct BlockWords {
+  int16_t* high;  // [M, K]: H
+  int8_t* low;    // [M, K]: L, each 8 in the order above
+  float *unit, *sum;  // [M, K / 32]: u, s
+  // In the calling thread's buffers, kept from call to call (one BlockWords a thread at a time): fresh pages for each
+  // call's megabytes cost page faults (measured: as long as computing the words)
+  BlockWords(const float* xf, int64_t M, int64_t K) {
+    thread_local std::vector<int16_t> words;
+    thread_local std::vector<int8_t> bytes;
+    thread_local std::vector<float> floats;
+    words.resize(std::max<size_t>(words.size(), M * K)), bytes.resize(std::max<size_t>(bytes.size(), M * K));
+    floats.resize(std::max<size_t>(floats.size(), M * K / 16));
+    high = words.data(), low = bytes.data(), unit = floats.data(), sum = unit + M * K / 32;
+    at::parallel_for(0, M * K / 32, 256, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) block(xf + 32 * b, b);
+    });
+  }
+  void block(const float* v, int64_t b) {  // (AVX2 registers: the same instructions in both files)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 top8 = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) top8 = _mm256_max_ps(top8, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * i)));
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    const float top = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+    const __m256 inv = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
+    constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m256i h[4], sum_h = _mm256_setzero_si256(), sum_l = _mm256_setzero_si256();
+    alignas(32) int32_t l[32];
+    for (int i = 0; i < 4; ++i) {  // (|h| <= 32767: top * inv rounds to 32767; scaled - h is exact, in [-1/2, 1/2])
+      const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(v + 8 * i), inv), hf = _mm256_round_ps(scaled, nearest);
+      const __m256i li = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(scaled, hf), _mm256_set1_ps(128.f)), nearest));
+      h[i] = _mm256_cvtps_epi32(hf);
+      _mm256_store_si256((__m256i*)(l + 8 * i), li);
+      sum_h = _mm256_add_epi32(sum_h, h[i]), sum_l = _mm256_add_epi32(sum_l, li);
+    }
+    for (int i = 0; i < 4; i += 2)  // int32 -> int16 in order (packs interleaves the 128-bit halves)
+      _mm256_storeu_si256((__m256i*)(high + 32 * b + 8 * i), _mm256_permute4x64_epi64(_mm256_packs_epi32(h[i], h[i + 1]), 0xD8));
+    for (int e = 0; e < 32; ++e) low[32 * b + (e & ~7) + (e % 8 < 4 ? 2 * (e % 8) : 2 * (e % 8 - 4) + 1)] = (int8_t)l[e];
+    unit[b] = top / 32767.f;
+    sum[b] = unit[b] * std::fma((float)sum_of(sum_l), 1.f / 128.f, (float)sum_of(sum_h));
+  }
+  static int32_t sum_of(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+  }
+};
+
+// code k of row j of a group of `lanes` rows
+inline int int4_code(const uint8_t* group, int64_t lanes, int64_t j, int64_t k) {
+  const int64_t e = k % 8, bit = 4 * (e / 2) + 16 * (e % 2);
+  return (group[((k / 8) * lanes + j) * 4 + bit / 8] >> (bit % 8)) & 15;
+}
+
+// The weight rows' groups shared among the threads; within a group, x in chunks of up to ROWS rows (the group's codes
+// stay in L1 while every row of x passes over them). group(m0, rows, codes, d, m, n0, lanes) gets a whole group of
+// 16 lanes: a last group of fewer rows is copied into one with zero codes, d and m.
+template <int ROWS, typename Group>
+void for_each_int4_group(int64_t M, int64_t N, int64_t K, const uint8_t* q, const float* d, const float* mn,
+                         Group group) {
+  const int64_t G = K / 32, group_bytes = INT4_LANES * K / 2;
+  const int64_t block = std::max<int64_t>(1, (64 << 10) / group_bytes);  // >= 64 KB a claim
+  for_each_tile_shared((N + INT4_LANES - 1) / INT4_LANES, block, [&](int64_t g) {
+    const int64_t n0 = g * INT4_LANES, lanes = std::min(INT4_LANES, N - n0);
+    const uint8_t* codes = q + n0 * (K / 2);
+    const float *dg = d + n0 * G, *mg = mn + n0 * G;
+    thread_local std::vector<uint8_t> whole_codes;
+    thread_local std::vector<float> whole_d, whole_m;
+    if (lanes < INT4_LANES) {
+      whole_codes.assign(group_bytes, 0), whole_d.assign(G * INT4_LANES, 0.f), whole_m.assign(G * INT4_LANES, 0.f);
+      for (int64_t c = 0; c < K / 8; ++c) memcpy(whole_codes.data() + c * 4 * INT4_LANES, codes + c * 4 * lanes, 4 * lanes);
+      for (int64_t b = 0; b < G; ++b) {
+        memcpy(whole_d.data() + b * INT4_LANES, dg + b * lanes, 4 * lanes);
+        memcpy(whole_m.data() + b * INT4_LANES, mg + b * lanes, 4 * lanes);
+      }
+      codes = whole_codes.data(), dg = whole_d.data(), mg = whole_m.data();
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS) group(m0, std::min<int64_t>(ROWS, M - m0), codes, dg, mg, n0, lanes);
+  });
+}
+
 // x as 16-bit integers a row: X = 127 q1 + q2, the two int8 digits of DigitRows (x = d (q1 + q2 / 127), within
 // 1/32258 of the row's largest value), and the sums of X over each 32 inputs (what mins multiply)
 template <typename DigitRows>
@@ -491,12 +590,11 @@ void int8_tiles(const float* x, const uint8_t* w, const float* s, int64_t M, int
 // y [M, N] = x [M, K] w^T past INT8_ROWS rows of x (a long prefill; kernels.py sends kernels.cpp's to bfloat16 GEMMs)
 void int8_prefill(const at::Tensor& x, const uint8_t* w, const float* s, int64_t N, float* y);
 constexpr int64_t INT8_ROWS = 32;  // (kernels.py's: every length of a compiled prefill step)
+// y [M, N] = x [M, K] w^T for int4 weights packed in groups (below), every M
 void int4_tiles(const float* x, const uint8_t* q, const float* d, const float* mn, int64_t M, int64_t K, float* y,
                 int64_t N);
 void nf4_tiles(const float* x, const uint8_t* q, const float* absmax, const float* code, int64_t M, int64_t K, float* y,
                int64_t N);
-void int4_rows(const uint8_t* q, const float* d, const float* mn, int64_t K, int64_t n0, int64_t n1, float* out);
-void int4_rows(const uint8_t* q, const float* d, const float* mn, int64_t K, int64_t n0, int64_t n1, uint16_t* out);
 void nf4_rows(const uint8_t* q, const float* absmax, const float* code, int64_t K, int64_t n0, int64_t n1, float* out);
 void nf4_rows(const uint8_t* q, const float* absmax, const float* code, int64_t K, int64_t n0, int64_t n1,
               uint16_t* out);
@@ -556,7 +654,7 @@ void check_nf4(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& 
               absmax.is_contiguous(), op, ": bad shapes");
 }
 
-// y [..., N]: a few rows of x by tiles(y), more by GEMMs on the weight rows unpack(n0, nb, out) writes (int4, nf4)
+// y [..., N]: a few rows of x by tiles(y), more by GEMMs on the weight rows unpack(n0, nb, out) writes (nf4)
 template <typename W, typename Tiles, typename Unpack>
 at::Tensor by_rows_of_x(const Rows& x, const at::Tensor& x_, int64_t N, Tiles tiles, Unpack unpack) {
   auto y = output_like(x_, N);
@@ -567,16 +665,14 @@ at::Tensor by_rows_of_x(const Rows& x, const at::Tensor& x_, int64_t N, Tiles ti
   return y;
 }
 
-template <typename W>
 at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_int4: x must be float32");
   const Rows x(x_);
-  const int64_t N = q.size(0), K = x.K;
-  check_int4(q, d, mn, K, "linear_int4");
-  const float *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  return by_rows_of_x<W>(x, x_, N, [&](float* y) { int4_tiles(x.data(), qp, dp, mp, x.M, K, y, N); },
-                        [&](int64_t n0, int64_t nb, W* out) { int4_rows(qp, dp, mp, K, n0, n0 + nb, out); });
+  const int64_t N = q.size(0);
+  check_int4(q, d, mn, x.K, "linear_int4");
+  auto y = output_like(x_, N);
+  int4_tiles(x.data(), q.data_ptr<uint8_t>(), d.data_ptr<float>(), mn.data_ptr<float>(), x.M, x.K, y.data_ptr<float>(), N);
+  return y;
 }
 
 template <typename W>
@@ -601,13 +697,25 @@ at::Tensor unpacked_bf16(int64_t N, int64_t K, const at::TensorOptions& options,
   return w.to(at::kBFloat16);  // (float32 rounded to nearest even, as vcvtneps2bf16 rounds)
 }
 
-template <typename W>
 at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
-  const int64_t K = q.size(1) * 2;
+  const int64_t N = q.size(0), K = q.size(1) * 2, G = K / 32;
   check_int4(q, d, mn, K, "dequantize_int4");
-  return unpacked_bf16<W>(q.size(0), K, q.options(), [&](int64_t n0, int64_t n1, W* out) {
-    int4_rows(q.data_ptr<uint8_t>(), d.data_ptr<float>(), mn.data_ptr<float>(), K, n0, n1, out);
+  auto w = at::empty({N, K}, q.options().dtype(at::kFloat));
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, (N + INT4_LANES - 1) / INT4_LANES, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * INT4_LANES, lanes = std::min(INT4_LANES, N - n0);
+      for (int64_t j = 0; j < lanes; ++j)
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t b = k / 32;
+          wp[(n0 + j) * K + k] = std::fma((float)int4_code(qp + n0 * (K / 2), lanes, j, k), dp[n0 * G + b * lanes + j],
+                                          mp[n0 * G + b * lanes + j]);
+        }
+    }
   });
+  return w.to(at::kBFloat16);  // (float32 rounded to nearest even)
 }
 
 template <typename W>
@@ -709,9 +817,9 @@ at::Tensor dequantize_gguf(const at::Tensor& w, int64_t type, int64_t K, bool bf
   TORCH_LIBRARY_IMPL(dense_kernels, CPU, m) {              \
     m.impl("linear_f32", &linear_f32);                     \
     m.impl("linear_int8", &linear_int8);                   \
-    m.impl("linear_int4", &linear_int4<W>);                \
+    m.impl("linear_int4", &linear_int4);                   \
     m.impl("attention", &attention);                       \
-    m.impl("dequantize_int4", &dequantize_int4<W>);        \
+    m.impl("dequantize_int4", &dequantize_int4);           \
     m.impl("dequantize_nf4", &dequantize_nf4<W>);          \
     m.impl("linear_nf4", &linear_nf4<W>);                  \
     m.impl("linear_gguf", &linear_gguf);                   \

@@ -4,8 +4,9 @@ fallback.
 At M = 1 (one token) a linear layer is a matrix-vector product: every weight byte is read once and used once, so it
 runs at the speed the weights stream from memory. PyTorch's CPU kernels reach less than half of that for a few rows
 (measured in BENCHMARKS.md), so kernels.cpp has register-tiled kernels for up to 8 rows of x at a time: float32
-with FMA; int8 weights with AVX-512 VNNI on activations written as two int8 digits (16 bits of the row's range); int4 and
-nf4 by looking each block's float32 values up in a register (vpermps); a GGUF file's own blocks (K-quants, Q8_0,
+with FMA; int8 weights with AVX-512 VNNI on activations written as two int8 digits (16 bits of the row's range); int4
+by integer products on x as a 16-bit integer and a byte a value (a scale per 32: float32's precision), one tile at
+every number of rows; nf4 by looking each block's float32 values up in a register (vpermps); a GGUF file's own blocks (K-quants, Q8_0,
 Q4_0/1, Q5_0/1) as stored, by integer dot products (VNNI) on activations written as two int8 digits a row.
 The result is the dequantized weights' product to float32's precision, or within 1/32258 of each row of x's largest
 value (llama.cpp quantizes activations to 8 bits, which flips answers of the default model: measured).
@@ -50,9 +51,9 @@ SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"},
 # for bit). The int8 kernel (x in two digits) serves up to INT8_ROWS: every length of a compiled prefill step
 # (generate.PREFILL_CHUNK), whose row count is dynamic (at 32 rows it is 2.5x the GEMM on its converted weight with
 # AVX-512, 4x with AVX2); past it kernels_avx2.cpp's op multiplies x in bytes, kernels.cpp's callers a bfloat16 GEMM.
-# The int4, nf4 and GGUF kernels decide for themselves past GEMM_ROWS (kernels.cpp's): int4 and nf4 run bfloat16
-# GEMMs on tiles of the weight they dequantize (2-3x float32's rate; AVX2 float32), GGUF blocks integer dot products
-# on x in bytes (both ISAs).
+# The nf4 and GGUF kernels decide for themselves past GEMM_ROWS (kernels.cpp's): nf4 runs bfloat16 GEMMs on tiles of
+# the weight it dequantizes (2-3x float32's rate; AVX2 float32), GGUF blocks integer dot products on x in bytes (both
+# ISAs). int4 runs its one tile at every number of rows (a row's bits whatever the batch).
 MAX_ROWS = 16
 INT8_ROWS = 32
 GEMM_ROWS = 12
@@ -131,15 +132,21 @@ def available() -> bool:
             build(os.path.join(HERE, source), target, extra)
         torch.ops.load_library(target)
         register_shapes()
-        _state["ok"], _state["source"] = True, source
+        _state["ok"], _state["source"], _state["key"] = True, source, key
     except Exception as e:  # a failing compiler, an incompatible torch: PyTorch's kernels serve
         note(f"CPU kernels unavailable ({first_line(e)}); using PyTorch's")
     return _state["ok"]
 
 
-def digits_for_int4() -> bool:
-    """Whether the int4 kernel takes x as two int8 digits (kernels_avx2.cpp: within 1/32258 of a row's largest value,
-    as int8 and GGUF) rather than in float32 (kernels.cpp)."""
+def build_key() -> str:
+    """The loaded kernels' key (their source, torch's version, the CPU's flags; "" without kernels): what a cache's
+    keys and values depend on beside the weights. Another build (AVX2 against AVX-512, an older source) computes
+    them in other roundings."""
+    return _state.get("key", "") if available() else ""
+
+
+def avx2_only() -> bool:
+    """Whether the kernels are kernels_avx2.cpp's (a CPU without AVX-512, or DENSE_KERNELS=avx2)."""
     return available() and _state.get("source") == "kernels_avx2.cpp"
 
 
@@ -154,7 +161,7 @@ def decode_in_bytes(kind: str) -> bool:
     """Whether a GGUF linear of up to GEMM_ROWS rows (decoding) takes x rounded to 8 bits too: K-quants on
     kernels_avx2.cpp (llama.cpp's Q8_K: one product a code where two int8 digits took two, 1.6-1.9x faster at 12
     rows; BENCHMARKS.md). Elsewhere x as two int8 digits, within 1/32258 of a row's largest value."""
-    return available() and _state.get("source") == "kernels_avx2.cpp" and kind.endswith("_K")
+    return avx2_only() and kind.endswith("_K")
 
 
 def huge_pages(tensors: list[torch.Tensor], zeros: bool = False, advise: bool = True) -> list[torch.Tensor]:
@@ -417,7 +424,7 @@ def linear_int8(x: torch.Tensor, packed_weight: torch.Tensor, packed_scales: tor
         # past INT8_ROWS kernels_avx2.cpp multiplies in bytes (x rounded to 8 bits a value, llama.cpp's Q8_0
         # activations); with AVX512-BF16 a long prefill is the weight in bfloat16 once, then one bfloat16 GEMM (the
         # tiles at every length were 1.3-1.9x slower on SmolLM2's prompts: BENCHMARKS.md)
-        avx2 = _state.get("source") == "kernels_avx2.cpp"
+        avx2 = avx2_only()
         if use_kernel(x, None if avx2 else INT8_ROWS):
             return torch.ops.dense_kernels.linear_int8(x, packed_weight, packed_scales)
         dtype = torch.float32 if avx2 else torch.bfloat16  # (x not float32; AVX2 emulates bfloat16 at a seventh)
@@ -441,14 +448,32 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, gro
             return {}
         return {"kernel_weight": packed, "kernel_scales": int4_scales_and_zeros(scales, mins), "kernel_mins":
                 torch.empty(0, device=codes.device)}
-    if group_size == 32 and available():  # ours: per block of 32, byte j = code j | code j + 16 << 4
-        blocks = codes.to(torch.uint8).reshape(N, K // 32, 32)
-        return {"kernel_weight": (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(N, K // 2).contiguous(),
-                "kernel_scales": scales.float().contiguous(), "kernel_mins": mins.float().contiguous()}
+    if group_size == 32 and available():  # ours: groups of 16 rows, lanes over the rows (kernels.h)
+        return pack_int4_groups(codes.to(torch.uint8), scales.float(), mins.float())
     # PyTorch's int4 CPU kernel computes (q - 8) * scale + zero; fast with bfloat16 activations only
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
     return {"kernel_weight": packed, "kernel_scales": int4_scales_and_zeros(scales, mins), "kernel_mins":
             torch.empty(0)}
+
+
+def pack_int4_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> dict:
+    """kernels.h's layout: rows in groups of 16 (the last of N % 16 rows), a group's codes [K / 8][rows][4 bytes] with
+    codes 8c + 2p, 8c + 2p + 1 in bits 4p and 16 + 4p of a dword (p = 0..3), its scales and mins [K / 32][rows]. The
+    tensors keep their shapes ([N, K / 2], [N, K / 32])."""
+    N, K = codes.shape
+    parts: dict[str, list] = {"kernel_weight": [], "kernel_scales": [], "kernel_mins": []}
+    whole = N // 16 * 16
+    for start, rows in ((0, whole), (whole, N - whole)):
+        lanes = min(16, rows)
+        if rows == 0:
+            continue
+        c = codes[start:start + rows].reshape(rows // lanes, lanes, K // 8, 8).transpose(1, 2)  # [groups, K/8, lanes, 8]
+        parts["kernel_weight"].append((c[..., [0, 4, 1, 5]] | (c[..., [2, 6, 3, 7]] << 4)).reshape(-1))
+        for name, t in (("kernel_scales", scales), ("kernel_mins", mins)):
+            parts[name].append(t[start:start + rows].reshape(rows // lanes, lanes, K // 32).transpose(1, 2).reshape(-1))
+    return {"kernel_weight": torch.cat(parts["kernel_weight"]).reshape(N, K // 2),
+            "kernel_scales": torch.cat(parts["kernel_scales"]).reshape(N, K // 32),
+            "kernel_mins": torch.cat(parts["kernel_mins"]).reshape(N, K // 32)}
 
 
 def int4_scales_and_zeros(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -461,7 +486,7 @@ def int4_scales_and_zeros(scales: torch.Tensor, mins: torch.Tensor) -> torch.Ten
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int,
                 group_size: int) -> torch.Tensor:
     if mins.numel():
-        if use_kernel(x, rows=None):  # (a long prefill: bfloat16 GEMMs on tiles of the dequantized weight)
+        if use_kernel(x, rows=None):  # (every number of rows: one tile, one order of sums)
             return torch.ops.dense_kernels.linear_int4(x, packed, scales, mins)
         w = torch.ops.dense_kernels.dequantize_int4(packed, scales, mins)
         return F.linear(x.to(torch.bfloat16), w).to(x.dtype)

@@ -4,10 +4,10 @@
 //   * 16 registers, not 32: tiles hold fewer accumulators (one to four weight rows against up to 4 or 8 rows of x);
 //   * 8-bit products by vpmaddubsw (unsigned x signed bytes, pairs in int16) and vpmaddwd (pairs in int32), or by one
 //     vpdpbusd where the CPU has AVX-VNNI (dot_bytes; the int8 weights' products, the same integers); int8 weights go
-//     through it as |w| times x with w's sign (pairs stay below int16's limit); int4 takes x as two int8 digits too
-//     (kernels.cpp: float32), within 1/32258 of a row's largest value, and nf4 too (its values to 15 bits);
-//     K-quants decode on x in bytes (llama.cpp's);
-//   * no bfloat16 arithmetic: a long prefill's int4 and nf4 GEMMs run in float32 on the dequantized tiles (oneDNN
+//     through it as |w| times x with w's sign (pairs stay below int16's limit); nf4 takes x as two int8 digits too
+//     (kernels.cpp: float32), within 1/32258 of a row's largest value, its values to 15 bits; int4 computes
+//     kernels.cpp's bits (kernels.h); K-quants decode on x in bytes (llama.cpp's);
+//   * no bfloat16 arithmetic: a long prefill's nf4 GEMMs run in float32 on the dequantized tiles (oneDNN
 //     or MKL's sgemm); GGUF blocks as kernels.cpp, integer products on x in bytes (vpmaddubsw or vpdpbusd), and int8
 //     weights past INT8_ROWS the same way (kernels.cpp: bfloat16 GEMMs), read as 32-blocks of a scale a row.
 // Each row of x is still summed in one fixed order whatever the tile or the batch: a row's result does not depend on
@@ -208,59 +208,87 @@ void int8_tiles(const float* xp, const uint8_t* wp, const float* sp, int64_t M, 
 }
 
 // ---- int4 weights, llama.cpp's Q4_1 grid: w = d * code + m per block of 32 --------------------------------------
-// Per row and block: 16 bytes, byte j holding code j (low nibble) and code j + 16 (high nibble); d and m float32
-// [N, K/32].
+// kernels.cpp's design (the groups of kernels.h) in 8 lanes: a group of 16 weight rows in two halves, one 32-byte
+// load holding 8 codes of each of 8 rows; four registers of code pairs times H by vpmaddwd (or AVX-VNNI's vpdpwssd),
+// two of code quads times L by vpmaddubsw, their int16 pairs added over the block (|sum| <= 8 x 2 x 15 x 64) and
+// widened once; per block the float steps of kernels.h: the same bits as kernels.cpp's.
 
-// int4 weight rows n0 .. n1 - 1 as float32 into out [n1 - n0, K]
-void int4_rows(const uint8_t* qp, const float* dp, const float* mp, int64_t K, int64_t n0, int64_t n1, float* out) {
-  const int64_t G = K / 32;
-  const __m128i low = _mm_set1_epi8(15);
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t g = 0; g < G; ++g) {  // codes 0..15 in the low nibbles, 16..31 in the high ones
-      const __m128i q = _mm_loadu_si128((const __m128i*)(qp + n * (K / 2) + g * 16));
-      const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
-      const __m128i eights[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-      const __m256 d = _mm256_set1_ps(dp[n * G + g]), m = _mm256_set1_ps(mp[n * G + g]);
-      for (int i = 0; i < 4; ++i)
-        _mm256_storeu_ps(out + (n - n0) * K + g * 32 + 8 * i, _mm256_fmadd_ps(to_float(eights[i]), d, m));
-    }
+// sum + the products of pairs of 16-bit integers, in int32 lanes: one vpdpwssd with AVX-VNNI (or AVX-512 VNNI's
+// 256-bit form), else vpmaddwd and an add
+inline __m256i dot_words(__m256i sum, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(sum, a, b);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(sum, a, b);
+#else
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(a, b));
+#endif
 }
 
-// NB weight rows against R rows of x as 16-bit integers X (WordRows: x = unit X, X = 127 q1 + q2, within 1/32258 of
-// the row's largest value, as the GGUF kernels take it): per block the integer sum of code X (vpmaddwd), times d in
-// float, plus m times the block's sum of X. Converting 32 codes to float for FMAs cost 2.3x as many instructions
-// and ran at a fifth of the memory's speed (measured); the products' error is the int8 kernel's.
-template <int R, int NB>
-void int4_tile(const WordRows& xs, int64_t m0, const uint8_t* q, const float* d, const float* mn, int64_t K, float* y,
-               int64_t N, int64_t n0) {
+// R rows of x (from m0) against one group of 16 weight rows: y [R, N] from column n0, its first `width`
+template <int R>
+void int4_group(const BlockWords& xs, int64_t m0, const uint8_t* codes, const float* d, const float* mn, int64_t K,
+                float* y, int64_t N, int64_t n0, int64_t width) {
   const int64_t G = K / 32;
-  const int16_t* X = xs.x.data() + m0 * K;
-  const float* sums = xs.sum32.data() + m0 * G;
-  __m256 acc[R][NB];
-  float mins[R][NB] = {};
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
-  const __m128i low = _mm_set1_epi8(15);
-  for (int64_t g = 0; g < G; ++g)
-    for (int j = 0; j < NB; ++j) {
-      const int64_t n = n0 + j;
-      const uint8_t* block = q + n * (K / 2) + g * 16;
-      _mm_prefetch((const char*)block + PREFETCH, _MM_HINT_T0);
-      const __m128i b = _mm_loadu_si128((const __m128i*)block);
-      const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low));  // codes 0..15
-      const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low));  // codes 16..31
-      const __m256 dv = _mm256_set1_ps(d[n * G + g]);
-      const float m = mn[n * G + g];
+  const int16_t* H = xs.high + m0 * K;
+  const int8_t* L = xs.low + m0 * K;
+  const float *U = xs.unit + m0 * G, *S = xs.sum + m0 * G;
+  const __m256i pair_mask = _mm256_set1_epi32(0x000F000F), quad_mask = _mm256_set1_epi32(0x0F0F0F0F);
+  for (int half = 0; half < 2 && 8 * half < width; ++half) {  // rows 8 half .. 8 half + 7 of the group
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < G; ++b) {
+      __m256i high[R], low[R];  // int32 sums of code H; int16 pairs of code L
+      for (int r = 0; r < R; ++r) high[r] = low[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {  // 8 inputs a load
+        const uint8_t* chunk = codes + (4 * b + c) * 64;
+        if (half == 0) _mm_prefetch((const char*)chunk + AHEAD, _MM_HINT_T1);
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(chunk + 32 * half));
+        for (int p = 0; p < 4; ++p) {
+          const __m256i pair = _mm256_and_si256(_mm256_srli_epi32(v, 4 * p), pair_mask);
+          for (int r = 0; r < R; ++r) {
+            int32_t h;
+            memcpy(&h, H + r * K + 32 * b + 8 * c + 2 * p, 4);
+            high[r] = dot_words(high[r], pair, _mm256_set1_epi32(h));
+          }
+        }
+        for (int q = 0; q < 2; ++q) {
+          const __m256i quad = _mm256_and_si256(_mm256_srli_epi32(v, 4 * q), quad_mask);
+          for (int r = 0; r < R; ++r) {
+            int32_t l;
+            memcpy(&l, L + r * K + 32 * b + 8 * c + 4 * q, 4);
+            low[r] = _mm256_add_epi16(low[r], _mm256_maddubs_epi16(quad, _mm256_set1_epi32(l)));
+          }
+        }
+      }
+      const __m256 dv = _mm256_loadu_ps(d + 16 * b + 8 * half), mv = _mm256_loadu_ps(mn + 16 * b + 8 * half);
       for (int r = 0; r < R; ++r) {
-        const int16_t* x = X + r * K + 32 * g;
-        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)x)),
-                                             _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 16))));
-        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), dv, acc[r][j]);
-        mins[r][j] += m * sums[r * G + g];
+        const __m256i low32 = _mm256_madd_epi16(low[r], _mm256_set1_epi16(1));
+        const __m256 x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low32), _mm256_set1_ps(1.f / 128.f), _mm256_cvtepi32_ps(high[r]));
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(x, _mm256_set1_ps(U[r * G + b])), dv, acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(S[r * G + b]), mv, acc[r]);
       }
     }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = (hsum(acc[r][j]) + mins[r][j]) * xs.unit[m0 + r];
+    for (int r = 0; r < R; ++r) {
+      float* to = y + r * N + n0 + 8 * half;
+      if (width - 8 * half >= 8) _mm256_storeu_ps(to, acc[r]);
+      else _mm256_maskstore_ps(to, lanes8(width - 8 * half), acc[r]);
+    }
+  }
+}
+
+// y [M, N] = x [M, K] w^T, every M: up to 3 rows of x against a group (16 registers)
+void int4_tiles(const float* xp, const uint8_t* qp, const float* dp, const float* mp, int64_t M, int64_t K, float* yp,
+                int64_t N) {
+  const BlockWords xs(xp, M, K);
+  for_each_int4_group<3>(M, N, K, qp, dp, mp, [&](int64_t m0, int64_t rows, const uint8_t* codes, const float* d,
+                                                const float* mn, int64_t n0, int64_t width) {
+    switch (rows) {
+      case 1: int4_group<1>(xs, m0, codes, d, mn, K, yp + m0 * N, N, n0, width); break;
+      case 2: int4_group<2>(xs, m0, codes, d, mn, K, yp + m0 * N, N, n0, width); break;
+      default: int4_group<3>(xs, m0, codes, d, mn, K, yp + m0 * N, N, n0, width); break;
+    }
+  });
 }
 
 // The 4-bit tiles' schedule (int4, nf4: half a byte a weight): at one row of x 4 weight rows a tile (more memory in
@@ -282,15 +310,6 @@ void four_bit_tiles(int64_t M, int64_t N, int64_t K, Tile tile) {
     } else {
       DISPATCH_ROWS(rows, (tile(integral_constant<int, R>(), integral_constant<int, 1>(), m0, n0)));
     }
-  });
-}
-
-// y [M, N] = x [M, K] w^T for M <= GEMM_ROWS
-void int4_tiles(const float* xp, const uint8_t* qp, const float* dp, const float* mp, int64_t M, int64_t K, float* yp,
-                int64_t N) {
-  const WordRows xs(xp, M, K);
-  four_bit_tiles(M, N, K, [&](auto rows, auto weight_rows, int64_t m0, int64_t n0) {
-    int4_tile<decltype(rows)::value, decltype(weight_rows)::value>(xs, m0, qp, dp, mp, K, yp + m0 * N, N, n0);
   });
 }
 

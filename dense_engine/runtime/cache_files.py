@@ -1,7 +1,8 @@
 """Files of cached keys and values: a prompt's tokens and each layer's keys and values of their slots, sealed by a
 digest of their bytes, and the key of the model that computed them. The server's prefix store (its disk tier and
 llama-server's slot files) and chat.py (/save beside a conversation, --prompt-cache) write and read them; a file is
-used only by the model, quantization, dtype and cache layout that wrote it, and never for other tokens."""
+used only by the model, quantization, dtype, cache layout and CPU kernels that wrote it, and never for other
+tokens."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 import threading
 
 import torch
+
+from dense_engine.cpu import kernels
 
 
 PARTS = ("k", "v", "k_scale", "v_scale")  # a layer's tensors of a cache's slots (its slots(): dim 1 the slots)
@@ -74,9 +77,12 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 def model_key(model) -> str:
     """What the keys and values its cache holds depend on: every weight's bytes (quantized ones as quantized), the
-    config, the cache's class and dtype. (Hashing the weights reads them once: 0.1 s for 100 MB.)"""
+    config, the cache's class and dtype, and on CPU the kernels that compute them (kernels.build_key: a prefix an
+    AVX2 build wrote is not read back by an AVX-512 one, whose answers would then depend on it). (Hashing the weights
+    reads them once: 0.1 s for 100 MB.)"""
     cache = model.layers[0].attn.kv_cache
-    h = hashlib.sha256(f"{type(cache).__qualname__} {cache.v.dtype}".encode())
+    built = kernels.build_key() if cache.v.device.type == "cpu" else ""
+    h = hashlib.sha256(f"{type(cache).__qualname__} {cache.v.dtype} {built}".encode())
     h.update(repr(sorted(vars(model.config).items())).encode())
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if ".kv_cache." in name or name.startswith("rotary") or name == "kv_slots":
