@@ -6,8 +6,9 @@ runs at the speed the weights stream from memory. PyTorch's CPU kernels reach le
 (measured in BENCHMARKS.md), so kernels.cpp has register-tiled kernels for up to 8 rows of x at a time: float32
 with FMA; int8 weights with AVX-512 VNNI on activations written as two int8 digits (16 bits of the row's range); int4
 by integer products on x as a 16-bit integer and a byte a value (a scale per 32: float32's precision), one tile at
-every number of rows; nf4 by looking each block's float32 values up in a register (vpermps); a GGUF file's own blocks (K-quants, Q8_0,
-Q4_0/1, Q5_0/1) as stored, by integer dot products (VNNI) on activations written as two int8 digits a row.
+every number of rows; nf4 by looking each block's float32 values up in a register (vpermps); a GGUF file's own
+blocks (K-quants, Q8_0, Q4_0/1, Q5_0/1) as stored, by integer dot products (VNNI) on activations written as two int8
+digits a row.
 The result is the dequantized weights' product to float32's precision, or within 1/32258 of each row of x's largest
 value (llama.cpp quantizes activations to 8 bits, which flips answers of the default model: measured).
 
@@ -464,13 +465,15 @@ def pack_int4_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     parts: dict[str, list] = {"kernel_weight": [], "kernel_scales": [], "kernel_mins": []}
     whole = N // 16 * 16
     for start, rows in ((0, whole), (whole, N - whole)):
-        lanes = min(16, rows)
         if rows == 0:
             continue
-        c = codes[start:start + rows].reshape(rows // lanes, lanes, K // 8, 8).transpose(1, 2)  # [groups, K/8, lanes, 8]
+        lanes = min(16, rows)
+        groups = rows // lanes
+        c = codes[start:start + rows].reshape(groups, lanes, K // 8, 8).transpose(1, 2)  # [groups, K / 8, lanes, 8]
+        # a dword's bytes: codes 0 | 2 << 4, 4 | 6 << 4, 1 | 3 << 4, 5 | 7 << 4 of its 8
         parts["kernel_weight"].append((c[..., [0, 4, 1, 5]] | (c[..., [2, 6, 3, 7]] << 4)).reshape(-1))
         for name, t in (("kernel_scales", scales), ("kernel_mins", mins)):
-            parts[name].append(t[start:start + rows].reshape(rows // lanes, lanes, K // 32).transpose(1, 2).reshape(-1))
+            parts[name].append(t[start:start + rows].reshape(groups, lanes, K // 32).transpose(1, 2).reshape(-1))
     return {"kernel_weight": torch.cat(parts["kernel_weight"]).reshape(N, K // 2),
             "kernel_scales": torch.cat(parts["kernel_scales"]).reshape(N, K // 32),
             "kernel_mins": torch.cat(parts["kernel_mins"]).reshape(N, K // 32)}

@@ -291,7 +291,7 @@ void int4_tiles(const float* xp, const uint8_t* qp, const float* dp, const float
   });
 }
 
-// The 4-bit tiles' schedule (int4, nf4: half a byte a weight): at one row of x 4 weight rows a tile (more memory in
+// nf4's tiles' schedule (half a byte a weight): at one row of x 4 weight rows a tile (more memory in
 // flight), else 2 weight rows against up to 4 rows of x. tile(rows, weight_rows, m0, n0), the counts as
 // std::integral_constant (each tile a template on them)
 template <typename Tile>
@@ -351,7 +351,7 @@ void nf4_rows(const uint8_t* qp, const float* ap, const float* code, int64_t K, 
     }
 }
 
-// Decoding (up to GEMM_ROWS rows of x) multiplies in integers, as int4 does: x as 16-bit words X (WordRows' digits,
+// Decoding (up to GEMM_ROWS rows of x) multiplies in integers: x as 16-bit words X (WordRows' digits,
 // within 1/32258 of a row's largest value) and each code's value as V = round(NF4[code] 2^14), within 2^-15 of the
 // block's absmax (NF4's own steps are 2500x that). vpshufb looks 32 codes up at once in two 16-byte tables (V's low
 // and high bytes), vpunpck{l,h}bw joins them into words; per block four vpmaddwd (8 products a lane: |V X| 8 <= 2^14
@@ -371,7 +371,7 @@ struct NF4Words {
     }
     low = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)lo));
     high = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)hi));
-    const DigitRows digits(xf, M, K);  // (not WordRows: its sums serve int4's mins)
+    const DigitRows digits(xf, M, K);  // (not WordRows: its sums serve the mins of the GGUF tiles)
     for (int64_t row = 0; row < M; ++row) unit[row] = digits.scale[row] / 127.f;
     for (int64_t b = 0; b < M * K / 64; ++b)  // word 16 g + 8 lane + i <- value 32 (g / 2) + 8 (g % 2) + 16 lane + i
       for (int g = 0; g < 4; ++g)
