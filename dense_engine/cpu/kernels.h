@@ -275,12 +275,6 @@ struct BlockWords {
   }
 };
 
-// code k of row j of a group of `lanes` rows
-inline int int4_code(const uint8_t* group, int64_t lanes, int64_t j, int64_t k) {
-  const int64_t e = k % 8, bit = 4 * (e / 2) + 16 * (e % 2);
-  return (group[((k / 8) * lanes + j) * 4 + bit / 8] >> (bit % 8)) & 15;
-}
-
 // The weight rows' groups shared among the threads; within a group, x in chunks of up to ROWS rows (the group's codes
 // stay in L1 while every row of x passes over them). group(m0, rows, codes, d, m, n0, lanes) gets a whole group of
 // 16 lanes: a last group of fewer rows is copied into one with zero codes, d and m.
@@ -654,17 +648,6 @@ void check_nf4(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& 
               absmax.is_contiguous(), op, ": bad shapes");
 }
 
-// y [..., N]: a few rows of x by tiles(y), more by GEMMs on the weight rows unpack(n0, nb, out) writes (nf4)
-template <typename W, typename Tiles, typename Unpack>
-at::Tensor by_rows_of_x(const Rows& x, const at::Tensor& x_, int64_t N, Tiles tiles, Unpack unpack) {
-  auto y = output_like(x_, N);
-  if (x.M > GEMM_ROWS)
-    gemm_by_tiles<W>(x.t, N, y.data_ptr<float>(), N, nullptr, unpack);
-  else
-    tiles(y.data_ptr<float>());
-  return y;
-}
-
 at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_int4: x must be float32");
   const Rows x(x_);
@@ -684,8 +667,13 @@ at::Tensor linear_nf4(const at::Tensor& x_, const at::Tensor& q, const at::Tenso
   const auto table = code.contiguous();
   const float *ap = absmax.data_ptr<float>(), *cp = table.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  return by_rows_of_x<W>(x, x_, N, [&](float* y) { nf4_tiles(x.data(), qp, ap, cp, x.M, K, y, N); },
-                        [&](int64_t n0, int64_t nb, W* out) { nf4_rows(qp, ap, cp, K, n0, n0 + nb, out); });
+  auto y = output_like(x_, N);
+  if (x.M > GEMM_ROWS)  // (a prefill: GEMMs on tiles of the weight rows, dequantized)
+    gemm_by_tiles<W>(x.t, N, y.data_ptr<float>(), N, nullptr,
+                     [&](int64_t n0, int64_t nb, W* out) { nf4_rows(qp, ap, cp, K, n0, n0 + nb, out); });
+  else
+    nf4_tiles(x.data(), qp, ap, cp, x.M, K, y.data_ptr<float>(), N);
+  return y;
 }
 
 // [N, K] bfloat16 from unpack(n0, n1, rows n0 .. n1 - 1 as W): a CPU model's weights for another device's step, tests
@@ -700,22 +688,31 @@ at::Tensor unpacked_bf16(int64_t N, int64_t K, const at::TensorOptions& options,
 at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& mn) {
   const int64_t N = q.size(0), K = q.size(1) * 2, G = K / 32;
   check_int4(q, d, mn, K, "dequantize_int4");
-  auto w = at::empty({N, K}, q.options().dtype(at::kFloat));
+  auto w = at::empty({N, K}, q.options().dtype(at::kBFloat16));
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>();
-  float* wp = w.data_ptr<float>();
+  at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  const __m256i shifts = _mm256_setr_epi32(0, 16, 4, 20, 8, 24, 12, 28), fifteen = _mm256_set1_epi32(15);  // (kernels.h's layout)
   at::parallel_for(0, (N + INT4_LANES - 1) / INT4_LANES, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * INT4_LANES, lanes = std::min(INT4_LANES, N - n0);
+      const uint8_t* group = qp + n0 * (K / 2);
       for (int64_t j = 0; j < lanes; ++j)
-        for (int64_t k = 0; k < K; ++k) {
-          const int64_t b = k / 32;
-          wp[(n0 + j) * K + k] = std::fma((float)int4_code(qp + n0 * (K / 2), lanes, j, k), dp[n0 * G + b * lanes + j],
-                                          mp[n0 * G + b * lanes + j]);
+        for (int64_t c = 0; c < K / 8; ++c) {  // the dword of row j and inputs 8c .. 8c + 7: its 8 codes in order
+          uint32_t dword;
+          memcpy(&dword, group + (c * lanes + j) * 4, 4);
+          const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)dword), shifts), fifteen);
+          const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), _mm256_set1_ps(dp[n0 * G + c / 4 * lanes + j]),
+                                           _mm256_set1_ps(mp[n0 * G + c / 4 * lanes + j]));
+          __m256i bits = _mm256_castps_si256(v);  // to bfloat16, nearest even: + 0x7FFF + the kept lowest bit
+          bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                   _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)))), 16);
+          const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
+          _mm_storeu_si128((__m128i*)(wp + (n0 + j) * K + 8 * c), _mm256_castsi256_si128(words));
         }
     }
   });
-  return w.to(at::kBFloat16);  // (float32 rounded to nearest even)
+  return w;
 }
 
 template <typename W>
