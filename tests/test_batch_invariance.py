@@ -1,8 +1,9 @@
 """The same bits whatever the batch (issue 54, item 5): a query's attention over the cache depends on its own slots
 only, so a prompt prefilled in chunks of any length, one token at a time or beside another row's gives identical
-logits, bit for bit, while its linears stay within their tiles; int4 linears run one tile at every number of rows.
-(Still open: the float32 linears past 16 rows, nf4 and GGUF blocks past 12 and int8 past 32 take other kernels, which
-round and sum otherwise.)"""
+logits, bit for bit, while its linears stay within their tiles; int4 linears run one tile at every number of rows;
+GGUF K-quants (Q4_K, Q5_K, Q6_K) sum in one order in their decoding and prefill tiles (kernels.h). (Still open: the
+float32 linears past 16 rows, nf4 and GGUF 32-blocks past 12 and int8 past 32 take other kernels, which round and
+sum otherwise.)"""
 
 import types
 
@@ -98,6 +99,34 @@ def test_an_int4_prompts_logits_are_the_same_bits_at_any_length_and_beside_anoth
     generate.setup_cache(model, 2, 128)
     runner = generate.Runner(model, None)
     torch.manual_seed(2)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 40))
+    other = torch.randint(0, model.config.vocab_size, (40,)).tolist()
+
+    want = in_chunks(runner, prompt, [40])
+    assert torch.equal(in_chunks(runner, prompt, [20, 1, 12, 7]), want)
+    assert torch.equal(in_chunks(runner, prompt, [1] * 40), want)
+    together = runner.prefill_rows([prompt[0].tolist(), other], [0, 0], torch.tensor([0, 1]))
+    assert torch.equal(together[:1], want)
+    assert not torch.equal(together[1:], want)
+
+
+@needs_kernels
+def test_a_kquant_files_logits_are_the_same_bits_at_any_length_and_beside_another(tmp_path):
+    """A GGUF of K-quants only (Q4_K, Q5_K and Q6_K tensors, as a Q4_K_M's wide ones; --quant auto keeps each block
+    type): x rounded to bytes a 256 at a time at every number of rows, and one order of sums in the decoding tiles and
+    the prefill's (kernels.h): a 40-token prompt whole, in chunks of 20, 1, 12 and 7, a token at a time and beside
+    another row's gives the same logits, bit for bit."""
+    from test_gguf import Q, original_tokenizer, small_llama, write_gguf
+
+    kinds = {"token_embd": Q.Q6_K, "attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_K,
+             "ffn_gate": Q.Q4_K, "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K, "output": Q.Q5_K}
+    path = tmp_path / "kquants.gguf"
+    write_gguf(path, small_llama(tied=False, hidden=256, ffn=512), original_tokenizer("gpt2"), "llama-bpe", kinds)
+    model = from_pretrained(str(path), quant="auto")
+    assert sorted({kind for m in model.modules() for kind in getattr(m, "kinds", [])}) == ["Q4_K", "Q5_K", "Q6_K"]
+    generate.setup_cache(model, 2, 64)
+    runner = generate.Runner(model, None)
+    torch.manual_seed(3)
     prompt = torch.randint(0, model.config.vocab_size, (1, 40))
     other = torch.randint(0, model.config.vocab_size, (40,)).tolist()
 

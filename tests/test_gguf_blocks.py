@@ -106,6 +106,24 @@ def test_float_x_is_the_float_product_and_a_rows_bits_whatever_the_rows(kind):
         assert torch.equal(torch.ops.dense_kernels.linear_gguf(x[:m], blocks, ggml_id, True), alone[:m]), (kind, m)
 
 
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_a_kquant_rows_bits_do_not_depend_on_the_rows_beside_it(kind):
+    """K-quants take x in bytes at every number of rows and sum in one order (kernels.h) in the decoding tiles and the
+    prefill's: each of 40 rows of x alone gives the same bits as within 2, 4, 5, 12, 13 or 40 rows; and those are
+    the dequantized weights' product with x so rounded."""
+    ggml_id = quantized.GGUF_TYPES[kind][0]
+    raw = random_blocks(kind, 70, 1024, seed=5)  # (70 weight rows: two prefill tiles and a tail)
+    blocks = torch.from_numpy(raw)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(70, 1024).copy())
+    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(4))
+    x[2, 300] = 50.0  # (an outlier: its 256 values' bytes coarser, the others' not)
+    alone = torch.cat([torch.ops.dense_kernels.linear_gguf(x[i:i + 1], blocks, ggml_id) for i in range(40)])
+    for m in (2, 4, 5, 12, 13, 40):
+        assert torch.equal(torch.ops.dense_kernels.linear_gguf(x[:m], blocks, ggml_id), alone[:m]), (kind, m)
+    assert_prefill_product(kind, x, blocks, want)
+
+
 def x_in_bytes(x: torch.Tensor, group: int) -> torch.Tensor:
     """x as a GGUF prefill rounds it (float64): each group of values (K-quants 256, llama.cpp's Q8_K; 32-blocks 32,
     its Q8_0) to 8 bits, q = x * (127 / max|x|) rounded to the nearest (even) integer in float32, times max|x| / 127."""

@@ -17,10 +17,12 @@
 //
 // The quantized kernels multiply at float32's precision: int8 with AVX-512 VNNI on activations written as two int8
 // digits a row; int4 by integer products on x as a 16-bit integer and a byte a value (one tile at every number of
-// rows); nf4 by looking each block's float32 values up in a register. A tile computes NB weight rows against up to 8
-// rows of x, so a weight row is loaded once for all of them. Past GEMM_ROWS rows of x (a prefill), where arithmetic
-// rather than memory bounds a matmul: nf4 bfloat16 GEMMs on dequantized tiles, GGUF blocks integer dot products on x
-// rounded to 8 bits (as llama.cpp computes every quantized matmul).
+// rows); nf4 by looking each block's float32 values up in a register; GGUF 32-blocks on x's two digits. GGUF
+// K-quants take x rounded to 8 bits (llama.cpp's Q8_K) at every number of rows, summed in one order (kernels.h). A
+// tile computes NB weight rows against up to 8 rows of x, so a weight row is loaded once for all of them. Past
+// GEMM_ROWS rows of x (a prefill), where arithmetic rather than memory bounds a matmul: nf4 bfloat16 GEMMs on
+// dequantized tiles, GGUF blocks integer dot products on x rounded to 8 bits (as llama.cpp computes every quantized
+// matmul).
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__AVX512BF16__)
 #error "kernels.cpp needs AVX-512 (F, BW, VNNI, BF16); kernels.py falls back to PyTorch's kernels"
 #endif
@@ -341,12 +343,13 @@ void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float*
 // per sub-block, w = A * (u - off) + B:
 //   Q4_K, Q5_K  A = d * scale_j (6-bit), B = -(dmin * min_j), per 32      Q6_K  A = d * scale_j (int8), off 32, per 16
 //   Q4_0 / Q5_0 / Q8_0  A = d, off 8 / 16 / 128 (Q8_0's int8 + 128)        Q4_1 / Q5_1  A = d, B = m
-// The matmuls take x as two int8 digits a row (DigitRows: x = d (q1 + q2 / 127), within 1/32258 of the row's largest
-// value). K-quants: 64 codes a register as bytes (the dequantizer's chunk_codes), times each digit by vpmaddubsw
-// (pairs of products in int16), times the sub-block's integer scale by vpdpwssd (into int32), a super-block at a
-// time, then once in float by d. 32-blocks: codes as 16-bit integers (minus the type's offset) times X = 127 q1 + q2
-// by vpdpwssd, a block at a time, then by its d. Mins and offsets meet the sums of X over their sub-blocks. The
-// result is the dequantized weights' product with x to within x's rounding.
+// K-quants take x in bytes (ByteRows: llama.cpp's Q8_K, as their prefill): 64 codes a register as bytes (the
+// dequantizer's chunk_codes), times xq by vpmaddubsw (pairs of products in int16), times the sub-block's integer
+// scale by vpdpwssd (into int32), a super-block at a time, then kernels.h's float steps. 32-blocks take x as two int8
+// digits a row (DigitRows: x = d (q1 + q2 / 127), within 1/32258 of the row's largest value): codes as 16-bit
+// integers (minus the type's offset) times X = 127 q1 + q2 by vpdpwssd, a block at a time, then by its d. Mins and
+// offsets meet the sums of x over their sub-blocks. The result is the dequantized weights' product with x to within
+// x's rounding.
 
 // A 32-block's 32 codes (elements in order)
 template <int64_t T>
@@ -400,54 +403,83 @@ inline __m512i chunk_codes(const uint8_t* row, int64_t c, int64_t blocks) {
 }
 
 
-// NB weight rows of a K-quant type against R rows of x, a super-block at a time: integer sums of codes x digits x
-// scales (no overflow: |codes x digit| pairs <= 2 x 63 x 127, times |scale| <= 128, 4 chunks a lane), then d in
-// float, and the mins (Q4_K, Q5_K) or the codes' offset 32 (Q6_K) against the sums of X
+// x [M, K] rounded to 8 bits a value, as llama.cpp's activations: each `group` values (256: K-quants, its Q8_K; 32:
+// 32-blocks, its Q8_0) xq = x / dx rounded to the nearest (even), dx = their max|x| / 127; stored + 128 as unsigned
+// bytes for a prefill's vpdpbusd (plus128), as signed bytes for the K-quants' decoding (codes times xq, vpmaddubsw)
+struct ByteRows {
+  std::vector<uint8_t> xu;   // [M, K] xq + 128 (plus128) or xq
+  std::vector<float> dx;     // [M, K / group]
+  std::vector<float> sum32;  // [M, K / 32]: sum(xq) over each 32 values
+  std::vector<int16_t> s16;  // [M, K / 16]: sum(xq) over each 16 (K-quants' mins and Q6_K's offset meet them)
+  ByteRows(const float* x, int64_t M, int64_t K, int64_t group, bool plus128 = true)
+      : xu(M * K), dx(M * (K / group)), sum32(M * (K / 32)), s16(M * (K / 16)) {
+    const __m512i off = _mm512_set1_epi32(plus128 ? 128 : 0);
+    at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t b = 0; b < K / group; ++b) {
+          const float* xb = x + m * K + b * group;
+          __m512 amax = _mm512_setzero_ps();
+          for (int k = 0; k < group; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + k)));
+          const float top = _mm512_reduce_max_ps(amax), d = top / 127.f;
+          dx[m * (K / group) + b] = d;
+          const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+          for (int k = 0; k < group; k += 32) {
+            const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + k), inv));  // nearest
+            const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + k + 16), inv));
+            const int64_t at = m * K + b * group + k;
+            _mm_storeu_si128((__m128i*)(xu.data() + at), _mm512_cvtepi32_epi8(_mm512_add_epi32(a, off)));
+            _mm_storeu_si128((__m128i*)(xu.data() + at + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, off)));
+            const int32_t low = _mm512_reduce_add_epi32(a), high = _mm512_reduce_add_epi32(c);
+            s16[at / 16] = (int16_t)low, s16[at / 16 + 1] = (int16_t)high, sum32[at / 32] = (float)(low + high);
+          }
+        }
+    });
+  }
+};
+
+// NB weight rows of a K-quant type against R rows of x in bytes (signed xq, a scale per 256), a super-block at a
+// time: 64 codes u (0..63) a register times xq by vpmaddubsw (pairs in int16: |u xq| pairs <= 2 x 63 x 127), times
+// the sub-block's integer scale by vpdpwssd into int32 lanes (kernels.h's I, less Q6_K's offset: 32 times the
+// scales against the sums of xq per 16), the mins against the sums of xq per 32 (Mn); then kernels.h's float steps
 template <int64_t T, int R, int NB>
-void kquant_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
+void kquant_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
                  int64_t N, int64_t n0) {
   const int64_t S = K / 256;
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  __m512 acc[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  float acc[R][NB] = {};
   for (int64_t sb = 0; sb < S; ++sb) {
-    __m512 fsum[R][NB], d[NB], minv[NB];
     for (int j = 0; j < NB; ++j) {
       const uint8_t* blk = w + (n0 + j) * row_bytes + sb * block_bytes(T);
       for (int line = 0; line < block_bytes(T); line += 64) _mm_prefetch((const char*)blk + AHEAD + line, _MM_HINT_T1);
-      if constexpr (T == GQ6_K) {  // 64 codes (0..63) a register as bytes; the -32 meets the sums of X
-        const __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 192)));  // 16 sub-blocks
+      __m512i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+      __m256i per16;  // what each 16's sum of xq meets: Q6_K its scale (the offset's), Q4_K / Q5_K its 32's min
+      float d, nd = 0.f;
+      if constexpr (T == GQ6_K) {  // 64 codes (0..63) a register as bytes
+        const __m128i bytes = _mm_loadu_si128((const __m128i*)(blk + 192));  // 16 sub-blocks' scales
+        const __m512i scales = _mm512_cvtepi8_epi32(bytes);
         const __m512i pairs = _mm512_or_si512(_mm512_and_si512(scales, _mm512_set1_epi32(0xFFFF)),
                                               _mm512_slli_epi32(scales, 16));  // each scale twice, for vpermd
-        __m512i s1[R], s2[R];
-        for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm512_setzero_si512();
         for (int c = 0; c < 4; ++c) {  // chunk c: sub-blocks 4c .. 4c + 3, four int32 lanes each
           const __m512i u = chunk_codes<T>(w + (n0 + j) * row_bytes, sb * 4 + c, 0);
           const __m512i scale = _mm512_permutexvar_epi32(
               _mm512_add_epi32(_mm512_set1_epi32(4 * c), _mm512_srli_epi32(iota, 2)), pairs);
           for (int r = 0; r < R; ++r) {
-            const int64_t at = (m0 + r) * K + sb * 256 + 64 * c;
-            s1[r] = _mm512_dpwssd_epi32(s1[r], _mm512_maddubs_epi16(u, _mm512_loadu_si512(xs.digits.q1.data() + at)), scale);
-            s2[r] = _mm512_dpwssd_epi32(s2[r], _mm512_maddubs_epi16(u, _mm512_loadu_si512(xs.digits.q2.data() + at)), scale);
+            const __m512i xq = _mm512_loadu_si512(xs.xu.data() + (m0 + r) * K + sb * 256 + 64 * c);
+            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u, xq), scale);
           }
         }
-        for (int r = 0; r < R; ++r)
-          fsum[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_set1_ps(127.f), _mm512_cvtepi32_ps(s2[r]));
-        const float dj = half_at(blk + 208);
-        d[j] = _mm512_set1_ps(dj);
-        minv[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(scales), _mm512_set1_ps(-32.f * dj));
-      } else {  // 64 codes a register as bytes, times each digit of x (vpmaddubsw: pairs), times the scale (vpdpwssd)
+        per16 = _mm256_cvtepi8_epi16(bytes);
+        d = half_at(blk + 208);
+      } else {  // 64 codes a register as bytes: sub-block 2g in the low nibbles of 32 bytes, 2g + 1 in the high ones
         const __m128i sm = kquant_scales(blk + 4);
         const __m128i s16 = _mm_cvtepu8_epi16(sm);  // each scale twice in an int32, for vpermd
         const __m512i pairs = _mm512_castsi256_si512(_mm256_set_m128i(_mm_unpackhi_epi16(s16, s16), _mm_unpacklo_epi16(s16, s16)));
         const uint8_t* qs = blk + (T == GQ4_K ? 16 : 48);
         __m512i qh;
         if constexpr (T == GQ5_K) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 16)));
-        __m512i s1[R], s2[R];
-        for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm512_setzero_si512();
         // (chunk_codes, inlined with qh loaded once a super-block: calling it here decoded Q5_K 13% slower, measured)
-        for (int g = 0; g < 4; ++g) {  // 32 bytes: sub-block 2g in the low nibbles, 2g + 1 in the high ones
+        for (int g = 0; g < 4; ++g) {
           const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * g)));
           __m512i u = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFFFF0000u, z, 4), _mm512_set1_epi8(15));
           if constexpr (T == GQ5_K) {  // bit s of qh[l]: the fifth bit of value l of sub-block s
@@ -457,28 +489,27 @@ void kquant_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_b
           const __m512i scale = _mm512_permutexvar_epi32(  // int32 lanes 0-7: scale 2g, 8-15: scale 2g + 1
               _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * g), _mm512_set1_epi32(2 * g + 1)), pairs);
           for (int r = 0; r < R; ++r) {
-            const int64_t at = (m0 + r) * K + sb * 256 + 64 * g;
-            s1[r] = _mm512_dpwssd_epi32(s1[r], _mm512_maddubs_epi16(u, _mm512_loadu_si512(xs.digits.q1.data() + at)), scale);
-            s2[r] = _mm512_dpwssd_epi32(s2[r], _mm512_maddubs_epi16(u, _mm512_loadu_si512(xs.digits.q2.data() + at)), scale);
+            const __m512i xq = _mm512_loadu_si512(xs.xu.data() + (m0 + r) * K + sb * 256 + 64 * g);
+            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u, xq), scale);
           }
         }
-        for (int r = 0; r < R; ++r)  // X = 127 q1 + q2: the sum in X's units, in float (127 s1 could pass int32)
-          fsum[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_set1_ps(127.f), _mm512_cvtepi32_ps(s2[r]));
-        d[j] = _mm512_set1_ps(half_at(blk));
-        minv[j] = _mm512_maskz_mul_ps(0x00FF, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
-                                      _mm512_set1_ps(-half_at(blk + 2)));
+        const __m128i mins = _mm_srli_si128(sm, 8);
+        per16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));  // each min for both 16s of its 32
+        d = half_at(blk), nd = -half_at(blk + 2);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i sums = _mm256_loadu_si256((const __m256i*)(xs.s16.data() + (m0 + r) * (K / 16) + sb * 16));
+        const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(isum[r]), _mm512_extracti64x4_epi64(isum[r], 1));
+        __m128i s = sum_lanes4(half, _mm256_madd_epi16(sums, per16), half, half);  // I, C (, I, I)
+        if constexpr (T == GQ6_K) s = _mm_sub_epi32(s, _mm_slli_epi32(_mm_srli_epi64(s, 32), 5));  // I - 32 C
+        const __m128 f = _mm_cvtepi32_ps(s);
+        acc[r][j] = kquant_step(acc[r][j], _mm_cvtss_f32(f), _mm_cvtss_f32(_mm_movehdup_ps(f)), d, nd,
+                                xs.dx[(m0 + r) * S + sb], T != GQ6_K);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) {
-        acc[r][j] = _mm512_fmadd_ps(fsum[r][j], d[j], acc[r][j]);
-        const __m512 sums = T == GQ6_K ? _mm512_loadu_ps(xs.sum16.data() + (m0 + r) * (K / 16) + sb * 16)
-                                       : _mm512_maskz_loadu_ps(0x00FF, xs.sum32.data() + (m0 + r) * (K / 32) + sb * 8);
-        acc[r][j] = _mm512_fmadd_ps(minv[j], sums, acc[r][j]);
-      }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(acc[r][j]) * xs.unit[m0 + r];
+    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = acc[r][j];
 }
 
 // A 32-block's weights as 16-bit integers: the code minus the type's offset (Q4_1 / Q5_1: the code; their m meets
@@ -564,7 +595,12 @@ void q8_0_float_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_b
 
 template <int64_t T>
 void gguf_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
-  const WordRows xs(x, M, K);
+  // K-quants: x in bytes, as their prefill (kernels.h's one order of sums); 32-blocks: two digits
+  using Rows = std::conditional_t<T >= GQ4_K, ByteRows, WordRows>;
+  const Rows xs = [&] {
+    if constexpr (T >= GQ4_K) return ByteRows(x, M, K, 256, false);
+    else return WordRows(x, M, K);
+  }();
   auto tile = [&](auto rows_tag, auto nb_tag, int64_t m0, int64_t n0) {
     constexpr int R = decltype(rows_tag)::value, NB = decltype(nb_tag)::value;
     if constexpr (T >= GQ4_K)
@@ -628,58 +664,27 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t*
 // of 32 weight rows into signed codes s = u - off, four values of a row side by side, 16 rows a register (k-group g of the tile: 128 bytes), so one
 // vpdpbusd adds four products of 16 rows against four values of one row of x (broadcast). Per sub-block (32 values;
 // Q6_K 16) the int32 sums sum(s (xq + 128)) less their + 128's share (they start at Z = -128 sum(s), the weights'
-// own: exact in int32, where a float difference of the two large sums lost digits) times A in float; per
-// super-block, times dx; the mins (Q4_K, Q5_K) times sum(xq) over their 32 before it. The result is the dequantized
-// weights' product with x rounded to 8 bits a value (to float32's rounding of the sums): 1.4-1.5x the rate of
-// oneDNN's bfloat16 GEMM on weights already dequantized, on Zen 4 and 5 (BENCHMARKS.md).
+// own: exact in int32, where a float difference of the two large sums lost digits) times the integer scale into I;
+// per super-block kernels.h's float steps (the decoding tiles' order: a row's bits whatever the call). The result is
+// the dequantized weights' product with x rounded to 8 bits a value (to float32's rounding of the sums): 1.4-1.5x the
+// rate of oneDNN's bfloat16 GEMM on weights already dequantized, on Zen 4 and 5 (BENCHMARKS.md).
 // 32-blocks (BlockTile, q8_pass32) the same with a scale of x per block: per block, the sums (from Z) times A, times
 // dx.
 constexpr int Q8_TILE = 32;  // weight rows a tile: two registers of 16
 constexpr int Q8_ROWS = 6;   // rows of x a pass: 2 x 6 int32 sums and 2 x 6 float sums in registers
 constexpr int64_t Q8_BLOCK = 256;  // rows of x a round of tiles
 
-// x [M, K] in bytes; group: values a scale, 256 (K-quants: llama.cpp's Q8_K) or 32 (32-blocks: its Q8_0)
-struct ByteRows {
-  std::vector<uint8_t> xu;  // [M, K] xq + 128
-  std::vector<float> dx;    // [M, K / group]
-  std::vector<float> sum32; // [M, K / 32]: sum(xq) over each 32 values
-  ByteRows(const float* x, int64_t M, int64_t K, int64_t group) : xu(M * K), dx(M * (K / group)), sum32(M * (K / 32)) {
-    at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t b = 0; b < K / group; ++b) {
-          const float* xb = x + m * K + b * group;
-          __m512 amax = _mm512_setzero_ps();
-          for (int k = 0; k < group; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + k)));
-          const float top = _mm512_reduce_max_ps(amax), d = top / 127.f;
-          dx[m * (K / group) + b] = d;
-          const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
-          for (int k = 0; k < group; k += 32) {
-            const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + k), inv));  // nearest
-            const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + k + 16), inv));
-            const __m512i off = _mm512_set1_epi32(128);
-            uint8_t* out = xu.data() + m * K + b * group + k;
-            _mm_storeu_si128((__m128i*)out, _mm512_cvtepi32_epi8(_mm512_add_epi32(a, off)));
-            _mm_storeu_si128((__m128i*)(out + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, off)));
-            sum32[m * (K / 32) + (b * group + k) / 32] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(a, c));
-          }
-        }
-    });
-  }
-};
-
-// A and B (w = A (u - off) + B) of a super-block's 16 sixteens, in lanes
+// A super-block's integer scale and min of each of its 16 sixteens, in lanes (Q6_K: no mins)
 template <int64_t T>
-inline void superblock_params(const uint8_t* blk, __m512& A, __m512& B) {
+inline void superblock_ints(const uint8_t* blk, __m512i& scale, __m512i& min) {
   if constexpr (T == GQ6_K) {
-    A = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 192)))),
-                      _mm512_set1_ps(half_at(blk + 208)));
-    B = _mm512_setzero_ps();
+    scale = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 192)));
+    min = _mm512_setzero_si512();
   } else {  // sixteen q: scale and min q / 2
     const __m512i v = _mm512_cvtepu8_epi32(kquant_scales(blk + 4));  // scales in lanes 0-7, mins in 8-15
     const __m512i pair = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 1);
-    A = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(pair, v)), _mm512_set1_ps(half_at(blk)));
-    B = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(_mm512_add_epi32(pair, _mm512_set1_epi32(8)), v)),
-                      _mm512_set1_ps(-half_at(blk + 2)));
+    scale = _mm512_permutexvar_epi32(pair, v);
+    min = _mm512_permutexvar_epi32(_mm512_add_epi32(pair, _mm512_set1_epi32(8)), v);
   }
 }
 
@@ -698,34 +703,41 @@ inline void transpose16(__m512i r[16]) {
     r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88), r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
 }
 
-// A tile of Q8_TILE weight rows, decoded for q8_pass: codes [K / 4][32 rows][4], A and B (w = A (u - off) + B) of
-// each 16 values [K / 16][32], Z = -128 sum(s) of each sub-block [K / 16][32] (SB 32: at its first 16's)
+// A tile of Q8_TILE weight rows, decoded for q8_pass: codes [K / 4][32 rows][4]; the integer scale and Z = -128
+// sum(s) of each 16 values [K / 16][32] (a sub-block of 32: at its first 16's); the mins of each two sub-blocks as
+// 16-bit pairs [K / 64][32] (Q4_K, Q5_K: for vpdpwssd); d and -dmin of each super-block [K / 256][32]
 template <int64_t T>
 struct ByteTile {
   static constexpr int SB = T == GQ6_K ? 16 : 32, OFF = T == GQ6_K ? 32 : 0;
   std::vector<int8_t> codes;
-  std::vector<float> A, B;
-  std::vector<int32_t> Z;
-  explicit ByteTile(int64_t K) : codes(K * Q8_TILE), A(K / 16 * Q8_TILE), B(K / 16 * Q8_TILE), Z(K / 16 * Q8_TILE) {}
+  std::vector<int32_t> scale, min, Z;
+  std::vector<float> d, nd;
+  explicit ByteTile(int64_t K) : codes(K * Q8_TILE), scale(K / 16 * Q8_TILE), min(K / 64 * Q8_TILE),
+                                 Z(K / 16 * Q8_TILE), d(K / 256 * Q8_TILE), nd(K / 256 * Q8_TILE) {}
 
   void decode(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t nb) {
     const int64_t blocks = K / 256;
     const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t r = 0; r < Q8_TILE; ++r) {
+        const uint8_t* blk = w + r * row_bytes + b * block_bytes(T);
+        d[b * Q8_TILE + r] = r >= nb ? 0.f : half_at(blk + (T == GQ6_K ? 208 : 0));
+        nd[b * Q8_TILE + r] = r >= nb || T == GQ6_K ? 0.f : -half_at(blk + 2);
+      }
     for (int half = 0; half < 2; ++half) {  // 16 rows at a time: a register's lanes
-      for (int64_t b = 0; b < blocks; ++b) {  // A and B of each 16 values, rows in lanes
+      for (int64_t b = 0; b < blocks; ++b) {  // scales and mins of each 16 values, rows in lanes
         __m512i a[16], m[16];
         for (int i = 0; i < 16; ++i) {
           const int64_t r = 16 * half + i;
-          __m512 ai = _mm512_setzero_ps(), mi = _mm512_setzero_ps();
-          if (r < nb) superblock_params<T>(w + r * row_bytes + b * block_bytes(T), ai, mi);
-          a[i] = _mm512_castps_si512(ai), m[i] = _mm512_castps_si512(mi);
+          a[i] = m[i] = _mm512_setzero_si512();
+          if (r < nb) superblock_ints<T>(w + r * row_bytes + b * block_bytes(T), a[i], m[i]);
         }
         transpose16(a);
         if (T != GQ6_K) transpose16(m);
-        for (int q = 0; q < 16; ++q) {
-          _mm512_storeu_si512(A.data() + (16 * b + q) * Q8_TILE + 16 * half, a[q]);
-          if (T != GQ6_K) _mm512_storeu_si512(B.data() + (16 * b + q) * Q8_TILE + 16 * half, m[q]);
-        }
+        for (int q = 0; q < 16; ++q) _mm512_storeu_si512(scale.data() + (16 * b + q) * Q8_TILE + 16 * half, a[q]);
+        for (int p = 0; T != GQ6_K && p < 4; ++p)  // sub-blocks 2p and 2p + 1's mins: their first sixteens'
+          _mm512_storeu_si512(min.data() + (4 * b + p) * Q8_TILE + 16 * half,
+                              _mm512_or_si512(m[4 * p], _mm512_slli_epi32(m[4 * p + 2], 16)));
       }
       for (int64_t c = 0; c < K / 64; ++c) {
         __m512i u[16];
@@ -771,8 +783,8 @@ inline void byte_sums(const int8_t* codes, const uint8_t* x, int64_t K, int64_t 
   }
 }
 
-// R rows of x (from m0) against a decoded tile: 2 x R int32 sums and 2 x R float sums of a super-block in registers,
-// the running result in memory (L1)
+// R rows of x (from m0) against a decoded tile: per sub-block 2 x R int32 sums (byte_sums) times the scales into
+// 2 x R of kernels.h's I in registers, per super-block its float steps; the running result in memory (L1)
 template <int64_t T, int R>
 void q8_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, float* y, int64_t N, int64_t n0,
              int64_t nb, const int64_t* columns) {
@@ -781,31 +793,38 @@ void q8_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, fl
   const int8_t* codes = t.codes.data();
   const uint8_t* x = xs.xu.data() + m0 * K;
   for (int64_t b = 0; b < K / 256; ++b) {
-    __m512 part[R][2];
-    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
+    __m512i I[R][2];
+    for (int r = 0; r < R; ++r) I[r][0] = I[r][1] = _mm512_setzero_si512();
     for (int q = 0; q < 256 / SB; ++q) {
       __m512i sum[R][2];
-      const int64_t at = (b * 16 + q * (SB / 16)) * Q8_TILE;  // (SB 32: its first 16's A, B and Z)
+      const int64_t at = (b * 16 + q * (SB / 16)) * Q8_TILE;  // (SB 32: its first 16's scale and Z)
       byte_sums<R, SB / 4>(codes, x, K, b * 64 + q * (SB / 4), _mm512_loadu_si512(t.Z.data() + at),
                            _mm512_loadu_si512(t.Z.data() + at + 16), sum);
-      const __m512 a0 = _mm512_loadu_ps(t.A.data() + at), a1 = _mm512_loadu_ps(t.A.data() + at + 16);
+      const __m512i s0 = _mm512_loadu_si512(t.scale.data() + at), s1 = _mm512_loadu_si512(t.scale.data() + at + 16);
       for (int r = 0; r < R; ++r) {
-        part[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), a0, part[r][0]);
-        part[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), a1, part[r][1]);
-      }
-      if constexpr (T != GQ6_K) {  // the mins: B times sum(xq) over the 32
-        const __m512 b0 = _mm512_loadu_ps(t.B.data() + at), b1 = _mm512_loadu_ps(t.B.data() + at + 16);
-        for (int r = 0; r < R; ++r) {
-          const __m512 s = _mm512_set1_ps(xs.sum32[(m0 + r) * (K / 32) + b * 8 + q]);
-          part[r][0] = _mm512_fmadd_ps(b0, s, part[r][0]);
-          part[r][1] = _mm512_fmadd_ps(b1, s, part[r][1]);
-        }
+        I[r][0] = _mm512_add_epi32(I[r][0], _mm512_mullo_epi32(sum[r][0], s0));
+        I[r][1] = _mm512_add_epi32(I[r][1], _mm512_mullo_epi32(sum[r][1], s1));
       }
     }
+    const __m512 d0 = _mm512_loadu_ps(t.d.data() + b * Q8_TILE), d1 = _mm512_loadu_ps(t.d.data() + b * Q8_TILE + 16);
     for (int r = 0; r < R; ++r) {
-      const __m512 d = _mm512_set1_ps(xs.dx[(m0 + r) * (K / 256) + b]);
-      _mm512_store_ps(out[r], _mm512_fmadd_ps(part[r][0], d, _mm512_load_ps(out[r])));
-      _mm512_store_ps(out[r] + 16, _mm512_fmadd_ps(part[r][1], d, _mm512_load_ps(out[r] + 16)));
+      __m512 p0 = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(I[r][0])), p1 = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(I[r][1]));
+      if constexpr (T != GQ6_K) {  // Mn: the mins against the sums of xq over each 32, two at a time (vpdpwssd)
+        __m512i m0_ = _mm512_setzero_si512(), m1_ = _mm512_setzero_si512();
+        const int16_t* s16 = xs.s16.data() + (m0 + r) * (K / 16) + b * 16;
+        for (int p = 0; p < 4; ++p) {
+          const int32_t first = s16[4 * p] + s16[4 * p + 1], second = s16[4 * p + 2] + s16[4 * p + 3];
+          const __m512i s = _mm512_set1_epi32((int32_t)((uint32_t)(uint16_t)first | (uint32_t)second << 16));
+          const int32_t* mins = t.min.data() + (b * 4 + p) * Q8_TILE;
+          m0_ = _mm512_dpwssd_epi32(m0_, _mm512_loadu_si512(mins), s);
+          m1_ = _mm512_dpwssd_epi32(m1_, _mm512_loadu_si512(mins + 16), s);
+        }
+        p0 = _mm512_fmadd_ps(_mm512_loadu_ps(t.nd.data() + b * Q8_TILE), _mm512_cvtepi32_ps(m0_), p0);
+        p1 = _mm512_fmadd_ps(_mm512_loadu_ps(t.nd.data() + b * Q8_TILE + 16), _mm512_cvtepi32_ps(m1_), p1);
+      }
+      const __m512 dx = _mm512_set1_ps(xs.dx[(m0 + r) * (K / 256) + b]);
+      _mm512_store_ps(out[r], _mm512_fmadd_ps(p0, dx, _mm512_load_ps(out[r])));
+      _mm512_store_ps(out[r] + 16, _mm512_fmadd_ps(p1, dx, _mm512_load_ps(out[r] + 16)));
     }
   }
   for (int r = 0; r < R; ++r) store_tile_row(out[r], y + (m0 + r) * N, n0, nb, columns);

@@ -176,6 +176,28 @@ inline __m128i kquant_scales(const uint8_t* packed) {
   return _mm_or_si128(low, high);
 }
 
+// K-quants' one order of sums, decoding and prefilling, on both instruction sets (issue 54, item 5). x is rounded to
+// bytes a 256 at a time (ByteRows: xq, dx, llama.cpp's Q8_K). For weight row n, row m of x and super-block b:
+//   I  = sum over sub-blocks j of scale_j * sum(s xq)    s = u - off (Q6_K: off 32), exact in int32 (< 2^28)
+//   Mn = sum over sub-blocks j of min_j * sum(xq)         (Q4_K, Q5_K), exact in int32
+//   acc = fma(fma(-dmin, Mn, d I), dx, acc)               (Q6_K: fma(d I, dx, acc)), b in order from 0
+// The integer sums are the same whatever order a kernel adds them in (lanes over K when decoding, over weight rows
+// in a prefill's tiles), and the float steps are one per super-block: a row's bits whatever the call holds beside it.
+// (I and Mn as floats: the int32 sums converted, to the nearest, as every converter does)
+inline float kquant_step(float acc, float I, float Mn, float d, float nd, float dx, bool mins) {
+  const float part = d * I;
+  return std::fma(mins ? std::fma(nd, Mn, part) : part, dx, acc);
+}
+
+// The sums of a's, b's, c's and d's eight int32 lanes, in that order (exact: the order of adding does not matter;
+// unpacks and adds: vphaddd is 3-4 micro-ops on AMD's cores)
+inline __m128i sum_lanes4(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i ab = _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));  // a02 b02 a13 b13 |
+  const __m256i cd = _mm256_add_epi32(_mm256_unpacklo_epi32(c, d), _mm256_unpackhi_epi32(c, d));
+  const __m256i t = _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));  // a0-3 .. d0-3 |
+  return _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+
 // A 32-block's A, off and B (w = A (u - off) + B)
 template <int64_t T>
 inline void block_params(const uint8_t* blk, float& A, float& off, float& B) {
@@ -303,23 +325,21 @@ void for_each_int4_group(int64_t M, int64_t N, int64_t K, const uint8_t* q, cons
 }
 
 // x as 16-bit integers a row: X = 127 q1 + q2, the two int8 digits of DigitRows (x = d (q1 + q2 / 127), within
-// 1/32258 of the row's largest value), and the sums of X over each 32 inputs (what mins multiply)
+// 1/32258 of the row's largest value), and the sums of X over each 32 inputs (what 32-blocks' mins multiply)
 template <typename DigitRows>
 struct WordRowsOf {
-  DigitRows digits;         // q1, q2 [M, K] (K-quants multiply codes by each digit: vpmaddubsw)
+  DigitRows digits;         // q1, q2 [M, K]
   std::vector<int16_t> x;   // [M, K]
   std::vector<float> unit;  // per row: d / 127, the value of X = 1
-  std::vector<float> sum16, sum32; // [M, K/16], [M, K/32] (+ 16 of slack for whole-register loads)
-  WordRowsOf(const float* xf, int64_t M, int64_t K)
-      : digits(xf, M, K), x(M * K), unit(M), sum16(M * K / 16 + 16), sum32(M * K / 32 + 16) {
+  std::vector<float> sum32; // [M, K/32] (+ 16 of slack for whole-register loads)
+  WordRowsOf(const float* xf, int64_t M, int64_t K) : digits(xf, M, K), x(M * K), unit(M), sum32(M * K / 32 + 16) {
     for (int64_t i = 0; i < M * K; ++i) x[i] = (int16_t)(127 * digits.q1[i] + digits.q2[i]);
     for (int64_t row = 0; row < M; ++row) unit[row] = digits.scale[row] / 127.f;
-    for (int64_t b = 0; b < M * K / 16; ++b) {
+    for (int64_t b = 0; b < M * K / 32; ++b) {
       int32_t s = 0;
-      for (int e = 0; e < 16; ++e) s += x[16 * b + e];
-      sum16[b] = (float)s;
+      for (int e = 0; e < 32; ++e) s += x[32 * b + e];
+      sum32[b] = (float)s;
     }
-    for (int64_t b = 0; b < M * K / 32; ++b) sum32[b] = sum16[2 * b] + sum16[2 * b + 1];
   }
 };
 
@@ -752,8 +772,19 @@ void gguf_float_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_b
   });
 }
 
+// Up to this many rows of x a GGUF linear runs the decoding tiles, past it the prefill's (gguf_prefill). K-quants
+// compute the same bits either way (kernels.h's one order), so they switch where the prefill's tiles get faster:
+// past 4 rows with AVX-512 (BENCHMARKS.md); 32-blocks take x otherwise (two digits, bytes) and switch past GEMM_ROWS.
+template <int64_t T>
+constexpr int64_t tile_rows() {
+#ifdef __AVX512F__
+  if (T >= GQ4_K) return 4;
+#endif
+  return GEMM_ROWS;
+}
+
 // y = x w^T for x [..., K] float32 and w [N, bytes] the file's rows of blocks. float_x: x in float32 at every M
-// (gguf_float_tiles); else x as two int8 digits up to GEMM_ROWS rows and, past them, the prefill's x rounded to 8 bits
+// (gguf_float_tiles); else the decoding tiles up to tile_rows() rows, the prefill's x rounded to 8 bits past them
 // (both ISAs: integer products)
 at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type, bool float_x) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_gguf: x must be float32");
@@ -766,10 +797,9 @@ at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
   float* yp = y.data_ptr<float>();
   if (float_x) {
     DISPATCH_GGUF(type, (gguf_float_tiles<T>(x.data(), x.M, wp, row_bytes, x.K, yp, N)));
-  } else if (x.M > GEMM_ROWS) {
-    DISPATCH_GGUF(type, (gguf_prefill<T>(x.t, wp, row_bytes, N, yp, N, nullptr)));
   } else {
-    DISPATCH_GGUF(type, (gguf_tiles<T>(x.data(), x.M, wp, row_bytes, x.K, yp, N)));
+    DISPATCH_GGUF(type, (x.M > tile_rows<T>() ? gguf_prefill<T>(x.t, wp, row_bytes, N, yp, N, nullptr)
+                                             : gguf_tiles<T>(x.data(), x.M, wp, row_bytes, x.K, yp, N)));
   }
   return y;
 }
@@ -779,7 +809,9 @@ at::Tensor linear_gguf(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
 void linear_gguf_into(const at::Tensor& x_, const at::Tensor& w, int64_t type, at::Tensor& out, const at::Tensor& columns) {
   check_columns(x_, w, out, columns);
   const Rows x(x_);
-  if (x.M <= GEMM_ROWS) {
+  bool tiles = false;
+  DISPATCH_GGUF(type, (tiles = x.M <= tile_rows<T>()));
+  if (tiles) {
     write_columns(linear_gguf(x_, w, type, false), out, columns);
     return;
   }

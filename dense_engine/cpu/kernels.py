@@ -159,10 +159,10 @@ def prefill_in_bytes() -> bool:
 
 
 def decode_in_bytes(kind: str) -> bool:
-    """Whether a GGUF linear of up to GEMM_ROWS rows (decoding) takes x rounded to 8 bits too: K-quants on
-    kernels_avx2.cpp (llama.cpp's Q8_K: one product a code where two int8 digits took two, 1.6-1.9x faster at 12
-    rows; BENCHMARKS.md). Elsewhere x as two int8 digits, within 1/32258 of a row's largest value."""
-    return avx2_only() and kind.endswith("_K")
+    """Whether a GGUF linear of up to GEMM_ROWS rows (decoding) takes x rounded to 8 bits too: K-quants on either
+    ISA, as their prefill (llama.cpp's Q8_K, kernels.h's one order of sums: a row's bits whatever the rows beside it).
+    32-blocks take x as two int8 digits, within 1/32258 of a row's largest value."""
+    return available() and kind.endswith("_K")
 
 
 def huge_pages(tensors: list[torch.Tensor], zeros: bool = False, advise: bool = True) -> list[torch.Tensor]:

@@ -432,9 +432,10 @@ void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float*
 struct ByteRows {
   std::vector<uint8_t> xu;   // [M, K] xq + 128 (plus128) or xq
   std::vector<float> dx;     // [M, K / group]
-  std::vector<float> sum16, sum32;  // [M, K / 16], [M, K / 32]: sum(xq) over each 16 and 32 values
+  std::vector<float> sum32;  // [M, K / 32]: sum(xq) over each 32 values
+  std::vector<int16_t> s16;  // [M, K / 16]: sum(xq) over each 16 (K-quants' mins and Q6_K's offset meet them)
   ByteRows(const float* x, int64_t M, int64_t K, int64_t group, bool plus128)
-      : xu(M * K), dx(M * (K / group)), sum16(M * (K / 16)), sum32(M * (K / 32)) {
+      : xu(M * K), dx(M * (K / group)), sum32(M * (K / 32)), s16(M * (K / 16)) {
     const __m256i top_bit = _mm256_set1_epi8(plus128 ? (char)0x80 : 0);
     at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)
@@ -451,7 +452,7 @@ struct ByteRows {
             for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + k + 8 * i), inv));
             const int64_t at = m * K + b * group + k;
             const int32_t low = hsum(_mm256_add_epi32(q[0], q[1])), high = hsum(_mm256_add_epi32(q[2], q[3]));
-            sum16[at / 16] = (float)low, sum16[at / 16 + 1] = (float)high, sum32[at / 32] = (float)(low + high);
+            s16[at / 16] = (int16_t)low, s16[at / 16 + 1] = (int16_t)high, sum32[at / 32] = (float)(low + high);
             // packed: 4-byte groups 0, 2, 4, 6, 1, 3, 5, 7 of the 32 -> in order, then (plus128) + 128
             const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
             const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -464,9 +465,9 @@ struct ByteRows {
 
 // ---- GGUF blocks as the file stores them (see kernels.cpp) -----------------------------------------------------------
 // Every type is read as unsigned codes u, 32 to a register (one byte each), with w = A (u - off) + B per sub-block.
-// K-quants, decoding: codes times x in bytes (llama.cpp's Q8_K: one product a code where kernels.cpp's two digits
-// take two) by vpmaddubsw (pairs in int16), times the sub-block's integer scale by vpmaddwd (into int32), over a
-// super-block, then once in float by d; the mins (Q4_K, Q5_K) or the offset 32 (Q6_K) meet the sums of xq.
+// K-quants, decoding: codes times x in bytes (llama.cpp's Q8_K, as kernels.cpp's) by vpmaddubsw (pairs in int16),
+// times the sub-block's integer scale by vpmaddwd (into int32), over a super-block, then kernels.h's float steps; the
+// mins (Q4_K, Q5_K) or the offset 32 (Q6_K) meet the sums of xq.
 // 32-blocks (codes16): the values u - off as 16-bit integers times X = 127 q1 + q2 by vpmaddwd, a block at a time,
 // then by d. A prefill (byte_pass, below): kernels.cpp's tiles.
 
@@ -483,15 +484,12 @@ inline __m256i bits_to_bytes(uint32_t bits) {
 // scale, for its long prefill (int8_prefill, below)
 constexpr int64_t GINT8 = -1;
 
-// Values 32v .. 32v + 31 of a row as codes u, one a byte. blocks: the row's 32-blocks (K-quants: unused)
+// Sub-block s (values 32s .. 32s + 31) of a K-quant super-block as codes u, one a byte
 template <int64_t T>
-inline __m256i codes32(const uint8_t* row, int64_t v) {
+inline __m256i kquant_codes32(const uint8_t* blk, int s) {
   const __m256i low4 = _mm256_set1_epi8(15);
-  if constexpr (T == GINT8) {  // int8 weights, stored + 128
-    return _mm256_loadu_si256((const __m256i*)(row + 32 * v));
-  } else if constexpr (T == GQ4_K || T == GQ5_K) {  // 32 bytes of qs: sub-block 2g low nibbles, 2g + 1 high ones
-    const uint8_t* blk = row + (v / 8) * block_bytes(T);
-    const int s = v % 8, g = s / 2;
+  if constexpr (T == GQ4_K || T == GQ5_K) {  // 32 bytes of qs: sub-block 2g low nibbles, 2g + 1 high ones
+    const int g = s / 2;
     const __m256i z = _mm256_loadu_si256((const __m256i*)(blk + (T == GQ4_K ? 16 : 48) + 32 * g));
     __m256i u = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(z, 4) : z, low4);
     if constexpr (T == GQ5_K) {  // bit s of qh[l]: the fifth bit of value l of sub-block s
@@ -499,15 +497,24 @@ inline __m256i codes32(const uint8_t* row, int64_t v) {
       u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, s), _mm256_set1_epi8(1)), 4));
     }
     return u;
-  } else if constexpr (T == GQ6_K) {  // values 128h + 32i + 64k + l: nibble k of ql[64h + 32i + l], bits 4k + 2i of qh[32h + l]
-    const uint8_t* blk = row + (v / 8) * block_bytes(T);
-    const int h = (v % 8) / 4, k = (v % 4) / 2, i = v % 2;
+  } else {  // Q6_K: values 128h + 32i + 64k + l: nibble k of ql[64h + 32i + l], bits 4k + 2i of qh[32h + l]
+    const int h = s / 4, k = (s % 4) / 2, i = s % 2;
     const __m256i ql = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32 * i));
     const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
     const __m256i nib = _mm256_and_si256(k ? _mm256_srli_epi16(ql, 4) : ql, low4);
     const int at = 4 * k + 2 * i;  // the two bits moved to bits 4-5 (a constant where the caller's loop unrolls)
     const __m256i moved = at < 4 ? _mm256_slli_epi16(qh, 4 - at) : at > 4 ? _mm256_srli_epi16(qh, at - 4) : qh;
     return _mm256_or_si256(nib, _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
+  }
+}
+
+// Values 32v .. 32v + 31 of a row as codes u, one a byte
+template <int64_t T>
+inline __m256i codes32(const uint8_t* row, int64_t v) {
+  if constexpr (T == GINT8) {  // int8 weights, stored + 128
+    return _mm256_loadu_si256((const __m256i*)(row + 32 * v));
+  } else if constexpr (T >= GQ4_K) {
+    return kquant_codes32<T>(row + (v / 8) * block_bytes(T), (int)(v % 8));
   } else {
     const uint8_t* blk = row + v * block_bytes(T);
     if constexpr (T == GQ8_0) {
@@ -526,66 +533,69 @@ inline __m256i codes32(const uint8_t* row, int64_t v) {
   }
 }
 
-// One weight row of a K-quant type against R rows of x in bytes (a scale per 256), a super-block at a time (8
-// registers of 32 codes): codes times xq (vpmaddubsw) times the sub-block's integer scale (vpmaddwd) in int32, then
-// d in float, the mins (Q4_K, Q5_K) or the offset 32 (Q6_K) against the sums of xq, times the 256's dx
+// One super-block of a K-quant weight row against R rows of x in bytes (8 registers of 32 codes): codes times xq
+// (vpmaddubsw) times the sub-block's integer scale (vpmaddwd) into int32 lanes I[r] (kernels.h's I, less Q6_K's
+// offset), and in C[r] what the sums of xq per 16 meet (Q4_K / Q5_K: the mins, Mn; Q6_K: the offset's scales)
+template <int64_t T, int R>
+inline void kquant_sums(const ByteRows& xs, int64_t m0, const uint8_t* blk, int64_t K, int64_t sb, __m256i I[R],
+                        __m256i C[R], float& d, float& nd) {
+  for (int line = 0; line < block_bytes(T); line += 64) _mm_prefetch((const char*)blk + AHEAD + line, _MM_HINT_T1);
+  __m256i scales;  // int16 in both 128-bit halves: Q4_K / Q5_K the 8 scales; Q6_K the even 8, then the odd 8
+  __m256i per16;   // what each 16's sum of xq meets
+  if constexpr (T == GQ6_K) {
+    d = half_at(blk + 208), nd = 0.f;
+    const __m128i bytes = _mm_loadu_si128((const __m128i*)(blk + 192));
+    scales = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
+    per16 = _mm256_cvtepi8_epi16(bytes);
+  } else {
+    const __m128i sm = kquant_scales(blk + 4);  // scales in bytes 0-7, mins in 8-15
+    d = half_at(blk), nd = -half_at(blk + 2);
+    scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+    const __m128i mins = _mm_srli_si128(sm, 8);
+    per16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));
+  }
+  for (int r = 0; r < R; ++r) I[r] = _mm256_setzero_si256();
+  _Pragma("GCC unroll 8") for (int v = 0; v < 8; ++v) {
+    const __m256i u = kquant_codes32<T>(blk, v);
+    // sub-block v's scale in every lane (Q6_K: 2v's in the low 128 bits, 2v + 1's in the high): one vpshufb
+    const __m256i sc = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * v)));
+    for (int r = 0; r < R; ++r) {  // the codes (< 64) times xq (signed bytes)
+      const __m256i a = _mm256_loadu_si256((const __m256i*)(xs.xu.data() + (m0 + r) * K + sb * 256 + 32 * v));
+      I[r] = _mm256_add_epi32(I[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), sc));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    C[r] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(xs.s16.data() + (m0 + r) * (K / 16) + sb * 16)), per16);
+}
+
+// One weight row of a K-quant type against R rows of x in bytes (a scale per 256): kquant_sums two super-blocks at a
+// time (up to 4 rows of x; more would spill the sums), their four sums of lanes at once (sum_lanes4), then
+// kernels.h's float steps
 template <int64_t T, int R>
 void kquant_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
                  int64_t N, int64_t n) {
   const int64_t S = K / 256;
+  constexpr int STEP = R <= 4 ? 2 : 1;
   const uint8_t* row = w + n * row_bytes;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t sb = 0; sb < S; ++sb) {
-    const uint8_t* blk = row + sb * block_bytes(T);
-    for (int line = 0; line < block_bytes(T); line += 64) _mm_prefetch((const char*)blk + AHEAD + line, _MM_HINT_T1);
-    // the sub-blocks' integer scales (int16 lanes, for vpmaddwd) and what each sub-block's sum of xq is multiplied by
-    // (minv: Q4_K / Q5_K -dmin m, 8 lanes; Q6_K -32 d scale, 16), in registers: no scalar loop a super-block
-    __m128i scales;  // Q4_K / Q5_K: 8 int16; Q6_K: 16 int8
-    __m256 minv[2];
-    float d;
-    if constexpr (T == GQ6_K) {
-      d = half_at(blk + 208);
-      scales = _mm_loadu_si128((const __m128i*)(blk + 192));
-      const __m256 m32 = _mm256_set1_ps(-32.f * d);
-      minv[0] = _mm256_mul_ps(m32, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales)));
-      minv[1] = _mm256_mul_ps(m32, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8))));
-    } else {
-      const __m128i sm = kquant_scales(blk + 4);  // scales in bytes 0-7, mins in 8-15
-      d = half_at(blk);
-      scales = _mm_cvtepu8_epi16(sm);
-      const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
-      minv[0] = _mm256_mul_ps(_mm256_set1_ps(-half_at(blk + 2)), mins);
-      minv[1] = _mm256_setzero_ps();
-    }
-    __m256i sum[R];
-    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
-    _Pragma("GCC unroll 8") for (int v = 0; v < 8; ++v) {
-      const __m256i u = codes32<T>(row, sb * 8 + v);
-      // sub-block v's scale in every lane (Q6_K: 2v's in the low 128 bits, 2v + 1's in the high)
-      const char a = (char)(2 * v), b = (char)(2 * v + 1);
-      const __m256i sc = T == GQ6_K
-          ? _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)))
-          : _mm256_broadcastw_epi16(_mm_shuffle_epi8(scales, _mm_set1_epi16((short)(0x0100 + 0x0202 * v))));
-      for (int r = 0; r < R; ++r) {  // the codes (< 64) times xq (signed bytes)
-        const __m256i a = _mm256_loadu_si256((const __m256i*)(xs.xu.data() + (m0 + r) * K + sb * 256 + 32 * v));
-        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), sc));
-      }
-    }
-    const __m256 dv = _mm256_set1_ps(d);
+  float acc[R] = {};
+  for (int64_t sb = 0; sb < S; sb += STEP) {
+    const bool pair = STEP == 2 && sb + 1 < S;
+    __m256i I0[R], C0[R], I1[R], C1[R];
+    float d0, nd0, d1 = 0.f, nd1 = 0.f;
+    kquant_sums<T, R>(xs, m0, row + sb * block_bytes(T), K, sb, I0, C0, d0, nd0);
+    if (pair) kquant_sums<T, R>(xs, m0, row + (sb + 1) * block_bytes(T), K, sb + 1, I1, C1, d1, nd1);
     for (int r = 0; r < R; ++r) {
-      __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(sum[r]), dv);
-      if constexpr (T == GQ6_K) {
-        const float* sums = xs.sum16.data() + (m0 + r) * (K / 16) + sb * 16;
-        part = _mm256_fmadd_ps(minv[0], _mm256_loadu_ps(sums), part);
-        part = _mm256_fmadd_ps(minv[1], _mm256_loadu_ps(sums + 8), part);
-      } else {
-        part = _mm256_fmadd_ps(minv[0], _mm256_loadu_ps(xs.sum32.data() + (m0 + r) * (K / 32) + sb * 8), part);
-      }
-      acc[r] = _mm256_fmadd_ps(part, _mm256_set1_ps(xs.dx[(m0 + r) * S + sb]), acc[r]);
+      __m128i s = pair ? sum_lanes4(I0[r], C0[r], I1[r], C1[r]) : sum_lanes4(I0[r], C0[r], I0[r], C0[r]);
+      if constexpr (T == GQ6_K) s = _mm_sub_epi32(s, _mm_slli_epi32(_mm_srli_epi64(s, 32), 5));  // I - 32 C
+      const __m128 f = _mm_cvtepi32_ps(s);  // I0, C0, I1, C1
+      const float* dx = xs.dx.data() + (m0 + r) * S + sb;
+      acc[r] = kquant_step(acc[r], _mm_cvtss_f32(f), _mm_cvtss_f32(_mm_movehdup_ps(f)), d0, nd0, dx[0], T != GQ6_K);
+      if (pair)
+        acc[r] = kquant_step(acc[r], _mm_cvtss_f32(_mm_movehl_ps(f, f)), _mm_cvtss_f32(_mm_shuffle_ps(f, f, 3)), d1,
+                             nd1, dx[1], T != GQ6_K);
     }
   }
-  for (int r = 0; r < R; ++r) y[r * N + n] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r) y[r * N + n] = acc[r];
 }
 
 // A 32-block's values (code minus the type's offset; Q4_1 / Q5_1: the codes) as 16-bit integers, elements 0-15 in
@@ -718,7 +728,8 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t*
 // a tile of 16 weight rows into signed codes s = u - off, four values of a row side by side, 8 rows a register, so
 // one dot_bytes adds four products of 8 weight rows against four values of one row of x (broadcast). Per sub-block
 // (32 values; Q6_K 16) the int32 sums, which start at Z = -128 sum(s) (the + 128's share, exact), times A in float,
-// plus the mins' B times sum(xq); per scale of x, times dx. Without VNNI, vpmaddubsw keeps a pair (xq + 128) s below
+// plus the mins' B times sum(xq); per scale of x, times dx (K-quants: times the integer scale into I, then kernels.h's
+// float steps, the decoding tiles' order). Without VNNI, vpmaddubsw keeps a pair (xq + 128) s below
 // int16's limit for every type but Q8_0 (|s| up to 128): its x is stored signed and meets |s| with s's sign (vpsignb).
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 constexpr bool VNNI = true;
@@ -742,26 +753,22 @@ inline void transpose8(__m256i r[8]) {
     r[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20), r[i + 4] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
 }
 
-// A and B (w = A s + B) of each sub-block of one block, to a[j * stride] and b[j * stride] for sub-block j: the
-// dequantizer's values (as chunk_params)
+// The integer scale and min (Q6_K: 0) of each sub-block of a K-quant super-block, to scale[j * stride] and
+// min[j * stride] for sub-block j
 template <int64_t T>
-inline void block_scales(const uint8_t* blk, float* a, float* b, int64_t stride) {
+inline void superblock_ints(const uint8_t* blk, int32_t* scale, int32_t* min, int64_t stride) {
   if constexpr (T == GQ6_K) {
-    const float d = half_at(blk + 208);
-    for (int j = 0; j < 16; ++j) a[j * stride] = d * (float)(int8_t)blk[192 + j], b[j * stride] = 0.f;
-  } else if constexpr (T == GQ4_K || T == GQ5_K) {
+    for (int j = 0; j < 16; ++j) scale[j * stride] = (int8_t)blk[192 + j], min[j * stride] = 0;
+  } else {
     uint8_t sm[16];
     _mm_storeu_si128((__m128i*)sm, kquant_scales(blk + 4));
-    const float d = half_at(blk), dmin = half_at(blk + 2);
-    for (int j = 0; j < 8; ++j) a[j * stride] = d * (float)sm[j], b[j * stride] = -(dmin * (float)sm[8 + j]);
-  } else {
-    float off;
-    block_params<T>(blk, a[0], off, b[0]);
+    for (int j = 0; j < 8; ++j) scale[j * stride] = sm[j], min[j * stride] = sm[8 + j];
   }
 }
 
-// A tile of B_TILE weight rows, decoded: codes [K / 4][16 rows][4] (SIGNED_X: their magnitudes too), A, B (w = A s +
-// B) and Z = -128 sum(s) of each sub-block [K / SB][16] (SIGNED_X: Z = 0)
+// A tile of B_TILE weight rows, decoded: codes [K / 4][16 rows][4] (SIGNED_X: their magnitudes too), Z = -128 sum(s)
+// of each sub-block [K / SB][16] (SIGNED_X: Z = 0), and of each sub-block A and B (w = A s + B; 32-blocks) or the
+// integer scale and min [K / SB][16] with d and -dmin of each super-block [K / 256][16] (K-quants)
 template <int64_t T>
 struct ByteTile {
   static constexpr int SB = T == GQ6_K ? 16 : 32;
@@ -774,25 +781,38 @@ struct ByteTile {
   static constexpr int OFF = T == GQ4_0 ? 8 : T == GQ5_0 ? 16 : T == GQ6_K ? 32 : T == GQ8_0 || T == GINT8 ? 128 : 0;
   std::vector<int8_t> codes;
   std::vector<uint8_t> mag;
-  std::vector<float> A, B;
-  std::vector<int32_t> Z;
+  static constexpr bool KQ = T >= GQ4_K;
+  std::vector<float> A, B, d, nd;
+  std::vector<int32_t> Z, scale, min;
   explicit ByteTile(int64_t K)
-      : codes(K * B_TILE), mag(SIGNED_X ? K * B_TILE : 0), A(K / SB * B_TILE), B(K / SB * B_TILE),
-        Z(K / SB * B_TILE) {}
+      : codes(K * B_TILE), mag(SIGNED_X ? K * B_TILE : 0), A(KQ ? 0 : K / SB * B_TILE), B(KQ ? 0 : K / SB * B_TILE),
+        d(KQ ? K / 256 * B_TILE : 0), nd(KQ ? K / 256 * B_TILE : 0), Z(K / SB * B_TILE),
+        scale(KQ ? K / SB * B_TILE : 0), min(KQ ? K / SB * B_TILE : 0) {}
 
   // (row_scales: GINT8's scale of each of the nb rows)
   void decode(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t nb, const float* row_scales) {
     const int64_t blocks = K / block_elements(T);
     std::fill(Z.begin(), Z.end(), 0);
-    for (int64_t r = 0; r < B_TILE; ++r) {  // A and B of each sub-block, a block at a time (rows past nb: 0)
+    for (int64_t r = 0; r < B_TILE; ++r) {  // each sub-block's scales, a block at a time (rows past nb: 0)
       const uint8_t* row = w + r * row_bytes;
       for (int64_t k = 0; k < blocks; ++k) {
         const uint8_t* blk = row + k * block_bytes(T);
-        float* a = A.data() + k * (block_elements(T) / SB) * B_TILE + r;
-        float* b = B.data() + k * (block_elements(T) / SB) * B_TILE + r;
-        if (r >= nb) for (int j = 0; j < block_elements(T) / SB; ++j) a[j * B_TILE] = b[j * B_TILE] = 0.f;
-        else if constexpr (T == GINT8) a[0] = row_scales[r], b[0] = 0.f;
-        else block_scales<T>(blk, a, b, B_TILE);
+        const int64_t at = k * (block_elements(T) / SB) * B_TILE + r;
+        if constexpr (KQ) {
+          if (r >= nb) {
+            for (int j = 0; j < 256 / SB; ++j) scale[at + j * B_TILE] = min[at + j * B_TILE] = 0;
+            d[k * B_TILE + r] = nd[k * B_TILE + r] = 0.f;
+            continue;
+          }
+          superblock_ints<T>(blk, scale.data() + at, min.data() + at, B_TILE);
+          d[k * B_TILE + r] = half_at(blk + (T == GQ6_K ? 208 : 0));
+          nd[k * B_TILE + r] = T == GQ6_K ? 0.f : -half_at(blk + 2);
+        } else {
+          float off;
+          if (r >= nb) A[at] = B[at] = 0.f;
+          else if constexpr (T == GINT8) A[at] = row_scales[r], B[at] = 0.f;
+          else block_params<T>(blk, A[at], off, B[at]);
+        }
       }
     }
     for (int half = 0; half < 2; ++half)
@@ -824,7 +844,8 @@ struct ByteTile {
 };
 
 // R rows of x (from m0) against a decoded tile: per sub-block the int32 sums of each row against the tile's 16 rows
-// (two registers) from Z, times A (plus B sum(xq)); per scale of x, times dx
+// (two registers) from Z, times A (plus B sum(xq)); per scale of x, times dx. K-quants: the sums times the integer
+// scales into kernels.h's I, and per super-block its float steps
 template <int64_t T, int R>
 void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, float* y, int64_t N, int64_t n0,
                int64_t nb, const int64_t* columns) {
@@ -837,7 +858,8 @@ void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, 
   const uint8_t* x = xs.xu.data() + m0 * K;
   for (int64_t g = 0; g < K / GROUP; ++g) {
     __m256 part[R][2];
-    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm256_setzero_ps();
+    __m256i I[R][2];
+    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm256_setzero_ps(), I[r][0] = I[r][1] = _mm256_setzero_si256();
     for (int j = 0; j < GROUP / SB; ++j) {
       const int64_t first = (g * GROUP + j * SB) / 4;  // the sub-block's first group of four values
       const int64_t sb = (g * GROUP + j * SB) / SB;
@@ -875,6 +897,15 @@ void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, 
           }
         }
       }
+      if constexpr (Tile::KQ) {
+        const __m256i s0 = _mm256_loadu_si256((const __m256i*)(t.scale.data() + sb * B_TILE));
+        const __m256i s1 = _mm256_loadu_si256((const __m256i*)(t.scale.data() + sb * B_TILE + 8));
+        for (int r = 0; r < R; ++r) {
+          I[r][0] = _mm256_add_epi32(I[r][0], _mm256_mullo_epi32(sum[r][0], s0));
+          I[r][1] = _mm256_add_epi32(I[r][1], _mm256_mullo_epi32(sum[r][1], s1));
+        }
+        continue;
+      }
       const __m256 a0 = _mm256_loadu_ps(t.A.data() + sb * B_TILE), a1 = _mm256_loadu_ps(t.A.data() + sb * B_TILE + 8);
       for (int r = 0; r < R; ++r) {
         part[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][0]), a0, part[r][0]);
@@ -886,6 +917,25 @@ void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, 
           const __m256 s = _mm256_set1_ps(xs.sum32[(m0 + r) * (K / 32) + (g * GROUP + j * SB) / 32]);
           part[r][0] = _mm256_fmadd_ps(b0, s, part[r][0]);
           part[r][1] = _mm256_fmadd_ps(b1, s, part[r][1]);
+        }
+      }
+    }
+    if constexpr (Tile::KQ) {  // d I, plus -dmin Mn (the mins against the sums of xq over each 32)
+      const __m256 d0 = _mm256_loadu_ps(t.d.data() + g * B_TILE), d1 = _mm256_loadu_ps(t.d.data() + g * B_TILE + 8);
+      for (int r = 0; r < R; ++r) {
+        part[r][0] = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(I[r][0]));
+        part[r][1] = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(I[r][1]));
+        if constexpr (Tile::MINS) {
+          __m256i mn0 = _mm256_setzero_si256(), mn1 = _mm256_setzero_si256();
+          const int16_t* s16 = xs.s16.data() + (m0 + r) * (K / 16) + g * 16;
+          for (int j = 0; j < 8; ++j) {
+            const __m256i s = _mm256_set1_epi32(s16[2 * j] + s16[2 * j + 1]);
+            const int32_t* mins = t.min.data() + (g * 8 + j) * B_TILE;
+            mn0 = _mm256_add_epi32(mn0, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i*)mins), s));
+            mn1 = _mm256_add_epi32(mn1, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i*)(mins + 8)), s));
+          }
+          part[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(t.nd.data() + g * B_TILE), _mm256_cvtepi32_ps(mn0), part[r][0]);
+          part[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(t.nd.data() + g * B_TILE + 8), _mm256_cvtepi32_ps(mn1), part[r][1]);
         }
       }
     }
