@@ -1,9 +1,8 @@
 """The same bits whatever the batch (issue 54, item 5): a query's attention over the cache depends on its own slots
 only, so a prompt prefilled in chunks of any length, one token at a time or beside another row's gives identical
 logits, bit for bit, while its linears stay within their tiles; int4 linears run one tile at every number of rows;
-GGUF K-quants (Q4_K, Q5_K, Q6_K) sum in one order in their decoding and prefill tiles (kernels.h). (Still open: the
-float32 linears past 16 rows, nf4 and GGUF 32-blocks past 12 and int8 past 32 take other kernels, which round and
-sum otherwise.)"""
+GGUF blocks take x in bytes and sum in one order in their decoding and prefill tiles (kernels.h). (Still open: the
+float32 linears past 16 rows, nf4 past 12 and int8 past 32 take other kernels, which round and sum otherwise.)"""
 
 import types
 
@@ -111,19 +110,25 @@ def test_an_int4_prompts_logits_are_the_same_bits_at_any_length_and_beside_anoth
 
 
 @needs_kernels
-def test_a_kquant_files_logits_are_the_same_bits_at_any_length_and_beside_another(tmp_path):
-    """A GGUF of K-quants only (Q4_K, Q5_K and Q6_K tensors, as a Q4_K_M's wide ones; --quant auto keeps each block
-    type): x rounded to bytes a 256 at a time at every number of rows, and one order of sums in the decoding tiles and
-    the prefill's (kernels.h): a 40-token prompt whole, in chunks of 20, 1, 12 and 7, a token at a time and beside
-    another row's gives the same logits, bit for bit."""
+@pytest.mark.parametrize("blocks", ["K-quants", "32-blocks"])
+def test_a_gguf_files_logits_are_the_same_bits_at_any_length_and_beside_another(tmp_path, blocks):
+    """A GGUF of K-quants (Q4_K, Q5_K, Q6_K, as a Q4_K_M's wide tensors) or of 32-blocks (Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0), --quant auto keeping each block type: x rounded to bytes (a scale per 256 or per 32) at every number of
+    rows, and one order of sums in the decoding tiles and the prefill's (kernels.h): a 40-token prompt whole, in
+    chunks of 20, 1, 12 and 7, a token at a time and beside another row's gives the same logits, bit for bit."""
     from test_gguf import Q, original_tokenizer, small_llama, write_gguf
 
-    kinds = {"token_embd": Q.Q6_K, "attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_K,
-             "ffn_gate": Q.Q4_K, "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K, "output": Q.Q5_K}
-    path = tmp_path / "kquants.gguf"
+    kinds = {"K-quants": {"token_embd": Q.Q6_K, "attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K,
+                          "attn_output": Q.Q5_K, "ffn_gate": Q.Q4_K, "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K,
+                          "output": Q.Q5_K},
+             "32-blocks": {"token_embd": Q.Q8_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_0, "attn_v": Q.Q5_0,
+                           "attn_output": Q.Q4_1, "ffn_gate": Q.Q5_1, "ffn_up": Q.Q8_0, "ffn_down": Q.Q5_0,
+                           "output": Q.Q8_0}}[blocks]
+    path = tmp_path / "blocks.gguf"
     write_gguf(path, small_llama(tied=False, hidden=256, ffn=512), original_tokenizer("gpt2"), "llama-bpe", kinds)
     model = from_pretrained(str(path), quant="auto")
-    assert sorted({kind for m in model.modules() for kind in getattr(m, "kinds", [])}) == ["Q4_K", "Q5_K", "Q6_K"]
+    held = {kind for m in model.modules() for kind in getattr(m, "kinds", [])}
+    assert held == {kind.name for name, kind in kinds.items() if name != "token_embd"}
     generate.setup_cache(model, 2, 64)
     runner = generate.Runner(model, None)
     torch.manual_seed(3)

@@ -63,21 +63,8 @@ def test_kernels_equal_ggufs_dequantizer_and_the_float_product(kind):
         want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(rows, cols).copy())
         assert torch.equal(torch.ops.dense_kernels.dequantize_gguf(blocks, ggml_id, cols, False), want)
         assert torch.equal(torch.ops.dense_kernels.dequantize_gguf(blocks, ggml_id, cols, True), want.bfloat16())
-        for m in (1, 2, 3, 5, 12):  # every tile shape: 1-2 rows of x against 2 weight rows, 3-4 against one
-            x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
-            if kernels.decode_in_bytes(kind):  # (AVX2's K-quants: x in bytes as in a prefill)
-                assert_prefill_product(kind, x, blocks, want)
-                continue
-            got = torch.ops.dense_kernels.linear_gguf(x, blocks, ggml_id).double()
-            exact = x.double() @ want.double().T
-            # x as two int8 digits: each input within 1/32258 of its row's largest value |x|max, so an output within
-            # |x|max sum|w| / 32258; the same digits multiplied exactly match to float32's rounding
-            top = x.abs().amax(1, keepdim=True)
-            bound = top.double() * want.abs().double().sum(1) / 32258
-            assert ((got - exact).abs() <= bound + 1e-5 * exact.abs().max()).all(), (kind, rows, cols, m)
-            q1 = torch.round(x * 127 / top)
-            digits = (top / 127).double() * (q1 + torch.round((x * 127 / top - q1) * 127) / 127).double()
-            assert (got - digits @ want.double().T).abs().max() <= 1e-5 * exact.abs().max(), (kind, rows, cols, m)
+        for m in (1, 2, 3, 5, 12):  # the decoding tiles (AVX-512's K-quants past 4 rows: the prefill's): x in bytes
+            assert_prefill_product(kind, torch.randn(m, cols, generator=torch.Generator().manual_seed(m)), blocks, want)
         for m in (13, 40):  # a prefill
             x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
             x[1, : min(cols, 256)] = 0  # (a block of x all zeros: a scale of 0)
@@ -135,10 +122,10 @@ def x_in_bytes(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def assert_prefill_product(kind: str, x: torch.Tensor, blocks: torch.Tensor, want: torch.Tensor):
-    """Past GEMM_ROWS rows (either ISA), or at any row count where decode_in_bytes: the dequantized weights' product
-    with x rounded to bytes, to float32's rounding of the sums; PyTorch's kernels: bfloat16."""
+    """At any number of rows, decoding or prefilling: the dequantized weights' product with x rounded to bytes, to
+    float32's rounding of the sums; PyTorch's kernels: bfloat16."""
     got = torch.ops.dense_kernels.linear_gguf(x, blocks, quantized.GGUF_TYPES[kind][0])
-    if kernels.prefill_in_bytes():
+    if kernels.available():
         group = 256 if kind.endswith("_K") else 32
         ref = x_in_bytes(x, group) @ want.double().T
         assert (got.double() - ref).abs().max() <= 2e-5 * ref.abs().max(), kind
@@ -170,8 +157,7 @@ def test_the_largest_codes_against_the_largest_x_stay_exact(kind):
             x = torch.full((16, 512), sign)
             x[1::2] *= torch.linspace(0.5, 1, 512)  # (every other row not all equal)
             assert_prefill_product(kind, x, torch.from_numpy(raw), want)
-            if kernels.decode_in_bytes(kind):
-                assert_prefill_product(kind, x[:3], torch.from_numpy(raw), want)
+            assert_prefill_product(kind, x[:3], torch.from_numpy(raw), want)  # (the decoding tiles)
 
 
 @needs_kernels
@@ -239,16 +225,15 @@ def test_auto_keeps_every_tensor_in_its_own_type(mixed_files, tied):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_logits_near_the_float_path_on_the_same_file(mixed_files, tied, monkeypatch):
+def test_embeddings_exact_and_the_fallback_the_float_path_on_the_same_file(mixed_files, tied, monkeypatch):
+    """(The kernels take x in bytes: the next test holds their logits to llama.cpp's distance from the float path;
+    their ops, test_kernels_equal_ggufs_dequantizer_and_the_float_product.)"""
     blocks = load.from_pretrained(mixed_files[tied], quant="auto")
     plain = load.from_pretrained(mixed_files[tied], quant="none")  # gguf's dequantizer, float32
-    ids = torch.randint(0, 400, (1, 12), generator=torch.Generator().manual_seed(1))  # (up to 12 rows: the kernels)
+    ids = torch.randint(0, 400, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = plain.double()(ids)
-        got = blocks(ids)
         assert torch.equal(blocks.embed_tokens(ids), plain.float().embed_tokens(ids))  # rows dequantized exactly
-        if not kernels.decode_in_bytes("Q4_K"):  # x as two digits (AVX2's K-quants take bytes: the next test)
-            assert (got - want).abs().max() <= 1e-3 * want.abs().max()
         monkeypatch.setattr(kernels, "available", lambda: False)  # the fallback: dequantize-and-matmul in PyTorch
         fallback = blocks(ids)
     assert (fallback - want).abs().max() <= 1e-5 * want.abs().max()
@@ -258,10 +243,10 @@ KQUANT_REFERENCE = os.path.join(os.path.dirname(__file__), "fixtures", "gguf", "
 
 
 def test_a_long_prefill_is_as_near_the_float_path_as_llama_cpps(mixed_files):
-    """Past 12 tokens the K-quant linears take x rounded to 8 bits a value (llama.cpp's Q8_K, as llama.cpp computes
-    them): a 40-token prefill's logits are no farther from the float path than llama.cpp's own on the same file
-    (its logits made once by tests/gguf_reference.py --kquant-prefill), and near them, on either ISA. (On PyTorch's
-    kernels the products are bfloat16's: near the float path.)"""
+    """The GGUF linears take x rounded to 8 bits a value (llama.cpp's Q8_K and Q8_0, as llama.cpp computes them): a
+    40-token prefill's logits, and the same tokens decoded through the cache, are no farther from the float path than
+    llama.cpp's own on the same file (its logits made once by tests/gguf_reference.py --kquant-prefill), and near
+    them, on either ISA. (On PyTorch's kernels the products are bfloat16's: near the float path.)"""
     from safetensors.torch import load_file
 
     with open(KQUANT_REFERENCE + ".json") as f:
@@ -284,27 +269,26 @@ def test_a_long_prefill_is_as_near_the_float_path_as_llama_cpps(mixed_files):
         assert rms(a) <= 1.1 * rms(theirs) and largest(a) <= 1.25 * largest(theirs), (rms(a), rms(theirs))
 
     as_near_as_theirs(got)
-    if kernels.decode_in_bytes("Q4_K"):  # AVX2's K-quants decode in bytes too: the same tokens through the cache in
-        model = load.from_pretrained(path, quant="auto")  # steps of up to 10 (the decoding kernels), as near
+    if kernels.available():  # the decoding tiles take x in bytes too: the same tokens through the cache in steps of
+        model = load.from_pretrained(path, quant="auto")  # up to 10, as near
         generate.setup_cache(model, 1, ids.shape[1])
         n = ids.shape[1]
         with torch.no_grad():
             steps = [model(ids[:, s:s + 10], torch.arange(s, min(s + 10, n)))[0] for s in range(0, n, 10)]
         as_near_as_theirs(torch.cat(steps))
-    if kernels.prefill_in_bytes():  # the same rounding: nearer llama.cpp's than either is to the float path
+    if kernels.available():  # the same rounding: nearer llama.cpp's than either is to the float path
         assert float((got - theirs).square().mean().sqrt() / theirs.square().mean().sqrt()) <= 0.25 * rms(theirs)
     else:  # bfloat16 (PyTorch) products of the dequantized weights
         assert rms(got) <= 1e-2 * rms(theirs), rms(got)
 
 
-def test_cached_and_compiled_decoding_equal_plain_passes(mixed_files, monkeypatch):
+def test_cached_and_compiled_decoding_equal_plain_passes(mixed_files):
     model = load.from_pretrained(mixed_files[True], quant="auto")
     prompt = torch.randint(0, 400, (1, 9), generator=torch.Generator().manual_seed(2))
     eager = torch.cat(list(generate.generate_tokens(model, prompt, 12)), dim=1)
     ids = prompt
-    with torch.no_grad(), monkeypatch.context() as m:  # the plain path: a whole pass per token, no cache, float32
-        m.setattr(kernels, "available", lambda: False)  # (the kernels' passes of 13+ tokens take x in bytes)
-        for _ in range(12):
+    with torch.no_grad():  # the plain path: a whole pass per token, no cache (its linears round x to bytes as the
+        for _ in range(12):  # cached steps' do, whatever the number of rows: kernels.h)
             ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(eager, ids[:, 9:])
     if kernels.available():  # the compiled prefill pads a prompt to PREFILL_CHUNK rows, past GEMM_ROWS: against an

@@ -17,8 +17,8 @@
 //
 // The quantized kernels multiply at float32's precision: int8 with AVX-512 VNNI on activations written as two int8
 // digits a row; int4 by integer products on x as a 16-bit integer and a byte a value (one tile at every number of
-// rows); nf4 by looking each block's float32 values up in a register; GGUF 32-blocks on x's two digits. GGUF
-// K-quants take x rounded to 8 bits (llama.cpp's Q8_K) at every number of rows, summed in one order (kernels.h). A
+// rows); nf4 by looking each block's float32 values up in a register. GGUF blocks take x rounded to 8 bits
+// (llama.cpp's Q8_K and Q8_0) at every number of rows, summed in one order (kernels.h). A
 // tile computes NB weight rows against up to 8 rows of x, so a weight row is loaded once for all of them. Past
 // GEMM_ROWS rows of x (a prefill), where arithmetic rather than memory bounds a matmul: nf4 bfloat16 GEMMs on
 // dequantized tiles, GGUF blocks integer dot products on x rounded to 8 bits (as llama.cpp computes every quantized
@@ -134,8 +134,6 @@ struct DigitRows {
     }
   }
 };
-
-using WordRows = WordRowsOf<DigitRows>;
 
 // How far ahead a tile asks for its weight rows, into L2 (a row or a group of rows is one stream): 2 KB into L1 (the
 // old int4 tile's distance) streamed Q4_K_M's tensors at 16.5 GB/s, 8 KB into L2 at 26-30 (measured, huge pages; the file's own 4 KB
@@ -343,17 +341,15 @@ void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float*
 // per sub-block, w = A * (u - off) + B:
 //   Q4_K, Q5_K  A = d * scale_j (6-bit), B = -(dmin * min_j), per 32      Q6_K  A = d * scale_j (int8), off 32, per 16
 //   Q4_0 / Q5_0 / Q8_0  A = d, off 8 / 16 / 128 (Q8_0's int8 + 128)        Q4_1 / Q5_1  A = d, B = m
-// K-quants take x in bytes (ByteRows: llama.cpp's Q8_K, as their prefill): 64 codes a register as bytes (the
-// dequantizer's chunk_codes), times xq by vpmaddubsw (pairs of products in int16), times the sub-block's integer
-// scale by vpdpwssd (into int32), a super-block at a time, then kernels.h's float steps. 32-blocks take x as two int8
-// digits a row (DigitRows: x = d (q1 + q2 / 127), within 1/32258 of the row's largest value): codes as 16-bit
-// integers (minus the type's offset) times X = 127 q1 + q2 by vpdpwssd, a block at a time, then by its d. Mins and
-// offsets meet the sums of x over their sub-blocks. The result is the dequantized weights' product with x to within
-// x's rounding.
+// The matmuls take x in bytes (ByteRows: llama.cpp's Q8_K for K-quants, its Q8_0 for 32-blocks), as their prefill.
+// K-quants: 64 codes a register as bytes (the dequantizer's chunk_codes), times xq by vpmaddubsw (pairs of products
+// in int16), times the sub-block's integer scale by vpdpwssd (into int32), a super-block at a time, then kernels.h's
+// float steps. 32-blocks: kernels.h's block32_tile (8 lanes, shared with kernels_avx2.cpp). Mins and offsets meet the
+// sums of xq over their sub-blocks. The result is the dequantized weights' product with x so rounded.
 
-// A 32-block's 32 codes (elements in order)
+// A 32-block's 32 codes (elements in order; Q8_0: its int8 + 128)
 template <int64_t T>
-inline __m256i block_codes(const uint8_t* blk) {
+__m256i block_codes(const uint8_t* blk) {
   if constexpr (T == GQ8_0) {
     return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + 2)), _mm256_set1_epi8((char)0x80));
   } else {
@@ -512,55 +508,6 @@ void kquant_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_b
     for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = acc[r][j];
 }
 
-// A 32-block's weights as 16-bit integers: the code minus the type's offset (Q4_1 / Q5_1: the code; their m meets
-// the sum of X)
-template <int64_t T>
-inline __m512i block_words(const uint8_t* blk) {
-  if constexpr (T == GQ8_0) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 2)));
-  } else {
-    constexpr int at = T == GQ4_0 ? 2 : T == GQ4_1 ? 4 : T == GQ5_0 ? 6 : 8;  // the 16 bytes of nibbles
-    const __m128i q = _mm_loadu_si128((const __m128i*)(blk + at));
-    const __m512i z = _mm512_cvtepu8_epi16(_mm256_set_m128i(q, q));  // byte j: value j (low nibble), j + 16 (high)
-    __m512i u = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFFFF0000u, z, 4), _mm512_set1_epi16(15));
-    if constexpr (T == GQ5_0 || T == GQ5_1) {  // bit j of qh: value j's fifth bit
-      uint32_t qh;
-      memcpy(&qh, blk + (T == GQ5_0 ? 2 : 4), 4);
-      u = _mm512_or_si512(u, _mm512_maskz_set1_epi16(qh, 16));
-    }
-    if constexpr (T == GQ4_0 || T == GQ5_0) u = _mm512_sub_epi16(u, _mm512_set1_epi16(T == GQ4_0 ? 8 : 16));
-    return u;
-  }
-}
-
-// NB weight rows of a 32-block type against R rows of x, a block at a time: its integer sum, then d in float (Q4_1 /
-// Q5_1: m times the block's sum of X, in a second accumulator)
-template <int64_t T, int R, int NB>
-void block32_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
-                  int64_t N, int64_t n0) {
-  constexpr bool with_min = T == GQ4_1 || T == GQ5_1;
-  const int64_t blocks = K / 32;
-  __m512 acc[R][NB];
-  float mins[R][NB] = {};
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int j = 0; j < NB; ++j) {
-      const uint8_t* blk = w + (n0 + j) * row_bytes + b * block_bytes(T);
-      _mm_prefetch((const char*)blk + AHEAD, _MM_HINT_T1);
-      const __m512i words = block_words<T>(blk);
-      const __m512 d = _mm512_set1_ps(half_at(blk));
-      for (int r = 0; r < R; ++r) {
-        const __m512i x = _mm512_loadu_si512(xs.x.data() + (m0 + r) * K + 32 * b);
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), words, x)), d, acc[r][j]);
-        if constexpr (with_min) mins[r][j] += half_at(blk + 2) * xs.sum32[(m0 + r) * (K / 32) + b];
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = (_mm512_reduce_add_ps(acc[r][j]) + mins[r][j]) * xs.unit[m0 + r];
-}
-
 // R rows of x against Q8_0 weight row n in float32: per block its 32 codes widened to float times x (a multiply and
 // an FMA), then d times that block sum into the row's sum, even and odd blocks in two sums (one chain of FMAs
 // waits on their latency) added at the end (a fixed order: a row's bits whatever M)
@@ -595,18 +542,16 @@ void q8_0_float_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_b
 
 template <int64_t T>
 void gguf_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
-  // K-quants: x in bytes, as their prefill (kernels.h's one order of sums); 32-blocks: two digits
-  using Rows = std::conditional_t<T >= GQ4_K, ByteRows, WordRows>;
-  const Rows xs = [&] {
-    if constexpr (T >= GQ4_K) return ByteRows(x, M, K, 256, false);
-    else return WordRows(x, M, K);
-  }();
+  const ByteRows xs(x, M, K, block_elements(T), false);  // x in bytes, as the prefill (kernels.h's orders)
+  if constexpr (T < GQ4_K) {  // (kernels.h's, 8 weight rows a tile)
+    for_each_tile<8, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
+      DISPATCH_ROWS(rows, (block32_tile<T, R>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0, nb)));
+    });
+    return;
+  }
   auto tile = [&](auto rows_tag, auto nb_tag, int64_t m0, int64_t n0) {
     constexpr int R = decltype(rows_tag)::value, NB = decltype(nb_tag)::value;
-    if constexpr (T >= GQ4_K)
-      kquant_tile<T, R, NB>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0);
-    else
-      block32_tile<T, R, NB>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0);
+    kquant_tile<T, R, NB>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0);
   };
   // 2 weight rows a tile (two streams in flight) against up to 2 rows of x; 3-8 rows of x: one weight row at a time
   // (its decoded super-block, 8 registers, used by every row of x)

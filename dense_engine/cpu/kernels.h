@@ -198,6 +198,34 @@ inline __m128i sum_lanes4(__m256i a, __m256i b, __m256i c, __m256i d) {
   return _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
 }
 
+// sum + the four products of unsigned bytes u and signed bytes s in each 32-bit lane: one vpdpbusd with AVX-VNNI
+// (Alder Lake and later; -march=native enables it) or AVX-512 VNNI's 256-bit form; else vpmaddubsw (pairs in int16:
+// callers keep |u s| pairs below 32768) and vpmaddwd by ones. The same integers either way.
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+constexpr bool DOT_VNNI = true;  // (vpdpbusd: no pairs in int16 to keep small)
+#else
+constexpr bool DOT_VNNI = false;
+#endif
+inline __m256i dot_bytes(__m256i sum, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(sum, u, s);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(sum, u, s);
+#else
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// The sums of each of 8 registers' eight int32 lanes: lane j of the result is v[j]'s (exact)
+inline __m256i sum_lanes8(const __m256i v[8]) {
+  __m256i a[4], b[2];
+  for (int i = 0; i < 4; ++i)  // v[2i] and v[2i + 1]'s lanes 0+2, 1+3 (and 4+6, 5+7), interleaved
+    a[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // v[4i] .. v[4i + 3]'s lanes 0-3 in the low half, 4-7 in the high
+    b[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(b[0], b[1], 0x20), _mm256_permute2x128_si256(b[0], b[1], 0x31));
+}
+
 // A 32-block's A, off and B (w = A (u - off) + B)
 template <int64_t T>
 inline void block_params(const uint8_t* blk, float& A, float& off, float& B) {
@@ -324,24 +352,71 @@ void for_each_int4_group(int64_t M, int64_t N, int64_t K, const uint8_t* q, cons
   });
 }
 
-// x as 16-bit integers a row: X = 127 q1 + q2, the two int8 digits of DigitRows (x = d (q1 + q2 / 127), within
-// 1/32258 of the row's largest value), and the sums of X over each 32 inputs (what 32-blocks' mins multiply)
-template <typename DigitRows>
-struct WordRowsOf {
-  DigitRows digits;         // q1, q2 [M, K]
-  std::vector<int16_t> x;   // [M, K]
-  std::vector<float> unit;  // per row: d / 127, the value of X = 1
-  std::vector<float> sum32; // [M, K/32] (+ 16 of slack for whole-register loads)
-  WordRowsOf(const float* xf, int64_t M, int64_t K) : digits(xf, M, K), x(M * K), unit(M), sum32(M * K / 32 + 16) {
-    for (int64_t i = 0; i < M * K; ++i) x[i] = (int16_t)(127 * digits.q1[i] + digits.q2[i]);
-    for (int64_t row = 0; row < M; ++row) unit[row] = digits.scale[row] / 127.f;
-    for (int64_t b = 0; b < M * K / 32; ++b) {
-      int32_t s = 0;
-      for (int e = 0; e < 32; ++e) s += x[32 * b + e];
-      sum32[b] = (float)s;
+// ---- GGUF 32-blocks, decoding (both ISAs, 8 lanes): x rounded to bytes a 32 at a time (ByteRows, llama.cpp's Q8_0
+// activations), as their prefill. Each file defines block_codes: a block's 32 codes u (0..31) in order. A tile of 8
+// weight rows against R rows of x, a block at a time: the 8 rows' codes times xq (dot_bytes; Q8_0: |q| times xq with
+// q's sign, whose pairs stay within vpmaddubsw's int16), their lane sums side by side (sum_lanes8: lanes over the
+// weight rows, as the prefill's tiles hold them), less the offset (Q4_0 8, Q5_0 16) times the block's sum of xq: S,
+// exact. Then, per block in order, the prefill's float steps:
+//   part = d S (Q4_1 / Q5_1: part = fma(m, sum(xq), part)); acc = fma(part, dx, acc)
+// so a row's bits do not depend on the call. (Lanes over K, each block's sum of lanes alone, ran at half the rate.)
+template <int64_t T>
+__m256i block_codes(const uint8_t* blk);
+
+template <int64_t T, int R, typename ByteRows>
+void block32_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
+                  int64_t N, int64_t n0, int64_t nb) {
+  constexpr bool MINS = T == GQ4_1 || T == GQ5_1;
+  constexpr bool SIGNS = T == GQ8_0 && !DOT_VNNI;  // |q| times xq with q's sign; with vpdpbusd, q + 128 times xq
+  // the offset, 8, 16 or 128 (Q8_0's u = q + 128): S = sum(u xq) - offset sum(xq)
+  constexpr int SHIFT = T == GQ4_0 ? 3 : T == GQ5_0 ? 4 : T == GQ8_0 && !SIGNS ? 7 : 0;
+  const int64_t blocks = K / 32;
+  const __m256i zero = _mm256_setzero_si256();
+  const uint8_t* rows[8];  // (past nb: the last row again, its results dropped)
+  for (int j = 0; j < 8; ++j) rows[j] = w + (n0 + std::min<int64_t>(j, nb - 1)) * row_bytes;
+  __m256 acc[R];  // lanes: the tile's weight rows
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i u[8], q[8];  // codes (SIGNS: |q|, and q)
+    int32_t head[8];       // each block's first 4 bytes: d (and Q4_1 / Q5_1's m) in float16
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* blk = rows[j] + b * block_bytes(T);
+      if (b % 2 == 0) _mm_prefetch((const char*)blk + 4096, _MM_HINT_T1);
+      memcpy(head + j, blk, 4);
+      if constexpr (SIGNS) {
+        q[j] = _mm256_loadu_si256((const __m256i*)(blk + 2));
+        u[j] = _mm256_abs_epi8(q[j]);
+      } else {
+        u[j] = block_codes<T>(blk);
+      }
+    }
+    // (lanes set from registers: eight 2-byte stores then one load would wait on store forwarding)
+    const __m256i heads = _mm256_setr_epi32(head[0], head[1], head[2], head[3], head[4], head[5], head[6], head[7]);
+    const __m256i halves = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(heads, _mm256_setr_epi8(
+        0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)),
+        _MM_SHUFFLE(3, 1, 2, 0));  // the 8 d, then the 8 m
+    const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    __m256 m;
+    if constexpr (MINS) m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+    for (int r = 0; r < R; ++r) {
+      const __m256i xq = _mm256_loadu_si256((const __m256i*)(xs.xu.data() + (m0 + r) * K + 32 * b));
+      __m256i t[8];
+      for (int j = 0; j < 8; ++j) t[j] = dot_bytes(zero, u[j], SIGNS ? _mm256_sign_epi8(xq, q[j]) : xq);
+      __m256i S = sum_lanes8(t);
+      const int16_t* s16 = xs.s16.data() + (m0 + r) * (K / 16) + 2 * b;
+      const int32_t s32 = s16[0] + s16[1];  // the block's sum of xq
+      if constexpr (SHIFT > 0) S = _mm256_sub_epi32(S, _mm256_set1_epi32(s32 << SHIFT));
+      __m256 part = _mm256_mul_ps(d, _mm256_cvtepi32_ps(S));
+      if constexpr (MINS) part = _mm256_fmadd_ps(m, _mm256_set1_ps((float)s32), part);
+      acc[r] = _mm256_fmadd_ps(part, _mm256_set1_ps(xs.dx[(m0 + r) * blocks + b]), acc[r]);
     }
   }
-};
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc[r]);
+    for (int64_t j = 0; j < nb; ++j) y[r * N + n0 + j] = out[j];
+  }
+}
 
 #define DISPATCH_GGUF(type, BODY)                       \
   switch (type) {                                       \

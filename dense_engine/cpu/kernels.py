@@ -52,9 +52,10 @@ SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"},
 # for bit). The int8 kernel (x in two digits) serves up to INT8_ROWS: every length of a compiled prefill step
 # (generate.PREFILL_CHUNK), whose row count is dynamic (at 32 rows it is 2.5x the GEMM on its converted weight with
 # AVX-512, 4x with AVX2); past it kernels_avx2.cpp's op multiplies x in bytes, kernels.cpp's callers a bfloat16 GEMM.
-# The nf4 and GGUF kernels decide for themselves past GEMM_ROWS (kernels.cpp's): nf4 runs bfloat16 GEMMs on tiles of
-# the weight it dequantizes (2-3x float32's rate; AVX2 float32), GGUF blocks integer dot products on x in bytes (both
-# ISAs). int4 runs its one tile at every number of rows (a row's bits whatever the batch).
+# nf4 decides for itself past GEMM_ROWS (kernels.cpp's): bfloat16 GEMMs on tiles of the weight it dequantizes (2-3x
+# float32's rate; AVX2 float32). GGUF blocks take x in bytes at every number of rows (llama.cpp's Q8_K / Q8_0), the
+# decoding tiles and the prefill's summing in one order (kernels.h); int4 runs its one tile at every number of rows:
+# a row's bits whatever the batch.
 MAX_ROWS = 16
 INT8_ROWS = 32
 GEMM_ROWS = 12
@@ -149,20 +150,6 @@ def build_key() -> str:
 def avx2_only() -> bool:
     """Whether the kernels are kernels_avx2.cpp's (a CPU without AVX-512, or DENSE_KERNELS=avx2)."""
     return available() and _state.get("source") == "kernels_avx2.cpp"
-
-
-def prefill_in_bytes() -> bool:
-    """Whether a GGUF linear past GEMM_ROWS rows of x takes x rounded to 8 bits a value, a scale per 256 (K-quants,
-    llama.cpp's Q8_K) or per 32 (32-blocks, its Q8_0): the CPU kernels' integer dot products (both ISAs), rather
-    than PyTorch's bfloat16 matmul of the dequantized weights."""
-    return available()
-
-
-def decode_in_bytes(kind: str) -> bool:
-    """Whether a GGUF linear of up to GEMM_ROWS rows (decoding) takes x rounded to 8 bits too: K-quants on either
-    ISA, as their prefill (llama.cpp's Q8_K, kernels.h's one order of sums: a row's bits whatever the rows beside it).
-    32-blocks take x as two int8 digits, within 1/32258 of a row's largest value."""
-    return available() and kind.endswith("_K")
 
 
 def huge_pages(tensors: list[torch.Tensor], zeros: bool = False, advise: bool = True) -> list[torch.Tensor]:

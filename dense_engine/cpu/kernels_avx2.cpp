@@ -6,7 +6,7 @@
 //     vpdpbusd where the CPU has AVX-VNNI (dot_bytes; the int8 weights' products, the same integers); int8 weights go
 //     through it as |w| times x with w's sign (pairs stay below int16's limit); nf4 takes x as two int8 digits too
 //     (kernels.cpp: float32), within 1/32258 of a row's largest value, its values to 15 bits; int4 computes
-//     kernels.cpp's bits (kernels.h); K-quants decode on x in bytes (llama.cpp's);
+//     kernels.cpp's bits (kernels.h); GGUF blocks decode on x in bytes (llama.cpp's), kernels.cpp's bits;
 //   * no bfloat16 arithmetic: a long prefill's nf4 GEMMs run in float32 on the dequantized tiles (oneDNN
 //     or MKL's sgemm); GGUF blocks as kernels.cpp, integer products on x in bytes (vpmaddubsw or vpdpbusd), and int8
 //     weights past INT8_ROWS the same way (kernels.cpp: bfloat16 GEMMs), read as 32-blocks of a scale a row.
@@ -19,19 +19,6 @@
 #include "kernels.h"
 
 namespace {
-
-// sum + the four products of unsigned bytes u and signed bytes s in each 32-bit lane: one vpdpbusd with AVX-VNNI
-// (Alder Lake and later; -march=native enables it) or AVX-512 VNNI's 256-bit form; else vpmaddubsw (pairs in int16:
-// callers keep |u s| pairs below 32768) and vpmaddwd by ones. The same integers either way.
-inline __m256i dot_bytes(__m256i sum, __m256i u, __m256i s) {
-#if defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(sum, u, s);
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(sum, u, s);
-#else
-  return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
 
 inline float hsum(__m256 v) {  // lanes summed pairwise: (0+4, 1+5, 2+6, 3+7), then (0+2, 1+3), then 0+1
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -159,8 +146,6 @@ struct DigitRows {
     }
   }
 };
-using WordRows = WordRowsOf<DigitRows>;
-
 template <int R, int NB>
 void int8_tile(const DigitRows& xs, int64_t m0, const uint8_t* w, const float* s, int64_t K, float* y, int64_t N,
                int64_t n0) {
@@ -371,7 +356,7 @@ struct NF4Words {
     }
     low = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)lo));
     high = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)hi));
-    const DigitRows digits(xf, M, K);  // (not WordRows: its sums serve the mins of the GGUF tiles)
+    const DigitRows digits(xf, M, K);
     for (int64_t row = 0; row < M; ++row) unit[row] = digits.scale[row] / 127.f;
     for (int64_t b = 0; b < M * K / 64; ++b)  // word 16 g + 8 lane + i <- value 32 (g / 2) + 8 (g % 2) + 16 lane + i
       for (int g = 0; g < 4; ++g)
@@ -468,8 +453,7 @@ struct ByteRows {
 // K-quants, decoding: codes times x in bytes (llama.cpp's Q8_K, as kernels.cpp's) by vpmaddubsw (pairs in int16),
 // times the sub-block's integer scale by vpmaddwd (into int32), over a super-block, then kernels.h's float steps; the
 // mins (Q4_K, Q5_K) or the offset 32 (Q6_K) meet the sums of xq.
-// 32-blocks (codes16): the values u - off as 16-bit integers times X = 127 q1 + q2 by vpmaddwd, a block at a time,
-// then by d. A prefill (byte_pass, below): kernels.cpp's tiles.
+// 32-blocks: kernels.h's block32_tile (x in bytes a 32 at a time). A prefill (byte_pass, below): kernels.cpp's tiles.
 
 // 32 bits -> 32 bytes, byte j 0xFF where bit j is set
 inline __m256i bits_to_bytes(uint32_t bits) {
@@ -508,6 +492,24 @@ inline __m256i kquant_codes32(const uint8_t* blk, int s) {
   }
 }
 
+// A 32-block's 32 codes (elements in order; Q8_0: its int8 + 128)
+template <int64_t T>
+__m256i block_codes(const uint8_t* blk) {
+  if constexpr (T == GQ8_0) {
+    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + 2)), _mm256_set1_epi8((char)0x80));
+  } else {
+    constexpr int at = T == GQ4_0 ? 2 : T == GQ4_1 ? 4 : T == GQ5_0 ? 6 : 8;  // the 16 bytes of nibbles
+    const __m128i q = _mm_loadu_si128((const __m128i*)(blk + at)), m = _mm_set1_epi8(15);
+    __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+    if constexpr (T == GQ5_0 || T == GQ5_1) {  // bit j of qh: element j's fifth bit
+      uint32_t qh;
+      memcpy(&qh, blk + (T == GQ5_0 ? 2 : 4), 4);
+      u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(16)));
+    }
+    return u;
+  }
+}
+
 // Values 32v .. 32v + 31 of a row as codes u, one a byte
 template <int64_t T>
 inline __m256i codes32(const uint8_t* row, int64_t v) {
@@ -516,20 +518,7 @@ inline __m256i codes32(const uint8_t* row, int64_t v) {
   } else if constexpr (T >= GQ4_K) {
     return kquant_codes32<T>(row + (v / 8) * block_bytes(T), (int)(v % 8));
   } else {
-    const uint8_t* blk = row + v * block_bytes(T);
-    if constexpr (T == GQ8_0) {
-      return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + 2)), _mm256_set1_epi8((char)0x80));
-    } else {
-      constexpr int at = T == GQ4_0 ? 2 : T == GQ4_1 ? 4 : T == GQ5_0 ? 6 : 8;  // the 16 bytes of nibbles
-      const __m128i q = _mm_loadu_si128((const __m128i*)(blk + at)), m = _mm_set1_epi8(15);
-      __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
-      if constexpr (T == GQ5_0 || T == GQ5_1) {  // bit j of qh: element j's fifth bit
-        uint32_t qh;
-        memcpy(&qh, blk + (T == GQ5_0 ? 2 : 4), 4);
-        u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(16)));
-      }
-      return u;
-    }
+    return block_codes<T>(row + v * block_bytes(T));
   }
 }
 
@@ -596,70 +585,6 @@ void kquant_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_b
     }
   }
   for (int r = 0; r < R; ++r) y[r * N + n] = acc[r];
-}
-
-// A 32-block's values (code minus the type's offset; Q4_1 / Q5_1: the codes) as 16-bit integers, elements 0-15 in
-// lo, 16-31 in hi. The 16 bytes of nibbles are widened once (vpmovzxbw: byte j's low nibble is element j, its high
-// one element j + 16), so no lane is moved after; Q5's fifth bits are tested 16 a register (bit j of qh: element j),
-// and Q5_0's offset folds in: code - 16 = nibble | (fifth bit ? 0 : 0xFFF0). Fewer shuffles than codes32: the
-// decode of these blocks is bound by instructions, not memory.
-template <int64_t T>
-inline void codes16(const uint8_t* blk, __m256i& lo, __m256i& hi) {
-  if constexpr (T == GQ8_0) {  // int8 as stored
-    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 2)));
-    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 18)));
-    return;
-  }
-  constexpr int at = T == GQ4_0 ? 2 : T == GQ4_1 ? 4 : T == GQ5_0 ? 6 : 8;  // the 16 bytes of nibbles
-  const __m256i z = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(blk + at)));
-  lo = _mm256_and_si256(z, _mm256_set1_epi16(15));
-  hi = _mm256_srli_epi16(z, 4);
-  if constexpr (T == GQ4_0) {
-    lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
-    hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
-  } else if constexpr (T == GQ5_0 || T == GQ5_1) {
-    const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                          (int16_t)0x8000);
-    uint16_t h[2];  // qh: elements 0-15, 16-31
-    memcpy(h, blk + (T == GQ5_0 ? 2 : 4), 4);
-    const __m256i set0 = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((int16_t)h[0]), bit), bit);
-    const __m256i set1 = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((int16_t)h[1]), bit), bit);
-    if constexpr (T == GQ5_0) {
-      lo = _mm256_or_si256(lo, _mm256_andnot_si256(set0, _mm256_set1_epi16(-16)));
-      hi = _mm256_or_si256(hi, _mm256_andnot_si256(set1, _mm256_set1_epi16(-16)));
-    } else {
-      lo = _mm256_or_si256(lo, _mm256_and_si256(set0, _mm256_set1_epi16(16)));
-      hi = _mm256_or_si256(hi, _mm256_and_si256(set1, _mm256_set1_epi16(16)));
-    }
-  }
-}
-
-// One weight row of a 32-block type against R rows of x, a block at a time: its integer sum, then d in float (Q4_1 /
-// Q5_1: m times the block's sum of X, in a second accumulator)
-template <int64_t T, int R>
-void block32_tile(const WordRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
-                  int64_t N, int64_t n) {
-  constexpr bool with_min = T == GQ4_1 || T == GQ5_1;
-  const int64_t blocks = K / 32;
-  const uint8_t* row = w + n * row_bytes;
-  __m256 acc[R];
-  float mins[R] = {};
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = row + b * block_bytes(T);
-    _mm_prefetch((const char*)blk + AHEAD, _MM_HINT_T1);
-    __m256i lo, hi;
-    codes16<T>(blk, lo, hi);
-    const __m256 d = _mm256_set1_ps(half_at(blk));
-    for (int r = 0; r < R; ++r) {
-      const int16_t* x = xs.x.data() + (m0 + r) * K + 32 * b;
-      const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)x)),
-                                           _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 16))));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc[r]);
-      if constexpr (with_min) mins[r] += half_at(blk + 2) * xs.sum32[(m0 + r) * (K / 32) + b];
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r * N + n] = (hsum(acc[r]) + mins[r]) * xs.unit[m0 + r];
 }
 
 // R rows of x against Q8_0 weight row n in float32 (as kernels.cpp's, in 8 lanes)
@@ -731,11 +656,7 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t*
 // plus the mins' B times sum(xq); per scale of x, times dx (K-quants: times the integer scale into I, then kernels.h's
 // float steps, the decoding tiles' order). Without VNNI, vpmaddubsw keeps a pair (xq + 128) s below
 // int16's limit for every type but Q8_0 (|s| up to 128): its x is stored signed and meets |s| with s's sign (vpsignb).
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-constexpr bool VNNI = true;
-#else
-constexpr bool VNNI = false;
-#endif
+constexpr bool VNNI = DOT_VNNI;
 constexpr int B_TILE = 16;         // weight rows a tile: two registers of 8
 constexpr int B_ROWS = 3;          // rows of x a pass: 2 x 3 int32 sums, 2 x 3 float sums, 2 x 3 results
 constexpr int64_t B_BLOCK = 256;   // rows of x a round of tiles
@@ -952,19 +873,17 @@ void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, 
   }
 }
 
-// Up to GEMM_ROWS rows of x: K-quants take x in bytes as llama.cpp does (half the integer work of two digits),
-// 32-blocks x as 16-bit words
+// Up to GEMM_ROWS rows of x: x in bytes as llama.cpp takes it, and as the prefill does (kernels.h's orders)
 template <int64_t T>
 void gguf_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
+  const ByteRows xs(x, M, K, block_elements(T), false);
   if constexpr (T >= GQ4_K) {
-    const ByteRows xs(x, M, K, 256, false);
     for_each_tile<1, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
       DISPATCH_ROWS(rows, (kquant_tile<T, R>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0)));
     });
   } else {
-    const WordRows xs(x, M, K);
-    for_each_tile<1, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
-      DISPATCH_ROWS(rows, (block32_tile<T, R>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0)));
+    for_each_tile<8, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
+      DISPATCH_ROWS(rows, (block32_tile<T, R>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0, nb)));
     });
   }
 }
