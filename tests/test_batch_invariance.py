@@ -86,6 +86,22 @@ def test_a_prompts_logits_are_the_same_bits_whole_in_chunks_or_beside_another():
     assert not torch.equal(together[1:], want)  # (the other row's own logits)
 
 
+def assert_the_same_bits_at_any_length(model, seed: int):
+    """A 40-token prompt prefilled whole, in chunks of 20, 1, 12 and 7, a token at a time, and whole beside another
+    row's 40 (80 rows): the same logits, bit for bit."""
+    generate.setup_cache(model, 2, 64)
+    runner = generate.Runner(model, None)
+    torch.manual_seed(seed)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 40))
+    other = torch.randint(0, model.config.vocab_size, (40,)).tolist()
+    want = in_chunks(runner, prompt, [40])
+    assert torch.equal(in_chunks(runner, prompt, [20, 1, 12, 7]), want)
+    assert torch.equal(in_chunks(runner, prompt, [1] * 40), want)
+    together = runner.prefill_rows([prompt[0].tolist(), other], [0, 0], torch.tensor([0, 1]))
+    assert torch.equal(together[:1], want)
+    assert not torch.equal(together[1:], want)
+
+
 @needs_kernels
 @pytest.mark.parametrize("family", ["gptneox", "llama"])
 def test_an_int4_prompts_logits_are_the_same_bits_at_any_length_and_beside_another(family):
@@ -95,18 +111,7 @@ def test_an_int4_prompts_logits_are_the_same_bits_at_any_length_and_beside_anoth
     row's 40 (80 rows) gives the same logits, bit for bit."""
     model = from_pretrained(fixture_path(family), quant="int4")
     assert all(type(m).__name__ != "Linear" or m is model.lm_head for m in model.modules())  # (every linear int4)
-    generate.setup_cache(model, 2, 128)
-    runner = generate.Runner(model, None)
-    torch.manual_seed(2)
-    prompt = torch.randint(0, model.config.vocab_size, (1, 40))
-    other = torch.randint(0, model.config.vocab_size, (40,)).tolist()
-
-    want = in_chunks(runner, prompt, [40])
-    assert torch.equal(in_chunks(runner, prompt, [20, 1, 12, 7]), want)
-    assert torch.equal(in_chunks(runner, prompt, [1] * 40), want)
-    together = runner.prefill_rows([prompt[0].tolist(), other], [0, 0], torch.tensor([0, 1]))
-    assert torch.equal(together[:1], want)
-    assert not torch.equal(together[1:], want)
+    assert_the_same_bits_at_any_length(model, seed=2)
 
 
 @needs_kernels
@@ -129,15 +134,4 @@ def test_a_gguf_files_logits_are_the_same_bits_at_any_length_and_beside_another(
     model = from_pretrained(str(path), quant="auto")
     held = {kind for m in model.modules() for kind in getattr(m, "kinds", [])}
     assert held == {kind.name for name, kind in kinds.items() if name != "token_embd"}
-    generate.setup_cache(model, 2, 64)
-    runner = generate.Runner(model, None)
-    torch.manual_seed(3)
-    prompt = torch.randint(0, model.config.vocab_size, (1, 40))
-    other = torch.randint(0, model.config.vocab_size, (40,)).tolist()
-
-    want = in_chunks(runner, prompt, [40])
-    assert torch.equal(in_chunks(runner, prompt, [20, 1, 12, 7]), want)
-    assert torch.equal(in_chunks(runner, prompt, [1] * 40), want)
-    together = runner.prefill_rows([prompt[0].tolist(), other], [0, 0], torch.tensor([0, 1]))
-    assert torch.equal(together[:1], want)
-    assert not torch.equal(together[1:], want)
+    assert_the_same_bits_at_any_length(model, seed=3)

@@ -347,24 +347,6 @@ void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float*
 // float steps. 32-blocks: kernels.h's block32_tile (8 lanes, shared with kernels_avx2.cpp). Mins and offsets meet the
 // sums of xq over their sub-blocks. The result is the dequantized weights' product with x so rounded.
 
-// A 32-block's 32 codes (elements in order; Q8_0: its int8 + 128)
-template <int64_t T>
-__m256i block_codes(const uint8_t* blk) {
-  if constexpr (T == GQ8_0) {
-    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + 2)), _mm256_set1_epi8((char)0x80));
-  } else {
-    constexpr int at = T == GQ4_0 ? 2 : T == GQ4_1 ? 4 : T == GQ5_0 ? 6 : 8;  // the 16 bytes of nibbles
-    const __m128i q = _mm_loadu_si128((const __m128i*)(blk + at)), m = _mm_set1_epi8(15);
-    __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
-    if constexpr (T == GQ5_0 || T == GQ5_1) {  // bit j of qh: element j's fifth bit
-      uint32_t qh;
-      memcpy(&qh, blk + (T == GQ5_0 ? 2 : 4), 4);
-      u = _mm256_or_si256(u, _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(16)));
-    }
-    return u;
-  }
-}
-
 // Chunk c of a row (elements 64c .. 64c + 63) as 64 codes. blocks: the row's blocks (32-blocks: an odd last chunk
 // gets zero codes in its second half).
 template <int64_t T>

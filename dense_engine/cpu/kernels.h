@@ -216,6 +216,31 @@ inline __m256i dot_bytes(__m256i sum, __m256i u, __m256i s) {
 #endif
 }
 
+// sum + the products of pairs of 16-bit integers, in int32 lanes: one vpdpwssd with AVX-VNNI (or AVX-512 VNNI's
+// 256-bit form), else vpmaddwd and an add
+inline __m256i dot_words(__m256i sum, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(sum, a, b);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(sum, a, b);
+#else
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// 32 bits -> 32 bytes, byte j 0xFF where bit j is set
+inline __m256i bits_to_bytes(uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_movm_epi8(bits);
+#else
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                                                0x0303030303030303LL));
+  const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+#endif
+}
+
 // The sums of each of 8 registers' eight int32 lanes: lane j of the result is v[j]'s (exact)
 inline __m256i sum_lanes8(const __m256i v[8]) {
   __m256i a[4], b[2];
@@ -353,15 +378,31 @@ void for_each_int4_group(int64_t M, int64_t N, int64_t K, const uint8_t* q, cons
 }
 
 // ---- GGUF 32-blocks, decoding (both ISAs, 8 lanes): x rounded to bytes a 32 at a time (ByteRows, llama.cpp's Q8_0
-// activations), as their prefill. Each file defines block_codes: a block's 32 codes u (0..31) in order. A tile of 8
-// weight rows against R rows of x, a block at a time: the 8 rows' codes times xq (dot_bytes; Q8_0: |q| times xq with
-// q's sign, whose pairs stay within vpmaddubsw's int16), their lane sums side by side (sum_lanes8: lanes over the
-// weight rows, as the prefill's tiles hold them), less the offset (Q4_0 8, Q5_0 16) times the block's sum of xq: S,
-// exact. Then, per block in order, the prefill's float steps:
+// activations), as their prefill. A tile of 8 weight rows against R rows of x, a block at a time: the 8 rows' codes
+// times xq (dot_bytes; Q8_0 without VNNI: |q| times xq with q's sign, whose pairs stay within vpmaddubsw's int16),
+// their lane sums side by side (sum_lanes8: lanes over the weight rows, as the prefill's tiles hold them), less the
+// offset (Q4_0 8, Q5_0 16, Q8_0's + 128) times the block's sum of xq: S, exact. Then, per block in order, the
+// prefill's float steps:
 //   part = d S (Q4_1 / Q5_1: part = fma(m, sum(xq), part)); acc = fma(part, dx, acc)
 // so a row's bits do not depend on the call. (Lanes over K, each block's sum of lanes alone, ran at half the rate.)
+
+// A 32-block's 32 codes (elements in order; Q8_0: its int8 + 128)
 template <int64_t T>
-__m256i block_codes(const uint8_t* blk);
+inline __m256i block_codes(const uint8_t* blk) {
+  if constexpr (T == GQ8_0) {
+    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + 2)), _mm256_set1_epi8((char)0x80));
+  } else {
+    constexpr int at = T == GQ4_0 ? 2 : T == GQ4_1 ? 4 : T == GQ5_0 ? 6 : 8;  // the 16 bytes of nibbles
+    const __m128i q = _mm_loadu_si128((const __m128i*)(blk + at)), m = _mm_set1_epi8(15);
+    __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+    if constexpr (T == GQ5_0 || T == GQ5_1) {  // bit j of qh: element j's fifth bit
+      uint32_t qh;
+      memcpy(&qh, blk + (T == GQ5_0 ? 2 : 4), 4);
+      u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(16)));
+    }
+    return u;
+  }
+}
 
 template <int64_t T, int R, typename ByteRows>
 void block32_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
@@ -374,6 +415,9 @@ void block32_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_
   const __m256i zero = _mm256_setzero_si256();
   const uint8_t* rows[8];  // (past nb: the last row again, its results dropped)
   for (int j = 0; j < 8; ++j) rows[j] = w + (n0 + std::min<int64_t>(j, nb - 1)) * row_bytes;
+  // each row's bytes asked for a tile ahead (into L2): the next tile's same row, where the thread reads next (its
+  // share is one stream); a fixed distance fell inside this tile's own rows
+  const int64_t ahead = 8 * row_bytes;
   __m256 acc[R];  // lanes: the tile's weight rows
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -381,7 +425,7 @@ void block32_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_
     int32_t head[8];       // each block's first 4 bytes: d (and Q4_1 / Q5_1's m) in float16
     for (int j = 0; j < 8; ++j) {
       const uint8_t* blk = rows[j] + b * block_bytes(T);
-      if (b % 2 == 0) _mm_prefetch((const char*)blk + 4096, _MM_HINT_T1);
+      if (b % 2 == 0) _mm_prefetch((const char*)blk + ahead, _MM_HINT_T1);
       memcpy(head + j, blk, 4);
       if constexpr (SIGNS) {
         q[j] = _mm256_loadu_si256((const __m256i*)(blk + 2));
@@ -847,9 +891,9 @@ void gguf_float_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_b
   });
 }
 
-// Up to this many rows of x a GGUF linear runs the decoding tiles, past it the prefill's (gguf_prefill). K-quants
-// compute the same bits either way (kernels.h's one order), so they switch where the prefill's tiles get faster:
-// past 4 rows with AVX-512 (BENCHMARKS.md); 32-blocks take x otherwise (two digits, bytes) and switch past GEMM_ROWS.
+// Up to this many rows of x a GGUF linear runs the decoding tiles, past it the prefill's (gguf_prefill). Both compute
+// the same bits (the orders of sums above), so the switch is where the prefill's tiles get faster: K-quants past 4
+// rows with AVX-512 (BENCHMARKS.md); elsewhere past GEMM_ROWS (32-blocks' crossover unmeasured).
 template <int64_t T>
 constexpr int64_t tile_rows() {
 #ifdef __AVX512F__

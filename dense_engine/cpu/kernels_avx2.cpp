@@ -198,18 +198,6 @@ void int8_tiles(const float* xp, const uint8_t* wp, const float* sp, int64_t M, 
 // two of code quads times L by vpmaddubsw, their int16 pairs added over the block (|sum| <= 8 x 2 x 15 x 64) and
 // widened once; per block the float steps of kernels.h: the same bits as kernels.cpp's.
 
-// sum + the products of pairs of 16-bit integers, in int32 lanes: one vpdpwssd with AVX-VNNI (or AVX-512 VNNI's
-// 256-bit form), else vpmaddwd and an add
-inline __m256i dot_words(__m256i sum, __m256i a, __m256i b) {
-#if defined(__AVXVNNI__)
-  return _mm256_dpwssd_avx_epi32(sum, a, b);
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(sum, a, b);
-#else
-  return _mm256_add_epi32(sum, _mm256_madd_epi16(a, b));
-#endif
-}
-
 // R rows of x (from m0) against one group of 16 weight rows: y [R, N] from column n0, its first `width`
 template <int R>
 void int4_group(const BlockWords& xs, int64_t m0, const uint8_t* codes, const float* d, const float* mn, int64_t K,
@@ -455,15 +443,6 @@ struct ByteRows {
 // mins (Q4_K, Q5_K) or the offset 32 (Q6_K) meet the sums of xq.
 // 32-blocks: kernels.h's block32_tile (x in bytes a 32 at a time). A prefill (byte_pass, below): kernels.cpp's tiles.
 
-// 32 bits -> 32 bytes, byte j 0xFF where bit j is set
-inline __m256i bits_to_bytes(uint32_t bits) {
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
-                                             _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
-                                                                0x0303030303030303LL));
-  const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
-  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-}
-
 // Not a GGUF type: an int8 linear's rows (int8 + 128, a float32 scale a row) read as 32-blocks whose A is the row's
 // scale, for its long prefill (int8_prefill, below)
 constexpr int64_t GINT8 = -1;
@@ -489,24 +468,6 @@ inline __m256i kquant_codes32(const uint8_t* blk, int s) {
     const int at = 4 * k + 2 * i;  // the two bits moved to bits 4-5 (a constant where the caller's loop unrolls)
     const __m256i moved = at < 4 ? _mm256_slli_epi16(qh, 4 - at) : at > 4 ? _mm256_srli_epi16(qh, at - 4) : qh;
     return _mm256_or_si256(nib, _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
-  }
-}
-
-// A 32-block's 32 codes (elements in order; Q8_0: its int8 + 128)
-template <int64_t T>
-__m256i block_codes(const uint8_t* blk) {
-  if constexpr (T == GQ8_0) {
-    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + 2)), _mm256_set1_epi8((char)0x80));
-  } else {
-    constexpr int at = T == GQ4_0 ? 2 : T == GQ4_1 ? 4 : T == GQ5_0 ? 6 : 8;  // the 16 bytes of nibbles
-    const __m128i q = _mm_loadu_si128((const __m128i*)(blk + at)), m = _mm_set1_epi8(15);
-    __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
-    if constexpr (T == GQ5_0 || T == GQ5_1) {  // bit j of qh: element j's fifth bit
-      uint32_t qh;
-      memcpy(&qh, blk + (T == GQ5_0 ? 2 : 4), 4);
-      u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(16)));
-    }
-    return u;
   }
 }
 
