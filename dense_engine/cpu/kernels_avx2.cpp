@@ -324,7 +324,7 @@ void nf4_rows(const uint8_t* qp, const float* ap, const float* code, int64_t K, 
     }
 }
 
-// Decoding (up to GEMM_ROWS rows of x) multiplies in integers: x as 16-bit words X (WordRows' digits,
+// Decoding (up to GEMM_ROWS rows of x) multiplies in integers: x as 16-bit words X = 127 q1 + q2 (DigitRows' digits,
 // within 1/32258 of a row's largest value) and each code's value as V = round(NF4[code] 2^14), within 2^-15 of the
 // block's absmax (NF4's own steps are 2500x that). vpshufb looks 32 codes up at once in two 16-byte tables (V's low
 // and high bytes), vpunpck{l,h}bw joins them into words; per block four vpmaddwd (8 products a lane: |V X| 8 <= 2^14
