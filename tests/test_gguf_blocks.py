@@ -64,11 +64,11 @@ def test_kernels_equal_ggufs_dequantizer_and_the_float_product(kind):
         assert torch.equal(torch.ops.dense_kernels.dequantize_gguf(blocks, ggml_id, cols, False), want)
         assert torch.equal(torch.ops.dense_kernels.dequantize_gguf(blocks, ggml_id, cols, True), want.bfloat16())
         for m in (1, 2, 3, 5, 12):  # the decoding tiles (AVX-512's K-quants past 4 rows: the prefill's): x in bytes
-            assert_prefill_product(kind, torch.randn(m, cols, generator=torch.Generator().manual_seed(m)), blocks, want)
+            assert_bytes_product(kind, torch.randn(m, cols, generator=torch.Generator().manual_seed(m)), blocks, want)
         for m in (13, 40):  # a prefill
             x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
             x[1, : min(cols, 256)] = 0  # (a block of x all zeros: a scale of 0)
-            assert_prefill_product(kind, x, blocks, want)
+            assert_bytes_product(kind, x, blocks, want)
 
 
 @needs_kernels
@@ -108,7 +108,7 @@ def test_a_kquant_rows_bits_do_not_depend_on_the_rows_beside_it(kind):
     alone = torch.cat([torch.ops.dense_kernels.linear_gguf(x[i:i + 1], blocks, ggml_id) for i in range(40)])
     for m in (2, 4, 5, 12, 13, 40):
         assert torch.equal(torch.ops.dense_kernels.linear_gguf(x[:m], blocks, ggml_id), alone[:m]), (kind, m)
-    assert_prefill_product(kind, x, blocks, want)
+    assert_bytes_product(kind, x, blocks, want)
 
 
 def x_in_bytes(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -121,7 +121,7 @@ def x_in_bytes(x: torch.Tensor, group: int) -> torch.Tensor:
     return (q.double() * (top / 127).double()).reshape(x.shape)
 
 
-def assert_prefill_product(kind: str, x: torch.Tensor, blocks: torch.Tensor, want: torch.Tensor):
+def assert_bytes_product(kind: str, x: torch.Tensor, blocks: torch.Tensor, want: torch.Tensor):
     """At any number of rows, decoding or prefilling: the dequantized weights' product with x rounded to bytes, to
     float32's rounding of the sums; PyTorch's kernels: bfloat16."""
     got = torch.ops.dense_kernels.linear_gguf(x, blocks, quantized.GGUF_TYPES[kind][0])
@@ -156,8 +156,8 @@ def test_the_largest_codes_against_the_largest_x_stay_exact(kind):
         for sign in (1.0, -1.0):
             x = torch.full((16, 512), sign)
             x[1::2] *= torch.linspace(0.5, 1, 512)  # (every other row not all equal)
-            assert_prefill_product(kind, x, torch.from_numpy(raw), want)
-            assert_prefill_product(kind, x[:3], torch.from_numpy(raw), want)  # (the decoding tiles)
+            assert_bytes_product(kind, x, torch.from_numpy(raw), want)
+            assert_bytes_product(kind, x[:3], torch.from_numpy(raw), want)  # (the decoding tiles)
 
 
 @needs_kernels
@@ -171,7 +171,7 @@ def test_prefill_over_several_weight_tiles(kind):
     x[:, :, 700] = 40  # an outlier channel (as LLMs have): it coarsens its own 256 values' bytes only
     got = torch.ops.dense_kernels.linear_gguf(x, torch.from_numpy(raw), quantized.GGUF_TYPES[kind][0])
     assert got.shape == (2, 20, 300)
-    assert_prefill_product(kind, x.reshape(40, 4096), torch.from_numpy(raw), want)
+    assert_bytes_product(kind, x.reshape(40, 4096), torch.from_numpy(raw), want)
 
 
 @needs_kernels

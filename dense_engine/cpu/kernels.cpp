@@ -387,10 +387,13 @@ inline __m512i chunk_codes(const uint8_t* row, int64_t c, int64_t blocks) {
 struct ByteRows {
   std::vector<uint8_t> xu;   // [M, K] xq + 128 (plus128) or xq
   std::vector<float> dx;     // [M, K / group]
-  std::vector<float> sum32;  // [M, K / 32]: sum(xq) over each 32 values
-  std::vector<int16_t> s16;  // [M, K / 16]: sum(xq) over each 16 (K-quants' mins and Q6_K's offset meet them)
+  std::vector<int16_t> s16;  // [M, K / 16]: sum(xq) over each 16 (the mins and offsets meet them)
+  int64_t K;
+  float sum32(int64_t m, int64_t b) const {  // sum(xq) over values 32b .. 32b + 31 of row m
+    return (float)(s16[m * (K / 16) + 2 * b] + s16[m * (K / 16) + 2 * b + 1]);
+  }
   ByteRows(const float* x, int64_t M, int64_t K, int64_t group, bool plus128 = true)
-      : xu(M * K), dx(M * (K / group)), sum32(M * (K / 32)), s16(M * (K / 16)) {
+      : xu(M * K), dx(M * (K / group)), s16(M * (K / 16)), K(K) {
     const __m512i off = _mm512_set1_epi32(plus128 ? 128 : 0);
     at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)
@@ -408,7 +411,7 @@ struct ByteRows {
             _mm_storeu_si128((__m128i*)(xu.data() + at), _mm512_cvtepi32_epi8(_mm512_add_epi32(a, off)));
             _mm_storeu_si128((__m128i*)(xu.data() + at + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, off)));
             const int32_t low = _mm512_reduce_add_epi32(a), high = _mm512_reduce_add_epi32(c);
-            s16[at / 16] = (int16_t)low, s16[at / 16 + 1] = (int16_t)high, sum32[at / 32] = (float)(low + high);
+            s16[at / 16] = (int16_t)low, s16[at / 16 + 1] = (int16_t)high;
           }
         }
     });
@@ -816,7 +819,7 @@ void q8_pass32(const ByteRows& xs, int64_t m0, const BlockTile<T>& t, int64_t K,
       __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(sum[r][0]), a0);
       __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(sum[r][1]), a1);
       if constexpr (T == GQ4_1 || T == GQ5_1) {  // the mins: B times sum(xq) over the block
-        const __m512 s = _mm512_set1_ps(xs.sum32[(m0 + r) * blocks + k]);
+        const __m512 s = _mm512_set1_ps(xs.sum32(m0 + r, k));
         v0 = _mm512_fmadd_ps(_mm512_loadu_ps(t.B.data() + at), s, v0);
         v1 = _mm512_fmadd_ps(_mm512_loadu_ps(t.B.data() + at + 16), s, v1);
       }

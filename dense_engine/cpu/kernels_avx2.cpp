@@ -405,10 +405,13 @@ void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float*
 struct ByteRows {
   std::vector<uint8_t> xu;   // [M, K] xq + 128 (plus128) or xq
   std::vector<float> dx;     // [M, K / group]
-  std::vector<float> sum32;  // [M, K / 32]: sum(xq) over each 32 values
-  std::vector<int16_t> s16;  // [M, K / 16]: sum(xq) over each 16 (K-quants' mins and Q6_K's offset meet them)
+  std::vector<int16_t> s16;  // [M, K / 16]: sum(xq) over each 16 (the mins and offsets meet them)
+  int64_t K;
+  float sum32(int64_t m, int64_t b) const {  // sum(xq) over values 32b .. 32b + 31 of row m
+    return (float)(s16[m * (K / 16) + 2 * b] + s16[m * (K / 16) + 2 * b + 1]);
+  }
   ByteRows(const float* x, int64_t M, int64_t K, int64_t group, bool plus128)
-      : xu(M * K), dx(M * (K / group)), sum32(M * (K / 32)), s16(M * (K / 16)) {
+      : xu(M * K), dx(M * (K / group)), s16(M * (K / 16)), K(K) {
     const __m256i top_bit = _mm256_set1_epi8(plus128 ? (char)0x80 : 0);
     at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)
@@ -425,7 +428,7 @@ struct ByteRows {
             for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + k + 8 * i), inv));
             const int64_t at = m * K + b * group + k;
             const int32_t low = hsum(_mm256_add_epi32(q[0], q[1])), high = hsum(_mm256_add_epi32(q[2], q[3]));
-            s16[at / 16] = (int16_t)low, s16[at / 16 + 1] = (int16_t)high, sum32[at / 32] = (float)(low + high);
+            s16[at / 16] = (int16_t)low, s16[at / 16 + 1] = (int16_t)high;
             // packed: 4-byte groups 0, 2, 4, 6, 1, 3, 5, 7 of the 32 -> in order, then (plus128) + 128
             const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
             const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -796,7 +799,7 @@ void byte_pass(const ByteRows& xs, int64_t m0, const ByteTile<T>& t, int64_t K, 
       if constexpr (Tile::MINS) {  // the mins: B times sum(xq) over the 32
         const __m256 b0 = _mm256_loadu_ps(t.B.data() + sb * B_TILE), b1 = _mm256_loadu_ps(t.B.data() + sb * B_TILE + 8);
         for (int r = 0; r < R; ++r) {
-          const __m256 s = _mm256_set1_ps(xs.sum32[(m0 + r) * (K / 32) + (g * GROUP + j * SB) / 32]);
+          const __m256 s = _mm256_set1_ps(xs.sum32(m0 + r, (g * GROUP + j * SB) / 32));
           part[r][0] = _mm256_fmadd_ps(b0, s, part[r][0]);
           part[r][1] = _mm256_fmadd_ps(b1, s, part[r][1]);
         }
