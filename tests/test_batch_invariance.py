@@ -1,8 +1,9 @@
 """The same bits whatever the batch (issue 54, item 5): a query's attention over the cache depends on its own slots
 only, so a prompt prefilled in chunks of any length, one token at a time or beside another row's gives identical
-logits, bit for bit, while its linears stay within their tiles; int4 linears run one tile at every number of rows;
-GGUF blocks take x in bytes and sum in one order in their decoding and prefill tiles (kernels.h). (Still open: the
-float32 linears past 16 rows, nf4 past 12 and int8 past 32 take other kernels, which round and sum otherwise.)"""
+logits, bit for bit, while its linears stay within their tiles; float32 linears sum in the tiles' order at every
+number of rows (a GEMM past them), int4 linears run one tile at every number of rows; GGUF blocks take x in bytes and
+sum in one order in their decoding and prefill tiles (kernels.h). (Still open: nf4 past 12 rows and int8 past 32
+take other kernels, which round and sum otherwise.)"""
 
 import types
 
@@ -100,6 +101,17 @@ def assert_the_same_bits_at_any_length(model, seed: int):
     together = runner.prefill_rows([prompt[0].tolist(), other], [0, 0], torch.tensor([0, 1]))
     assert torch.equal(together[:1], want)
     assert not torch.equal(together[1:], want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["gptneox", "llama"])
+def test_a_float32_prompts_logits_are_the_same_bits_at_any_length_and_beside_another(family):
+    """float32 linears sum each output in the decoding tiles' order at every number of rows (kernels.h's f32_gemm
+    past 16 or 24 rows, where oneDNN served before): a 40-token prompt whole, in chunks of 20, 1, 12 and 7, a token
+    at a time and beside another row's 40 (80 rows) gives the same logits, bit for bit."""
+    model = from_pretrained(fixture_path(family))
+    assert all(isinstance(m, kernels.Linear) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert_the_same_bits_at_any_length(model, seed=4)
 
 
 @needs_kernels

@@ -75,31 +75,33 @@ def test_f32_kernel(M, N, K):
 
 
 @needs_kernels
-@pytest.mark.parametrize("K", [40, 576, 2048, 2064])
+@pytest.mark.parametrize("K", [40, 576, 2048, 2064, 4104])
 def test_f32_kernel_rows_do_not_depend_on_the_batch(K):
-    # one row of x takes its own tiling (one weight row at a time up to K = 2048), a batch 4 weight rows a tile:
-    # each output must still be the same bits, so a row generates the same tokens alone or in a batch
+    """One row of x takes its own tiling (one weight row at a time up to K = 2048), a few rows 4 weight rows a tile,
+    past 16 (AVX2: 24) the GEMM of packed blocks (kernels.h's f32_gemm: 8 or 6 rows of x a block, 48 or 32 weight rows
+    a panel, chunks of K past 4096 or 512, a masked last step where K % 16): each output the same bits in every call,
+    so a row generates the same tokens alone, in a batch or in a prompt of any length; and the float64 product."""
     torch.manual_seed(K)
-    x, w = torch.randn(11, K), torch.randn(67, K)
-    batch = torch.ops.dense_kernels.linear_f32(x, w)
-    for row in range(11):
-        assert torch.equal(batch[row], torch.ops.dense_kernels.linear_f32(x[row:row + 1], w)[0])
+    x, w = torch.randn(61, K), torch.randn(67, K)
+    whole = torch.ops.dense_kernels.linear_f32(x, w)
+    assert rel(whole, x.double() @ w.double().T) < 1e-5
+    for row in range(0, 61, 6):
+        assert torch.equal(whole[row], torch.ops.dense_kernels.linear_f32(x[row:row + 1], w)[0])
+    for rows in (slice(0, 11), slice(11, 36), slice(36, 61)):  # the tiles (11), the GEMM (25: two blocks and one row)
+        assert torch.equal(whole[rows], torch.ops.dense_kernels.linear_f32(x[rows], w))
 
 
 @pytest.mark.parametrize("shape, bias", [((1, 17, 576), False), ((2, 128, 1536), True), ((3, 40, 100), True)])
-def test_many_row_float32_linear_is_the_float64_product(shape, bias, monkeypatch):
-    """A prefill's float32 linear (oneDNN's matmul where torch has it, else F.linear): the float64 product, with and
-    without oneDNN, and with autograd on (then F.linear, which has a backward)."""
+def test_many_row_float32_linear_is_the_float64_product(shape, bias):
+    """A prefill's float32 linear (the kernels' GEMM where they load, else F.linear): the float64 product, and with
+    autograd on (then F.linear, which has a backward) too."""
     torch.manual_seed(shape[1])
     layer = kernels.Linear(shape[-1], 64 + shape[1], bias=bias)
     x = torch.randn(shape)
     want = x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
     with torch.no_grad():
         fast = layer(x)
-        monkeypatch.setattr(kernels, "ONEDNN", False)
-        plain = layer(x)
-    assert fast.shape == want.shape and rel(fast, want) < 1e-5 and rel(plain, want) < 1e-5
-    monkeypatch.setattr(kernels, "ONEDNN", True)
+    assert fast.shape == want.shape and rel(fast, want) < 1e-5
     trained = layer(x)
     trained.sum().backward()
     assert rel(trained.detach(), want) < 1e-5 and layer.weight.grad is not None
@@ -123,7 +125,7 @@ def test_kernels_compute_each_output_once_whatever_the_threads(threads):
     ops = [lambda x: torch.ops.dense_kernels.linear_f32(x, w),
            lambda x: torch.ops.dense_kernels.linear_int8(x, i8["kernel_weight"], i8["kernel_scales"]),
            lambda x: torch.ops.dense_kernels.linear_int4(x, i4["kernel_weight"], i4["kernel_scales"], i4["kernel_mins"])]
-    xs = [torch.randn(1 + i % 3, K) for i in range(12)]
+    xs = [torch.randn(1 + i % 3, K) for i in range(12)] + [torch.randn(40, K)]  # (40: float32's GEMM)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

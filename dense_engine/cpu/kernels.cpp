@@ -22,7 +22,7 @@
 // tile computes NB weight rows against up to 8 rows of x, so a weight row is loaded once for all of them. Past
 // GEMM_ROWS rows of x (a prefill), where arithmetic rather than memory bounds a matmul: nf4 bfloat16 GEMMs on
 // dequantized tiles, GGUF blocks integer dot products on x rounded to 8 bits (as llama.cpp computes every quantized
-// matmul).
+// matmul); float32 past 16 rows a GEMM of packed blocks in its tiles' order of sums (kernels.h).
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__AVX512BF16__)
 #error "kernels.cpp needs AVX-512 (F, BW, VNNI, BF16); kernels.py falls back to PyTorch's kernels"
 #endif
@@ -68,8 +68,53 @@ void f32_tile(const float* x, const float* w, int64_t K, float* y, int64_t N, in
     for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-// y [M, N] = x [M, K] w^T, every M (float32 weights have no GEMM path of their own)
+// kernels.h's f32_gemm: 8 rows of x against 3 weight rows a block (24 accumulators, 3 weights and x: 28 of 32
+// registers), K whole (chunks only past 4096); past 16 rows of x (up to 16 the tiles, faster on the 1B shape's
+// weights: BENCHMARKS.md)
+constexpr int GEMM_R = 8, GEMM_NB = 3;
+constexpr int64_t F32_TILE_ROWS = 16;
+
+template <int NB>
+void f32_block(const float* xb, const float* wb, int64_t K, int64_t steps, float* acc, bool first, bool last, float* y,
+               int64_t ldy, int64_t rows) {
+  __m512 a[GEMM_R][NB];
+  for (int r = 0; r < GEMM_R; ++r)
+    for (int j = 0; j < NB; ++j) a[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + 16 * (r * NB + j));
+  const bool tail = last && K % 16;  // (the last step's lanes past K: w masked to zeros, as f32_tile's)
+  auto step = [&](const float* xs, const __m512 wv[NB]) {
+    for (int r = 0; r < GEMM_R; ++r) {
+      __m512 xv = _mm512_load_ps(xs + 16 * r);
+      __asm__("" : "+v"(xv));  // (one load a row of x: GCC folds it into each FMA otherwise, NB loads)
+      for (int j = 0; j < NB; ++j) a[r][j] = _mm512_fmadd_ps(xv, wv[j], a[r][j]);
+    }
+  };
+  for (int64_t s = 0; s < steps - tail; ++s, xb += 16 * GEMM_R, wb += 16) {  // plain loads (masked: 2.2x slower)
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(wb + j * K);
+    step(xb, wv);
+  }
+  if (tail) {
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_ps(lanes(K % 16), wb + j * K);
+    step(xb, wv);
+  }
+  for (int r = 0; r < GEMM_R; ++r)
+    for (int j = 0; j < NB; ++j) {
+      if (!last) _mm512_store_ps(acc + 16 * (r * NB + j), a[r][j]);
+      else if (r < rows) y[r * ldy + j] = _mm512_reduce_add_ps(a[r][j]);
+    }
+}
+
+// y [M, N] = x [M, K] w^T, every M: past F32_TILE_ROWS kernels.h's f32_gemm, in the tiles' order
 void f32_tiles(const float* xp, const float* wp, int64_t M, int64_t K, float* yp, int64_t N) {
+  if (M > F32_TILE_ROWS) {  // (a prefill: the same bits, kernels.h)
+    f32_gemm<16, GEMM_R, GEMM_NB, 4096>(xp, wp, M, K, yp, N, [](int64_t nb, auto... args) {
+      if (nb == 3) f32_block<3>(args...);
+      else if (nb == 2) f32_block<2>(args...);
+      else f32_block<1>(args...);
+    });
+    return;
+  }
   // One row of x and short weight rows: one weight row after another, no software prefetch. The weights are then one
   // sequential stream, which the hardware prefetchers read fastest (SmolLM2's shapes 1.14-1.6x, the 1B shape's K =
   // 2048 ones 1.05x, over 4 rows a tile with the L2 prefetch; within 5-15% of a plain sum over the same bytes). With

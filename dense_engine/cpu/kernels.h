@@ -93,6 +93,60 @@ void for_each_tile(int64_t M, int64_t N, int64_t K, int64_t bytes_per_weight_row
   });
 }
 
+// ---- float32 weights past a few rows of x (a prefill): the tiles' order of sums at a GEMM's rate ------------------
+// Each ISA's f32_tile computes an output (row m of x, weight row n) in L lanes, lane i summing x[m, k] w[n, k] over
+// k = i, i + L, ... in order by FMAs, then its own sum of the lanes; in K's last partial step the lanes past K add
+// fma(0, 0, acc). f32_gemm computes the same bits at 0.8-0.9x oneDNN's float32 GEMM (BENCHMARKS.md):
+//   * x packed once a call into blocks of R rows, [K_L / L][R][L] (K_L: K rounded up to L, zeros past K): its rows
+//     K apart fell into the same L1 sets (at K = 2048 the tiles' loads ran at 0.6x);
+//   * each thread a panel of 16 NB weight rows at a time, against x a group of 128 rows at a time, K in even chunks of
+//     at least CHUNK values: the panel's chunk and the group's stay in the cache (x re-read whole for each small
+//     panel ran 512 rows of K = 8192 at 0.56x; AVX2's K = 576 in two chunks 0.93x of one);
+//   * block(nb, xb, wb, K, steps, acc, first, last, y, ldy, rows), the ISA's f32_block: a block of x against nb <= NB
+//     weight rows (wb, K apart) over `steps` steps of L, R x NB accumulators in registers, from and back to acc
+//     between chunks, at the last one (its masked step where K % L) their lane sums into y.
+template <int64_t L>
+inline void pack_steps(const float* src, int64_t rows, int64_t K, int64_t block, float* out) {
+  for (int64_t s = 0; s < (K + L - 1) / L; ++s)
+    for (int64_t r = 0; r < block; ++r) {
+      float* o = out + (s * block + r) * L;
+      const int64_t n = r < rows ? std::min(L, K - s * L) : 0;
+      if (n > 0) memcpy(o, src + r * K + s * L, n * 4);
+      std::fill(o + n, o + L, 0.f);
+    }
+}
+
+inline float* aligned64(std::vector<float>& v, int64_t n) {  // n floats of v from a 64-byte boundary
+  v.resize(n + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+}
+
+template <int64_t L, int R, int NB, int64_t CHUNK, typename Block>
+void f32_gemm(const float* x, const float* w, int64_t M, int64_t K, float* y, int64_t N, Block block) {
+  constexpr int64_t PANEL = 16 * NB, GROUP = 128 / R;  // weight rows a thread's panel; blocks of x a group
+  const int64_t steps = (K + L - 1) / L, xblocks = (M + R - 1) / R;
+  const int64_t chunks = std::max<int64_t>(1, K / CHUNK), chunk = (steps + chunks - 1) / chunks;  // (even, >= CHUNK)
+  std::vector<float> xbuf;
+  float* xs = aligned64(xbuf, xblocks * steps * R * L);
+  at::parallel_for(0, xblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) pack_steps<L>(x + b * R * K, std::min<int64_t>(R, M - b * R), K, R, xs + b * steps * R * L);
+  });
+  for_each_tile_shared((N + PANEL - 1) / PANEL, 1, [&](int64_t t) {
+    const int64_t n0 = t * PANEL, np = std::min(PANEL, N - n0);
+    thread_local std::vector<float> abuf;
+    float* acc = aligned64(abuf, GROUP * PANEL * R * L);
+    for (int64_t g = 0; g < xblocks; g += GROUP)
+      for (int64_t c = 0; c < steps; c += chunk) {
+        const int64_t cs = std::min(chunk, steps - c);
+        for (int64_t b = g; b < std::min(g + GROUP, xblocks); ++b)
+          for (int64_t j = 0; j < np; j += NB)
+            block(std::min<int64_t>(NB, np - j), xs + (b * steps + c) * R * L, w + (n0 + j) * K + c * L, K, cs,
+                  acc + ((b - g) * PANEL + j) * R * L, c == 0, c + cs == steps, y + b * R * N + n0 + j, N,
+                  std::min<int64_t>(R, M - b * R));
+      }
+  });
+}
+
 at::Tensor output_like(const at::Tensor& x, int64_t N) {
   auto shape = x.sizes().vec();
   shape.back() = N;

@@ -4,7 +4,7 @@ fallback.
 At M = 1 (one token) a linear layer is a matrix-vector product: every weight byte is read once and used once, so it
 runs at the speed the weights stream from memory. PyTorch's CPU kernels reach less than half of that for a few rows
 (measured in BENCHMARKS.md), so kernels.cpp has register-tiled kernels for up to 8 rows of x at a time: float32
-with FMA; int8 weights with AVX-512 VNNI on activations written as two int8 digits (16 bits of the row's range); int4
+with FMA (and, for a prefill, a GEMM that sums each output in the tiles' order); int8 weights with AVX-512 VNNI on activations written as two int8 digits (16 bits of the row's range); int4
 by integer products on x as a 16-bit integer and a byte a value (a scale per 32: float32's precision), one tile at
 every number of rows; nf4 by looking each block's float32 values up in a register (vpermps). The result is the
 dequantized weights' product to float32's precision, or within 1/32258 of each row of x's largest value (llama.cpp
@@ -47,16 +47,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # with AVX2 only (AMD Zen 1-3, Intel's laptops and desktops since Alder Lake); both include kernels.h
 SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"},
            "kernels_avx2.cpp": {"avx2", "fma", "f16c"}}
-# Up to this many rows of x our float32 kernel beats PyTorch's (BENCHMARKS.md); beyond, a matmul is compute-bound
-# and runs as one BLAS GEMM (for float32, MKL also sums in the order the families' references do: their logits bit
-# for bit). The int8 kernel (x in two digits) serves up to INT8_ROWS: every length of a compiled prefill step
-# (generate.PREFILL_CHUNK), whose row count is dynamic (at 32 rows it is 2.5x the GEMM on its converted weight with
-# AVX-512, 4x with AVX2); past it kernels_avx2.cpp's op multiplies x in bytes, kernels.cpp's callers a bfloat16 GEMM.
-# nf4 decides for itself past GEMM_ROWS (kernels.cpp's): bfloat16 GEMMs on tiles of the weight it dequantizes (2-3x
-# float32's rate; AVX2 float32). GGUF blocks take x in bytes at every number of rows (llama.cpp's Q8_K / Q8_0), the
-# decoding tiles and the prefill's summing in one order (kernels.h); int4 runs its one tile at every number of rows:
-# a row's bits whatever the batch.
-MAX_ROWS = 16
+# float32 linears run kernels.cpp at every number of rows: up to 16 (AVX2: 24) the decoding tiles, beyond them a GEMM
+# in the tiles' own order of sums (kernels.h's f32_gemm, 0.8-0.9x oneDNN's rate, which it replaced: oneDNN rounds a
+# row's sums differently at 17 rows than at 1, so a prompt's logits depended on how it was cut). The int8 kernel
+# (x in two digits) serves up to INT8_ROWS: every length of a compiled prefill step (generate.PREFILL_CHUNK), whose
+# row count is dynamic (at 32 rows it is 2.5x the GEMM on its converted weight with AVX-512, 4x with AVX2); past it
+# kernels_avx2.cpp's op multiplies x in bytes, kernels.cpp's callers a bfloat16 GEMM. nf4 decides for itself past
+# GEMM_ROWS (kernels.cpp's): bfloat16 GEMMs on tiles of the weight it dequantizes (2-3x float32's rate; AVX2
+# float32). GGUF blocks take x in bytes at every number of rows (llama.cpp's Q8_K / Q8_0), the decoding tiles and the
+# prefill's summing in one order (kernels.h); int4 runs its one tile at every number of rows: a row's bits whatever
+# the batch.
 INT8_ROWS = 32
 GEMM_ROWS = 12
 _state: dict = {}
@@ -240,7 +240,7 @@ def known_true(condition) -> bool:
     return statically_known_true(condition)
 
 
-def use_kernel(x: torch.Tensor, rows: int | None = MAX_ROWS) -> bool:
+def use_kernel(x: torch.Tensor, rows: int | None = None) -> bool:
     """Whether x goes to a kernel of kernels.cpp (rows=None: at any number of rows; the quantized kernels multiply
     long inputs as bfloat16 GEMMs themselves). In a graph whose row count is dynamic (generate.py's prefill step),
     the many-rows path: the graph cannot depend on a number it does not know."""
@@ -374,22 +374,16 @@ def cache_for(model) -> tuple[type, torch.dtype | None]:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose few-row float32 CPU calls run kernels.cpp's linear_f32 (quantize.swap_linears puts it in), and
-    whose many-row eager float32 CPU calls (a prefill) run oneDNN's matmul on the weight as it is (no second, packed
-    copy): 1.15-1.6x MKL's sgemm (which F.linear calls) per linear at 17-512 rows of these widths, 1.1-1.24x for a
-    whole float32 prefill of 35-512 tokens (README, BENCHMARKS.md)."""
+    """nn.Linear whose float32 CPU calls run kernels.cpp's linear_f32 at every number of rows (quantize.swap_linears
+    puts it in): a row's bits whatever the rows beside it, the tiles' order of sums (a prompt's logits whole, in chunks
+    or beside another's, bit for bit). With autograd on, F.linear (the op has no backward)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.float32 and use_kernel(x) and self.weight.is_contiguous() and available():
+        if (self.weight.dtype == torch.float32 and use_kernel(x) and self.weight.is_contiguous() and available()
+                and not (torch.is_grad_enabled() and self.weight.requires_grad)):
             y = torch.ops.dense_kernels.linear_f32(x, self.weight)
             return y if self.bias is None else y + self.bias
-        if (x.device.type == "cpu" and x.dtype == self.weight.dtype == torch.float32 and ONEDNN
-                and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and self.weight.requires_grad)):
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-
-ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 # ----------------------------------------------------------------------------------------------------------------

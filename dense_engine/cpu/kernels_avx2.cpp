@@ -78,8 +78,51 @@ void f32_tile(const float* x, const float* w, int64_t K, float* y, int64_t N, in
     for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = hsum(acc[r][j]);
 }
 
-// y [M, N] = x [M, K] w^T, every M
+// kernels.h's f32_gemm: 6 rows of x against 2 weight rows a block (12 accumulators, 2 weights and x: 15 of 16
+// registers), K in chunks of 512; past 24 rows of x (BENCHMARKS.md)
+constexpr int GEMM_R = 6, GEMM_NB = 2;
+constexpr int64_t F32_TILE_ROWS = 24;
+
+template <int NB>
+void f32_block(const float* xb, const float* wb, int64_t K, int64_t steps, float* acc, bool first, bool last, float* y,
+               int64_t ldy, int64_t rows) {
+  __m256 a[GEMM_R][NB];
+  for (int r = 0; r < GEMM_R; ++r)
+    for (int j = 0; j < NB; ++j) a[r][j] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + 8 * (r * NB + j));
+  const bool tail = last && K % 8;  // (the last step's lanes past K: w masked to zeros, as f32_tile's)
+  auto step = [&](const float* xs, const __m256 wv[NB]) {
+    for (int r = 0; r < GEMM_R; ++r) {
+      __m256 xv = _mm256_load_ps(xs + 8 * r);
+      __asm__("" : "+x"(xv));  // (one load a row of x: GCC folds it into each FMA otherwise, NB loads)
+      for (int j = 0; j < NB; ++j) a[r][j] = _mm256_fmadd_ps(xv, wv[j], a[r][j]);
+    }
+  };
+  for (int64_t s = 0; s < steps - tail; ++s, xb += 8 * GEMM_R, wb += 8) {
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_ps(wb + j * K);
+    step(xb, wv);
+  }
+  if (tail) {
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm256_maskload_ps(wb + j * K, lanes8(K % 8));
+    step(xb, wv);
+  }
+  for (int r = 0; r < GEMM_R; ++r)
+    for (int j = 0; j < NB; ++j) {
+      if (!last) _mm256_store_ps(acc + 8 * (r * NB + j), a[r][j]);
+      else if (r < rows) y[r * ldy + j] = hsum(a[r][j]);
+    }
+}
+
+// y [M, N] = x [M, K] w^T, every M: past F32_TILE_ROWS kernels.h's f32_gemm, in the tiles' order
 void f32_tiles(const float* xp, const float* wp, int64_t M, int64_t K, float* yp, int64_t N) {
+  if (M > F32_TILE_ROWS) {  // (a prefill: the same bits, kernels.h)
+    f32_gemm<8, GEMM_R, GEMM_NB, 512>(xp, wp, M, K, yp, N, [](int64_t nb, auto... args) {
+      if (nb == 2) f32_block<2>(args...);
+      else f32_block<1>(args...);
+    });
+    return;
+  }
   // 4 weight rows against one row of x, 2 against up to 4 (8 accumulators, 2 weights and x: 11 of 16 registers)
   if (M == 1) {
     for_each_tile<4>(M, N, K, 4 * K, [&](int64_t, int64_t, int64_t n0, int64_t nb) {
