@@ -946,12 +946,12 @@ void gguf_float_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_b
 }
 
 // Up to this many rows of x a GGUF linear runs the decoding tiles, past it the prefill's (gguf_prefill). Both compute
-// the same bits (the orders of sums above), so the switch is where the prefill's tiles get faster: K-quants past 4
-// rows with AVX-512 (BENCHMARKS.md); elsewhere past GEMM_ROWS (32-blocks' crossover unmeasured).
+// the same bits (the orders of sums above), so the switch is where the prefill's tiles get faster: with AVX-512
+// K-quants past 4 rows, 32-blocks past 8; with AVX2 past GEMM_ROWS (BENCHMARKS.md).
 template <int64_t T>
 constexpr int64_t tile_rows() {
 #ifdef __AVX512F__
-  if (T >= GQ4_K) return 4;
+  return T >= GQ4_K ? 4 : 8;
 #endif
   return GEMM_ROWS;
 }
