@@ -126,8 +126,10 @@ void f32_gemm(const float* x, const float* w, int64_t M, int64_t K, float* y, in
   constexpr int64_t PANEL = 16 * NB, GROUP = 128 / R;  // weight rows a thread's panel; blocks of x a group
   const int64_t steps = (K + L - 1) / L, xblocks = (M + R - 1) / R;
   const int64_t chunks = std::max<int64_t>(1, K / CHUNK), chunk = (steps + chunks - 1) / chunks;  // (even, >= CHUNK)
-  std::vector<float> xbuf;
-  float* xs = aligned64(xbuf, xblocks * steps * R * L);
+  thread_local std::vector<float> kept;  // (up to 32 MB kept: a fresh buffer each call is zeroed, maybe faulted in)
+  std::vector<float> fresh;
+  const int64_t n = xblocks * steps * R * L;
+  float* xs = aligned64(n <= (8 << 20) ? kept : fresh, n);
   at::parallel_for(0, xblocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) pack_steps<L>(x + b * R * K, std::min<int64_t>(R, M - b * R), K, R, xs + b * steps * R * L);
   });
