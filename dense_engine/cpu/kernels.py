@@ -4,11 +4,12 @@ fallback.
 At M = 1 (one token) a linear layer is a matrix-vector product: every weight byte is read once and used once, so it
 runs at the speed the weights stream from memory. PyTorch's CPU kernels reach less than half of that for a few rows
 (measured in BENCHMARKS.md), so kernels.cpp has register-tiled kernels for up to 8 rows of x at a time: float32
-with FMA (and, for a prefill, a GEMM that sums each output in the tiles' order); int8 weights with AVX-512 VNNI on activations written as two int8 digits (16 bits of the row's range); int4
-by integer products on x as a 16-bit integer and a byte a value (a scale per 32: float32's precision), one tile at
-every number of rows; nf4 by looking each block's float32 values up in a register (vpermps). The result is the
-dequantized weights' product to float32's precision, or within 1/32258 of each row of x's largest value (llama.cpp
-quantizes activations to 8 bits, which flips answers of the default model: measured). A GGUF file's own blocks
+with FMA (for a prefill, a GEMM that sums each output in the tiles' order); int8 weights with AVX-512 VNNI on
+activations written as two int8 digits (16 bits of the row's range); int4 by integer products on x as a 16-bit
+integer and a byte a value (a scale per 32: float32's precision), one tile at every number of rows; nf4 by looking
+each block's float32 values up in a register (vpermps). The result is the dequantized weights' product to float32's
+precision, or within 1/32258 of each row of x's largest value (llama.cpp quantizes activations to 8 bits, which
+flips answers of the default model: measured). A GGUF file's own blocks
 (K-quants, Q8_0, Q4_0/1, Q5_0/1) are multiplied as stored, by integer dot products (VNNI) on x rounded to 8 bits as
 llama.cpp rounds it, at every number of rows in one order of sums (kernels.h).
 
