@@ -135,8 +135,8 @@ void f32_gemm(const float* x, const float* w, int64_t M, int64_t K, float* y, in
   });
   for_each_tile_shared((N + PANEL - 1) / PANEL, 1, [&](int64_t t) {
     const int64_t n0 = t * PANEL, np = std::min(PANEL, N - n0);
-    thread_local std::vector<float> abuf;
-    float* acc = aligned64(abuf, GROUP * PANEL * R * L);
+    thread_local std::vector<float> abuf;  // (the accumulators between chunks: none where K is one chunk)
+    float* acc = aligned64(abuf, chunks > 1 ? GROUP * PANEL * R * L : 0);
     for (int64_t g = 0; g < xblocks; g += GROUP)
       for (int64_t c = 0; c < steps; c += chunk) {
         const int64_t cs = std::min(chunk, steps - c);

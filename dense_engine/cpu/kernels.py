@@ -9,9 +9,9 @@ activations written as two int8 digits (16 bits of the row's range); int4 by int
 integer and a byte a value (a scale per 32: float32's precision), one tile at every number of rows; nf4 by looking
 each block's float32 values up in a register (vpermps). The result is the dequantized weights' product to float32's
 precision, or within 1/32258 of each row of x's largest value (llama.cpp quantizes activations to 8 bits, which
-flips answers of the default model: measured). A GGUF file's own blocks
-(K-quants, Q8_0, Q4_0/1, Q5_0/1) are multiplied as stored, by integer dot products (VNNI) on x rounded to 8 bits as
-llama.cpp rounds it, at every number of rows in one order of sums (kernels.h).
+flips answers of the default model: measured). A GGUF file's own blocks (K-quants, Q8_0, Q4_0/1, Q5_0/1) are
+multiplied as stored, by integer dot products (VNNI) on x rounded to 8 bits as llama.cpp rounds it, at every number
+of rows in one order of sums (kernels.h).
 
 The library is compiled on first use with the system C++ compiler against the installed torch (about 15 s) into
 $XDG_CACHE_HOME/dense-engine/kernels/ (or ~/.cache/...), keyed by the source, torch version and CPU, and loaded
@@ -471,7 +471,7 @@ def int4_scales_and_zeros(scales: torch.Tensor, mins: torch.Tensor) -> torch.Ten
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int,
                 group_size: int) -> torch.Tensor:
     if mins.numel():
-        if use_kernel(x, rows=None):  # (every number of rows: one tile, one order of sums)
+        if use_kernel(x):  # (every number of rows: one tile, one order of sums)
             return torch.ops.dense_kernels.linear_int4(x, packed, scales, mins)
         w = torch.ops.dense_kernels.dequantize_int4(packed, scales, mins)
         return F.linear(x.to(torch.bfloat16), w).to(x.dtype)
@@ -498,7 +498,7 @@ def pack_nf4(weight: torch.Tensor, absmax: torch.Tensor, n: int, k: int) -> dict
 
 
 def linear_nf4(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    if use_kernel(x, rows=None):  # (a long prefill: bfloat16 GEMMs on tiles of the dequantized weight)
+    if use_kernel(x):  # (a long prefill: bfloat16 GEMMs on tiles of the dequantized weight)
         return torch.ops.dense_kernels.linear_nf4(x, packed, absmax, code)
     w = torch.ops.dense_kernels.dequantize_nf4(packed, absmax, code)
     return F.linear(x.to(torch.bfloat16), w).to(x.dtype)
