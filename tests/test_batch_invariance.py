@@ -1,9 +1,10 @@
 """The same bits whatever the batch (issue 54, item 5): a query's attention over the cache depends on its own slots
 only, so a prompt prefilled in chunks of any length, one token at a time or beside another row's gives identical
 logits, bit for bit, while its linears stay within their tiles; float32 linears sum in the tiles' order at every
-number of rows (a GEMM past them), int4 linears run one tile at every number of rows; GGUF blocks take x in bytes and
-sum in one order in their decoding and prefill tiles (kernels.h). (Still open: nf4 past 12 rows and int8 past 32
-take other kernels, which round and sum otherwise.)"""
+number of rows (a GEMM past them), int8 linears reach the tiles' exact integer sums by a GEMM past 16 rows, int4
+linears run one tile at every number of rows; GGUF blocks take x in bytes and sum in one order in their decoding and
+prefill tiles (kernels.h). (Still open: nf4 past 12 rows takes bfloat16 GEMMs (AVX2: float32), which round and sum
+otherwise.)"""
 
 import types
 
@@ -67,10 +68,10 @@ def in_chunks(runner, prompt, sizes):
 
 @needs_kernels
 def test_a_prompts_logits_are_the_same_bits_whole_in_chunks_or_beside_another():
-    """An int8 model, every call within its linears' tiles (up to 32 rows): a 40-token prompt prefilled in chunks of
-    20, 1, 12 and 7 tokens, one token at a time, and in chunks of 16 beside another row's (one pass of 32 rows)
-    gives the same logits: the attention of each chunk (from slot 0 or after others, of 1 or 20 queries) is the same
-    bits."""
+    """An int8 model (tiles up to 16 rows, a GEMM of the same integers past them): a 40-token prompt prefilled in
+    chunks of 20, 1, 12 and 7 tokens, one token at a time, and in chunks of 16 beside another row's (one pass of 32
+    rows) gives the same logits: the attention of each chunk (from slot 0 or after others, of 1 or 20 queries) is the
+    same bits."""
     model = from_pretrained(fixture_path("gptneox"), quant="int8")
     generate.setup_cache(model, 2, 128)
     runner = generate.Runner(model, None)
@@ -112,6 +113,18 @@ def test_a_float32_prompts_logits_are_the_same_bits_at_any_length_and_beside_ano
     model = from_pretrained(fixture_path(family))
     assert all(isinstance(m, kernels.Linear) for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert_the_same_bits_at_any_length(model, seed=4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["gptneox", "llama"])
+def test_an_int8_prompts_logits_are_the_same_bits_at_any_length_and_beside_another(family):
+    """int8 linears take x in two int8 digits a row and sum exact integers at every number of rows (past 16 rows, AVX2
+    12, kernels.h's int8_gemm; past 32 bfloat16 GEMMs (AVX2: x in bytes) served before): a 40-token prompt whole, in
+    chunks of 20, 1, 12 and 7, a token at a time and beside another row's 40 (80 rows) gives the same logits, bit for
+    bit."""
+    model = from_pretrained(fixture_path(family), quant="int8")
+    assert any(hasattr(m, "kernel_weight") for m in model.modules())
+    assert_the_same_bits_at_any_length(model, seed=5)
 
 
 @needs_kernels

@@ -125,7 +125,7 @@ def test_kernels_compute_each_output_once_whatever_the_threads(threads):
     ops = [lambda x: torch.ops.dense_kernels.linear_f32(x, w),
            lambda x: torch.ops.dense_kernels.linear_int8(x, i8["kernel_weight"], i8["kernel_scales"]),
            lambda x: torch.ops.dense_kernels.linear_int4(x, i4["kernel_weight"], i4["kernel_scales"], i4["kernel_mins"])]
-    xs = [torch.randn(1 + i % 3, K) for i in range(12)] + [torch.randn(40, K)]  # (40: float32's GEMM)
+    xs = [torch.randn(1 + i % 3, K) for i in range(12)] + [torch.randn(40, K)]  # (40: float32's and int8's GEMMs)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -138,52 +138,34 @@ def test_kernels_compute_each_output_once_whatever_the_threads(threads):
 
 
 @needs_kernels
-@pytest.mark.parametrize("M, N, K", [(1, 7, 64), (5, 64, 128), (9, 33, 576), (16, 128, 256), (3, 5, 192)])
+@pytest.mark.parametrize("M, N, K", [(1, 7, 64), (5, 64, 128), (9, 33, 576), (16, 128, 256), (3, 5, 192),
+                                     (33, 7, 64), (40, 64, 576), (200, 33, 192), (64, 20, 4096), (37, 100, 2112)])
 def test_int8_kernel_is_the_dequantized_weights_product(M, N, K):
+    """x in two int8 digits a row at every number of rows: the tiles up to 16 rows (AVX2: 12), past them kernels.h's int8_gemm
+    (the digits joined in 16-bit words, K = 2112 in chunks of 1024 products, N past whole panels), the same exact
+    integer sums: each row the same bits alone as in the batch."""
     torch.manual_seed(M + N + K)
     x = torch.randn(M, K) * torch.rand(M, 1) * 3
+    x[:, 5] = 30  # (an outlier coarsens its own row's digits)
     q = quantized.int8_quantize(torch.randn(N, K))
     packed = kernels.pack_int8(q["weight"], q["scales"])
-    y = torch.ops.dense_kernels.linear_int8(x, packed["kernel_weight"], packed["kernel_scales"])
+    op = lambda x: torch.ops.dense_kernels.linear_int8(x, packed["kernel_weight"], packed["kernel_scales"])
+    y = op(x)
     weight = q["weight"].double() * q["scales"].double()[:, None]
     want = x.double() @ weight.T
     # activations in two int8 digits a row: each within 1/32258 of the row's largest value, so each output within
     # sum_k |w_k| of that; and well inside it, as the rounding errors mostly cancel
     bound = weight.abs().sum(1)[None, :] * x.abs().amax(1, keepdim=True).double() / 32258
-    assert ((y.double() - want).abs() <= bound).all() and rel(y, want) < 1e-4
-
-
-@needs_kernels
-@pytest.mark.parametrize("M, N, K", [(33, 7, 64), (40, 64, 576), (200, 33, 192), (64, 20, 4096)])
-def test_a_long_int8_prefill_is_the_product_of_x_in_bytes(M, N, K):
-    """Past INT8_ROWS rows (a prompt prefilled in one pass) kernels_avx2.cpp rounds x to 8 bits a value, a scale per
-    32 (llama.cpp's Q8_0 activations: xq = round(x * 127 / max|x|), in float32) and multiplies in integers: the exact
-    product of those values with the dequantized weights, to float32's rounding of the sums; kernels.cpp's path is a
-    bfloat16 GEMM (x rounded to bfloat16, the codes exact in it, the sums rounded to bfloat16 before the scales)."""
-    torch.manual_seed(M + N + K)
-    x = torch.randn(M, K) * torch.rand(M, 1) * 3
-    x[:, 5] = 30  # an outlier channel coarsens its own 32 only
-    q = quantized.int8_quantize(torch.randn(N, K))
-    packed = kernels.pack_int8(q["weight"], q["scales"])
-    y = kernels.linear_int8(x, packed["kernel_weight"], packed["kernel_scales"])
-    weight = q["weight"].double() * q["scales"].double()[:, None]
-    if kernels.avx2_only():  # (kernels_avx2.cpp)
-        groups = x.reshape(M, -1, 32)
-        top = groups.abs().amax(-1, keepdim=True)
-        xq = torch.round(groups * torch.where(top > 0, 127 / top, torch.zeros_like(top))).double() * (top / 127).double()
-        want = xq.reshape(M, K) @ weight.T
-        assert rel(y, want) < 1e-6
-        assert rel(y, x.double() @ weight.T) > 1e-4  # (not x in float32 or in digits)
-    else:
-        want = (x.bfloat16().double() @ q["weight"].double().T).bfloat16().double() * q["scales"].double()
-        assert rel(y, want) < 1e-5
+    assert ((y.double() - want).abs() <= bound).all() and rel(y, want) < 5e-4
+    assert all(torch.equal(op(x[m:m + 1]), y[m:m + 1]) for m in range(0, M, max(1, M // 7)))
+    assert all(torch.equal(op(x[a:b]), y[a:b]) for a, b in ((0, 3), (1, M), (M // 2, M)))
 
 
 @needs_kernels
 def test_int8_linear_takes_the_kernel_at_every_length_of_a_dynamic_prefill():
     """kernels.linear_int8 in a graph whose row count is dynamic (2..32, as generate.py's prefill step) multiplies
-    by the kernel (x in two int8 digits: within 1/32258 of each row's largest value), not by a bfloat16 GEMM on the
-    converted weight (x rounded to 8 bits: 100x that error), at 20 and 32 rows; eager too."""
+    by the kernel (x in two int8 digits: within 1/32258 of each row's largest value) at 7, 20 and 32 rows, eager too,
+    and eager past the step's rows (48: kernels.h's int8_gemm)."""
     torch.manual_seed(3)
     q = quantized.int8_quantize(torch.randn(96, 192))
     packed = kernels.pack_int8(q["weight"], q["scales"])
@@ -192,11 +174,15 @@ def test_int8_linear_takes_the_kernel_at_every_length_of_a_dynamic_prefill():
                          fullgraph=True)
     for M in (20, 32, 7):
         x = torch.randn(M, 192)
-        torch._dynamo.mark_dynamic(x, 0, min=2, max=generate.PREFILL_CHUNK)  # (the step's range, not INT8_ROWS)
+        torch._dynamo.mark_dynamic(x, 0, min=2, max=generate.PREFILL_CHUNK)  # (the compiled prefill step's range)
         want = x.double() @ weight.T
         bound = weight.abs().sum(1)[None, :] * x.abs().amax(1, keepdim=True).double() / 32258
         for y in (step(x), kernels.linear_int8(x, packed["kernel_weight"], packed["kernel_scales"])):
             assert ((y.double() - want).abs() <= bound).all(), M
+    x = torch.randn(48, 192)
+    bound = weight.abs().sum(1)[None, :] * x.abs().amax(1, keepdim=True).double() / 32258
+    assert ((kernels.linear_int8(x, packed["kernel_weight"], packed["kernel_scales"]).double()
+             - x.double() @ weight.T).abs() <= bound).all()
 
 
 @needs_kernels

@@ -22,7 +22,8 @@
 // tile computes NB weight rows against up to 8 rows of x, so a weight row is loaded once for all of them. Past
 // GEMM_ROWS rows of x (a prefill), where arithmetic rather than memory bounds a matmul: nf4 bfloat16 GEMMs on
 // dequantized tiles, GGUF blocks integer dot products on x rounded to 8 bits (as llama.cpp computes every quantized
-// matmul); float32 past 16 rows a GEMM of packed blocks in its tiles' order of sums (kernels.h).
+// matmul); float32 past 16 rows a GEMM of packed blocks in its tiles' order of sums, int8 past 16 one reaching its
+// tiles' integers (kernels.h).
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__AVX512BF16__)
 #error "kernels.cpp needs AVX-512 (F, BW, VNNI, BF16); kernels.py falls back to PyTorch's kernels"
 #endif
@@ -32,6 +33,21 @@
 namespace {
 
 inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
+// 16 registers of 16 int32 lanes, transposed: lane j of register i <-> lane i of register j
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }  // r[4a + b]: lanes (a's four rows) x column b of each 128-bit part
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i)
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + 4 + i], 0x88), t[h + 4 + i] = _mm512_shuffle_i32x4(r[h + i], r[h + 4 + i], 0xdd);
+  for (int i = 0; i < 8; ++i)
+    r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88), r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+}
 
 // ---- float32 weights --------------------------------------------------------------------------------------------
 
@@ -150,7 +166,8 @@ void f32_rows(const float* x, int64_t M, const float* w, int64_t nb, int64_t K, 
 // x = d (q1 + q2 / 127) to within d / 254 (1/32258 of the row's largest value). vpdpbusd takes 64 weight x digit
 // products per instruction into int32 lanes (the weight stored + 128, unsigned, as it wants); with one scale per row
 // the sums stay integers over the whole of K: two instructions per 64 weights, exact whatever the tile, and the
-// 128 * sum(digits) the stored weights add is taken off at the end: y = s d ((B1 - 128 S1) + (B2 - 128 S2) / 127).
+// 128 * sum(digits) the stored weights add is taken off at the end: B1 = b1 - 128 S1, B2 = b2 - 128 S2, and
+// y = int8_out(127 B1 + B2) (kernels.h: d / 127 times s, in doubles).
 
 struct DigitRows {
   std::vector<int8_t> q1, q2;  // [M, K]
@@ -210,13 +227,74 @@ void int8_tile(const DigitRows& xs, int64_t m0, const uint8_t* w, const float* s
     for (int j = 0; j < NB; ++j) {
       const int64_t b1 = _mm512_reduce_add_epi32(big[r][j]) - 128 * xs.sum1[m0 + r];
       const int64_t b2 = _mm512_reduce_add_epi32(small[r][j]) - 128 * xs.sum2[m0 + r];
-      y[r * N + n0 + j] = (float)(((double)b1 + (double)b2 / 127.0) * xs.scale[m0 + r] * s[n0 + j]);
+      y[r * N + n0 + j] = int8_out(127 * b1 + b2, int8_x_scale(xs.scale[m0 + r]), s[n0 + j]);
     }
 }
 
-// y [M, N] = x [M, K] w^T, every M
+// Past INT8_TILE_ROWS rows of x: int8_gemm (kernels.h), the tiles' integers. A panel of 16 NB weight rows as
+// [steps][NB][16] 16-bit pairs: 16 rows' 32 values a register each (sign-extended), transposed
+template <int NB>
+void int8_panel(const uint8_t* w, int64_t np, int64_t K, int64_t steps, int32_t* out) {
+  const __m256i flip = _mm256_set1_epi8((char)0x80);  // (stored + 128)
+  for (int j = 0; j < NB; ++j)
+    for (int64_t t = 0; t < steps; t += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t n = j * 16 + i;
+        r[i] = n < np ? _mm512_cvtepi8_epi16(_mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + n * K + 2 * t)), flip))
+                      : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_store_si512(out + ((t + i) * NB + j) * 16, r[i]);
+    }
+}
+
+// R rows of x (a block, [steps][R] dwords) against a panel: R x NB registers of 16 outputs, one vpdpwssd a pair of
+// values; between chunks the sums in doubles (acc [R][16 NB]), after the last y = int8_out
+template <int R, int NB>
+void int8_block(const int32_t* xb, const int32_t* pw, int64_t steps, double* acc, bool first, bool last, float* y,
+                int64_t ldy, int64_t rows, int64_t np, const double* x_scale, const float* s) {
+  __m512i a[R][NB];
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)  // (unrolled whole: the accumulators stay in registers)
+    _Pragma("GCC unroll 16") for (int j = 0; j < NB; ++j) a[r][j] = _mm512_setzero_si512();
+  for (int64_t t = 0; t < steps; ++t) {
+    __m512i wv[NB];
+    _Pragma("GCC unroll 16") for (int j = 0; j < NB; ++j) wv[j] = _mm512_load_si512(pw + (t * NB + j) * 16);
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_set1_epi32(xb[t * R + r]);
+      _Pragma("GCC unroll 16") for (int j = 0; j < NB; ++j) a[r][j] = _mm512_dpwssd_epi32(a[r][j], wv[j], xv);
+    }
+  }
+  alignas(64) int32_t sums[R][NB][16];
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+    _Pragma("GCC unroll 16") for (int j = 0; j < NB; ++j) _mm512_store_si512(sums[r][j], a[r][j]);
+  for (int r = 0; r < (last ? rows : R); ++r)
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t n = 16 * j + 8 * h;
+        double* ar = acc + r * 16 * NB + n;
+        __m512d B = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[r][j] + 8 * h)));
+        if (!first) B = _mm512_add_pd(B, _mm512_load_pd(ar));
+        if (!last) {
+          _mm512_store_pd(ar, B);
+          continue;
+        }
+        if (n >= np) continue;
+        const __mmask8 m = (__mmask8)lanes(np - n);
+        const __m512d sd = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, s + n));
+        const __m512d v = _mm512_mul_pd(_mm512_mul_pd(B, _mm512_set1_pd(x_scale[r])), sd);  // (int8_out's order)
+        _mm256_mask_storeu_ps(y + r * ldy + n, m, _mm512_cvtpd_ps(v));
+      }
+}
+
+// y [M, N] = x [M, K] w^T, every M: past INT8_TILE_ROWS kernels.h's int8_gemm, the same integers
+constexpr int64_t INT8_TILE_ROWS = 16;  // (measured: BENCHMARKS.md)
 void int8_tiles(const float* xp, const uint8_t* wp, const float* sp, int64_t M, int64_t K, float* yp, int64_t N) {
   DigitRows digits(xp, M, K);
+  if (M > INT8_TILE_ROWS) {
+    int8_gemm<16, 8, 3, 512>(digits, wp, sp, M, K, yp, N, int8_panel<3>, int8_block<8, 3>);
+    return;
+  }
   // Each step prefetches the weights >= 8 KB ahead into L2, as float32's tiles do (a tile of int8 rows is a quarter
   // of float32's bytes: the next tile alone was too close, 1.15x slower on SmolLM2's linears)
   const int64_t rows_ahead = (8192 + K - 1) / K;
@@ -240,11 +318,6 @@ void int8_tiles(const float* xp, const uint8_t* wp, const float* sp, int64_t M, 
       DISPATCH_ROWS(rows, (int8_tile<R, 1>(digits, m0, wp, sp, K, yp + m0 * N, N, n0, ahead)));
     }
   });
-}
-
-// Past INT8_ROWS rows of x kernels.py multiplies by bfloat16 GEMMs (AVX512-BF16); the op's own answer: the tiles
-void int8_prefill(const at::Tensor& x, const uint8_t* w, const float* s, int64_t N, float* y) {
-  int8_tiles(x.data_ptr<float>(), w, s, x.size(0), x.size(1), y, N);
 }
 
 // ---- int4 weights, llama.cpp's Q4_1 grid: w = d * code + m per block of 32 --------------------------------------
@@ -661,21 +734,6 @@ inline void superblock_ints(const uint8_t* blk, __m512i& scale, __m512i& min) {
     scale = _mm512_permutexvar_epi32(pair, v);
     min = _mm512_permutexvar_epi32(_mm512_add_epi32(pair, _mm512_set1_epi32(8)), v);
   }
-}
-
-// 16 registers of 16 int32 lanes, transposed: lane j of register i <-> lane i of register j
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }  // r[4a + b]: lanes (a's four rows) x column b of each 128-bit part
-  for (int h = 0; h < 16; h += 8)
-    for (int i = 0; i < 4; ++i)
-      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + 4 + i], 0x88), t[h + 4 + i] = _mm512_shuffle_i32x4(r[h + i], r[h + 4 + i], 0xdd);
-  for (int i = 0; i < 8; ++i)
-    r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88), r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
 }
 
 // A tile of Q8_TILE weight rows, decoded for q8_pass: codes [K / 4][32 rows][4]; the integer scale and Z = -128

@@ -116,9 +116,10 @@ inline void pack_steps(const float* src, int64_t rows, int64_t K, int64_t block,
     }
 }
 
-inline float* aligned64(std::vector<float>& v, int64_t n) {  // n floats of v from a 64-byte boundary
-  v.resize(n + 16);
-  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+template <typename T>
+inline T* aligned64(std::vector<T>& v, int64_t n) {  // n values of v from a 64-byte boundary
+  v.resize(n + 64 / sizeof(T));
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
 }
 
 template <int64_t L, int R, int NB, int64_t CHUNK, typename Block>
@@ -146,6 +147,64 @@ void f32_gemm(const float* x, const float* w, int64_t M, int64_t K, float* y, in
                   acc + ((b - g) * PANEL + j) * R * L, c == 0, c + cs == steps, y + b * R * N + n0 + j, N,
                   std::min<int64_t>(R, M - b * R));
       }
+  });
+}
+
+// ---- int8 weights past a few rows of x (a prefill): the tiles' exact integers at a GEMM's rate ---------------------
+// Each ISA's int8_tile sums an output's products with x's two digits (DigitRows) as exact integers B1, B2 over the
+// whole of K, then int8_out turns B = 127 B1 + B2 into y. Integers add up alike in any order, so int8_gemm, which
+// reaches the same B by another route, gives the same bits at every number of rows:
+//   * x's digits joined into one 16-bit integer a value, 127 q1 + q2 (|.| <= 127 * 127 + 64), packed once a call in
+//     blocks of R rows as [K / 2][R] dwords: two values a dword, vpmaddwd's (vpdpwssd's) operand, broadcast;
+//   * each thread a panel of L NB weight rows, K in chunks of 2 CHUNK values turned into 16-bit pairs [CHUNK][NB][L]
+//     (the ISA's int8_panel: a weight row a lane), against every block of x: a lane is an output, nothing to sum
+//     across lanes (the tiles' lanes run over K);
+//   * a chunk's sums stay within int32 (2 CHUNK <= 1024 products of |w| <= 128 and |x| <= 16193: < 2^31); the chunks
+//     are added in doubles (exact: |B| < 2^53), and the last into y by int8_out's arithmetic (block: the ISA's
+//     int8_block, R x NB vectors of int32 in registers).
+inline double int8_x_scale(float d) { return (double)d / 127.0; }  // a row's x = d / 127 (127 q1 + q2)
+inline float int8_out(int64_t B, double x_scale, float s) { return (float)((double)B * x_scale * (double)s); }
+
+template <int64_t L, int R, int NB, int64_t CHUNK, typename Digits, typename Panel, typename Block>
+void int8_gemm(const Digits& xs, const uint8_t* w, const float* s, int64_t M, int64_t K, float* y, int64_t N,
+               Panel panel, Block block) {
+  constexpr int64_t PANEL = L * NB;
+  const int64_t steps = K / 2, xblocks = (M + R - 1) / R;
+  thread_local std::vector<int32_t> kept;  // (as f32_gemm's: up to 32 MB kept)
+  std::vector<int32_t> fresh;
+  const int64_t n = xblocks * steps * R;
+  int32_t* xp = aligned64(n <= (8 << 20) ? kept : fresh, n);
+  std::vector<double> x_scale(xblocks * R, 0.0);
+  at::parallel_for(0, xblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t m = b * R + r;
+        int32_t* out = xp + b * steps * R + r;
+        if (m >= M) {
+          for (int64_t t = 0; t < steps; ++t) out[t * R] = 0;
+          continue;
+        }
+        x_scale[m] = int8_x_scale(xs.scale[m]);
+        const int8_t *q1 = xs.q1.data() + m * K, *q2 = xs.q2.data() + m * K;
+        for (int64_t t = 0; t < steps; ++t) {
+          const int32_t lo = 127 * q1[2 * t] + q2[2 * t], hi = 127 * q1[2 * t + 1] + q2[2 * t + 1];
+          out[t * R] = (int32_t)((uint32_t)(uint16_t)lo | (uint32_t)hi << 16);
+        }
+      }
+  });
+  for_each_tile_shared((N + PANEL - 1) / PANEL, 1, [&](int64_t t) {
+    const int64_t n0 = t * PANEL, np = std::min(PANEL, N - n0);
+    thread_local std::vector<int32_t> pbuf;
+    thread_local std::vector<double> abuf;
+    int32_t* pw = aligned64(pbuf, CHUNK * PANEL);
+    double* acc = aligned64(abuf, steps > CHUNK ? xblocks * R * PANEL : 0);
+    for (int64_t c = 0; c < steps; c += CHUNK) {
+      const int64_t cs = std::min(CHUNK, steps - c);
+      panel(w + n0 * K + 2 * c, np, K, cs, pw);
+      for (int64_t b = 0; b < xblocks; ++b)
+        block(xp + (b * steps + c) * R, pw, cs, acc + b * R * PANEL, c == 0, c + cs == steps, y + b * R * N + n0, N,
+              std::min<int64_t>(R, M - b * R), np, x_scale.data() + b * R, s + n0);
+    }
   });
 }
 
@@ -776,9 +835,6 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_t, const at::Tens
 // the tensors, take x [..., K] as rows [M, K] and pick the path.
 void f32_tiles(const float* x, const float* w, int64_t M, int64_t K, float* y, int64_t N);
 void int8_tiles(const float* x, const uint8_t* w, const float* s, int64_t M, int64_t K, float* y, int64_t N);
-// y [M, N] = x [M, K] w^T past INT8_ROWS rows of x (a long prefill; kernels.py sends kernels.cpp's to bfloat16 GEMMs)
-void int8_prefill(const at::Tensor& x, const uint8_t* w, const float* s, int64_t N, float* y);
-constexpr int64_t INT8_ROWS = 32;  // (kernels.py's: every length of a compiled prefill step)
 // y [M, N] = x [M, K] w^T for int4 weights packed in groups (below), every M
 void int4_tiles(const float* x, const uint8_t* q, const float* d, const float* mn, int64_t M, int64_t K, float* y,
                 int64_t N);
@@ -818,10 +874,7 @@ at::Tensor linear_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tens
   TORCH_CHECK(x.K % 64 == 0 && x.K <= 65536 && w.size(1) == x.K && w.is_contiguous() && s.numel() == N,
               "linear_int8: bad shapes");  // (K <= 65536: the int32 sums cannot overflow)
   auto y = output_like(x_, N);
-  if (x.M > INT8_ROWS)
-    int8_prefill(x.t, w.data_ptr<uint8_t>(), s.data_ptr<float>(), N, y.data_ptr<float>());
-  else
-    int8_tiles(x.data(), w.data_ptr<uint8_t>(), s.data_ptr<float>(), x.M, x.K, y.data_ptr<float>(), N);
+  int8_tiles(x.data(), w.data_ptr<uint8_t>(), s.data_ptr<float>(), x.M, x.K, y.data_ptr<float>(), N);
   return y;
 }
 

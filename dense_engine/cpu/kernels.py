@@ -18,8 +18,8 @@ $XDG_CACHE_HOME/dense-engine/kernels/ (or ~/.cache/...), keyed by the source, to
 into later processes as is: kernels.cpp on a CPU with AVX-512 VNNI and BF16 (AMD Zen 4 and later, Intel Sapphire
 Rapids and later), kernels_avx2.cpp on one with AVX2 and FMA only (AMD Zen 1-3, Intel's laptops and desktops since
 Alder Lake): the same operators in 8-lane registers, int4 and nf4 on two int8 digits of x too (nf4's values as 15-bit
-integers), long int4/nf4 prefills as float32 GEMMs (no bfloat16 arithmetic there), GGUF prefills by integer products
-as kernels.cpp's, and int8 ones too (x rounded to 8 bits a value, llama.cpp's Q8_0 activations). Without a compiler,
+integers), long nf4 prefills as float32 GEMMs (no bfloat16 arithmetic there), GGUF prefills by integer products as
+kernels.cpp's. Without a compiler,
 or on an older CPU, everything runs on PyTorch's own kernels
 (`DENSE_KERNELS=0` forces that; `DENSE_KERNELS=avx2` takes kernels_avx2.cpp on an AVX-512 CPU too, built without
 AVX-512 as such a CPU runs it, `avx2-vnni` with AVX-512 VNNI's 256-bit vpdpbusd standing in for AVX-VNNI's). Stands on
@@ -50,15 +50,13 @@ SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"},
            "kernels_avx2.cpp": {"avx2", "fma", "f16c"}}
 # float32 linears run kernels.cpp at every number of rows: up to 16 (AVX2: 24) the decoding tiles, beyond them a GEMM
 # in the tiles' own order of sums (kernels.h's f32_gemm, 0.8-0.9x oneDNN's rate, which it replaced: oneDNN rounds a
-# row's sums differently at 17 rows than at 1, so a prompt's logits depended on how it was cut). The int8 kernel
-# (x in two digits) serves up to INT8_ROWS: every length of a compiled prefill step (generate.PREFILL_CHUNK), whose
-# row count is dynamic (at 32 rows it is 2.5x the GEMM on its converted weight with AVX-512, 4x with AVX2); past it
-# kernels_avx2.cpp's op multiplies x in bytes, kernels.cpp's callers a bfloat16 GEMM. nf4 decides for itself past
-# GEMM_ROWS (kernels.cpp's): bfloat16 GEMMs on tiles of the weight it dequantizes (2-3x float32's rate; AVX2
-# float32). GGUF blocks take x in bytes at every number of rows (llama.cpp's Q8_K / Q8_0), the decoding tiles and the
-# prefill's summing in one order (kernels.h); int4 runs its one tile at every number of rows: a row's bits whatever
-# the batch.
-INT8_ROWS = 32
+# row's sums differently at 17 rows than at 1, so a prompt's logits depended on how it was cut). int8 takes x in two
+# int8 digits a row and sums exact integers at every number of rows: the tiles up to 16 rows (AVX2: 12), past them a
+# GEMM reaching the same integers (kernels.h's int8_gemm; past 32 a bfloat16 GEMM on the converted weight served before).
+# nf4 decides for itself past GEMM_ROWS (kernels.cpp's): bfloat16 GEMMs on tiles of the weight it dequantizes (2-3x
+# float32's rate; AVX2 float32). GGUF blocks take x in bytes at every number of rows (llama.cpp's Q8_K / Q8_0), the
+# decoding tiles and the prefill's summing in one order (kernels.h); int4 runs its one tile at every number of rows:
+# a row's bits whatever the batch.
 GEMM_ROWS = 12
 _state: dict = {}
 
@@ -403,16 +401,11 @@ def pack_int8(weight: torch.Tensor, scales: torch.Tensor) -> dict:
 
 
 def linear_int8(x: torch.Tensor, packed_weight: torch.Tensor, packed_scales: torch.Tensor) -> torch.Tensor:
-    if packed_scales.dtype == torch.float32:
-        # past INT8_ROWS kernels_avx2.cpp multiplies in bytes (x rounded to 8 bits a value, llama.cpp's Q8_0
-        # activations); with AVX512-BF16 a long prefill is the weight in bfloat16 once, then one bfloat16 GEMM (the
-        # tiles at every length were 1.3-1.9x slower on SmolLM2's prompts: BENCHMARKS.md)
-        avx2 = avx2_only()
-        if use_kernel(x, None if avx2 else INT8_ROWS):
+    if packed_scales.dtype == torch.float32:  # ours: every number of rows (kernels.h's int8_gemm past a few)
+        if use_kernel(x):
             return torch.ops.dense_kernels.linear_int8(x, packed_weight, packed_scales)
-        dtype = torch.float32 if avx2 else torch.bfloat16  # (x not float32; AVX2 emulates bfloat16 at a seventh)
-        w = (packed_weight.to(torch.int16) - 128).to(dtype)
-        return (F.linear(x.to(dtype), w).float() * packed_scales).to(x.dtype)
+        w = (packed_weight.to(torch.int16) - 128).to(torch.float32)  # (x not float32: another dtype's matmul)
+        return (F.linear(x.float(), w) * packed_scales).to(x.dtype)
     y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), packed_weight, packed_scales)
     return y.to(x.dtype).reshape(*x.shape[:-1], packed_weight.shape[0])
 

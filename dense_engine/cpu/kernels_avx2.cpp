@@ -8,8 +8,8 @@
 //     (kernels.cpp: float32), within 1/32258 of a row's largest value, its values to 15 bits; int4 computes
 //     kernels.cpp's bits (kernels.h); GGUF blocks decode on x in bytes (llama.cpp's), kernels.cpp's bits;
 //   * no bfloat16 arithmetic: a long prefill's nf4 GEMMs run in float32 on the dequantized tiles (oneDNN
-//     or MKL's sgemm); GGUF blocks as kernels.cpp, integer products on x in bytes (vpmaddubsw or vpdpbusd), and int8
-//     weights past INT8_ROWS the same way (kernels.cpp: bfloat16 GEMMs), read as 32-blocks of a scale a row.
+//     or MKL's sgemm); GGUF blocks as kernels.cpp, integer products on x in bytes (vpmaddubsw or vpdpbusd); int8
+//     weights past INT8_TILE_ROWS as kernels.cpp (kernels.h's int8_gemm), by vpmaddwd (AVX-VNNI: vpdpwssd).
 // Each row of x is still summed in one fixed order whatever the tile or the batch: a row's result does not depend on
 // the other rows.
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
@@ -149,10 +149,24 @@ void f32_rows(const float* x, int64_t M, const float* w, int64_t nb, int64_t K, 
   }
 }
 
+// 8 registers of 8 int32 lanes, transposed: lane j of register i <-> lane i of register j
+inline void transpose8(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2)
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]), u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }  // u[4a + b]: rows 4a .. 4a + 3 of columns b (low 128 bits) and b + 4 (high)
+  for (int i = 0; i < 4; ++i)
+    r[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20), r[i + 4] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+}
+
 // ---- int8 weights, one scale per output row ------------------------------------------------------------------------
 // x as two int8 digits a row, as kernels.cpp: d = max|x| / 127, q1 = round(x / d), q2 = round((x / d - q1) * 127).
 // dot_bytes multiplies unsigned by signed bytes: |w| by the digit with w's sign (|w| <= 128, so a pair of products
-// stays within int16 where vpmaddubsw takes them). The sums over K are exact integers, as with kernels.cpp's VNNI.
+// stays within int16 where vpmaddubsw takes them). The sums over K are exact integers, as with kernels.cpp's VNNI,
+// and y = int8_out(127 B1 + B2) (kernels.h).
 
 struct DigitRows {
   std::vector<int8_t> q1, q2;  // [M, K]
@@ -216,13 +230,75 @@ void int8_tile(const DigitRows& xs, int64_t m0, const uint8_t* w, const float* s
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) {
       const int64_t b1 = hsum(big[r][j]), b2 = hsum(small[r][j]);
-      y[r * N + n0 + j] = (float)(((double)b1 + (double)b2 / 127.0) * xs.scale[m0 + r] * s[n0 + j]);
+      y[r * N + n0 + j] = int8_out(127 * b1 + b2, int8_x_scale(xs.scale[m0 + r]), s[n0 + j]);
     }
 }
 
-// y [M, N] = x [M, K] w^T, every M
+// Past INT8_TILE_ROWS rows of x: int8_gemm (kernels.h), the tiles' integers. A panel of 8 NB weight rows as
+// [steps][NB][8] 16-bit pairs: 8 rows' 16 values a register each (sign-extended), transposed
+template <int NB>
+void int8_panel(const uint8_t* w, int64_t np, int64_t K, int64_t steps, int32_t* out) {
+  const __m128i flip = _mm_set1_epi8((char)0x80);  // (stored + 128)
+  for (int j = 0; j < NB; ++j)
+    for (int64_t t = 0; t < steps; t += 8) {
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t n = j * 8 + i;
+        r[i] = n < np ? _mm256_cvtepi8_epi16(_mm_xor_si128(_mm_loadu_si128((const __m128i*)(w + n * K + 2 * t)), flip))
+                      : _mm256_setzero_si256();
+      }
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_store_si256((__m256i*)(out + ((t + i) * NB + j) * 8), r[i]);
+    }
+}
+
+// R rows of x (a block, [steps][R] dwords) against a panel: R x NB registers of 8 outputs, one vpmaddwd (AVX-VNNI:
+// vpdpwssd) a pair of values; between chunks the sums in doubles (acc [R][8 NB]), after the last y = int8_out
+template <int R, int NB>
+void int8_block(const int32_t* xb, const int32_t* pw, int64_t steps, double* acc, bool first, bool last, float* y,
+                int64_t ldy, int64_t rows, int64_t np, const double* x_scale, const float* s) {
+  __m256i a[R][NB];
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)  // (unrolled whole: the accumulators stay in registers)
+    _Pragma("GCC unroll 16") for (int j = 0; j < NB; ++j) a[r][j] = _mm256_setzero_si256();
+  for (int64_t t = 0; t < steps; ++t) {
+    __m256i wv[NB];
+    _Pragma("GCC unroll 16") for (int j = 0; j < NB; ++j) wv[j] = _mm256_load_si256((const __m256i*)(pw + (t * NB + j) * 8));
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_set1_epi32(xb[t * R + r]);
+      _Pragma("GCC unroll 16") for (int j = 0; j < NB; ++j) a[r][j] = dot_words(a[r][j], wv[j], xv);
+    }
+  }
+  alignas(32) int32_t sums[R][NB][8];
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+    _Pragma("GCC unroll 16") for (int j = 0; j < NB; ++j) _mm256_store_si256((__m256i*)sums[r][j], a[r][j]);
+  for (int r = 0; r < (last ? rows : R); ++r)
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t n = 8 * j + 4 * h;
+        double* ar = acc + r * 8 * NB + n;
+        __m256d B = _mm256_cvtepi32_pd(_mm_load_si128((const __m128i*)(sums[r][j] + 4 * h)));
+        if (!first) B = _mm256_add_pd(B, _mm256_load_pd(ar));
+        if (!last) {
+          _mm256_store_pd(ar, B);
+          continue;
+        }
+        if (n >= np) continue;
+        alignas(16) float sv[4] = {}, out[4];
+        std::copy(s + n, s + std::min<int64_t>(np, n + 4), sv);
+        const __m256d v = _mm256_mul_pd(_mm256_mul_pd(B, _mm256_set1_pd(x_scale[r])), _mm256_cvtps_pd(_mm_load_ps(sv)));
+        _mm_store_ps(out, _mm256_cvtpd_ps(v));  // (int8_out's order)
+        std::copy(out, out + std::min<int64_t>(4, np - n), y + r * ldy + n);
+      }
+}
+
+// y [M, N] = x [M, K] w^T, every M: past INT8_TILE_ROWS kernels.h's int8_gemm, the same integers
+constexpr int64_t INT8_TILE_ROWS = 12;  // (measured: BENCHMARKS.md)
 void int8_tiles(const float* xp, const uint8_t* wp, const float* sp, int64_t M, int64_t K, float* yp, int64_t N) {
   DigitRows digits(xp, M, K);
+  if (M > INT8_TILE_ROWS) {
+    int8_gemm<8, 6, 2, 512>(digits, wp, sp, M, K, yp, N, int8_panel<2>, int8_block<6, 2>);
+    return;
+  }
   if (M == 1) {  // 2 weight rows a tile: 4 accumulators, 4 weight registers
     for_each_tile<2>(M, N, K, 2 * K, [&](int64_t, int64_t, int64_t n0, int64_t nb) {
       if (nb == 2) int8_tile<1, 2>(digits, 0, wp, sp, K, yp, N, n0);
@@ -489,10 +565,6 @@ struct ByteRows {
 // mins (Q4_K, Q5_K) or the offset 32 (Q6_K) meet the sums of xq.
 // 32-blocks: kernels.h's block32_tile (x in bytes a 32 at a time). A prefill (byte_pass, below): kernels.cpp's tiles.
 
-// Not a GGUF type: an int8 linear's rows (int8 + 128, a float32 scale a row) read as 32-blocks whose A is the row's
-// scale, for its long prefill (int8_prefill, below)
-constexpr int64_t GINT8 = -1;
-
 // Sub-block s (values 32s .. 32s + 31) of a K-quant super-block as codes u, one a byte
 template <int64_t T>
 inline __m256i kquant_codes32(const uint8_t* blk, int s) {
@@ -520,9 +592,7 @@ inline __m256i kquant_codes32(const uint8_t* blk, int s) {
 // Values 32v .. 32v + 31 of a row as codes u, one a byte
 template <int64_t T>
 inline __m256i codes32(const uint8_t* row, int64_t v) {
-  if constexpr (T == GINT8) {  // int8 weights, stored + 128
-    return _mm256_loadu_si256((const __m256i*)(row + 32 * v));
-  } else if constexpr (T >= GQ4_K) {
+  if constexpr (T >= GQ4_K) {
     return kquant_codes32<T>(row + (v / 8) * block_bytes(T), (int)(v % 8));
   } else {
     return block_codes<T>(row + v * block_bytes(T));
@@ -668,19 +738,6 @@ constexpr int B_TILE = 16;         // weight rows a tile: two registers of 8
 constexpr int B_ROWS = 3;          // rows of x a pass: 2 x 3 int32 sums, 2 x 3 float sums, 2 x 3 results
 constexpr int64_t B_BLOCK = 256;   // rows of x a round of tiles
 
-// 8 registers of 8 int32 lanes, transposed: lane j of register i <-> lane i of register j
-inline void transpose8(__m256i r[8]) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 8; i += 2)
-    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]), u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }  // u[4a + b]: rows 4a .. 4a + 3 of columns b (low 128 bits) and b + 4 (high)
-  for (int i = 0; i < 4; ++i)
-    r[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20), r[i + 4] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
-}
-
 // The integer scale and min (Q6_K: 0) of each sub-block of a K-quant super-block, to scale[j * stride] and
 // min[j * stride] for sub-block j
 template <int64_t T>
@@ -702,11 +759,11 @@ struct ByteTile {
   static constexpr int SB = T == GQ6_K ? 16 : 32;
   static constexpr int64_t GROUP = T >= GQ4_K ? 256 : 32;
   static constexpr bool MINS = T == GQ4_K || T == GQ5_K || T == GQ4_1 || T == GQ5_1;
-  static constexpr bool SIGNED_X = (T == GQ8_0 || T == GINT8) && !VNNI;
+  static constexpr bool SIGNED_X = T == GQ8_0 && !VNNI;
   // groups of four whose vpmaddubsw pairs add in int16 before vpmaddwd: 2 (xq + 128) |s| PACK stays below 32768 (|s|
   // <= 16: 4; <= 32: 2); with VNNI, one vpdpbusd a group
   static constexpr int PACK = VNNI || SIGNED_X ? 1 : (T == GQ4_0 || T == GQ4_1 || T == GQ5_0 || T == GQ4_K) ? 4 : 2;
-  static constexpr int OFF = T == GQ4_0 ? 8 : T == GQ5_0 ? 16 : T == GQ6_K ? 32 : T == GQ8_0 || T == GINT8 ? 128 : 0;
+  static constexpr int OFF = T == GQ4_0 ? 8 : T == GQ5_0 ? 16 : T == GQ6_K ? 32 : T == GQ8_0 ? 128 : 0;
   std::vector<int8_t> codes;
   std::vector<uint8_t> mag;
   static constexpr bool KQ = T >= GQ4_K;
@@ -717,8 +774,7 @@ struct ByteTile {
         d(KQ ? K / 256 * B_TILE : 0), nd(KQ ? K / 256 * B_TILE : 0), Z(K / SB * B_TILE),
         scale(KQ ? K / SB * B_TILE : 0), min(KQ ? K / SB * B_TILE : 0) {}
 
-  // (row_scales: GINT8's scale of each of the nb rows)
-  void decode(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t nb, const float* row_scales) {
+  void decode(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t nb) {
     const int64_t blocks = K / block_elements(T);
     std::fill(Z.begin(), Z.end(), 0);
     for (int64_t r = 0; r < B_TILE; ++r) {  // each sub-block's scales, a block at a time (rows past nb: 0)
@@ -738,7 +794,6 @@ struct ByteTile {
         } else {
           float off;
           if (r >= nb) A[at] = B[at] = 0.f;
-          else if constexpr (T == GINT8) A[at] = row_scales[r], B[at] = 0.f;
           else block_params<T>(blk, A[at], off, B[at]);
         }
       }
@@ -895,10 +950,9 @@ void gguf_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, 
   }
 }
 
-// y [M, ldy] (its columns[n] for weight row n; columns null: y [M, N]) = x [M, K] w^T (GINT8: row_scales [N])
 template <int64_t T>
-void byte_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
-                  const int64_t* columns, const float* row_scales) {
+void gguf_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
+                  const int64_t* columns) {
   const int64_t M = x.size(0), K = x.size(1);
   const ByteRows xs(x.data_ptr<float>(), M, K, block_elements(T), !ByteTile<T>::SIGNED_X);
   const int64_t tiles = (N + B_TILE - 1) / B_TILE;
@@ -909,7 +963,7 @@ void byte_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int6
       ByteTile<T> tile(K);
       for (int64_t t = next++; t < tiles; t = next++) {
         const int64_t n0 = t * B_TILE, nb = std::min<int64_t>(B_TILE, N - n0);
-        tile.decode(w + n0 * row_bytes, row_bytes, K, nb, row_scales ? row_scales + n0 : nullptr);
+        tile.decode(w + n0 * row_bytes, row_bytes, K, nb);
         for (int64_t m0 = first; m0 < last; m0 += B_ROWS)
           switch (std::min<int64_t>(B_ROWS, last - m0)) {
             case 1: byte_pass<T, 1>(xs, m0, tile, K, y, ldy, n0, nb, columns); break;
@@ -919,18 +973,6 @@ void byte_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int6
       }
     });
   }
-}
-
-template <int64_t T>
-void gguf_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, float* y, int64_t ldy,
-                  const int64_t* columns) {
-  byte_prefill<T>(x, w, row_bytes, N, y, ldy, columns, nullptr);
-}
-
-// An int8 linear past INT8_ROWS rows of x, as a Q8_0 file's prefill: x rounded to 8 bits a value, a scale per 32
-// (llama.cpp's Q8_0 activations), integer products (kernels.cpp: bfloat16 GEMMs, kernels.py's)
-void int8_prefill(const at::Tensor& x, const uint8_t* w, const float* s, int64_t N, float* y) {
-  byte_prefill<GINT8>(x, w, x.size(1), N, y, N, nullptr, s);
 }
 
 // ---- attention over the cache (kernels.h; kernels.cpp says how) ------------------------------------------------------
