@@ -169,6 +169,7 @@ template <int64_t L, int R, int NB, int64_t CHUNK, typename Digits, typename Pan
 void int8_gemm(const Digits& xs, const uint8_t* w, const float* s, int64_t M, int64_t K, float* y, int64_t N,
                Panel panel, Block block) {
   constexpr int64_t PANEL = L * NB;
+  static_assert(2 * CHUNK * 128 * 16193 < (int64_t(1) << 31), "a chunk's sums must stay within int32");
   const int64_t steps = K / 2, xblocks = (M + R - 1) / R;
   thread_local std::vector<int32_t> kept;  // (as f32_gemm's: up to 32 MB kept)
   std::vector<int32_t> fresh;
