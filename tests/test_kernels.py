@@ -141,9 +141,9 @@ def test_kernels_compute_each_output_once_whatever_the_threads(threads):
 @pytest.mark.parametrize("M, N, K", [(1, 7, 64), (5, 64, 128), (9, 33, 576), (16, 128, 256), (3, 5, 192),
                                      (33, 7, 64), (40, 64, 576), (200, 33, 192), (64, 20, 4096), (37, 100, 2112)])
 def test_int8_kernel_is_the_dequantized_weights_product(M, N, K):
-    """x in two int8 digits a row at every number of rows: the tiles up to 16 rows (AVX2: 12), past them kernels.h's int8_gemm
-    (the digits joined in 16-bit words, K = 2112 in chunks of 1024 products, N past whole panels), the same exact
-    integer sums: each row the same bits alone as in the batch."""
+    """x in two int8 digits a row at every number of rows: the tiles up to 16 rows (AVX2: 12), past them kernels.h's
+    int8_gemm (the digits joined in 16-bit words, K = 2112 in chunks of 1024 products, N past whole panels), the same
+    exact integer sums: each row the same bits alone as in the batch."""
     torch.manual_seed(M + N + K)
     x = torch.randn(M, K) * torch.rand(M, 1) * 3
     x[:, 5] = 30  # (an outlier coarsens its own row's digits)

@@ -241,8 +241,8 @@ void int8_panel(const uint8_t* w, int64_t np, int64_t K, int64_t steps, int32_t*
       __m512i r[16];
       for (int i = 0; i < 16; ++i) {
         const int64_t n = j * 16 + i;
-        r[i] = n < np ? _mm512_cvtepi8_epi16(_mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + n * K + 2 * t)), flip))
-                      : _mm512_setzero_si512();
+        const __m256i bytes = _mm256_loadu_si256((const __m256i*)(w + n * K + 2 * t));
+        r[i] = n < np ? _mm512_cvtepi8_epi16(_mm256_xor_si256(bytes, flip)) : _mm512_setzero_si512();
       }
       transpose16(r);
       for (int i = 0; i < 16; ++i) _mm512_store_si512(out + ((t + i) * NB + j) * 16, r[i]);

@@ -19,8 +19,7 @@ into later processes as is: kernels.cpp on a CPU with AVX-512 VNNI and BF16 (AMD
 Rapids and later), kernels_avx2.cpp on one with AVX2 and FMA only (AMD Zen 1-3, Intel's laptops and desktops since
 Alder Lake): the same operators in 8-lane registers, int4 and nf4 on two int8 digits of x too (nf4's values as 15-bit
 integers), long nf4 prefills as float32 GEMMs (no bfloat16 arithmetic there), GGUF prefills by integer products as
-kernels.cpp's. Without a compiler,
-or on an older CPU, everything runs on PyTorch's own kernels
+kernels.cpp's. Without a compiler, or on an older CPU, everything runs on PyTorch's own kernels
 (`DENSE_KERNELS=0` forces that; `DENSE_KERNELS=avx2` takes kernels_avx2.cpp on an AVX-512 CPU too, built without
 AVX-512 as such a CPU runs it, `avx2-vnni` with AVX-512 VNNI's 256-bit vpdpbusd standing in for AVX-VNNI's). Stands on
 dense.py (its KV cache, which this file's CPU cache subclasses).
@@ -52,7 +51,8 @@ SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"},
 # in the tiles' own order of sums (kernels.h's f32_gemm, 0.8-0.9x oneDNN's rate, which it replaced: oneDNN rounds a
 # row's sums differently at 17 rows than at 1, so a prompt's logits depended on how it was cut). int8 takes x in two
 # int8 digits a row and sums exact integers at every number of rows: the tiles up to 16 rows (AVX2: 12), past them a
-# GEMM reaching the same integers (kernels.h's int8_gemm; past 32 a bfloat16 GEMM on the converted weight served before).
+# GEMM reaching the same integers (kernels.h's int8_gemm; past 32 a bfloat16 GEMM on the converted weight served
+# before).
 # nf4 decides for itself past GEMM_ROWS (kernels.cpp's): bfloat16 GEMMs on tiles of the weight it dequantizes (2-3x
 # float32's rate; AVX2 float32). GGUF blocks take x in bytes at every number of rows (llama.cpp's Q8_K / Q8_0), the
 # decoding tiles and the prefill's summing in one order (kernels.h); int4 runs its one tile at every number of rows:

@@ -262,7 +262,8 @@ void int8_block(const int32_t* xb, const int32_t* pw, int64_t steps, double* acc
     _Pragma("GCC unroll 16") for (int j = 0; j < NB; ++j) a[r][j] = _mm256_setzero_si256();
   for (int64_t t = 0; t < steps; ++t) {
     __m256i wv[NB];
-    _Pragma("GCC unroll 16") for (int j = 0; j < NB; ++j) wv[j] = _mm256_load_si256((const __m256i*)(pw + (t * NB + j) * 8));
+    _Pragma("GCC unroll 16") for (int j = 0; j < NB; ++j)
+      wv[j] = _mm256_load_si256((const __m256i*)(pw + (t * NB + j) * 8));
     _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
       const __m256i xv = _mm256_set1_epi32(xb[t * R + r]);
       _Pragma("GCC unroll 16") for (int j = 0; j < NB; ++j) a[r][j] = dot_words(a[r][j], wv[j], xv);
