@@ -122,15 +122,21 @@ inline T* aligned64(std::vector<T>& v, int64_t n) {  // n values of v from a 64-
   return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
 }
 
+// n values from a 64-byte boundary for a call's packed x: the calling thread's buffer, kept from call to call up to
+// 32 MB (a fresh buffer each call is zeroed, maybe faulted in); past that `fresh`, the caller's
+template <typename T>
+inline T* packed_x(std::vector<T>& fresh, int64_t n) {
+  thread_local std::vector<T> kept;
+  return aligned64(n * (int64_t)sizeof(T) <= (32 << 20) ? kept : fresh, n);
+}
+
 template <int64_t L, int R, int NB, int64_t CHUNK, typename Block>
 void f32_gemm(const float* x, const float* w, int64_t M, int64_t K, float* y, int64_t N, Block block) {
   constexpr int64_t PANEL = 16 * NB, GROUP = 128 / R;  // weight rows a thread's panel; blocks of x a group
   const int64_t steps = (K + L - 1) / L, xblocks = (M + R - 1) / R;
   const int64_t chunks = std::max<int64_t>(1, K / CHUNK), chunk = (steps + chunks - 1) / chunks;  // (even, >= CHUNK)
-  thread_local std::vector<float> kept;  // (up to 32 MB kept: a fresh buffer each call is zeroed, maybe faulted in)
   std::vector<float> fresh;
-  const int64_t n = xblocks * steps * R * L;
-  float* xs = aligned64(n <= (8 << 20) ? kept : fresh, n);
+  float* xs = packed_x(fresh, xblocks * steps * R * L);
   at::parallel_for(0, xblocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) pack_steps<L>(x + b * R * K, std::min<int64_t>(R, M - b * R), K, R, xs + b * steps * R * L);
   });
@@ -171,10 +177,8 @@ void int8_gemm(const Digits& xs, const uint8_t* w, const float* s, int64_t M, in
   constexpr int64_t PANEL = L * NB;
   static_assert(2 * CHUNK * 128 * 16193 < (int64_t(1) << 31), "a chunk's sums must stay within int32");
   const int64_t steps = K / 2, xblocks = (M + R - 1) / R;
-  thread_local std::vector<int32_t> kept;  // (as f32_gemm's: up to 32 MB kept)
   std::vector<int32_t> fresh;
-  const int64_t n = xblocks * steps * R;
-  int32_t* xp = aligned64(n <= (8 << 20) ? kept : fresh, n);
+  int32_t* xp = packed_x(fresh, xblocks * steps * R);
   std::vector<double> x_scale(xblocks * R, 0.0);
   at::parallel_for(0, xblocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
