@@ -1,7 +1,7 @@
 """bench/gpu.py: the GPU plan's stages (bench/gpu.sh runs them all in one device call). Installs nothing.
 
-    python bench/gpu.py time [--dry-run] [--budget S]   decode/prefill at batch 1: the 7B shape first (bf16, int4,
-                                                        int8, nf4), then one-row linears, then the 1B shape
+    python bench/gpu.py time [--dry-run] [--budget S]   decode/prefill at batch 1: the 7B shape first (bf16, int8,
+                                                        nf4, int4), then one-row linears, then the 1B shape
     python bench/gpu.py check [--dry-run]               correctness on CUDA against CPU float32, on a 4-layer model
                                                         of SmolLM2-135M's widths: every quant mode eager, one
                                                         compiled mode, two sampling kinds, lookup speculation, a
@@ -34,7 +34,7 @@ from dense_engine.runtime import generate, speculative
 from dense_engine.runtime import steps as steps_module
 from dense_engine.system.errors import first_line
 
-MODES = ("none", "int4", "int8", "nf4")  # the order rows are timed in: the comparable gpt-fast rows first
+MODES = ("none", "int8", "nf4", "int4")  # the order rows are timed in: int4 last, measured in the first GPU run
 TOLERANCE = 3e-2  # bfloat16 against float32, relative to the largest logit (the CPU tests' tolerance)
 CHECK_SHAPE, CHECK_LAYERS = "smollm2-135m", 4  # its widths (GQA 9/3, head_dim 64), 4 layers: short compiles
 
