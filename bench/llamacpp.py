@@ -384,25 +384,27 @@ def prefill_tables(args, names: list[str], console) -> int:
                             f"{args.runs} runs")
         for col in ("precision", "prompt", "llama.cpp tok/s", "this engine tok/s", "ratio"):
             table.add_column(col)
-        for label, theirs, ours, quant in [r for r in args.rows if r[1] and r[2]]:
+        for label, theirs, ours, quant in [r for r in args.rows if r[2]]:  # (nf4: this engine only)
             for n in lengths:
                 ids = (text_ids * (n // len(text_ids) + 1))[:n]
-                rounds = {"llama.cpp": [], "dense": []}
+                workers = {"llama.cpp": (args.llama_python, "llama", theirs and files[theirs], None),
+                           "dense": (sys.executable, "dense", files[ours], quant)}
+                rounds = {engine: [] for engine, (_, _, gguf, _) in workers.items() if gguf}
                 for r in range(args.rounds):
-                    order = [("llama.cpp", args.llama_python, "llama", files[theirs], None),
-                             ("dense", sys.executable, "dense", files[ours], quant)]
-                    for engine, python, kind, gguf, q in (order if r % 2 == 0 else order[::-1]):
+                    for engine in (list(rounds) if r % 2 == 0 else list(rounds)[::-1]):
+                        python, kind, gguf, q = workers[engine]
                         with console.status(f"{name} {label} {n} tokens: {engine}, round {r + 1} of {args.rounds}"):
                             rounds[engine].append(run_worker(python, kind, gguf, q, ids, args))
                 rates = {e: [n / x["ttft_s"] for x in runs if "ttft_s" in x] for e, runs in rounds.items()}
                 errors = [x["error"] for runs in rounds.values() for x in runs if "error" in x]
-                ratio = statistics.median(d / l for l, d in zip(rates["llama.cpp"], rates["dense"])) if not errors \
-                    else None
+                ratio = statistics.median(d / l for l, d in zip(rates["llama.cpp"], rates["dense"])) \
+                    if theirs and not errors else None
                 row = {"model": name, "precision": label, "prompt": n, "ratio": ratio, "error": errors[:1] or None,
                        **{f"{e}_prefill_tok_s": statistics.median(v) if v else None for e, v in rates.items()}}
                 results.append(row)
-                table.add_row(label, str(n), *(f"{row[f'{e}_prefill_tok_s']:.0f}" if rates[e] else errors[0]
-                                               for e in ("llama.cpp", "dense")), f"{ratio:.2f}" if ratio else "-")
+                table.add_row(label, str(n), *(f"{row[f'{e}_prefill_tok_s']:.0f}" if rates.get(e) else
+                                               (errors[0] if errors else "-") for e in ("llama.cpp", "dense")),
+                              f"{ratio:.2f}" if ratio else "-")
         console.print(table)
     if args.json:
         with open(args.json, "w") as f:

@@ -2,9 +2,8 @@
 only, so a prompt prefilled in chunks of any length, one token at a time or beside another row's gives identical
 logits, bit for bit, while its linears stay within their tiles; float32 linears sum in the tiles' order at every
 number of rows (a GEMM past them), int8 linears reach the tiles' exact integer sums by a GEMM past 16 rows, int4
-linears run one tile at every number of rows; GGUF blocks take x in bytes and sum in one order in their decoding and
-prefill tiles (kernels.h). (Still open: nf4 past 12 rows takes bfloat16 GEMMs (AVX2: float32), which round and sum
-otherwise.)"""
+linears run one tile at every number of rows, nf4 linears sum in the tiles' order at every number of rows (a GEMM past
+them); GGUF blocks take x in bytes and sum in one order in their decoding and prefill tiles (kernels.h)."""
 
 import types
 
@@ -107,7 +106,7 @@ def assert_the_same_bits_at_any_length(model, seed: int):
 @needs_kernels
 @pytest.mark.parametrize("family", ["gptneox", "llama"])
 def test_a_float32_prompts_logits_are_the_same_bits_at_any_length_and_beside_another(family):
-    """float32 linears sum each output in the decoding tiles' order at every number of rows (kernels.h's f32_gemm
+    """float32 linears sum each output in the decoding tiles' order at every number of rows (kernels.h's tile_gemm
     past 16 or 24 rows, where oneDNN served before): a 40-token prompt whole, in chunks of 20, 1, 12 and 7, a token
     at a time and beside another row's 40 (80 rows) gives the same logits, bit for bit."""
     model = from_pretrained(fixture_path(family))
@@ -137,6 +136,19 @@ def test_an_int4_prompts_logits_are_the_same_bits_at_any_length_and_beside_anoth
     model = from_pretrained(fixture_path(family), quant="int4")
     assert all(type(m).__name__ != "Linear" or m is model.lm_head for m in model.modules())  # (every linear int4)
     assert_the_same_bits_at_any_length(model, seed=2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["gptneox", "llama"])
+def test_an_nf4_prompts_logits_are_the_same_bits_at_any_length_and_beside_another(family):
+    """nf4 linears sum each output in the decoding tiles' order at every number of rows (past 16 rows kernels.h's
+    tile_gemm on each panel's weights decoded once a call, where bfloat16 GEMMs (AVX2: float32) served before; a layer
+    whose rows are not whole 64-blocks, the float32 tiles on its dequantized weight): a 40-token prompt whole, in
+    chunks of 20, 1, 12 and 7, a token at a time and beside another row's 40 (80 rows) gives the same logits, bit for
+    bit."""
+    model = from_pretrained(fixture_path(family), quant="nf4")
+    assert any(hasattr(m, "kernel_weight") for m in model.modules())
+    assert_the_same_bits_at_any_length(model, seed=6)
 
 
 @needs_kernels

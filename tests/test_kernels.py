@@ -78,7 +78,7 @@ def test_f32_kernel(M, N, K):
 @pytest.mark.parametrize("K", [40, 576, 2048, 2064, 8200])
 def test_f32_kernel_rows_do_not_depend_on_the_batch(K):
     """One row of x takes its own tiling (one weight row at a time up to K = 2048), a few rows 4 weight rows a tile,
-    past 16 (AVX2: 24) the GEMM of packed blocks (kernels.h's f32_gemm: 8 or 6 rows of x a block, 48 or 32 weight rows
+    past 16 (AVX2: 24) the GEMM of packed blocks (kernels.h's tile_gemm: 8 or 6 rows of x a block, 48 or 32 weight rows
     a panel, K in chunks from 8192 or 1024 on, a masked last step where K % 16): each output the same bits in any call,
     so a row generates the same tokens alone, in a batch or in a prompt of any length; and the float64 product."""
     torch.manual_seed(K)
@@ -242,13 +242,13 @@ def test_nf4_kernel_equals_the_dequantized_weights(out_features, in_features):
     # our kernel takes rows that are whole 64-blocks; other shapes keep the dequantize path
     assert hasattr(layer, "kernel_weight") == (kernels.available() and in_features % 64 == 0)
     weight = layer.dequantize(torch.float64)
-    for rows in (1, 3, 12, 40):  # the kernel, and a long prefill (bfloat16 GEMM on the dequantized weights)
+    for rows in (1, 3, 12, 40):  # the tiles, and a long prefill (the GEMM in the tiles' order)
         x = torch.randn(rows, in_features)
         x[:, 3] = 20  # (an outlier: x's digits coarsen with its row's largest value)
         reference = x.double() @ weight.T
-        if rows <= kernels.GEMM_ROWS and hasattr(layer, "kernel_weight") and kernels.avx2_only():
-            # kernels_avx2.cpp: x in two int8 digits (within 1/32258 of the row's largest value, as int4's) and
-            # NF4's values to 15 bits (within 2^-15 of the block's absmax)
+        if hasattr(layer, "kernel_weight"):
+            # kernels.h's nf4 (both ISAs): x in two int8 digits (within 1/32258 of the row's largest value, as int8's)
+            # and NF4's values to 15 bits (within 2^-15 of the block's absmax)
             absmax = layer.kernel_absmax.double().repeat_interleave(64, 1)
             bound = (weight.abs().sum(1)[None] * x.abs().amax(1, keepdim=True).double() / 32258
                      + x.abs().double() @ absmax.T / 32768)
@@ -256,12 +256,60 @@ def test_nf4_kernel_equals_the_dequantized_weights(out_features, in_features):
             assert ((y.double() - reference).abs() <= bound).all() and rel(y, reference) < 1e-3
             assert rel(y, reference) > 1e-6  # (not float32's product)
         else:
-            tolerance = 1e-5 if rows <= kernels.GEMM_ROWS or not hasattr(layer, "kernel_weight") else 1e-2
-            assert rel(layer(x), reference) < tolerance
+            assert rel(layer(x), reference) < 1e-5
     if hasattr(layer, "kernel_weight"):  # a long prefill's bfloat16 weights: the same bits as PyTorch's rounding
         assert torch.equal(torch.ops.dense_kernels.dequantize_nf4(layer.kernel_weight, layer.kernel_absmax, layer.code),
                            layer.dequantize(torch.bfloat16))
     assert torch.equal(layer.weight, stored["weight"]) and torch.equal(layer.absmax, stored["absmax"])  # unchanged
+
+
+@needs_kernels
+@pytest.mark.parametrize("M, N, K", [(13, 33, 64), (17, 40, 576), (40, 70, 2112), (200, 33, 192), (30, 9, 8256)])
+def test_nf4_kernel_rows_do_not_depend_on_the_batch(M, N, K):
+    """Past 16 rows of x nf4 runs kernels.h's tile_gemm: each thread's panel of 16 weight rows decoded once a call into
+    15-bit words in the tiles' order, 6 rows of x a block, K in chunks of 1024 values (2112: three), N past whole
+    panels; each output the decoding tiles' own order of sums, so each row the same bits alone as in the batch."""
+    torch.manual_seed(M + N + K)
+    layer = quantized.NF4Linear(K, N, False)
+    layer._buffers.update(quantized.nf4_quantize(torch.randn(N, K) * 0.05))
+    layer.finish_loading()
+    op = lambda x: torch.ops.dense_kernels.linear_nf4(x, layer.kernel_weight, layer.kernel_absmax, layer.code)
+    x = torch.randn(M, K) * torch.rand(M, 1) * 3
+    x[:, 5] = 30
+    y = op(x)
+    assert rel(y, x.double() @ layer.dequantize(torch.float64).T) < 1e-3
+    assert all(torch.equal(op(x[m:m + 1]), y[m:m + 1]) for m in range(M))
+
+
+NF4_ON_BOTH_ISAS = """
+import sys, torch
+from dense_engine.cpu import kernels, quantized
+out = {}
+for n, k, m in ((40, 576, 1), (40, 576, 7), (33, 192, 40), (9, 2112, 13)):
+    torch.manual_seed(n + k + m)
+    layer = quantized.NF4Linear(k, n, False)
+    layer._buffers.update(quantized.nf4_quantize(torch.randn(n, k) * 0.05))
+    layer.finish_loading()
+    out[f"{n}-{k}-{m}"] = torch.ops.dense_kernels.linear_nf4(torch.randn(m, k), layer.kernel_weight,
+                                                             layer.kernel_absmax, layer.code)
+torch.save(out, sys.argv[1])
+print(kernels.avx2_only())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.available() or kernels.avx2_only(), reason="needs the AVX-512 kernels beside AVX2's")
+def test_nf4_gives_the_same_bits_on_both_instruction_sets(tmp_path):
+    """nf4 is one design in kernels.h (8 lanes of integer products, then the same float steps), built into both
+    files: kernels.cpp and kernels_avx2.cpp (DENSE_KERNELS=avx2) give the same bits, decoding and prefill."""
+    got = {}
+    for isa in ("", "avx2"):
+        path = str(tmp_path / f"nf4{isa}.pt")
+        run = subprocess.run([sys.executable, "-c", NF4_ON_BOTH_ISAS, path], cwd=ROOT, capture_output=True, text=True,
+                             env={**os.environ, "DENSE_KERNELS": isa})
+        assert run.stdout.strip() == str(isa == "avx2"), run.stderr[-2000:]
+        got[isa] = torch.load(path, weights_only=True)
+    assert got[""].keys() == got["avx2"].keys() and all(torch.equal(got[""][k], got["avx2"][k]) for k in got[""])
 
 
 @needs_kernels

@@ -17,13 +17,12 @@
 //
 // The quantized kernels multiply at float32's precision: int8 with AVX-512 VNNI on activations written as two int8
 // digits a row; int4 by integer products on x as a 16-bit integer and a byte a value (one tile at every number of
-// rows); nf4 by looking each block's float32 values up in a register. GGUF blocks take x rounded to 8 bits
+// rows); nf4 by integer products on x's two digits (kernels.h, both ISAs' design). GGUF blocks take x rounded to 8 bits
 // (llama.cpp's Q8_K and Q8_0) at every number of rows, summed in one order (kernels.h). A
 // tile computes NB weight rows against up to 8 rows of x, so a weight row is loaded once for all of them. Past
-// GEMM_ROWS rows of x (a prefill), where arithmetic rather than memory bounds a matmul: nf4 bfloat16 GEMMs on
-// dequantized tiles, GGUF blocks integer dot products on x rounded to 8 bits (as llama.cpp computes every quantized
-// matmul); float32 past 16 rows a GEMM of packed blocks in its tiles' order of sums, int8 past 16 one reaching its
-// tiles' integers (kernels.h).
+// GEMM_ROWS rows of x (a prefill), where arithmetic rather than memory bounds a matmul: GGUF blocks integer dot
+// products on x rounded to 8 bits (as llama.cpp computes every quantized matmul); float32 and nf4 past 16 rows a GEMM
+// of packed blocks in their tiles' order of sums, int8 past 16 one reaching its tiles' integers (kernels.h).
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__AVX512BF16__)
 #error "kernels.cpp needs AVX-512 (F, BW, VNNI, BF16); kernels.py falls back to PyTorch's kernels"
 #endif
@@ -84,15 +83,15 @@ void f32_tile(const float* x, const float* w, int64_t K, float* y, int64_t N, in
     for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-// kernels.h's f32_gemm: 8 rows of x against 3 weight rows a block (24 accumulators, 3 weights and x: 28 of 32
+// kernels.h's tile_gemm: 8 rows of x against 3 weight rows a block (24 accumulators, 3 weights and x: 28 of 32
 // registers), K whole (chunks only past 4096); past 16 rows of x (up to 16 the tiles, faster on the 1B shape's
 // weights: BENCHMARKS.md)
 constexpr int GEMM_R = 8, GEMM_NB = 3;
 constexpr int64_t F32_TILE_ROWS = 16;
 
 template <int NB>
-void f32_block(const float* xb, const float* wb, int64_t K, int64_t steps, float* acc, bool first, bool last, float* y,
-               int64_t ldy, int64_t rows) {
+void f32_block(const float* xb, const float* wb, const float*, int64_t K, int64_t steps, float* acc, bool first,
+               bool last, float* y, int64_t ldy, int64_t rows) {
   __m512 a[GEMM_R][NB];
   for (int r = 0; r < GEMM_R; ++r)
     for (int j = 0; j < NB; ++j) a[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + 16 * (r * NB + j));
@@ -121,10 +120,11 @@ void f32_block(const float* xb, const float* wb, int64_t K, int64_t steps, float
     }
 }
 
-// y [M, N] = x [M, K] w^T, every M: past F32_TILE_ROWS kernels.h's f32_gemm, in the tiles' order
+// y [M, N] = x [M, K] w^T, every M: past F32_TILE_ROWS kernels.h's tile_gemm, in the tiles' order
 void f32_tiles(const float* xp, const float* wp, int64_t M, int64_t K, float* yp, int64_t N) {
   if (M > F32_TILE_ROWS) {  // (a prefill: the same bits, kernels.h)
-    f32_gemm<16, GEMM_R, GEMM_NB, 4096>(xp, wp, M, K, yp, N, [](int64_t nb, auto... args) {
+    const auto panel = [wp, K](int64_t n0, int64_t) { return PanelRows<float>{wp + n0 * K, nullptr}; };
+    tile_gemm<16, GEMM_R, GEMM_NB, 4096>(xp, M, K, yp, N, panel, [](int64_t nb, auto... args) {
       if (nb == 3) f32_block<3>(args...);
       else if (nb == 2) f32_block<2>(args...);
       else f32_block<1>(args...);
@@ -383,10 +383,7 @@ void int4_tiles(const float* xp, const uint8_t* qp, const float* dp, const float
   });
 }
 
-// ---- nf4 weights (bitsandbytes' NF4 code), one absmax per block of 64 ----------------------------------------------
-// Per row and block: 32 bytes, byte j holding code j (low nibble) and code j + 32 (high nibble) (repacked at load
-// from bitsandbytes' layout); absmax float32 [N, K/64]. The 16 code values sit in one register and vpermps looks
-// them up; x stays float32: y = sum_blocks absmax * dot(NF4[code], x), the dequantized weights' product.
+// ---- nf4 weights (bitsandbytes' NF4 code), one absmax per block of 64: the matmul is kernels.h's -----------------
 
 // nf4 weight rows n0 .. n1 - 1 (our repacked layout) as bfloat16 into out [n1 - n0, K], rounded as PyTorch rounds
 // float32 code * absmax
@@ -408,49 +405,10 @@ void nf4_rows(const uint8_t* qp, const float* ap, const float* code, int64_t K, 
     }
 }
 
-template <int R, int NB>
-void nf4_tile(const float* x, const uint8_t* q, const float* absmax, const float* code, int64_t K, float* y, int64_t N,
-              int64_t n0) {
-  const int64_t G = K / 64;
-  __m512 acc[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi32(15);
-  const __m512 table = _mm512_loadu_ps(code);
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 w[NB][4], scale[NB];
-    for (int j = 0; j < NB; ++j) {
-      const uint8_t* block = q + (n0 + j) * (K / 2) + g * 32;
-      _mm_prefetch((const char*)block + PREFETCH, _MM_HINT_T0);
-      __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)block));
-      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(block + 16)));
-      w[j][0] = _mm512_permutexvar_ps(_mm512_and_si512(a, low), table);
-      w[j][1] = _mm512_permutexvar_ps(_mm512_and_si512(b, low), table);
-      w[j][2] = _mm512_permutexvar_ps(_mm512_srli_epi32(a, 4), table);
-      w[j][3] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-      scale[j] = _mm512_set1_ps(absmax[(n0 + j) * G + g]);
-    }
-    for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * K + g * 64;
-      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16), x2 = _mm512_loadu_ps(xb + 32),
-                   x3 = _mm512_loadu_ps(xb + 48);
-      for (int j = 0; j < NB; ++j) {
-        __m512 dot = _mm512_fmadd_ps(x1, w[j][1], _mm512_mul_ps(x0, w[j][0]));
-        dot = _mm512_fmadd_ps(x3, w[j][3], _mm512_fmadd_ps(x2, w[j][2], dot));
-        acc[r][j] = _mm512_fmadd_ps(dot, scale[j], acc[r][j]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = _mm512_reduce_add_ps(acc[r][j]);
-}
-
-// y [M, N] = x [M, K] w^T for M <= GEMM_ROWS
+// y [M, N] = x [M, K] w^T, every M: kernels.h's nf4_matmul (kernels_avx2.cpp's design, in 8 lanes here too)
 void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float* cp, int64_t M, int64_t K, float* yp,
                int64_t N) {
-  for_each_tile<1>(M, N, K, K / 2, [&](int64_t m0, int64_t rows, int64_t n0, int64_t) {
-    DISPATCH_ROWS(rows, (nf4_tile<R, 1>(xp + m0 * K, qp, ap, cp, K, yp + m0 * N, N, n0)));
-  });
+  nf4_matmul<DigitRows>(xp, qp, ap, cp, M, K, yp, N);
 }
 
 // ---- GGUF blocks as the file stores them: llama.cpp's K-quants (Q4_K, Q5_K, Q6_K, super-blocks of 256) and its

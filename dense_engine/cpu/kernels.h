@@ -93,26 +93,28 @@ void for_each_tile(int64_t M, int64_t N, int64_t K, int64_t bytes_per_weight_row
   });
 }
 
-// ---- float32 weights past a few rows of x (a prefill): the tiles' order of sums at a GEMM's rate ------------------
+// ---- float32 and nf4 weights past a few rows of x (a prefill): the tiles' order of sums at a GEMM's rate -----------
 // Each ISA's f32_tile computes an output (row m of x, weight row n) in L lanes, lane i summing x[m, k] w[n, k] over
 // k = i, i + L, ... in order by FMAs, then its own sum of the lanes; in K's last partial step the lanes past K add
-// fma(0, 0, acc). f32_gemm computes the same bits at 0.8-0.9x oneDNN's float32 GEMM (BENCHMARKS.md):
+// fma(0, 0, acc). nf4_tile keeps lanes too, with a block of 64 values at a time (its own dot, then times absmax).
+// tile_gemm computes the same bits at a GEMM's schedule (float32: 0.8-0.9x oneDNN's float32 GEMM, BENCHMARKS.md):
 //   * x packed once a call into blocks of R rows, [K_L / L][R][L] (K_L: K rounded up to L, zeros past K): its rows
 //     K apart fell into the same L1 sets (at K = 2048 the tiles' loads ran at 0.6x);
-//   * each thread a panel of 16 NB weight rows at a time, against x a group of 128 rows at a time, K in even chunks of
-//     at least CHUNK values: the panel's chunk and the group's stay in the cache (x re-read whole for each small
-//     panel ran 512 rows of K = 8192 at 0.56x; AVX2's K = 576 in two chunks 0.93x of one);
-//   * block(nb, xb, wb, K, steps, acc, first, last, y, ldy, rows), the ISA's f32_block: a block of x against nb <= NB
-//     weight rows (wb, K apart) over `steps` steps of L, R x NB accumulators in registers, from and back to acc
-//     between chunks, at the last one (its masked step where K % L) their lane sums into y.
-template <int64_t L>
-inline void pack_steps(const float* src, int64_t rows, int64_t K, int64_t block, float* out) {
+//   * each thread a panel of 16 NB weight rows at a time (panel(n0, np): the rows K apart in the block's type, float32
+//     as stored or nf4 decoded once a call, and nf4's absmax K / 64 apart), against x a group of 128 rows at a time, K
+//     in even chunks of whole 64-blocks and at least CHUNK values: the panel's chunk and the group's stay in the cache
+//     (x re-read whole for each small panel ran 512 rows of K = 8192 at 0.56x; AVX2's K = 576 in two chunks 0.93x);
+//   * block(nb, xb, wb, sb, K, steps, acc, first, last, y, ldy, rows), the ISA's: a block of x against nb <= NB
+//     weight rows (wb, K apart; sb their absmax) over `steps` steps of L, R x NB accumulators in registers, from and
+//     back to acc (R L floats an output) between chunks, at the last one (its masked step where K % L) into y.
+template <int64_t L, typename T>
+inline void pack_steps(const T* src, int64_t rows, int64_t K, int64_t block, T* out) {
   for (int64_t s = 0; s < (K + L - 1) / L; ++s)
     for (int64_t r = 0; r < block; ++r) {
-      float* o = out + (s * block + r) * L;
+      T* o = out + (s * block + r) * L;
       const int64_t n = r < rows ? std::min(L, K - s * L) : 0;
-      if (n > 0) memcpy(o, src + r * K + s * L, n * 4);
-      std::fill(o + n, o + L, 0.f);
+      if (n > 0) memcpy(o, src + r * K + s * L, n * sizeof(T));
+      std::fill(o + n, o + L, T(0));
     }
 }
 
@@ -130,28 +132,36 @@ inline T* packed_x(std::vector<T>& fresh, int64_t n) {
   return aligned64(n * (int64_t)sizeof(T) <= (32 << 20) ? kept : fresh, n);
 }
 
-template <int64_t L, int R, int NB, int64_t CHUNK, typename Block>
-void f32_gemm(const float* x, const float* w, int64_t M, int64_t K, float* y, int64_t N, Block block) {
-  constexpr int64_t PANEL = 16 * NB, GROUP = 128 / R;  // weight rows a thread's panel; blocks of x a group
+template <typename W>
+struct PanelRows {  // a panel's weight rows as its block reads them: w [np, K]; nf4's absmax [np, K / 64], else null
+  const W* w;
+  const float* scale;
+};
+
+template <int64_t L, int R, int NB, int64_t CHUNK, typename T, typename Panel, typename Block>
+void tile_gemm(const T* x, int64_t M, int64_t K, float* y, int64_t N, Panel panel, Block block) {
+  constexpr int64_t PANEL = 16 * NB, GROUP = 128 / R, BLOCK_STEPS = (64 + L - 1) / L;  // (steps of a 64-block)
   const int64_t steps = (K + L - 1) / L, xblocks = (M + R - 1) / R;
-  const int64_t chunks = std::max<int64_t>(1, K / CHUNK), chunk = (steps + chunks - 1) / chunks;  // (even, >= CHUNK)
-  std::vector<float> fresh;
-  float* xs = packed_x(fresh, xblocks * steps * R * L);
+  const int64_t chunks = std::max<int64_t>(1, K / CHUNK);
+  const int64_t chunk = ((steps + chunks - 1) / chunks + BLOCK_STEPS - 1) / BLOCK_STEPS * BLOCK_STEPS;
+  std::vector<T> fresh;
+  T* xs = packed_x(fresh, xblocks * steps * R * L);
   at::parallel_for(0, xblocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) pack_steps<L>(x + b * R * K, std::min<int64_t>(R, M - b * R), K, R, xs + b * steps * R * L);
   });
   for_each_tile_shared((N + PANEL - 1) / PANEL, 1, [&](int64_t t) {
     const int64_t n0 = t * PANEL, np = std::min(PANEL, N - n0);
+    const auto p = panel(n0, np);
     thread_local std::vector<float> abuf;  // (the accumulators between chunks: none where K is one chunk)
-    float* acc = aligned64(abuf, chunks > 1 ? GROUP * PANEL * R * L : 0);
+    float* acc = aligned64(abuf, chunk < steps ? GROUP * PANEL * R * L : 0);
     for (int64_t g = 0; g < xblocks; g += GROUP)
       for (int64_t c = 0; c < steps; c += chunk) {
         const int64_t cs = std::min(chunk, steps - c);
         for (int64_t b = g; b < std::min(g + GROUP, xblocks); ++b)
           for (int64_t j = 0; j < np; j += NB)
-            block(std::min<int64_t>(NB, np - j), xs + (b * steps + c) * R * L, w + (n0 + j) * K + c * L, K, cs,
-                  acc + ((b - g) * PANEL + j) * R * L, c == 0, c + cs == steps, y + b * R * N + n0 + j, N,
-                  std::min<int64_t>(R, M - b * R));
+            block(std::min<int64_t>(NB, np - j), xs + (b * steps + c) * R * L, p.w + j * K + c * L,
+                  p.scale ? p.scale + j * (K / 64) + c * L / 64 : nullptr, K, cs, acc + ((b - g) * PANEL + j) * R * L,
+                  c == 0, c + cs == steps, y + b * R * N + n0 + j, N, std::min<int64_t>(R, M - b * R));
       }
   });
 }
@@ -219,48 +229,10 @@ at::Tensor output_like(const at::Tensor& x, int64_t N) {
   return at::empty(shape, x.options());
 }
 
-// Many rows of x (a prefill) make a matmul compute-bound: bfloat16 GEMMs (oneDNN, AVX512-BF16) outrun the quantized
-// tiles below 2-3x there. Each thread dequantizes a tile of weight rows to bfloat16 (GEMM_TILE_BYTES: it stays in the
-// thread's cache) and multiplies x by it at once, one GEMM a tile (one thread each: a GEMM in a parallel region runs
-// serially). Dequantizing the whole weight first wrote it to memory and read it back. Up to GEMM_ROWS rows of x, the
-// quantized tiles (they read each weight once: decoding is memory-bound); beyond, the GEMMs (measured:
-// BENCHMARKS.md). The product is bfloat16's: x and the weights rounded to it, the sums float32, y rounded to it.
-// Without AVX512-BF16 (kernels_avx2.cpp) bfloat16 GEMMs are emulated at a seventh of float32's rate: float32 tiles.
-constexpr int64_t GEMM_TILE_BYTES = 2 << 20;
+// Up to GEMM_ROWS rows of x the quantized linears run their decoding tiles, which read each weight once (decoding is
+// memory-bound); past it, where arithmetic bounds a matmul, each type's prefill path in the tiles' order of sums
+// (measured: BENCHMARKS.md).
 constexpr int64_t GEMM_ROWS = 12;
-
-// y [M, ldy] (its columns[n] for weight row n; columns null: y [M, N]) = x [M, K] w^T, w's rows n0 .. n0 + nb - 1
-// written as W [nb, K] (bfloat16 bits or float32) by unpack(n0, nb, out)
-template <typename W, typename Unpack>
-void gemm_by_tiles(const at::Tensor& x_, int64_t N, float* y, int64_t ldy, const int64_t* columns, Unpack unpack) {
-  constexpr bool bf16 = std::is_same_v<W, uint16_t>;  // else float32 (a CPU without AVX512-BF16)
-  const auto x16 = x_.reshape({-1, x_.size(-1)}).to(bf16 ? at::kBFloat16 : at::kFloat).contiguous();
-  const int64_t M = x16.size(0), K = x16.size(1);
-  const int64_t threads = at::get_num_threads();  // at least two tiles a thread where N allows
-  const int64_t NB = std::max<int64_t>(16, std::min(GEMM_TILE_BYTES / ((int64_t)sizeof(W) * K), (N + 2 * threads - 1) / (2 * threads)) / 16 * 16);
-  const int64_t tiles = (N + NB - 1) / NB;
-  std::atomic<int64_t> next{0};  // tiles claimed one at a time: a thread the host slows takes fewer
-  at::parallel_for(0, std::min(threads, tiles), 1, [&](int64_t, int64_t) {
-    auto tile = at::empty({NB, K}, x16.options());
-    W* wt = reinterpret_cast<W*>(tile.data_ptr());
-    for (int64_t t = next++; t < tiles; t = next++) {
-      const int64_t n0 = t * NB, nb = std::min(NB, N - n0);
-      unpack(n0, nb, wt);
-      const auto part = at::mm(x16, tile.narrow(0, 0, nb).t());  // [M, nb] bfloat16 (or float32)
-      const W* p = reinterpret_cast<const W*>(part.data_ptr());
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < nb; ++j) {
-          float* out = y + m * ldy + (columns ? columns[n0 + j] : n0 + j);
-          if constexpr (bf16) {
-            const uint32_t bits = (uint32_t)p[m * nb + j] << 16;
-            memcpy(out, &bits, 4);
-          } else {
-            *out = p[m * nb + j];
-          }
-        }
-    }
-  });
-}
 
 // A GGUF prefill pass's result for one row of x, a tile's weight rows n0 .. n0 + nb - 1: into y's row (its
 // columns[n] for weight row n where columns is given: a fused projection's part)
@@ -833,11 +805,169 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_t, const at::Tens
   return out;
 }
 
+// ---- nf4 weights (bitsandbytes' NF4 code), one absmax per block of 64: both ISAs, 8 lanes, the same bits ----------
+// Per row and block: 32 bytes, byte j holding code j (low nibble) and code j + 32 (high nibble) (repacked at load
+// from bitsandbytes' layout); absmax float32 [N, K/64]. kernels.cpp runs this code too (its 256-bit vpdpwssd in
+// dot_words): in integers it ran 1.1-2.1x kernels.cpp's float32 lookups (vpermps, x in float32) on Zen 4
+// (BENCHMARKS.md), and one design gives one result on both ISAs.
+
+inline float hsum(__m256 v) {  // lanes summed pairwise: (0+4, 1+5, 2+6, 3+7), then (0+2, 1+3), then 0+1
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// nf4's tiles' schedule (half a byte a weight): at one row of x 4 weight rows a tile (more memory in
+// flight), else 2 weight rows against up to 4 rows of x. tile(rows, weight_rows, m0, n0), the counts as
+// std::integral_constant (each tile a template on them)
+template <typename Tile>
+void four_bit_tiles(int64_t M, int64_t N, int64_t K, Tile tile) {
+  using std::integral_constant;
+  if (M == 1) {
+    for_each_tile<4>(M, N, K, 2 * K, [&](int64_t, int64_t, int64_t n0, int64_t nb) {
+      if (nb == 4) tile(integral_constant<int, 1>(), integral_constant<int, 4>(), 0, n0);
+      else for (int64_t j = 0; j < nb; ++j) tile(integral_constant<int, 1>(), integral_constant<int, 1>(), 0, n0 + j);
+    });
+    return;
+  }
+  for_each_tile<2, 4>(M, N, K, K, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
+    if (nb == 2) {
+      DISPATCH_ROWS(rows, (tile(integral_constant<int, R>(), integral_constant<int, 2>(), m0, n0)));
+    } else {
+      DISPATCH_ROWS(rows, (tile(integral_constant<int, R>(), integral_constant<int, 1>(), m0, n0)));
+    }
+  });
+}
+
+// The tiles (up to NF4_TILE_ROWS rows of x) multiply in integers: x as 16-bit words X = 127 q1 + q2 (DigitRows' digits,
+// within 1/32258 of a row's largest value) and each code's value as V = round(NF4[code] 2^14), within 2^-15 of the
+// block's absmax (NF4's own steps are 2500x that). vpshufb looks 32 codes up at once in two 16-byte tables (V's low
+// and high bytes), vpunpck{l,h}bw joins them into words; per block four vpmaddwd (8 products a lane: |V X| 8 <= 2^14
+// 16193 8 < 2^31), then times absmax in float. A lookup of float32 values (vpermps in two registers, a blend: 2-3 shuffles
+// per 8 weights) ran at a third of the memory's speed. Within each 128-bit lane the words come out as codes 0-7 and
+// 16-23 (unpacklo), 8-15 and 24-31 (unpackhi), the same + 32 for the high nibbles: X is read in that order (NF4Words
+// permutes it once a call).
+struct NF4Words {
+  __m256i low, high;       // V's low and high bytes of each code, in both lanes
+  std::vector<int16_t> x;  // [M, K]: X = 127 q1 + q2 (x's digits), each 64 in the tile's order
+  std::vector<float> unit; // per row: the value of X = 1
+  template <typename Digits>
+  NF4Words(const float* code, const Digits& digits, int64_t M, int64_t K) : x(M * K), unit(M) {
+    alignas(16) uint8_t lo[16], hi[16];
+    for (int v = 0; v < 16; ++v) {
+      const int16_t V = (int16_t)std::nearbyint(code[v] * 16384.f);
+      lo[v] = (uint8_t)(V & 0xFF), hi[v] = (uint8_t)((uint16_t)V >> 8);
+    }
+    low = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)lo));
+    high = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)hi));
+    for (int64_t row = 0; row < M; ++row) unit[row] = digits.scale[row] / 127.f;
+    for (int64_t b = 0; b < M * K / 64; ++b)  // word 16 g + 8 lane + i <- value 32 (g / 2) + 8 (g % 2) + 16 lane + i
+      for (int g = 0; g < 4; ++g)
+        for (int lane = 0; lane < 2; ++lane)
+          for (int i = 0; i < 8; ++i) {
+            const int64_t from = 64 * b + 32 * (g / 2) + 8 * (g % 2) + 16 * lane + i;
+            x[64 * b + 16 * g + 8 * lane + i] = (int16_t)(127 * digits.q1[from] + digits.q2[from]);
+          }
+  }
+};
+
+// A block's 64 codes (32 bytes) as V words in the order X is read: 16 a register
+inline void nf4_words(const uint8_t* block, const NF4Words& t, __m256i w[4]) {
+  const __m256i b = _mm256_loadu_si256((const __m256i*)block), low4 = _mm256_set1_epi8(15);
+  for (int h = 0; h < 2; ++h) {  // codes 0-31 (low nibbles), 32-63 (high)
+    const __m256i c = _mm256_and_si256(h ? _mm256_srli_epi16(b, 4) : b, low4);
+    const __m256i vl = _mm256_shuffle_epi8(t.low, c), vh = _mm256_shuffle_epi8(t.high, c);
+    w[2 * h] = _mm256_unpacklo_epi8(vl, vh), w[2 * h + 1] = _mm256_unpackhi_epi8(vl, vh);
+  }
+}
+
+// An output's block of 64: each lane's 8 products V X, an exact int32, then acc += that sum absmax
+inline __m256 nf4_step(const __m256i w[4], const int16_t* x, __m256 scale, __m256 acc) {
+  __m256i sum = _mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i*)x));
+  for (int i = 1; i < 4; ++i) sum = dot_words(sum, w[i], _mm256_loadu_si256((const __m256i*)(x + 16 * i)));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc);
+}
+
+template <int R, int NB>
+void nf4_tile(const NF4Words& t, int64_t m0, const uint8_t* q, const float* absmax, int64_t K, float* y, int64_t N,
+              int64_t n0) {
+  const int64_t G = K / 64;
+  const int16_t* X = t.x.data() + m0 * K;
+  __m256 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n = n0 + j;
+      const uint8_t* block = q + n * (K / 2) + g * 32;
+      _mm_prefetch((const char*)block + PREFETCH, _MM_HINT_T0);
+      __m256i w[4];
+      nf4_words(block, t, w);
+      const __m256 scale = _mm256_set1_ps(absmax[n * G + g]);
+      for (int r = 0; r < R; ++r) acc[r][j] = nf4_step(w, X + r * K + 64 * g, scale, acc[r][j]);
+    }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = hsum(acc[r][j]) * (t.unit[m0 + r] * (1.f / 16384.f));
+}
+
+// Past NF4_TILE_ROWS rows of x: tile_gemm in nf4_tile's order (a step L = 64 words: one block), each thread's panel
+// of weight rows decoded once a call to V words in X's order; a block 6 rows of x against one weight row (6
+// accumulators, 4 weights, a sum, x and absmax: 13 of 16 AVX2 registers). It leaves hsum(acc) in y; nf4_matmul then
+// multiplies each row by its unit, as the tile does.
+constexpr int NF4_R = 6;
+constexpr int64_t NF4_TILE_ROWS = 16;  // (the tiles are faster up to about 20 rows: BENCHMARKS.md)
+
+void nf4_gemm_block(const int16_t* xb, const int16_t* wb, const float* sb, int64_t K, int64_t steps, float* acc,
+                    bool first, bool last, float* y, int64_t ldy, int64_t rows) {
+  __m256 a[NF4_R];
+  for (int r = 0; r < NF4_R; ++r) a[r] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + 8 * r);
+  for (int64_t s = 0; s < steps; ++s, xb += 64 * NF4_R, wb += 64) {  // (x: [step][R][64])
+    __m256i w[4];
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_loadu_si256((const __m256i*)(wb + 16 * i));
+    const __m256 scale = _mm256_set1_ps(sb[s]);
+    for (int r = 0; r < NF4_R; ++r) a[r] = nf4_step(w, xb + 64 * r, scale, a[r]);
+  }
+  for (int r = 0; r < NF4_R; ++r) {
+    if (!last) _mm256_store_ps(acc + 8 * r, a[r]);
+    else if (r < rows) y[r * ldy] = hsum(a[r]);
+  }
+}
+
+// y [M, N] = x [M, K] w^T, every M (Digits: the ISA's DigitRows)
+template <typename Digits>
+void nf4_matmul(const float* xp, const uint8_t* qp, const float* ap, const float* cp, int64_t M, int64_t K, float* yp,
+                int64_t N) {
+  const NF4Words t(cp, Digits(xp, M, K), M, K);
+  if (M > NF4_TILE_ROWS) {  // (a prefill: the same bits)
+    const auto panel = [&](int64_t n0, int64_t np) {
+      thread_local std::vector<int16_t> decoded;
+      int16_t* w = aligned64(decoded, np * K);
+      for (int64_t n = 0; n < np; ++n)
+        for (int64_t g = 0; g < K / 64; ++g) {
+          __m256i v[4];
+          nf4_words(qp + (n0 + n) * (K / 2) + g * 32, t, v);
+          for (int i = 0; i < 4; ++i) _mm256_store_si256((__m256i*)(w + n * K + 64 * g + 16 * i), v[i]);
+        }
+      return PanelRows<int16_t>{w, ap + n0 * (K / 64)};
+    };
+    tile_gemm<64, NF4_R, 1, 1024>(t.x.data(), M, K, yp, N, panel,
+                                  [](int64_t, auto... args) { nf4_gemm_block(args...); });
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t n = 0; n < N; ++n) yp[m * N + n] *= t.unit[m] * (1.f / 16384.f);
+    });
+    return;
+  }
+  four_bit_tiles(M, N, K, [&](auto rows, auto weight_rows, int64_t m0, int64_t n0) {
+    nf4_tile<decltype(rows)::value, decltype(weight_rows)::value>(t, m0, qp, ap, K, yp + m0 * N, N, n0);
+  });
+}
+
 // ---- the operators' ATen side, the same on both instruction sets ----------------------------------------------------
 // Each file defines, in its own registers, the names declared here: the tiles (y [M, N] = x [M, K] w^T: every M for
-// float32 and int8, up to GEMM_ROWS rows of x for the rest), the weight rows unpacked for a long prefill's GEMM into
-// W (bfloat16 words where the CPU has AVX512-BF16, float32 where it does not) and a GGUF prefill. These wrappers check
-// the tensors, take x [..., K] as rows [M, K] and pick the path.
+// float32, int8, int4 and nf4, up to GEMM_ROWS rows of x for GGUF blocks), the weight rows unpacked into W (bfloat16
+// words where the CPU has AVX512-BF16, float32 where it does not: another device's weights, tests) and a GGUF
+// prefill. These wrappers check the tensors, take x [..., K] as rows [M, K] and pick the path.
 void f32_tiles(const float* x, const float* w, int64_t M, int64_t K, float* y, int64_t N);
 void int8_tiles(const float* x, const uint8_t* w, const float* s, int64_t M, int64_t K, float* y, int64_t N);
 // y [M, N] = x [M, K] w^T for int4 weights packed in groups (below), every M
@@ -911,7 +1041,6 @@ at::Tensor linear_int4(const at::Tensor& x_, const at::Tensor& q, const at::Tens
   return y;
 }
 
-template <typename W>
 at::Tensor linear_nf4(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat, "linear_nf4: x must be float32");
   const Rows x(x_);
@@ -921,11 +1050,7 @@ at::Tensor linear_nf4(const at::Tensor& x_, const at::Tensor& q, const at::Tenso
   const float *ap = absmax.data_ptr<float>(), *cp = table.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   auto y = output_like(x_, N);
-  if (x.M > GEMM_ROWS)  // (a prefill: GEMMs on tiles of the weight rows, dequantized)
-    gemm_by_tiles<W>(x.t, N, y.data_ptr<float>(), N, nullptr,
-                     [&](int64_t n0, int64_t nb, W* out) { nf4_rows(qp, ap, cp, K, n0, n0 + nb, out); });
-  else
-    nf4_tiles(x.data(), qp, ap, cp, x.M, K, y.data_ptr<float>(), N);
+  nf4_tiles(x.data(), qp, ap, cp, x.M, K, y.data_ptr<float>(), N);
   return y;
 }
 
@@ -1083,7 +1208,7 @@ at::Tensor dequantize_gguf(const at::Tensor& w, int64_t type, int64_t K, bool bf
     m.impl("attention", &attention);                       \
     m.impl("dequantize_int4", &dequantize_int4);           \
     m.impl("dequantize_nf4", &dequantize_nf4<W>);          \
-    m.impl("linear_nf4", &linear_nf4<W>);                  \
+    m.impl("linear_nf4", &linear_nf4);                     \
     m.impl("linear_gguf", &linear_gguf);                   \
     m.impl("linear_gguf_into", &linear_gguf_into);         \
     m.impl("dequantize_gguf", &dequantize_gguf<W>);        \

@@ -6,8 +6,8 @@ runs at the speed the weights stream from memory. PyTorch's CPU kernels reach le
 (measured in BENCHMARKS.md), so kernels.cpp has register-tiled kernels for up to 8 rows of x at a time: float32
 with FMA (for a prefill, a GEMM that sums each output in the tiles' order); int8 weights with AVX-512 VNNI on
 activations written as two int8 digits (16 bits of the row's range); int4 by integer products on x as a 16-bit
-integer and a byte a value (a scale per 32: float32's precision), one tile at every number of rows; nf4 by looking
-each block's float32 values up in a register (vpermps). The result is the dequantized weights' product to float32's
+integer and a byte a value (a scale per 32: float32's precision), one tile at every number of rows; nf4 by integer
+products on x's two digits and its 16 values as 15-bit integers (vpshufb lookups; kernels.h). The result is the dequantized weights' product to float32's
 precision, or within 1/32258 of each row of x's largest value (llama.cpp quantizes activations to 8 bits, which
 flips answers of the default model: measured). A GGUF file's own blocks (K-quants, Q8_0, Q4_0/1, Q5_0/1) are
 multiplied as stored, by integer dot products (VNNI) on x rounded to 8 bits as llama.cpp rounds it, at every number
@@ -17,9 +17,8 @@ The library is compiled on first use with the system C++ compiler against the in
 $XDG_CACHE_HOME/dense-engine/kernels/ (or ~/.cache/...), keyed by the source, torch version and CPU, and loaded
 into later processes as is: kernels.cpp on a CPU with AVX-512 VNNI and BF16 (AMD Zen 4 and later, Intel Sapphire
 Rapids and later), kernels_avx2.cpp on one with AVX2 and FMA only (AMD Zen 1-3, Intel's laptops and desktops since
-Alder Lake): the same operators in 8-lane registers, int4 and nf4 on two int8 digits of x too (nf4's values as 15-bit
-integers), long nf4 prefills as float32 GEMMs (no bfloat16 arithmetic there), GGUF prefills by integer products as
-kernels.cpp's. Without a compiler, or on an older CPU, everything runs on PyTorch's own kernels
+Alder Lake): the same operators in 8-lane registers, int4 and nf4 as kernels.cpp's (the same bits), GGUF prefills by
+integer products as kernels.cpp's. Without a compiler, or on an older CPU, everything runs on PyTorch's own kernels
 (`DENSE_KERNELS=0` forces that; `DENSE_KERNELS=avx2` takes kernels_avx2.cpp on an AVX-512 CPU too, built without
 AVX-512 as such a CPU runs it, `avx2-vnni` with AVX-512 VNNI's 256-bit vpdpbusd standing in for AVX-VNNI's). Stands on
 dense.py (its KV cache, which this file's CPU cache subclasses).
@@ -48,13 +47,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"},
            "kernels_avx2.cpp": {"avx2", "fma", "f16c"}}
 # float32 linears run kernels.cpp at every number of rows: up to 16 (AVX2: 24) the decoding tiles, beyond them a GEMM
-# in the tiles' own order of sums (kernels.h's f32_gemm, 0.8-0.9x oneDNN's rate, which it replaced: oneDNN rounds a
+# in the tiles' own order of sums (kernels.h's tile_gemm, 0.8-0.9x oneDNN's rate, which it replaced: oneDNN rounds a
 # row's sums differently at 17 rows than at 1, so a prompt's logits depended on how it was cut). int8 takes x in two
 # int8 digits a row and sums exact integers at every number of rows: the tiles up to 16 rows (AVX2: 12), past them a
 # GEMM reaching the same integers (kernels.h's int8_gemm; past 32 a bfloat16 GEMM on the converted weight served
 # before).
-# nf4 decides for itself past GEMM_ROWS (kernels.cpp's): bfloat16 GEMMs on tiles of the weight it dequantizes (2-3x
-# float32's rate; AVX2 float32). GGUF blocks take x in bytes at every number of rows (llama.cpp's Q8_K / Q8_0), the
+# nf4 likewise (one design on both ISAs, kernels.h): the tiles up to 16 rows, past them a GEMM in the tiles' order
+# (tile_gemm on weights decoded once a call; bfloat16 GEMMs, AVX2 float32, served before). GGUF blocks take x in bytes at every number of rows (llama.cpp's Q8_K / Q8_0), the
 # decoding tiles and the prefill's summing in one order (kernels.h); int4 runs its one tile at every number of rows:
 # a row's bits whatever the batch.
 GEMM_ROWS = 12
@@ -240,8 +239,8 @@ def known_true(condition) -> bool:
 
 
 def use_kernel(x: torch.Tensor, rows: int | None = None) -> bool:
-    """Whether x goes to a kernel of kernels.cpp (rows=None: at any number of rows; the quantized kernels multiply
-    long inputs as bfloat16 GEMMs themselves). In a graph whose row count is dynamic (generate.py's prefill step),
+    """Whether x goes to a kernel of kernels.cpp (rows=None: at any number of rows, each kernel choosing its own path
+    for many). In a graph whose row count is dynamic (generate.py's prefill step),
     the many-rows path: the graph cannot depend on a number it does not know."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and (
         rows is None or known_true(x.numel() // x.shape[-1] <= rows))
@@ -378,11 +377,18 @@ class Linear(nn.Linear):
     or beside another's, bit for bit). With autograd on, F.linear (the op has no backward)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.weight.dtype == torch.float32 and use_kernel(x) and self.weight.is_contiguous() and available()
-                and not (torch.is_grad_enabled() and self.weight.requires_grad)):
-            y = torch.ops.dense_kernels.linear_f32(x, self.weight)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return F.linear(x, self.weight, self.bias)
+        y = linear_f32(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x w^T by kernels.cpp's float32 tiles where they serve (a row's bits whatever the rows beside it), else
+    F.linear: a float Linear's, and a quantized layer's whose shape its kernel does not take (dequantized)."""
+    if w.dtype == torch.float32 and use_kernel(x) and w.is_contiguous() and available():
+        return torch.ops.dense_kernels.linear_f32(x, w)
+    return F.linear(x, w)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -491,7 +497,7 @@ def pack_nf4(weight: torch.Tensor, absmax: torch.Tensor, n: int, k: int) -> dict
 
 
 def linear_nf4(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    if use_kernel(x):  # (a long prefill: bfloat16 GEMMs on tiles of the dequantized weight)
+    if use_kernel(x):  # (every number of rows: past a few a GEMM in the tiles' order)
         return torch.ops.dense_kernels.linear_nf4(x, packed, absmax, code)
     w = torch.ops.dense_kernels.dequantize_nf4(packed, absmax, code)
     return F.linear(x.to(torch.bfloat16), w).to(x.dtype)

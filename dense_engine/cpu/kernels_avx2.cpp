@@ -7,9 +7,9 @@
 //     through it as |w| times x with w's sign (pairs stay below int16's limit); nf4 takes x as two int8 digits too
 //     (kernels.cpp: float32), within 1/32258 of a row's largest value, its values to 15 bits; int4 computes
 //     kernels.cpp's bits (kernels.h); GGUF blocks decode on x in bytes (llama.cpp's), kernels.cpp's bits;
-//   * no bfloat16 arithmetic: a long prefill's nf4 GEMMs run in float32 on the dequantized tiles (oneDNN
-//     or MKL's sgemm); GGUF blocks as kernels.cpp, integer products on x in bytes (vpmaddubsw or vpdpbusd); int8
-//     weights past INT8_TILE_ROWS as kernels.cpp (kernels.h's int8_gemm), by vpmaddwd (AVX-VNNI: vpdpwssd).
+//   * no bfloat16 arithmetic: a long prefill's nf4 runs its tiles' integer products in a GEMM (kernels.h's tile_gemm);
+//     GGUF blocks as kernels.cpp, integer products on x in bytes (vpmaddubsw or vpdpbusd); int8 weights past
+//     INT8_TILE_ROWS as kernels.cpp (kernels.h's int8_gemm), by vpmaddwd (AVX-VNNI: vpdpwssd).
 // Each row of x is still summed in one fixed order whatever the tile or the batch: a row's result does not depend on
 // the other rows.
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
@@ -19,12 +19,6 @@
 #include "kernels.h"
 
 namespace {
-
-inline float hsum(__m256 v) {  // lanes summed pairwise: (0+4, 1+5, 2+6, 3+7), then (0+2, 1+3), then 0+1
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 inline float hmax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -78,14 +72,14 @@ void f32_tile(const float* x, const float* w, int64_t K, float* y, int64_t N, in
     for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = hsum(acc[r][j]);
 }
 
-// kernels.h's f32_gemm: 6 rows of x against 2 weight rows a block (12 accumulators, 2 weights and x: 15 of 16
+// kernels.h's tile_gemm: 6 rows of x against 2 weight rows a block (12 accumulators, 2 weights and x: 15 of 16
 // registers), K in chunks of 512; past 24 rows of x (BENCHMARKS.md)
 constexpr int GEMM_R = 6, GEMM_NB = 2;
 constexpr int64_t F32_TILE_ROWS = 24;
 
 template <int NB>
-void f32_block(const float* xb, const float* wb, int64_t K, int64_t steps, float* acc, bool first, bool last, float* y,
-               int64_t ldy, int64_t rows) {
+void f32_block(const float* xb, const float* wb, const float*, int64_t K, int64_t steps, float* acc, bool first,
+               bool last, float* y, int64_t ldy, int64_t rows) {
   __m256 a[GEMM_R][NB];
   for (int r = 0; r < GEMM_R; ++r)
     for (int j = 0; j < NB; ++j) a[r][j] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + 8 * (r * NB + j));
@@ -114,10 +108,11 @@ void f32_block(const float* xb, const float* wb, int64_t K, int64_t steps, float
     }
 }
 
-// y [M, N] = x [M, K] w^T, every M: past F32_TILE_ROWS kernels.h's f32_gemm, in the tiles' order
+// y [M, N] = x [M, K] w^T, every M: past F32_TILE_ROWS kernels.h's tile_gemm, in the tiles' order
 void f32_tiles(const float* xp, const float* wp, int64_t M, int64_t K, float* yp, int64_t N) {
   if (M > F32_TILE_ROWS) {  // (a prefill: the same bits, kernels.h)
-    f32_gemm<8, GEMM_R, GEMM_NB, 512>(xp, wp, M, K, yp, N, [](int64_t nb, auto... args) {
+    const auto panel = [wp, K](int64_t n0, int64_t) { return PanelRows<float>{wp + n0 * K, nullptr}; };
+    tile_gemm<8, GEMM_R, GEMM_NB, 512>(xp, M, K, yp, N, panel, [](int64_t nb, auto... args) {
       if (nb == 2) f32_block<2>(args...);
       else f32_block<1>(args...);
     });
@@ -384,32 +379,10 @@ void int4_tiles(const float* xp, const uint8_t* qp, const float* dp, const float
   });
 }
 
-// nf4's tiles' schedule (half a byte a weight): at one row of x 4 weight rows a tile (more memory in
-// flight), else 2 weight rows against up to 4 rows of x. tile(rows, weight_rows, m0, n0), the counts as
-// std::integral_constant (each tile a template on them)
-template <typename Tile>
-void four_bit_tiles(int64_t M, int64_t N, int64_t K, Tile tile) {
-  using std::integral_constant;
-  if (M == 1) {
-    for_each_tile<4>(M, N, K, 2 * K, [&](int64_t, int64_t, int64_t n0, int64_t nb) {
-      if (nb == 4) tile(integral_constant<int, 1>(), integral_constant<int, 4>(), 0, n0);
-      else for (int64_t j = 0; j < nb; ++j) tile(integral_constant<int, 1>(), integral_constant<int, 1>(), 0, n0 + j);
-    });
-    return;
-  }
-  for_each_tile<2, 4>(M, N, K, K, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
-    if (nb == 2) {
-      DISPATCH_ROWS(rows, (tile(integral_constant<int, R>(), integral_constant<int, 2>(), m0, n0)));
-    } else {
-      DISPATCH_ROWS(rows, (tile(integral_constant<int, R>(), integral_constant<int, 1>(), m0, n0)));
-    }
-  });
-}
-
 // ---- nf4 weights (bitsandbytes' NF4 code), one absmax per block of 64 ----------------------------------------------
 // Per row and block: 32 bytes, byte j holding code j (low nibble) and code j + 32 (high nibble); absmax float32
-// [N, K/64]. For a long prefill's float32 tiles (nf4_rows) the 16 code values sit in two registers: vpermps looks a
-// code up in both, its bit 3 picks one.
+// [N, K/64]. For the dequantized float32 weights (nf4_rows: dequantize_nf4) the 16 code values sit in two registers:
+// vpermps looks a code up in both, its bit 3 picks one. The matmul is kernels.h's nf4_matmul.
 
 struct NF4Table {
   __m256 low, high;
@@ -444,79 +417,10 @@ void nf4_rows(const uint8_t* qp, const float* ap, const float* code, int64_t K, 
     }
 }
 
-// Decoding (up to GEMM_ROWS rows of x) multiplies in integers: x as 16-bit words X = 127 q1 + q2 (DigitRows' digits,
-// within 1/32258 of a row's largest value) and each code's value as V = round(NF4[code] 2^14), within 2^-15 of the
-// block's absmax (NF4's own steps are 2500x that). vpshufb looks 32 codes up at once in two 16-byte tables (V's low
-// and high bytes), vpunpck{l,h}bw joins them into words; per block four vpmaddwd (8 products a lane: |V X| 8 <= 2^14
-// 16193 8 < 2^31), then times absmax in float. A lookup of float32 values (vpermps in two registers, a blend: 2-3 shuffles
-// per 8 weights) ran at a third of the memory's speed. Within each 128-bit lane the words come out as codes 0-7 and
-// 16-23 (unpacklo), 8-15 and 24-31 (unpackhi), the same + 32 for the high nibbles: X is read in that order (NF4Words
-// permutes it once a call).
-struct NF4Words {
-  __m256i low, high;       // V's low and high bytes of each code, in both lanes
-  std::vector<int16_t> x;  // [M, K]: X = 127 q1 + q2 (x's digits), each 64 in the tile's order
-  std::vector<float> unit; // per row: the value of X = 1
-  NF4Words(const float* code, const float* xf, int64_t M, int64_t K) : x(M * K), unit(M) {
-    alignas(16) uint8_t lo[16], hi[16];
-    for (int v = 0; v < 16; ++v) {
-      const int16_t V = (int16_t)std::nearbyint(code[v] * 16384.f);
-      lo[v] = (uint8_t)(V & 0xFF), hi[v] = (uint8_t)((uint16_t)V >> 8);
-    }
-    low = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)lo));
-    high = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)hi));
-    const DigitRows digits(xf, M, K);
-    for (int64_t row = 0; row < M; ++row) unit[row] = digits.scale[row] / 127.f;
-    for (int64_t b = 0; b < M * K / 64; ++b)  // word 16 g + 8 lane + i <- value 32 (g / 2) + 8 (g % 2) + 16 lane + i
-      for (int g = 0; g < 4; ++g)
-        for (int lane = 0; lane < 2; ++lane)
-          for (int i = 0; i < 8; ++i) {
-            const int64_t from = 64 * b + 32 * (g / 2) + 8 * (g % 2) + 16 * lane + i;
-            x[64 * b + 16 * g + 8 * lane + i] = (int16_t)(127 * digits.q1[from] + digits.q2[from]);
-          }
-  }
-};
-
-template <int R, int NB>
-void nf4_tile(const NF4Words& t, int64_t m0, const uint8_t* q, const float* absmax, int64_t K, float* y, int64_t N,
-              int64_t n0) {
-  const int64_t G = K / 64;
-  const int16_t* X = t.x.data() + m0 * K;
-  __m256 acc[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(15);
-  for (int64_t g = 0; g < G; ++g)
-    for (int j = 0; j < NB; ++j) {
-      const int64_t n = n0 + j;
-      const uint8_t* block = q + n * (K / 2) + g * 32;
-      _mm_prefetch((const char*)block + PREFETCH, _MM_HINT_T0);
-      const __m256i b = _mm256_loadu_si256((const __m256i*)block);
-      __m256i w[4];
-      for (int h = 0; h < 2; ++h) {  // codes 0-31 (low nibbles), 32-63 (high)
-        const __m256i c = _mm256_and_si256(h ? _mm256_srli_epi16(b, 4) : b, low4);
-        const __m256i vl = _mm256_shuffle_epi8(t.low, c), vh = _mm256_shuffle_epi8(t.high, c);
-        w[2 * h] = _mm256_unpacklo_epi8(vl, vh), w[2 * h + 1] = _mm256_unpackhi_epi8(vl, vh);
-      }
-      const __m256 scale = _mm256_set1_ps(absmax[n * G + g]);
-      for (int r = 0; r < R; ++r) {
-        const int16_t* x = X + r * K + 64 * g;
-        __m256i sum = _mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i*)x));
-        for (int i = 1; i < 4; ++i)
-          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(w[i], _mm256_loadu_si256((const __m256i*)(x + 16 * i))));
-        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[r][j]);
-      }
-    }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = hsum(acc[r][j]) * (t.unit[m0 + r] * (1.f / 16384.f));
-}
-
-// y [M, N] = x [M, K] w^T for M <= GEMM_ROWS
+// y [M, N] = x [M, K] w^T, every M: kernels.h's nf4_matmul
 void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float* cp, int64_t M, int64_t K, float* yp,
                int64_t N) {
-  const NF4Words t(cp, xp, M, K);
-  four_bit_tiles(M, N, K, [&](auto rows, auto weight_rows, int64_t m0, int64_t n0) {
-    nf4_tile<decltype(rows)::value, decltype(weight_rows)::value>(t, m0, qp, ap, K, yp + m0 * N, N, n0);
-  });
+  nf4_matmul<DigitRows>(xp, qp, ap, cp, M, K, yp, N);
 }
 
 // x [M, K] rounded to 8 bits a value, as llama.cpp's activations: each `group` values (256: its Q8_K; 32: its Q8_0)

@@ -258,8 +258,9 @@ class NF4Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "kernel_weight"):
             return self.add_bias(kernels.linear_nf4(x, self.kernel_weight, self.kernel_absmax, self.code))
-        # dequantize-and-matmul: torch.compile fuses the table lookup into the weight loads
-        return self.add_bias(F.linear(x, self.dequantize(x.dtype)))
+        # dequantize-and-matmul: torch.compile fuses the table lookup into the weight loads; on the CPU (rows of K %
+        # 64 values) kernels.cpp's float32 tiles, whose rows do not depend on the batch
+        return self.add_bias(kernels.linear_f32(x, self.dequantize(x.dtype)))
 
 
 class LLMInt8Linear(Int8Linear):
