@@ -96,7 +96,8 @@ void for_each_tile(int64_t M, int64_t N, int64_t K, int64_t bytes_per_weight_row
 // ---- float32 and nf4 weights past a few rows of x (a prefill): the tiles' order of sums at a GEMM's rate -----------
 // Each ISA's f32_tile computes an output (row m of x, weight row n) in L lanes, lane i summing x[m, k] w[n, k] over
 // k = i, i + L, ... in order by FMAs, then its own sum of the lanes; in K's last partial step the lanes past K add
-// fma(0, 0, acc). nf4_tile keeps lanes too, with a block of 64 values at a time (its own dot, then times absmax).
+// fma(0, 0, acc). nf4_tile (below) keeps 8 lanes too, a block of 64 values at a time: each lane's 8 exact integer
+// products, then times absmax into the lane's float sum.
 // tile_gemm computes the same bits at a GEMM's schedule (float32: 0.8-0.9x oneDNN's float32 GEMM, BENCHMARKS.md):
 //   * x packed once a call into blocks of R rows, [K_L / L][R][L] (K_L: K rounded up to L, zeros past K): its rows
 //     K apart fell into the same L1 sets (at K = 2048 the tiles' loads ran at 0.6x);
@@ -229,9 +230,9 @@ at::Tensor output_like(const at::Tensor& x, int64_t N) {
   return at::empty(shape, x.options());
 }
 
-// Up to GEMM_ROWS rows of x the quantized linears run their decoding tiles, which read each weight once (decoding is
-// memory-bound); past it, where arithmetic bounds a matmul, each type's prefill path in the tiles' order of sums
-// (measured: BENCHMARKS.md).
+// A few rows of x run the decoding tiles, which read each weight once (decoding is memory-bound); past them, where
+// arithmetic bounds a matmul, each type's prefill path in the tiles' order of sums. Each type hands over at its own
+// count (F32_TILE_ROWS, INT8_TILE_ROWS, NF4_TILE_ROWS, tile_rows: BENCHMARKS.md); GGUF blocks on AVX2 at this one.
 constexpr int64_t GEMM_ROWS = 12;
 
 // A GGUF prefill pass's result for one row of x, a tile's weight rows n0 .. n0 + nb - 1: into y's row (its

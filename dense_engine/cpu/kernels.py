@@ -53,10 +53,10 @@ SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"},
 # GEMM reaching the same integers (kernels.h's int8_gemm; past 32 a bfloat16 GEMM on the converted weight served
 # before).
 # nf4 likewise (one design on both ISAs, kernels.h): the tiles up to 16 rows, past them a GEMM in the tiles' order
-# (tile_gemm on weights decoded once a call; bfloat16 GEMMs, AVX2 float32, served before). GGUF blocks take x in bytes at every number of rows (llama.cpp's Q8_K / Q8_0), the
-# decoding tiles and the prefill's summing in one order (kernels.h); int4 runs its one tile at every number of rows:
-# a row's bits whatever the batch.
-GEMM_ROWS = 12
+# (tile_gemm on weights decoded once a call; bfloat16 GEMMs, AVX2 float32, served before). GGUF blocks take x in bytes
+# at every number of rows (llama.cpp's Q8_K / Q8_0), the decoding tiles and the prefill's summing in one order
+# (kernels.h); int4 runs its one tile at every number of rows: a row's bits whatever the batch.
+GEMM_ROWS = 12  # (kernels.h's: where AVX2's GGUF blocks take the prefill's tiles)
 _state: dict = {}
 
 
