@@ -369,6 +369,21 @@ def prompt_ids(gguf: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False).ids
 
 
+def alternating_rounds(args, files: dict, row: tuple, ids: list[int], console, what: str) -> dict:
+    """Each engine that has a file for the row (label, llama.cpp's file, ours, our quant): args.rounds worker results,
+    the engines' order alternating per round. {engine: [result, ...]}"""
+    _, theirs, ours, quant = row
+    workers = {"llama.cpp": (args.llama_python, "llama", theirs and files[theirs], None),
+               "dense": (sys.executable, "dense", ours and files[ours], quant)}
+    rounds = {engine: [] for engine, (_, _, gguf, _) in workers.items() if gguf}
+    for r in range(args.rounds):
+        for engine in (list(rounds) if r % 2 == 0 else list(rounds)[::-1]):
+            python, kind, gguf, q = workers[engine]
+            with console.status(f"{what}: {engine}, round {r + 1} of {args.rounds}"):
+                rounds[engine].append(run_worker(python, kind, gguf, q, ids, args))
+    return rounds
+
+
 def prefill_tables(args, names: list[str], console) -> int:
     """--prefill: prompt tokens per second (prompt length / time to the first token), the engines alternating per
     round as for decoding; the ratio is the median of the rounds' ratios."""
@@ -387,14 +402,8 @@ def prefill_tables(args, names: list[str], console) -> int:
         for label, theirs, ours, quant in [r for r in args.rows if r[2]]:  # (nf4: this engine only)
             for n in lengths:
                 ids = (text_ids * (n // len(text_ids) + 1))[:n]
-                workers = {"llama.cpp": (args.llama_python, "llama", theirs and files[theirs], None),
-                           "dense": (sys.executable, "dense", files[ours], quant)}
-                rounds = {engine: [] for engine, (_, _, gguf, _) in workers.items() if gguf}
-                for r in range(args.rounds):
-                    for engine in (list(rounds) if r % 2 == 0 else list(rounds)[::-1]):
-                        python, kind, gguf, q = workers[engine]
-                        with console.status(f"{name} {label} {n} tokens: {engine}, round {r + 1} of {args.rounds}"):
-                            rounds[engine].append(run_worker(python, kind, gguf, q, ids, args))
+                rounds = alternating_rounds(args, files, (label, theirs, ours, quant), ids, console,
+                                            f"{name} {label} {n} tokens")
                 rates = {e: [n / x["ttft_s"] for x in runs if "ttft_s" in x] for e, runs in rounds.items()}
                 errors = [x["error"] for runs in rounds.values() for x in runs if "error" in x]
                 ratio = statistics.median(d / l for l, d in zip(rates["llama.cpp"], rates["dense"])) \
@@ -463,14 +472,7 @@ def main() -> int:
             table.add_column(col)
         for label, theirs, ours, quant in args.rows:
             row = {"model": name, "precision": label}
-            workers = {"llama.cpp": (args.llama_python, "llama", theirs and files[theirs], None),
-                       "dense": (sys.executable, "dense", ours and files[ours], quant)}
-            rounds = {engine: [] for engine, (_, _, gguf, _) in workers.items() if gguf}
-            for r in range(args.rounds):
-                for engine in (list(rounds) if r % 2 == 0 else list(rounds)[::-1]):
-                    python, kind, gguf, q = workers[engine]
-                    with console.status(f"{name} {label}: {engine}, round {r + 1} of {args.rounds}"):
-                        rounds[engine].append(run_worker(python, kind, gguf, q, ids, args))
+            rounds = alternating_rounds(args, files, (label, theirs, ours, quant), ids, console, f"{name} {label}")
             for engine, results_of in rounds.items():
                 row[engine] = summarize(results_of)
             results.append(row)

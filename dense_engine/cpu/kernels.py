@@ -7,9 +7,9 @@ runs at the speed the weights stream from memory. PyTorch's CPU kernels reach le
 with FMA (for a prefill, a GEMM that sums each output in the tiles' order); int8 weights with AVX-512 VNNI on
 activations written as two int8 digits (16 bits of the row's range); int4 by integer products on x as a 16-bit
 integer and a byte a value (a scale per 32: float32's precision), one tile at every number of rows; nf4 by integer
-products on x's two digits and its 16 values as 15-bit integers (vpshufb lookups; kernels.h). The result is the dequantized weights' product to float32's
-precision, or within 1/32258 of each row of x's largest value (llama.cpp quantizes activations to 8 bits, which
-flips answers of the default model: measured). A GGUF file's own blocks (K-quants, Q8_0, Q4_0/1, Q5_0/1) are
+products on x's two digits and its 16 values as 15-bit integers (vpshufb lookups; kernels.h). The result is the
+dequantized weights' product to float32's precision, or within 1/32258 of each row of x's largest value (llama.cpp
+quantizes activations to 8 bits, which flips answers of the default model: measured). A GGUF file's own blocks (K-quants, Q8_0, Q4_0/1, Q5_0/1) are
 multiplied as stored, by integer dot products (VNNI) on x rounded to 8 bits as llama.cpp rounds it, at every number
 of rows in one order of sums (kernels.h).
 
@@ -227,23 +227,10 @@ def register_shapes() -> None:
         blocks.shape[0], k, dtype=torch.bfloat16 if bf16 else torch.float32))
 
 
-def known_true(condition) -> bool:
-    """condition itself when eager; while a graph is traced (dynamic sizes), whether it holds at every size.
-    symbolic_shapes imports sympy (0.3 s): imported when a graph is traced, not at every start. (Not isinstance:
-    the tracer reports a symbolic bool as a bool.)"""
-    if not torch.compiler.is_compiling():
-        return bool(condition)
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return statically_known_true(condition)
-
-
-def use_kernel(x: torch.Tensor, rows: int | None = None) -> bool:
-    """Whether x goes to a kernel of kernels.cpp (rows=None: at any number of rows, each kernel choosing its own path
-    for many). In a graph whose row count is dynamic (generate.py's prefill step),
-    the many-rows path: the graph cannot depend on a number it does not know."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and (
-        rows is None or known_true(x.numel() // x.shape[-1] <= rows))
+def use_kernel(x: torch.Tensor) -> bool:
+    """Whether x goes to a kernel of kernels.cpp: at any number of rows, each kernel choosing its own path for many
+    (so a graph whose row count is dynamic, generate.py's prefill step, depends on no number it does not know)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32
 
 
 # ----------------------------------------------------------------------------------------------------------------
