@@ -7,11 +7,14 @@ cached and compiled decoding against plain passes."""
 import hashlib
 import json
 import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT
 from test_gguf import Q, original_tokenizer, small_llama, write_gguf
 
 from dense_engine.cpu import kernels, quantized
@@ -110,6 +113,44 @@ def test_a_kquant_rows_bits_do_not_depend_on_the_rows_beside_it(kind):
         assert torch.equal(torch.ops.dense_kernels.linear_gguf(x[:m], blocks, ggml_id), alone[:m]), (kind, m)
     assert_bytes_product(kind, x, blocks, want)
 
+
+
+BLOCKS_ON_BOTH_ISAS = """
+import sys, torch
+from dense_engine.cpu import kernels, quantized
+assert kernels.available()
+scales = %r
+out = {}
+for kind, (ggml_id, values, size) in quantized.GGUF_TYPES.items():
+    for n, k in ((37, 1024), (9, 2304)):
+        g = torch.Generator().manual_seed(n + k)
+        blocks = torch.randint(0, 256, (n, k // values, size), dtype=torch.uint8, generator=g)
+        for at in scales[kind]:
+            blocks[..., at:at + 2] = (torch.randn(n, k // values, 1, generator=g) * 0.01).half().view(torch.uint8)
+        x = torch.randn(40, k, generator=g)
+        x[2, 100] = 40.0
+        for m in (1, 2, 3, 5, 12, 13, 40):
+            out[f"{kind}-{n}-{k}-{m}"] = torch.ops.dense_kernels.linear_gguf(x[:m], blocks.reshape(n, -1), ggml_id)
+torch.save(out, sys.argv[1])
+print(kernels.avx2_only())
+""" % SCALES
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.available() or kernels.avx2_only(), reason="needs the AVX-512 kernels beside AVX2's")
+def test_gguf_blocks_give_the_same_bits_on_both_instruction_sets(tmp_path):
+    """Every block type sums in kernels.h's one order on both ISAs (x in bytes, the integer sums, then the same float
+    steps): kernels.cpp and kernels_avx2.cpp (DENSE_KERNELS=avx2) give the same bits, decoding (1-12 rows: AVX-512's
+    K-quant tiles reduce two outputs at a time) and prefilling."""
+    got = {}
+    for isa in ("", "avx2"):
+        path = str(tmp_path / f"blocks{isa}.pt")
+        run = subprocess.run([sys.executable, "-c", BLOCKS_ON_BOTH_ISAS, path], cwd=ROOT, capture_output=True,
+                             text=True, env={**os.environ, "DENSE_KERNELS": isa})
+        assert run.stdout.strip() == str(isa == "avx2"), run.stderr[-2000:]
+        got[isa] = torch.load(path, weights_only=True)
+    assert got[""].keys() == got["avx2"].keys()
+    assert [k for k in got[""] if not torch.equal(got[""][k], got["avx2"][k])] == []
 
 def x_in_bytes(x: torch.Tensor, group: int) -> torch.Tensor:
     """x as a GGUF prefill rounds it (float64): each group of values (K-quants 256, llama.cpp's Q8_K; 32-blocks 32,

@@ -459,7 +459,9 @@ inline __m512i chunk_codes(const uint8_t* row, int64_t c, int64_t blocks) {
 
 // x [M, K] rounded to 8 bits a value, as llama.cpp's activations: each `group` values (256: K-quants, its Q8_K; 32:
 // 32-blocks, its Q8_0) xq = x / dx rounded to the nearest (even), dx = their max|x| / 127; stored + 128 as unsigned
-// bytes for a prefill's vpdpbusd (plus128), as signed bytes for the K-quants' decoding (codes times xq, vpmaddubsw)
+// bytes for a prefill's vpdpbusd (plus128), as signed bytes for the K-quants' decoding (codes times xq, vpmaddubsw).
+// nibble_order: xq in the order Q4_K / Q5_K's 64 bytes of codes hold their values, low nibbles then high ones (each
+// 128 values' second and third 32 swapped), so that one load of codes serves two registers
 struct ByteRows {
   std::vector<uint8_t> xu;   // [M, K] xq + 128 (plus128) or xq
   std::vector<float> dx;     // [M, K / group]
@@ -468,7 +470,7 @@ struct ByteRows {
   float sum32(int64_t m, int64_t b) const {  // sum(xq) over values 32b .. 32b + 31 of row m
     return (float)(s16[m * (K / 16) + 2 * b] + s16[m * (K / 16) + 2 * b + 1]);
   }
-  ByteRows(const float* x, int64_t M, int64_t K, int64_t group, bool plus128 = true)
+  ByteRows(const float* x, int64_t M, int64_t K, int64_t group, bool plus128 = true, bool nibble_order = false)
       : xu(M * K), dx(M * (K / group)), s16(M * (K / 16)), K(K) {
     const __m512i off = _mm512_set1_epi32(plus128 ? 128 : 0);
     at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
@@ -483,9 +485,10 @@ struct ByteRows {
           for (int k = 0; k < group; k += 32) {
             const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + k), inv));  // nearest
             const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + k + 16), inv));
-            const int64_t at = m * K + b * group + k;
-            _mm_storeu_si128((__m128i*)(xu.data() + at), _mm512_cvtepi32_epi8(_mm512_add_epi32(a, off)));
-            _mm_storeu_si128((__m128i*)(xu.data() + at + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, off)));
+            const int64_t at = m * K + b * group + k, s = k / 32;
+            const int64_t to = nibble_order ? at - k + 32 * ((s & ~3) | (s & 1) << 1 | (s >> 1 & 1)) : at;
+            _mm_storeu_si128((__m128i*)(xu.data() + to), _mm512_cvtepi32_epi8(_mm512_add_epi32(a, off)));
+            _mm_storeu_si128((__m128i*)(xu.data() + to + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, off)));
             const int32_t low = _mm512_reduce_add_epi32(a), high = _mm512_reduce_add_epi32(c);
             s16[at / 16] = (int16_t)low, s16[at / 16 + 1] = (int16_t)high;
           }
@@ -497,76 +500,95 @@ struct ByteRows {
 // NB weight rows of a K-quant type against R rows of x in bytes (signed xq, a scale per 256), a super-block at a
 // time: 64 codes u (0..63) a register times xq by vpmaddubsw (pairs in int16: |u xq| pairs <= 2 x 63 x 127), times
 // the sub-block's integer scale by vpdpwssd into int32 lanes (kernels.h's I, less Q6_K's offset: 32 times the
-// scales against the sums of xq per 16), the mins against the sums of xq per 32 (Mn); then kernels.h's float steps
+// scales against the sums of xq per 16), the mins against the sums of xq per 32 (Mn); then kernels.h's float steps,
+// two outputs at a time: one reduction gives both outputs' I and Mn, and lanes 0 and 2 of a register take the steps
+// (kquant_step's operations, lane by lane). The scales reach their lanes by vpermw from the 16 of a super-block.
 template <int64_t T, int R, int NB>
 void kquant_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
                  int64_t N, int64_t n0) {
+  constexpr int OUT = R * NB, PAIRS = (OUT + 1) / 2;  // output o: row o / NB of x, weight row o % NB
   const int64_t S = K / 256;
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  float acc[R][NB] = {};
+  const __m512i word = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
+                                        12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m128 acc[PAIRS];
+  for (int p = 0; p < PAIRS; ++p) acc[p] = _mm_setzero_ps();
   for (int64_t sb = 0; sb < S; ++sb) {
+    __m512i isum[R][NB];
+    __m256i per16[NB];  // what each 16's sum of xq meets: Q6_K its scale (the offset's), Q4_K / Q5_K its 32's min
+    uint32_t halves[NB];  // the super-block's d and dmin (Q6_K: d, 0) as float16
+#pragma GCC unroll 2
     for (int j = 0; j < NB; ++j) {
       const uint8_t* blk = w + (n0 + j) * row_bytes + sb * block_bytes(T);
       for (int line = 0; line < block_bytes(T); line += 64) _mm_prefetch((const char*)blk + AHEAD + line, _MM_HINT_T1);
-      __m512i isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-      __m256i per16;  // what each 16's sum of xq meets: Q6_K its scale (the offset's), Q4_K / Q5_K its 32's min
-      float d, nd = 0.f;
+      __m512i even[R], odd[R];  // (two chains of vpdpwssd, added at the end)
+      for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_si512();
       if constexpr (T == GQ6_K) {  // 64 codes (0..63) a register as bytes
-        const __m128i bytes = _mm_loadu_si128((const __m128i*)(blk + 192));  // 16 sub-blocks' scales
-        const __m512i scales = _mm512_cvtepi8_epi32(bytes);
-        const __m512i pairs = _mm512_or_si512(_mm512_and_si512(scales, _mm512_set1_epi32(0xFFFF)),
-                                              _mm512_slli_epi32(scales, 16));  // each scale twice, for vpermd
-        for (int c = 0; c < 4; ++c) {  // chunk c: sub-blocks 4c .. 4c + 3, four int32 lanes each
+        const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 192)));  // 16 sub-blocks'
+        for (int c = 0; c < 4; ++c) {  // chunk c: sub-blocks 4c .. 4c + 3, eight words each
           const __m512i u = chunk_codes<T>(w + (n0 + j) * row_bytes, sb * 4 + c, 0);
-          const __m512i scale = _mm512_permutexvar_epi32(
-              _mm512_add_epi32(_mm512_set1_epi32(4 * c), _mm512_srli_epi32(iota, 2)), pairs);
+          const __m512i scale = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16(4 * c), _mm512_srli_epi16(word, 3)),
+                                                         _mm512_castsi256_si512(scales));
           for (int r = 0; r < R; ++r) {
             const __m512i xq = _mm512_loadu_si512(xs.xu.data() + (m0 + r) * K + sb * 256 + 64 * c);
-            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u, xq), scale);
+            __m512i& sum = c % 2 ? odd[r] : even[r];
+            sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(u, xq), scale);
           }
         }
-        per16 = _mm256_cvtepi8_epi16(bytes);
-        d = half_at(blk + 208);
-      } else {  // 64 codes a register as bytes: sub-block 2g in the low nibbles of 32 bytes, 2g + 1 in the high ones
-        const __m128i sm = kquant_scales(blk + 4);
-        const __m128i s16 = _mm_cvtepu8_epi16(sm);  // each scale twice in an int32, for vpermd
-        const __m512i pairs = _mm512_castsi256_si512(_mm256_set_m128i(_mm_unpackhi_epi16(s16, s16), _mm_unpacklo_epi16(s16, s16)));
+        per16[j] = scales;
+        uint16_t d;
+        memcpy(&d, blk + 208, 2);
+        halves[j] = d;
+      } else {  // 64 bytes of codes, two registers: sub-blocks 4h and 4h + 2 in the low nibbles, 4h + 1 and 4h + 3 in
+                // the high ones (xq in that order: nibble_order)
+        const __m256i sm = _mm256_cvtepu8_epi16(kquant_scales(blk + 4));  // scales in words 0-7, mins in 8-15
         const uint8_t* qs = blk + (T == GQ4_K ? 16 : 48);
         __m512i qh;
         if constexpr (T == GQ5_K) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 16)));
-        // (chunk_codes, inlined with qh loaded once a super-block: calling it here decoded Q5_K 13% slower, measured)
-        for (int g = 0; g < 4; ++g) {
-          const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * g)));
-          __m512i u = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFFFF0000u, z, 4), _mm512_set1_epi8(15));
+        for (int g = 0; g < 4; ++g) {  // register g: sub-blocks s and s + 2, s = 4 (g / 2) + g % 2
+          const int s = 4 * (g / 2) + g % 2;
+          const __m512i z = _mm512_loadu_si512(qs + 64 * (g / 2));
+          __m512i u = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(z, 4) : z, _mm512_set1_epi8(15));
           if constexpr (T == GQ5_K) {  // bit s of qh[l]: the fifth bit of value l of sub-block s
-            const __m512i shift = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(2 * g), _mm512_set1_epi16(2 * g + 1));
+            const __m512i shift = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(s), _mm512_set1_epi16(s + 2));
             u = _mm512_or_si512(u, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift), _mm512_set1_epi8(1)), 4));
           }
-          const __m512i scale = _mm512_permutexvar_epi32(  // int32 lanes 0-7: scale 2g, 8-15: scale 2g + 1
-              _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * g), _mm512_set1_epi32(2 * g + 1)), pairs);
+          const __m512i scale = _mm512_permutexvar_epi16(  // words 0-15: scale s, 16-31: scale s + 2
+              _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(s), _mm512_set1_epi16(s + 2)),
+              _mm512_castsi256_si512(sm));
           for (int r = 0; r < R; ++r) {
             const __m512i xq = _mm512_loadu_si512(xs.xu.data() + (m0 + r) * K + sb * 256 + 64 * g);
-            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u, xq), scale);
+            __m512i& sum = g % 2 ? odd[r] : even[r];
+            sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(u, xq), scale);
           }
         }
-        const __m128i mins = _mm_srli_si128(sm, 8);
-        per16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));  // each min for both 16s of its 32
-        d = half_at(blk), nd = -half_at(blk + 2);
+        per16[j] = _mm256_permutexvar_epi16(
+            _mm256_or_si256(_mm256_srli_epi16(_mm512_castsi512_si256(word), 1), _mm256_set1_epi16(8)), sm);  // each min for both 16s of its 32
+        memcpy(&halves[j], blk, 4);
       }
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < R; ++r) isum[r][j] = _mm512_add_epi32(even[r], odd[r]);
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < PAIRS; ++p) {  // outputs a and b: I_a, Mn_a, I_b, Mn_b in one reduction
+      const int a = 2 * p, b = std::min(2 * p + 1, OUT - 1), ra = a / NB, ja = a % NB, rb = b / NB, jb = b % NB;
+      auto half = [](__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); };
+      auto mins = [&](int r, int j) {
         const __m256i sums = _mm256_loadu_si256((const __m256i*)(xs.s16.data() + (m0 + r) * (K / 16) + sb * 16));
-        const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(isum[r]), _mm512_extracti64x4_epi64(isum[r], 1));
-        __m128i s = sum_lanes4(half, _mm256_madd_epi16(sums, per16), half, half);  // I, C (, I, I)
-        if constexpr (T == GQ6_K) s = _mm_sub_epi32(s, _mm_slli_epi32(_mm_srli_epi64(s, 32), 5));  // I - 32 C
-        const __m128 f = _mm_cvtepi32_ps(s);
-        acc[r][j] = kquant_step(acc[r][j], _mm_cvtss_f32(f), _mm_cvtss_f32(_mm_movehdup_ps(f)), d, nd,
-                                xs.dx[(m0 + r) * S + sb], T != GQ6_K);
-      }
+        return _mm256_madd_epi16(sums, per16[j]);
+      };
+      __m128i s = sum_lanes4(half(isum[ra][ja]), mins(ra, ja), half(isum[rb][jb]), mins(rb, jb));
+      if constexpr (T == GQ6_K) s = _mm_sub_epi32(s, _mm_slli_epi32(_mm_srli_epi64(s, 32), 5));  // I - 32 C
+      const __m128 f = _mm_cvtepi32_ps(s);
+      const __m128 dm = _mm_cvtph_ps(_mm_setr_epi32(halves[ja], halves[jb], 0, 0));  // d_a, dmin_a, d_b, dmin_b
+      __m128 part = _mm_mul_ps(f, dm);  // (lanes 0 and 2) d I
+      if constexpr (T != GQ6_K) part = _mm_fnmadd_ps(_mm_movehdup_ps(dm), _mm_movehdup_ps(f), part);  // + nd Mn
+      const __m128 dx = _mm_setr_ps(xs.dx[(m0 + ra) * S + sb], 0.f, xs.dx[(m0 + rb) * S + sb], 0.f);
+      acc[p] = _mm_fmadd_ps(part, dx, acc[p]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * N + n0 + j] = acc[r][j];
+  for (int p = 0; p < PAIRS; ++p) {
+    y[(2 * p / NB) * N + n0 + 2 * p % NB] = _mm_cvtss_f32(acc[p]);
+    if (2 * p + 1 < OUT) y[((2 * p + 1) / NB) * N + n0 + (2 * p + 1) % NB] = _mm_cvtss_f32(_mm_movehl_ps(acc[p], acc[p]));
+  }
 }
 
 // R rows of x against Q8_0 weight row n in float32: per block its 32 codes widened to float times x (a multiply and
@@ -603,7 +625,7 @@ void q8_0_float_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_b
 
 template <int64_t T>
 void gguf_tiles(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y, int64_t N) {
-  const ByteRows xs(x, M, K, block_elements(T), false);  // x in bytes, as the prefill (kernels.h's orders)
+  const ByteRows xs(x, M, K, block_elements(T), false, T == GQ4_K || T == GQ5_K);  // x in bytes, as the prefill
   if constexpr (T < GQ4_K) {  // (kernels.h's, 8 weight rows a tile)
     for_each_tile<8, 8>(M, N, K, row_bytes, [&](int64_t m0, int64_t rows, int64_t n0, int64_t nb) {
       DISPATCH_ROWS(rows, (block32_tile<T, R>(xs, m0, w, row_bytes, K, y + m0 * N, N, n0, nb)));
