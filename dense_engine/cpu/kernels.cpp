@@ -418,10 +418,11 @@ void nf4_tiles(const float* xp, const uint8_t* qp, const float* ap, const float*
 //   Q4_K, Q5_K  A = d * scale_j (6-bit), B = -(dmin * min_j), per 32      Q6_K  A = d * scale_j (int8), off 32, per 16
 //   Q4_0 / Q5_0 / Q8_0  A = d, off 8 / 16 / 128 (Q8_0's int8 + 128)        Q4_1 / Q5_1  A = d, B = m
 // The matmuls take x in bytes (ByteRows: llama.cpp's Q8_K for K-quants, its Q8_0 for 32-blocks), as their prefill.
-// K-quants: 64 codes a register as bytes (the dequantizer's chunk_codes), times xq by vpmaddubsw (pairs of products
-// in int16), times the sub-block's integer scale by vpdpwssd (into int32), a super-block at a time, then kernels.h's
-// float steps. 32-blocks: kernels.h's block32_tile (8 lanes, shared with kernels_avx2.cpp). Mins and offsets meet the
-// sums of xq over their sub-blocks. The result is the dequantized weights' product with x so rounded.
+// K-quants: 64 codes a register as bytes (chunk_codes; Q4_K / Q5_K's decoding tile in their nibbles' order), times xq
+// by vpmaddubsw (pairs of products in int16), times the sub-block's integer scale by vpdpwssd (into int32), a
+// super-block at a time, then kernels.h's float steps. 32-blocks: kernels.h's block32_tile (8 lanes, shared with
+// kernels_avx2.cpp). Mins and offsets meet the sums of xq over their sub-blocks. The result is the dequantized
+// weights' product with x so rounded.
 
 // Chunk c of a row (elements 64c .. 64c + 63) as 64 codes. blocks: the row's blocks (32-blocks: an odd last chunk
 // gets zero codes in its second half).
@@ -523,11 +524,11 @@ void kquant_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_b
       __m512i even[R], odd[R];  // (two chains of vpdpwssd, added at the end)
       for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_si512();
       if constexpr (T == GQ6_K) {  // 64 codes (0..63) a register as bytes
-        const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 192)));  // 16 sub-blocks'
+        const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 192)));  // 16, as words
         for (int c = 0; c < 4; ++c) {  // chunk c: sub-blocks 4c .. 4c + 3, eight words each
           const __m512i u = chunk_codes<T>(w + (n0 + j) * row_bytes, sb * 4 + c, 0);
-          const __m512i scale = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16(4 * c), _mm512_srli_epi16(word, 3)),
-                                                         _mm512_castsi256_si512(scales));
+          const __m512i index = _mm512_add_epi16(_mm512_set1_epi16(4 * c), _mm512_srli_epi16(word, 3));
+          const __m512i scale = _mm512_permutexvar_epi16(index, _mm512_castsi256_si512(scales));
           for (int r = 0; r < R; ++r) {
             const __m512i xq = _mm512_loadu_si512(xs.xu.data() + (m0 + r) * K + sb * 256 + 64 * c);
             __m512i& sum = c % 2 ? odd[r] : even[r];
@@ -561,8 +562,9 @@ void kquant_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_b
             sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(u, xq), scale);
           }
         }
-        per16[j] = _mm256_permutexvar_epi16(
-            _mm256_or_si256(_mm256_srli_epi16(_mm512_castsi512_si256(word), 1), _mm256_set1_epi16(8)), sm);  // each min for both 16s of its 32
+        const __m256i min_words =  // words 8 + w / 2: each min for both 16s of its 32
+            _mm256_or_si256(_mm256_srli_epi16(_mm512_castsi512_si256(word), 1), _mm256_set1_epi16(8));
+        per16[j] = _mm256_permutexvar_epi16(min_words, sm);
         memcpy(&halves[j], blk, 4);
       }
       for (int r = 0; r < R; ++r) isum[r][j] = _mm512_add_epi32(even[r], odd[r]);
@@ -570,7 +572,9 @@ void kquant_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_b
 #pragma GCC unroll 4
     for (int p = 0; p < PAIRS; ++p) {  // outputs a and b: I_a, Mn_a, I_b, Mn_b in one reduction
       const int a = 2 * p, b = std::min(2 * p + 1, OUT - 1), ra = a / NB, ja = a % NB, rb = b / NB, jb = b % NB;
-      auto half = [](__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); };
+      auto half = [](__m512i v) {
+        return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+      };
       auto mins = [&](int r, int j) {
         const __m256i sums = _mm256_loadu_si256((const __m256i*)(xs.s16.data() + (m0 + r) * (K / 16) + sb * 16));
         return _mm256_madd_epi16(sums, per16[j]);
@@ -585,9 +589,9 @@ void kquant_tile(const ByteRows& xs, int64_t m0, const uint8_t* w, int64_t row_b
       acc[p] = _mm_fmadd_ps(part, dx, acc[p]);
     }
   }
-  for (int p = 0; p < PAIRS; ++p) {
-    y[(2 * p / NB) * N + n0 + 2 * p % NB] = _mm_cvtss_f32(acc[p]);
-    if (2 * p + 1 < OUT) y[((2 * p + 1) / NB) * N + n0 + (2 * p + 1) % NB] = _mm_cvtss_f32(_mm_movehl_ps(acc[p], acc[p]));
+  for (int o = 0; o < OUT; ++o) {
+    const __m128 pair = acc[o / 2];
+    y[(o / NB) * N + n0 + o % NB] = _mm_cvtss_f32(o % 2 ? _mm_movehl_ps(pair, pair) : pair);
   }
 }
 
