@@ -942,7 +942,7 @@ void gguf_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int6
   // own round of tiles
   for (int64_t first = 0; first < M; first += Q8_BLOCK) {
     const int64_t last = std::min(M, first + Q8_BLOCK);
-    std::atomic<int64_t> next{0};  // tiles claimed one at a time, as gemm_by_tiles does
+    std::atomic<int64_t> next{0};  // tiles claimed one at a time: a thread the host slows takes fewer
     at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tiles), 1, [&](int64_t, int64_t) {
       Tile tile(K);
       for (int64_t t = next++, after; t < tiles; t = after) {

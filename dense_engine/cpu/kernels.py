@@ -9,9 +9,9 @@ activations written as two int8 digits (16 bits of the row's range); int4 by int
 integer and a byte a value (a scale per 32: float32's precision), one tile at every number of rows; nf4 by integer
 products on x's two digits and its 16 values as 15-bit integers (vpshufb lookups; kernels.h). The result is the
 dequantized weights' product to float32's precision, or within 1/32258 of each row of x's largest value (llama.cpp
-quantizes activations to 8 bits, which flips answers of the default model: measured). A GGUF file's own blocks (K-quants, Q8_0, Q4_0/1, Q5_0/1) are
-multiplied as stored, by integer dot products (VNNI) on x rounded to 8 bits as llama.cpp rounds it, at every number
-of rows in one order of sums (kernels.h).
+quantizes activations to 8 bits, which flips answers of the default model: measured). A GGUF file's own blocks
+(K-quants, Q8_0, Q4_0/1, Q5_0/1) are multiplied as stored, by integer dot products (VNNI) on x rounded to 8 bits as
+llama.cpp rounds it, at every number of rows in one order of sums (kernels.h).
 
 The library is compiled on first use with the system C++ compiler against the installed torch (about 15 s) into
 $XDG_CACHE_HOME/dense-engine/kernels/ (or ~/.cache/...), keyed by the source, torch version and CPU, and loaded

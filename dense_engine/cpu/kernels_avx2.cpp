@@ -4,9 +4,8 @@
 //   * 16 registers, not 32: tiles hold fewer accumulators (one to four weight rows against up to 4 or 8 rows of x);
 //   * 8-bit products by vpmaddubsw (unsigned x signed bytes, pairs in int16) and vpmaddwd (pairs in int32), or by one
 //     vpdpbusd where the CPU has AVX-VNNI (dot_bytes; the int8 weights' products, the same integers); int8 weights go
-//     through it as |w| times x with w's sign (pairs stay below int16's limit); nf4 takes x as two int8 digits too
-//     (kernels.cpp: float32), within 1/32258 of a row's largest value, its values to 15 bits; int4 computes
-//     kernels.cpp's bits (kernels.h); GGUF blocks decode on x in bytes (llama.cpp's), kernels.cpp's bits;
+//     through it as |w| times x with w's sign (pairs stay below int16's limit); nf4 and int4 compute kernels.cpp's
+//     bits (kernels.h); GGUF blocks decode on x in bytes (llama.cpp's), kernels.cpp's bits;
 //   * no bfloat16 arithmetic: a long prefill's nf4 runs its tiles' integer products in a GEMM (kernels.h's tile_gemm);
 //     GGUF blocks as kernels.cpp, integer products on x in bytes (vpmaddubsw or vpdpbusd); int8 weights past
 //     INT8_TILE_ROWS as kernels.cpp (kernels.h's int8_gemm), by vpmaddwd (AVX-VNNI: vpdpwssd).
@@ -863,7 +862,7 @@ void gguf_prefill(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int6
   const int64_t tiles = (N + B_TILE - 1) / B_TILE;
   for (int64_t first = 0; first < M; first += B_BLOCK) {  // a tile passes over B_BLOCK rows from the thread's cache
     const int64_t last = std::min(M, first + B_BLOCK);
-    std::atomic<int64_t> next{0};  // tiles claimed one at a time, as gemm_by_tiles does
+    std::atomic<int64_t> next{0};  // tiles claimed one at a time: a thread the host slows takes fewer
     at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tiles), 1, [&](int64_t, int64_t) {
       ByteTile<T> tile(K);
       for (int64_t t = next++; t < tiles; t = next++) {
