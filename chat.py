@@ -26,8 +26,8 @@ from dense_engine.cli.repl import SETTINGS, ctrl_c_as_key, interactive
 from dense_engine.cli.terminal import Notes
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
-from dense_engine.runtime import cache_files, generate, grammar, tp
-from dense_engine.runtime.session import Session, filters, fitting_cache
+from dense_engine.runtime import caches, generate, grammar, tp
+from dense_engine.runtime.session import Session, filters
 from dense_engine.runtime.steps import Steps
 from dense_engine.system.errors import UsageError, run_program
 
@@ -126,12 +126,12 @@ def load_prompt_cache(session: Session, path: str, notes: Notes) -> None:
     whole and FILE written again); a file that is not a prompt cache is refused, never overwritten."""
     if not os.path.exists(path):
         return
-    if not cache_files.is_cache_file(path):
+    if not caches.is_cache_file(path):
         raise UsageError(f"--prompt-cache {path}: not a prompt cache (this would overwrite it); choose another name")
     try:
         session.load_cache(path)
     except (ValueError, OSError) as e:
-        notes(f"note: --prompt-cache {path} not used: {cache_files.first_words(e)}; it is written again")
+        notes(f"note: --prompt-cache {path} not used: {caches.first_words(e)}; it is written again")
 
 
 def one_shot(session: Session, vocab: Vocabulary, args, mode: str, notes: Notes) -> int:
@@ -200,7 +200,7 @@ def shared_lines(source):
     tp.broadcast(None)
 
 
-def prompt_file(model, vocab: Vocabulary, args, mode: str, console) -> int:
+def prompt_file(model, vocab: Vocabulary, record, args, mode: str, console) -> int:
     """--prompt-file: every prompt in batches of --batch-size (left-padded, each row stopping at its own end of
     text), read and answered a batch at a time; one JSON line per prompt on stdout, in input order, written as each
     batch finishes. A row's completion is what --prompt prints for that prompt alone with the same settings (greedy:
@@ -209,8 +209,9 @@ def prompt_file(model, vocab: Vocabulary, args, mode: str, console) -> int:
 
     batch = args.batch_size or 8
     context = model.config.max_position_embeddings
-    generate.setup_cache(model, batch, fitting_cache(model, batch, args.max_seq_len))  # one cache for the file
-    steps = Steps(model) if args.compile else None
+    length = caches.fitting_cache(model, batch, record.max_seq_len, record.kv_dtype)
+    caches.setup_cache(model, batch, length, record.kv_dtype)  # one cache for the file
+    steps = Steps(model) if record.compile else None
     vocab_limit = vocab.size if vocab.size < model.config.vocab_size else None
     counts = {"prompts": 0, "tokens": 0}
     start = time.perf_counter()
@@ -297,17 +298,18 @@ def run(argv, console) -> int:
     if args.bench:
         return benchmark.main(args, console, ckpt)
     vocab = load_vocabulary(ckpt, args.tokenizer)
-    model, why = load_model(ckpt, args, console)
+    model, record = load_model(ckpt, args, console)
+    why = f"weights: {record.weights}"
     if args.max_seq_len and args.max_seq_len > model.config.max_position_embeddings:
         raise UsageError(f"--max-seq-len {args.max_seq_len} exceeds the model's context of "
                          f"{model.config.max_position_embeddings}")
     mode = prompt_mode(args, vocab, ckpt)
     if args.prompt_file is not None:
-        return prompt_file(model, vocab, args, mode, console)
+        return prompt_file(model, vocab, record, args, mode, console)
     notes = Notes(console)
     draft = make_draft(args, model, console)
-    with console.status("Loading the compiled steps..." if args.compile else "Warming up...") as status:
-        session = Session(model, vocab, settings(args), status=status.update, draft=draft,
+    with console.status("Loading the compiled steps..." if record.compile else "Warming up...") as status:
+        session = Session(model, vocab, settings(args), record, status=status.update, draft=draft,
                           note=lambda message: notes(f"note: {message}"))
         if args.prompt is None:
             session.compile_s = session.warm_up()

@@ -333,7 +333,7 @@ class NoCache(nn.Module):
 class KVCache(NoCache):
     """Static cache: keys and values of every position so far, preallocated once: [B, K, S + 1, D] each. The last slot
     is scratch: tokens that are only padding (a chunk's tail, an idle row of a server's batch) write there, and nothing
-    reads it. (cpu/kernels.py subclasses it: a layout and an attention kernel that read only the slots in use.)"""
+    reads it. (runtime/caches.py holds its variants: int8, and a CPU layout whose kernel reads only the slots in use.)"""
 
     def __init__(self, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype, device) -> None:
         super().__init__()
@@ -363,81 +363,13 @@ class KVCache(NoCache):
         self.v[rows, :, pos] = v.transpose(1, 2)
 
     def read(self, step: Step, view: View, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values the view shows the step's B rows: slots 0..attend-1, [B, K, A, D] each."""
+        """The keys and values the view shows the step's B rows: slots 0..attend-1, [B, K, A, D] each; a sliding
+        layer's decode step only the W slots of its window, view.slots [B or 1, W] -> [B, K, W, D] each."""
         if view.slots is not None:
-            return self.window(step, view.slots, B)
+            index = view.slots[:, None, :, None].expand(B, self.k.shape[1], -1, self.k.shape[3])  # [B, K, W, D]
+            return cache_rows(self.k, step, B).gather(2, index), cache_rows(self.v, step, B).gather(2, index)
         keys, values = self.k[:, :, :view.attend], self.v[:, :, :view.attend]  # [max batch, K, A, D]
         return cache_rows(keys, step, B), cache_rows(values, step, B)  # [B, K, A, D]
-
-    def window(self, step: Step, slots: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sliding layer's decode step: only the W slots of its window, slots [B or 1, W] -> [B, K, W, D] each."""
-        index = slots[:, None, :, None].expand(B, self.k.shape[1], -1, self.k.shape[3])  # [B, K, W, D]
-        return cache_rows(self.k, step, B).gather(2, index), cache_rows(self.v, step, B).gather(2, index)
-
-    def slots(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of row's keys and values at slots start..end-1, [K, n, D] each (joined along dim 1, put back by
-        put_slots: a server keeps prefixes beyond its rows this way)."""
-        return self.k[row, :, start:end], self.v[row, :, start:end]
-
-    def put_slots(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """What slots() gave, into row's slots from start on."""
-        self.k[row, :, start:start + k.shape[1]].copy_(k)
-        self.v[row, :, start:start + v.shape[1]].copy_(v)
-
-
-class ScaledSlots:
-    """An int8 cache's slots(): its layout's keys and values, then their scales (dim 2 of k_scale, v_scale: slots)."""
-
-    def slots(self, row: int, start: int, end: int) -> tuple[torch.Tensor, ...]:
-        return (*super().slots(row, start, end), self.k_scale[row, :, start:end], self.v_scale[row, :, start:end])
-
-    def put_slots(self, row: int, start: int, k, v, k_scale=None, v_scale=None) -> None:
-        super().put_slots(row, start, k, v)
-        self.k_scale[row, :, start:start + k_scale.shape[1]].copy_(k_scale)
-        self.v_scale[row, :, start:start + v_scale.shape[1]].copy_(v_scale)
-
-
-class Int8KVCache(ScaledSlots, KVCache):
-    """A quarter of float32's bytes (--kv-dtype int8): each key and value of a token and head as int8 channels and one
-    float32 scale, max |x| / 127 (llama.cpp's q8_0 rounding, one block a head). Written quantized, read back as the
-    query's dtype for the slots attended (cpu/kernels.py's cache reads the int8 slots in its kernel instead)."""
-
-    def __init__(self, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype, device) -> None:
-        super().__init__(batch, kv_heads, seq_len, head_dim, torch.int8, device)
-        shape = (batch, kv_heads, seq_len + 1, 1)
-        self.register_buffer("k_scale", torch.zeros(shape, device=device), persistent=False)
-        self.register_buffer("v_scale", torch.zeros(shape, device=device), persistent=False)
-
-    def write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
-        (qk, sk), (qv, sv) = int8_rows(k), int8_rows(v)  # [B, K, T, D] int8, [B, K, T, 1] float32
-        pairs = ((self.k, qk), (self.v, qv), (self.k_scale, sk), (self.v_scale, sv))
-        if step.input_pos.ndim == 1 and step.rows is None:  # every row writes the same slots
-            for cache, value in pairs:
-                cache[: value.shape[0]].index_copy_(2, step.input_pos, value)
-            return
-        rows, pos = row_slots(step, k.shape[0], k.shape[2])  # [B, T] each
-        for cache, value in pairs:
-            cache[rows, :, pos] = value.transpose(1, 2)
-
-    def read(self, step: Step, view: View, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if view.slots is not None:  # a sliding layer's window: [B, K, W, D] gathered, the scales with them
-            index = view.slots[:, None, :, None].expand(B, self.k.shape[1], -1, 1)
-            scales = [cache_rows(s, step, B).gather(2, index) for s in (self.k_scale, self.v_scale)]
-            keys, values = self.window(step, view.slots, B)
-        else:
-            keys, values = cache_rows(self.k[:, :, :view.attend], step, B), cache_rows(self.v[:, :, :view.attend],
-                                                                                      step, B)
-            scales = [cache_rows(s[:, :, :view.attend], step, B) for s in (self.k_scale, self.v_scale)]
-        return keys.float() * scales[0], values.float() * scales[1]
-
-
-
-def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (int8 [..., D], float32 scales [..., 1]): x ~ q * scale, scale = max |x| / 127 per row."""
-    x = x.float()
-    scale = x.abs().amax(-1, keepdim=True) / 127
-    q = torch.round(x / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-127, 127)
-    return q.to(torch.int8), scale
 
 
 class Attention(nn.Module):
@@ -572,7 +504,7 @@ class DenseDecoder(nn.Module):
     def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
                     cache_class: type[KVCache] = KVCache) -> None:
         """Allocate the static KV cache, [max_batch_size, K, max_seq_len + 1, D] per layer (in `dtype`, default the
-        model's), and the rotary tables for its slots. cache_class: a KVCache subclass (kernels.py's, on CPU)."""
+        model's), and the rotary tables for its slots. cache_class: a KVCache subclass (runtime/caches.py's)."""
         if not 0 < max_seq_len <= self.config.max_position_embeddings:
             raise ValueError(f"max_seq_len {max_seq_len} must be in 1..{self.config.max_position_embeddings} "
                              "(the model's context)")
@@ -630,35 +562,33 @@ class DenseDecoder(nn.Module):
 
     def _check_inputs(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None, rows: torch.Tensor | None,
                       causal: bool) -> None:
-        """Eager-only checks (they read values, a host sync, so compiled steps skip them)."""
-        if input_ids.ndim != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids must be an integer tensor [batch, tokens], got {input_ids.dtype} "
-                             f"{list(input_ids.shape)}")
+        """Eager-only checks (they read values, a host sync, so compiled steps skip them): one ValueError each."""
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        require(input_ids.ndim == 2 and input_ids.dtype in (torch.int64, torch.int32),
+                f"input_ids must be an integer tensor [batch, tokens], got {input_ids.dtype} {list(input_ids.shape)}")
         B, T = input_ids.shape
-        if T == 0:
-            raise ValueError("input_ids has no tokens")
+        require(T > 0, "input_ids has no tokens")
         lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise ValueError(f"token id {lo if lo < 0 else hi} is out of range for the vocabulary of "
-                             f"{self.config.vocab_size}")
+        require(0 <= lo and hi < self.config.vocab_size,
+                f"token id {lo if lo < 0 else hi} is out of range for the vocabulary of {self.config.vocab_size}")
         if input_pos is None:
-            if T > self.config.max_position_embeddings:
-                raise ValueError(f"{T} tokens exceed the context of {self.config.max_position_embeddings}")
+            require(T <= self.config.max_position_embeddings,
+                    f"{T} tokens exceed the context of {self.config.max_position_embeddings}")
             return
-        if self.max_seq_len == 0:
-            raise ValueError("call setup_cache(max_batch_size, max_seq_len) before a cached step (input_pos)")
-        if B > self.max_batch_size:
-            raise ValueError(f"batch {B} exceeds the cache's max_batch_size {self.max_batch_size}")
-        if input_pos.shape not in ((T,), (B, T)):
-            raise ValueError(f"input_pos must have shape [{T}] or [{B}, {T}] (one slot per token), got "
-                             f"{list(input_pos.shape)}")
-        if int(input_pos.max()) > self.max_seq_len or int(input_pos.min()) < 0:  # slot max_seq_len: the scratch slot
-            raise ValueError(f"position {int(input_pos.max())} is outside the cache of {self.max_seq_len} tokens "
-                             f"(context {self.config.max_position_embeddings})")
-        if rows is not None and (rows.shape != (B,) or int(rows.min()) < 0 or int(rows.max()) >= self.max_batch_size):
-            raise ValueError(f"rows must be [{B}] cache rows in 0..{self.max_batch_size - 1}")
-        if causal and (input_pos.ndim != 1 or int(input_pos[0]) != 0 or int(input_pos[-1]) != T - 1):
-            raise ValueError("a causal step writes slots 0..T-1 of every row")
+        require(self.max_seq_len > 0, "call setup_cache(max_batch_size, max_seq_len) before a cached step (input_pos)")
+        require(B <= self.max_batch_size, f"batch {B} exceeds the cache's max_batch_size {self.max_batch_size}")
+        require(input_pos.shape in ((T,), (B, T)),
+                f"input_pos must have shape [{T}] or [{B}, {T}] (one slot per token), got {list(input_pos.shape)}")
+        require(0 <= int(input_pos.min()) and int(input_pos.max()) <= self.max_seq_len,  # slot S: the scratch slot
+                f"position {int(input_pos.max())} is outside the cache of {self.max_seq_len} tokens "
+                f"(context {self.config.max_position_embeddings})")
+        require(rows is None or (rows.shape == (B,) and int(rows.min()) >= 0 and int(rows.max()) < self.max_batch_size),
+                f"rows must be [{B}] cache rows in 0..{self.max_batch_size - 1}")
+        require(not causal or (input_pos.ndim == 1 and int(input_pos[0]) == 0 and int(input_pos[-1]) == T - 1),
+                "a causal step writes slots 0..T-1 of every row")
 
 
 # ----------------------------------------------------------------------------------------------------------------

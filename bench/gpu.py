@@ -30,7 +30,7 @@ import torch
 
 from dense_engine.cli import benchmark
 from dense_engine.cpu import quantized
-from dense_engine.runtime import generate, speculative
+from dense_engine.runtime import caches, generate, speculative
 from dense_engine.runtime import steps as steps_module
 from dense_engine.system.errors import first_line
 
@@ -210,7 +210,7 @@ def check(plan: Plan, shape: str, layers: int | None) -> torch.nn.Module:
             model = direct
             with torch.no_grad():  # the cache: a prefill of 30, then 10 single steps, against one pass without it
                 full = model(ids.to(dev))
-                generate.setup_cache(model, 2, 64)
+                caches.setup_cache(model, 2, 64)
                 parts = [model(ids[:, :30].to(dev), input_pos=torch.arange(30, device=dev))]
                 parts += [model(ids[:, p:p + 1].to(dev), input_pos=torch.tensor([p], device=dev)) for p in range(30, 40)]
             err = rel_err(torch.cat(parts, 1), full)
@@ -219,7 +219,7 @@ def check(plan: Plan, shape: str, layers: int | None) -> torch.nn.Module:
 
     def compiled():  # one compiled mode (int8: the fused dequantize-and-matmul) and the paths built on its steps
         model = quantize(on_device(base, plan), "int8")
-        generate.setup_cache(model, 2, 256)
+        caches.setup_cache(model, 2, 256)
         steps = steps_module.Steps(model, saved=False)  # CUDA's path: compiled in this process
         cpu8 = quantize(copy.deepcopy(base), "int8")
         for name, use in (("eager", None), ("compiled", steps)):
@@ -246,7 +246,7 @@ def check(plan: Plan, shape: str, layers: int | None) -> torch.nn.Module:
         steps = steps_module.Steps(model, saved=False)
         runs = {}
         for name, use in (("eager", None), ("compiled", steps)):
-            generate.setup_cache(model, 1, 256)
+            caches.setup_cache(model, 1, 256)
             runner = generate.Runner(model, use)
             out = []
             for pos, setting in ((20, dict(temperature=0.0)), (21, dict(temperature=0.8, top_k=50)),

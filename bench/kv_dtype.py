@@ -29,7 +29,7 @@ from dense_engine.cli import benchmark
 from dense_engine.formats import load
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import load_vocabulary
-from dense_engine.runtime import generate
+from dense_engine.runtime import caches, generate
 from dense_engine.runtime.steps import Steps
 
 PREFIX = 4096
@@ -38,16 +38,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.in
 
 def run(model, ids: torch.Tensor, dtype: str, positions: list[int], steps: int) -> dict:
     """{position: (logits [steps, V], tokens/s)} for one cache dtype."""
-    model.kv_dtype = dtype
-    generate.setup_cache(model, 1, max(positions) + steps + 1)
+    length = max(positions) + steps + 1
+    if dtype == "float32":  # (not a --kv-dtype: the reference the others are held to)
+        model.setup_cache(1, length, torch.float32, cache_class=caches.cache_for(model)[0])
+    else:
+        caches.setup_cache(model, 1, length, dtype)
     runner = generate.Runner(model, Steps(model))
     runner.prefill(ids[:, :PREFIX], 0, None)
-    caches = [layer.attn.kv_cache for layer in model.layers]
+    memories = caches.memories(model)
     filled, out = PREFIX, {}
     for position in positions:
         while filled < position:  # (the first PREFIX slots again)
             n = min(PREFIX, position - filled)
-            for cache in caches:
+            for cache in memories:
                 cache.put_slots(0, filled, *(t.clone() for t in cache.slots(0, 0, n)))
             filled += n
         feed = ids[0, PREFIX:PREFIX + steps + 1].tolist()
@@ -62,23 +65,21 @@ def run(model, ids: torch.Tensor, dtype: str, positions: list[int], steps: int) 
 
 
 def shape_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype) -> int:
-    """generate.cache_bytes' count for a model of that shape (batch 1)."""
+    """caches.cache_bytes' count for a model of that shape (batch 1)."""
     per_value = torch.empty((), dtype=dtype).element_size()
     return layers * 2 * kv_heads * (tokens + 1) * (head_dim * per_value + 4 * (dtype == torch.int8))
 
 
 def cache_rss(dtype: str, tokens: int = 32768) -> None:
     """(A process of its own) an 8B shape's cache for `tokens` tokens, every slot written: the peak RSS it adds, GiB."""
-    from dense_engine.cpu import kernels
-
     def peak() -> int:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
 
     before = peak()
-    cache_class = kernels.Int8KVCache if dtype == "int8" else kernels.KVCache
-    caches = [cache_class(1, 8, tokens, 128, DTYPES[dtype], "cpu") for _ in range(32)]
-    for cache in caches:  # (every page committed, as a conversation of that length commits them)
+    cache_class = caches.CPUInt8KVCache if dtype == "int8" else caches.CPUKVCache
+    layers = [cache_class(1, 8, tokens, 128, DTYPES[dtype], "cpu") for _ in range(32)]
+    for cache in layers:  # (every page committed, as a conversation of that length commits them)
         for t in cache.buffers():
             t.fill_(1)
     print(f"{(peak() - before) / 2**30:.2f}")

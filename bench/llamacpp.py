@@ -112,14 +112,14 @@ def worker_dense(args) -> dict:
     import torch
 
     from dense_engine.formats.load import from_pretrained
-    from dense_engine.runtime import generate
+    from dense_engine.runtime import caches, generate
     from dense_engine.runtime.steps import Steps
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     model = from_pretrained(args.gguf, quant=args.quant)  # int8: per channel, from the Q8_0 file
     loaded = time.perf_counter() - start
-    generate.setup_cache(model, 1, args.ctx)  # llama.cpp's n_ctx
+    caches.setup_cache(model, 1, args.ctx)  # llama.cpp's n_ctx
     ids = torch.tensor([json.loads(args.ids)])
     out = []
     steps = Steps(model)

@@ -16,7 +16,7 @@ import torch
 from dense_engine.formats import load
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import load_vocabulary
-from dense_engine.runtime import dry, generate
+from dense_engine.runtime import caches, dry, generate
 from dense_engine.runtime.steps import Steps
 
 SETTINGS = {  # name -> generate_tokens' sampling keywords (chat.py's default temperature 0.7 under each)
@@ -40,7 +40,7 @@ def main() -> int:
     ckpt = args.ckpt or default_checkpoint(None)
     vocab = load_vocabulary(ckpt, None)
     model = load.from_pretrained(ckpt, quant="auto")
-    generate.setup_cache(model, 1, 1024)
+    caches.setup_cache(model, 1, 1024)
     steps = Steps(model)
     ids = torch.tensor([vocab.encode(vocab.render([{"role": "user", "content": "Tell me about the sea."}]),
                                      special=False)])

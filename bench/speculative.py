@@ -22,7 +22,7 @@ import chat
 from dense_engine.formats import default_model
 from dense_engine.formats import vocab as vocab_module
 from dense_engine.cli import flags
-from dense_engine.runtime import generate, speculative
+from dense_engine.runtime import caches, generate, speculative
 from dense_engine.runtime.steps import Steps
 
 PARAGRAPH = ("The quick brwn fox jumpd over the lazy dog. It was a sunny day in the vilage, and the childen were "
@@ -68,15 +68,15 @@ def main() -> int:
     console = Console(stderr=True)
     ckpt = args.ckpt or default_model.default_checkpoint(console)
     chat_args = chat.parse_args(["--ckpt", ckpt, "--quant", args.quant])
-    model, why = flags.load_model(ckpt, chat_args, console)
+    model, record = flags.load_model(ckpt, chat_args, console)
     vocab = vocab_module.load_vocabulary(ckpt, None)
-    generate.setup_cache(model, 1, model.config.max_position_embeddings)  # chat.py's default cache
+    caches.setup_cache(model, 1, model.config.max_position_embeddings)  # chat.py's default cache
     steps = Steps(model)
     self_draft = speculative.ModelDraft(speculative.quantized_copy(model, args.draft_quant))
     configs = [("plain", None, 1)]
     configs += [] if args.no_self_draft else [(f"{args.draft_quant} self-draft", self_draft, k) for k in args.k]
     configs += [(f"lookup (n-gram {m}..3)", speculative.LookupDraft(3, m), k) for m in args.min_ngram for k in args.k]
-    print(f"# {ckpt}: target {why}; cache {model.max_seq_len}; torch threads {torch.get_num_threads()}")
+    print(f"# {ckpt}: target weights: {record.weights}; cache {model.max_seq_len}; torch threads {torch.get_num_threads()}")
     print(f"{'prompt':9} {'draft':22} {'k':>2} {'tok/s':>7} {'vs plain':>8} {'accepted':>8} {'tok/step':>8} "
           f"{'tokens':>6} same")
     for name, text in PROMPTS.items():

@@ -7,7 +7,7 @@ compiled steps, sessions, speculative, tensor parallel), api.py (the Python API)
     print(llm.generate("Once upon a time", max_new_tokens=32))
 """
 
-__all__ = ["load", "LLM", "Session", "Settings"]
+__all__ = ["load", "LLM", "LoadRecord", "Session", "Settings"]
 
 
 def __getattr__(name: str):
@@ -16,6 +16,10 @@ def __getattr__(name: str):
         from dense_engine import api
 
         return getattr(api, name)
+    if name == "LoadRecord":
+        from dense_engine.formats import load
+
+        return load.LoadRecord
     if name in ("Session", "Settings"):
         from dense_engine.runtime import session
 

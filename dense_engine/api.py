@@ -22,8 +22,9 @@ import torch
 
 from dense_engine.formats import load as loading
 from dense_engine.formats.default_model import default_checkpoint
+from dense_engine.formats.load import LoadRecord
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
-from dense_engine.runtime.session import ReplyStats, Session, Settings
+from dense_engine.runtime.session import ReplyStats, Session, Settings, load_model
 from dense_engine.system.errors import UsageError
 
 Prompt = str | list[int] | list[dict]
@@ -33,13 +34,22 @@ SAMPLERS = ("min_p", "typical_p", "repetition_penalty", "repeat_last_n", "dry_mu
 
 @dataclass
 class LLM:
-    """A loaded model with its vocabulary: `model` (dense.DenseDecoder), `vocab`, `path`, `weights` (what was
-    loaded and why), and the Session every call answers through."""
+    """A loaded model with its vocabulary: `model` (dense.DenseDecoder), `vocab`, `load` (the LoadRecord: path,
+    quantization and why, dtype, device, the cache's kind and length, compile), and the Session every call answers
+    through."""
     model: torch.nn.Module
     vocab: Vocabulary
-    path: str
-    weights: str
+    load: LoadRecord
     session: Session
+
+    @property
+    def path(self) -> str:
+        return self.load.path
+
+    @property
+    def weights(self) -> str:
+        """What was loaded and why."""
+        return self.load.weights
 
     def encode(self, prompt: Prompt, chat: bool | None = None, system: str | None = None) -> list[int]:
         """The token ids generation starts from. chat None: the chat template when the checkpoint has one."""
@@ -101,14 +111,8 @@ def load(path: str | None = None, quant: str = "auto", device: str | None = None
     from rich.console import Console
 
     path = path or default_checkpoint(Console(stderr=True, soft_wrap=True))
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     vocab = load_vocabulary(path, tokenizer)
-    mode, reason = loading.choose_quant(path, quant, device)
-    model = loading.from_pretrained(path, device=device, dtype=dtype, quant=mode or "none")
-    if kv_dtype not in ("auto", "bfloat16", "int8"):
-        raise UsageError(f"kv_dtype must be 'auto', 'bfloat16' or 'int8', got {kv_dtype!r}")
-    model.kv_dtype = kv_dtype
+    record, checkpoint = loading.plan(path, quant, device, dtype, kv_dtype, max_seq_len, compile)
+    model = load_model(record, checkpoint)
     note = (lambda message: print(f"note: {message}", file=sys.stderr)) if compile else None
-    session = Session(model, vocab, Settings(max_seq_len=max_seq_len, compile=compile), note=note)
-    return LLM(model, vocab, path, f"{mode or 'full precision'} ({reason})", session)
+    return LLM(model, vocab, record, Session(model, vocab, load=record, note=note))

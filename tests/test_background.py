@@ -12,15 +12,16 @@ import pytest
 import torch
 
 from conftest import ROOT, fixture_path
+from dense_engine.formats import load
 from dense_engine.formats.load import from_pretrained
-from dense_engine.runtime import background, generate
+from dense_engine.runtime import background, caches, generate
 from dense_engine.runtime.steps import Steps
 
 LLAMA = fixture_path("llama")
 
 
 def greedy(runner: generate.Runner, ids: torch.Tensor, n: int) -> list[int]:
-    generate.setup_cache(runner.model, 1, 128)
+    caches.setup_cache(runner.model, 1, 128)
     token = generate.dense.sample(runner.prefill(ids, 0, None), 0.0)
     out = [int(token)]
     for i in range(n - 1):
@@ -43,10 +44,11 @@ def wait_for(steps: Steps, kind: str, args: tuple, timeout: float = 240, **shape
 @pytest.mark.slow
 def test_a_step_compiled_in_the_background_gives_eager_tokens_here_and_in_a_later_process(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    model = from_pretrained(LLAMA)
-    generate.setup_cache(model, 1, 128)
+    record, checkpoint = load.plan(LLAMA)
+    model = from_pretrained(checkpoint, quant=record.quant or "none")
+    caches.setup_cache(model, 1, 128)
     notes = []
-    compiler = background.Compiler(**model.source, batch=1, seq_len=128, status=notes.append)
+    compiler = background.Compiler(record, batch=1, seq_len=128, status=notes.append)
     steps = Steps(model, folder=str(tmp_path / "compiled"), background=compiler)
     # 36 tokens, over generate.PREFILL_CHUNK: the prompt prefills eagerly, one step (decode) is compiled
     ids = torch.tensor([[5, 17, 99, 3, 250, 7, 31, 8, 2, 77, 410, 6, 45, 90, 13, 200, 11, 4] * 2])
@@ -112,3 +114,26 @@ def test_the_background_note_never_lands_inside_the_answer(tmp_path):
     assert child.exitstatus == 0 and "in the background" in screen
     assert piped.stdout + "\n" in screen  # the answer whole, on its own line
     assert all(line.startswith("note: ") for line in screen.split("\n") if "note:" in line)
+
+
+@pytest.mark.slow
+def test_a_kv_dtype_run_compiles_in_the_background_and_the_next_run_decodes_with_the_compiled_step(tmp_path):
+    """--kv-dtype int8 and bfloat16 on a float32 model, background compiles on as users run: the worker loads the
+    program's model with the program's cache (its LoadRecord, whole), so the step it saves is the one the next run
+    loads: that run starts no compile and answers the same text."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "DENSE_BACKGROUND_COMPILE": "1"}
+    jobs = tmp_path / "dense-engine" / "compiled" / "jobs"
+    for kv_dtype in ("int8", "bfloat16"):
+        run = [sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", LLAMA, "--prompt", "hi", "--temperature", "0",
+               "--max-new-tokens", "8", "--quant", "none", "--kv-dtype", kv_dtype]
+        first = subprocess.run(run, capture_output=True, text=True, env=env)
+        assert first.returncode == 0 and "compiling the decode step in the background" in first.stderr, first.stderr
+        end = time.monotonic() + 300
+        while time.monotonic() < end and (list(jobs.glob("*.json")) or subprocess.run(
+                ["pgrep", "-f", "background.py " + str(tmp_path)], capture_output=True).returncode == 0):
+            time.sleep(1)
+        log = (jobs / "worker.log").read_text()
+        assert "differs from the program's" not in log and "compiled in" in log, log
+        second = subprocess.run(run, capture_output=True, text=True, env=env)
+        assert second.returncode == 0 and second.stdout == first.stdout
+        assert "background" not in second.stderr, second.stderr  # the saved step loaded: nothing left to compile

@@ -13,7 +13,7 @@ import torch
 from conftest import fixture_path
 from dense_engine.cpu import kernels
 from dense_engine.formats.load import from_pretrained
-from dense_engine.runtime import generate
+from dense_engine.runtime import caches, generate
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no CPU kernels here")
 
@@ -26,8 +26,8 @@ def attend(cache, q, pos, rows=None):
 
 
 @needs_kernels
-@pytest.mark.parametrize("cache_class, dtype", [(kernels.KVCache, torch.float32), (kernels.KVCache, torch.bfloat16),
-                                                (kernels.Int8KVCache, torch.int8)])
+@pytest.mark.parametrize("cache_class, dtype", [(caches.CPUKVCache, torch.float32), (caches.CPUKVCache, torch.bfloat16),
+                                                (caches.CPUInt8KVCache, torch.int8)])
 def test_a_querys_attention_is_the_same_bits_in_any_call(cache_class, dtype):
     """1100 slots (three parts of the kernel's 512): every query of row 0 in one call, in chunks of 1, 7 and 300,
     beside row 1's queries at other positions, and with one thread: the same bits."""
@@ -72,7 +72,7 @@ def test_a_prompts_logits_are_the_same_bits_whole_in_chunks_or_beside_another():
     rows) gives the same logits: the attention of each chunk (from slot 0 or after others, of 1 or 20 queries) is the
     same bits."""
     model = from_pretrained(fixture_path("gptneox"), quant="int8")
-    generate.setup_cache(model, 2, 128)
+    caches.setup_cache(model, 2, 128)
     runner = generate.Runner(model, None)
     torch.manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (1, 40))
@@ -90,7 +90,7 @@ def test_a_prompts_logits_are_the_same_bits_whole_in_chunks_or_beside_another():
 def assert_the_same_bits_at_any_length(model, seed: int):
     """A 40-token prompt prefilled whole, in chunks of 20, 1, 12 and 7, a token at a time, and whole beside another
     row's 40 (80 rows): the same logits, bit for bit."""
-    generate.setup_cache(model, 2, 64)
+    caches.setup_cache(model, 2, 64)
     runner = generate.Runner(model, None)
     torch.manual_seed(seed)
     prompt = torch.randint(0, model.config.vocab_size, (1, 40))

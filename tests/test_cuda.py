@@ -12,7 +12,7 @@ import torch
 import dense
 from conftest import random_model, rel_err
 from dense_engine.cpu import quantized
-from dense_engine.runtime import generate, speculative
+from dense_engine.runtime import caches, generate, speculative
 from dense_engine.runtime import steps as steps_module
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -58,7 +58,7 @@ def test_lazy_steps_pass_more_variants_than_the_recompile_limit(monkeypatch):
     tracing and guards are what is tested; the graphs run through its eager backend to keep the test short.)"""
     monkeypatch.setitem(steps_module.LAZY_OPTIONS, "cpu", {"backend": "eager"})
     model = random_model(context=2048).to(torch.bfloat16)  # (bfloat16: dense.py's cache, whose steps are bucketed)
-    generate.setup_cache(model, 2, 2048)
+    caches.setup_cache(model, 2, 2048)
     status = []
     steps = steps_module.Steps(model, status=status.append, saved=False)
     compiled, eager = generate.Runner(model, steps), generate.Runner(model, None)

@@ -17,10 +17,10 @@ import torch
 
 import dense
 from conftest import FIXTURES, ROOT, rel_err
-from dense_engine.cpu import kernels, quantized
+from dense_engine.cpu import quantized
 from dense_engine.formats import checkpoint
 from dense_engine.formats.load import from_pretrained
-from dense_engine.runtime import generate, speculative
+from dense_engine.runtime import caches, generate, speculative
 from dense_engine.runtime.steps import Steps
 
 transformers = pytest.importorskip("transformers")
@@ -173,7 +173,7 @@ def test_longrope_picks_its_factors_by_the_cache_length(checkpoints):
     long, short = dense.rope_frequencies(model.config, 128)[0], dense.rope_frequencies(model.config, 8)[0]
     assert not torch.equal(long, short)
     for cache, tokens in ((64, 40), (8, 8)):
-        generate.setup_cache(model, 1, cache)
+        caches.setup_cache(model, 1, cache)
         ids = IDS[:1, :tokens]
         cached = model.logits(model.hidden_states(ids, torch.arange(tokens)))
         assert rel_err(cached, reference(hf, ids)) <= 1e-4

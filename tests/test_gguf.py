@@ -20,7 +20,7 @@ import dense
 from conftest import ROOT
 from dense_engine.cpu import kernels, quantized
 from dense_engine.formats import checkpoint, gguf_import, load
-from dense_engine.runtime import generate
+from dense_engine.runtime import caches, generate
 
 Q = gguf.GGMLQuantizationType
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -329,7 +329,7 @@ def test_every_architecture_gives_llama_cpps_logits(reference, gguf_files, name)
     model = load.from_pretrained(path)
     err, same = compare(model(ids)[0], logits[name])
     assert err <= 2e-3 and same >= 0.95, (err, same)
-    generate.setup_cache(model, 1, 128)  # llama.cpp's context: 128 (Phi-3: past the original 16, the long factors)
+    caches.setup_cache(model, 1, 128)  # llama.cpp's context: 128 (Phi-3: past the original 16, the long factors)
     steps = [model(ids[:, :24], input_pos=torch.arange(24))]
     steps += [model(ids[:, t:t + 1], input_pos=torch.tensor([t])) for t in range(24, ids.shape[1])]
     err, same = compare(torch.cat(steps, dim=1)[0], logits[name])

@@ -19,7 +19,7 @@ from test_gguf import Q, original_tokenizer, small_llama, write_gguf
 
 from dense_engine.cpu import kernels, quantized
 from dense_engine.formats import load
-from dense_engine.runtime import generate
+from dense_engine.runtime import caches, generate
 from dense_engine.runtime.steps import Steps
 from dense_engine.system.errors import CheckpointError
 
@@ -312,7 +312,7 @@ def test_a_long_prefill_is_as_near_the_float_path_as_llama_cpps(mixed_files):
     as_near_as_theirs(got)
     if kernels.available():  # the decoding tiles take x in bytes too: the same tokens through the cache in steps of
         model = load.from_pretrained(path, quant="auto")  # up to 10, as near
-        generate.setup_cache(model, 1, ids.shape[1])
+        caches.setup_cache(model, 1, ids.shape[1])
         n = ids.shape[1]
         with torch.no_grad():
             steps = [model(ids[:, s:s + 10], torch.arange(s, min(s + 10, n)))[0] for s in range(0, n, 10)]

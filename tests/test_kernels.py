@@ -12,7 +12,7 @@ import torch
 
 import dense
 from dense_engine.cpu import kernels, quantized
-from dense_engine.runtime import generate
+from dense_engine.runtime import caches, generate
 from dense_engine.runtime.steps import Steps
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no AVX2 or AVX-512 CPU, or no C++ compiler")
@@ -352,7 +352,7 @@ def test_attention_kernel_equals_the_reference_over_the_visible_slots(dtype, B, 
     soft-capped scores. int8 (--kv-dtype int8): against the same attention over the int8 values times their scales."""
     torch.manual_seed(T * D + P + window)
     rows_in_cache = B + 1 if per_row else B
-    cache = (kernels.Int8KVCache if dtype == torch.int8 else kernels.KVCache)(rows_in_cache, K, S, D, dtype, "cpu")
+    cache = (caches.CPUInt8KVCache if dtype == torch.int8 else caches.CPUKVCache)(rows_in_cache, K, S, D, dtype, "cpu")
     keys, values = torch.randn(rows_in_cache, K, S + 1, D), torch.randn(rows_in_cache, K, S + 1, D)
     cache.write(dense.Step(torch.arange(S + 1), None, None, {}, {}), keys, values)
     q = torch.randn(B, H, T, D)
@@ -378,7 +378,7 @@ def test_attention_kernel_equals_the_reference_over_the_visible_slots(dtype, B, 
     visible |= slots == pos_bt[..., None]
     cache_rows = rows if rows is not None else torch.arange(B)
     if dtype == torch.int8:  # what the cache holds: int8 channels times a scale per slot and head
-        (qk, sk), (qv, sv) = dense.int8_rows(keys), dense.int8_rows(values)
+        (qk, sk), (qv, sv) = caches.int8_rows(keys), caches.int8_rows(values)
         assert torch.equal(cache.v, qv) and torch.equal(cache.v_scale[..., :S + 1], sv[..., 0])
         k, v = (qk.double() * sk.double())[cache_rows], (qv.double() * sv.double())[cache_rows]
     else:
@@ -400,8 +400,8 @@ def test_generation_on_the_kernel_cache_equals_the_argmax_loop(compile, tmp_path
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = random_model()
-    generate.setup_cache(model, 2, 512)
-    assert isinstance(model.layers[0].attn.kv_cache, kernels.KVCache)
+    caches.setup_cache(model, 2, 512)
+    assert isinstance(model.layers[0].attn.kv_cache, caches.CPUKVCache)
     ids = torch.randint(0, 512, (2, 37), generator=torch.Generator().manual_seed(1))
     want = ids
     for _ in range(40):
@@ -421,7 +421,7 @@ def test_a_prefill_chunk_after_earlier_tokens_equals_the_plain_pass(overrides):
     from conftest import random_model
 
     model = random_model(**overrides)
-    model.setup_cache(2, 256, cache_class=kernels.KVCache)
+    model.setup_cache(2, 256, cache_class=caches.CPUKVCache)
     ids = torch.randint(0, 512, (1, 80), generator=torch.Generator().manual_seed(3))
     want = model(ids)  # [1, 80, V]
     row = torch.tensor([1])

@@ -10,7 +10,7 @@ import dense
 from conftest import fixture_path
 from dense_engine.cpu import kernels
 from dense_engine.formats.load import from_pretrained
-from dense_engine.runtime import generate
+from dense_engine.runtime import caches, generate
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no CPU kernels here")
 
@@ -33,41 +33,41 @@ def test_the_kernels_int8_cache_equals_pytorchs_and_stays_near_the_float_cache(l
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (2, 48))
     full = model(ids)  # no cache: float32 keys and values
-    kernel = cached_logits(model, ids, kernels.Int8KVCache, torch.int8)
-    pytorch = cached_logits(model, ids, dense.Int8KVCache, torch.int8)
-    floats = cached_logits(model, ids, kernels.KVCache, None)
+    kernel = cached_logits(model, ids, caches.CPUInt8KVCache, torch.int8)
+    pytorch = cached_logits(model, ids, caches.Int8KVCache, torch.int8)
+    floats = cached_logits(model, ids, caches.CPUKVCache, None)
     scale = full.abs().max()
     assert (floats - full).abs().max() / scale < 1e-5
     # the same int8 values, two implementations, up to the chunk of 24: the kernel attends it as every cached step
     # (its bits the same in any chunk), dense.py by SDPA over the dequantized slots, 1e-4 from the kernel at that
     # chunk's last tokens, where the kernel a token at a time agrees with it
     assert (kernel - pytorch)[:, :24].abs().max() / scale < 1e-5
-    model.setup_cache(2, 64, torch.int8, cache_class=kernels.Int8KVCache)
+    model.setup_cache(2, 64, torch.int8, cache_class=caches.CPUInt8KVCache)
     single = torch.cat([model(ids[:, p:p + 1], input_pos=torch.tensor([p])) for p in range(48)], dim=1)
     assert (kernel - single).abs().max() / scale < 1e-5
     err = (kernel - full).abs().max() / scale
     assert 1e-5 < err < 2e-2, err  # (rounded: not the float cache's logits, but near them)
 
 
-@pytest.mark.parametrize("cache_class", [dense.KVCache, dense.Int8KVCache, "kernels-int8"])
+@pytest.mark.parametrize("cache_class", [dense.KVCache, caches.Int8KVCache, "kernels-int8"])
 def test_the_memory_check_counts_the_bytes_the_cache_takes(cache_class):
     model = from_pretrained(fixture_path("llama"))
     dtype = torch.int8 if cache_class is not dense.KVCache else None
     if cache_class == "kernels-int8":
         if not kernels.available():
             pytest.skip("no CPU kernels here")
-        cache_class = kernels.Int8KVCache
+        cache_class = caches.CPUInt8KVCache
     model.setup_cache(3, 95, dtype, cache_class=cache_class)  # (95 + the scratch slot: whole blocks of 16)
     taken = sum(b.numel() * b.element_size() for layer in model.layers for b in layer.attn.kv_cache.buffers())
-    assert taken == generate.cache_bytes(model, 3, 95, dtype)
+    assert taken == caches.cache_bytes(model, 3, 95, dtype)
     if dtype == torch.int8:
-        assert 4 * taken < generate.cache_bytes(model, 3, 95, torch.float32) * 1.3  # about a quarter of float32's
+        assert 4 * taken < caches.cache_bytes(model, 3, 95, torch.float32) * 1.3  # about a quarter of float32's
 
 
 @needs_kernels
-@pytest.mark.parametrize("kv_dtype, cache_class, dtype", [("auto", kernels.KVCache, torch.float32),
-                                                         ("bfloat16", kernels.KVCache, torch.bfloat16),
-                                                         ("int8", kernels.Int8KVCache, torch.int8)])
+@pytest.mark.parametrize("kv_dtype, cache_class, dtype", [("auto", caches.CPUKVCache, torch.float32),
+                                                         ("bfloat16", caches.CPUKVCache, torch.bfloat16),
+                                                         ("int8", caches.CPUInt8KVCache, torch.int8)])
 def test_kv_dtype_reaches_the_cache(kv_dtype, cache_class, dtype):
     import argparse
 
@@ -78,8 +78,8 @@ def test_kv_dtype_reaches_the_cache(kv_dtype, cache_class, dtype):
     p = argparse.ArgumentParser()
     add_model_flags(p)
     args = parse_flags(p, ["--ckpt", fixture_path("llama"), "--kv-dtype", kv_dtype])
-    model, _ = load_model(args.ckpt, args, Console(quiet=True))
-    generate.setup_cache(model, 1, 32)
+    model, record = load_model(args.ckpt, args, Console(quiet=True))
+    caches.setup_cache(model, 1, 32, record.kv_dtype)
     cache = model.layers[0].attn.kv_cache
     assert type(cache) is cache_class and cache.v.dtype == dtype
 
@@ -93,9 +93,8 @@ def test_a_compiled_decode_step_reads_the_int8_cache_as_the_eager_one(tmp_path):
     from dense_engine.runtime.steps import Steps
 
     model = random_model()
-    model.kv_dtype = "int8"
-    generate.setup_cache(model, 2, 256)
-    assert type(model.layers[0].attn.kv_cache) is kernels.Int8KVCache
+    caches.setup_cache(model, 2, 256, "int8")
+    assert type(model.layers[0].attn.kv_cache) is caches.CPUInt8KVCache
     steps = Steps(model, folder=str(tmp_path))
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     runs = []
@@ -116,7 +115,7 @@ def test_the_python_api_takes_kv_dtype_and_answers_as_the_int8_cache_does():
     from dense_engine.system.errors import UsageError
 
     llm = dense_engine.load(fixture_path("llama"), compile=False, kv_dtype="int8")
-    assert type(llm.model.layers[0].attn.kv_cache) is kernels.Int8KVCache
+    assert type(llm.model.layers[0].attn.kv_cache) is caches.CPUInt8KVCache
     llm.generate("the cat sat", max_new_tokens=12, chat=False)
     got = list(llm.session.reply_ids)
     ids = llm.vocab.encode("the cat sat", special=True)

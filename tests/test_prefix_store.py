@@ -10,6 +10,8 @@ import torch
 
 from conftest import fixture_path, run_alone
 
+from dense_engine.formats.load import LoadRecord
+from dense_engine.runtime import caches
 from dense_engine.server.prefix_store import PrefixStore
 
 LLAMA = fixture_path("llama")  # a ChatML template, a context of 128
@@ -56,12 +58,11 @@ def test_the_store_keeps_its_bound_least_recently_used_leaf_first():
 
 @pytest.mark.parametrize("layout", ["dense", "kernels"])
 def test_slots_taken_out_of_a_row_and_put_into_another_are_the_same_keys_and_values(layout):
-    import dense
     from dense_engine.cpu import kernels
 
     if layout == "kernels" and not kernels.available():
         pytest.skip("no CPU kernels here")
-    cache_class = dense.KVCache if layout == "dense" else kernels.KVCache
+    cache_class = caches.KVCache if layout == "dense" else caches.CPUKVCache
     cache = cache_class(3, 2, 63, 8, torch.float32, torch.device("cpu"))  # 3 rows, 2 heads, 63 slots + scratch
     cache.k.copy_(torch.randn(cache.k.shape))
     cache.v.copy_(torch.randn(cache.v.shape))
@@ -113,25 +114,22 @@ def test_a_returning_conversation_whose_row_was_taken_prefills_only_what_the_sto
     turn's blocks from the store (its prefill starts at the last whole block) and answers as a cold prefill does,
     on a model of its own. With room for only a few blocks, the same answers, the store within its bound, and the
     model calls' blocks always the store's."""
-    import dense
-    from dense_engine.cpu import kernels
     from dense_engine.formats import load
     from dense_engine.formats import vocab as vocab_module
     from dense_engine.server.metrics import Metrics
     from dense_engine.server.scheduler import Scheduler, token_bytes
 
     if layout == "dense":
-        monkeypatch.setattr(kernels, "cache_for", lambda model: (dense.KVCache, None))
+        monkeypatch.setattr(caches, "cache_for", lambda model, kv_dtype: (caches.KVCache, None))
     vocab = vocab_module.load_vocabulary(LLAMA, None)
     cold_model, model = load.from_pretrained(LLAMA), load.from_pretrained(LLAMA)
-    if layout == "int8":  # (--kv-dtype int8: the scales travel with the blocks)
-        cold_model.kv_dtype = model.kv_dtype = "int8"
-    cold = Scheduler(cold_model, vocab, 2, 128, compile=compiled, reuse=False)
+    record = LoadRecord(kv_dtype="int8" if layout == "int8" else "auto")  # (int8: the scales travel with the blocks)
+    cold = Scheduler(cold_model, vocab, 2, 128, compile=compiled, reuse=False, load=record)
     prefilled = prefill_starts(monkeypatch)
     for capacity_blocks in (1000, 5):
-        scheduler = Scheduler(model, vocab, 2, 128, compile=compiled)
-        assert isinstance(model.layers[0].attn.kv_cache, kernels.KVCache) == (layout != "dense")
-        assert isinstance(model.layers[0].attn.kv_cache, kernels.Int8KVCache) == (layout == "int8")
+        scheduler = Scheduler(model, vocab, 2, 128, compile=compiled, load=record)
+        assert isinstance(model.layers[0].attn.kv_cache, caches.CPUKVCache) == (layout != "dense")
+        assert isinstance(model.layers[0].attn.kv_cache, caches.CPUInt8KVCache) == (layout == "int8")
         scheduler.store = PrefixStore(capacity_blocks * 16 * token_bytes(model), token_bytes(model), block=16)
         scheduler.metrics = metrics = Metrics()
         metrics.watch(scheduler)
@@ -167,7 +165,7 @@ def test_a_returning_conversation_whose_row_was_taken_prefills_only_what_the_sto
 
 @pytest.mark.parametrize("int8", [False, True])
 def test_a_block_file_is_read_only_for_its_own_tokens_shapes_and_bytes(tmp_path, int8):
-    from dense_engine.runtime.cache_files import write as write_block
+    from dense_engine.runtime.caches import write as write_block
     from dense_engine.server.prefix_store import read_block
 
     def layer():  # keys [K, blocks, D, 16] and values [K, slots, D] (int8: and their scales [K, slots])
@@ -201,7 +199,7 @@ def test_a_block_file_is_read_only_for_its_own_tokens_shapes_and_bytes(tmp_path,
 
 def test_the_models_key_changes_with_any_weight_the_caches_dtype_and_the_kernels(monkeypatch):
     from dense_engine.cpu import kernels
-    from dense_engine.runtime.cache_files import model_key
+    from dense_engine.runtime.caches import model_key
 
     model = load_and_cache(LLAMA)
     key = model_key(model)
@@ -217,11 +215,10 @@ def test_the_models_key_changes_with_any_weight_the_caches_dtype_and_the_kernels
 
 
 def load_and_cache(path, cache_dtype=None):
-    from dense_engine.cpu import kernels
     from dense_engine.formats import load
 
     model = load.from_pretrained(path)
-    cache_class, dtype = kernels.cache_for(model)
+    cache_class, dtype = caches.cache_for(model)
     model.setup_cache(1, 64, cache_dtype or dtype, cache_class=cache_class)
     return model
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT, random_model
-from dense_engine.runtime import generate
+from dense_engine.runtime import caches, generate
 from dense_engine.runtime.steps import Steps
 
 SCRIPT = """
@@ -95,7 +95,7 @@ def test_one_compiled_step_serves_every_sampling_value(tmp_path):
     """Temperatures, top-k, top-p, min-p, typical-p and penalties changed between replies (chat's /set, a server's requests) reuse one compiled
     step per kind, and give the tokens an eager step gives from the same noise; rows of one batch may differ."""
     model = random_model()
-    generate.setup_cache(model, 3, 256)
+    caches.setup_cache(model, 3, 256)
     steps = Steps(model, folder=str(tmp_path))
     ids = torch.tensor([[5, 17, 99, 3, 250, 7]] * 3)
     penalty = torch.ones(3, model.config.vocab_size)
@@ -135,7 +135,7 @@ def test_one_compiled_prefill_step_takes_every_length_up_to_the_chunk(tmp_path):
     """The prefill step's length is a dynamic dimension: prompts and turns of 1, 2, 17 and 32 tokens, from slot 0 and
     after earlier tokens, run one compiled graph and give the eager pass's logits."""
     model = random_model()
-    generate.setup_cache(model, 1, 256)
+    caches.setup_cache(model, 1, 256)
     steps = Steps(model, folder=str(tmp_path))
     compiled, eager = generate.Runner(model, steps), generate.Runner(model, None)
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(0))

@@ -7,7 +7,7 @@ Warm-up first (its extra time over a measured run is reported as compile_s), the
 prefill of --prompt-len tokens and --gen-len decode steps at --batch-size; medians with min..max spread.
 Bytes per token counts the weights one decode step reads (every linear and norm, the head; not the embedding table,
 of which a step reads one row); bandwidth = bytes per token x decode steps per second, as gpt-fast reports it.
-Stands on flags.py (loading as chat.py does), session.py and generate.py.
+Stands on flags.py (loading as chat.py does), caches.py and generate.py.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import time
 import torch
 
 import dense
-from dense_engine.cpu import kernels, quantized
-from dense_engine.formats import checkpoint, families
+from dense_engine.cpu import quantized
+from dense_engine.formats import checkpoint, families, load
 from dense_engine.formats import vocab as vocab_module
 from dense_engine.formats.checkpoint import atomic_write
 from dense_engine.cli import flags
 from dense_engine.runtime.steps import steps_for
-from dense_engine.runtime import generate, session, speculative, tp
+from dense_engine.runtime import caches, generate, speculative, tp
 
 IMPORTED = time.perf_counter()
 
@@ -188,7 +188,7 @@ def prompts(model, batch: int, lengths: tuple[int, int], seed: int, given: list[
 def attended(model, last: int, compile: bool) -> int:
     """Cache slots the last decode step attended over: its bucket, or the slots in use (eager steps, and the CPU
     cache whose attention reads only those)."""
-    if not compile or isinstance(model.layers[0].attn.kv_cache, kernels.KVCache):
+    if not compile or isinstance(model.layers[0].attn.kv_cache, caches.CPUKVCache):
         return last
     return generate.attend_width(model, last)
 
@@ -219,10 +219,11 @@ def one_run(model, steps, batch: int, lengths: tuple[int, int], gen_len: int, se
 
 def run_benchmark(model, *, batch: int, prompt_len: int | tuple[int, int], gen_len: int, compile: bool, runs: int,
                   peak_bw: float | None, quant: str, cache_len: int | None = None, progress=None,
-                  prompt_ids: list[int] | None = None, draft=None, speculate_k: int = 4) -> dict:
+                  prompt_ids: list[int] | None = None, draft=None, speculate_k: int = 4, kv_dtype: str = "auto") -> dict:
     """Warm up (load or compile the steps), then `runs` measured runs. cache_len: the KV cache's length (default:
-    the model's context, as chat.py uses it; a batch gets what it needs, rounded up to a power of two). prompt_ids:
-    a real prompt instead of random ids; draft: speculative decoding (speculative.py) with speculate_k."""
+    the model's context, as chat.py uses it; a batch gets what it needs, rounded up to a power of two), kv_dtype its
+    numbers (caches.cache_for). prompt_ids: a real prompt instead of random ids; draft: speculative decoding
+    (speculative.py) with speculate_k."""
     device = model.device
     if prompt_ids is not None:
         prompt_len = len(prompt_ids)
@@ -233,11 +234,11 @@ def run_benchmark(model, *, batch: int, prompt_len: int | tuple[int, int], gen_l
     context = model.config.max_position_embeddings
     if needed > context:
         raise ValueError(f"--prompt-len {lengths[1]} + --gen-len {gen_len} exceed the context of {context}")
-    cache_len = (session.fitting_cache(model, 1, cache_len) if batch == 1 else
+    cache_len = (caches.fitting_cache(model, 1, cache_len, kv_dtype) if batch == 1 else
                  cache_len or generate.cache_length(needed, context))
     if cache_len < needed:
         raise ValueError(f"--max-seq-len {cache_len} is shorter than --prompt-len + --gen-len ({needed})")
-    generate.setup_cache(model, batch, cache_len)
+    caches.setup_cache(model, batch, cache_len, kv_dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     steps = steps_for(model) if compile else None  # (shared with a later --plot run)
@@ -396,14 +397,14 @@ def main(args, console, ckpt: str | None) -> int:
     prompt_ids = None
     with console.status("Loading..."):
         if args.shape:
-            model = random_model(args.shape, device, args.dtype)
+            model = random_model(args.shape, device, args.dtype or load.default_dtype(device))
             quant, reason = (None, "random weights") if args.quant in ("auto", "none") else (args.quant, "--quant")
             if quant:
                 model = quantized.quantize_model(model, quant)
             title = f"{args.shape} (random weights)"
         else:
-            model, line = flags.load_model(ckpt, args, console)
-            quant, reason = line.split(" (", 1)[0].removeprefix("weights: "), line.split(" (", 1)[1].rstrip(")")
+            model, record = flags.load_model(ckpt, args, console)
+            quant, reason = record.quant, record.reason
             title = ckpt
             if args.prompt is not None:  # a real prompt (prompt lookup needs one): its ids, as one-shot would
                 vocab = vocab_module.load_vocabulary(ckpt, args.tokenizer)
@@ -415,7 +416,7 @@ def main(args, console, ckpt: str | None) -> int:
     with console.status("Benchmarking...") as status:
         result = run_benchmark(model, batch=args.batch_size or 1, prompt_len=args.prompt_len, gen_len=args.gen_len,
                                compile=args.compile, runs=args.runs, peak_bw=args.peak_bw,
-                               quant=quant if quant and quant != "full precision" else "none",
+                               quant=quant or "none", kv_dtype=args.kv_dtype,
                                cache_len=args.max_seq_len, progress=lambda s: status.update(f"Benchmarking: {s}"),
                                prompt_ids=prompt_ids, draft=draft, speculate_k=args.speculate_k)
     result["model"], result["quant_reason"] = title, reason

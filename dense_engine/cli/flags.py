@@ -15,7 +15,7 @@ from dense_engine.cpu import quantized
 from dense_engine.formats import load
 from dense_engine.formats.checkpoint import torch_dtype
 from dense_engine.formats.vocab import Vocabulary
-from dense_engine.runtime import speculative, tp
+from dense_engine.runtime import session, speculative, tp
 from dense_engine.runtime.session import Settings
 from dense_engine.system import machine
 from dense_engine.system.errors import UsageError
@@ -95,18 +95,16 @@ def parse_flags(p: argparse.ArgumentParser, argv):
         device = torch.device(args.device)
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
-    args.dtype = torch_dtype(args.dtype) or (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    args.dtype = torch_dtype(args.dtype)  # (None: load.default_dtype's)
     return args
 
 
-def load_model(ckpt: str, args, console):
-    """The model as --quant asks, and one line saying what was loaded and why."""
-    with console.status(f"Loading {ckpt} ({str(args.dtype).removeprefix('torch.')}, {args.device})..."):
-        quant, reason = load.choose_quant(ckpt, args.quant, args.device)
-        loader = tp.from_pretrained if tp.world()[1] > 1 else load.from_pretrained
-        model = loader(ckpt, device=args.device, dtype=args.dtype, quant=quant or "none")
-    model.kv_dtype = args.kv_dtype  # (kernels.cache_for reads it when a cache is set up)
-    return model, f"weights: {quant or 'full precision'} ({reason})"
+def load_model(ckpt: str, args, console) -> tuple:
+    """(the model, its LoadRecord) as the flags ask: what was loaded and why is the record's `weights`."""
+    record, checkpoint = load.plan(ckpt, args.quant, args.device, args.dtype, args.kv_dtype, args.max_seq_len,
+                                   args.compile)
+    with console.status(f"Loading {ckpt} ({str(record.dtype).removeprefix('torch.')}, {record.device})..."):
+        return session.load_model(record, checkpoint), record
 
 
 def prompt_mode(args, vocab: Vocabulary, ckpt: str) -> str:
@@ -165,5 +163,4 @@ def settings(args) -> Settings:
                     typical_p=args.typical_p, repetition_penalty=args.repetition_penalty,
                     repeat_last_n=args.repeat_last_n, dry_multiplier=args.dry_multiplier, dry_base=args.dry_base,
                     dry_allowed_length=args.dry_allowed_length, dry_penalty_last_n=args.dry_penalty_last_n,
-                    max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len, compile=args.compile,
-                    speculate_k=args.speculate_k)
+                    max_new_tokens=args.max_new_tokens, speculate_k=args.speculate_k)

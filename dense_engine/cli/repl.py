@@ -16,7 +16,7 @@ import dense
 from dense_engine.cli import terminal
 from dense_engine.formats import convert
 from dense_engine.formats.vocab import Vocabulary
-from dense_engine.runtime import cache_files, tp
+from dense_engine.runtime import caches, tp
 from dense_engine.runtime.session import Session
 from dense_engine.system import machine
 from dense_engine.system.errors import UsageError
@@ -283,7 +283,7 @@ def save_cache_beside(session: Session, path: str) -> str:
     cache = os.path.expanduser(path) + ".cache"
     if tp.world()[1] > 1 or not session.cached:
         return ""
-    if os.path.exists(cache) and not cache_files.is_cache_file(cache):
+    if os.path.exists(cache) and not caches.is_cache_file(cache):
         return f" (its cache not saved: {cache} exists and is not a conversation's cache)"
     try:
         return f" and its cache ({session.save_cache(cache)} tokens) to {cache}"
@@ -299,7 +299,7 @@ def load_cache_beside(session: Session, path: str) -> str:
     try:
         return f" and its cache ({session.load_cache(cache)} tokens: not prefilled again)"
     except (ValueError, OSError) as e:
-        return f" (its cache not used: {cache_files.first_words(e)})"
+        return f" (its cache not used: {caches.first_words(e)})"
 
 
 def describe_model(session: Session, ckpt: str, why: str) -> str:

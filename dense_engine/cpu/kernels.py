@@ -20,8 +20,8 @@ Rapids and later), kernels_avx2.cpp on one with AVX2 and FMA only (AMD Zen 1-3, 
 Alder Lake): the same operators in 8-lane registers, int4 and nf4 as kernels.cpp's (the same bits), GGUF prefills by
 integer products as kernels.cpp's. Without a compiler, or on an older CPU, everything runs on PyTorch's own kernels
 (`DENSE_KERNELS=0` forces that; `DENSE_KERNELS=avx2` takes kernels_avx2.cpp on an AVX-512 CPU too, built without
-AVX-512 as such a CPU runs it, `avx2-vnni` with AVX-512 VNNI's 256-bit vpdpbusd standing in for AVX-VNNI's). Stands on
-dense.py (its KV cache, which this file's CPU cache subclasses).
+AVX-512 as such a CPU runs it, `avx2-vnni` with AVX-512 VNNI's 256-bit vpdpbusd standing in for AVX-VNNI's). The
+attention kernel reads runtime/caches.py's CPU cache (keys in blocks of 16 slots).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dense
 from dense_engine.system.errors import first_line
 from dense_engine.system.machine import cache_dir, compiler, intact, note, seal, unwritable_cache
 
@@ -231,127 +230,6 @@ def use_kernel(x: torch.Tensor) -> bool:
     """Whether x goes to a kernel of kernels.cpp: at any number of rows, each kernel choosing its own path for many
     (so a graph whose row count is dynamic, generate.py's prefill step, depends on no number it does not know)."""
     return x.device.type == "cpu" and x.dtype == torch.float32
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The KV cache and its attention
-
-
-LONG_CACHE_BYTES = 64 << 20  # a layer's cache beyond this is committed in 4 KB pages (KVCache)
-
-
-class KVCache(dense.KVCache):
-    """The CPU cache: keys in blocks of 16 slots, [B, K, (S + 1) / 16, D, 16], values [B, K, S + 1, D], and attention
-    by kernels.cpp, which reads only the slots each query can see, each block of keys as one contiguous run (decoding
-    at position p costs O(p), whatever the cache length, so a compiled step needs no buckets)."""
-
-    def __init__(self, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype, device) -> None:
-        nn.Module.__init__(self)
-        blocks = (seq_len + 1 + 15) // 16
-        # A long cache (a 128K-token context by default) is mostly never written: in 2 MB pages each head and layer
-        # would commit 2 MB at its first token (0.5 GiB for Llama-3.2-1B), in 4 KB pages what is used
-        shapes = [(batch, kv_heads, blocks, head_dim, 16), (batch, kv_heads, seq_len + 1, head_dim)]
-        huge = 2 * batch * kv_heads * (seq_len + 1) * head_dim * dtype.itemsize <= LONG_CACHE_BYTES
-        k, v = huge_pages([torch.empty(shape, dtype=dtype, device="meta") for shape in shapes], zeros=True,
-                          advise=huge)
-        if k.device.type == "meta":  # no huge pages here
-            k, v = torch.zeros_like(k, device=device), torch.zeros_like(v, device=device)
-        self.register_buffer("k", k, persistent=False)
-        self.register_buffer("v", v, persistent=False)
-
-    def write(self, step, k: torch.Tensor, v: torch.Tensor) -> None:
-        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
-        if step.input_pos.ndim == 1 and step.rows is None:  # every row writes the same slots
-            pos, B = step.input_pos, k.shape[0]
-            self.k[:B, :, pos // 16, :, pos % 16] = k.permute(2, 0, 1, 3)  # [T, B, K, D]
-            self.v[:B].index_copy_(2, pos, v)
-            return
-        rows, pos = dense.row_slots(step, k.shape[0], k.shape[2])  # [B, T] each
-        self.k[rows, :, pos // 16, :, pos % 16] = k.transpose(1, 2)  # [B, T, K, D] by (row, slot)
-        self.v[rows, :, pos] = v.transpose(1, 2)
-
-    def slots(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys [K, n / 16, D, 16] (whole blocks: start and end multiples of 16) and values [K, n, D]."""
-        assert start % 16 == 0 and end % 16 == 0, (start, end)
-        return self.k[row, :, start // 16:end // 16], self.v[row, :, start:end]
-
-    def put_slots(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        assert start % 16 == 0, start
-        self.k[row, :, start // 16:start // 16 + k.shape[1]].copy_(k)
-        self.v[row, :, start:start + v.shape[1]].copy_(v)
-
-    def attend(self, q, k, v, step: dense.Step, view: dense.View, scale: float, softcap: float | None):
-        if step.input_pos is None:  # a plain pass: dense.py's attention on this call's own k, v
-            return super().attend(q, k, v, step, view, scale, softcap)
-        # Every cached step, a decode or a prefill of any length, from slot 0 or after earlier tokens, alone or
-        # beside other rows: the kernel over the slots as the cache holds them. A query's result then depends on its
-        # own slots only (the same bits whether its prompt went in whole, in chunks or beside others); SDPA's
-        # blocking follows the number of queries and keys of the call.
-        self.write(step, k, v)
-        empty = step.input_pos.new_empty(0)
-        start = step.row_start if step.row_start is not None else empty
-        rows = step.rows if step.rows is not None else empty
-        return torch.ops.dense_kernels.attention(q, self.k, self.v, step.input_pos, start, rows, scale,
-                                                 view.window or 0, softcap or 0.0, *self.scales())
-
-    def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The keys' and values' scales per slot (an int8 cache's), or None: the kernel reads the slots as they are."""
-        return None, None
-
-
-class Int8KVCache(dense.ScaledSlots, KVCache):
-    """KVCache's layout in int8 (--kv-dtype int8, dense.Int8KVCache's rounding): each key and value of a token and
-    head as int8 channels times one float32 scale, a quarter of float32's bytes.
-    The attention kernel reads the int8 slots and their scales (a key's score and a value's weight times its scale)."""
-
-    def __init__(self, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype, device) -> None:
-        nn.Module.__init__(self)
-        blocks = (seq_len + 1 + 15) // 16
-        shapes = [((batch, kv_heads, blocks, head_dim, 16), torch.int8),
-                  ((batch, kv_heads, seq_len + 1, head_dim), torch.int8),
-                  ((batch, kv_heads, blocks * 16), torch.float32), ((batch, kv_heads, blocks * 16), torch.float32)]
-        huge = 2 * batch * kv_heads * (seq_len + 1) * head_dim <= LONG_CACHE_BYTES
-        tensors = huge_pages([torch.empty(shape, dtype=dt, device="meta") for shape, dt in shapes], zeros=True,
-                             advise=huge)
-        if tensors[0].device.type == "meta":
-            tensors = [torch.zeros_like(t, device=device) for t in tensors]
-        for name, t in zip(("k", "v", "k_scale", "v_scale"), tensors):
-            self.register_buffer(name, t, persistent=False)
-
-    def write(self, step, k: torch.Tensor, v: torch.Tensor) -> None:
-        (qk, sk), (qv, sv) = dense.int8_rows(k), dense.int8_rows(v)  # [B, K, T, D] int8, [B, K, T, 1] float32
-        sk, sv = sk[..., 0], sv[..., 0]
-        if step.input_pos.ndim == 1 and step.rows is None:
-            pos, B = step.input_pos, k.shape[0]
-            self.k[:B, :, pos // 16, :, pos % 16] = qk.permute(2, 0, 1, 3)  # [T, B, K, D]
-            self.v[:B].index_copy_(2, pos, qv)
-            self.k_scale[:B].index_copy_(2, pos, sk)
-            self.v_scale[:B].index_copy_(2, pos, sv)
-            return
-        rows, pos = dense.row_slots(step, k.shape[0], k.shape[2])  # [B, T] each
-        self.k[rows, :, pos // 16, :, pos % 16] = qk.transpose(1, 2)  # [B, T, K, D] by (row, slot)
-        self.v[rows, :, pos] = qv.transpose(1, 2)
-        self.k_scale[rows, :, pos] = sk.transpose(1, 2)  # [B, T, K]
-        self.v_scale[rows, :, pos] = sv.transpose(1, 2)
-
-    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_scale, self.v_scale
-
-
-def cache_for(model) -> tuple[type, torch.dtype | None]:
-    """The KV cache a model's cached steps should use, and its dtype, as model.kv_dtype asks (--kv-dtype: "auto",
-    "bfloat16", "int8"). auto: ours on CPU for float32 models, in bfloat16 when the model's linears are quantized
-    (their kernels already take activations in bfloat16 or 8 bits; half the bytes to read per attended slot), else
-    dense.py's in the model's dtype. int8: a quarter of float32's bytes (Int8KVCache, or dense.py's off the kernels)."""
-    kind = getattr(model, "kv_dtype", "auto")
-    if model.device.type == "cpu" and model.dtype == torch.float32 and available():
-        if kind == "int8":
-            return Int8KVCache, torch.int8
-        quantized = any(hasattr(m, "kernel_weight") or hasattr(m, "kinds") for m in model.modules())
-        return KVCache, torch.bfloat16 if kind == "bfloat16" or (kind == "auto" and quantized) else None
-    if kind == "int8":
-        return dense.Int8KVCache, torch.int8
-    return dense.KVCache, torch.bfloat16 if kind == "bfloat16" else None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -3,19 +3,21 @@
     from dense_engine.formats import load
     model = load.from_pretrained("path/to/ckpt", device="cpu", dtype=torch.float32, quant="auto")
 
-read the checkpoint (convert.py: the native format and every foreign layout) -> choose what to load (a saved
-quantized variant, quantizing tensor by tensor as they load, or the full-precision weights) -> build the model on the
-meta device -> swap in quantized linears (quantized.py) -> read each tensor (memory-mapped), check it, cast it and
-move it to `device`, one at a time (load_tensors) -> place the weights for the CPU kernels. Also here: the memory
-check before anything is allocated (check_fits), and the way back from a model to checkpoint tensors
-(checkpoint_state_dict). Stands on dense.py, kernels.py, quantized.py and convert.py; tp.py loads shards through
-its `shard` hook.
+plan a load (one LoadRecord: the checkpoint read once (convert.py: the native format and every foreign layout),
+the quantization resolved with its reason, dtype, device, the cache's kind and length, compile) -> choose what to
+load (a saved quantized variant, quantizing tensor by tensor as they load, or the full-precision weights) -> build
+the model on the meta device -> swap in quantized linears (quantized.py) -> read each tensor (memory-mapped), check
+it, cast it and move it to `device`, one at a time (load_tensors) -> place the weights for the CPU kernels. Also
+here: the memory check before anything is allocated (check_fits), and the way back from a model to checkpoint
+tensors (checkpoint_state_dict). Stands on dense.py, kernels.py, quantized.py and convert.py; tp.py loads shards
+through its `shard` hook.
 """
 
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -26,20 +28,68 @@ import dense
 from dense_engine.cpu import kernels, quantized
 from dense_engine.formats import convert, gguf_import
 from dense_engine.system import machine
-from dense_engine.system.errors import CheckpointError
+from dense_engine.formats.checkpoint import Checkpoint
+from dense_engine.system.errors import CheckpointError, UsageError
+
+
+KV_DTYPES = ("auto", "bfloat16", "int8")  # what a load may ask of its KV cache (runtime/caches.py's cache_for)
+
+
+@dataclass(frozen=True)
+class LoadRecord:
+    """One load, decided once (from chat.py's and serve.py's flags, or dense_engine.load's keywords) and carried
+    whole: to the loader, to the Session or server that sets up its cache and steps, and to the background compiler,
+    which loads the same model again in another process. path None: a model made in memory (nothing to load again)."""
+    path: str | None = None
+    quant: str | None = None  # as resolved: None (full precision), "int8", "int4", "nf4", "llm.int8" or "gguf"
+    reason: str = "as stored"  # why that quantization: auto_mode's words, or the flag's
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    kv_dtype: str = "auto"  # the cache's numbers: "auto", "bfloat16" or "int8"
+    max_seq_len: int | None = None  # the cache's length; None: the model's context, or what fits (fitting_cache)
+    compile: bool = True  # compiled steps, saved for later processes
+
+    @property
+    def weights(self) -> str:
+        """What was loaded and why, as the programs' first line says it."""
+        return f"{self.quant or 'full precision'} ({self.reason})"
+
+
+def default_dtype(device, declared: torch.dtype | None = None) -> torch.dtype:
+    """The compute dtype when none is asked for, decided here only: bfloat16 on a GPU (its tensor cores' type); on
+    the CPU `declared` (the checkpoint's torch_dtype: from_pretrained's default, as transformers loads it) or float32
+    (the CPU kernels' type: what plan() gives the programs and dense_engine.load)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else declared or torch.float32
+
+
+def plan(path: str, quant: str = "auto", device=None, dtype: torch.dtype | None = None, kv_dtype: str = "auto",
+         max_seq_len: int | None = None, compile: bool = True) -> tuple[LoadRecord, Checkpoint]:
+    """The record of a load and the checkpoint it reads (read once, here; from_pretrained takes it): "auto" resolved
+    to what auto_mode picks, with its reason; device default cuda when there is one, else cpu; dtype default_dtype's."""
+    if kv_dtype not in KV_DTYPES:
+        raise UsageError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    checkpoint = convert.read_checkpoint(path)
+    device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if quant == "auto":
+        mode, reason = auto_mode(checkpoint, device)
+    else:
+        mode, reason = (None if quant == "none" else quant), f"--quant {quant}"
+    record = LoadRecord(checkpoint.path, mode, reason, dtype or default_dtype(device), device, kv_dtype, max_seq_len,
+                        compile)
+    return record, checkpoint
 
 
 def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant: str | None = None,
                     shard: Callable | None = None) -> dense.DenseDecoder:
-    """A checkpoint folder (or file) as a DenseDecoder. dtype=None: the checkpoint's declared torch_dtype, else
-    float32 (bfloat16 on a GPU, whatever the checkpoint declares: its tensor cores' type). quant=None loads what is
-    stored (the full-precision weights, or the only quantized variant of a folder that has no other); "int8" | "int4"
-    | "nf4" | "llm.int8" loads that variant (saved by quantize.py, else quantized tensor by tensor as it loads);
-    "auto" picks what auto_mode says; "none" forces full precision. shard: tensor parallel's hook (tp.py),
-    (checkpoint, tensors, mode) -> one rank's config and tensor slices."""
-    checkpoint = convert.read_checkpoint(path)
+    """A checkpoint folder or file (or the Checkpoint plan() read) as a DenseDecoder. dtype=None: default_dtype's
+    (the checkpoint's declared dtype on the CPU).
+    quant=None loads what is stored (the full-precision weights, or the only quantized variant of a folder that has no
+    other); "int8" | "int4" | "nf4" | "llm.int8" loads that variant (saved by quantize.py, else quantized tensor by
+    tensor as it loads); "auto" picks what auto_mode says; "none" forces full precision. shard: tensor parallel's
+    hook (tp.py), (checkpoint, tensors, mode) -> one rank's config and tensor slices."""
+    checkpoint = path if isinstance(path, Checkpoint) else convert.read_checkpoint(path)
     device = torch.device(device)
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else checkpoint.dtype or torch.float32)
+    dtype = dtype or default_dtype(device, checkpoint.dtype)
     mode, params, tensors = select(checkpoint, quant, device=device)
     config = checkpoint.config
     if shard is not None and mode == "gguf":  # tensor parallel cuts float or int8/int4 weights, not GGUF blocks
@@ -54,8 +104,6 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
     quantized.swap_linears(model, None if mode == "gguf" else mode, params)  # the rest: quantized, or kernels.Linear
     load_tensors(model, tensors, device, dtype, source=checkpoint.path)
     kernels.place_weights(model)  # huge pages for the weights a decode step streams (CPU)
-    # how to load it again (background.py compiles its steps in another process from this)
-    model.source = {"ckpt": checkpoint.path, "quant": mode, "dtype": dtype, "device": str(device)}
     return model
 
 
@@ -101,13 +149,6 @@ def auto_mode(checkpoint, device="cpu") -> tuple[str | None, str]:
         return next(iter(saved)), "the only variant stored"
     what = f"{'/'.join(sorted(types))} weights from a GGUF" if types else "full-precision weights"
     return None, f"{what}: loaded as stored (--quant int4 for the fastest CPU decode)"
-
-
-def choose_quant(path: str, quant: str, device="cpu") -> tuple[str | None, str]:
-    """The quantization to load path with, and why: auto_mode's choice for "auto", none for "none", else `quant`."""
-    if quant == "auto":
-        return auto_mode(convert.read_checkpoint(path), device)
-    return (None if quant == "none" else quant), f"--quant {quant}"
 
 
 def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> tuple[str | None, dict, dict]:

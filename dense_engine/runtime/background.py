@@ -2,18 +2,20 @@
 
 The first time a step is needed on a machine (or with a new model, cache size, batch or sampling kind), compiling it
 takes 25-60 s. Instead of waiting, a program's steps.Steps hands the job to Compiler: a worker process (this file, run
-as a script) loads the same checkpoint the same way, rebuilds the step's arguments from their shapes, compiles the
-step and saves it into the cache folder. The program answers on the eager path meanwhile and switches to the compiled
-step as soon as its file is there; later processes load it. A worker outlives a short run (a one-shot --prompt), so
+as a script) loads the same checkpoint the same way (the program's LoadRecord, whole: quantization, dtype, the kind
+of cache), rebuilds the step's arguments from their shapes, compiles the step and saves it into the cache folder.
+The program answers on the eager path meanwhile and switches to the compiled step as soon as its file is there;
+later processes load it. A worker outlives a short run (a one-shot --prompt), so
 the next run is fast. Workers take turns (a lock), the decode step first; each step is compiled once (a lock per
 step; saves are atomic, so a killed worker leaves no file a later run would mistake for complete).
 
 DENSE_BACKGROUND_COMPILE=0 compiles in the program itself, before answering (the tests do). Stands on load.py,
-generate.py, steps.py and checkpoint.py.
+caches.py, generate.py, steps.py and checkpoint.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,7 +26,8 @@ import torch
 
 from dense_engine.formats import load
 from dense_engine.formats.checkpoint import atomic_write, locked
-from dense_engine.runtime import generate
+from dense_engine.formats.load import LoadRecord
+from dense_engine.runtime import caches, generate
 from dense_engine.runtime.steps import Steps, rebuild
 from dense_engine.system import machine
 
@@ -36,14 +39,12 @@ def enabled() -> bool:
 
 
 class Compiler:
-    """Steps' background hook for a model loaded from a checkpoint: how to load it again (path, quant, dtype,
-    device) and the cache its steps run over (batch, length)."""
+    """Steps' background hook for a model loaded from a checkpoint: its load record (how to load it again, the kind
+    of cache) and the cache its steps run over (batch, length)."""
 
-    def __init__(self, ckpt: str, quant: str | None, dtype: torch.dtype, device: str, batch: int, seq_len: int,
-                 status=None) -> None:
-        self.recipe = {"ckpt": os.path.abspath(ckpt), "quant": quant or "none",
-                       "dtype": str(dtype).removeprefix("torch."), "device": device, "batch": batch,
-                       "seq_len": seq_len}
+    def __init__(self, record: LoadRecord, batch: int, seq_len: int, status=None) -> None:
+        self.recipe = {**dataclasses.asdict(record), "path": os.path.abspath(record.path),
+                       "dtype": str(record.dtype).removeprefix("torch."), "batch": batch, "seq_len": seq_len}
         self.status = status
         self.started: list[str] = []
         self.threads = torch.get_num_threads()
@@ -100,12 +101,13 @@ def compile_job(job: dict, loaded: dict) -> None:
     if machine.intact(target):
         return
     start = time.perf_counter()
-    recipe = tuple(job[k] for k in ("ckpt", "quant", "dtype", "device", "batch", "seq_len"))
+    record = LoadRecord(**{f.name: job[f.name] for f in dataclasses.fields(LoadRecord)} | {
+        "dtype": getattr(torch, job["dtype"])})
+    recipe = (record, job["batch"], job["seq_len"])
     if recipe not in loaded:
         loaded.clear()  # (one model in memory at a time)
-        loaded[recipe] = load.from_pretrained(job["ckpt"], device=job["device"], dtype=getattr(torch, job["dtype"]),
-                                              quant=job["quant"])
-        generate.setup_cache(loaded[recipe], job["batch"], job["seq_len"])
+        loaded[recipe] = load.from_pretrained(record.path, record.device, record.dtype, record.quant or "none")
+        caches.setup_cache(loaded[recipe], job["batch"], job["seq_len"], record.kv_dtype)
     model = loaded[recipe]
     steps = Steps(model, folder=job["folder"])
     if steps.key(job["kind"], **job["shape"]) != job["key"]:

@@ -11,14 +11,14 @@ What makes it fast, in order:
     attends over a fixed number of cache slots: instead of the whole cache (the model's context, 8192 for SmolLM2)
     it attends over the smallest bucket that holds the positions in use, 256, 512, 1024, ... up to the cache
     length, one graph per bucket, compiled when first reached (CUDA graphs replay one per bucket). On CPU the cache
-    is kernels.KVCache, whose attention reads only the slots in use: one graph serves every position.
+    is caches.CPUKVCache, whose attention reads only the slots in use: one graph serves every position.
   * Saved steps (steps.py): each graph is compiled once per machine and loaded by every later process.
   * A short prefill (a chat turn, up to PREFILL_CHUNK tokens) is one compiled step too, whose graph takes any number
     of tokens (a dynamic dimension: one graph, no padding; a CUDA graph is padded to one size, the padding written
     to the cache's scratch slot); a long prompt is one eager pass, whose large matmuls are its whole cost.
 Ragged batches: prompts are left-padded to a common length; row_start tells each row where its tokens begin, so its
 positions start at 0 and padding is never attended to. Speculative decoding (speculative.py) stands on this file's
-Runner. Stands on dense.py, kernels.py and steps.py.
+Runner. Stands on dense.py, caches.py and steps.py.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 import dense
-from dense_engine.cpu import kernels
+from dense_engine.runtime import caches
 from dense_engine.runtime.steps import Steps, steps_for
-from dense_engine.system import machine
 
 MIN_BUCKET = 256
 PREFILL_CHUNK = 32  # prompts up to this long prefill in one compiled step (any length); longer ones in one eager pass
@@ -52,32 +51,10 @@ def bucket_for(length: int, cache_len: int) -> int:
     return next(b for b in buckets(cache_len) if b >= length)
 
 
-def cache_bytes(model: dense.DenseDecoder, batch: int, seq_len: int, dtype: torch.dtype | None = None) -> int:
-    """The bytes of a KV cache of batch x seq_len tokens (+ the scratch slot) in dtype (default the model's; int8: a
-    float32 scale per token and head beside)."""
-    elem = torch.empty((), dtype=dtype or model.dtype).element_size()
-    return sum(2 * batch * layer.attn.n_kv_heads * (seq_len + 1) * (layer.attn.head_dim * elem
-                                                                       + 4 * (dtype == torch.int8))
-               for layer in model.layers)
-
-
-def setup_cache(model: dense.DenseDecoder, batch: int, seq_len: int) -> None:
-    """model.setup_cache with the cache this device runs fastest (on CPU, float32: kernels.py's), refused in one line
-    when it would not fit the memory available."""
-    cache_class, dtype = kernels.cache_for(model)
-    for layer in model.layers:  # (the old cache's memory counts as available)
-        layer.attn.kv_cache = dense.NoCache()
-    need, have = cache_bytes(model, batch, seq_len, dtype), machine.available_memory(model.device)
-    if need > have:
-        raise ValueError(f"a KV cache of {seq_len} tokens x batch {batch} needs {need / 2**30:.1f} GiB; "
-                         f"{model.device.type} has {have / 2**30:.1f} GiB available (a smaller max_seq_len fits)")
-    model.setup_cache(batch, seq_len, dtype, cache_class=cache_class)
-
-
 def attend_width(model: dense.DenseDecoder, length: int) -> int:
     """How many slots a compiled step over `length` slots in use attends: the bucket, or the whole cache when the
-    cache's attention reads only the slots in use anyway (kernels.KVCache: one graph serves every position)."""
-    if isinstance(model.layers[0].attn.kv_cache, kernels.KVCache):
+    cache's attention reads only the slots in use anyway (caches.CPUKVCache: one graph serves every position)."""
+    if isinstance(model.layers[0].attn.kv_cache, caches.CPUKVCache):
         return model.max_seq_len
     return bucket_for(length, model.max_seq_len)
 
@@ -444,7 +421,8 @@ def prepare(model: dense.DenseDecoder, prompts, max_new_tokens: int, start_pos: 
     if model.max_seq_len < needed or model.max_batch_size < B or moved:
         if start_pos:
             raise ValueError(f"the cache ({model.max_seq_len} tokens) is too small to continue to {needed} tokens")
-        setup_cache(model, max(B, model.max_batch_size), cache_length(needed, model.config.max_position_embeddings))
+        length = cache_length(needed, model.config.max_position_embeddings)
+        caches.setup_cache(model, max(B, model.max_batch_size), length, kv_dtype=None)  # (the kind it holds now)
     if row_start is not None and start_pos:
         raise ValueError("a ragged batch starts a new cache (start_pos must be 0)")
     return Runner(model, steps or (steps_for(model) if compile else None)), ids, row_start

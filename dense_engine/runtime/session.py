@@ -1,5 +1,5 @@
 """session.py: Session, generation over a KV cache that outlives a reply (a conversation's turns prefill only what
-is new), with its Settings record, the cache's default length and the compiled steps a program's model runs.
+is new), with its Settings record; a program's model by its load record and the compiled steps it runs.
 chat.py, the Python API (dense_engine/api.py), benchmark.py and the server share it; the flags that make one are the
 CLI's (dense_engine/cli/flags.py).
 """
@@ -12,9 +12,11 @@ from typing import Iterator
 
 import torch
 
-from dense_engine.cpu import kernels
+import dense
+from dense_engine.formats import load as loading
+from dense_engine.formats.load import LoadRecord
 from dense_engine.formats.vocab import TextStream, Vocabulary
-from dense_engine.runtime import background, cache_files, dry, generate, speculative, tp
+from dense_engine.runtime import background, caches, dry, generate, speculative, tp
 from dense_engine.runtime.steps import Steps
 from dense_engine.system import machine
 from dense_engine.system.errors import UsageError
@@ -49,42 +51,29 @@ class ReplyStats:
         return text + (" (interrupted)" if self.interrupted else "")
 
 
-def steps_for_program(model, batch: int, seq_len: int, status=None, note=None) -> Steps:
+def load_model(record: LoadRecord, checkpoint=None) -> dense.DenseDecoder:
+    """The model a load record describes (checkpoint: the one load.plan read, so it is not read again); under
+    torchrun, this rank's shard."""
+    loader = tp.from_pretrained if tp.world()[1] > 1 else loading.from_pretrained
+    return loader(checkpoint or record.path, device=record.device, dtype=record.dtype, quant=record.quant or "none")
+
+
+def steps_for_program(model, batch: int, seq_len: int, record: LoadRecord, status=None, note=None) -> Steps:
     """The compiled steps of a program's model: a step not compiled yet on this machine is compiled by a background
     process while the program answers eagerly (background.py), where that can be done (a model loaded from a
-    checkpoint, on the CPU, in one process); else compiled here, before answering. note(message): one line about
-    background compiles."""
+    checkpoint, on the CPU, in one process): the process loads it again by its record; else compiled here, before
+    answering. note(message): one line about background compiles."""
     compiler = None
-    if (background.enabled() and getattr(model, "source", None) and model.device.type == "cpu" and tp.world()[1] == 1
+    if (background.enabled() and record.path and model.device.type == "cpu" and tp.world()[1] == 1
             and machine.unwritable_cache() is None):
-        compiler = background.Compiler(**model.source, batch=batch, seq_len=seq_len, status=note)
+        compiler = background.Compiler(record, batch=batch, seq_len=seq_len, status=note)
     return Steps(model, status=status, background=compiler)
-
-
-def fitting_cache(model, batch: int = 1, asked: int | None = None) -> int:
-    """The cache's length for `batch` rows: `asked` (--max-seq-len) when given; else the model's whole context, or the
-    largest power of two that fits in a quarter of the memory still available (with a note). (Its pages are
-    committed only as positions are used.)"""
-    if asked:
-        return asked
-    context = model.config.max_position_embeddings
-    dtype = kernels.cache_for(model)[1]
-    budget = machine.available_memory(model.device) // 4
-    if generate.cache_bytes(model, batch, context, dtype) <= budget:
-        return context
-    length = 256
-    while length * 2 < context and generate.cache_bytes(model, batch, length * 2, dtype) <= budget:
-        length *= 2
-    rows = f" x {batch} rows" if batch > 1 else ""
-    machine.note(f"the cache holds {length} tokens{rows}: the model's context of {context} would need "
-                 f"{generate.cache_bytes(model, batch, context, dtype) / 2**30:.1f} GiB (--max-seq-len sets it)")
-    return length
 
 
 @dataclass
 class Settings:
-    """How a Session answers: sampling (temperature 0 is greedy; top_k, top_p None: off), the longest reply, the
-    cache's length (None: fitting_cache's choice), compiled steps, and the draft tokens a speculative step checks."""
+    """How a Session answers: sampling (temperature 0 is greedy; top_k, top_p None: off), the longest reply, and the
+    draft tokens a speculative step checks. (The cache's length and compiled steps are the load's: LoadRecord.)"""
     temperature: float = 0.7
     top_k: int | None = None
     top_p: float | None = None
@@ -97,8 +86,6 @@ class Settings:
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = -1
     max_new_tokens: int = 512
-    max_seq_len: int | None = None
-    compile: bool = True
     speculate_k: int = 4
 
 
@@ -125,12 +112,13 @@ class Session:
     """Generation over a cache that outlives a reply: `cached` lists the tokens whose keys/values sit in the cache
     at positions 0.. len(cached) - 1, so the next prompt prefills only what follows its common prefix with them."""
 
-    def __init__(self, model, vocab: Vocabulary, settings: Settings | None = None, status=None, draft=None,
-                 note=None) -> None:
+    def __init__(self, model, vocab: Vocabulary, settings: Settings | None = None, load: LoadRecord | None = None,
+                 status=None, draft=None, note=None) -> None:
         self.model, self.vocab, self.settings, self.draft = model, vocab, settings or Settings(), draft
-        self.max_seq_len = fitting_cache(model, 1, self.settings.max_seq_len)
-        generate.setup_cache(model, 1, self.max_seq_len)
-        self.steps = steps_for_program(model, 1, self.max_seq_len, status, note) if self.settings.compile else None
+        load = load or LoadRecord()
+        self.max_seq_len = caches.fitting_cache(model, 1, load.max_seq_len, load.kv_dtype)
+        caches.setup_cache(model, 1, self.max_seq_len, load.kv_dtype)
+        self.steps = steps_for_program(model, 1, self.max_seq_len, load, status, note) if load.compile else None
         self.cached: list[int] = []
         self.prefilled = self.reused = 0  # prompt tokens prefilled by the replies / found in the cache, in all (/stats)
         self.compile_s: float | None = None
@@ -213,18 +201,17 @@ class Session:
 
     def save_cache(self, path: str, tokens: int | None = None) -> int:
         """The first `tokens` (default all) the cache holds, with their keys and values, into a cache file
-        (cache_files: sealed, the model's key in it): how many."""
+        (caches.write: sealed, the model's key in it): how many."""
         n = len(self.cached) if tokens is None else min(tokens, len(self.cached))
-        layers = cache_files.copy_slots(self.model, 0, 0, cache_files.whole_slots(n))
-        cache_files.write(path, self.cached[:n], layers, {"model": self.model_key()})
+        layers = caches.copy_slots(self.model, 0, 0, caches.whole_slots(n))
+        caches.write(path, self.cached[:n], layers, {"model": self.model_key()})
         return n
 
     def load_cache(self, path: str) -> int:
         """A cache file's tokens and their keys and values into the cache (the next prompt that starts with them
         prefills only the rest): how many; ValueError (or OSError) saying why it cannot be used."""
-        like = [layer.attn.kv_cache.slots(0, 0, 0) for layer in self.model.layers]
-        tokens, layers = cache_files.read_whole(path, like, self.model_key(), self.max_seq_len)
-        cache_files.put_slots(self.model, 0, 0, layers)
+        tokens, layers = caches.read_whole(path, caches.like(self.model), self.model_key(), self.max_seq_len)
+        caches.put_slots(self.model, 0, 0, layers)
         self.cached = tokens
         if self.draft is not None:
             self.draft.reset()  # (a draft model's own cache does not hold them)
@@ -232,7 +219,7 @@ class Session:
 
     def model_key(self) -> str:
         if getattr(self, "_model_key", None) is None:
-            self._model_key = cache_files.model_key(self.model)
+            self._model_key = caches.model_key(self.model)
         return self._model_key
 
     def reply(self, prompt_ids: list[int], write) -> tuple[list[int], ReplyStats]:

@@ -27,7 +27,8 @@ import torch
 
 import dense
 from dense_engine.cpu import quantized
-from dense_engine.runtime.generate import Runner, Sampling, collect, prepare, setup_cache
+from dense_engine.runtime import caches
+from dense_engine.runtime.generate import Runner, Sampling, collect, prepare
 from dense_engine.runtime.steps import Steps, steps_for
 
 
@@ -53,7 +54,7 @@ class ModelDraft:
             raise ValueError(f"the draft's context ({model.config.max_position_embeddings}) is shorter than the "
                              f"target's cache ({target.max_seq_len})")
         if model.max_seq_len != target.max_seq_len:
-            setup_cache(model, 1, target.max_seq_len)
+            caches.setup_cache(model, 1, target.max_seq_len)
             self.cached = []
         steps = None if target_runner.steps is None else steps_for(model)
         if self.runner is None or self.runner.steps is not steps:

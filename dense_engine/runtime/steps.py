@@ -36,7 +36,7 @@ PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dense_e
 SOURCES = (os.path.join(os.path.dirname(PACKAGE), "dense.py"),
            *(os.path.join(PACKAGE, "cpu", name) for name in ("quantized.py", "kernels.py", "kernels.h", "kernels.cpp",
                                                              "kernels_avx2.cpp")),
-           *(os.path.join(PACKAGE, "runtime", name) for name in ("generate.py", "steps.py")))
+           *(os.path.join(PACKAGE, "runtime", name) for name in ("caches.py", "generate.py", "steps.py")))
 
 
 def trust_the_cpu_flags() -> None:
@@ -135,7 +135,7 @@ class Steps:
         if key not in self.pending:
             self.pending.add(key)
             self.background({"key": key, "kind": kind, "function": fn.__name__, "args": describe(args),
-                             "shape": shape, "folder": self.folder, "estimate": self.estimate(kind)})
+                             "shape": shape, "folder": self.folder, "estimate": estimate(self.folder, kind)})
         return True
 
     def load(self, path: str) -> Callable | None:
@@ -153,7 +153,7 @@ class Steps:
             return loaded
         except Exception as e:  # a damaged file, another torch or python: compile it again
             note(f"ignoring the saved compiled step {path} ({first_line(e)}); compiling it again")
-            self.discard(path)
+            discard(path)
             return None
 
     def load_or_compile(self, key: str, kind: str, fn: Callable, args: tuple, dynamic: dict | None) -> Callable | None:
@@ -175,10 +175,9 @@ class Steps:
                 args[i] = args[i].clone()  # (marked for the compile: the caller's tensor stays as it was)
                 torch._dynamo.mark_dynamic(args[i], dim, min=dynamic["range"][0], max=dynamic["range"][1])
             args = tuple(args)
-        estimate = self.estimate(kind)
         if self.status:
             self.status(f"Compiling the {kind} step for {self.model.max_seq_len}-slot cache (once per machine; about "
-                        f"{estimate:.0f} s)...")
+                        f"{estimate(self.folder, kind):.0f} s)...")
         start = time.perf_counter()
         # No guards: the key pins what they would check (every tensor's shape and dtype, the code, the versions), and
         # rebuilding thousands of them is most of the time it takes to load a step. No size or alignment asserts
@@ -201,7 +200,7 @@ class Steps:
             os.makedirs(self.folder, exist_ok=True)
             compiled.save_compiled_function(path)  # written to a temporary file and renamed: concurrent runs are safe
             machine.seal(path)  # the completion marker, last
-            self.record(kind, took)
+            record_seconds(self.folder, kind, took)
         except Exception as e:  # a full disk or a read-only cache: the step still works in this process
             if machine.unwritable_cache() is None:  # (an unwritable cache folder was already said, once)
                 note(f"could not save the compiled step to {path} ({first_line(e)})")
@@ -212,30 +211,35 @@ class Steps:
         except Exception:
             return compiled
 
-    def discard(self, path: str) -> None:
-        for name in (path, path + ".sha256"):
-            try:
-                os.unlink(name)
-            except OSError:
-                pass
 
-    def estimate(self, kind: str) -> float:
+def discard(path: str) -> None:
+    """A saved step and its seal, gone (a later run compiles it again)."""
+    for name in (path, path + ".sha256"):
         try:
-            with open(os.path.join(self.folder, "timings.json")) as f:
-                return float(json.load(f)[kind])
-        except (OSError, ValueError, KeyError, TypeError):
-            return 40.0 if kind == "decode" else 60.0
+            os.unlink(name)
+        except OSError:
+            pass
 
-    def record(self, kind: str, seconds: float) -> None:
-        path = os.path.join(self.folder, "timings.json")
-        try:
-            with open(path) as f:
-                timings = json.load(f)
-            timings = timings if isinstance(timings, dict) else {}
-        except (OSError, ValueError):
-            timings = {}
-        timings[kind] = round(seconds, 1)
-        atomic_write(path, lambda p: open(p, "w").write(json.dumps(timings)))
+
+def estimate(folder: str, kind: str) -> float:
+    """How long compiling a step of this kind took last time on this machine (timings.json), or a guess."""
+    try:
+        with open(os.path.join(folder, "timings.json")) as f:
+            return float(json.load(f)[kind])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 40.0 if kind == "decode" else 60.0
+
+
+def record_seconds(folder: str, kind: str, seconds: float) -> None:
+    path = os.path.join(folder, "timings.json")
+    try:
+        with open(path) as f:
+            timings = json.load(f)
+        timings = timings if isinstance(timings, dict) else {}
+    except (OSError, ValueError):
+        timings = {}
+    timings[kind] = round(seconds, 1)
+    atomic_write(path, lambda p: open(p, "w").write(json.dumps(timings)))
 
 
 # How a step compiled in the process is compiled, by device: CUDA graphs on CUDA (one replay per step: a decode
@@ -270,7 +274,7 @@ class LazyStep:
         steps = self.steps
         if steps.status:
             steps.status(f"Compiling the {self.kind} step for {steps.model.max_seq_len}-slot cache (this process; "
-                         f"about {steps.estimate(self.kind):.0f} s)...")
+                         f"about {estimate(steps.folder, self.kind):.0f} s)...")
         start = time.perf_counter()
         out = self.compiled(*args)
         if steps.model.device.type == "cuda":

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dense_engine.runtime import cache_files
+from dense_engine.runtime import caches
 from dense_engine.system import machine
 
-BLOCK = 64  # tokens a block: a multiple of the CPU cache's 16-slot key blocks (kernels.KVCache)
+BLOCK = 64  # tokens a block: a multiple of the CPU cache's 16-slot key blocks (caches.CPUKVCache)
 
 
 @dataclass(eq=False)
@@ -180,7 +180,7 @@ class DiskStore:
         while True:
             job = self.jobs.get()
             try:
-                cache_files.write(*job)
+                caches.write(*job)
                 if self.jobs.qsize() == 0:  # (the folder scanned once a batch of blocks, not once a block)
                     self.trim()
             except OSError as e:  # (a full or read-only disk: the blocks stay in memory, nothing else changes)
@@ -212,7 +212,7 @@ def read_block(path: str, tokens: list[int], like: list[tuple[torch.Tensor, ...]
     """The block's (k, v) per layer when the file holds exactly `tokens` and tensors shaped as `like`'s, whole
     (its digest holds); else None (a damaged or foreign file is deleted)."""
     try:
-        stored, layers, _ = cache_files.read(path, like)
+        stored, layers, _ = caches.read(path, like)
     except FileNotFoundError:
         return None
     except (ValueError, OSError):  # (truncated, damaged, another layout: written again when next used)

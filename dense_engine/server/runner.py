@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dense_engine.runtime import cache_files, generate, tp
+from dense_engine.runtime import caches, generate, tp
 from dense_engine.server import prefix_store
 
 
@@ -59,20 +59,20 @@ class ModelCalls:
         for i in drop:
             del self.kept[i]
         for i, start in blocks:
-            self.kept[i] = cache_files.copy_slots(self.runner.model, row, start, start + size)
+            self.kept[i] = caches.copy_slots(self.runner.model, row, start, start + size)
 
     def restore(self, row: int, blocks: list[int], start: int) -> None:
         """Kept blocks, in order, into row's slots from `start` on."""
         layers = [tuple(torch.cat(parts, dim=1) for parts in zip(*(self.kept[i][n] for i in blocks)))  # (dim 1: the
                   for n in range(len(self.runner.model.layers))]  # slots of keys, values, scales in every layout)
-        cache_files.put_slots(self.runner.model, row, start, layers)
+        caches.put_slots(self.runner.model, row, start, layers)
 
     def read_blocks(self, blocks: list[tuple[int, str, list[int]]], size: int, drop: list[int]) -> int:
         """Forget the blocks `drop`, then read blocks of `size` tokens (id, file, the tokens of the prefix it ends)
         from the disk, in order, until one is missing or not whole: how many were read."""
         for i in drop:
             del self.kept[i]
-        like = [layer.attn.kv_cache.slots(0, 0, size) for layer in self.runner.model.layers]  # (shapes, dtypes)
+        like = caches.like(self.runner.model, size)  # (shapes, dtypes)
         for n, (i, path, tokens) in enumerate(blocks):
             layers = prefix_store.read_block(path, tokens, like)
             if layers is None:
@@ -87,8 +87,8 @@ class ModelCalls:
 
     def row_slots(self, row: int, end: int) -> list[tuple[torch.Tensor, ...]]:
         """Copies, in host memory, of row's keys and values at slots 0..end-1 (end: a multiple of 16)."""
-        return cache_files.copy_slots(self.runner.model, row, 0, end)
+        return caches.copy_slots(self.runner.model, row, 0, end)
 
     def put_row(self, row: int, layers: list[tuple[torch.Tensor, ...]]) -> None:
         """row_slots' copies into row's slots from 0 on."""
-        cache_files.put_slots(self.runner.model, row, 0, layers)
+        caches.put_slots(self.runner.model, row, 0, layers)

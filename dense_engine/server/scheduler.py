@@ -24,7 +24,8 @@ import torch
 
 import dense
 from dense_engine.formats.vocab import StopText, TextStream, Vocabulary
-from dense_engine.runtime import cache_files, generate, speculative, tp
+from dense_engine.formats.load import LoadRecord
+from dense_engine.runtime import caches, generate, speculative, tp
 from dense_engine.runtime.session import common_prefix, steps_for_program
 from dense_engine.server.prefix_store import BLOCK, DiskStore, PrefixStore, default_capacity_mb, default_disk_mb
 from dense_engine.server.runner import ModelCalls
@@ -167,7 +168,7 @@ class Scheduler:
     def __init__(self, model: dense.DenseDecoder, vocab: Vocabulary, max_batch: int, max_seq_len: int,
                  compile: bool, draft=None, speculate_k: int = 4, metrics=None, reuse: bool = True,
                  prefill_chunk: int = PREFILL_BUDGET, prefix_cache_mb: int | None = None,
-                 prefix_disk_mb: int | None = 0, prefix_block: int = BLOCK) -> None:
+                 prefix_disk_mb: int | None = 0, prefix_block: int = BLOCK, load: LoadRecord | None = None) -> None:
         self.model, self.vocab, self.draft, self.speculate_k = model, vocab, draft, speculate_k
         self.metrics, self.reuse, self.prefill_chunk = metrics, reuse, prefill_chunk
         self.slots = [Row() for _ in range(max_batch)]
@@ -178,9 +179,10 @@ class Scheduler:
         self.vocab_limit = vocab.size if vocab.size < model.config.vocab_size else None
         self.stopping = threading.Event()
         self.idle_generator = torch.Generator(model.device)  # (an idle row's noise, never used)
-        generate.setup_cache(model, max_batch, max_seq_len)
+        load = load or LoadRecord()  # (the kind of cache, and how the background compiler loads the model again)
+        caches.setup_cache(model, max_batch, max_seq_len, load.kv_dtype)
         self.max_seq_len = max_seq_len
-        steps = steps_for_program(model, max_batch, max_seq_len) if compile else None
+        steps = steps_for_program(model, max_batch, max_seq_len, load) if compile else None
         self.calls = ModelCalls(generate.Runner(model, steps))
         self.key: str | None = None  # (model_key)
         if prefix_cache_mb is None:
@@ -195,9 +197,9 @@ class Scheduler:
         self.thread = threading.Thread(target=self.run, name="scheduler", daemon=True)
 
     def model_key(self) -> str:
-        """cache_files.model_key of the model and its cache, made once (the disk tier's folder, slot files)."""
+        """caches.model_key of the model and its cache, made once (the disk tier's folder, slot files)."""
         if self.key is None:
-            self.key = cache_files.model_key(self.model)
+            self.key = caches.model_key(self.model)
         return self.key
 
     @property
@@ -533,7 +535,7 @@ class Scheduler:
 
 def token_bytes(model: dense.DenseDecoder) -> int:
     """Bytes of one slot's keys and values (and an int8 cache's scales) in every layer's cache."""
-    parts = [t for layer in model.layers for t in layer.attn.kv_cache.slots(0, 0, 16)]  # (16 slots: whole key blocks)
+    parts = [t for layer in caches.like(model, 16) for t in layer]  # (16 slots: whole key blocks)
     return sum(t.numel() * t.element_size() for t in parts) // 16
 
 

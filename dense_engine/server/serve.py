@@ -41,8 +41,7 @@ import torch
 from dense_engine.cli.flags import add_model_flags, check_environment, load_model, make_draft, parse_flags, positive_int
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
-from dense_engine.runtime import generate, tp
-from dense_engine.runtime.session import fitting_cache
+from dense_engine.runtime import caches, generate, tp
 from dense_engine.server.app import make_app
 from dense_engine.server.metrics import Metrics
 from dense_engine.server.scheduler import PREFILL_BUDGET, Request, Scheduler
@@ -63,14 +62,14 @@ class Server:
     def load(self, console) -> None:
         """Load the model and start the scheduler (a thread of its own; /health answers 503 meanwhile)."""
         args = self.args
-        ckpt, self.vocab, model = load_for_serving(args, console)
+        ckpt, self.vocab, model, record = load_for_serving(args, console)
         self.name = os.path.basename(os.path.normpath(ckpt))
         draft = make_draft(args, model, console)
-        self.max_seq_len = fitting_cache(model, args.max_batch, args.max_seq_len)
-        self.scheduler = Scheduler(model, self.vocab, args.max_batch, self.max_seq_len, args.compile, draft,
+        self.max_seq_len = caches.fitting_cache(model, args.max_batch, record.max_seq_len, record.kv_dtype)
+        self.scheduler = Scheduler(model, self.vocab, args.max_batch, self.max_seq_len, record.compile, draft,
                                    args.speculate_k, reuse=args.prefix_reuse, prefill_chunk=args.prefill_chunk,
                                    prefix_cache_mb=args.prefix_cache_mb if args.prefix_cache else 0,
-                                   prefix_disk_mb=args.prefix_cache_disk_mb)
+                                   prefix_disk_mb=args.prefix_cache_disk_mb, load=record)
         warm_up(self.scheduler)
         self.scheduler.metrics = self.metrics  # (after the warm-up: its throwaway tokens are not counted)
         self.metrics.watch(self.scheduler)
@@ -78,8 +77,9 @@ class Server:
         self.ready.set()
 
 
-def load_for_serving(args, console, rank0: bool = True) -> tuple[str, Vocabulary, object]:
-    """(the checkpoint, its vocabulary, the model): what every rank loads (rank 0 says what it loaded)."""
+def load_for_serving(args, console, rank0: bool = True) -> tuple:
+    """(the checkpoint, its vocabulary, the model, its LoadRecord): what every rank loads (rank 0 says what it
+    loaded)."""
     if rank0:
         check_environment(args, console)
     ckpt = args.ckpt or default_checkpoint(console)
@@ -91,10 +91,10 @@ def load_for_serving(args, console, rank0: bool = True) -> tuple[str, Vocabulary
             vocab.template()  # (compiled once, now: not in the first request's time)
         except TemplateError:
             pass  # (a chat request says what is wrong with it; completions still work)
-    model, why = load_model(ckpt, args, console)
+    model, record = load_model(ckpt, args, console)
     if rank0:
-        print(why, file=sys.stderr, flush=True)
-    return ckpt, vocab, model
+        print(f"weights: {record.weights}", file=sys.stderr, flush=True)
+    return ckpt, vocab, model, record
 
 
 def warm_up(scheduler: Scheduler) -> None:
@@ -214,9 +214,9 @@ def serve(args, console) -> int:
 
 def serve_follower(args, console) -> int:
     """A rank other than 0 under torchrun: the same model and cache, every model call rank 0 makes."""
-    _, vocab, model = load_for_serving(args, console, rank0=False)
-    max_seq_len = fitting_cache(model, args.max_batch, args.max_seq_len)
-    scheduler = Scheduler(model, vocab, args.max_batch, max_seq_len, args.compile)
+    _, vocab, model, record = load_for_serving(args, console, rank0=False)
+    max_seq_len = caches.fitting_cache(model, args.max_batch, record.max_seq_len, record.kv_dtype)
+    scheduler = Scheduler(model, vocab, args.max_batch, max_seq_len, record.compile, load=record)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     scheduler.calls.follow()

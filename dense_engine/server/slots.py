@@ -3,7 +3,7 @@ and their keys and values written to, or read from, a file of the --slot-save-pa
 the client reaches the disk), or the row's cache forgotten. A restored row serves the next request whose prompt
 starts with those tokens (the scheduler's prefix reuse) without prefilling them.
 
-The file is runtime/cache_files.py's, for the whole row (the tokens, each layer's keys and values of their slots,
+The file is runtime/caches.py's, for the whole row (the tokens, each layer's keys and values of their slots,
 a digest of their bytes) with the model's key in its metadata: a file saved by another model, quantization, dtype or
 cache layout is refused, not read into the row. The work runs on the scheduler's thread (Scheduler.call_soon), on a
 row no request holds."""
@@ -14,7 +14,7 @@ import asyncio
 import os
 import time
 
-from dense_engine.runtime import cache_files, tp
+from dense_engine.runtime import caches, tp
 from dense_engine.server.protocol import BadRequest
 
 ACTIONS = ("save", "restore", "erase")
@@ -70,8 +70,8 @@ def save(scheduler, row: int, path: str) -> dict:
     """The row's tokens and their keys and values into the file (a temporary file, then renamed)."""
     idle(scheduler, row)
     start, tokens = time.perf_counter(), list(scheduler.slots[row].tokens)
-    layers = scheduler.calls.row_slots(row, cache_files.whole_slots(len(tokens)))
-    written = cache_files.write(path, tokens, layers, {"model": scheduler.model_key()})
+    layers = scheduler.calls.row_slots(row, caches.whole_slots(len(tokens)))
+    written = caches.write(path, tokens, layers, {"model": scheduler.model_key()})
     return {"id_slot": row, "filename": os.path.basename(path), "n_saved": len(tokens), "n_written": written,
             "timings": {"save_ms": (time.perf_counter() - start) * 1000}}
 
@@ -82,11 +82,11 @@ def restore(scheduler, row: int, path: str) -> dict:
     start, name = time.perf_counter(), os.path.basename(path)
     like = scheduler.calls.row_slots(row, 0)
     try:
-        tokens, layers = cache_files.read_whole(path, like, scheduler.model_key(), scheduler.max_seq_len + 1)
+        tokens, layers = caches.read_whole(path, like, scheduler.model_key(), scheduler.max_seq_len + 1)
     except FileNotFoundError:
         raise ValueError(f"no slot file {name!r}") from None
     except (ValueError, OSError) as e:
-        raise ValueError(f"slot file {name!r}: {cache_files.first_words(e)}") from None
+        raise ValueError(f"slot file {name!r}: {caches.first_words(e)}") from None
     scheduler.calls.put_row(row, layers)
     scheduler.slots[row].tokens = tokens
     return {"id_slot": row, "filename": name, "n_restored": len(tokens), "n_read": os.path.getsize(path),
