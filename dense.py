@@ -333,7 +333,7 @@ class NoCache(nn.Module):
 class KVCache(NoCache):
     """Static cache: keys and values of every position so far, preallocated once: [B, K, S + 1, D] each. The last slot
     is scratch: tokens that are only padding (a chunk's tail, an idle row of a server's batch) write there, and nothing
-    reads it. (runtime/caches.py holds its variants: int8, and a CPU layout whose kernel reads only the slots in use.)"""
+    reads it. (runtime/caches.py holds its variants: int8, and a CPU layout whose kernel reads only the slots used.)"""
 
     def __init__(self, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype, device) -> None:
         super().__init__()

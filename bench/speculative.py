@@ -76,7 +76,7 @@ def main() -> int:
     configs = [("plain", None, 1)]
     configs += [] if args.no_self_draft else [(f"{args.draft_quant} self-draft", self_draft, k) for k in args.k]
     configs += [(f"lookup (n-gram {m}..3)", speculative.LookupDraft(3, m), k) for m in args.min_ngram for k in args.k]
-    print(f"# {ckpt}: target weights: {record.weights}; cache {model.max_seq_len}; torch threads {torch.get_num_threads()}")
+    print(f"# {ckpt}: target {record.weights}; cache {model.max_seq_len}; torch threads {torch.get_num_threads()}")
     print(f"{'prompt':9} {'draft':22} {'k':>2} {'tok/s':>7} {'vs plain':>8} {'accepted':>8} {'tok/step':>8} "
           f"{'tokens':>6} same")
     for name, text in PROMPTS.items():

@@ -219,7 +219,8 @@ def one_run(model, steps, batch: int, lengths: tuple[int, int], gen_len: int, se
 
 def run_benchmark(model, *, batch: int, prompt_len: int | tuple[int, int], gen_len: int, compile: bool, runs: int,
                   peak_bw: float | None, quant: str, cache_len: int | None = None, progress=None,
-                  prompt_ids: list[int] | None = None, draft=None, speculate_k: int = 4, kv_dtype: str = "auto") -> dict:
+                  prompt_ids: list[int] | None = None, draft=None, speculate_k: int = 4,
+                  kv_dtype: str = "auto") -> dict:
     """Warm up (load or compile the steps), then `runs` measured runs. cache_len: the KV cache's length (default:
     the model's context, as chat.py uses it; a batch gets what it needs, rounded up to a power of two), kv_dtype its
     numbers (caches.cache_for). prompt_ids: a real prompt instead of random ids; draft: speculative decoding

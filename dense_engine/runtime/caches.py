@@ -409,7 +409,7 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
 def model_key(model: dense.DenseDecoder) -> str:
     """What the memory its cache holds depends on: every weight's bytes (quantized ones as quantized), the config, the
     cache's class and dtype, and on CPU the kernels that compute them (kernels.build_key: a prefix an AVX2 build wrote
-    is not read back by an AVX-512 one, whose answers would then depend on it). (Hashing the weights reads them once.)"""
+    is not read back by an AVX-512 one, whose answers would then depend on it). Hashing the weights reads them once."""
     cache = memories(model)[0]
     built = kernels.build_key() if cache.v.device.type == "cpu" else ""
     h = hashlib.sha256(f"{type(cache).__qualname__} {cache.v.dtype} {built}".encode())
