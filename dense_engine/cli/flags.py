@@ -149,7 +149,7 @@ def make_draft(args, model, console):
         if not os.path.exists(args.draft):
             raise UsageError(f"--draft {args.draft}: no such file or folder")
         with console.status(f"Loading the draft {args.draft}..."):
-            draft = load.from_pretrained(args.draft, device=args.device, dtype=args.dtype, quant="auto")
+            draft = load.from_pretrained(args.draft, device=args.device, dtype=model.dtype, quant="auto")
         if draft.config.vocab_size != model.config.vocab_size:
             raise UsageError(f"--draft {args.draft}: its vocabulary ({draft.config.vocab_size}) is not the model's "
                              f"({model.config.vocab_size}); a draft must share the tokenizer")
