@@ -1,5 +1,6 @@
 """session.py: Session, generation over a KV cache that outlives a reply (a conversation's turns prefill only what
-is new), with its Settings record (its sampler's: sampling.py), the cache's default length and the compiled steps a program's model runs.
+is new), with its Settings record (what it asks of the sampler: sampling.py), the cache's default length and the
+compiled steps a program's model runs.
 chat.py, the Python API (dense_engine/api.py), benchmark.py and the server share it; the flags that make one are the
 CLI's (dense_engine/cli/flags.py).
 """

@@ -361,16 +361,16 @@ class Scheduler:
         plan = schedule(self.slots, line, drafting=self.draft is not None, speculating=self.speculation is not None,
                         reuse=self.reuse, prefill_chunk=self.prefill_chunk,
                         stored=lambda request: prefixes.stored(self, request))
-        self.admit(plan)
+        admit(self, plan)
         for row in plan.freed:
             self.slots[row].request = None
         # (a chunk starts where its row's cache ends: an admission may have found less stored than planned)
-        self.prefill([(row, len(self.slots[row].tokens), end) for row, _, end in plan.prefill])
+        prefill(self, [(row, len(self.slots[row].tokens), end) for row, _, end in plan.prefill])
         if plan.round:
-            self.speculate()
+            speculate(self)
         busy = [r for r in plan.decode if self.slots[r].request and self.slots[r].request.status is Status.DECODING]
         if busy:
-            self.decode(busy)
+            decode(self, busy)
         elif not any(self.rows) and self.tasks.empty():
             try:  # idle: wait for a request
                 self.waiting.put(self.waiting.get(timeout=0.1))
@@ -385,74 +385,6 @@ class Scheduler:
                 request.send("error", message, [])
         self.slots = [Row() for _ in self.slots]  # (what a failed step left in the cache is not known)
         self.speculation = None
-
-    def admit(self, plan: Plan) -> None:
-        """The plan's requests off the line into their rows: what a row held goes to the prefix store first, and a
-        longer prefix from the store (or its disk) is copied in."""
-        for _ in range(plan.taken):
-            self.waiting.get_nowait()
-        if plan.speculate is not None:
-            self.start_speculation(plan.speculate)
-        for row, request, common in plan.admit:
-            slot = self.slots[row]
-            prefixes.keep(self, row, common)
-            stored = prefixes.restore(self, row, request, common)
-            self.admitted += 1
-            slot.request, slot.used = request, self.admitted
-            slot.tokens = request.prompt[:stored] if stored > common else slot.tokens[:common]
-            prefixes.persist(self, row)
-            if self.metrics is not None and max(common, stored):
-                self.metrics.prefix_hits.inc()
-                self.metrics.reused_tokens.inc(max(common, stored))
-                self.metrics.stored_tokens.inc(max(0, stored - common))
-            request.status = Status.PREFILLING
-
-    def prefill(self, group: list[tuple[int, int, int]]) -> None:
-        """Prompt chunks (row, start, end) into the rows' caches; chunks of several prompts go in one pass (the
-        weights are read once), a short chunk runs a compiled step alone."""
-        if not group:
-            return
-        if len(group) == 1 or any(end - start <= generate.PREFILL_CHUNK for _, start, end in group):
-            for row, start, end in group:
-                request = self.slots[row].request
-                self.postprocess_prefill(row, end, self.calls.call(
-                    "prefill", row=row, prompt=request.prompt[start:end], every=request.echo, start=start))
-            return
-        logits = self.calls.call("prefill_rows", rows=[row for row, _, _ in group],
-                                 chunks=[self.slots[r].request.prompt[s:e] for r, s, e in group],
-                                 starts=[s for _, s, _ in group])
-        for i, (row, _, end) in enumerate(group):
-            self.postprocess_prefill(row, end, logits[i:i + 1])
-
-    def decode(self, busy: list[int]) -> None:
-        """One step of every decoding row: each feeds its last token at its own position. A request alone (admitted
-        to row 0, the first free one) decodes in a batch-1 step, at batch 1's speed; otherwise every row steps (two
-        compiled graphs in all, whatever the load); an idle, prefilling or speculating row writes to the scratch
-        slot, which nothing reads."""
-        width = 1 if busy == [0] else len(self.slots)
-        rows = [self.slots[r].request if r in busy else None for r in range(width)]
-        tokens = [self.slots[r].last if r in busy else 0 for r in range(width)]
-        positions = [self.slots[r].position if r in busy else self.max_seq_len for r in range(width)]
-        with_logits = any(r is not None and r.logprobs is not None for r in rows)
-        out = self.calls.call("decode", tokens=tokens, positions=positions, sampling=self.sampling(rows),
-                              with_logits=with_logits)
-        out, logits = out if with_logits else (out, None)
-        self.postprocess(busy, tokens, out[:, 0].tolist(), logits)
-
-    def sampling(self, rows: list[Request | None]) -> generate.Sampling:
-        """Each row's sampling, inputs of the compiled step; a bias [B, V] only when a row has one (a constrained,
-        biased or penalized row: else the plain step runs)."""
-        V = self.model.config.vocab_size
-
-        def stacked(make, empty) -> torch.Tensor | None:  # [B, V], or None when no row has one
-            got = [make(r) if r is not None else None for r in rows]
-            if all(g is None for g in got):
-                return None
-            return torch.stack([g if g is not None else empty(V) for g in got]).to(self.model.device)
-
-        return generate.Sampling.of([r.sampler if r else None for r in rows], self.vocab_limit,
-                                    tuple(r.generator if r else self.idle_generator for r in rows),
-                                    stacked(lambda r: r.bias(V), torch.zeros), stacked(lambda r: r.penalty(V), torch.ones))
 
     # ---- postprocess: the new tokens delivered
 
@@ -474,7 +406,7 @@ class Scheduler:
             request.end("length", [])
             slot.request = None
             return
-        token = int(generate.sample(logits, self.sampling([request])))
+        token = int(generate.sample(logits, sampling(self, [request])))
         slot.position, slot.last = len(request.prompt), token
         self.deliver(row, token, logits[0])
 
@@ -502,32 +434,107 @@ class Scheduler:
             request.end(reason or "cancelled")
             self.slots[row].request = None
 
-    # ---- speculative decoding, beside the batch
+# ---- run: the plan's model calls (runner.ModelCalls), on the scheduler's thread
 
-    def start_speculation(self, request: Request) -> None:
-        """The request takes row 0 (its cache from slot 0) and the draft: a round of draft tokens checked by the
-        target each turn, the exact output of speculative decoding in fewer target steps."""
-        prefixes.keep(self, 0, 0)
-        self.slots[0].request, self.slots[0].tokens, request.status = request, [], Status.SPECULATING
-        self.speculation = speculative.generate_rounds(
-            self.model, torch.tensor([request.prompt], device=self.model.device), request.max_tokens, self.draft,
-            speculate_k=self.speculate_k, sampler=request.sampler, steps=self.calls.runner.steps,
-            vocab_limit=self.vocab_limit)
 
-    def speculate(self) -> None:
-        """The tokens of one round (the first: the prompt's prefill and its token), delivered one by one; row 0 and
-        the draft are free again when the request ends."""
-        request = self.slots[0].request
-        new = None if request.cancelled else next(self.speculation, None)
-        for token in new or []:
-            self.deliver(0, token)
-            if request.status is Status.FINISHED:
-                break
-        if new is None and request.status is not Status.FINISHED:  # (cancelled, or no more tokens)
-            request.end("cancelled" if request.cancelled else "length")
+def admit(scheduler: Scheduler, plan: Plan) -> None:
+    """The plan's requests off the line into their rows: what a row held goes to the prefix store first, and a
+    longer prefix from the store (or its disk) is copied in."""
+    for _ in range(plan.taken):
+        scheduler.waiting.get_nowait()
+    if plan.speculate is not None:
+        start_speculation(scheduler, plan.speculate)
+    for row, request, common in plan.admit:
+        slot = scheduler.slots[row]
+        prefixes.keep(scheduler, row, common)
+        stored = prefixes.restore(scheduler, row, request, common)
+        scheduler.admitted += 1
+        slot.request, slot.used = request, scheduler.admitted
+        slot.tokens = request.prompt[:stored] if stored > common else slot.tokens[:common]
+        prefixes.persist(scheduler, row)
+        if scheduler.metrics is not None and max(common, stored):
+            scheduler.metrics.prefix_hits.inc()
+            scheduler.metrics.reused_tokens.inc(max(common, stored))
+            scheduler.metrics.stored_tokens.inc(max(0, stored - common))
+        request.status = Status.PREFILLING
+
+
+def prefill(scheduler: Scheduler, group: list[tuple[int, int, int]]) -> None:
+    """Prompt chunks (row, start, end) into the rows' caches; chunks of several prompts go in one pass (the
+    weights are read once), a short chunk runs a compiled step alone."""
+    if not group:
+        return
+    if len(group) == 1 or any(end - start <= generate.PREFILL_CHUNK for _, start, end in group):
+        for row, start, end in group:
+            request = scheduler.slots[row].request
+            scheduler.postprocess_prefill(row, end, scheduler.calls.call(
+                "prefill", row=row, prompt=request.prompt[start:end], every=request.echo, start=start))
+        return
+    logits = scheduler.calls.call("prefill_rows", rows=[row for row, _, _ in group],
+                                  chunks=[scheduler.slots[r].request.prompt[s:e] for r, s, e in group],
+                                  starts=[s for _, s, _ in group])
+    for i, (row, _, end) in enumerate(group):
+        scheduler.postprocess_prefill(row, end, logits[i:i + 1])
+
+
+def decode(scheduler: Scheduler, busy: list[int]) -> None:
+    """One step of every decoding row: each feeds its last token at its own position. A request alone (admitted
+    to row 0, the first free one) decodes in a batch-1 step, at batch 1's speed; otherwise every row steps (two
+    compiled graphs in all, whatever the load); an idle, prefilling or speculating row writes to the scratch
+    slot, which nothing reads."""
+    width = 1 if busy == [0] else len(scheduler.slots)
+    rows = [scheduler.slots[r].request if r in busy else None for r in range(width)]
+    tokens = [scheduler.slots[r].last if r in busy else 0 for r in range(width)]
+    positions = [scheduler.slots[r].position if r in busy else scheduler.max_seq_len for r in range(width)]
+    with_logits = any(r is not None and r.logprobs is not None for r in rows)
+    out = scheduler.calls.call("decode", tokens=tokens, positions=positions, sampling=sampling(scheduler, rows),
+                               with_logits=with_logits)
+    out, logits = out if with_logits else (out, None)
+    scheduler.postprocess(busy, tokens, out[:, 0].tolist(), logits)
+
+
+def sampling(scheduler: Scheduler, rows: list[Request | None]) -> generate.Sampling:
+    """Each row's sampling, inputs of the compiled step; a bias [B, V] only when a row has one (a constrained,
+    biased or penalized row: else the plain step runs)."""
+    V = scheduler.model.config.vocab_size
+
+    def stacked(make, empty) -> torch.Tensor | None:  # [B, V], or None when no row has one
+        got = [make(r) if r is not None else None for r in rows]
+        if all(g is None for g in got):
+            return None
+        return torch.stack([g if g is not None else empty(V) for g in got]).to(scheduler.model.device)
+
+    generators = tuple(r.generator if r else scheduler.idle_generator for r in rows)
+    return generate.Sampling.of([r.sampler if r else None for r in rows], scheduler.vocab_limit, generators,
+                                stacked(lambda r: r.bias(V), torch.zeros), stacked(lambda r: r.penalty(V), torch.ones))
+
+
+def start_speculation(scheduler: Scheduler, request: Request) -> None:
+    """The request takes row 0 (its cache from slot 0) and the draft: a round of draft tokens checked by the
+    target each turn, the exact output of speculative decoding in fewer target steps."""
+    prefixes.keep(scheduler, 0, 0)
+    scheduler.slots[0].request, scheduler.slots[0].tokens, request.status = request, [], Status.SPECULATING
+    model = scheduler.model
+    scheduler.speculation = speculative.generate_rounds(
+        model, torch.tensor([request.prompt], device=model.device), request.max_tokens, scheduler.draft,
+        speculate_k=scheduler.speculate_k, sampler=request.sampler, steps=scheduler.calls.runner.steps,
+        vocab_limit=scheduler.vocab_limit)
+
+
+def speculate(scheduler: Scheduler) -> None:
+    """The tokens of one round (the first: the prompt's prefill and its token), delivered one by one; row 0 and
+    the draft are free again when the request ends."""
+    request = scheduler.slots[0].request
+    new = None if request.cancelled else next(scheduler.speculation, None)
+    for token in new or []:
+        scheduler.deliver(0, token)
         if request.status is Status.FINISHED:
-            self.speculation.close()
-            self.speculation, self.slots[0] = None, Row()
+            break
+    if new is None and request.status is not Status.FINISHED:  # (cancelled, or no more tokens)
+        request.end("cancelled" if request.cancelled else "length")
+    if request.status is Status.FINISHED:
+        scheduler.speculation.close()
+        scheduler.speculation, scheduler.slots[0] = None, Row()
 
 
 def token_bytes(model: dense.DenseDecoder) -> int:
