@@ -10,6 +10,7 @@ import torch
 
 import dense
 from dense_engine.runtime import generate
+from dense_engine.runtime.sampling import SamplerSettings
 from dense_engine.server.protocol import BadRequest, parse_request
 from dense_engine.server.scheduler import Request
 
@@ -159,12 +160,13 @@ def test_a_bad_sampler_value_is_a_400_naming_it(body, field):
 def test_the_fields_reach_the_request_and_its_penalties():
     settings = parse_request({"prompt": "abcab", "min_p": 0.1, "typical_p": 0.9, "repeat_penalty": 1.25,
                               "repeat_last_n": 3, "dry_multiplier": 0, "mirostat": 0}, "completion", FakeVocab(), 256)
-    assert (settings.min_p, settings.typical_p, settings.repetition_penalty, settings.repeat_last_n) == \
+    assert (settings.sampler.min_p, settings.sampler.typical_p, settings.sampler.repetition_penalty,
+            settings.sampler.repeat_last_n) == \
         (0.1, 0.9, 1.25, 3)
     off = parse_request({"prompt": "abcab", "min_p": 0, "typical_p": 1}, "completion", FakeVocab(), 256)
-    assert (off.min_p, off.typical_p, off.repetition_penalty) == (None, None, 1.0)
-    request = Request(settings.prompts[0], 4, 0.8, None, None, [], torch.Generator(), print,
-                      repetition_penalty=1.25, repeat_last_n=3)
+    assert (off.sampler.min_p, off.sampler.typical_p, off.sampler.repetition_penalty) == (None, None, 1.0)
+    request = Request(settings.prompts[0], 4, SamplerSettings(0.8, repetition_penalty=1.25, repeat_last_n=3), [],
+                      torch.Generator(), print)
     request.generated = [ord("z")]
     penalty = request.penalty(1000)  # the last 3 of "abcab" + "z": a, b, z
     assert set(torch.nonzero(penalty != 1)[:, 0].tolist()) == {ord("a"), ord("b"), ord("z")}
@@ -181,8 +183,8 @@ def test_greedy_generation_with_a_penalty_equals_a_slow_loop():
     plain = [int(t) for t in generate.generate_tokens(model, torch.tensor([prompt]), 12)]
     # (penalties below 1 favour the tokens seen: a random model's greedy text rarely repeats by itself)
     for penalty, window in ((0.7, 4), (0.7, -1), (0.8, 2), (1.5, 64)):
-        ours = [int(t) for t in generate.generate_tokens(model, torch.tensor([prompt]), 12,
-                                                         repetition_penalty=penalty, repeat_last_n=window)]
+        ours = [int(t) for t in generate.generate_tokens(model, torch.tensor([prompt]), 12, sampler=SamplerSettings(
+            repetition_penalty=penalty, repeat_last_n=window))]
         ids = list(prompt)
         with torch.no_grad():
             for _ in range(12):
@@ -195,19 +197,18 @@ def test_greedy_generation_with_a_penalty_equals_a_slow_loop():
 
 def test_set_takes_the_new_sampler_settings():
     from dense_engine.cli.repl import set_option
-    from dense_engine.runtime.session import Settings, filters
+    from dense_engine.runtime.session import Settings
     from dense_engine.system.errors import UsageError
 
     settings = Settings()
     for line in ("min-p 0.1", "typical-p 0.9", "repetition-penalty 1.2", "repeat-last-n -1", "dry-multiplier 0.8",
                  "dry-base 2"):
         set_option(settings, line)
-    assert filters(settings) == {"min_p": 0.1, "typical_p": 0.9, "repetition_penalty": 1.2, "repeat_last_n": -1,
-                                 "dry": None}
-    assert (settings.dry_multiplier, settings.dry_base) == (0.8, 2.0)
+    assert settings.sampler == SamplerSettings(temperature=0.7, min_p=0.1, typical_p=0.9, repetition_penalty=1.2,
+                                               repeat_last_n=-1, dry_multiplier=0.8, dry_base=2.0)
     set_option(settings, "repetition-penalty none")
     set_option(settings, "dry-multiplier none")
-    assert filters(settings)["repetition_penalty"] == 1.0 and settings.dry_multiplier is None
+    assert settings.sampler.repetition_penalty == 1.0 and settings.sampler.dry_multiplier == 0
     for bad in ("typical-p 0", "min-p 2", "repeat-last-n -2", "repetition-penalty x", "dry-base 0.5"):
         with pytest.raises(UsageError):
             set_option(settings, bad)
