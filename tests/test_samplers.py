@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-import dense
-from dense_engine.runtime import generate
+from dense_engine.runtime import generate, sampling
 from dense_engine.runtime.sampling import SamplerSettings
 from dense_engine.server.protocol import BadRequest, parse_request
 from dense_engine.server.scheduler import Request
@@ -66,7 +65,7 @@ def kept(probs: torch.Tensor) -> torch.Tensor:
 def test_min_p_keeps_what_the_rule_keeps(min_p):
     logits = logits_rows()
     for temperature in (1.0, 0.7):
-        ours = dense.probabilities(logits, temperature, min_p=min_p)
+        ours = sampling.probabilities(logits, temperature, min_p=min_p)
         ref = torch.softmax(min_p_reference(logits / temperature, min_p), dim=-1)
         assert torch.equal(kept(ours), kept(ref)) and torch.allclose(ours.double(), ref, atol=1e-6)
 
@@ -74,7 +73,7 @@ def test_min_p_keeps_what_the_rule_keeps(min_p):
 @pytest.mark.parametrize("mass", [0.2, 0.5, 0.9, 0.99])
 def test_typical_p_keeps_what_the_rule_keeps(mass):
     logits = logits_rows()
-    ours = dense.probabilities(logits, 1.0, typical_p=mass)
+    ours = sampling.probabilities(logits, 1.0, typical_p=mass)
     ref = torch.softmax(torch.stack([typical_reference(row, mass) for row in logits]), dim=-1)
     assert torch.equal(kept(ours), kept(ref)) and torch.allclose(ours.double(), ref, atol=1e-6)
 
@@ -101,7 +100,7 @@ def test_against_transformers_processors():
     for step in chain:
         expected = step(ids, expected)
     penalty = torch.ones(len(logits), V).scatter_(1, ids, 1.3)
-    ours = dense.probabilities(generate.shape_logits(logits, None, penalty), 0.8, top_k=30, min_p=0.02,
+    ours = sampling.probabilities(generate.shape_logits(logits, None, penalty), 0.8, top_k=30, min_p=0.02,
                                typical_p=0.9)
     ref = torch.softmax(expected, dim=-1)
     assert torch.equal(kept(ours), kept(ref)) and torch.allclose(ours, ref, atol=1e-6)
@@ -111,13 +110,13 @@ def test_per_row_settings_equal_each_row_alone_and_off_is_bit_for_bit():
     logits = logits_rows()
     rows = [(0.7, 0.1, 0.9), (1.0, 0.0, 1.0), (1.3, 0.05, 0.5), (0.9, 0.0, 0.95), (1.1, 0.3, 1.0), (1.0, 0.0, 1.0)]
     temperature, min_p, typical = (torch.tensor(v, dtype=torch.float32) for v in zip(*rows))
-    batch = dense.probabilities(logits, temperature, torch.zeros(len(rows), dtype=torch.long),
+    batch = sampling.probabilities(logits, temperature, torch.zeros(len(rows), dtype=torch.long),
                                 torch.ones(len(rows)), min_p=min_p, typical_p=typical)
     for i, (t, m, p) in enumerate(rows):
-        alone = dense.probabilities(logits[i:i + 1], t, min_p=m or None, typical_p=None if p == 1 else p)
+        alone = sampling.probabilities(logits[i:i + 1], t, min_p=m or None, typical_p=None if p == 1 else p)
         assert torch.allclose(batch[i], alone[0], atol=1e-6), rows[i]
         if m == 0 and p == 1:
-            assert torch.equal(batch[i], dense.probabilities(logits[i:i + 1], torch.tensor([t]))[0])
+            assert torch.equal(batch[i], sampling.probabilities(logits[i:i + 1], torch.tensor([t]))[0])
 
 
 def test_the_step_samples_from_that_distribution():
@@ -129,7 +128,7 @@ def test_the_step_samples_from_that_distribution():
                                  torch.ones(n), torch.full((n,), 0.05), torch.full((n,), 0.95),
                                  torch.empty_like(logits).exponential_(1, generator=torch.Generator().manual_seed(1)),
                                  None, penalty)
-    p = dense.probabilities(generate.shape_logits(logits[:1], None, penalty[:1]), 0.9, min_p=0.05, typical_p=0.95)[0]
+    p = sampling.probabilities(generate.shape_logits(logits[:1], None, penalty[:1]), 0.9, min_p=0.05, typical_p=0.95)[0]
     counts = torch.bincount(tokens[:, 0], minlength=V).float() / 20000
     assert torch.all(counts[p == 0] == 0) and torch.allclose(counts, p, atol=0.015)
 

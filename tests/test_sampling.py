@@ -2,9 +2,8 @@
 
 import torch
 
-import dense
 from conftest import random_model
-from dense_engine.runtime import caches, generate, speculative
+from dense_engine.runtime import caches, generate, sampling, speculative
 from dense_engine.runtime.sampling import SamplerSettings
 from dense_engine.server.scheduler import Request, Row, Status, schedule
 
@@ -16,9 +15,9 @@ def seeded(seed: int = 5) -> torch.Generator:
 
 
 def plain(logits: torch.Tensor, sampler: SamplerSettings, noise: torch.Tensor) -> int:
-    """One plain sampler call: dense.sample with the record's values as numbers."""
-    return int(dense.sample(logits, sampler.temperature, sampler.top_k, sampler.top_p, None, noise, sampler.min_p,
-                            sampler.typical_p))
+    """One plain sampler call: sampling.sample with the record's values as numbers."""
+    return int(sampling.sample(logits, sampler.temperature, sampler.top_k, sampler.top_p, None, noise, sampler.min_p,
+                               sampler.typical_p))
 
 
 def test_a_first_token_is_the_plain_sampler_call():

@@ -31,7 +31,7 @@ import torch
 
 import dense
 from dense_engine.runtime import caches
-from dense_engine.runtime.sampling import SamplerSettings
+from dense_engine.runtime.sampling import SamplerSettings, last_filters
 from dense_engine.runtime.steps import Steps, steps_for
 
 MIN_BUCKET = 256
@@ -166,7 +166,7 @@ def next_token(logits, kind: str, vocab_limit: int | None, temperature, top_k, t
     top_k, top_p = (top_k, top_p) if base == "filtered" else (None, None)
     min_p = min_p if "min-p" in extra else None
     typical_p = typical_p if "typical" in extra else None
-    return dense.sample(logits, temperature, top_k, top_p, vocab_limit, noise, min_p, typical_p)
+    return dense.sample(logits, temperature, top_k, top_p, vocab_limit, noise, last_filters(min_p, typical_p))
 
 
 def sample(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

@@ -1,12 +1,17 @@
-"""sampling.py: SamplerSettings, what one request asks of the sampler. Each front end makes one (the server from a
+"""sampling.py: SamplerSettings, what one request asks of the sampler, and the filters the APIs ask for beyond
+dense.py's temperature, top-k and top-p (min-p, typical: sample() and probabilities() take them all). Each front end makes one (the server from a
 body, protocol.py; chat.py from its flags and /set, cli/flags.py and cli/repl.py; the Python API from its keywords,
 api.py) and hands it whole to generation: generate.Sampling.of turns it (one, or one per row of a server's batch)
 into the inputs of a step, and generate.sample / generate.next_token are the one rule every token is drawn by."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import torch
+
+import dense
 from dense_engine.runtime import dry
 
 
@@ -49,3 +54,52 @@ class SamplerSettings:
             return None
         return dry.Dry.for_vocab(vocab, self.dry_multiplier, self.dry_base, self.dry_allowed_length,
                                  self.dry_penalty_last_n, self.dry_sequence_breakers)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The filters after top-p: numbers, or [B] tensors (a compiled step's inputs; min_p 0 and typical_p 1 are off)
+
+
+def sample(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, vocab_limit: int | None = None,
+           noise: torch.Tensor | None = None, min_p=None, typical_p=None) -> torch.Tensor:
+    """dense.sample with min-p and typical after its filters: logits [B, V] -> next ids [B, 1]."""
+    return dense.sample(logits, temperature, top_k, top_p, vocab_limit, noise, last_filters(min_p, typical_p))
+
+
+def probabilities(logits: torch.Tensor, temperature, top_k=None, top_p=None, vocab_limit: int | None = None,
+                  min_p=None, typical_p=None) -> torch.Tensor | None:
+    """dense.probabilities with min-p and typical after its filters (transformers' order)."""
+    return dense.probabilities(logits, temperature, top_k, top_p, vocab_limit, last_filters(min_p, typical_p))
+
+
+def last_filters(min_p, typical_p):
+    """The filters that run after top-p, as one function of the logits [..., V] (None: none is on)."""
+    with_min_p = torch.is_tensor(min_p) or (min_p is not None and min_p > 0)
+    with_typical = torch.is_tensor(typical_p) or (typical_p is not None and typical_p < 1.0)
+    if not with_min_p and not with_typical:
+        return None
+
+    def run(logits: torch.Tensor) -> torch.Tensor:
+        if with_min_p:  # drop p < min_p * the largest p
+            probs = logits.softmax(dim=-1)
+            floor = (min_p[:, None] if torch.is_tensor(min_p) else min_p) * probs.amax(dim=-1, keepdim=True)
+            logits = logits.masked_fill(probs < floor, -math.inf)
+        return typical(logits, typical_p) if with_typical else logits
+
+    return run
+
+
+def typical(logits: torch.Tensor, mass) -> torch.Tensor:
+    """Locally typical sampling: keep the tokens whose surprise -log p is closest to the entropy, the fewest whose
+    probabilities sum to `mass` (a number, or [B]: rows at 1 are left as they are)."""
+    logp = logits.log_softmax(dim=-1)
+    entropy = -torch.nan_to_num(logp * logp.exp()).sum(dim=-1, keepdim=True)  # (-inf * 0: a masked token adds 0)
+    distance, order = (-logp - entropy).abs().sort(dim=-1)
+    sorted_logits = logits.gather(-1, order)
+    limit = mass[:, None] if torch.is_tensor(mass) else mass
+    last = (sorted_logits.softmax(dim=-1).cumsum(dim=-1) < limit).sum(dim=-1, keepdim=True)
+    last = last.clamp(max=logits.shape[-1] - 1)  # the last token kept: the one whose mass reaches `mass`
+    drop = distance > distance.gather(-1, last)
+    drop[..., 0] = False  # (the most typical token always stays)
+    kept = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
+    return torch.where(limit < 1, kept, logits) if torch.is_tensor(mass) else kept
