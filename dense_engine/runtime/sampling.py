@@ -1,8 +1,9 @@
-"""sampling.py: SamplerSettings, what one request asks of the sampler, and the filters the APIs ask for beyond
-dense.py's temperature, top-k and top-p (min-p, typical: sample() and probabilities() take them all). Each front end makes one (the server from a
+"""sampling.py: SamplerSettings, what one request asks of the sampler. Each front end makes one (the server from a
 body, protocol.py; chat.py from its flags and /set, cli/flags.py and cli/repl.py; the Python API from its keywords,
 api.py) and hands it whole to generation: generate.Sampling.of turns it (one, or one per row of a server's batch)
-into the inputs of a step, and generate.sample / generate.next_token are the one rule every token is drawn by."""
+into the inputs of a step, and generate.sample / generate.next_token are the one rule every token is drawn by.
+Also here: the filters the APIs ask for beyond dense.py's temperature, top-k and top-p (min-p, typical), which
+dense.sample runs after top-p (last_filters; sample() and probabilities() take them all)."""
 
 from __future__ import annotations
 

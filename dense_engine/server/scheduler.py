@@ -25,8 +25,8 @@ from typing import Callable, NamedTuple
 import torch
 
 import dense
-from dense_engine.formats.vocab import StopText, TextStream, Vocabulary
 from dense_engine.formats.load import LoadRecord
+from dense_engine.formats.vocab import StopText, TextStream, Vocabulary
 from dense_engine.runtime import caches, generate, speculative, tp
 from dense_engine.runtime.sampling import SamplerSettings
 from dense_engine.runtime.session import common_prefix, steps_for_program
