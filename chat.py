@@ -21,13 +21,13 @@ import torch
 
 from dense_engine.cli import benchmark
 from dense_engine.cli.flags import (add_model_flags, check_environment, load_model, make_draft, parse_flags,
-                                    positive_int, prompt_ids, prompt_mode, prompt_text, settings)
+                                    positive_int, prompt_ids, prompt_mode, prompt_text, sampler, settings)
 from dense_engine.cli.repl import SETTINGS, ctrl_c_as_key, interactive
 from dense_engine.cli.terminal import Notes
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
 from dense_engine.runtime import caches, generate, grammar, tp
-from dense_engine.runtime.session import Session, filters
+from dense_engine.runtime.session import Session
 from dense_engine.runtime.steps import Steps
 from dense_engine.system.errors import UsageError, run_program
 
@@ -220,9 +220,9 @@ def prompt_file(model, vocab: Vocabulary, record, args, mode: str, console) -> i
         longest = max(len(ids) for *_, ids in rows)
         max_new = min(args.max_new_tokens, model.max_seq_len - longest)
         outputs, finished = [[] for _ in rows], [None] * len(rows)
-        tokens = generate.generate_tokens(model, [ids for *_, ids in rows], max_new, temperature=args.temperature,
-                                          top_k=args.top_k, top_p=args.top_p, vocab_limit=vocab_limit, steps=steps,
-                                          **filters(settings(args), vocab))
+        asked = sampler(args)
+        tokens = generate.generate_tokens(model, [ids for *_, ids in rows], max_new, sampler=asked,
+                                          vocab_limit=vocab_limit, steps=steps, dry=asked.dry_for(vocab))
         for token in generate.ahead(tokens):
             for i, t in enumerate(token):
                 if finished[i] is None:

@@ -596,12 +596,12 @@ class DenseDecoder(nn.Module):
 
 
 def sample(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, vocab_limit: int | None = None,
-           noise: torch.Tensor | None = None, min_p=None, typical_p=None) -> torch.Tensor:
-    """logits [B, V] -> next ids [B, 1]. temperature, top_k, top_p, min_p, typical_p: numbers, or [B] tensors (a
-    compiled step's inputs: new values, no new graph; temperature 0 is greedy, top_k 0, top_p 1, min_p 0 and
-    typical_p 1 are off). No host sync: argmax(p / q) with q ~ Exp(1) samples from p without torch.multinomial;
-    noise [B, V] gives those draws (default: torch's generator)."""
-    probs = probabilities(logits, temperature, top_k, top_p, vocab_limit, min_p, typical_p)
+           noise: torch.Tensor | None = None, last_filter=None) -> torch.Tensor:
+    """logits [B, V] -> next ids [B, 1]. temperature, top_k, top_p: numbers, or [B] tensors (a compiled step's inputs:
+    new values, no new graph; temperature 0 is greedy, top_k 0 and top_p 1 are off). No host sync: argmax(p / q) with
+    q ~ Exp(1) samples from p without torch.multinomial; noise [B, V] gives those draws (default: torch's generator).
+    last_filter(logits) -> logits: filters run after top-p (runtime/sampling.py's min-p and typical)."""
+    probs = probabilities(logits, temperature, top_k, top_p, vocab_limit, last_filter)
     if probs is None:
         return mask_vocab(logits, vocab_limit).argmax(dim=-1, keepdim=True)
     noise = torch.empty_like(probs).exponential_(1) if noise is None else noise
@@ -620,10 +620,10 @@ def mask_vocab(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
 
 
 def probabilities(logits: torch.Tensor, temperature, top_k=None, top_p=None, vocab_limit: int | None = None,
-                  min_p=None, typical_p=None) -> torch.Tensor | None:
+                  last_filter=None) -> torch.Tensor | None:
     """The distribution sample() draws from, [..., V] float32 (None at temperature 0: greedy). Settings as in
     sample(); [B] tensors apply to the rows of [B, V] logits. The filters run in transformers' order: temperature,
-    top-k, top-p, min-p, typical."""
+    top-k, top-p, then last_filter's."""
     per_row = torch.is_tensor(temperature)
     if not per_row and temperature == 0:
         return None
@@ -643,29 +643,7 @@ def probabilities(logits: torch.Tensor, temperature, top_k=None, top_p=None, voc
         limit = top_p[:, None] if torch.is_tensor(top_p) else top_p
         drop = probs.cumsum(dim=-1) - probs > limit  # keep the smallest prefix whose mass reaches top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
-    if torch.is_tensor(min_p) or (min_p is not None and min_p > 0):  # drop p < min_p * the largest p
-        probs = logits.softmax(dim=-1)
-        floor = (min_p[:, None] if torch.is_tensor(min_p) else min_p) * probs.amax(dim=-1, keepdim=True)
-        logits = logits.masked_fill(probs < floor, -math.inf)
-    if torch.is_tensor(typical_p) or (typical_p is not None and typical_p < 1.0):
-        logits = typical(logits, typical_p)
-    return logits.softmax(dim=-1)
-
-
-def typical(logits: torch.Tensor, mass) -> torch.Tensor:
-    """Locally typical sampling: keep the tokens whose surprise -log p is closest to the entropy, the fewest whose
-    probabilities sum to `mass` (a number, or [B]: rows at 1 are left as they are)."""
-    logp = logits.log_softmax(dim=-1)
-    entropy = -torch.nan_to_num(logp * logp.exp()).sum(dim=-1, keepdim=True)  # (-inf * 0: a masked token adds 0)
-    distance, order = (-logp - entropy).abs().sort(dim=-1)
-    sorted_logits = logits.gather(-1, order)
-    limit = mass[:, None] if torch.is_tensor(mass) else mass
-    last = (sorted_logits.softmax(dim=-1).cumsum(dim=-1) < limit).sum(dim=-1, keepdim=True)
-    last = last.clamp(max=logits.shape[-1] - 1)  # the last token kept: the one whose mass reaches `mass`
-    drop = distance > distance.gather(-1, last)
-    drop[..., 0] = False  # (the most typical token always stays)
-    kept = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
-    return torch.where(limit < 1, kept, logits) if torch.is_tensor(mass) else kept
+    return (logits if last_filter is None else last_filter(logits)).softmax(dim=-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

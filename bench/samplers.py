@@ -16,18 +16,19 @@ import torch
 from dense_engine.formats import load
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import load_vocabulary
-from dense_engine.runtime import caches, dry, generate
+from dense_engine.runtime import caches, generate
+from dense_engine.runtime.sampling import SamplerSettings
 from dense_engine.runtime.steps import Steps
 
-SETTINGS = {  # name -> generate_tokens' sampling keywords (chat.py's default temperature 0.7 under each)
+SETTINGS = {  # name -> SamplerSettings' keywords (chat.py's default temperature 0.7 under each)
     "greedy": {"temperature": 0.0},
     "temperature 0.7 (chat.py's default)": {},
     "top-p 0.9": {"top_p": 0.9},
     "min-p 0.05": {"min_p": 0.05},
     "typical-p 0.9": {"typical_p": 0.9},
     "repetition-penalty 1.1": {"repetition_penalty": 1.1},
-    "DRY 0.8": {"dry": "on"},
-    "min-p + repetition + DRY": {"min_p": 0.05, "repetition_penalty": 1.1, "dry": "on"},
+    "DRY 0.8": {"dry_multiplier": 0.8},
+    "min-p + repetition + DRY": {"min_p": 0.05, "repetition_penalty": 1.1, "dry_multiplier": 0.8},
 }
 
 
@@ -44,15 +45,15 @@ def main() -> int:
     steps = Steps(model)
     ids = torch.tensor([vocab.encode(vocab.render([{"role": "user", "content": "Tell me about the sea."}]),
                                      special=False)])
-    on = dry.Dry.for_vocab(vocab, 0.8)
     print(f"{ckpt}: {ids.shape[1]} prompt tokens, {args.tokens} new, best of {args.repeat}")
     base = None
     for name, settings in SETTINGS.items():
-        settings = {"temperature": 0.7, **settings, **({"dry": on} if settings.get("dry") else {})}
+        sampler = SamplerSettings(**{"temperature": 0.7, **settings})
 
         def run() -> float:
             torch.manual_seed(0)
-            tokens = generate.generate_tokens(model, ids, args.tokens, steps=steps, **settings)
+            tokens = generate.generate_tokens(model, ids, args.tokens, steps=steps, sampler=sampler,
+                                              dry=sampler.dry_for(vocab))
             next(tokens)  # (the prefill's token: not decode)
             start = time.perf_counter()
             for _ in tokens:

@@ -7,7 +7,7 @@ compiled steps, sessions, speculative, tensor parallel), api.py (the Python API)
     print(llm.generate("Once upon a time", max_new_tokens=32))
 """
 
-__all__ = ["load", "LLM", "LoadRecord", "Session", "Settings"]
+__all__ = ["load", "LLM", "LoadRecord", "Session", "Settings", "SamplerSettings"]
 
 
 def __getattr__(name: str):
@@ -24,4 +24,8 @@ def __getattr__(name: str):
         from dense_engine.runtime import session
 
         return getattr(session, name)
+    if name == "SamplerSettings":
+        from dense_engine.runtime import sampling
+
+        return sampling.SamplerSettings
     raise AttributeError(f"module 'dense_engine' has no attribute {name!r}")

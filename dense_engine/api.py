@@ -24,12 +24,11 @@ from dense_engine.formats import load as loading
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.load import LoadRecord
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
-from dense_engine.runtime.session import ReplyStats, Session, Settings, load_model
+from dense_engine.runtime.sampling import SamplerSettings
+from dense_engine.runtime.session import ReplyStats, Session, load_model
 from dense_engine.system.errors import UsageError
 
 Prompt = str | list[int] | list[dict]
-SAMPLERS = ("min_p", "typical_p", "repetition_penalty", "repeat_last_n", "dry_multiplier", "dry_base",
-            "dry_allowed_length", "dry_penalty_last_n")  # the Settings a call may set besides temperature and top-k/p
 
 
 @dataclass
@@ -71,20 +70,20 @@ class LLM:
                top_p: float | None = None, chat: bool | None = None, system: str | None = None,
                **sampling) -> Iterator[str]:
         """The reply's text as it is generated (temperature 0: greedy, the same tokens every run). sampling: the
-        other fields of session.Settings (min_p, typical_p, repetition_penalty, repeat_last_n, dry_multiplier, ...)."""
+        other fields of SamplerSettings (min_p, typical_p, repetition_penalty, repeat_last_n, dry_multiplier, ...),
+        each call's own."""
         ids = self.encode(prompt, chat, system)
         if not ids:
             raise UsageError("the prompt is empty")
         if len(ids) >= self.session.max_seq_len:
             raise UsageError(f"the prompt has {len(ids)} tokens; the cache holds {self.session.max_seq_len}")
-        off = {f.name: f.default for f in dataclasses.fields(Settings) if f.name in SAMPLERS}  # (each call's own)
         try:
-            self.session.settings = dataclasses.replace(self.session.settings, temperature=temperature, top_k=top_k,
-                                                        top_p=top_p, max_new_tokens=max_new_tokens,
-                                                        **{**off, **sampling})
+            sampler = SamplerSettings(temperature=temperature, top_k=top_k, top_p=top_p, **sampling)
         except TypeError:
-            raise UsageError(f"unknown sampling settings {sorted(sampling)}: expected fields of Settings "
+            raise UsageError(f"unknown sampling settings {sorted(sampling)}: expected fields of SamplerSettings "
                              "(min_p, typical_p, repetition_penalty, repeat_last_n, dry_multiplier, ...)") from None
+        self.session.settings = dataclasses.replace(self.session.settings, sampler=sampler,
+                                                    max_new_tokens=max_new_tokens)
         return self.session.stream(ids)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,

@@ -13,6 +13,7 @@ import dense_engine
 from conftest import FIXTURES, ROOT
 from dense_engine.formats import load
 from dense_engine.runtime import generate
+from dense_engine.runtime.sampling import SamplerSettings
 from dense_engine.system.errors import UsageError
 
 LLAMA = os.path.join(FIXTURES, "llama")
@@ -47,13 +48,13 @@ def test_the_other_samplers_reach_the_reply(llm):
     llm.session.cached = []  # (a fresh reply: the penalty's window is this call's tokens)
     llm.generate("the cat sat on", max_new_tokens=16, chat=False, repetition_penalty=1.5, repeat_last_n=-1)
     model = load.from_pretrained(LLAMA)
-    out = [int(t) for t in generate.generate_tokens(model, torch.tensor([ids]), 16, repetition_penalty=1.5,
-                                                    repeat_last_n=-1)]
+    out = [int(t) for t in generate.generate_tokens(model, torch.tensor([ids]), 16,
+                                                    sampler=SamplerSettings(repetition_penalty=1.5, repeat_last_n=-1))]
     want = next((out[:i] for i, t in enumerate(out) if t in llm.vocab.stop_ids), out)
     assert llm.session.reply_ids == want and want != plain_tokens(LLAMA, ids, 16, llm.vocab.stop_ids)
-    assert llm.session.settings.repetition_penalty == 1.5
+    assert llm.session.settings.sampler.repetition_penalty == 1.5
     llm.generate("the cat", max_new_tokens=2, chat=False)  # (a call's settings are its own)
-    assert llm.session.settings.repetition_penalty is None
+    assert llm.session.settings.sampler.repetition_penalty == 1.0
     with pytest.raises(UsageError, match="unknown sampling"):
         llm.generate("the cat", max_new_tokens=2, chat=False, temprature=0.5)
 
@@ -94,7 +95,7 @@ def test_a_session_from_settings_samples_like_the_plain_path():
     model = load.from_pretrained(SHELL)
     llm = dense_engine.load(SHELL, compile=False)
     ids = llm.encode("abc", chat=False)
-    settings = dense_engine.Settings(temperature=1.5, top_k=40, max_new_tokens=24)
+    settings = dense_engine.Settings(SamplerSettings(temperature=1.5, top_k=40), max_new_tokens=24)
     session = dense_engine.Session(llm.model, llm.vocab, settings, dense_engine.LoadRecord(compile=False))
     torch.manual_seed(7)
     got, stats = session.reply(ids, lambda piece: None)

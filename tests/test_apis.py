@@ -286,7 +286,8 @@ def test_ollama_chat_generate_and_the_model_lists(vocab):
     assert whole.eval_count == len(scheduler.jobs[0].generated) > 2
     assert whole.prompt_eval_count == len(scheduler.jobs[0].prompt)
     job = scheduler.jobs[0]
-    assert (job.max_tokens, job.temperature, job.repetition_penalty, job.min_p) == (20, 0, 1.1, 0.05)
+    assert (job.max_tokens, job.sampler.temperature, job.sampler.repetition_penalty, job.sampler.min_p) == \
+        (20, 0, 1.1, 0.05)
     lines = list(client.chat(model="m", messages=[{"role": "user", "content": "hi"}], stream=True))
     assert "".join(line.message.content for line in lines) == "Hello world" and len(lines) > 3
     assert lines[-1].done and not any(line.done for line in lines[:-1]) and lines[-1].message.content == ""

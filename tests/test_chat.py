@@ -18,6 +18,7 @@ from dense_engine.formats import convert, load
 from dense_engine.formats import vocab as vocab_module
 from dense_engine.formats.load import LoadRecord
 from dense_engine.runtime import generate, session
+from dense_engine.runtime.sampling import SamplerSettings
 
 CHAT = os.path.join(ROOT, "chat.py")
 LLAMA = os.path.join(FIXTURES, "llama")
@@ -189,7 +190,7 @@ def test_padded_vocabulary_is_never_sampled(tmp_path):
     assert (unrestricted >= 256).any()  # without the limit this model does pick padded ids
     vocab = vocab_module.load_vocabulary(str(ckpt), None)
     assert vocab.size == 256
-    args = session.Settings(max_new_tokens=120, temperature=2.0, top_k=None, top_p=None, speculate_k=4)
+    args = session.Settings(SamplerSettings(temperature=2.0), max_new_tokens=120, speculate_k=4)
     torch.manual_seed(3)
     reply, _ = session.Session(model, vocab, args, LoadRecord(compile=False)).reply([97, 98, 99], lambda s: None)
     assert len(reply) == 120 and max(reply) < 256

@@ -12,6 +12,7 @@ from conftest import fixture_path, run_alone
 
 from dense_engine.formats.load import LoadRecord
 from dense_engine.runtime import caches
+from dense_engine.runtime.sampling import SamplerSettings
 from dense_engine.server.prefix_store import PrefixStore
 
 LLAMA = fixture_path("llama")  # a ChatML template, a context of 128
@@ -104,7 +105,7 @@ def prefill_starts(monkeypatch) -> list[int]:
 def greedy(prompt, n):
     from dense_engine.server import scheduler
 
-    return scheduler.Request(prompt, n, 0.0, None, None, [], torch.Generator().manual_seed(0), lambda event: None)
+    return scheduler.Request(prompt, n, SamplerSettings(), [], torch.Generator().manual_seed(0), lambda event: None)
 
 
 @pytest.mark.parametrize("layout,compiled", [("kernels", False), ("kernels", True), ("dense", False), ("int8", False)])

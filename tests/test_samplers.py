@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-import dense
-from dense_engine.runtime import generate
+from dense_engine.runtime import generate, sampling
+from dense_engine.runtime.sampling import SamplerSettings
 from dense_engine.server.protocol import BadRequest, parse_request
 from dense_engine.server.scheduler import Request
 
@@ -65,7 +65,7 @@ def kept(probs: torch.Tensor) -> torch.Tensor:
 def test_min_p_keeps_what_the_rule_keeps(min_p):
     logits = logits_rows()
     for temperature in (1.0, 0.7):
-        ours = dense.probabilities(logits, temperature, min_p=min_p)
+        ours = sampling.probabilities(logits, temperature, min_p=min_p)
         ref = torch.softmax(min_p_reference(logits / temperature, min_p), dim=-1)
         assert torch.equal(kept(ours), kept(ref)) and torch.allclose(ours.double(), ref, atol=1e-6)
 
@@ -73,7 +73,7 @@ def test_min_p_keeps_what_the_rule_keeps(min_p):
 @pytest.mark.parametrize("mass", [0.2, 0.5, 0.9, 0.99])
 def test_typical_p_keeps_what_the_rule_keeps(mass):
     logits = logits_rows()
-    ours = dense.probabilities(logits, 1.0, typical_p=mass)
+    ours = sampling.probabilities(logits, 1.0, typical_p=mass)
     ref = torch.softmax(torch.stack([typical_reference(row, mass) for row in logits]), dim=-1)
     assert torch.equal(kept(ours), kept(ref)) and torch.allclose(ours.double(), ref, atol=1e-6)
 
@@ -100,7 +100,7 @@ def test_against_transformers_processors():
     for step in chain:
         expected = step(ids, expected)
     penalty = torch.ones(len(logits), V).scatter_(1, ids, 1.3)
-    ours = dense.probabilities(generate.shape_logits(logits, None, penalty), 0.8, top_k=30, min_p=0.02,
+    ours = sampling.probabilities(generate.shape_logits(logits, None, penalty), 0.8, top_k=30, min_p=0.02,
                                typical_p=0.9)
     ref = torch.softmax(expected, dim=-1)
     assert torch.equal(kept(ours), kept(ref)) and torch.allclose(ours, ref, atol=1e-6)
@@ -110,13 +110,13 @@ def test_per_row_settings_equal_each_row_alone_and_off_is_bit_for_bit():
     logits = logits_rows()
     rows = [(0.7, 0.1, 0.9), (1.0, 0.0, 1.0), (1.3, 0.05, 0.5), (0.9, 0.0, 0.95), (1.1, 0.3, 1.0), (1.0, 0.0, 1.0)]
     temperature, min_p, typical = (torch.tensor(v, dtype=torch.float32) for v in zip(*rows))
-    batch = dense.probabilities(logits, temperature, torch.zeros(len(rows), dtype=torch.long),
+    batch = sampling.probabilities(logits, temperature, torch.zeros(len(rows), dtype=torch.long),
                                 torch.ones(len(rows)), min_p=min_p, typical_p=typical)
     for i, (t, m, p) in enumerate(rows):
-        alone = dense.probabilities(logits[i:i + 1], t, min_p=m or None, typical_p=None if p == 1 else p)
+        alone = sampling.probabilities(logits[i:i + 1], t, min_p=m or None, typical_p=None if p == 1 else p)
         assert torch.allclose(batch[i], alone[0], atol=1e-6), rows[i]
         if m == 0 and p == 1:
-            assert torch.equal(batch[i], dense.probabilities(logits[i:i + 1], torch.tensor([t]))[0])
+            assert torch.equal(batch[i], sampling.probabilities(logits[i:i + 1], torch.tensor([t]))[0])
 
 
 def test_the_step_samples_from_that_distribution():
@@ -128,7 +128,7 @@ def test_the_step_samples_from_that_distribution():
                                  torch.ones(n), torch.full((n,), 0.05), torch.full((n,), 0.95),
                                  torch.empty_like(logits).exponential_(1, generator=torch.Generator().manual_seed(1)),
                                  None, penalty)
-    p = dense.probabilities(generate.shape_logits(logits[:1], None, penalty[:1]), 0.9, min_p=0.05, typical_p=0.95)[0]
+    p = sampling.probabilities(generate.shape_logits(logits[:1], None, penalty[:1]), 0.9, min_p=0.05, typical_p=0.95)[0]
     counts = torch.bincount(tokens[:, 0], minlength=V).float() / 20000
     assert torch.all(counts[p == 0] == 0) and torch.allclose(counts, p, atol=0.015)
 
@@ -159,12 +159,13 @@ def test_a_bad_sampler_value_is_a_400_naming_it(body, field):
 def test_the_fields_reach_the_request_and_its_penalties():
     settings = parse_request({"prompt": "abcab", "min_p": 0.1, "typical_p": 0.9, "repeat_penalty": 1.25,
                               "repeat_last_n": 3, "dry_multiplier": 0, "mirostat": 0}, "completion", FakeVocab(), 256)
-    assert (settings.min_p, settings.typical_p, settings.repetition_penalty, settings.repeat_last_n) == \
+    assert (settings.sampler.min_p, settings.sampler.typical_p, settings.sampler.repetition_penalty,
+            settings.sampler.repeat_last_n) == \
         (0.1, 0.9, 1.25, 3)
     off = parse_request({"prompt": "abcab", "min_p": 0, "typical_p": 1}, "completion", FakeVocab(), 256)
-    assert (off.min_p, off.typical_p, off.repetition_penalty) == (None, None, 1.0)
-    request = Request(settings.prompts[0], 4, 0.8, None, None, [], torch.Generator(), print,
-                      repetition_penalty=1.25, repeat_last_n=3)
+    assert (off.sampler.min_p, off.sampler.typical_p, off.sampler.repetition_penalty) == (None, None, 1.0)
+    request = Request(settings.prompts[0], 4, SamplerSettings(0.8, repetition_penalty=1.25, repeat_last_n=3), [],
+                      torch.Generator(), print)
     request.generated = [ord("z")]
     penalty = request.penalty(1000)  # the last 3 of "abcab" + "z": a, b, z
     assert set(torch.nonzero(penalty != 1)[:, 0].tolist()) == {ord("a"), ord("b"), ord("z")}
@@ -181,8 +182,8 @@ def test_greedy_generation_with_a_penalty_equals_a_slow_loop():
     plain = [int(t) for t in generate.generate_tokens(model, torch.tensor([prompt]), 12)]
     # (penalties below 1 favour the tokens seen: a random model's greedy text rarely repeats by itself)
     for penalty, window in ((0.7, 4), (0.7, -1), (0.8, 2), (1.5, 64)):
-        ours = [int(t) for t in generate.generate_tokens(model, torch.tensor([prompt]), 12,
-                                                         repetition_penalty=penalty, repeat_last_n=window)]
+        ours = [int(t) for t in generate.generate_tokens(model, torch.tensor([prompt]), 12, sampler=SamplerSettings(
+            repetition_penalty=penalty, repeat_last_n=window))]
         ids = list(prompt)
         with torch.no_grad():
             for _ in range(12):
@@ -195,19 +196,18 @@ def test_greedy_generation_with_a_penalty_equals_a_slow_loop():
 
 def test_set_takes_the_new_sampler_settings():
     from dense_engine.cli.repl import set_option
-    from dense_engine.runtime.session import Settings, filters
+    from dense_engine.runtime.session import Settings
     from dense_engine.system.errors import UsageError
 
     settings = Settings()
     for line in ("min-p 0.1", "typical-p 0.9", "repetition-penalty 1.2", "repeat-last-n -1", "dry-multiplier 0.8",
                  "dry-base 2"):
         set_option(settings, line)
-    assert filters(settings) == {"min_p": 0.1, "typical_p": 0.9, "repetition_penalty": 1.2, "repeat_last_n": -1,
-                                 "dry": None}
-    assert (settings.dry_multiplier, settings.dry_base) == (0.8, 2.0)
+    assert settings.sampler == SamplerSettings(temperature=0.7, min_p=0.1, typical_p=0.9, repetition_penalty=1.2,
+                                               repeat_last_n=-1, dry_multiplier=0.8, dry_base=2.0)
     set_option(settings, "repetition-penalty none")
     set_option(settings, "dry-multiplier none")
-    assert filters(settings)["repetition_penalty"] == 1.0 and settings.dry_multiplier is None
+    assert settings.sampler.repetition_penalty == 1.0 and settings.sampler.dry_multiplier == 0
     for bad in ("typical-p 0", "min-p 2", "repeat-last-n -2", "repetition-penalty x", "dry-base 0.5"):
         with pytest.raises(UsageError):
             set_option(settings, bad)

@@ -19,6 +19,8 @@ import pytest
 
 from conftest import ROOT, fixture_path, run_alone
 
+from dense_engine.runtime.sampling import SamplerSettings
+
 openai = pytest.importorskip("openai")
 LLAMA = fixture_path("llama")  # a ChatML template; greedy text of random weights
 
@@ -300,7 +302,7 @@ def quiet_request(prompt, n=10, sent=None, stop=(), **fields):
     from dense_engine.server import scheduler
 
     put = sent.append if sent is not None else (lambda event: None)
-    return scheduler.Request(prompt, n, 0.0, None, None, list(stop), torch_generator(), put, **fields)
+    return scheduler.Request(prompt, n, SamplerSettings(), list(stop), torch_generator(), put, **fields)
 
 
 def run_finish(pieces, stop, max_tokens=100):

@@ -8,6 +8,7 @@ import torch
 
 from conftest import random_model
 from dense_engine.runtime import generate, speculative
+from dense_engine.runtime.sampling import SamplerSettings
 
 K = 4
 
@@ -142,7 +143,7 @@ def test_sampled_speculative_generation_follows_the_target(target):
     """End to end at temperature 1: the second token (the first one speculated) has the same distribution with a
     draft that is usually wrong as without one (two-sample chi-square over 1500 draws each)."""
     prompt = torch.tensor([[3, 9, 27]])
-    sampling = dict(temperature=1.0, top_k=4)
+    sampling = dict(sampler=SamplerSettings(temperature=1.0, top_k=4))
     draft = speculative.ModelDraft(random_model(seed=7))
     torch.manual_seed(1)
     counts = {"plain": torch.zeros(512), "spec": torch.zeros(512)}

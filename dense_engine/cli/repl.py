@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -47,8 +48,8 @@ SETTINGS = {"temperature": (float, lambda v: 0 <= v < float("inf"), "a number >=
             "dry-penalty-last-n": (int, lambda v: v >= -1, "a whole number >= -1 (-1: the whole context)"),
             "max-new-tokens": (int, lambda v: v >= 1, "a whole number >= 1")}
 
-OFF = {"top-k": None, "top-p": None, "min-p": None, "typical-p": None, "repetition-penalty": None,
-       "dry-multiplier": None}  # /set NAME none
+OFF = {"top-k": None, "top-p": None, "min-p": None, "typical-p": None, "repetition-penalty": 1.0,
+       "dry-multiplier": 0.0}  # /set NAME none
 EOF = "\x04"  # what interactive mode's reader gives for Ctrl-D (sent to the other ranks too)
 
 
@@ -69,8 +70,18 @@ def set_option(settings, text: str) -> str:
                              f"got {value!r}") from None
         if not SETTINGS[name][1](parsed):
             raise UsageError(f"{name} {value} is out of range")
-    setattr(settings, name.replace("-", "_"), parsed)
+    key = name.replace("-", "_")
+    if hasattr(settings.sampler, key):  # (the sampler's record is frozen: a new one with the new value)
+        settings.sampler = dataclasses.replace(settings.sampler, **{key: parsed})
+    else:
+        setattr(settings, key, parsed)
     return f"{name} = {parsed}"
+
+
+def option(settings, name: str):
+    """The value of a name of SETTINGS (/save)."""
+    key = name.replace("-", "_")
+    return getattr(settings.sampler if hasattr(settings.sampler, key) else settings, key)
 
 
 def ctrl_c_as_key(session: Session):
@@ -238,7 +249,7 @@ def save_conversation(path: str, talk: Conversation, settings, ckpt: str) -> Non
             raise UsageError(f"{path} exists and is not a saved conversation; choose another name")
     record = {"format": CONVERSATION_FORMAT, "version": 1, "model": os.path.abspath(ckpt), "mode": talk.mode,
               "system": talk.system, "messages": talk.messages,
-              "sampling": {key: getattr(settings, key.replace("-", "_")) for key in SETTINGS}}
+              "sampling": {key: option(settings, key) for key in SETTINGS}}
     try:
         convert.atomic_write(path, lambda p: open(p, "w", encoding="utf-8").write(json.dumps(record, indent=1,
                                                                                              ensure_ascii=False)))

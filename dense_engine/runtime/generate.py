@@ -31,6 +31,7 @@ import torch
 
 import dense
 from dense_engine.runtime import caches
+from dense_engine.runtime.sampling import SamplerSettings, last_filters
 from dense_engine.runtime.steps import Steps, steps_for
 
 MIN_BUCKET = 256
@@ -66,9 +67,10 @@ def cache_length(needed: int, context: int) -> int:
 
 @dataclass(frozen=True)
 class Sampling:
-    """How the next token is picked: settings for every row, or tuples with one per row (a server's requests). A
-    compiled step depends only on kind() and vocab_limit; the values are its inputs (settings(), noise()), so a new
-    temperature reuses the step. generators: one torch.Generator per row for the noise (a request's seed)."""
+    """How a step picks the next token: settings for every row, or tuples with one per row (a server's requests),
+    made from SamplerSettings by of(). A compiled step depends only on kind() and vocab_limit; the values are its
+    inputs (settings(), noise()), so a new temperature reuses the step. generators: one torch.Generator per row for
+    the noise (a request's seed)."""
     temperature: float | tuple = 0.0
     top_k: int | None | tuple = None
     top_p: float | None | tuple = None
@@ -78,6 +80,19 @@ class Sampling:
     min_p: float | None | tuple = None
     typical_p: float | None | tuple = None
     penalty: torch.Tensor | None = None  # [B, V] float32 repetition penalties (1: none), before the bias
+
+    @classmethod
+    def of(cls, asked: SamplerSettings | Sequence[SamplerSettings | None], vocab_limit: int | None,
+           generators: tuple | None = None, bias: torch.Tensor | None = None,
+           penalty: torch.Tensor | None = None) -> Sampling:
+        """The filters a request asks for, for every row; or a list with each row's (None: an idle row, greedy)."""
+        def value(name: str, idle):
+            if isinstance(asked, SamplerSettings):
+                return getattr(asked, name)
+            return tuple(getattr(a, name) if a is not None else idle for a in asked)
+
+        return cls(value("temperature", 0.0), value("top_k", None), value("top_p", None), vocab_limit, generators,
+                   bias, value("min_p", None), value("typical_p", None), penalty)
 
     def per_row(self, name: str, batch: int) -> list:
         value = getattr(self, name)
@@ -151,7 +166,19 @@ def next_token(logits, kind: str, vocab_limit: int | None, temperature, top_k, t
     top_k, top_p = (top_k, top_p) if base == "filtered" else (None, None)
     min_p = min_p if "min-p" in extra else None
     typical_p = typical_p if "typical" in extra else None
-    return dense.sample(logits, temperature, top_k, top_p, vocab_limit, noise, min_p, typical_p)
+    return dense.sample(logits, temperature, top_k, top_p, vocab_limit, noise, last_filters(min_p, typical_p))
+
+
+def sample(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """logits [B, V] -> the next tokens [B, 1], eagerly, by the compiled decode step's rule (next_token) with the
+    same inputs: a first token after a prefill, a speculative round's token of the target's own."""
+    B, V = logits.shape
+    kind = sampling.kind(B)
+    values = (None,) * 6 if kind == "greedy" else (*sampling.settings(B, logits.device),
+                                                   sampling.noise(B, V, logits.device))
+    bias = None if sampling.bias is None else sampling.bias.to(logits.device)
+    penalty = None if sampling.penalty is None else sampling.penalty.to(logits.device)
+    return next_token(logits, kind, sampling.vocab_limit, *values, bias, penalty)
 
 
 def shape_logits(logits, bias=None, penalty=None):
@@ -312,24 +339,22 @@ def as_batch(prompts, device) -> tuple[torch.Tensor, torch.Tensor | None, list[i
 
 
 @torch.no_grad()
-def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, *, temperature: float = 0.0,
-                    top_k: int | None = None, top_p: float | None = None, compile: bool = False, start_pos: int = 0,
+def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, *,
+                    sampler: SamplerSettings = SamplerSettings(), compile: bool = False, start_pos: int = 0,
                     vocab_limit: int | None = None, steps: Steps | None = None, constraint=None,
-                    min_p: float | None = None, typical_p: float | None = None, repetition_penalty: float = 1.0,
-                    repeat_last_n: int = 64, dry=None) -> Iterator[torch.Tensor]:
+                    dry=None) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens new tokens [B, 1], one per step. prompts: [B, T] ids, or a list of prompts of any
     lengths (left-padded; every row's positions start at 0). The prompt is prefilled at slots start_pos..; slots
     before start_pos must already hold this conversation (a chat continuing it). The last token yielded has not been
-    fed to the model yet. compile=True (or steps) runs compiled, bucketed steps. constraint (batch 1; grammar.py):
-    every token is one its grammar allows (a host read per token). min_p, typical_p: dense.sample's; a
-    repetition_penalty other than 1 penalizes the tokens among the last repeat_last_n (-1: all) of the prompt and
-    the reply (a [B, V] input of the step, made on the device); dry (a dry.Dry) penalizes what would repeat the
-    context, in the bias (a host read per token)."""
+    fed to the model yet. compile=True (or steps) runs compiled, bucketed steps. sampler: what to draw with (its
+    repetition penalty is a [B, V] input of the step, made on the device, over the last repeat_last_n tokens of the
+    prompt and the reply). constraint (batch 1; grammar.py): every token is one its grammar allows (a host read per
+    token). dry (sampler.dry_for(vocab)) penalizes what would repeat the context, in the bias (a host read per
+    token)."""
     runner, ids, row_start = prepare(model, prompts, max_new_tokens, start_pos, compile, steps)
-    sampling = Sampling(temperature, top_k, top_p, vocab_limit, min_p=min_p, typical_p=typical_p)
     T = ids.shape[1]
     V = model.config.vocab_size
-    recent = Recent(ids, row_start, repetition_penalty, repeat_last_n, V)
+    recent = Recent(ids, row_start, sampler.repetition_penalty, sampler.repeat_last_n, V)
     rows = [row[int(row_start[i]) if row_start is not None else 0:].tolist() for i, row in enumerate(ids)] if dry else []
 
     def bias_now() -> torch.Tensor | None:  # [B, V]: the grammar's and DRY's
@@ -340,8 +365,8 @@ def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, *, 
         return bias
 
     logits = runner.prefill(ids, start_pos, row_start)
-    logits = shape_logits(logits, bias_now(), recent.penalties())
-    token = dense.sample(logits, temperature, top_k, top_p, vocab_limit, None, min_p, typical_p)
+    sampling = Sampling.of(sampler, vocab_limit, bias=bias_now(), penalty=recent.penalties())
+    token = sample(logits, sampling)
     yield token
     for i in range(max_new_tokens - 1):  # the token stays on the device: nothing here waits for the GPU
         if constraint is not None:
@@ -434,7 +459,7 @@ def generate(model: dense.DenseDecoder, prompts, max_new_tokens: int, *, tempera
              compile: bool = False, vocab_limit: int | None = None, steps: Steps | None = None):
     """[B, T] prompt -> [B, T + new] ids; rows that produced an eos id are padded with it, and generation stops once
     every row has. A list of prompts -> a list of 1-D tensors of each row's new ids, up to and including its eos."""
-    tokens = generate_tokens(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+    tokens = generate_tokens(model, prompts, max_new_tokens, sampler=SamplerSettings(temperature, top_k, top_p),
                              compile=compile, vocab_limit=vocab_limit, steps=steps)
     return collect(tokens, prompts, eos_id, model.device)
 

@@ -1,5 +1,6 @@
 """session.py: Session, generation over a KV cache that outlives a reply (a conversation's turns prefill only what
-is new), with its Settings record; a program's model by its load record and the compiled steps it runs.
+is new), with its Settings record (what it asks of the sampler: sampling.py); a program's model by its load record
+and the compiled steps it runs.
 chat.py, the Python API (dense_engine/api.py), benchmark.py and the server share it; the flags that make one are the
 CLI's (dense_engine/cli/flags.py).
 """
@@ -7,7 +8,7 @@ CLI's (dense_engine/cli/flags.py).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -16,7 +17,8 @@ import dense
 from dense_engine.formats import load as loading
 from dense_engine.formats.load import LoadRecord
 from dense_engine.formats.vocab import TextStream, Vocabulary
-from dense_engine.runtime import background, caches, dry, generate, speculative, tp
+from dense_engine.runtime import background, caches, generate, speculative, tp
+from dense_engine.runtime.sampling import SamplerSettings
 from dense_engine.runtime.steps import Steps
 from dense_engine.system import machine
 from dense_engine.system.errors import UsageError
@@ -72,31 +74,11 @@ def steps_for_program(model, batch: int, seq_len: int, record: LoadRecord, statu
 
 @dataclass
 class Settings:
-    """How a Session answers: sampling (temperature 0 is greedy; top_k, top_p None: off), the longest reply, and the
-    draft tokens a speculative step checks. (The cache's length and compiled steps are the load's: LoadRecord.)"""
-    temperature: float = 0.7
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    typical_p: float | None = None
-    repetition_penalty: float | None = None  # (None or 1: off)
-    repeat_last_n: int = 64
-    dry_multiplier: float | None = None  # (None or 0: off)
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1
+    """How a Session answers: what it asks of the sampler, the longest reply, and the draft tokens a speculative step
+    checks. (The cache's length and compiled steps are the load's: LoadRecord.)"""
+    sampler: SamplerSettings = field(default_factory=lambda: SamplerSettings(temperature=0.7))
     max_new_tokens: int = 512
     speculate_k: int = 4
-
-
-def filters(settings: Settings, vocab: Vocabulary | None = None) -> dict:
-    """The sampling settings beyond temperature, top-k and top-p, as generate_tokens takes them (DRY's sequence
-    breakers are the vocabulary's tokens that hold llama.cpp's default breakers)."""
-    on = settings.dry_multiplier and settings.dry_penalty_last_n and vocab is not None
-    return dict(min_p=settings.min_p, typical_p=settings.typical_p,
-                repetition_penalty=settings.repetition_penalty or 1.0, repeat_last_n=settings.repeat_last_n,
-                dry=dry.Dry.for_vocab(vocab, settings.dry_multiplier, settings.dry_base, settings.dry_allowed_length,
-                                      settings.dry_penalty_last_n) if on else None)
 
 
 def common_prefix(cached: list[int], prompt: list[int]) -> int:
@@ -144,21 +126,20 @@ class Session:
 
     def generate(self, new_ids: list[int], max_new: int, start_pos: int, context: list[int] | None = None,
                  stats: dict | None = None):
-        args = self.settings
+        sampler = self.settings.sampler
         ids = torch.tensor([new_ids], device=self.model.device)
         vocab_limit = self.vocab.size if self.vocab.size < self.model.config.vocab_size else None
-        settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, start_pos=start_pos,
-                        vocab_limit=vocab_limit, steps=self.steps)
         if self.draft is None:
             constraint = self.constraint() if self.constraint is not None else None
-            return generate.generate_tokens(self.model, ids, max_new, constraint=constraint, **settings,
-                                            **filters(args, self.vocab))
-        extra = filters(args, self.vocab)
-        if extra["min_p"] or extra["typical_p"] or extra["repetition_penalty"] != 1 or extra["dry"]:
+            return generate.generate_tokens(self.model, ids, max_new, sampler=sampler, start_pos=start_pos,
+                                            vocab_limit=vocab_limit, steps=self.steps, constraint=constraint,
+                                            dry=sampler.dry_for(self.vocab))
+        if not sampler.plain:
             raise UsageError("min-p, typical-p, repetition-penalty and DRY are not served with speculative decoding")
-        return speculative.generate_tokens(self.model, ids, max_new, self.draft, speculate_k=args.speculate_k,
-                                           stats=stats, context=self.cached[:start_pos] if context is None else context,
-                                           **settings)
+        return speculative.generate_tokens(self.model, ids, max_new, self.draft, speculate_k=self.settings.speculate_k,
+                                           sampler=sampler, start_pos=start_pos, vocab_limit=vocab_limit,
+                                           steps=self.steps, stats=stats,
+                                           context=self.cached[:start_pos] if context is None else context)
 
     def room(self, prompt_len: int) -> int:
         return min(self.settings.max_new_tokens, self.max_seq_len - prompt_len)

@@ -28,7 +28,8 @@ import torch
 import dense
 from dense_engine.cpu import quantized
 from dense_engine.runtime import caches
-from dense_engine.runtime.generate import Runner, Sampling, collect, prepare
+from dense_engine.runtime.generate import Runner, Sampling, collect, prepare, sample
+from dense_engine.runtime.sampling import SamplerSettings
 from dense_engine.runtime.steps import Steps, steps_for
 
 
@@ -147,8 +148,8 @@ def accept(target_logits: torch.Tensor, draft_tokens: list[int], q: torch.Tensor
     many were accepted, and the token drawn), not one per draft."""
     k, device = len(draft_tokens), target_logits.device
     p = dense.probabilities(target_logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.vocab_limit)
-    if p is None:  # greedy: keep drafts while they are the target's argmax
-        best = dense.mask_vocab(target_logits, sampling.vocab_limit).argmax(-1).tolist()
+    if p is None:  # greedy: keep drafts while they are the target's own tokens
+        best = sample(target_logits, sampling)[:, 0].tolist()
         n = 0
         while n < k and draft_tokens[n] == best[n]:
             n += 1
@@ -160,8 +161,8 @@ def accept(target_logits: torch.Tensor, draft_tokens: list[int], q: torch.Tensor
     # draft i is kept with probability min(1, p_i(t_i) / q_i(t_i)), while every draft before it was kept
     kept = torch.rand(k, device=device) < (p[rows, drafts] / q[rows, drafts]).clamp(max=1.0)
     n = int(kept.int().cumprod(0).sum()) if k else 0
-    if n == k:
-        return draft_tokens + [int(torch.multinomial(p[k], 1))], k
+    if n == k:  # every draft kept: the target's own token after them, as a decode step draws it
+        return draft_tokens + [int(sample(target_logits[k:], sampling))], k
     residual = (p[n] - q[n]).clamp(min=0)  # the first rejected draft's replacement: drawn from max(0, p - q)
     residual = torch.where(residual.sum() > 0, residual, p[n])  # (p == q: any draw from p is exact)
     return draft_tokens[:n] + [int(torch.multinomial(residual / residual.sum(), 1))], n
@@ -169,31 +170,31 @@ def accept(target_logits: torch.Tensor, draft_tokens: list[int], q: torch.Tensor
 
 @torch.no_grad()
 def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, draft, *, speculate_k: int = 4,
-                    temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                    compile: bool = False, start_pos: int = 0, vocab_limit: int | None = None,
-                    steps: Steps | None = None, stats: dict | None = None,
+                    sampler: SamplerSettings = SamplerSettings(), compile: bool = False, start_pos: int = 0,
+                    vocab_limit: int | None = None, steps: Steps | None = None, stats: dict | None = None,
                     context: list[int] | None = None):
     """generate.generate_tokens with a draft: yield new tokens [1, 1] one by one, k at a time from the draft and
-    checked by the target (see the module's docstring). stats gets proposed / accepted / target_steps; context: the
-    tokens already in the target's cache at 0..start_pos - 1 (a chat's conversation), which a draft model needs to
-    follow it."""
+    checked by the target (see the module's docstring). sampler: temperature, top-k and top-p (sampler.plain).
+    stats gets proposed / accepted / target_steps; context: the tokens already in the target's cache at
+    0..start_pos - 1 (a chat's conversation), which a draft model needs to follow it."""
     device = model.device
-    for new in generate_rounds(model, prompts, max_new_tokens, draft, speculate_k=speculate_k,
-                               temperature=temperature, top_k=top_k, top_p=top_p, compile=compile,
-                               start_pos=start_pos, vocab_limit=vocab_limit, steps=steps, stats=stats,
-                               context=context):
+    for new in generate_rounds(model, prompts, max_new_tokens, draft, speculate_k=speculate_k, sampler=sampler,
+                               compile=compile, start_pos=start_pos, vocab_limit=vocab_limit, steps=steps,
+                               stats=stats, context=context):
         for t in new:
             yield torch.tensor([[t]], device=device)
 
 
 def generate_rounds(model: dense.DenseDecoder, prompts, max_new_tokens: int, draft, *, speculate_k: int = 4,
-                    temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                    compile: bool = False, start_pos: int = 0, vocab_limit: int | None = None,
-                    steps: Steps | None = None, stats: dict | None = None, context: list[int] | None = None):
+                    sampler: SamplerSettings = SamplerSettings(), compile: bool = False, start_pos: int = 0,
+                    vocab_limit: int | None = None, steps: Steps | None = None, stats: dict | None = None,
+                    context: list[int] | None = None):
     """generate_tokens' tokens a target step at a time: yields a list of token ids per step (the first: the prompt's
     prefill and its token), so a caller may run other work between two rounds (serve.py's other rows)."""
     runner, ids, _ = prepare(model, prompts, max_new_tokens, start_pos, compile, steps)
-    sampling = Sampling(temperature, top_k, top_p, vocab_limit)
+    if not sampler.plain:
+        raise ValueError("speculative decoding serves temperature, top-k and top-p only")
+    sampling = Sampling.of(sampler, vocab_limit)
     if ids.shape[0] != 1:
         raise ValueError("speculative decoding runs at batch 1")
     k = speculate_k
@@ -206,8 +207,7 @@ def generate_rounds(model: dense.DenseDecoder, prompts, max_new_tokens: int, dra
     draft.attach(runner)
     stats = stats if stats is not None else {}
     stats.update(proposed=0, accepted=0, target_steps=0)
-    logits = runner.prefill(ids, start_pos, None)[0]
-    token = dense.sample(logits[None], sampling.temperature, sampling.top_k, sampling.top_p, sampling.vocab_limit)
+    token = sample(runner.prefill(ids, start_pos, None), sampling)
     produced = 1
     yield [int(token)]
     context.append(int(token))
@@ -237,7 +237,7 @@ def generate(model: dense.DenseDecoder, prompts, max_new_tokens: int, draft, *, 
              compile: bool = False, vocab_limit: int | None = None, stats: dict | None = None,
              steps: Steps | None = None):
     """generate.generate with a draft: the same result (greedy: token for token), in fewer target steps."""
-    tokens = generate_tokens(model, prompts, max_new_tokens, draft, speculate_k=speculate_k, temperature=temperature,
-                             top_k=top_k, top_p=top_p, compile=compile, vocab_limit=vocab_limit, stats=stats,
-                             steps=steps)
+    tokens = generate_tokens(model, prompts, max_new_tokens, draft, speculate_k=speculate_k,
+                             sampler=SamplerSettings(temperature, top_k, top_p), compile=compile,
+                             vocab_limit=vocab_limit, stats=stats, steps=steps)
     return collect(tokens, prompts, eos_id, model.device)

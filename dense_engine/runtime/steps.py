@@ -36,7 +36,8 @@ PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dense_e
 SOURCES = (os.path.join(os.path.dirname(PACKAGE), "dense.py"),
            *(os.path.join(PACKAGE, "cpu", name) for name in ("quantized.py", "kernels.py", "kernels.h", "kernels.cpp",
                                                              "kernels_avx2.cpp")),
-           *(os.path.join(PACKAGE, "runtime", name) for name in ("caches.py", "generate.py", "steps.py")))
+           *(os.path.join(PACKAGE, "runtime", name) for name in ("caches.py", "generate.py", "sampling.py",
+                                                                "steps.py")))
 
 
 def trust_the_cpu_flags() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 from dense_engine.runtime import grammar
 
@@ -109,6 +110,44 @@ HERMES_CLOSE = "</tool_call>"
 MAX_HEAD = 512  # characters after an opener with no {"name": "...", "arguments": yet: it is text after all
 
 
+@dataclass
+class ValueScan:
+    """Where a JSON value (an object, list, string or number) ends in text that comes in pieces."""
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    started: bool = False
+
+    def end(self, text: str) -> int | None:
+        """The index past the value's last character in this piece (a number: of what ends it), or None: it goes
+        on in the next piece."""
+        for i, c in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        return i + 1
+            elif c == '"':
+                self.in_string, self.started = True, True
+            elif c in "{[":
+                self.depth, self.started = self.depth + 1, True
+            elif c in "}]":
+                if self.depth == 0:  # (a number's end: the call's closing brace)
+                    return i
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+            elif c in ", \n\t\r" and self.depth == 0 and self.started:
+                return i
+            else:
+                self.started = True
+        return None
+
+
 class CallStream:
     """One reply's tool calls, read as its text comes (feed, then finish at its end). names: the tools offered (a
     call of another name is text); parallel False: only the first call is told."""
@@ -118,7 +157,7 @@ class CallStream:
         self.opener = OPENERS[fmt]
         self.state = "start" if fmt == "llama3" else "text"
         self.buf, self.calls, self.name = "", 0, None
-        self.value = None  # the arguments' scanner state: [depth, in string, escaped, started]
+        self.value: ValueScan | None = None  # where the arguments being read end
 
     def feed(self, text: str) -> list[tuple]:
         self.buf += text
@@ -213,38 +252,8 @@ class CallStream:
             if not s:
                 self.buf = ""
                 return
-            self.buf, self.value = s, [0, False, False, False]
-        depth, in_string, escaped, started = self.value
-        end = None
-        for i, c in enumerate(self.buf):
-            if in_string:
-                if escaped:
-                    escaped = False
-                elif c == "\\":
-                    escaped = True
-                elif c == '"':
-                    in_string = False
-                    if depth == 0:
-                        end = i + 1
-                        break
-            elif c == '"':
-                in_string, started = True, True
-            elif c in "{[":
-                depth, started = depth + 1, True
-            elif c in "}]":
-                if depth == 0:  # (a number's end: the call's closing brace)
-                    end = i
-                    break
-                depth -= 1
-                if depth == 0:
-                    end = i + 1
-                    break
-            elif c in ", \n\t\r" and depth == 0 and started:
-                end = i
-                break
-            else:
-                started = True
-        self.value = [depth, in_string, escaped, started]
+            self.buf, self.value = s, ValueScan()
+        end = self.value.end(self.buf)
         piece, self.buf = (self.buf, "") if end is None else (self.buf[:end], self.buf[end:])
         if self.told():
             out.append(("arguments", self.calls - 1, piece))

@@ -151,7 +151,7 @@ class MessagesReply(Reply):
             return "tool_use", None
         if job.finish_reason == "length":
             return "max_tokens", None
-        matched = job.held.matched if job.held is not None else None
+        matched = job.output.held.matched if job.output.held is not None else None
         return ("stop_sequence", matched) if matched else ("end_turn", None)
 
     def message(self, final: bool) -> dict:

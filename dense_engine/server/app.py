@@ -20,7 +20,7 @@ from dense_engine.runtime import grammar
 from dense_engine.server import anthropic_messages, infill, ollama_api, openai_responses, slots
 from dense_engine.server.protocol import BadRequest, Settings, decode_body, parse_request
 from dense_engine.server.responses import ChatReply, ClientEvents, CompletionReply
-from dense_engine.server.scheduler import Request
+from dense_engine.server.scheduler import Request, Shaping
 
 
 @dataclass(frozen=True)
@@ -59,15 +59,12 @@ def make_jobs(settings: Settings, server, sink) -> list[Request]:
     """A scheduler Request per prompt of the settings, each with its own seeded noise; their events go to sink."""
     vocab, model = server.vocab, server.scheduler.model
     V = model.config.vocab_size
-    return [Request(prompt, settings.max_tokens, settings.temperature, settings.top_p, settings.top_k,
-                    settings.stop, torch.Generator(model.device).manual_seed((settings.seed + i) % 2**63), sink,
-                    logprobs=settings.logprobs, echo=settings.echo, index=i,
-                    constraint=grammar.Constraint(settings.grammar, grammar.tokenizer_for(vocab, V), V)
-                    if settings.grammar else None, logit_bias=settings.logit_bias,
-                    presence_penalty=settings.presence_penalty, frequency_penalty=settings.frequency_penalty,
-                    min_p=settings.min_p, typical_p=settings.typical_p,
-                    repetition_penalty=settings.repetition_penalty, repeat_last_n=settings.repeat_last_n,
-                    dry=settings.dry)
+    sampler = settings.sampler
+    return [Request(prompt, settings.max_tokens, sampler, settings.stop,
+                    torch.Generator(model.device).manual_seed((sampler.seed + i) % 2**63), sink, index=i,
+                    logprobs=settings.logprobs, echo=settings.echo,
+                    shaping=Shaping(grammar.Constraint(settings.grammar, grammar.tokenizer_for(vocab, V), V)
+                                    if settings.grammar else None, sampler.dry_for(vocab)))
             for i, prompt in enumerate(settings.prompts)]
 
 

@@ -96,7 +96,7 @@ class InfillReply(Reply):
 
     def final(self, text: str) -> dict:
         job = self.jobs[0]
-        matched = job.held.matched if job.held is not None else None
+        matched = job.output.held.matched if job.output.held is not None else None
         kind = "limit" if job.finish_reason == "length" else "word" if matched else "eos"
         return {"index": 0, "content": text, "stop": True, "model": self.head["model"], "stop_type": kind,
                 "stopping_word": matched or "", "tokens_predicted": len(job.generated),

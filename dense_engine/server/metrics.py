@@ -49,12 +49,13 @@ class Metrics:
     def token(self, request) -> None:
         """A request's new token (called by the scheduler)."""
         now = time.perf_counter()
-        if request.last_token_at is None:
-            self.ttft.observe(now - request.arrived)
-            request.first_token_at = now
+        timing = request.timing
+        if timing.last_token_at is None:
+            self.ttft.observe(now - timing.arrived)
+            timing.first_token_at = now
         else:
-            self.itl.observe(now - request.last_token_at)
-        request.last_token_at = now
+            self.itl.observe(now - timing.last_token_at)
+        timing.last_token_at = now
         self.generated_tokens.inc()
 
     def text(self) -> tuple[bytes, str]:

@@ -180,11 +180,11 @@ class OllamaReply(Reply):
 
     def stats(self) -> dict:
         job, end = self.jobs[0], time.perf_counter()
-        first = job.first_token_at or end
+        arrived, first = job.timing.arrived, job.timing.first_token_at or end
         ns = 1_000_000_000
         return {"done_reason": job.finish_reason if job.finish_reason in ("stop", "length") else "stop",
-                "total_duration": int((end - job.arrived) * ns), "load_duration": 0,
-                "prompt_eval_count": len(job.prompt), "prompt_eval_duration": int((first - job.arrived) * ns),
+                "total_duration": int((end - arrived) * ns), "load_duration": 0,
+                "prompt_eval_count": len(job.prompt), "prompt_eval_duration": int((first - arrived) * ns),
                 "eval_count": len(job.generated), "eval_duration": int((end - first) * ns)}
 
     def end(self) -> list[dict]:

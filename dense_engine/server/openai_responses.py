@@ -203,9 +203,10 @@ class ResponsesReply(Reply):
                 "parallel_tool_calls": meta.get("parallel_tool_calls", True),
                 "previous_response_id": meta.get("previous_response_id"), "reasoning": {"effort": None,
                                                                                        "summary": None},
-                "store": meta.get("store", True), "temperature": self.settings.temperature if self.settings else 1.0,
+                "store": meta.get("store", True),
+                "temperature": self.settings.sampler.temperature if self.settings else 1.0,
                 "text": meta.get("text", {"format": {"type": "text"}}), "tool_choice": meta.get("tool_choice", "auto"),
-                "tools": meta.get("tools", []), "top_p": self.settings.top_p if self.settings else None,
+                "tools": meta.get("tools", []), "top_p": self.settings.sampler.top_p if self.settings else None,
                 "truncation": "disabled", "usage": usage if done else None, "user": None,
                 "metadata": meta.get("metadata", {})}
 

@@ -54,16 +54,17 @@ class PrefixStore:
     def bytes(self) -> int:
         return len(self.index) * self.block_bytes
 
-    def match(self, tokens: list[int], limit: int) -> list[Block]:
-        """The stored blocks holding tokens' first whole blocks, in order, within the first `limit` tokens (they
-        are touched: now the most recently used)."""
+    def match(self, tokens: list[int], limit: int, touch: bool = True) -> list[Block]:
+        """The stored blocks holding tokens' first whole blocks, in order, within the first `limit` tokens (touch:
+        now the most recently used)."""
         chain: list[Block] = []
         for start in range(0, limit - self.block + 1, self.block):
             block = self.index.get((chain[-1].id if chain else -1, tuple(tokens[start:start + self.block])))
             if block is None:
                 break
             chain.append(block)
-        self.touch(chain)
+        if touch:
+            self.touch(chain)
         return chain
 
     def add(self, tokens: list[int]) -> tuple[list[tuple[int, int]], list[int]]:

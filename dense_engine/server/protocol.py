@@ -13,6 +13,7 @@ import torch
 
 from dense_engine.formats.vocab import Vocabulary
 from dense_engine.runtime import dry, grammar, tools
+from dense_engine.runtime.sampling import SamplerSettings
 from dense_engine.system.errors import UsageError
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -80,25 +81,14 @@ class Settings:
     """One request's settings, checked: a prompt per choice (token ids), how to sample, when to stop, what to report."""
     prompts: list[list[int]]
     max_tokens: int
-    temperature: float
-    top_p: float | None
-    top_k: int | None
-    seed: int
+    sampler: SamplerSettings  # (its seed: always set, a random one when the body has none)
     stop: list[str]
     stream: bool
     include_usage: bool
     logprobs: int | None  # alternatives per token (0: the chosen one's alone); None: no logprobs
     echo: bool  # (completions) the prompt and its logprobs before the reply
     grammar: str | None  # a response_format's or a required tool call's
-    logit_bias: dict
-    presence_penalty: float
-    frequency_penalty: float
     calling: ToolCalling | None
-    min_p: float | None = None  # (0: off)
-    typical_p: float | None = None  # (1: off)
-    repetition_penalty: float = 1.0
-    repeat_last_n: int = 64
-    dry: dry.Dry | None = None
 
 
 def decode_body(raw: bytes) -> dict:
@@ -174,18 +164,19 @@ def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculat
     name = "repeat_penalty" if body.get("repeat_penalty") is not None else "repetition_penalty"
     repetition = number(body, name, float, 1.0, low=0, high=10, low_open=True)
     repeat_last_n = number(body, "repeat_last_n", int, 64, low=-1)
-    dry_sampler = dry_settings(body, vocab)
-    return Settings(prompts=prompts, max_tokens=max_tokens,
-                    temperature=number(body, "temperature", float, 1.0, low=0, high=2),
-                    top_p=None if top_p == 1 else top_p, top_k=number(body, "top_k", int, None, low=1), seed=seed,
-                    stop=stop, stream=stream, include_usage=options.get("include_usage", False), logprobs=logprobs,
-                    echo=echo, grammar=shape, logit_bias=bias, presence_penalty=presence, frequency_penalty=frequency,
-                    calling=calling, min_p=min_p or None, typical_p=None if typical_p == 1 else typical_p,
-                    repetition_penalty=repetition, repeat_last_n=repeat_last_n, dry=dry_sampler)
+    dry_fields = dry_settings(body)
+    sampler = SamplerSettings(temperature=number(body, "temperature", float, 1.0, low=0, high=2),
+                              top_k=number(body, "top_k", int, None, low=1), top_p=None if top_p == 1 else top_p,
+                              min_p=min_p or None, typical_p=None if typical_p == 1 else typical_p,
+                              repetition_penalty=repetition, repeat_last_n=repeat_last_n, **dry_fields,
+                              presence_penalty=presence, frequency_penalty=frequency, logit_bias=bias, seed=seed)
+    return Settings(prompts=prompts, max_tokens=max_tokens, sampler=sampler, stop=stop, stream=stream,
+                    include_usage=options.get("include_usage", False), logprobs=logprobs, echo=echo, grammar=shape,
+                    calling=calling)
 
 
-def dry_settings(body: dict, vocab: Vocabulary) -> dry.Dry | None:
-    """llama-server's DRY fields, checked; None when dry_multiplier is 0 (off) or absent, or the window is 0."""
+def dry_settings(body: dict) -> dict:
+    """llama-server's DRY fields, checked, as SamplerSettings' keywords (dry_multiplier 0 or absent: off)."""
     multiplier = number(body, "dry_multiplier", float, 0.0, low=0, high=100)
     base = number(body, "dry_base", float, 1.75, low=1, high=10)
     allowed = number(body, "dry_allowed_length", int, 2, low=1, high=1024)
@@ -196,7 +187,8 @@ def dry_settings(body: dict, vocab: Vocabulary) -> dry.Dry | None:
             isinstance(b, str) and 0 < len(b) <= MAX_STOP_CHARS for b in breakers):
         raise BadRequest(f"'dry_sequence_breakers' must be a list of up to {MAX_STOPS} non-empty strings",
                          "dry_sequence_breakers")
-    return dry.Dry.for_vocab(vocab, multiplier, base, allowed, window, breakers) if multiplier and window else None
+    return dict(dry_multiplier=multiplier, dry_base=base, dry_allowed_length=allowed, dry_penalty_last_n=window,
+                dry_sequence_breakers=tuple(breakers))
 
 
 def check_names(body: dict, kind: str) -> None:

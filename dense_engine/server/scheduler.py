@@ -1,12 +1,14 @@
 """The scheduler: one thread owns the model and runs requests in the cache's rows, continuous batching.
 
-Read it top to bottom as a turn goes: admit (a waiting request gets the free row whose cache holds the longest
-prefix of its prompt; what the row held goes to the prefix store, and a longer prefix comes back from it) -> prefill
-(the admitted prompts, in chunks while other rows decode) -> decode (one step of every decoding row, each at its own
-position) -> deliver (a token's text to its client, the row freed when it ends). With a draft (--draft, --lookup)
-one request at a time decodes speculatively in row 0, a round a turn, beside the batch.
-Records: a Request with a Status, a Row per cache row, an Event per thing a client is told. Model calls go through
-runner.ModelCalls by name (every tensor-parallel rank makes the same ones)."""
+A turn, in nano-vllm's shape: schedule() says what runs (it decides only, on the records: which waiting requests get
+which free rows, the prompt chunks prefilled, a speculative round, the rows that decode), the Scheduler runs it
+through runner.ModelCalls (every tensor-parallel rank makes the same calls by name), and postprocess() delivers
+each new token (its text to the client, the row freed when the request ends). A row's cache keeps its last
+request's tokens; a new request takes the free row sharing the longest prefix of its prompt, and the prefix store
+keeps what a row held (prefixes.py). Prompts prefill in chunks while other rows decode. With a draft (--draft,
+--lookup) one request at a time decodes speculatively in row 0, a round a turn, beside the batch.
+Records: a Request (its Output and Shaping, what it asks of the sampler), a Row per cache row, a Plan per turn, an
+Event per thing a client is told."""
 
 from __future__ import annotations
 
@@ -17,16 +19,18 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Callable, NamedTuple
 
 import torch
 
 import dense
-from dense_engine.formats.vocab import StopText, TextStream, Vocabulary
 from dense_engine.formats.load import LoadRecord
+from dense_engine.formats.vocab import StopText, TextStream, Vocabulary
 from dense_engine.runtime import caches, generate, speculative, tp
+from dense_engine.runtime.sampling import SamplerSettings
 from dense_engine.runtime.session import common_prefix, steps_for_program
+from dense_engine.server import prefixes
 from dense_engine.server.prefix_store import BLOCK, DiskStore, PrefixStore, default_capacity_mb, default_disk_mb
 from dense_engine.server.runner import ModelCalls
 from dense_engine.system import machine
@@ -57,76 +61,93 @@ class Status(enum.Enum):
 
 
 @dataclass
+class Output:
+    """What a request's client is sent so far: its stop strings, the generated text decoded as it grows, cut at a
+    stop string (a tail that may start one held back), and the logprob entries of tokens whose text is not sent."""
+    stop: list[str]
+    text: TextStream | None = None
+    held: StopText | None = None
+    entries: list = field(default_factory=list)
+
+
+@dataclass
+class Shaping:
+    """What moves a request's logits besides its sampler settings: its grammar (a grammar.Constraint: the tokens it
+    allows), its DRY sampler (SamplerSettings.dry_for), and each generated token's count (presence and frequency)."""
+    constraint: object = None
+    dry: object = None
+    counts: dict = field(default_factory=dict)
+
+
+@dataclass
+class Timing:
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+@dataclass
 class Request:
-    """One completion: its prompt ids, its settings, and `sink`, which takes the Events its client is told (the HTTP
-    side puts them on an asyncio queue of its loop)."""
+    """One completion: its prompt ids, what it asks of the sampler (and its own noise: its sampled text depends on
+    nothing else), and `sink`, which takes the Events its client is told (the HTTP side puts them on an asyncio
+    queue of its loop). stop goes into its Output."""
     prompt: list[int]
     max_tokens: int
-    temperature: float
-    top_p: float | None
-    top_k: int | None
-    stop: list[str]
-    generator: torch.Generator  # its own noise: its sampled text depends on nothing else
+    sampler: SamplerSettings
+    stop: InitVar[list[str]]
+    generator: torch.Generator
     sink: Callable[[Event], None]
+    index: int = 0  # its choice's index (a completion request may carry several prompts)
+    logprobs: int | None = None  # the alternatives to report per token (0: only the chosen one); None: no logprobs
+    echo: bool = False  # (completions) the prompt's own logprobs too
     status: Status = Status.WAITING
     cancelled: bool = False  # the client went away: free the row
     generated: list[int] = field(default_factory=list)
-    text: TextStream | None = None  # the generated text, decoded as it grows
-    held: StopText | None = None  # ... cut at a stop string, a tail that may start one held back
     finish_reason: str | None = None
-    arrived: float = field(default_factory=time.perf_counter)
-    last_token_at: float | None = None
-    first_token_at: float | None = None
-    logprobs: int | None = None  # the alternatives to report per token (0: only the chosen one); None: no logprobs
-    echo: bool = False  # (completions) the prompt's own logprobs too
-    index: int = 0  # its choice's index (a completion request may carry several prompts)
-    entries: list = field(default_factory=list)  # logprob entries of tokens whose text is not sent yet
     prompt_entries: list = field(default_factory=list)  # (echo) one per prompt token, the first None
-    constraint: object = None  # a grammar.Constraint (response_format): the tokens its grammar allows
-    logit_bias: dict = field(default_factory=dict)  # token id -> added to its logit
-    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
-    frequency_penalty: float = 0.0  # ... times how often it was generated
-    counts: dict = field(default_factory=dict)  # token id -> times generated (for the penalties)
-    filled: int = 0  # its prompt tokens in its row's cache so far
-    min_p: float | None = None
-    typical_p: float | None = None
-    repetition_penalty: float = 1.0  # of the tokens among the last repeat_last_n (-1: all) of prompt and reply
-    repeat_last_n: int = 64
-    dry: object = None  # a dry.Dry: what would repeat the context is penalized (in the bias)
+    shaping: Shaping = field(default_factory=Shaping)
+    output: Output = None
+    timing: Timing = field(default_factory=Timing)
+
+    def __post_init__(self, stop) -> None:
+        self.output = Output(list(stop))
+
+    @property
+    def constraint(self):
+        return self.shaping.constraint
 
     @property
     def shaped(self) -> bool:
         """Whether something but the sampler picks its tokens (logprobs, echo, a grammar, a bias or penalties)."""
-        return (self.logprobs is not None or self.echo or self.constraint is not None or bool(self.logit_bias)
-                or bool(self.presence_penalty or self.frequency_penalty) or self.penalized or self.dry is not None)
-
-    @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1 and self.repeat_last_n != 0
+        s = self.sampler
+        return (self.logprobs is not None or self.echo or self.constraint is not None or bool(s.logit_bias)
+                or bool(s.presence_penalty or s.frequency_penalty) or s.penalized or self.shaping.dry is not None)
 
     def penalty(self, vocab: int) -> torch.Tensor | None:
         """[V] float32 repetition penalties (generate.shape_logits' rule), or None: none."""
-        if not self.penalized:
+        s = self.sampler
+        if not s.penalized:
             return None
         seen = self.prompt + self.generated
-        seen = seen if self.repeat_last_n < 0 else seen[-self.repeat_last_n:]
+        seen = seen if s.repeat_last_n < 0 else seen[-s.repeat_last_n:]
         out = torch.ones(vocab)
-        out[seen] = self.repetition_penalty
+        out[seen] = s.repetition_penalty
         return out
 
     def bias(self, vocab: int) -> torch.Tensor | None:
         """[V] float32 added to this request's logits before sampling (OpenAI's semantics), or None: none."""
-        penalties = self.counts and (self.presence_penalty or self.frequency_penalty)
-        if self.constraint is None and not self.logit_bias and not penalties and self.dry is None:
+        s, shaping = self.sampler, self.shaping
+        penalties = shaping.counts and (s.presence_penalty or s.frequency_penalty)
+        if shaping.constraint is None and not s.logit_bias and not penalties and shaping.dry is None:
             return None
-        bias = self.constraint.bias("cpu") if self.constraint is not None else torch.zeros(vocab)
-        if self.logit_bias:
-            bias[list(self.logit_bias)] += torch.tensor(list(self.logit_bias.values()))
+        bias = shaping.constraint.bias("cpu") if shaping.constraint is not None else torch.zeros(vocab)
+        if s.logit_bias:
+            bias[list(s.logit_bias)] += torch.tensor(list(s.logit_bias.values()))
         if penalties:
-            counts = torch.tensor(list(self.counts.values()), dtype=torch.float32)
-            bias[list(self.counts)] -= self.presence_penalty + self.frequency_penalty * counts
-        if self.dry is not None:
-            bias -= self.dry.penalty(self.prompt + self.generated, vocab)
+            counts = torch.tensor(list(shaping.counts.values()), dtype=torch.float32)
+            bias[list(shaping.counts)] -= s.presence_penalty + s.frequency_penalty * counts
+        if shaping.dry is not None:
+            bias -= shaping.dry.penalty(self.prompt + self.generated, vocab)
         return bias
 
     def chose(self, token: int, stop_ids) -> None:
@@ -135,8 +156,8 @@ class Request:
             return
         if self.constraint is not None:
             self.constraint.consume(token)
-        if self.presence_penalty or self.frequency_penalty:
-            self.counts[token] = self.counts.get(token, 0) + 1
+        if self.sampler.presence_penalty or self.sampler.frequency_penalty:
+            self.shaping.counts[token] = self.shaping.counts.get(token, 0) + 1
 
     def send(self, kind: str, text: str, entries: list) -> None:
         self.sink(Event(self.index, kind, text, entries))
@@ -146,14 +167,14 @@ class Request:
         self.send("done", reason, self.take_entries() if entries is None else entries)
 
     def take_entries(self) -> list:
-        entries, self.entries = self.entries, []
+        entries, self.output.entries = self.output.entries, []
         return entries
 
 
 @dataclass
 class Row:
-    """One row of the cache: the request it runs (None: free), the tokens its cache holds at slots 0.., the slot its
-    next token goes to and the token it feeds next."""
+    """One row of the cache: the request it runs (None: free), the tokens its cache holds at slots 0.. (while a
+    prompt prefills: its first ones so far), the slot its next token goes to and the token it feeds next."""
     request: Request | None = None
     tokens: list[int] = field(default_factory=list)
     position: int = 0
@@ -161,9 +182,98 @@ class Row:
     used: int = 0  # when a request last took it (the scheduler's count of admissions): least recently used first
 
 
+@dataclass
+class Plan:
+    """What one turn runs, decided by schedule(): `taken` requests off the head of the line (the cancelled among
+    them dropped); admissions (row, request, prompt tokens the row holds); the request that starts speculating in
+    row 0; rows freed (their prefilling request was cancelled); prompt chunks (row, start, end) to prefill; whether
+    a speculative round runs; the rows that decode (those still running once the prefill's first tokens are out)."""
+    taken: int = 0
+    admit: list[tuple[int, Request, int]] = field(default_factory=list)
+    speculate: Request | None = None
+    freed: list[int] = field(default_factory=list)
+    prefill: list[tuple[int, int, int]] = field(default_factory=list)
+    round: bool = False
+    decode: list[int] = field(default_factory=list)
+
+
+def schedule(rows: list[Row], waiting: list[Request], *, drafting: bool = False, speculating: bool = False,
+             reuse: bool = True, prefill_chunk: int = PREFILL_BUDGET,
+             stored: Callable[[Request], int] = lambda request: 0) -> Plan:
+    """This turn's Plan, from the rows and the line of waiting requests (changes neither). With a draft, a request
+    the sampler alone decides takes row 0 to speculate, when no other request does. stored(request): how many of its
+    prompt's first tokens the prefix store holds (prefixes.stored)."""
+    plan, taken = Plan(), set()
+    for request in waiting:
+        free = [r for r, row in enumerate(rows) if row.request is None and r not in taken]
+        if not free:
+            break
+        plan.taken += 1
+        if request.cancelled:
+            continue
+        if drafting and not speculating and plan.speculate is None and 0 in free and not request.shaped \
+                and request.sampler.plain:
+            plan.speculate, plan.round = request, True
+            taken.add(0)
+            continue
+        row, common = pick_row(rows, free, request, reuse)
+        taken.add(row)
+        plan.admit.append((row, request, common))
+    plan.round = plan.round or speculating
+    starts = {row: max(common, stored(request)) for row, request, common in plan.admit}
+    filling = [(r, row.request, len(row.tokens)) for r, row in enumerate(rows)
+               if row.request is not None and row.request.status is Status.PREFILLING]
+    filling += [(row, request, starts[row]) for row, request, _ in plan.admit]
+    running = sum(row.request is not None for row in rows) + len(taken)  # (a speculating row 0 among them)
+    prompts = {row: request.prompt for row, request, _ in filling}
+    plan.freed, plan.prefill = prefill_group(sorted(filling, key=lambda f: f[1].timing.arrived), running,
+                                             prefill_chunk)
+    done = {row for row, _, end in plan.prefill if end == len(prompts[row])}  # (their first token comes first)
+    plan.decode = sorted({r for r, row in enumerate(rows) if row.request is not None
+                          and row.request.status is Status.DECODING} | done)
+    return plan
+
+
+def pick_row(rows: list[Row], free: list[int], request: Request, reuse: bool) -> tuple[int, int]:
+    """(the free row to prefill into, how many of the prompt's first tokens its cache already holds): the row sharing
+    the longest prefix when that is at least REUSE_SHARE of what it holds (a conversation's next turn); else an empty
+    row; else the least recently used one (its conversation the least likely to come back)."""
+    if not reuse or request.echo:  # (echo's logprobs need every prompt position computed)
+        return free[0], 0
+    shared = {r: common_prefix(rows[r].tokens, request.prompt) for r in free}
+    best = max(free, key=lambda r: (shared[r], -r))
+    if shared[best] and shared[best] >= REUSE_SHARE * len(rows[best].tokens):
+        return best, shared[best]
+    empty = [r for r in free if not rows[r].tokens]
+    row = empty[0] if empty else min(free, key=lambda r: rows[r].used)
+    return row, shared[row]
+
+
+def prefill_group(filling: list[tuple[int, Request, int]], running: int, chunk: int
+                  ) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """(rows freed, chunks (row, start, end)) of the prefilling requests, oldest first: (row, request, prompt tokens
+    in its cache) each. While other rows decode, at most `chunk` tokens a turn (no stream waits for a whole long
+    prefill); with none decoding, every prompt whole. A cancelled request's row is freed (its cache keeps what was
+    prefilled); an echo (every position's logits) prefills alone, whole."""
+    budget = chunk if chunk and len(filling) < running else None
+    freed, group = [], []
+    for row, request, filled in filling:
+        if request.cancelled:
+            freed.append(row)
+            continue
+        if budget is not None and budget <= 0:
+            break
+        if request.echo:
+            return freed, group or [(row, filled, len(request.prompt))]
+        end = len(request.prompt) if budget is None else min(len(request.prompt), filled + budget)
+        group.append((row, filled, end))
+        budget = None if budget is None else budget - (end - filled)
+    return freed, group
+
+
 class Scheduler:
-    """Owns the model: admits waiting requests into free cache rows (a prefill each), then runs one decode step over
-    every row, until stopped. Under tensor parallel, rank 0 runs it and the other ranks make the same model calls."""
+    """Owns the model: each turn runs schedule()'s Plan through the model calls and delivers its tokens, until
+    stopped. Under tensor parallel, rank 0 runs it and the other ranks make the same model calls."""
 
     def __init__(self, model: dense.DenseDecoder, vocab: Vocabulary, max_batch: int, max_seq_len: int,
                  compile: bool, draft=None, speculate_k: int = 4, metrics=None, reuse: bool = True,
@@ -241,21 +351,28 @@ class Scheduler:
         return done
 
     def turn(self) -> None:
-        """Run the tasks asked for, admit waiting requests into free rows, prefill up to the budget, a speculative
-        round, then one decode step of the decoding rows."""
+        """Run the tasks asked for, then this turn's Plan: admissions, prefill, a speculative round, a decode step."""
         while not self.tasks.empty():
             function, done = self.tasks.get_nowait()
             try:
                 done.set_result(function())
             except Exception as e:  # (the asker is told)
                 done.set_exception(e)
-        self.admit()
-        self.prefill()
-        if self.speculation is not None:
-            self.speculate()
-        busy = [r for r, row in enumerate(self.slots) if row.request and row.request.status is Status.DECODING]
+        with self.waiting.mutex:  # (the line as it is now: only this thread takes from it)
+            line = list(self.waiting.queue)
+        plan = schedule(self.slots, line, drafting=self.draft is not None, speculating=self.speculation is not None,
+                        reuse=self.reuse, prefill_chunk=self.prefill_chunk,
+                        stored=lambda request: prefixes.stored(self, request))
+        admit(self, plan)
+        for row in plan.freed:
+            self.slots[row].request = None
+        # (a chunk starts where its row's cache ends: an admission may have found less stored than planned)
+        prefill(self, [(row, len(self.slots[row].tokens), end) for row, _, end in plan.prefill])
+        if plan.round:
+            speculate(self)
+        busy = [r for r in plan.decode if self.slots[r].request and self.slots[r].request.status is Status.DECODING]
         if busy:
-            self.decode(busy)
+            decode(self, busy)
         elif not any(self.rows) and self.tasks.empty():
             try:  # idle: wait for a request
                 self.waiting.put(self.waiting.get(timeout=0.1))
@@ -271,169 +388,14 @@ class Scheduler:
         self.slots = [Row() for _ in self.slots]  # (what a failed step left in the cache is not known)
         self.speculation = None
 
-    # ---- admit -> prefill -> decode -> deliver
+    # ---- postprocess: the new tokens delivered
 
-    def admit(self) -> None:
-        """Give waiting requests the free rows (their prompts are prefilled by `prefill`). A row keeps the tokens of
-        its last request in its cache: a new request takes the free row whose tokens share the longest prefix with
-        its prompt, and only the rest is prefilled (a conversation's next turn, a shared system prompt). What the
-        row held is kept in the prefix store first, and a longer prefix from the store (or its disk) is copied in.
-        With a draft, a request the sampler alone decides takes row 0 to speculate, when no other request does."""
-        while None in self.rows:
-            try:
-                request = self.waiting.get_nowait()
-            except queue.Empty:
-                return
-            if request.cancelled:
-                continue
-            if self.draft is not None and self.speculation is None and self.slots[0].request is None \
-                    and not request.shaped and request.min_p is None and request.typical_p is None:
-                self.start_speculation(request)
-                continue
-            row, common = self.pick_row(request)
-            slot = self.slots[row]
-            self.keep(row, common)
-            stored = self.restore(row, request, common)
-            self.admitted += 1
-            slot.request, slot.used = request, self.admitted
-            slot.tokens = request.prompt[:stored] if stored > common else slot.tokens[:common]
-            self.persist(row)
-            if self.metrics is not None and max(common, stored):
-                self.metrics.prefix_hits.inc()
-                self.metrics.reused_tokens.inc(max(common, stored))
-                self.metrics.stored_tokens.inc(max(0, stored - common))
-            request.status, request.filled = Status.PREFILLING, max(common, stored)
-
-    def pick_row(self, request: Request) -> tuple[int, int]:
-        """(the free row to prefill into, how many of the prompt's first tokens its cache already holds): the row
-        sharing the longest prefix when that is at least REUSE_SHARE of what it holds (a conversation's next turn);
-        else an empty row; else the least recently used one (its conversation the least likely to come back)."""
-        free = [r for r, row in enumerate(self.slots) if row.request is None]
-        if not self.reuse or request.echo:  # (echo's logprobs need every prompt position computed)
-            return free[0], 0
-        shared = {r: common_prefix(self.slots[r].tokens, request.prompt) for r in free}
-        best = max(free, key=lambda r: (shared[r], -r))
-        if shared[best] and shared[best] >= REUSE_SHARE * len(self.slots[best].tokens):
-            return best, shared[best]
-        empty = [r for r in free if not self.slots[r].tokens]
-        row = empty[0] if empty else min(free, key=lambda r: self.slots[r].used)
-        return row, shared[row]
-
-    def keep(self, row: int, common: int) -> None:
-        """Before row's cache is overwritten past its first `common` tokens: its whole blocks into the prefix
-        store (those not there yet; the least recently used go to make room)."""
-        tokens = self.slots[row].tokens
-        if self.store is None or len(tokens) <= common or len(tokens) < self.store.block:
-            return
-        self.keep_blocks(row, tokens)
-
-    def keep_blocks(self, row: int, tokens: list[int]) -> None:
-        """The whole blocks of `tokens` (row's first ones) into the store, those not there yet."""
-        blocks, evicted = self.store.add(tokens)
-        if blocks or evicted:
-            self.calls.call("keep", row=row, blocks=blocks, size=self.store.block, drop=evicted)
-        if self.metrics is not None:
-            self.metrics.evictions.inc(len(evicted))
-
-    def persist(self, row: int) -> None:
-        """A prefix used again (what the new request found in its row or the store): its whole blocks onto the
-        disk, those not there yet (the writer's thread writes them)."""
-        tokens, size = self.slots[row].tokens, self.store.block if self.store else 0
-        if self.disk is None or len(tokens) < size or self.disk.folder is None:
-            return
-        self.keep_blocks(row, tokens)
-        chain = self.store.match(tokens, len(tokens))
-        new = [(i, b) for i, b in enumerate(chain) if not b.on_disk]
-        if not new:
-            return
-        self.calls.call("write_blocks", blocks=[(b.id, self.disk.path(tokens[:(i + 1) * size]),
-                                                 tokens[:(i + 1) * size]) for i, b in new])
-        for _, b in new:
-            b.on_disk = True
-
-    def restore(self, row: int, request: Request, common: int) -> int:
-        """How many of the prompt's first tokens row holds once the prefix store's longest match is copied in (when
-        it is longer than the `common` ones the row holds already); 0 when the store has nothing longer."""
-        if self.store is None or request.echo:
-            return 0
-        limit = len(request.prompt) - 1  # (the last token is prefilled: its logits give the first new token)
-        chain = self.store.match(request.prompt, limit)
-        if self.disk is not None and self.disk.folder is not None and self.read_disk(request.prompt, len(chain), limit):
-            chain = self.store.match(request.prompt, limit)
-        size = self.store.block
-        if len(chain) * size <= common:
-            return 0
-        first = common // size  # (blocks before it: the row holds them already)
-        self.calls.call("restore", row=row, blocks=[b.id for b in chain[first:]], start=first * size)
-        return len(chain) * size
-
-    def read_disk(self, prompt: list[int], have: int, limit: int) -> int:
-        """Read into the store the blocks that follow the prompt's first `have` stored ones, as far as the disk has
-        them (within `limit` tokens): how many were read."""
-        size, ends = self.store.block, []
-        for end in range((have + 1) * size, limit + 1, size):
-            if not os.path.exists(self.disk.path(prompt[:end])):
-                break
-            ends.append(end)
-        if not ends:
-            return 0
-        new, evicted = self.store.add(prompt[:ends[-1]])
-        files = [(i, self.disk.path(prompt[:start + size]), prompt[:start + size]) for i, start in new]
-        read = self.calls.call("read_blocks", blocks=files, size=size, drop=evicted)
-        self.store.drop([i for i, _ in new[read:]][::-1])  # (missing or damaged: not kept)
-        for block in self.store.match(prompt, ends[-1]):
-            block.on_disk = True
-        if self.metrics is not None:
-            self.metrics.evictions.inc(len(evicted))
-            self.metrics.disk_tokens.inc(read * size)
-        return read
-
-    def prefill(self) -> None:
-        """Prefill the admitted prompts, oldest first. While other rows decode, at most `prefill_chunk` tokens a turn:
-        a long prompt goes in chunks between their steps (no stream waits for a whole long prefill); with none
-        decoding, every prompt whole. Chunks of several prompts go in one pass (the weights are read once)."""
-        group = self.prefill_group()
-        if not group:
-            return
-        if len(group) == 1 or any(end - start <= generate.PREFILL_CHUNK for _, start, end in group):
-            for row, start, end in group:  # (a short chunk runs a compiled step, alone)
-                request = self.slots[row].request
-                self.prefilled(row, end, self.calls.call("prefill", row=row, prompt=request.prompt[start:end],
-                                                         every=request.echo, start=start))
-            return
-        logits = self.calls.call("prefill_rows", rows=[row for row, _, _ in group],
-                                 chunks=[self.slots[r].request.prompt[s:e] for r, s, e in group],
-                                 starts=[s for _, s, _ in group])
-        for i, (row, _, end) in enumerate(group):
-            self.prefilled(row, end, logits[i:i + 1])
-
-    def prefill_group(self) -> list[tuple[int, int, int]]:
-        """This turn's chunks, (row, start, end) each, within the budget; cancelled requests' rows freed."""
-        filling = sorted((r for r, q in enumerate(self.rows) if q is not None and q.status is Status.PREFILLING),
-                         key=lambda r: self.slots[r].request.arrived)
-        running = sum(q is not None for q in self.rows)  # (a speculating row 0 among them)
-        budget = self.prefill_chunk if self.prefill_chunk and len(filling) < running else None
-        group = []
-        for row in filling:
-            request = self.slots[row].request
-            if request.cancelled:  # (the cache keeps what was prefilled)
-                self.slots[row].request = None
-                continue
-            if budget is not None and budget <= 0:
-                break
-            end = len(request.prompt) if budget is None else min(len(request.prompt), request.filled + budget)
-            if request.echo:  # every position's logits: alone, whole
-                return group or [(row, request.filled, len(request.prompt))]
-            group.append((row, request.filled, end))
-            budget = None if budget is None else budget - (end - request.filled)
-        return group
-
-    def prefilled(self, row: int, end: int, logits: torch.Tensor) -> None:
+    def postprocess_prefill(self, row: int, end: int, logits: torch.Tensor) -> None:
         """A chunk of row's prompt is in the cache, up to `end`; logits: the last token's [1, V] (echo: every token's
         [1, T, V]). At the prompt's end, the first token is drawn and the row decodes from the next step."""
         slot = self.slots[row]
         request = slot.request
-        request.filled, slot.tokens = end, list(request.prompt[:end])
+        slot.tokens = list(request.prompt[:end])
         if request.echo:  # [1, T, V]: position p's logits rate prompt token p + 1
             request.prompt_entries = [None] + [logprob_entry(logits[0, p], request.prompt[p + 1],
                                                              request.logprobs or 0)
@@ -446,55 +408,24 @@ class Scheduler:
             request.end("length", [])
             slot.request = None
             return
-        V = logits.shape[-1]
-        token = int(sample_one(logits, request, self.vocab_limit, request.bias(V), request.penalty(V)))
+        token = int(generate.sample(logits, sampling(self, [request])))
         slot.position, slot.last = len(request.prompt), token
         self.deliver(row, token, logits[0])
 
-    def decode(self, busy: list[int]) -> None:
-        """One step of every decoding row: each feeds its last token at its own position. A request alone (admitted
-        to row 0, the first free one) decodes in a batch-1 step, at batch 1's speed; otherwise every row steps (two
-        compiled graphs in all, whatever the load); an idle, prefilling or speculating row writes to the scratch
-        slot, which nothing reads."""
-        width = 1 if busy == [0] else len(self.slots)
-        rows = [self.slots[r].request if r in busy else None for r in range(width)]
-        tokens = [self.slots[r].last if r in busy else 0 for r in range(width)]
-        positions = [self.slots[r].position if r in busy else self.max_seq_len for r in range(width)]
-        with_logits = any(r is not None and r.logprobs is not None for r in rows)
-        out = self.calls.call("decode", tokens=tokens, positions=positions, sampling=self.sampling(rows),
-                              with_logits=with_logits)
-        out, logits = out if with_logits else (out, None)
-        out = out[:, 0].tolist()
+    def postprocess(self, busy: list[int], fed: list[int], out: list[int], logits: torch.Tensor | None) -> None:
+        """A decode step's tokens: each busy row's fed token is now in its cache, its new one delivered."""
         for row in busy:
             slot = self.slots[row]
-            slot.tokens.append(tokens[row])  # (fed at its position: now in the cache)
+            slot.tokens.append(fed[row])
             slot.position, slot.last = slot.position + 1, out[row]
             self.deliver(row, out[row], None if logits is None else logits[row])
-
-    def sampling(self, rows: list[Request | None]) -> generate.Sampling:
-        """Each row's sampling settings, inputs of the compiled step; a bias [B, V] only when a row has one (a
-        constrained, biased or penalized row: else the plain step runs)."""
-        V = self.model.config.vocab_size
-
-        def stacked(make, empty) -> torch.Tensor | None:  # [B, V], or None when no row has one
-            got = [make(r) if r is not None else None for r in rows]
-            if all(g is None for g in got):
-                return None
-            return torch.stack([g if g is not None else empty(V) for g in got]).to(self.model.device)
-
-        return generate.Sampling(
-            tuple(r.temperature if r else 0.0 for r in rows), tuple(r.top_k if r else None for r in rows),
-            tuple(r.top_p if r else None for r in rows), self.vocab_limit,
-            tuple(r.generator if r else self.idle_generator for r in rows),
-            stacked(lambda r: r.bias(V), torch.zeros), tuple(r.min_p if r else None for r in rows),
-            tuple(r.typical_p if r else None for r in rows), stacked(lambda r: r.penalty(V), torch.ones))
 
     def deliver(self, row: int, token: int, logits: torch.Tensor | None = None) -> None:
         """A row's new token (and the logits it was drawn from, when the request wants logprobs): its text to the
         client (held back while it may start a stop string), and the row freed when the request is done."""
         request = self.slots[row].request
         if request.logprobs is not None and logits is not None and token not in self.vocab.stop_ids:
-            request.entries.append(logprob_entry(logits, token, request.logprobs))
+            request.output.entries.append(logprob_entry(logits, token, request.logprobs))
         request.chose(token, self.vocab.stop_ids)
         reason = finish(self.vocab, request, token)
         if self.metrics is not None:
@@ -505,32 +436,107 @@ class Scheduler:
             request.end(reason or "cancelled")
             self.slots[row].request = None
 
-    # ---- speculative decoding, beside the batch
+# ---- run: the plan's model calls (runner.ModelCalls), on the scheduler's thread
 
-    def start_speculation(self, request: Request) -> None:
-        """The request takes row 0 (its cache from slot 0) and the draft: a round of draft tokens checked by the
-        target each turn, the exact output of speculative decoding in fewer target steps."""
-        self.keep(0, 0)
-        self.slots[0].request, self.slots[0].tokens, request.status = request, [], Status.SPECULATING
-        self.speculation = speculative.generate_rounds(
-            self.model, torch.tensor([request.prompt], device=self.model.device), request.max_tokens, self.draft,
-            speculate_k=self.speculate_k, temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
-            steps=self.calls.runner.steps, vocab_limit=self.vocab_limit)
 
-    def speculate(self) -> None:
-        """The tokens of one round (the first: the prompt's prefill and its token), delivered one by one; row 0 and
-        the draft are free again when the request ends."""
-        request = self.slots[0].request
-        new = None if request.cancelled else next(self.speculation, None)
-        for token in new or []:
-            self.deliver(0, token)
-            if request.status is Status.FINISHED:
-                break
-        if new is None and request.status is not Status.FINISHED:  # (cancelled, or no more tokens)
-            request.end("cancelled" if request.cancelled else "length")
+def admit(scheduler: Scheduler, plan: Plan) -> None:
+    """The plan's requests off the line into their rows: what a row held goes to the prefix store first, and a
+    longer prefix from the store (or its disk) is copied in."""
+    for _ in range(plan.taken):
+        scheduler.waiting.get_nowait()
+    if plan.speculate is not None:
+        start_speculation(scheduler, plan.speculate)
+    for row, request, common in plan.admit:
+        slot = scheduler.slots[row]
+        prefixes.keep(scheduler, row, common)
+        stored = prefixes.restore(scheduler, row, request, common)
+        scheduler.admitted += 1
+        slot.request, slot.used = request, scheduler.admitted
+        slot.tokens = request.prompt[:stored] if stored > common else slot.tokens[:common]
+        prefixes.persist(scheduler, row)
+        if scheduler.metrics is not None and max(common, stored):
+            scheduler.metrics.prefix_hits.inc()
+            scheduler.metrics.reused_tokens.inc(max(common, stored))
+            scheduler.metrics.stored_tokens.inc(max(0, stored - common))
+        request.status = Status.PREFILLING
+
+
+def prefill(scheduler: Scheduler, group: list[tuple[int, int, int]]) -> None:
+    """Prompt chunks (row, start, end) into the rows' caches; chunks of several prompts go in one pass (the
+    weights are read once), a short chunk runs a compiled step alone."""
+    if not group:
+        return
+    if len(group) == 1 or any(end - start <= generate.PREFILL_CHUNK for _, start, end in group):
+        for row, start, end in group:
+            request = scheduler.slots[row].request
+            scheduler.postprocess_prefill(row, end, scheduler.calls.call(
+                "prefill", row=row, prompt=request.prompt[start:end], every=request.echo, start=start))
+        return
+    logits = scheduler.calls.call("prefill_rows", rows=[row for row, _, _ in group],
+                                  chunks=[scheduler.slots[r].request.prompt[s:e] for r, s, e in group],
+                                  starts=[s for _, s, _ in group])
+    for i, (row, _, end) in enumerate(group):
+        scheduler.postprocess_prefill(row, end, logits[i:i + 1])
+
+
+def decode(scheduler: Scheduler, busy: list[int]) -> None:
+    """One step of every decoding row: each feeds its last token at its own position. A request alone (admitted
+    to row 0, the first free one) decodes in a batch-1 step, at batch 1's speed; otherwise every row steps (two
+    compiled graphs in all, whatever the load); an idle, prefilling or speculating row writes to the scratch
+    slot, which nothing reads."""
+    width = 1 if busy == [0] else len(scheduler.slots)
+    rows = [scheduler.slots[r].request if r in busy else None for r in range(width)]
+    tokens = [scheduler.slots[r].last if r in busy else 0 for r in range(width)]
+    positions = [scheduler.slots[r].position if r in busy else scheduler.max_seq_len for r in range(width)]
+    with_logits = any(r is not None and r.logprobs is not None for r in rows)
+    out = scheduler.calls.call("decode", tokens=tokens, positions=positions, sampling=sampling(scheduler, rows),
+                               with_logits=with_logits)
+    out, logits = out if with_logits else (out, None)
+    scheduler.postprocess(busy, tokens, out[:, 0].tolist(), logits)
+
+
+def sampling(scheduler: Scheduler, rows: list[Request | None]) -> generate.Sampling:
+    """Each row's sampling, inputs of the compiled step; a bias [B, V] only when a row has one (a constrained,
+    biased or penalized row: else the plain step runs)."""
+    V = scheduler.model.config.vocab_size
+
+    def stacked(make, empty) -> torch.Tensor | None:  # [B, V], or None when no row has one
+        got = [make(r) if r is not None else None for r in rows]
+        if all(g is None for g in got):
+            return None
+        return torch.stack([g if g is not None else empty(V) for g in got]).to(scheduler.model.device)
+
+    generators = tuple(r.generator if r else scheduler.idle_generator for r in rows)
+    return generate.Sampling.of([r.sampler if r else None for r in rows], scheduler.vocab_limit, generators,
+                                stacked(lambda r: r.bias(V), torch.zeros), stacked(lambda r: r.penalty(V), torch.ones))
+
+
+def start_speculation(scheduler: Scheduler, request: Request) -> None:
+    """The request takes row 0 (its cache from slot 0) and the draft: a round of draft tokens checked by the
+    target each turn, the exact output of speculative decoding in fewer target steps."""
+    prefixes.keep(scheduler, 0, 0)
+    scheduler.slots[0].request, scheduler.slots[0].tokens, request.status = request, [], Status.SPECULATING
+    model = scheduler.model
+    scheduler.speculation = speculative.generate_rounds(
+        model, torch.tensor([request.prompt], device=model.device), request.max_tokens, scheduler.draft,
+        speculate_k=scheduler.speculate_k, sampler=request.sampler, steps=scheduler.calls.runner.steps,
+        vocab_limit=scheduler.vocab_limit)
+
+
+def speculate(scheduler: Scheduler) -> None:
+    """The tokens of one round (the first: the prompt's prefill and its token), delivered one by one; row 0 and
+    the draft are free again when the request ends."""
+    request = scheduler.slots[0].request
+    new = None if request.cancelled else next(scheduler.speculation, None)
+    for token in new or []:
+        scheduler.deliver(0, token)
         if request.status is Status.FINISHED:
-            self.speculation.close()
-            self.speculation, self.slots[0] = None, Row()
+            break
+    if new is None and request.status is not Status.FINISHED:  # (cancelled, or no more tokens)
+        request.end("cancelled" if request.cancelled else "length")
+    if request.status is Status.FINISHED:
+        scheduler.speculation.close()
+        scheduler.speculation, scheduler.slots[0] = None, Row()
 
 
 def token_bytes(model: dense.DenseDecoder) -> int:
@@ -548,33 +554,23 @@ def logprob_entry(logits: torch.Tensor, token: int, top: int) -> tuple:
     return token, float(logprobs[token]), alternatives
 
 
-def sample_one(logits: torch.Tensor, request: Request, vocab_limit: int | None, bias: torch.Tensor | None = None,
-               penalty: torch.Tensor | None = None) -> torch.Tensor:
-    """The first token of a request, from its prefill's logits [1, V] (its penalties and bias applied, as the decode
-    step applies them), with its own noise."""
-    logits = generate.shape_logits(logits, None if bias is None else bias.to(logits.device),
-                                   None if penalty is None else penalty.to(logits.device))
-    noise = torch.empty_like(logits).exponential_(1, generator=request.generator)
-    return dense.sample(logits, request.temperature, request.top_k, request.top_p, vocab_limit, noise,
-                        request.min_p, request.typical_p)
-
-
 def finish(vocab: Vocabulary, request: Request, token: int) -> str | None:
     """Take one generated token and send its text (what a stop string cannot still claim); returns the finish
     reason once the request is done ("stop": an end-of-text token, a stop string, or a complete grammar; "length")."""
-    if request.text is None:
-        request.text, request.held = TextStream(vocab), StopText(request.stop)
+    if request.output.text is None:
+        request.output.text, request.output.held = TextStream(vocab), StopText(request.output.stop)
+    out = request.output
     if token in vocab.stop_ids:
-        send_text(request, request.held.flush())
+        send_text(request, out.held.flush())
         return "stop"
     request.generated.append(token)
-    shown = request.held.push(request.text.push(token))
-    if request.held.stopped:  # a stop string ends the text before it
+    shown = out.held.push(out.text.push(token))
+    if out.held.stopped:  # a stop string ends the text before it
         send_text(request, shown)
         return "stop"
     complete = request.constraint is not None and request.constraint.done  # the grammar takes no more tokens
     if len(request.generated) >= request.max_tokens or complete:
-        send_text(request, shown + request.held.flush() + request.text.finish())
+        send_text(request, shown + out.held.flush() + out.text.finish())
         return "length" if len(request.generated) >= request.max_tokens else "stop"
     send_text(request, shown)
     return None

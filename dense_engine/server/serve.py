@@ -42,6 +42,7 @@ from dense_engine.cli.flags import add_model_flags, check_environment, load_mode
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
 from dense_engine.runtime import caches, generate, tp
+from dense_engine.runtime.sampling import SamplerSettings
 from dense_engine.server.app import make_app
 from dense_engine.server.metrics import Metrics
 from dense_engine.server.scheduler import PREFILL_BUDGET, Request, Scheduler
@@ -104,7 +105,7 @@ def warm_up(scheduler: Scheduler) -> None:
     long = [[token] * (generate.PREFILL_CHUNK + 1) for token in (1, 2, 3)]  # (different: no prefix to reuse)
     for prompts in (long[:1], long[1:1 + min(2, len(scheduler.rows))], [[4]]):
         for prompt in prompts:
-            scheduler.submit(Request(prompt, 2, 0.0, None, None, [], scheduler.idle_generator, lambda event: None))
+            scheduler.submit(Request(prompt, 2, SamplerSettings(), [], scheduler.idle_generator, lambda event: None))
         scheduler.turn()
         while any(scheduler.rows):  # (a speculating request holds row 0)
             scheduler.turn()

@@ -1,0 +1,106 @@
+"""sampling.py: SamplerSettings, what one request asks of the sampler. Each front end makes one (the server from a
+body, protocol.py; chat.py from its flags and /set, cli/flags.py and cli/repl.py; the Python API from its keywords,
+api.py) and hands it whole to generation: generate.Sampling.of turns it (one, or one per row of a server's batch)
+into the inputs of a step, and generate.sample / generate.next_token are the one rule every token is drawn by.
+Also here: the filters the APIs ask for beyond dense.py's temperature, top-k and top-p (min-p, typical), which
+dense.sample runs after top-p (last_filters; sample() and probabilities() take them all)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+import dense
+from dense_engine.runtime import dry
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """temperature 0 is greedy; a filter set to None is off (top_k, top_p, min_p, typical_p), and so is a
+    repetition_penalty of 1, a dry_multiplier of 0 and a penalty of 0. seed: the server's noise of a request (chat.py
+    seeds the process instead)."""
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    repetition_penalty: float = 1.0  # of the tokens among the last repeat_last_n (-1: all) of prompt and reply
+    repeat_last_n: int = 64
+    dry_multiplier: float = 0.0  # DRY (dry.py): what would repeat the context loses this times base ** excess
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = dry.BREAKERS
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # ... times how often it was generated
+    logit_bias: dict = field(default_factory=dict)  # token id -> added to its logit
+    seed: int | None = None
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a repetition penalty acts."""
+        return self.repetition_penalty != 1 and self.repeat_last_n != 0
+
+    @property
+    def plain(self) -> bool:
+        """Whether temperature, top-k and top-p are all it asks (what a speculative round serves)."""
+        return (not self.min_p and self.typical_p is None and not self.penalized and not self.dry_multiplier
+                and not self.logit_bias and not self.presence_penalty and not self.frequency_penalty)
+
+    def dry_for(self, vocab) -> dry.Dry | None:
+        """The DRY sampler with its breakers as the vocabulary's token ids; None when off (or no vocabulary)."""
+        if not self.dry_multiplier or not self.dry_penalty_last_n or vocab is None:
+            return None
+        return dry.Dry.for_vocab(vocab, self.dry_multiplier, self.dry_base, self.dry_allowed_length,
+                                 self.dry_penalty_last_n, self.dry_sequence_breakers)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The filters after top-p: numbers, or [B] tensors (a compiled step's inputs; min_p 0 and typical_p 1 are off)
+
+
+def sample(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, vocab_limit: int | None = None,
+           noise: torch.Tensor | None = None, min_p=None, typical_p=None) -> torch.Tensor:
+    """dense.sample with min-p and typical after its filters: logits [B, V] -> next ids [B, 1]."""
+    return dense.sample(logits, temperature, top_k, top_p, vocab_limit, noise, last_filters(min_p, typical_p))
+
+
+def probabilities(logits: torch.Tensor, temperature, top_k=None, top_p=None, vocab_limit: int | None = None,
+                  min_p=None, typical_p=None) -> torch.Tensor | None:
+    """dense.probabilities with min-p and typical after its filters (transformers' order)."""
+    return dense.probabilities(logits, temperature, top_k, top_p, vocab_limit, last_filters(min_p, typical_p))
+
+
+def last_filters(min_p, typical_p):
+    """The filters that run after top-p, as one function of the logits [..., V] (None: none is on)."""
+    with_min_p = torch.is_tensor(min_p) or (min_p is not None and min_p > 0)
+    with_typical = torch.is_tensor(typical_p) or (typical_p is not None and typical_p < 1.0)
+    if not with_min_p and not with_typical:
+        return None
+
+    def run(logits: torch.Tensor) -> torch.Tensor:
+        if with_min_p:  # drop p < min_p * the largest p
+            probs = logits.softmax(dim=-1)
+            floor = (min_p[:, None] if torch.is_tensor(min_p) else min_p) * probs.amax(dim=-1, keepdim=True)
+            logits = logits.masked_fill(probs < floor, -math.inf)
+        return typical(logits, typical_p) if with_typical else logits
+
+    return run
+
+
+def typical(logits: torch.Tensor, mass) -> torch.Tensor:
+    """Locally typical sampling: keep the tokens whose surprise -log p is closest to the entropy, the fewest whose
+    probabilities sum to `mass` (a number, or [B]: rows at 1 are left as they are)."""
+    logp = logits.log_softmax(dim=-1)
+    entropy = -torch.nan_to_num(logp * logp.exp()).sum(dim=-1, keepdim=True)  # (-inf * 0: a masked token adds 0)
+    distance, order = (-logp - entropy).abs().sort(dim=-1)
+    sorted_logits = logits.gather(-1, order)
+    limit = mass[:, None] if torch.is_tensor(mass) else mass
+    last = (sorted_logits.softmax(dim=-1).cumsum(dim=-1) < limit).sum(dim=-1, keepdim=True)
+    last = last.clamp(max=logits.shape[-1] - 1)  # the last token kept: the one whose mass reaches `mass`
+    drop = distance > distance.gather(-1, last)
+    drop[..., 0] = False  # (the most typical token always stays)
+    kept = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
+    return torch.where(limit < 1, kept, logits) if torch.is_tensor(mass) else kept
