@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -196,6 +197,37 @@ def test_padded_vocabulary_is_never_sampled(tmp_path):
     assert len(reply) == 120 and max(reply) < 256
     result = run_chat("--ckpt", ckpt, "--prompt", "abc", "--max-new-tokens", 60, "--temperature", 2.0, "--seed", 3)
     assert result.returncode == 0 and result.stdout  # and the program streams it
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (the dropped interrupt, printed)
+def test_ctrl_c_that_python_drops_in_a_finalizer_still_stops_the_reply():
+    """Python prints and drops a KeyboardInterrupt raised inside a finalizer: the reply's token loop still stops at the
+    next token, as it stops when the interrupt reaches it."""
+    from dense_engine.cli import repl
+    from dense_engine.formats.vocab import load_vocabulary
+
+    model, vocab = load.from_pretrained(os.path.join(FIXTURES, "llama")), load_vocabulary(LLAMA, None)
+    settings = session.Settings(SamplerSettings(), max_new_tokens=40)
+    talk = session.Session(model, vocab, settings, LoadRecord(compile=False))
+    whole, _ = talk.reply([1, 2, 3], lambda piece: None)
+    keys = repl.ctrl_c_as_key(talk)
+
+    class SignalsOnCollection:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # (the handler runs here, inside the finalizer: its KeyboardInterrupt is dropped)
+                pass
+
+    def write(piece):
+        if len(talk.reply_ids) == 5:
+            SignalsOnCollection()
+    try:
+        keys.line()
+        talk.cached = []
+        reply, stats = talk.reply([1, 2, 3], write)
+    finally:
+        keys.restore()
+    assert len(whole) == 40 and stats.interrupted and reply == whole[: len(reply)] and 5 <= len(reply) <= 7
 
 
 def random_chat_model(folder, layers=4, hidden=256, context=16384, seed=0):

@@ -85,11 +85,18 @@ def option(settings, name: str):
 
 
 def ctrl_c_as_key(session: Session):
-    """Under torchrun, which ends the whole job on the terminal's SIGINT: rank 0 reads Ctrl-C as a key
-    (terminal.CtrlCAsKey) and every rank stops the reply at the same token. Returns what to restore() at the end."""
+    """How Ctrl-C stops a reply at a token; returns what to line() before each prompt and restore() at the end. Under
+    torchrun, which ends the whole job on the terminal's SIGINT, rank 0 reads Ctrl-C as a key (terminal.CtrlCAsKey)
+    and every rank stops at the same token; in one process, the signal as Python raises it, remembered too
+    (terminal.CtrlCRemembered)."""
     rank, size = tp.world()
+    if size == 1:
+        keys = terminal.CtrlCRemembered()
+        session.stop = keys.pressed
+        keys.start()
+        return keys
     keys = terminal.CtrlCAsKey(sys.stdin.fileno()) if terminal.CtrlCAsKey.wanted(rank, size) else None
-    if size == 1 or not tp.broadcast(keys is not None):  # no terminal to watch: no broadcast after every token
+    if not tp.broadcast(keys is not None):  # no terminal to watch: no broadcast after every token
         return None
     session.stop = lambda: tp.agree(keys is not None and keys.pressed(), session.model.device)
     if keys is not None:

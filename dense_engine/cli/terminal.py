@@ -72,6 +72,31 @@ class LineReader:
                 os.unlink(tmp)
 
 
+class CtrlCRemembered:
+    """Ctrl-C in one process: KeyboardInterrupt, as Python's own handler raises it, and remembered until the next
+    prompt (line()); the reply's token loop looks after each token (pressed()). Python prints and drops an interrupt
+    that lands in a finalizer, and the reply would otherwise run on to its end."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def start(self) -> None:
+        signal.signal(signal.SIGINT, self.on_signal)
+
+    def on_signal(self, signum, frame) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def line(self) -> None:
+        self.seen = False
+
+    def pressed(self) -> bool:
+        return self.seen
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class CtrlCAsKey:
     """Ctrl-C for rank 0 under torchrun, which runs every rank in a session of its own and takes the terminal's
     SIGINT itself (it ends the whole job). While the session runs, rank 0 turns the terminal's signal keys off (ISIG),

@@ -105,7 +105,7 @@ class Session:
         self.prefilled = self.reused = 0  # prompt tokens prefilled by the replies / found in the cache, in all (/stats)
         self.compile_s: float | None = None
         self.last, self.reply_ids = ReplyStats(), []  # the last reply's stats and tokens
-        self.stop = None  # under torchrun: a function every rank calls after each token; True stops the reply
+        self.stop = None  # a function called after each token (every rank, under torchrun); True stops the reply
         self.constraint = None  # a function making each reply's grammar.Constraint (chat.py --json-schema)
 
     def warm_up(self) -> float:
