@@ -1159,3 +1159,47 @@ def test_hostile_requests_get_a_4xx_at_once_and_the_server_goes_on_as_before(ser
     assert chat(client, "the same question").choices[0].message.content == before
     assert rss(server.process.pid) - memory < 256 << 20
     assert server.get("/health")[0] == 200
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_lone_request_decodes_in_the_batch_1_step_on_whatever_row_it_holds(monkeypatch, compiled):
+    """A second request, alone, is admitted to row 1 (row 0 keeps the first one's prefix): every decode step it runs
+    is the batch-1 step on cache row 1, not the batch-4 step, and its greedy tokens are the plain path's. Two
+    requests at once step every row."""
+    import torch
+
+    from dense_engine.formats import load
+    from dense_engine.formats import vocab as vocab_module
+    from dense_engine.runtime import generate
+    from dense_engine.server import runner
+    from dense_engine.server.scheduler import Scheduler
+
+    model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
+    plain = load.from_pretrained(LLAMA)
+    steps = []
+    healthy = runner.ModelCalls.call
+
+    def counting(self, name, **args):
+        if name == "decode":
+            steps.append((len(args["tokens"]), args["rows"]))
+        return healthy(self, name, **args)
+
+    monkeypatch.setattr(runner.ModelCalls, "call", counting)
+    scheduler = Scheduler(model, vocab, 4, 128, compile=compiled)
+    prompts = [vocab.encode(vocab.render([{"role": "user", "content": text}]), special=False)
+               for text in ("hello there", "what is the sea?")]
+    answers = []
+    for prompt in prompts:
+        steps.clear()
+        answers.append(run_alone(scheduler, quiet_request(prompt, 8)))
+        expected = generate.generate(plain, torch.tensor([prompt]), 8, temperature=0.0)[0, len(prompt):].tolist()
+        assert answers[-1] == expected
+    assert steps and all(step == (1, [1]) for step in steps), steps  # the second request, in row 1
+    steps.clear()
+    both = [quiet_request(prompt, 8) for prompt in prompts]
+    for request in both:
+        scheduler.submit(request)
+    while any(r.finish_reason is None for r in both):
+        scheduler.safe_turn()
+    assert [r.generated for r in both] == answers
+    assert (4, None) in steps

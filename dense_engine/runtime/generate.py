@@ -139,20 +139,21 @@ class Sampling:
 # The step functions (traced whole by torch.compile; every Python number in them is a constant of the graph)
 
 
-def decode_step(model, token, input_pos, row_start, attend: int, kind: str, vocab_limit: int | None,
+def decode_step(model, token, input_pos, row_start, rows, attend: int, kind: str, vocab_limit: int | None,
                 temperature, top_k, top_p, min_p, typical_p, noise, bias=None, penalty=None):
-    """token [B, 1] at slot input_pos [1] (or [B, 1]: a slot per row) -> the next token [B, 1]. kind and vocab_limit
+    """token [B, 1] at slot input_pos [1] (or [B, 1]: a slot per row) of cache rows `rows` [B] (None: 0..B-1) -> the
+    next token [B, 1]. kind and vocab_limit
     shape the graph; the sampling values (Sampling.settings and noise, or None when greedy) are its inputs, and so are
     bias and penalty [B, V] when a row is constrained or penalized (a graph of its own: other batches run the step
     without them)."""
-    logits = model(token, input_pos, attend=attend, row_start=row_start)[:, -1]
+    logits = model(token, input_pos, attend=attend, row_start=row_start, rows=rows)[:, -1]
     return next_token(logits, kind, vocab_limit, temperature, top_k, top_p, min_p, typical_p, noise, bias, penalty)
 
 
-def decode_logits_step(model, token, input_pos, row_start, attend: int, kind: str, vocab_limit: int | None,
+def decode_logits_step(model, token, input_pos, row_start, rows, attend: int, kind: str, vocab_limit: int | None,
                        temperature, top_k, top_p, min_p, typical_p, noise, bias=None, penalty=None):
     """decode_step that also returns the float32 logits [B, V] of the model (before the bias: a server's logprobs)."""
-    logits = model(token, input_pos, attend=attend, row_start=row_start)[:, -1]
+    logits = model(token, input_pos, attend=attend, row_start=row_start, rows=rows)[:, -1]
     return next_token(logits, kind, vocab_limit, temperature, top_k, top_p, min_p, typical_p, noise, bias,
                       penalty), logits
 
@@ -276,9 +277,10 @@ class Runner:
         return model.logits(hidden[torch.arange(len(chunks), device=device), last])
 
     @torch.no_grad()
-    def decode(self, token: torch.Tensor, pos, row_start, sampling: Sampling, with_logits: bool = False):
-        """token [B, 1] at slot pos (an int, or a list: a slot per row) -> next token [B, 1] (with_logits: and the
-        float32 logits [B, V] it was sampled from)."""
+    def decode(self, token: torch.Tensor, pos, row_start, sampling: Sampling, with_logits: bool = False,
+               rows: torch.Tensor | None = None):
+        """token [B, 1] at slot pos (an int, or a list: a slot per row) of cache rows `rows` [B] (None: 0..B-1) -> next
+        token [B, 1] (with_logits: and the float32 logits [B, V] it was sampled from)."""
         model, B = self.model, token.shape[0]
         per_row = isinstance(pos, (list, tuple))  # (a server's rows: one small copy per step)
         input_pos = torch.tensor([[p] for p in pos], device=token.device) if per_row else self.slots(pos, pos + 1)
@@ -291,15 +293,15 @@ class Runner:
             V = model.config.vocab_size
             bias = sampling.bias if sampling.bias is not None else torch.zeros(B, V, device=token.device)
             penalty = sampling.penalty if sampling.penalty is not None else torch.ones(B, V, device=token.device)
-        args = (model, token, input_pos, row_start, attend, kind, sampling.vocab_limit, *values,
+        args = (model, token, input_pos, row_start, rows, attend, kind, sampling.vocab_limit, *values,
                 *((bias, penalty) if biased else ()))
         step_fn = decode_logits_step if with_logits else decode_step
         fn = None if self.steps is None else self.steps.get(
             "decode_logits" if with_logits else "decode", step_fn, args, batch=B, attend=attend, sampling=kind,
             vocab_limit=sampling.vocab_limit, ragged=row_start is not None, per_row=per_row,
-            **({"biased": True} if biased else {}))  # (the key of an unbiased step stays what it was)
+            **({"biased": True} if biased else {}), **({"rows": True} if rows is not None else {}))
         if fn is None:  # eager (also while the step compiles in the background): attend over the slots in use
-            return step_fn(model, token, input_pos, row_start, None, *args[5:])
+            return step_fn(model, token, input_pos, row_start, rows, None, *args[6:])
         out = fn(*args)  # (cloned: a CUDA graph reuses its output buffers)
         return tuple(t.clone() for t in out) if with_logits else out.clone()
 

@@ -48,10 +48,12 @@ class ModelCalls:
         """Several rows' chunks in one pass: each chunk's last logits [B, V]."""
         return self.runner.prefill_rows(chunks, starts, torch.tensor(rows, device=self.device))
 
-    def decode(self, tokens: list[int], positions: list[int], sampling: generate.Sampling, with_logits: bool):
-        """One step of rows 0..B-1, token b at positions[b]: the next tokens [B, 1] (and the logits [B, V])."""
+    def decode(self, tokens: list[int], positions: list[int], sampling: generate.Sampling, with_logits: bool,
+               rows: list[int] | None = None):
+        """One step of cache rows `rows` (None: 0..B-1), token b at positions[b]: the next tokens [B, 1] (and the
+        logits [B, V])."""
         return self.runner.decode(torch.tensor(tokens, device=self.device)[:, None], positions, None, sampling,
-                                  with_logits)
+                                  with_logits, None if rows is None else torch.tensor(rows, device=self.device))
 
     def keep(self, row: int, blocks: list[tuple[int, int]], size: int, drop: list[int]) -> None:
         """Forget the blocks `drop`, then copy row's slots start..start + size of each new block (id, start) into

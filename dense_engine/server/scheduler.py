@@ -413,12 +413,13 @@ class Scheduler:
         self.deliver(row, token, logits[0])
 
     def postprocess(self, busy: list[int], fed: list[int], out: list[int], logits: torch.Tensor | None) -> None:
-        """A decode step's tokens: each busy row's fed token is now in its cache, its new one delivered."""
-        for row in busy:
+        """A decode step's tokens, fed[i], out[i] and logits[i] of row busy[i]: each busy row's fed token is now in
+        its cache, its new one delivered."""
+        for i, row in enumerate(busy):
             slot = self.slots[row]
-            slot.tokens.append(fed[row])
-            slot.position, slot.last = slot.position + 1, out[row]
-            self.deliver(row, out[row], None if logits is None else logits[row])
+            slot.tokens.append(fed[i])
+            slot.position, slot.last = slot.position + 1, out[i]
+            self.deliver(row, out[i], None if logits is None else logits[i])
 
     def deliver(self, row: int, token: int, logits: torch.Tensor | None = None) -> None:
         """A row's new token (and the logits it was drawn from, when the request wants logprobs): its text to the
@@ -480,19 +481,21 @@ def prefill(scheduler: Scheduler, group: list[tuple[int, int, int]]) -> None:
 
 
 def decode(scheduler: Scheduler, busy: list[int]) -> None:
-    """One step of every decoding row: each feeds its last token at its own position. A request alone (admitted
-    to row 0, the first free one) decodes in a batch-1 step, at batch 1's speed; otherwise every row steps (two
-    compiled graphs in all, whatever the load); an idle, prefilling or speculating row writes to the scratch
-    slot, which nothing reads."""
-    width = 1 if busy == [0] else len(scheduler.slots)
-    rows = [scheduler.slots[r].request if r in busy else None for r in range(width)]
-    tokens = [scheduler.slots[r].last if r in busy else 0 for r in range(width)]
-    positions = [scheduler.slots[r].position if r in busy else scheduler.max_seq_len for r in range(width)]
+    """One step of every decoding row: each feeds its last token at its own position. A request alone decodes in a
+    batch-1 step on the row it holds, at batch 1's speed; otherwise every row steps (two compiled graphs in all,
+    whatever the load); an idle, prefilling or speculating row writes to the scratch slot, which nothing reads."""
+    lone = len(busy) == 1
+    stepped = busy if lone else list(range(len(scheduler.slots)))  # the cache rows of the step's rows
+    rows = [scheduler.slots[r].request if r in busy else None for r in stepped]
+    tokens = [scheduler.slots[r].last if r in busy else 0 for r in stepped]
+    positions = [scheduler.slots[r].position if r in busy else scheduler.max_seq_len for r in stepped]
     with_logits = any(r is not None and r.logprobs is not None for r in rows)
     out = scheduler.calls.call("decode", tokens=tokens, positions=positions, sampling=sampling(scheduler, rows),
-                               with_logits=with_logits)
+                               with_logits=with_logits, rows=busy if lone else None)
     out, logits = out if with_logits else (out, None)
-    scheduler.postprocess(busy, tokens, out[:, 0].tolist(), logits)
+    at = [stepped.index(r) for r in busy]
+    out = out[:, 0].tolist()
+    scheduler.postprocess(busy, [tokens[i] for i in at], [out[i] for i in at], None if logits is None else logits[at])
 
 
 def sampling(scheduler: Scheduler, rows: list[Request | None]) -> generate.Sampling:
