@@ -27,6 +27,7 @@ from dense_engine.cli.terminal import Notes
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
 from dense_engine.runtime import caches, generate, grammar, tp
+from dense_engine.runtime.sampling import describe
 from dense_engine.runtime.session import Session
 from dense_engine.runtime.steps import Steps
 from dense_engine.system.errors import UsageError, run_program
@@ -57,11 +58,14 @@ def parse_args(argv):
     mode.add_argument("--chat", dest="mode", action="store_const", const="chat", help="force chat mode")
     mode.add_argument("--complete", dest="mode", action="store_const", const="complete", help="force completion")
     p.add_argument("--max-new-tokens", type=positive_int, default=512)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-k", type=positive_int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None, help="drop tokens less likely than MIN_P times the likeliest")
-    p.add_argument("--typical-p", type=float, default=None, help="locally typical sampling's mass")
+    p.add_argument("--temperature", type=float, default=None, help="0: greedy. The sampling flags default to the "
+                   "checkpoint's recommendation (generation_config.json, a GGUF's general.sampling.*), else to "
+                   "llama.cpp's (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05); --verbose shows them")
+    p.add_argument("--top-k", type=int, default=None, help="0: off")
+    p.add_argument("--top-p", type=float, default=None, help="1: off")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens less likely than MIN_P times the likeliest "
+                   "(0: off)")
+    p.add_argument("--typical-p", type=float, default=None, help="locally typical sampling's mass (1: off)")
     p.add_argument("--repetition-penalty", "--repeat-penalty", type=float, default=None,
                    help="divide a positive logit (multiply a negative one) of the tokens among the last "
                         "--repeat-last-n by this (1: off)")
@@ -74,6 +78,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling noise: any integer in -2**63..2**64-1 "
                    "(default: a new one each run)")
     p.add_argument("--stats", action="store_true", help="one-shot: print speed to stderr")
+    p.add_argument("--verbose", action="store_true", help="say the sampling settings and where each came from")
     p.add_argument("--plain", action="store_true", help="chat: stream replies as plain text, not rendered Markdown")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="FILE", help="one-shot: the reply is JSON valid against this JSON "
@@ -220,7 +225,7 @@ def prompt_file(model, vocab: Vocabulary, record, args, mode: str, console) -> i
         longest = max(len(ids) for *_, ids in rows)
         max_new = min(args.max_new_tokens, model.max_seq_len - longest)
         outputs, finished = [[] for _ in rows], [None] * len(rows)
-        asked = sampler(args)
+        asked = sampler(args, vocab)[0]
         tokens = generate.generate_tokens(model, [ids for *_, ids in rows], max_new, sampler=asked,
                                           vocab_limit=vocab_limit, steps=steps, dry=asked.dry_for(vocab))
         for token in generate.ahead(tokens):
@@ -279,10 +284,10 @@ def run(argv, console) -> int:
         raise UsageError(f"{'--json-schema' if args.json_schema else '--json-object'} applies to one-shot --prompt "
                          "runs, without speculative decoding")
     schema = read_schema(args.json_schema) if args.json_schema else None
-    if (args.min_p or args.typical_p or args.repetition_penalty or args.dry_multiplier) and (
+    if (args.repetition_penalty not in (None, 1) or args.dry_multiplier) and (
             args.draft or args.draft_quant or args.lookup):
-        raise UsageError("--min-p, --typical-p, --repetition-penalty and --dry-multiplier are not served with "
-                         "speculative decoding (--draft, --draft-quant, --lookup)")
+        raise UsageError("--repetition-penalty and --dry-multiplier are not served with speculative decoding (--draft, "
+                         "--draft-quant, --lookup)")
     if args.prompt_cache and args.prompt is None:
         raise UsageError("--prompt-cache applies to one-shot --prompt runs (interactive: /save and /load keep the "
                          "conversation's cache)")
@@ -309,8 +314,8 @@ def run(argv, console) -> int:
     notes = Notes(console)
     draft = make_draft(args, model, console)
     with console.status("Loading the compiled steps..." if record.compile else "Warming up...") as status:
-        session = Session(model, vocab, settings(args), record, status=status.update, draft=draft,
-                          note=lambda message: notes(f"note: {message}"))
+        session = Session(model, vocab, settings(args, vocab, lambda message: notes(f"note: {message}")), record,
+                          status=status.update, draft=draft, note=lambda message: notes(f"note: {message}"))
         if args.prompt is None:
             session.compile_s = session.warm_up()
         elif session.steps is not None:
@@ -319,6 +324,8 @@ def run(argv, console) -> int:
             session.steps.eager.add("prefill")
     if args.prompt is None or args.stats:
         console.print(f"[dim]{why}[/dim]")
+    if args.verbose:
+        console.print(f"sampling: {describe(session.settings.sampler, session.settings.sources)}", markup=False)
     if args.json_schema or args.json_object:
         grammar_text, tokenizer = grammar.json_grammar(schema), grammar.tokenizer_for(vocab, model.config.vocab_size)
         session.constraint = lambda: grammar.Constraint(grammar_text, tokenizer, model.config.vocab_size)

@@ -24,7 +24,7 @@ from dense_engine.formats import load as loading
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.load import LoadRecord
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
-from dense_engine.runtime.sampling import SamplerSettings
+from dense_engine.runtime.sampling import Defaults
 from dense_engine.runtime.session import ReplyStats, Session, load_model
 from dense_engine.system.errors import UsageError
 
@@ -44,6 +44,11 @@ class LLM:
     @property
     def path(self) -> str:
         return self.load.path
+
+    @property
+    def defaults(self) -> Defaults:
+        """The sampling a call that does not say gets (its values and where each came from)."""
+        return Defaults.of_vocab(self.vocab)
 
     @property
     def weights(self) -> str:
@@ -66,28 +71,32 @@ class LLM:
             messages = [{"role": "system", "content": system}, *messages]
         return self.vocab.encode(self.vocab.render(messages), special=False)
 
-    def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,
-               top_p: float | None = None, chat: bool | None = None, system: str | None = None,
-               **sampling) -> Iterator[str]:
-        """The reply's text as it is generated (temperature 0: greedy, the same tokens every run). sampling: the
-        other fields of SamplerSettings (min_p, typical_p, repetition_penalty, repeat_last_n, dry_multiplier, ...),
-        each call's own."""
+    def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float | None = None,
+               top_k: int | None = None, top_p: float | None = None, chat: bool | None = None,
+               system: str | None = None, **sampling) -> Iterator[str]:
+        """The reply's text as it is generated (temperature 0: greedy, the same tokens every run). A sampling value
+        not given (None) is the checkpoint's recommendation (generation_config.json, a GGUF's general.sampling.*),
+        else llama.cpp's default (sampling.Defaults). sampling: the other fields of SamplerSettings (min_p,
+        typical_p, repetition_penalty, repeat_last_n, dry_multiplier, ...), each call's own."""
         ids = self.encode(prompt, chat, system)
         if not ids:
             raise UsageError("the prompt is empty")
         if len(ids) >= self.session.max_seq_len:
             raise UsageError(f"the prompt has {len(ids)} tokens; the cache holds {self.session.max_seq_len}")
         try:
-            sampler = SamplerSettings(temperature=temperature, top_k=top_k, top_p=top_p, **sampling)
+            sampler, sources = self.defaults.settings(temperature=temperature, top_k=top_k, top_p=top_p, **sampling)
+        except ValueError as e:
+            raise UsageError(f"sampling: {e}") from None
         except TypeError:
             raise UsageError(f"unknown sampling settings {sorted(sampling)}: expected fields of SamplerSettings "
                              "(min_p, typical_p, repetition_penalty, repeat_last_n, dry_multiplier, ...)") from None
-        self.session.settings = dataclasses.replace(self.session.settings, sampler=sampler,
+        self.session.settings = dataclasses.replace(self.session.settings, sampler=sampler, sources=sources,
                                                     max_new_tokens=max_new_tokens)
         return self.session.stream(ids)
 
-    def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, chat: bool | None = None, system: str | None = None, **sampling) -> str:
+    def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, chat: bool | None = None,
+                 system: str | None = None, **sampling) -> str:
         """The whole reply's text; its tokens are `llm.session.reply_ids`, its numbers `llm.stats`."""
         return "".join(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, chat, system, **sampling))
 

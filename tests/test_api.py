@@ -35,7 +35,7 @@ def llm():
 def test_generate_equals_the_plain_path(llm):
     ids = llm.encode("the cat sat on", chat=False)
     assert ids == llm.vocab.encode("the cat sat on", special=True)
-    text = llm.generate("the cat sat on", max_new_tokens=20, chat=False)
+    text = llm.generate("the cat sat on", max_new_tokens=20, chat=False, temperature=0)
     want = plain_tokens(LLAMA, ids, 20, llm.vocab.stop_ids)
     assert llm.session.reply_ids == want and text == llm.vocab.decode(want)
     assert llm.stats.tokens >= len(want) and llm.stats.prefilled == len(ids)
@@ -46,7 +46,8 @@ def test_the_other_samplers_reach_the_reply(llm):
     penalty; an unknown keyword is a one-line error."""
     ids = llm.encode("the cat sat on", chat=False)
     llm.session.cached = []  # (a fresh reply: the penalty's window is this call's tokens)
-    llm.generate("the cat sat on", max_new_tokens=16, chat=False, repetition_penalty=1.5, repeat_last_n=-1)
+    llm.generate("the cat sat on", max_new_tokens=16, chat=False, temperature=0, repetition_penalty=1.5,
+                 repeat_last_n=-1)
     model = load.from_pretrained(LLAMA)
     out = [int(t) for t in generate.generate_tokens(model, torch.tensor([ids]), 16,
                                                     sampler=SamplerSettings(repetition_penalty=1.5, repeat_last_n=-1))]
@@ -63,17 +64,17 @@ def test_stream_and_ids_and_messages_are_one_reply(llm):
     messages = [{"role": "user", "content": "hi there"}]
     ids = llm.vocab.encode(llm.vocab.render(messages), special=False)
     assert llm.encode(messages) == ids == llm.encode("hi there")  # (text goes through the template: it has one)
-    pieces = list(llm.stream(messages, max_new_tokens=16))
+    pieces = list(llm.stream(messages, max_new_tokens=16, temperature=0))
     want = plain_tokens(LLAMA, ids, 16, llm.vocab.stop_ids)
     assert llm.session.reply_ids == want and "".join(pieces) == llm.vocab.decode(want)
-    assert llm.generate(ids, max_new_tokens=16) == "".join(pieces)  # ids as they are
+    assert llm.generate(ids, max_new_tokens=16, temperature=0) == "".join(pieces)  # ids as they are
 
 
 def test_a_next_turn_prefills_only_its_new_tokens(llm):
     first = "the cat sat on the mat and"
-    llm.generate(first, max_new_tokens=6, chat=False)
+    llm.generate(first, max_new_tokens=6, chat=False, temperature=0)
     longer = llm.encode(first, chat=False) + llm.session.reply_ids + llm.encode(" then", chat=False)
-    text = llm.generate(longer, max_new_tokens=12)
+    text = llm.generate(longer, max_new_tokens=12, temperature=0)
     assert llm.stats.prefilled < len(longer)  # the cache kept the first prompt and its reply
     assert llm.session.reply_ids == plain_tokens(LLAMA, longer, 12, llm.vocab.stop_ids)
     assert text == llm.vocab.decode(llm.session.reply_ids)
@@ -81,11 +82,11 @@ def test_a_next_turn_prefills_only_its_new_tokens(llm):
 
 def test_a_stream_closed_early_leaves_the_cache_right(llm):
     ids = llm.encode("once upon a time", chat=False)
-    pieces = llm.stream(ids, max_new_tokens=30)
+    pieces = llm.stream(ids, max_new_tokens=30, temperature=0)
     next(pieces)
     pieces.close()  # the consumer stopped reading after one piece
     assert llm.session.cached == ids + llm.session.reply_ids[:len(llm.session.cached) - len(ids)]
-    again = llm.generate(ids + [5, 9], max_new_tokens=10)
+    again = llm.generate(ids + [5, 9], max_new_tokens=10, temperature=0)
     assert llm.session.reply_ids == plain_tokens(LLAMA, ids + [5, 9], 10, llm.vocab.stop_ids)
     assert again == llm.vocab.decode(llm.session.reply_ids)
 
@@ -128,8 +129,8 @@ def test_the_readme_example_runs_and_prints_the_plain_paths_text(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     llm = dense_engine.load(LLAMA, compile=False)
-    first = llm.generate("The capital of France is", max_new_tokens=16, chat=False)
-    second = llm.generate([{"role": "user", "content": "And of Italy?"}], max_new_tokens=16)
+    first = llm.generate("The capital of France is", max_new_tokens=16, chat=False, temperature=0)
+    second = llm.generate([{"role": "user", "content": "And of Italy?"}], max_new_tokens=16, temperature=0)
     lines = result.stdout.split("\n")
     assert lines[0] == llm.weights and result.stdout.startswith(f"{llm.weights}\n{first}\n{second}\n")
     assert re.fullmatch(r"\d+ tokens, .* prefilled \d+ tokens", lines[-2])

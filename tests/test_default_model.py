@@ -26,11 +26,13 @@ def workers(tmp_path):
 
 @pytest.mark.slow
 def test_default_model_answers_paris_and_is_cached(tmp_path, workers):
-    """As a new user runs it: the first answer comes eagerly while its steps compile in the background."""
-    args = ["--prompt", "What is the capital of France?", "--max-new-tokens", "20", "--temperature", "0"]
+    """As a new user runs it, default sampling (the default model's generation_config.json: greedy): the first answer
+    comes eagerly while its steps compile in the background."""
+    args = ["--prompt", "What is the capital of France?", "--max-new-tokens", "20", "--verbose"]
     first = run_chat(tmp_path, *args, env={"DENSE_BACKGROUND_COMPILE": "1"})
     assert first.returncode == 0, first.stderr
     assert "Paris" in first.stdout and "in the background" in first.stderr
+    assert "temperature 0.0 (generation_config.json (do_sample false))" in first.stderr
     folder = tmp_path / "dense-engine" / "smollm2-135m-instruct"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "generation_config.json"} <= set(os.listdir(folder))
@@ -84,3 +86,7 @@ def test_the_default_model_in_its_default_mode_is_its_file(tmp_path, monkeypatch
     open(config, "w").write(json.dumps(record))
     assert default_model.outdated(folder) and not default_model.default_complete(folder)
     assert default_model.default_checkpoint(console) == folder and not default_model.outdated(folder)
+    generation = os.path.join(folder, "generation_config.json")
+    open(generation, "w").write(json.dumps({"eos_token_id": [2, 0]}))  # (an earlier version's: no sampling)
+    assert default_model.outdated(folder) == "without its default sampling"
+    assert default_model.default_checkpoint(console) == folder and json.load(open(generation))["do_sample"] is False

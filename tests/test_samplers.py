@@ -135,6 +135,7 @@ def test_the_step_samples_from_that_distribution():
 
 class FakeVocab:
     size, chat_template, stop_ids = 1000, None, {2}
+    sampling, sampling_source = {}, "generation_config.json"
 
     def encode(self, text, special=False):
         return [min(ord(c), 999) for c in text]
@@ -203,8 +204,11 @@ def test_set_takes_the_new_sampler_settings():
     for line in ("min-p 0.1", "typical-p 0.9", "repetition-penalty 1.2", "repeat-last-n -1", "dry-multiplier 0.8",
                  "dry-base 2"):
         set_option(settings, line)
-    assert settings.sampler == SamplerSettings(temperature=0.7, min_p=0.1, typical_p=0.9, repetition_penalty=1.2,
+    assert settings.sampler == SamplerSettings(min_p=0.1, typical_p=0.9, repetition_penalty=1.2,
                                                repeat_last_n=-1, dry_multiplier=0.8, dry_base=2.0)
+    assert settings.sources["min_p"] == "/set" and "min_p 0.1 (/set)".replace("_", "-") in set_option(settings, "")
+    set_option(settings, "top-k 0")  # (a neutral value: off)
+    assert settings.sampler.top_k is None
     set_option(settings, "repetition-penalty none")
     set_option(settings, "dry-multiplier none")
     assert settings.sampler.repetition_penalty == 1.0 and settings.sampler.dry_multiplier == 0

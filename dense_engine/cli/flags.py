@@ -16,7 +16,7 @@ from dense_engine.formats import load
 from dense_engine.formats.checkpoint import torch_dtype
 from dense_engine.formats.vocab import Vocabulary
 from dense_engine.runtime import session, speculative, tp
-from dense_engine.runtime.sampling import SamplerSettings
+from dense_engine.runtime.sampling import Defaults, SamplerSettings
 from dense_engine.runtime.session import Settings
 from dense_engine.system import machine
 from dense_engine.system.errors import UsageError
@@ -158,15 +158,18 @@ def make_draft(args, model, console):
     return None
 
 
-def settings(args) -> Settings:
-    """The Session settings the flags give."""
-    return Settings(sampler(args), max_new_tokens=args.max_new_tokens, speculate_k=args.speculate_k)
+def settings(args, vocab, notes=None) -> Settings:
+    """The Session settings the flags give, over the checkpoint's sampling defaults."""
+    asked, sources = sampler(args, vocab, notes)
+    return Settings(asked, max_new_tokens=args.max_new_tokens, speculate_k=args.speculate_k, sources=sources)
 
 
-def sampler(args) -> SamplerSettings:
-    """What the flags ask of the sampler (--repetition-penalty and --dry-multiplier absent: off)."""
-    return SamplerSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                           typical_p=args.typical_p, repetition_penalty=args.repetition_penalty or 1.0,
-                           repeat_last_n=args.repeat_last_n, dry_multiplier=args.dry_multiplier or 0.0,
-                           dry_base=args.dry_base, dry_allowed_length=args.dry_allowed_length,
-                           dry_penalty_last_n=args.dry_penalty_last_n)
+def sampler(args, vocab, notes=None) -> tuple[SamplerSettings, dict]:
+    """What the flags ask of the sampler, over the checkpoint's defaults (sampling.Defaults: its recommendation, else
+    llama.cpp's), and where each value came from."""
+    defaults = Defaults.of_vocab(vocab, notes)
+    return defaults.settings("flag", temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                             min_p=args.min_p, typical_p=args.typical_p, repetition_penalty=args.repetition_penalty,
+                             repeat_last_n=args.repeat_last_n, dry_multiplier=args.dry_multiplier or 0.0,
+                             dry_base=args.dry_base, dry_allowed_length=args.dry_allowed_length,
+                             dry_penalty_last_n=args.dry_penalty_last_n)

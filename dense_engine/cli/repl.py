@@ -18,6 +18,7 @@ from dense_engine.cli import terminal
 from dense_engine.formats import convert
 from dense_engine.formats.vocab import Vocabulary
 from dense_engine.runtime import caches, tp
+from dense_engine.runtime.sampling import DECLARED, describe, normal
 from dense_engine.runtime.session import Session
 from dense_engine.system import machine
 from dense_engine.system.errors import UsageError
@@ -29,18 +30,18 @@ HELP = """/help          this text               /exit          quit (or Ctrl-D)
 /save FILE     the conversation as JSON (messages, system message, model, sampling settings), its cache beside
 /load FILE     continue a saved conversation (from its cache, when this model saved it: nothing prefilled again)
 /set NAME VAL  temperature, top-k, top-p, min-p, typical-p, repetition-penalty (none: off), repeat-last-n,
-               dry-multiplier, dry-base, dry-allowed-length, dry-penalty-last-n, max-new-tokens
+               dry-multiplier, dry-base, dry-allowed-length, dry-penalty-last-n, max-new-tokens; /set alone: them all
 /model         what is loaded          /stats         cache and speed of the last reply
 Up/down recall earlier messages. A pasted block is one message; end a line with \\ to type another."""
 
 # The sampling settings: (type, valid value, what is expected). parse_args checks the flags with them, /set the
 # values typed in a session, /save and /load keep them.
 SETTINGS = {"temperature": (float, lambda v: 0 <= v < float("inf"), "a number >= 0"),  # (NaN fails every comparison)
-            "top-k": (int, lambda v: v >= 1, "a whole number >= 1"),
-            "top-p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
-            "min-p": (float, lambda v: 0 <= v <= 1, "in [0, 1]"),
-            "typical-p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
-            "repetition-penalty": (float, lambda v: 0 < v <= 10, "in (0, 10]"),
+            "top-k": (int, lambda v: v >= 0, "a whole number >= 0 (0: off)"),
+            "top-p": (float, lambda v: 0 < v <= 1, "in (0, 1] (1: off)"),
+            "min-p": (float, lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
+            "typical-p": (float, lambda v: 0 < v <= 1, "in (0, 1] (1: off)"),
+            "repetition-penalty": (float, lambda v: 0 < v <= 10, "in (0, 10] (1: off)"),
             "repeat-last-n": (int, lambda v: v >= -1, "a whole number >= -1 (-1: the whole context)"),
             "dry-multiplier": (float, lambda v: 0 <= v <= 100, "in [0, 100] (0: off)"),
             "dry-base": (float, lambda v: 1 <= v <= 10, "in [1, 10]"),
@@ -55,7 +56,9 @@ EOF = "\x04"  # what interactive mode's reader gives for Ctrl-D (sent to the oth
 
 def set_option(settings, text: str) -> str:
     """/set NAME VALUE for the rest of the session: a name of SETTINGS (the filters and the penalty: none turns
-    them off)."""
+    them off). /set alone: the sampling settings and where each came from."""
+    if not text.strip():
+        return f"sampling: {describe(settings.sampler, settings.sources)}; max-new-tokens {settings.max_new_tokens}"
     name, _, value = text.partition(" ")
     name, value = name.strip().replace("_", "-"), value.strip()
     if name not in SETTINGS or not value:
@@ -71,8 +74,11 @@ def set_option(settings, text: str) -> str:
         if not SETTINGS[name][1](parsed):
             raise UsageError(f"{name} {value} is out of range")
     key = name.replace("-", "_")
+    if key in DECLARED:
+        parsed = normal(key, parsed) if parsed is not None else None  # (a neutral value: off)
     if hasattr(settings.sampler, key):  # (the sampler's record is frozen: a new one with the new value)
         settings.sampler = dataclasses.replace(settings.sampler, **{key: parsed})
+        settings.sources = {**settings.sources, key: "/set"}
     else:
         setattr(settings, key, parsed)
     return f"{name} = {parsed}"

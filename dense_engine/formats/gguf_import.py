@@ -520,6 +520,11 @@ def sentencepiece_tokenizer(reader, tokens: list[str], types: list[int], path: s
     return tokenizer
 
 
+# A GGUF file's recommended sampling (general.sampling.*, as llama.cpp reads them) by generation_config.json's names
+SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typ_p": "typical_p",
+                 "penalty_repeat": "repetition_penalty"}
+
+
 def side_files(path: str) -> dict[str, str]:
     """tokenizer.json, tokenizer_config.json and generation_config.json texts for a GGUF's native folder. Building
     them takes 0.6 s for a 128K vocabulary: they are kept in the cache folder, keyed by the file (path, size, time)
@@ -564,6 +569,8 @@ def build_side_files(path: str) -> dict[str, str]:
     if template:
         tokenizer_config["chat_template"] = template
     generation = {"bos_token_id": bos if bos >= 0 else None, "eos_token_id": stops}
+    generation.update({name: field(reader, f"general.sampling.{key}", path=path)  # (the sampling it recommends)
+                       for key, name in SAMPLING_KEYS.items() if f"general.sampling.{key}" in reader.fields})
     return {"tokenizer.json": build_tokenizer(reader, path).to_str(),
             "tokenizer_config.json": json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n",
             "generation_config.json": json.dumps(generation, indent=2) + "\n"}

@@ -27,6 +27,8 @@ class Vocabulary:
     eos_token: str | None = None
     stop_ids: set[int] = field(default_factory=set)
     merged_system: bool = False  # a system message was merged into a template without a system role (noted once)
+    sampling: dict = field(default_factory=dict)  # the sampling the checkpoint recommends (transformers' names)
+    sampling_source: str = "generation_config.json"  # (or a GGUF file's general.sampling.* keys)
 
     @property
     def size(self) -> int:
@@ -108,6 +110,8 @@ class Vocabulary:
         return self._compiled[1]
 
 
+# What generation_config.json may recommend to the sampler (runtime/sampling.py Defaults reads them)
+SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty")
 TEMPLATE_SECONDS = 5  # a template is code from the checkpoint: it may loop for hours inside the sandbox
 
 
@@ -147,6 +151,9 @@ def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
                        token_text(tok_config.get("eos_token")))
     if isinstance(vocab.chat_template, list):  # [{"name": "default", "template": ...}, ...]
         vocab.chat_template = next((t["template"] for t in vocab.chat_template if t.get("name") == "default"), None)
+    vocab.sampling = {k: gen_config[k] for k in SAMPLING_FIELDS if k in gen_config}
+    if ckpt.endswith(".gguf"):  # (its generation_config.json is made from the file's general.sampling.* keys)
+        vocab.sampling_source = "general.sampling.*"
     for source in (gen_config, model_config):
         ids = source.get("eos_token_id")
         vocab.stop_ids.update([ids] if isinstance(ids, int) else (ids or []))

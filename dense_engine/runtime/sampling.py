@@ -45,9 +45,10 @@ class SamplerSettings:
 
     @property
     def plain(self) -> bool:
-        """Whether temperature, top-k and top-p are all it asks (what a speculative round serves)."""
-        return (not self.min_p and self.typical_p is None and not self.penalized and not self.dry_multiplier
-                and not self.logit_bias and not self.presence_penalty and not self.frequency_penalty)
+        """Whether temperature and the filters (top-k, top-p, min-p, typical) are all it asks: what a speculative round
+        serves (the target's and the draft's distributions both filtered alike)."""
+        return (not self.penalized and not self.dry_multiplier and not self.logit_bias and not self.presence_penalty
+                and not self.frequency_penalty)
 
     def dry_for(self, vocab) -> dry.Dry | None:
         """The DRY sampler with its breakers as the vocabulary's token ids; None when off (or no vocabulary)."""
@@ -55,6 +56,91 @@ class SamplerSettings:
             return None
         return dry.Dry.for_vocab(vocab, self.dry_multiplier, self.dry_base, self.dry_allowed_length,
                                  self.dry_penalty_last_n, self.dry_sequence_breakers)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Defaults: what a request that does not say is sampled with. The checkpoint's own recommendation first
+# (generation_config.json, or a GGUF file's general.sampling.* keys), else llama.cpp's defaults (common/common.h):
+# temperature alone samples the long tail of a small model's vocabulary, and its answers are nonsense.
+
+LLAMA_CPP = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+DECLARED = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty")  # what a checkpoint may say
+LLAMA_CPP_SOURCE = "llama.cpp's default"
+
+
+def normal(name: str, value):
+    """A declared or given value as SamplerSettings holds it (a filter at its neutral value is off: top_k 0, top_p 1,
+    min_p 0, typical_p 1; repetition_penalty 1), or ValueError when it is not a valid one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name} {value!r} is not a number")
+    if name == "top_k":
+        if value < 0 or value != int(value):
+            raise ValueError(f"top_k {value!r} is not a whole number >= 0")
+        return int(value) or None
+    low, high = {"temperature": (0, 100), "top_p": (0, 1), "min_p": (0, 1), "typical_p": (0, 1),
+                 "repetition_penalty": (0, 10)}[name]
+    if not low <= value <= high or (value == 0 and name in ("top_p", "typical_p", "repetition_penalty")):
+        raise ValueError(f"{name} {value!r} is out of range")
+    neutral = {"top_p": 1, "min_p": 0, "typical_p": 1}
+    if name in neutral and value == neutral[name]:
+        return None
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """A model's sampling where nothing else says: values (SamplerSettings' fields) and sources (where each came
+    from: its file, or llama.cpp's default)."""
+    values: dict
+    sources: dict
+
+    @classmethod
+    def of(cls, declared: dict, source: str, notes=None) -> "Defaults":
+        """From a checkpoint's declared fields (transformers' names; do_sample false: greedy), the rest llama.cpp's.
+        A value that is not valid is left out, with a note."""
+        values, sources = dict(LLAMA_CPP), dict.fromkeys(LLAMA_CPP, LLAMA_CPP_SOURCE)
+        for name in DECLARED:
+            if declared.get(name) is None:
+                continue
+            try:
+                values[name], sources[name] = normal(name, declared[name]), source
+            except ValueError as e:
+                if notes is not None:
+                    notes(f"{source}: {e}; ignored")
+        if declared.get("do_sample") is False:  # (transformers: greedy, whatever the temperature says)
+            values["temperature"], sources["temperature"] = 0.0, f"{source} (do_sample false)"
+        return cls(values, sources)
+
+    @classmethod
+    def of_vocab(cls, vocab, notes=None) -> "Defaults":
+        """A checkpoint's defaults, from what its Vocabulary read (vocab.py: generation_config.json, or a GGUF's
+        general.sampling.*)."""
+        return cls.of(vocab.sampling, vocab.sampling_source, notes)
+
+    def settings(self, said: str = "given", **given) -> tuple[SamplerSettings, dict]:
+        """SamplerSettings of the given fields (None: not given; top_k, top_p, min_p, typical_p and repetition_penalty
+        at their neutral values are off) over these defaults, and each field's source (a given one's: `said`).
+        ValueError names a given value that is not valid."""
+        fields = {name: value for name, value in given.items() if name not in DECLARED and value is not None}
+        sources = {}
+        for name in DECLARED:
+            if given.get(name) is not None:
+                fields[name], sources[name] = normal(name, given[name]), said
+            elif name in self.values:
+                fields[name], sources[name] = self.values[name], self.sources[name]
+        if fields.get("repetition_penalty") is None:
+            fields.pop("repetition_penalty", None)
+        return SamplerSettings(**fields), sources
+
+
+def describe(sampler: SamplerSettings, sources: dict) -> str:
+    """The sampling a reply gets, each value with where it came from (/set, --verbose)."""
+    parts = []
+    for name in DECLARED:
+        value = getattr(sampler, name)
+        shown = "off" if value is None or (name == "repetition_penalty" and value == 1) else value
+        parts.append(f"{name.replace('_', '-')} {shown} ({sources.get(name, 'off by default')})")
+    return ", ".join(parts)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -76,9 +76,10 @@ def steps_for_program(model, batch: int, seq_len: int, record: LoadRecord, statu
 class Settings:
     """How a Session answers: what it asks of the sampler, the longest reply, and the draft tokens a speculative step
     checks. (The cache's length and compiled steps are the load's: LoadRecord.)"""
-    sampler: SamplerSettings = field(default_factory=lambda: SamplerSettings(temperature=0.7))
+    sampler: SamplerSettings = field(default_factory=SamplerSettings)
     max_new_tokens: int = 512
     speculate_k: int = 4
+    sources: dict = field(default_factory=dict)  # where each of the sampler's values came from (sampling.describe)
 
 
 def common_prefix(cached: list[int], prompt: list[int]) -> int:
@@ -135,7 +136,7 @@ class Session:
                                             vocab_limit=vocab_limit, steps=self.steps, constraint=constraint,
                                             dry=sampler.dry_for(self.vocab))
         if not sampler.plain:
-            raise UsageError("min-p, typical-p, repetition-penalty and DRY are not served with speculative decoding")
+            raise UsageError("repetition-penalty, DRY and the other penalties are not served with speculative decoding")
         return speculative.generate_tokens(self.model, ids, max_new, self.draft, speculate_k=self.settings.speculate_k,
                                            sampler=sampler, start_pos=start_pos, vocab_limit=vocab_limit,
                                            steps=self.steps, stats=stats,

@@ -29,7 +29,7 @@ import dense
 from dense_engine.cpu import quantized
 from dense_engine.runtime import caches
 from dense_engine.runtime.generate import Runner, Sampling, collect, prepare, sample
-from dense_engine.runtime.sampling import SamplerSettings
+from dense_engine.runtime.sampling import SamplerSettings, probabilities
 from dense_engine.runtime.steps import Steps, steps_for
 
 
@@ -90,8 +90,8 @@ class ModelDraft:
             return tokens, None
         tokens, dists = [], []
         for i in range(k):
-            q = dense.probabilities(logits[None], sampling.temperature, sampling.top_k, sampling.top_p,
-                                    sampling.vocab_limit)[0]
+            q = probabilities(logits[None], sampling.temperature, sampling.top_k, sampling.top_p,
+                              sampling.vocab_limit, sampling.min_p, sampling.typical_p)[0]
             tokens.append(int(torch.multinomial(q, 1)))
             dists.append(q)
             if i + 1 < k:
@@ -147,7 +147,8 @@ def accept(target_logits: torch.Tensor, draft_tokens: list[int], q: torch.Tensor
     target's own, accepted count). Every tensor made here is on the logits' device; the host reads two numbers (how
     many were accepted, and the token drawn), not one per draft."""
     k, device = len(draft_tokens), target_logits.device
-    p = dense.probabilities(target_logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.vocab_limit)
+    p = probabilities(target_logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.vocab_limit,
+                      sampling.min_p, sampling.typical_p)
     if p is None:  # greedy: keep drafts while they are the target's own tokens
         best = sample(target_logits, sampling)[:, 0].tolist()
         n = 0
@@ -174,7 +175,7 @@ def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, dra
                     vocab_limit: int | None = None, steps: Steps | None = None, stats: dict | None = None,
                     context: list[int] | None = None):
     """generate.generate_tokens with a draft: yield new tokens [1, 1] one by one, k at a time from the draft and
-    checked by the target (see the module's docstring). sampler: temperature, top-k and top-p (sampler.plain).
+    checked by the target (see the module's docstring). sampler: temperature and the filters (sampler.plain).
     stats gets proposed / accepted / target_steps; context: the tokens already in the target's cache at
     0..start_pos - 1 (a chat's conversation), which a draft model needs to follow it."""
     device = model.device
@@ -193,7 +194,7 @@ def generate_rounds(model: dense.DenseDecoder, prompts, max_new_tokens: int, dra
     prefill and its token), so a caller may run other work between two rounds (serve.py's other rows)."""
     runner, ids, _ = prepare(model, prompts, max_new_tokens, start_pos, compile, steps)
     if not sampler.plain:
-        raise ValueError("speculative decoding serves temperature, top-k and top-p only")
+        raise ValueError("speculative decoding serves temperature, top-k, top-p, min-p and typical-p only")
     sampling = Sampling.of(sampler, vocab_limit)
     if ids.shape[0] != 1:
         raise ValueError("speculative decoding runs at batch 1")

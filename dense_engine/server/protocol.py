@@ -13,7 +13,7 @@ import torch
 
 from dense_engine.formats.vocab import Vocabulary
 from dense_engine.runtime import dry, grammar, tools
-from dense_engine.runtime.sampling import SamplerSettings
+from dense_engine.runtime.sampling import Defaults, SamplerSettings
 from dense_engine.system.errors import UsageError
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -152,24 +152,26 @@ def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculat
     seed = number(body, "seed", int, None)
     seed = seed if seed is not None else int(torch.randint(2**62, ()))
     top_p = number(body, "top_p", float, None, low=0, high=1, low_open=True)
+    top_k = number(body, "top_k", int, None, low=0)
     shape = requested_grammar(body, calling)
     bias = logit_bias(body.get("logit_bias"), vocab.size)
     presence = number(body, "presence_penalty", float, 0.0, low=-2, high=2)
     frequency = number(body, "frequency_penalty", float, 0.0, low=-2, high=2)
-    min_p = number(body, "min_p", float, 0.0, low=0, high=1)
-    typical_p = number(body, "typical_p", float, 1.0, low=0, high=1, low_open=True)
+    min_p = number(body, "min_p", float, None, low=0, high=1)
+    typical_p = number(body, "typical_p", float, None, low=0, high=1, low_open=True)
     if body.get("repetition_penalty") is not None and body.get("repeat_penalty") is not None:
         raise BadRequest("'repetition_penalty' and 'repeat_penalty' are one setting: send one of them",
                          "repeat_penalty")
     name = "repeat_penalty" if body.get("repeat_penalty") is not None else "repetition_penalty"
-    repetition = number(body, name, float, 1.0, low=0, high=10, low_open=True)
+    repetition = number(body, name, float, None, low=0, high=10, low_open=True)
     repeat_last_n = number(body, "repeat_last_n", int, 64, low=-1)
     dry_fields = dry_settings(body)
-    sampler = SamplerSettings(temperature=number(body, "temperature", float, 1.0, low=0, high=2),
-                              top_k=number(body, "top_k", int, None, low=1), top_p=None if top_p == 1 else top_p,
-                              min_p=min_p or None, typical_p=None if typical_p == 1 else typical_p,
-                              repetition_penalty=repetition, repeat_last_n=repeat_last_n, **dry_fields,
-                              presence_penalty=presence, frequency_penalty=frequency, logit_bias=bias, seed=seed)
+    temperature = number(body, "temperature", float, None, low=0, high=2)
+    # what the request does not say: the checkpoint's recommendation, else llama.cpp's defaults (sampling.Defaults)
+    sampler, _ = Defaults.of_vocab(vocab).settings(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+        repetition_penalty=repetition, repeat_last_n=repeat_last_n, **dry_fields, presence_penalty=presence,
+        frequency_penalty=frequency, logit_bias=bias, seed=seed)
     return Settings(prompts=prompts, max_tokens=max_tokens, sampler=sampler, stop=stop, stream=stream,
                     include_usage=options.get("include_usage", False), logprobs=logprobs, echo=echo, grammar=shape,
                     calling=calling)

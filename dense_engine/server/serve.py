@@ -42,7 +42,7 @@ from dense_engine.cli.flags import add_model_flags, check_environment, load_mode
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
 from dense_engine.runtime import caches, generate, tp
-from dense_engine.runtime.sampling import SamplerSettings
+from dense_engine.runtime.sampling import Defaults, SamplerSettings, describe
 from dense_engine.server.app import make_app
 from dense_engine.server.metrics import Metrics
 from dense_engine.server.scheduler import PREFILL_BUDGET, Request, Scheduler
@@ -95,6 +95,8 @@ def load_for_serving(args, console, rank0: bool = True) -> tuple:
     model, record = load_model(ckpt, args, console)
     if rank0:
         print(f"weights: {record.weights}", file=sys.stderr, flush=True)
+        defaults = Defaults.of_vocab(vocab, lambda message: print(f"note: {message}", file=sys.stderr, flush=True))
+        print(f"a request's sampling by default: {describe(*defaults.settings())}", file=sys.stderr, flush=True)
     return ckpt, vocab, model, record
 
 
