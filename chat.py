@@ -319,8 +319,8 @@ def run(argv, console) -> int:
         if args.prompt is None:
             session.compile_s = session.warm_up()
         elif session.steps is not None:
-            # one-shot: its one prefill runs eagerly (loading a compiled step takes 1-2 s, most of it importing
-            # Inductor); the decode step loads after the first token
+            # one-shot: its one prefill runs eagerly (a first run then compiles one step in the background, not
+            # two); the decode step loads after the first token
             session.steps.eager.add("prefill")
     if args.prompt is None or args.stats:
         console.print(f"[dim]{why}[/dim]")

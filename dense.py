@@ -95,10 +95,10 @@ class DenseConfig:
         return "full" if self.window(layer) is None else "sliding"
 
     def rope_kind(self, layer: int) -> str | None:
-        """Which rotary tables a layer uses: "global", "local" (sliding layers with their own base), or None."""
+        """Which rotary tables a layer uses: "base", "local" (sliding layers with their own base), or None."""
         if self.nope_layers and layer in self.nope_layers:
             return None
-        return "local" if self.rope_local_theta is not None and self.window(layer) else "global"
+        return "local" if self.rope_local_theta is not None and self.window(layer) else "base"
 
     @property
     def rope_dim(self) -> int:
@@ -196,7 +196,7 @@ def rope_tables(config: DenseConfig, positions: torch.Tensor, seq_len: int | Non
 
 
 class Rotary(nn.Module):
-    """The rotary tables of one kind ("global", or Gemma 3's "local"), for every slot of the cache: [S + 1, R] float32
+    """The rotary tables of one kind ("base", or Gemma 3's "local"), for every slot of the cache: [S + 1, R] float32
     cos and sin; a step looks up its positions' rows."""
 
     def __init__(self, config: DenseConfig, slots: torch.Tensor, seq_len: int, local: bool) -> None:

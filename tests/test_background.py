@@ -78,15 +78,14 @@ def test_a_worker_killed_while_compiling_leaves_no_broken_step(tmp_path):
     for pid in workers.stdout.split():
         os.killpg(int(pid), signal.SIGKILL)
     compiled = tmp_path / "dense-engine" / "compiled"
-    for step in (p for p in compiled.iterdir() if p.suffix == ".bin"):  # a step's name holds a whole step or nothing
-        with open(step, "rb") as f:
-            torch.compiler.load_compiled_function(f)
+    for step in (p for p in compiled.iterdir() if p.suffix == ".pt2"):  # a step's name holds a whole step or nothing
+        torch._C._aoti.AOTIModelPackageLoader(str(step), "model", False, 1, -1)
     # the next run starts the compile again and answers the same
     second = subprocess.run(run, capture_output=True, text=True, env=env)
     assert second.returncode == 0 and second.stdout == first.stdout
     assert "in the background" in second.stderr
     end = time.monotonic() + 240  # (a one-shot run compiles its decode step; its prefill runs eagerly)
-    while time.monotonic() < end and len([p for p in compiled.iterdir() if p.suffix == ".bin"]) < 1:
+    while time.monotonic() < end and len([p for p in compiled.iterdir() if p.suffix == ".pt2"]) < 1:
         time.sleep(1)
     third = subprocess.run(run, capture_output=True, text=True, env=env)  # loads the step
     assert third.returncode == 0 and third.stdout == first.stdout and "background" not in third.stderr
@@ -104,7 +103,7 @@ def test_the_background_note_never_lands_inside_the_answer(tmp_path):
     piped = subprocess.run([sys.executable, *run], capture_output=True, text=True, env=env)  # (the answer alone)
     assert piped.returncode == 0 and piped.stdout
     subprocess.run(["pkill", "-f", f"background.py {tmp_path}"])
-    for p in (tmp_path / "dense-engine" / "compiled").glob("*.bin"):
+    for p in (tmp_path / "dense-engine" / "compiled").glob("*.pt2"):
         p.unlink()  # a fresh machine again: the next run compiles in the background too
     child = pexpect.spawn(sys.executable, run, env=env, encoding="utf-8", timeout=120, dimensions=(40, 200))
     child.expect(pexpect.EOF)

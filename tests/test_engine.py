@@ -144,7 +144,7 @@ def test_compiled_generate_same_tokens_across_a_bucket_boundary(tmp_path, monkey
     steps = Steps(model)
     got = torch.cat([ids, *generate.generate_tokens(model, ids, 40, steps=steps)], dim=1)
     assert torch.equal(got, want)
-    kinds = sorted(name.split("-")[0] for name in os.listdir(tmp_path / "dense-engine" / "compiled") if name.endswith(".bin"))
+    kinds = sorted(name.split("-")[0] for name in os.listdir(tmp_path / "dense-engine" / "compiled") if name.endswith(".pt2"))
     assert kinds == ["decode", "decode"]  # one graph per bucket (256, 300); a 240-token prompt prefills eagerly
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     for length in (3, 17, 250):  # other prompts reuse the decode graphs; a short one adds the compiled prefill

@@ -298,7 +298,7 @@ def test_fuzz_damaged_cache_files_end_in_the_answer_or_a_one_line_error(tmp_path
     run = [sys.executable, chat, "--ckpt", native, "--prompt", "hi", "--temperature", "0", "--max-new-tokens", "8"]
     want = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
     assert want.returncode == 0, want.stderr
-    targets = {"compiled step": lambda: sorted(cache.glob("compiled/*.bin"))[0],
+    targets = {"compiled step": lambda: sorted(cache.glob("compiled/*.pt2"))[0],
                "converted weights": lambda: os.path.join(native, "model.safetensors")}
     rng = random.Random(7)
     for kind in ("compiled step", "converted weights", "converted weights"):

@@ -54,7 +54,7 @@ def test_a_second_process_loads_the_saved_steps(tmp_path):
     assert (loaded, compiled) == (2, 0) and second == first
     assert first == greedy(random_model(), torch.tensor([[5, 17, 99, 3, 250, 7]]), 24)[0].tolist()
     # damaged artifacts: truncated, or random bytes -> compiled again, with a notice, same tokens
-    files = sorted(p for p in (tmp_path / "dense-engine" / "compiled").iterdir() if p.suffix == ".bin")
+    files = sorted(p for p in (tmp_path / "dense-engine" / "compiled").iterdir() if p.suffix == ".pt2")
     files[0].write_bytes(files[0].read_bytes()[:1000])
     files[1].write_bytes(os.urandom(5000))
     third, loaded, compiled, stderr = run(tmp_path)

@@ -97,7 +97,7 @@ def work(folder: str) -> int:
 
 
 def compile_job(job: dict, loaded: dict) -> None:
-    target = os.path.join(job["folder"], job["key"] + ".bin")
+    target = os.path.join(job["folder"], job["key"] + ".pt2")
     if machine.intact(target):
         return
     start = time.perf_counter()

@@ -1,13 +1,13 @@
 """steps.py: compiled steps, saved across processes. A step function (generate.py's decode, prefill and verify
 steps) is compiled once per machine and configuration, saved in the cache folder, and loaded by every later process.
 
-Each graph is compiled ahead of time (torch.compile(...).aot_compile) and saved under
-$XDG_CACHE_HOME/dense-engine/compiled/ (or ~/.cache/...), keyed by everything that shapes it (torch version, this
-engine's code, the model config, dtype, quantized layouts, device, cache size, batch, bucket and sampling settings).
-The next process loads it in well under a second instead of tracing and compiling again. Steps are compiled without
-Dynamo's guards: the key already pins what they would check, so no token pays for evaluating them and no load pays for
-rebuilding them. A damaged or foreign file is rebuilt, with a notice. Stands on dense.py, kernels.py and
-checkpoint.py (atomic writes).
+Each graph is exported (torch.export) and compiled ahead of time into an AOTInductor package (its kernels and their
+C++ wrapper in one shared library, without the weights), saved under $XDG_CACHE_HOME/dense-engine/compiled/ (or
+~/.cache/...), keyed by everything that shapes it (torch version, this engine's code, the model config, dtype,
+quantized layouts, device, cache size, batch, bucket and sampling settings). The next process opens it in
+milliseconds (no Dynamo or Inductor import, no guards: the key pins what they would check) and binds it to the model's
+own tensors. A damaged or foreign file is rebuilt, with a notice. Stands on dense.py, kernels.py and checkpoint.py
+(atomic writes).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Steps:
         self.compile_s = 0.0  # seconds spent compiling (not loading) in this process
         self.loaded = self.compiled = 0
         self.eager: set[str] = set()  # kinds run eagerly here (a one-shot answer's one prefill: not worth a load)
-        # Saved steps (aot_compile) on CPU. On CUDA, steps are compiled in the process (LazyStep): a step's worth
+        # Saved steps (packages) on CPU. On CUDA, steps are compiled in the process (LazyStep): a step's worth
         # there is its CUDA graph, which is recorded per process and cannot be saved; Inductor's own caches (FX graph,
         # Triton kernels and their tuning, in torch's cache folder) make a later process's compile short. Tensor
         # parallel steps too: their graphs hold collectives of this process group.
@@ -112,7 +112,7 @@ class Steps:
         compiled = self.functions.get(key)
         if compiled is not None or key in self.failed:
             return compiled
-        path = os.path.join(self.folder, key + ".bin")
+        path = os.path.join(self.folder, key + ".pt2")
         if self.background is not None and self.saved and self.in_background(key, path, kind, fn, args, shape):
             return None
         if key not in self.functions:
@@ -144,12 +144,10 @@ class Steps:
         digest differs (damaged) is removed, with a note, so that it is compiled again."""
         if not os.path.exists(path) or not os.path.exists(path + ".sha256"):  # none, or still being saved
             return None
-        trust_the_cpu_flags()
         try:
             if not machine.intact(path):
                 raise ValueError("damaged: its digest is not the one written when it was saved")
-            with open(path, "rb") as f:
-                loaded = torch.compiler.load_compiled_function(f)
+            loaded = PackagedStep(path, self.model)
             self.loaded += 1
             return loaded
         except Exception as e:  # a damaged file, another torch or python: compile it again
@@ -158,38 +156,26 @@ class Steps:
             return None
 
     def load_or_compile(self, key: str, kind: str, fn: Callable, args: tuple, dynamic: dict | None) -> Callable | None:
-        trust_the_cpu_flags()
         if not self.saved:
+            trust_the_cpu_flags()
             return LazyStep(self, kind, fn)
-        path = os.path.join(self.folder, key + ".bin")
+        path = os.path.join(self.folder, key + ".pt2")
         return self.load(path) or self.compile_now(path, kind, fn, args, dynamic)
 
     def compile_now(self, path: str, kind: str, fn: Callable, args: tuple,
                     dynamic: dict | None = None) -> Callable | None:
-        """Compile the step and save it (sealed: its digest written last); None if it cannot be compiled here (the
-        step then runs eagerly, with one note). dynamic: {"dims": [[argument, dim], ...], "range": [low, high]}, one
-        length those dimensions share, which the graph takes at any value in the range (its code must not depend on
-        the value there: Dynamo refuses to compile code that would; the caller keeps to the range, unguarded)."""
-        if dynamic:
-            args = list(args)
-            for i, dim in dynamic["dims"]:
-                args[i] = args[i].clone()  # (marked for the compile: the caller's tensor stays as it was)
-                torch._dynamo.mark_dynamic(args[i], dim, min=dynamic["range"][0], max=dynamic["range"][1])
-            args = tuple(args)
+        """Compile the step into a package and save it (sealed: its digest written last); None if it cannot be
+        compiled here (the step then runs eagerly, with one note). dynamic: {"dims": [[argument, dim], ...], "range":
+        [low, high]}, one length those dimensions share, which the graph takes at any value in the range (its code must
+        not depend on the value there: export refuses code that would; the caller keeps to the range)."""
         if self.status:
             self.status(f"Compiling the {kind} step for {self.model.max_seq_len}-slot cache (once per machine; about "
                         f"{estimate(self.folder, kind):.0f} s)...")
         start = time.perf_counter()
-        # No guards: the key pins what they would check (every tensor's shape and dtype, the code, the versions), and
-        # rebuilding thousands of them is most of the time it takes to load a step. No size or alignment asserts
-        # either, for the same reason: one Python-to-C++ call each per tensor per token (0.3-0.6 ms of a 20 ms float32
-        # SmolLM2 token). (Inductor's C++ wrapper decoded int8 SmolLM2 1.09x faster but compiled 3x slower, 77
-        # against 25 s: a first run would wait a minute more.)
-        options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False,
-                   "alignment_asserts": False}
         try:
-            compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options).aot_compile((args, {}))
-        except Exception as e:  # a failing C++ compiler (Inductor builds with it too): eager, said once
+            os.makedirs(self.folder, exist_ok=True)
+            atomic_write(path, lambda tmp: package(fn, args, dynamic, tmp))
+        except Exception as e:  # a failing C++ compiler (Inductor builds with it), a full disk: eager, said once
             if not _state.get("compile_failed"):
                 note(f"compiling the {kind} step failed ({first_line(e)}); running eagerly (slower)")
                 _state["compile_failed"] = True
@@ -197,20 +183,73 @@ class Steps:
         took = time.perf_counter() - start
         self.compile_s += took
         self.compiled += 1
-        try:
-            os.makedirs(self.folder, exist_ok=True)
-            compiled.save_compiled_function(path)  # written to a temporary file and renamed: concurrent runs are safe
-            machine.seal(path)  # the completion marker, last
-            record_seconds(self.folder, kind, took)
-        except Exception as e:  # a full disk or a read-only cache: the step still works in this process
-            if machine.unwritable_cache() is None:  # (an unwritable cache folder was already said, once)
-                note(f"could not save the compiled step to {path} ({first_line(e)})")
-            return compiled
-        try:  # run the step as saved, as later processes load it: the object compile returns decodes ~12% slower
-            with open(path, "rb") as f:  # (measured: 38-39 against 43-44 tok/s, float32 SmolLM2)
-                return torch.compiler.load_compiled_function(f)
-        except Exception:
-            return compiled
+        machine.seal(path)  # the completion marker, last
+        record_seconds(self.folder, kind, took)
+        return PackagedStep(path, self.model)
+
+
+class Exported(torch.nn.Module):
+    """A step function with its other arguments fixed (the key pins them), as torch.export takes it: forward(tensors)
+    with the step's tensor arguments in order; the model's parameters and buffers are the package's constants."""
+
+    def __init__(self, fn: Callable, args: tuple) -> None:
+        super().__init__()
+        self.model = next(a for a in args if isinstance(a, dense.DenseDecoder))
+        self.fn, self.args = fn, args
+
+    def forward(self, tensors: list[torch.Tensor]):
+        given = iter(tensors)
+        return self.fn(*(next(given) if torch.is_tensor(a) else a for a in self.args))
+
+
+def package(fn: Callable, args: tuple, dynamic: dict | None, path: str) -> None:
+    """Export the step and compile it ahead of time into an AOTInductor package at `path`: its kernels and their
+    C++ wrapper in one shared library, without the weights (PackagedStep binds the model's own tensors). No guards, no
+    Python between its kernels; a later process opens it in milliseconds, without importing Dynamo or Inductor."""
+    tensors = [a for a in args if torch.is_tensor(a)]
+    shapes = None
+    if dynamic:
+        at = {i: n for n, i in enumerate(i for i, a in enumerate(args) if torch.is_tensor(a))}  # argument -> input
+        # (DYNAMIC, not a named Dim: the export's solver cannot prove some of the kernels' shape facts over the range,
+        # min(16, 32 * length) == 16 among them, and a named Dim refuses them)
+        length = torch.export.Dim.DYNAMIC(min=dynamic["range"][0], max=dynamic["range"][1])
+        shapes = [{} for _ in tensors]
+        for i, dim in dynamic["dims"]:
+            shapes[at[i]][dim] = length
+        shapes = ([s or None for s in shapes],)
+    trust_the_cpu_flags()
+    with torch.no_grad():
+        exported = torch.export.export(Exported(fn, args), (tensors,), dynamic_shapes=shapes, strict=False)
+        # (the constants stay out of the package: PackagedStep binds the model's tensors, whatever their size)
+        torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs={
+            "aot_inductor.package_constants_in_so": False, "aot_inductor.package_constants_on_disk_format": None})
+
+
+class PackagedStep:
+    """A saved step: its package opened (torch._C._aoti's loader: the shared library, no Python imports), bound to
+    the model's parameters and buffers in place (user-managed: the package holds no copy, and the cache's in-place
+    writes land in the model's cache). Bound again when a cache was replaced (caches.setup_cache)."""
+
+    def __init__(self, path: str, model: dense.DenseDecoder) -> None:
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
+        self.model, self.names = model, self.loader.get_constant_fqns()
+        self.holders = [m for m in model.modules() if hasattr(m, "kv_cache")]
+        self.bound: list = []
+        self.bind()
+
+    def bind(self) -> None:
+        tensors = {f"model.{name}": t for name, t in (*self.model.named_parameters(), *self.model.named_buffers())}
+        missing = [name for name in self.names if name not in tensors]
+        if missing:
+            raise ValueError(f"the package's constant {missing[0]} is not among the model's tensors")
+        self.loader.load_constants({name: tensors[name] for name in self.names}, False, True, True)
+        self.bound = [h.kv_cache for h in self.holders]  # (and the tensors stay referenced by the model)
+
+    def __call__(self, *args):
+        if any(h.kv_cache is not c for h, c in zip(self.holders, self.bound)):
+            self.bind()
+        out = self.loader.run([a for a in args if torch.is_tensor(a)])
+        return out[0] if len(out) == 1 else tuple(out)
 
 
 def discard(path: str) -> None:
