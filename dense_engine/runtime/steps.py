@@ -238,7 +238,8 @@ class PackagedStep:
         self.bind()
 
     def bind(self) -> None:
-        tensors = {f"model.{name}": t for name, t in (*self.model.named_parameters(), *self.model.named_buffers())}
+        tensors = {f"model.{name}": t for name, t in (*self.model.named_parameters(remove_duplicate=False),
+                                                        *self.model.named_buffers(remove_duplicate=False))}
         missing = [name for name in self.names if name not in tensors]
         if missing:
             raise ValueError(f"the package's constant {missing[0]} is not among the model's tensors")
