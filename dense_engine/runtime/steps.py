@@ -220,9 +220,11 @@ def package(fn: Callable, args: tuple, dynamic: dict | None, path: str) -> None:
     trust_the_cpu_flags()
     with torch.no_grad():
         exported = torch.export.export(Exported(fn, args), (tensors,), dynamic_shapes=shapes, strict=False)
-        # (the constants stay out of the package: PackagedStep binds the model's tensors, whatever their size)
+        # The constants stay out of the package: PackagedStep binds the model's tensors, whatever their size. The
+        # wrapper (calls of kernels) is compiled at -O0: a third less compile time, and no slower (BENCHMARKS.md).
         torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs={
-            "aot_inductor.package_constants_in_so": False, "aot_inductor.package_constants_on_disk_format": None})
+            "aot_inductor.package_constants_in_so": False, "aot_inductor.package_constants_on_disk_format": None,
+            "aot_inductor.compile_wrapper_opt_level": "O0"})
 
 
 class PackagedStep:
