@@ -14,8 +14,8 @@ Cases (the default model; each fresh case gets an empty cache folder of its own,
   warm              everything cached (compiled steps too)
   warm --no-compile the eager path, everything else cached
   llama.cpp         (--llama-python) llama-cpp-python in a fresh process: import, load the same GGUF (--ckpt, or
-                    --llama-gguf), the chat template, the same number of greedy tokens, as many
-                    threads as torch uses here (min_tokens keeps its answer as long as ours)
+                    --llama-gguf), the chat template, up to as many greedy tokens, as many threads as torch
+                    uses here
 A fresh case's background compile workers are stopped when it exits, so they never slow the next case.
 """
 
@@ -52,7 +52,7 @@ from llama_cpp import Llama
 path, prompt, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 llm = Llama(path, n_ctx=2048, n_threads=threads, verbose=False)
 for chunk in llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=n, temperature=0,
-                                        stream=True, min_tokens=n):
+                                        stream=True):
     sys.stdout.write(chunk["choices"][0]["delta"].get("content", ""))
     sys.stdout.flush()
 """

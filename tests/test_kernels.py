@@ -170,6 +170,7 @@ def test_int8_linear_takes_the_kernel_at_every_length_of_a_dynamic_prefill():
     q = quantized.int8_quantize(torch.randn(96, 192))
     packed = kernels.pack_int8(q["weight"], q["scales"])
     weight = q["weight"].double() * q["scales"].double()[:, None]
+    kernels.register_shapes()  # (as steps.before_tracing does before a compile)
     step = torch.compile(lambda x: kernels.linear_int8(x, packed["kernel_weight"], packed["kernel_scales"]),
                          fullgraph=True)
     for M in (20, 32, 7):
@@ -224,6 +225,7 @@ def test_compiled_graph_calls_the_same_kernels(mode):
         layer.finish_loading()
     x = torch.randn(4, 128)
     eager = layer(x)
+    kernels.register_shapes()  # (as steps.before_tracing does before a compile)
     compiled = torch.compile(lambda t: layer(t), fullgraph=True)(x)
     assert torch.allclose(eager, compiled, rtol=1e-6, atol=1e-6)
     weight = linear.weight if mode == "none" else layer.dequantize(torch.float32)

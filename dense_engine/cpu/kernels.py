@@ -130,7 +130,6 @@ def available() -> bool:
             note(f"building the CPU kernels ({source}, once per machine, about 15 s)...")
             build(os.path.join(HERE, source), target, extra)
         torch.ops.load_library(target)
-        register_shapes()
         _state["ok"], _state["source"], _state["key"] = True, source, key
     except Exception as e:  # a failing compiler, an incompatible torch: PyTorch's kernels serve
         note(f"CPU kernels unavailable ({first_line(e)}); using PyTorch's")
@@ -206,7 +205,13 @@ def place_weights(model) -> None:
 
 
 def register_shapes() -> None:
-    """Output shapes for tracing (torch.compile runs these on fake tensors)."""
+    """Output shapes for tracing (torch.export and torch.compile run these on fake tensors). Registered before the
+    first trace, not at load: registering imports PyTorch's symbolic shapes (0.4-0.5 s), which a start that only
+    runs saved steps never needs."""
+    if not available() or _state.get("shapes"):
+        return
+    _state["shapes"] = True
+
     def out(x, n):
         return x.new_empty(*x.shape[:-1], n)
 

@@ -40,11 +40,13 @@ SOURCES = (os.path.join(os.path.dirname(PACKAGE), "dense.py"),
                                                                 "steps.py")))
 
 
-def trust_the_cpu_flags() -> None:
-    """Inductor checks each vector instruction set by compiling and loading a probe in 6 child processes, 1.1 s at
-    every process start (measured); when kernels.cpp built with -march=native, the compiler handles the CPU's
-    instruction sets, and its flags (/proc/cpuinfo) say which: Inductor is told to trust them."""
+def before_tracing() -> None:
+    """What a trace (export, compile) needs first: the kernels' output shapes (kernels.register_shapes), and Inductor
+    told to trust the CPU flags. It checks each vector instruction set by compiling and loading a probe in 6 child
+    processes, 1.1 s at every process start (measured); when kernels.cpp built with -march=native, the compiler
+    handles the CPU's instruction sets, and its flags (/proc/cpuinfo) say which."""
     if kernels.available():
+        kernels.register_shapes()
         torch._inductor.config.cpp.vec_isa_ok = True
 
 
@@ -157,7 +159,7 @@ class Steps:
 
     def load_or_compile(self, key: str, kind: str, fn: Callable, args: tuple, dynamic: dict | None) -> Callable | None:
         if not self.saved:
-            trust_the_cpu_flags()
+            before_tracing()
             return LazyStep(self, kind, fn)
         path = os.path.join(self.folder, key + ".pt2")
         return self.load(path) or self.compile_now(path, kind, fn, args, dynamic)
@@ -217,7 +219,7 @@ def package(fn: Callable, args: tuple, dynamic: dict | None, path: str) -> None:
         for i, dim in dynamic["dims"]:
             shapes[at[i]][dim] = length
         shapes = ([s or None for s in shapes],)
-    trust_the_cpu_flags()
+    before_tracing()
     with torch.no_grad():
         exported = torch.export.export(Exported(fn, args), (tensors,), dynamic_shapes=shapes, strict=False)
         # The constants stay out of the package: PackagedStep binds the model's tensors, whatever their size. The
