@@ -139,7 +139,9 @@ def load_prompt_cache(session: Session, path: str, notes: Notes) -> None:
         notes(f"note: --prompt-cache {path} not used: {caches.first_words(e)}; it is written again")
 
 
-def one_shot(session: Session, vocab: Vocabulary, args, mode: str, notes: Notes) -> int:
+def one_shot(session: Session, vocab: Vocabulary, args, mode: str, notes: Notes, load_s: float) -> int:
+    """The answer to --prompt on stdout; with --stats, its line (and the load's seconds: reading the checkpoint and
+    the vocabulary, the session) on stderr."""
     ids = prompt_ids(vocab, prompt_text(args, mode), mode, args.system)
     if not ids:
         raise UsageError("the prompt is empty")
@@ -160,7 +162,7 @@ def one_shot(session: Session, vocab: Vocabulary, args, mode: str, notes: Notes)
     if args.prompt_cache and tp.world()[0] == 0:
         session.save_cache(args.prompt_cache, len(ids))  # (the prompt's tokens: the next run's shared prefix)
     if args.stats and tp.world()[0] == 0:
-        print(stats.line(), file=sys.stderr)
+        print(f"{stats.line()}, loaded in {load_s:.2f} s", file=sys.stderr)
     return 0
 
 
@@ -269,6 +271,7 @@ def prompt_file(model, vocab: Vocabulary, record, args, mode: str, console) -> i
 
 
 def run(argv, console) -> int:
+    started = time.perf_counter()
     args = parse_args(argv)
     if tp.world()[1] > 1:  # under torchrun: join the group; every rank samples with rank 0's seed
         tp.setup(torch.device(args.device).type)
@@ -330,7 +333,7 @@ def run(argv, console) -> int:
         grammar_text, tokenizer = grammar.json_grammar(schema), grammar.tokenizer_for(vocab, model.config.vocab_size)
         session.constraint = lambda: grammar.Constraint(grammar_text, tokenizer, model.config.vocab_size)
     if args.prompt is not None:
-        return one_shot(session, vocab, args, mode, notes)
+        return one_shot(session, vocab, args, mode, notes, time.perf_counter() - started)
     return interactive(session, vocab, args, mode, console, ckpt, why, notes)
 
 

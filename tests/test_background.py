@@ -3,6 +3,7 @@ then switches to it; the compiled step gives eager decoding's tokens, and so doe
 process; a worker killed mid-compile leaves no file a later run would take for complete."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -124,9 +125,10 @@ def test_a_kv_dtype_run_compiles_in_the_background_and_the_next_run_decodes_with
     jobs = tmp_path / "dense-engine" / "compiled" / "jobs"
     for kv_dtype in ("int8", "bfloat16"):
         run = [sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", LLAMA, "--prompt", "hi", "--temperature", "0",
-               "--max-new-tokens", "8", "--quant", "none", "--kv-dtype", kv_dtype]
+               "--max-new-tokens", "8", "--quant", "none", "--kv-dtype", kv_dtype, "--stats"]
         first = subprocess.run(run, capture_output=True, text=True, env=env)
         assert first.returncode == 0 and "compiling the decode step in the background" in first.stderr, first.stderr
+        assert re.search(r"tok/s \(eager\), first token .*, loaded in [0-9.]+ s", first.stderr), first.stderr
         end = time.monotonic() + 300
         while time.monotonic() < end and (list(jobs.glob("*.json")) or subprocess.run(
                 ["pgrep", "-f", "background.py " + str(tmp_path)], capture_output=True).returncode == 0):
@@ -136,3 +138,4 @@ def test_a_kv_dtype_run_compiles_in_the_background_and_the_next_run_decodes_with
         second = subprocess.run(run, capture_output=True, text=True, env=env)
         assert second.returncode == 0 and second.stdout == first.stdout
         assert "background" not in second.stderr, second.stderr  # the saved step loaded: nothing left to compile
+        assert "tok/s (compiled step), first token" in second.stderr, second.stderr  # (its stats line says so)

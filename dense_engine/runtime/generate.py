@@ -300,6 +300,8 @@ class Runner:
             "decode_logits" if with_logits else "decode", step_fn, args, batch=B, attend=attend, sampling=kind,
             vocab_limit=sampling.vocab_limit, ragged=row_start is not None, per_row=per_row,
             **({"biased": True} if biased else {}), **({"rows": True} if rows is not None else {}))
+        if self.steps is not None:
+            self.steps.decoded["eager" if fn is None else "compiled"] += 1
         if fn is None:  # eager (also while the step compiles in the background): attend over the slots in use
             return step_fn(model, token, input_pos, row_start, rows, None, *args[6:])
         out = fn(*args)  # (cloned: a CUDA graph reuses its output buffers)

@@ -37,11 +37,13 @@ class ReplyStats:
     compile_s: float | None = None
     interrupted: bool = False
     speculation: dict | None = None  # proposed, accepted, target_steps
+    eager_steps: int = 0  # decode steps run eagerly (no compiled step, or while it compiles in the background)
+    compiled_steps: int = 0
 
     def line(self) -> str:
         decode_s = self.total_s - self.ttft_s
         rate = f"{(self.tokens - 1) / decode_s:.1f} tok/s" if self.tokens > 1 and decode_s > 0 else "- tok/s"
-        text = (f"{self.tokens} tokens, {rate}, first token {self.ttft_s * 1000:.0f} ms, "
+        text = (f"{self.tokens} tokens, {rate}{self.steps()}, first token {self.ttft_s * 1000:.0f} ms, "
                 f"prefilled {self.prefilled} tokens")
         spec = self.speculation
         if spec and spec.get("target_steps"):
@@ -51,6 +53,15 @@ class ReplyStats:
         if self.compile_s:
             text += f", steps compiled in {self.compile_s:.1f} s"
         return text + (" (interrupted)" if self.interrupted else "")
+
+    def steps(self) -> str:
+        """Which decode steps made the tokens after the first."""
+        eager, compiled = self.eager_steps, self.compiled_steps
+        if not eager and not compiled:
+            return ""
+        if not eager or not compiled:
+            return " (compiled step)" if compiled else " (eager)"
+        return f" (eager for {eager} tokens, then the compiled step)"
 
 
 def load_model(record: LoadRecord, checkpoint=None) -> dense.DenseDecoder:
@@ -156,6 +167,7 @@ class Session:
         self.reused += common
         self.compile_s, self.last, self.reply_ids = None, stats, []
         text, generated, yielded = TextStream(self.vocab), self.reply_ids, 0
+        decoded = dict(self.steps.decoded) if self.steps is not None else None
         start = time.perf_counter()
         try:
             tokens = self.generate(prompt_ids[common:], self.room(len(prompt_ids)), common, prompt_ids[:common],
@@ -176,6 +188,11 @@ class Session:
             stats.interrupted = True
         finally:  # (also when the consumer stops early: the cache's bookkeeping stays right)
             stats.total_s, stats.tokens = time.perf_counter() - start, yielded
+            if decoded is None:
+                stats.eager_steps = max(yielded - 1, 0) if stats.speculation is None else 0
+            else:
+                stats.eager_steps = self.steps.decoded["eager"] - decoded["eager"]
+                stats.compiled_steps = self.steps.decoded["compiled"] - decoded["compiled"]
             # every yielded token but the last was fed back, so the cache now holds these positions
             self.cached = (prompt_ids + generated)[: len(prompt_ids) + max(yielded - 1, 0)]
         if rest := text.finish():
