@@ -58,13 +58,19 @@ def test_a_step_compiled_in_the_background_gives_eager_tokens_here_and_in_a_late
     start = time.monotonic()
     assert greedy(generate.Runner(model, steps), ids, 24) == want
     assert time.monotonic() - start < 10 and steps.pending and "in the background" in notes[0]
-    args = (model, torch.tensor([[1]]), torch.tensor([20]), None, 128, "greedy", None, None, None, None, None)
+    args = (model, torch.tensor([[1]]), torch.tensor([20]), None, None, 128, "greedy", None, None, None, None, None, None,
+            None)
     wait_for(steps, "decode", args, batch=1, attend=128, sampling="greedy", vocab_limit=None, ragged=False,
              per_row=False)
     assert steps.loaded == 1 and not steps.pending
     assert greedy(generate.Runner(model, steps), ids, 24) == want  # switched: the compiled step, the same tokens
     later = Steps(model, folder=str(tmp_path / "compiled"))  # a later process: loads the file
     assert greedy(generate.Runner(model, later), ids, 24) == want and later.loaded == 1 and later.compiled == 0
+
+
+def saved_steps(folder) -> list:
+    """The saved steps in a compiled/ folder (not the ".tmp-" file of a package a killed worker was writing)."""
+    return [p for p in folder.iterdir() if p.suffix == ".pt2" and not p.name.startswith(".")]
 
 
 @pytest.mark.slow
@@ -79,14 +85,14 @@ def test_a_worker_killed_while_compiling_leaves_no_broken_step(tmp_path):
     for pid in workers.stdout.split():
         os.killpg(int(pid), signal.SIGKILL)
     compiled = tmp_path / "dense-engine" / "compiled"
-    for step in (p for p in compiled.iterdir() if p.suffix == ".pt2"):  # a step's name holds a whole step or nothing
+    for step in saved_steps(compiled):  # a step's name holds a whole step or nothing
         torch._C._aoti.AOTIModelPackageLoader(str(step), "model", False, 1, -1)
     # the next run starts the compile again and answers the same
     second = subprocess.run(run, capture_output=True, text=True, env=env)
     assert second.returncode == 0 and second.stdout == first.stdout
     assert "in the background" in second.stderr
     end = time.monotonic() + 240  # (a one-shot run compiles its decode step; its prefill runs eagerly)
-    while time.monotonic() < end and len([p for p in compiled.iterdir() if p.suffix == ".pt2"]) < 1:
+    while time.monotonic() < end and len(saved_steps(compiled)) < 1:
         time.sleep(1)
     third = subprocess.run(run, capture_output=True, text=True, env=env)  # loads the step
     assert third.returncode == 0 and third.stdout == first.stdout and "background" not in third.stderr
@@ -104,7 +110,7 @@ def test_the_background_note_never_lands_inside_the_answer(tmp_path):
     piped = subprocess.run([sys.executable, *run], capture_output=True, text=True, env=env)  # (the answer alone)
     assert piped.returncode == 0 and piped.stdout
     subprocess.run(["pkill", "-f", f"background.py {tmp_path}"])
-    for p in (tmp_path / "dense-engine" / "compiled").glob("*.pt2"):
+    for p in saved_steps(tmp_path / "dense-engine" / "compiled"):
         p.unlink()  # a fresh machine again: the next run compiles in the background too
     child = pexpect.spawn(sys.executable, run, env=env, encoding="utf-8", timeout=120, dimensions=(40, 200))
     child.expect(pexpect.EOF)
