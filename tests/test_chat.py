@@ -102,7 +102,7 @@ def test_prompt_cache_starts_a_one_shot_run_from_the_saved_prompt(tmp_path):
     (["--ckpt", LLAMA, "--temperature", "-0.5"], "--temperature must be a number >= 0"),
     (["--ckpt", LLAMA, "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--ckpt", LLAMA, "--top-p", "1.01"], "--top-p must be in (0, 1]"),
-    (["--ckpt", LLAMA, "--top-k", "0"], "--top-k: must be at least 1"),
+    (["--ckpt", LLAMA, "--top-k", "-1"], "--top-k must be a whole number >= 0 (0: off), got -1"),
     (["--ckpt", LLAMA, "--max-new-tokens", "0"], "--max-new-tokens: must be at least 1"),
     (["--ckpt", LLAMA, "--max-new-tokens", "many"], "--max-new-tokens: invalid positive_int value"),
     (["--ckpt", LLAMA, "--prompt", "word " * 300], "the prompt has"),

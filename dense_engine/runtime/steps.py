@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import types
+import warnings
 from typing import Callable
 
 import torch
@@ -221,7 +222,8 @@ def package(fn: Callable, args: tuple, dynamic: dict | None, path: str) -> None:
             shapes[at[i]][dim] = length
         shapes = ([s or None for s in shapes],)
     before_tracing()
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (PyTorch's own deprecations inside export, not the user's)
         exported = torch.export.export(Exported(fn, args), (tensors,), dynamic_shapes=shapes, strict=False)
         # The constants stay out of the package: PackagedStep binds the model's tensors, whatever their size. The
         # wrapper (calls of kernels) is compiled at -O0: a third less compile time, and no slower (BENCHMARKS.md).
