@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dense_engine.system.errors import first_line
-from dense_engine.system.machine import cache_dir, compiler, intact, note, seal, unwritable_cache
+from dense_engine.system.machine import cache_dir, compiler, intact, note, seal, temporary_folder, unwritable_cache
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # kernels.cpp for CPUs with AVX-512 (VNNI, BF16); kernels_avx2.cpp, the same operators in 8-lane registers, for those
@@ -119,7 +119,7 @@ def available() -> bool:
     code = b"".join(pathlib.Path(p).read_bytes() for p in paths)
     extra = isa_flags(forced)
     key = hashlib.sha256(code + torch.__version__.encode() + " ".join(sorted(flags) + extra).encode()).hexdigest()[:16]
-    folder = cache_dir() if unwritable_cache() is None else tempfile.mkdtemp(prefix="dense-kernels-")
+    folder = cache_dir() if unwritable_cache() is None else temporary_folder("dense-kernels-")
     target = os.path.join(folder, "kernels", key, "libdense_kernels.so")
     if not intact(target) and compiler() is None:  # nothing built to load (cli/flags.check_environment says so once)
         return False

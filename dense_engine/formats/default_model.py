@@ -38,10 +38,7 @@ def default_checkpoint(console) -> str:
     if default_complete(target):
         return target
     if machine.unwritable_cache() is not None:
-        work = tempfile.mkdtemp(prefix="dense-default-")
-        import atexit
-
-        atexit.register(shutil.rmtree, work, ignore_errors=True)
+        work = machine.temporary_folder("dense-default-")
         convert_default(os.path.join(work, DEFAULT_NAME), console, work)
         return os.path.join(work, DEFAULT_NAME)
     with console.status("Waiting for another process that is converting the default model..."), \

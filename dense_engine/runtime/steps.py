@@ -84,7 +84,8 @@ class Steps:
         self.model, self.status, self.background = model, status, background
         self.pending: set[str] = set()  # keys being compiled by a background process
         self.failed: set[str] = set()  # keys that could not be compiled here: eager
-        self.folder = folder or os.path.join(machine.cache_dir(), "compiled")
+        self.folder = folder or (os.path.join(machine.cache_dir(), "compiled") if machine.unwritable_cache() is None
+                                 else machine.temporary_folder("dense-steps-"))  # (packages are files: this run's)
         self.functions: dict[str, Callable] = {}
         self.base = None  # the part of the key shared by every step of this model and cache
         self.compile_s = 0.0  # seconds spent compiling (not loading) in this process

@@ -35,6 +35,16 @@ def unwritable_cache() -> str | None:
     return _state["unwritable"]
 
 
+def temporary_folder(prefix: str) -> str:
+    """A folder for this run's files where the cache folder cannot be written, removed when the program exits."""
+    import atexit
+    import shutil
+
+    folder = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def compiler() -> str | None:
     """The C++ compiler the kernels and compiled steps are built with ($CXX, else c++, g++ or clang++), or None."""
     import shutil
