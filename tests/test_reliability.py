@@ -230,13 +230,14 @@ def test_sigterm_and_sighup_mid_reply_restore_the_terminal(cache):
     (["--speculate-k", "0", "--lookup"], "--speculate-k: must be at least 1"),
     (["--speculate-k", "100000", "--lookup"], "--speculate-k must be at most 64"),
     (["--batch-size", "0"], "--batch-size: must be at least 1"),
-    (["--top-k", "0"], "--top-k: must be at least 1"),
+    (["--top-k", "0"], None),  # off
+    (["--top-k", "-1"], "--top-k must be a whole number >= 0"),
     (["--top-k", "1000000"], None),  # more than the vocabulary: every token
     (["--seed", "-1"], None),
     (["--seed", str(2 ** 70)], "--seed must be in"),
     (["--temperature", "nan"], "--temperature must be a number >= 0"),
     (["--temperature", "inf"], "--temperature must be a number >= 0"),
-    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-p", "0"], "--top-p must be in (0, 1] (1: off)"),
     (["--lookup-ngram", "0", "--lookup"], "--lookup-ngram: must be at least 1"),
     (["--bench", "--runs", "0"], "--runs: must be at least 1"),
     (["--bench", "--gen-len", "0"], "--gen-len: must be at least 1"),
