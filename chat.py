@@ -23,6 +23,7 @@ from dense_engine.cli import benchmark
 from dense_engine.cli.flags import (add_model_flags, check_environment, load_model, make_draft, parse_flags,
                                     positive_int, prompt_ids, prompt_mode, prompt_text, sampler, settings)
 from dense_engine.cli.repl import SETTINGS, ctrl_c_as_key, interactive
+from dense_engine.cli import terminal
 from dense_engine.cli.terminal import Notes
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
@@ -150,12 +151,21 @@ def one_shot(session: Session, vocab: Vocabulary, args, mode: str, notes: Notes,
     if args.prompt_cache:
         load_prompt_cache(session, args.prompt_cache, notes)
     keys = ctrl_c_as_key(session)
+    last = [""]  # the answer's last character: is its line still open?
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        last[0] = text[-1:] or last[0]
+
     try:
-        with notes.held():  # (printed after the reply's line)
-            _, stats = session.reply(ids, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-            if sys.stdout.isatty():
-                sys.stdout.write("\n")
-                sys.stdout.flush()
+        with notes.held() as waiting:  # (printed after the reply's line)
+            _, stats = session.reply(ids, write)
+            # a terminal gets the answer's line closed; a pipe gets the answer as it is, unless a note or the stats
+            # line follows into the same file (2>&1), where it would be glued to the answer's last word
+            follows = bool(waiting) or (args.stats and tp.world()[0] == 0)
+            if last[0] != "\n" and (sys.stdout.isatty() or follows and terminal.same_file(sys.stdout, sys.stderr)):
+                write("\n")
     finally:
         if keys is not None:
             keys.restore()

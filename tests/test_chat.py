@@ -51,6 +51,13 @@ def test_one_shot_completion_equals_generate():
     result = run_chat("--ckpt", ckpt, "--prompt", "the cat sat", "--max-new-tokens", 24, "--temperature", 0)
     assert result.returncode == 0, result.stderr
     assert result.stdout == want and result.stderr == ""
+    # stdout and stderr into one pipe (2>&1): the stats line follows the answer on a line of its own
+    merged = subprocess.run([sys.executable, CHAT, "--ckpt", ckpt, "--prompt", "the cat sat", "--max-new-tokens", "24",
+                             "--temperature", "0", "--stats"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    head, stats = merged.stdout.rstrip("\n").rsplit("\n", 1)
+    assert merged.returncode == 0 and head.endswith(want), merged.stdout
+    assert re.fullmatch(r"24 tokens, .*, loaded in [\d.]+ s", stats), merged.stdout
 
 
 @pytest.mark.slow

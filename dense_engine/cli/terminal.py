@@ -200,6 +200,15 @@ class ReplyView:
         self.console.print(f"[dim]{stats_line}[/dim]", soft_wrap=True)
 
 
+def same_file(a, b) -> bool:
+    """Do two open files write to one place (a terminal, a pipe, a file: `2>&1`)?"""
+    try:
+        one, other = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (OSError, ValueError, AttributeError):  # (a test's StringIO has no descriptor)
+        return False
+    return (one.st_dev, one.st_ino) == (other.st_dev, other.st_ino)
+
+
 class Notes:
     """The programs' one-line notes (dim, on the console). While a reply streams (inside `held()`), a note waits and
     is printed after the reply's last line: on a terminal a note printed mid-reply lands inside the answer's words
@@ -219,7 +228,7 @@ class Notes:
         """A context: the notes of a reply, printed when it ends (after the caller's last write of the reply)."""
         self.waiting = []
         try:
-            yield
+            yield self.waiting
         finally:
             waiting, self.waiting = self.waiting, None
             for message in waiting:
