@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -315,8 +316,12 @@ def run(argv, console) -> int:
         raise UsageError(f"--ckpt {ckpt}: no such file or folder")
     if args.bench:
         return benchmark.main(args, console, ckpt)
-    vocab = load_vocabulary(ckpt, args.tokenizer)
-    model, record = load_model(ckpt, args, console)
+    with ThreadPoolExecutor(1) as pool:  # the tokenizer is parsed while the weights are read (their reads wait on I/O)
+        vocab_read = pool.submit(load_vocabulary, ckpt, args.tokenizer)
+        try:
+            model, record = load_model(ckpt, args, console)
+        finally:  # (a vocabulary that cannot be read is said first, as if read first)
+            vocab = vocab_read.result()
     why = f"weights: {record.weights}"
     if args.max_seq_len and args.max_seq_len > model.config.max_position_embeddings:
         raise UsageError(f"--max-seq-len {args.max_seq_len} exceeds the model's context of "
