@@ -1,9 +1,11 @@
-"""dense.py: one config-driven dense decoder-only transformer, with a static KV cache for fast decoding.
+"""dense.py: one config-driven dense decoder-only transformer, with a static memory for fast decoding: a KV cache, and
+for the layers that keep one, a fixed-size state.
 
 Read it top to bottom: config -> norms -> rotary -> attention and its cache (and the one place where a step's masks
-and rotary rows are decided) -> MLP -> layer -> model -> sampling; the rope scalings are an appendix. A prefill writes
-the prompt's keys and values into the cache, then each decode step feeds one token at a fixed shape over a fixed
-number of cache slots (`attend`): torch.compile makes it one graph, replayed for every token (runtime/generate.py).
+and rotary rows are decided) -> the layers whose memory is a state -> MLP -> layer -> model; the rope scalings are an
+appendix. A prefill writes the prompt's keys and values into the cache, then each decode step feeds one token at a
+fixed shape over a fixed number of cache slots (`attend`): torch.compile makes it one graph, replayed for every token
+(runtime/generate.py; the sampler is runtime/sampling.py).
 
 Shapes: B batch, T tokens in this call, S cache length, A slots attended, H query heads, K key/value heads,
 D head_dim, C hidden size, R rotary channels, V vocabulary. This file imports only torch: the package dense_engine
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DenseConfig", "DenseDecoder", "sample"]
+__all__ = ["DenseConfig", "DenseDecoder"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -53,7 +55,13 @@ class DenseConfig:
     qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2, StableLM)
     qk_norm: str = "none"  # "per_channel": per head, a gain per (head, channel) (ShellElastic, StableLM) |
     #                        "shared": per head, one [D] gain (OpenELM, Qwen3, Gemma 3) | "whole": all heads (OLMo 2)
-    attn_output_gate: bool = False  # attention output *= sigmoid(x W_gate^T), x the attention input (ShellElastic)
+    attn_output_gate: bool = False  # attention output *= sigmoid(x W_gate^T), x the attention input (ShellElastic,
+    #                                 Qwen3.5)
+    # layers whose memory is a fixed-size state: layer_types "linear_attention" (Qwen3.5's Gated DeltaNet) | "conv"
+    # (LFM2's short conv)
+    linear_heads: tuple[int, int] = (16, 32)  # a Gated DeltaNet layer's (key, value) heads
+    linear_head_dims: tuple[int, int] = (128, 128)  # its (key, value) channels per head
+    conv_kernel: int = 4  # the causal depthwise conv's width (Qwen3.5's linear_conv_kernel_dim, LFM2's conv_L_cache)
     # the block
     norm: str = "rmsnorm"  # "layernorm" (with bias: GPT-NeoX, StableLM)
     norm_eps: float = 1e-5
@@ -90,6 +98,11 @@ class DenseConfig:
         """The sliding window of a layer's attention, or None (it sees every earlier token)."""
         sliding = self.layer_types is None or self.layer_types[layer] == "sliding_attention"
         return self.sliding_window if sliding else None
+
+    def mixer(self, layer: int) -> str:
+        """What mixes a layer's tokens: "attention", "delta" (Gated DeltaNet) or "conv" (LFM2's short conv)."""
+        kind = self.layer_types[layer] if self.layer_types else None
+        return {"linear_attention": "delta", "conv": "conv"}.get(kind, "attention")
 
     def attention_kind(self, layer: int) -> str:
         return "full" if self.window(layer) is None else "sliding"
@@ -389,7 +402,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(C, sum(self.parts.values()), bias=config.bias or config.qkv_bias)
         self.o_proj = nn.Linear(q_width, C, bias=config.bias)
         self.q_norm, self.k_norm = qk_norm(config, self.n_heads), qk_norm(config, self.n_kv_heads)
-        self.kv_cache: NoCache = NoCache()
+        self.memory: NoCache = NoCache()
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         B, T, _ = x.shape
@@ -401,7 +414,7 @@ class Attention(nn.Module):
             cos, sin = step.rope[self.rope_kind]
             q, k = apply_rotary(q, cos, sin, self.rope_layout), apply_rotary(k, cos, sin, self.rope_layout)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        y = self.kv_cache.attend(q, k, v, step, step.views[self.kind], self.scale, self.softcap)
+        y = self.memory.attend(q, k, v, step, step.views[self.kind], self.scale, self.softcap)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         for g in gate:  # (ShellElastic's output gate)
             y = y * torch.sigmoid(g)
@@ -409,7 +422,170 @@ class Attention(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 4. MLP and the decoder layer
+# 4. Layers whose memory is a state: Gated DeltaNet (Qwen3.5) and the short conv (LFM2). An attention layer's memory
+# grows by a key and a value a token; these keep a fixed-size state instead: the last W - 1 inputs of a causal
+# depthwise conv and (Gated DeltaNet) a [Dk, Dv] matrix per head that every token rewrites. A decode step reads and
+# writes the same shapes at every position: one fixed-shape graph, however long the conversation.
+
+
+class State(nn.Module):
+    """A state layer's memory per cache row: conv [B, channels, W - 1] (the conv's last inputs, in the model's dtype)
+    and recurrent [B, heads, Dk, Dv] float32 (Gated DeltaNet's matrices; None for a short conv). A row whose step
+    starts at position 0 starts empty; padding (at the scratch slot S: a chunk's tail, an idle row; or before a
+    left-padded row's start) changes nothing."""
+
+    def __init__(self, batch: int, seq_len: int, channels: int, width: int, heads_shape: tuple | None, dtype,
+                 device) -> None:
+        super().__init__()
+        self.scratch = seq_len
+        self.register_buffer("conv", torch.zeros(batch, channels, width - 1, dtype=dtype, device=device),
+                             persistent=False)
+        recurrent = torch.zeros(batch, *heads_shape, device=device) if heads_shape else None
+        self.register_buffer("recurrent", recurrent, persistent=False)
+
+    def read(self, step: Step, B: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The step's B rows of (conv, recurrent), and keep [B, T] (False: padding)."""
+        going_on = (step.input_pos[..., :1] != 0).reshape(-1, 1, 1)  # [B or 1, 1, 1]: not a new sequence
+        conv = cache_rows(self.conv, step, B) * going_on
+        recurrent = None if self.recurrent is None else cache_rows(self.recurrent, step, B) * going_on[..., None]
+        keep = (step.input_pos != self.scratch).expand(B, -1)
+        if step.row_start is not None:
+            keep = keep & (step.input_pos >= step.row_start[:, None])
+        return conv, recurrent, keep
+
+    def write(self, step: Step, conv: torch.Tensor, recurrent: torch.Tensor | None) -> None:
+        for buffer, new in ((self.conv, conv), (self.recurrent, recurrent)):
+            if new is not None and step.rows is None:
+                buffer[: new.shape[0]].copy_(new)
+            elif new is not None:
+                buffer.index_copy_(0, step.rows, new.to(buffer.dtype))
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None,
+                keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of x [B, T, Ch] with weight [Ch, 1, W], continuing after window [B, Ch, W - 1] (the
+    earlier inputs; None: zeros) -> (out [B, T, Ch], the new window: the last W - 1 inputs up to the last kept
+    token). Padding (keep [B, T] False) enters as zeros: a left-padded row then starts as a new sequence does."""
+    B, T, Ch = x.shape
+    width = weight.shape[-1] - 1
+    window = x.new_zeros(B, Ch, width) if window is None else window.to(x.dtype)
+    if keep is not None:
+        x = x * keep[..., None]
+    inputs = torch.cat((window, x.transpose(1, 2)), dim=-1)  # [B, Ch, W - 1 + T]
+    out = F.conv1d(inputs, weight.to(x.dtype), groups=Ch).transpose(1, 2)
+    if keep is None:
+        return out, inputs[..., T:]
+    ends = (keep * torch.arange(1, T + 1, device=x.device)).amax(-1)  # [B]: 1 + the last kept token (0: none)
+    last = ends[:, None, None] + torch.arange(width, device=x.device)  # [B, 1, W - 1]
+    return out, inputs.gather(2, last.expand(B, Ch, width))
+
+
+def delta_step(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule for one token, as it is defined: q, k [B, H, 1, Dk], v [B, H, 1, Dv], g (log decay <= 0)
+    and beta [B, H, 1], state [B, H, Dk, Dv] float32. The state decays, then its read-out for k moves toward v by
+    beta (the delta rule: only the error is written), then q reads it: -> (out [B, H, 1, Dv], new state)."""
+    state = state * g.exp()[..., None]  # [B, H, Dk, Dv] * [B, H, 1, 1]
+    error = v[:, :, 0] - (k[:, :, 0, :, None] * state).sum(-2)  # [B, H, Dv]: v minus what the state recalls for k
+    state = state + k[:, :, 0, :, None] * (beta[:, :, :1] * error)[:, :, None, :]
+    return (q[:, :, 0, :, None] * state).sum(-2)[:, :, None], state
+
+
+def delta_chunks(q, k, v, g, beta, state, size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same rule over T tokens, a chunk of `size` at a time (shapes as delta_step's with T tokens). Why it equals
+    T delta_steps: within a chunk, with d_i = exp(g_1 + ... + g_i), the writes u_i = beta_i (v_i - k_i^T S_{i-1})
+    solve the unit lower-triangular system u_i + beta_i sum_{j<i} (d_i / d_j) (k_i . k_j) u_j = beta_i (v_i - d_i k_i^T
+    S_0); then o_i = d_i q_i^T S_0 + sum_{j<=i} (d_i / d_j) (q_i . k_j) u_j and S_C = d_C S_0 + sum_j (d_C / d_j) k_j
+    u_j^T: the same sums, grouped into matmuls (they differ only in rounding)."""
+    B, H, T, _ = k.shape
+    pad = -T % size  # padded tokens: g 0 (no decay), beta 0 (no write): the state passes through
+    q, k, v = (F.pad(t, (0, 0, 0, pad)).unflatten(2, (-1, size)) for t in (q, k, v))  # [B, H, N, size, D]
+    g, beta = (F.pad(t, (0, pad)).unflatten(2, (-1, size)) for t in (g, beta))  # [B, H, N, size]
+    logd = g.cumsum(-1)  # log d_i within each chunk
+    later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
+    ratio = (logd[..., :, None] - logd[..., None, :]).masked_fill(later, -math.inf).exp()  # d_i / d_j, j <= i
+    system = beta[..., None] * (k @ k.transpose(-1, -2)) * ratio  # (its diagonal is read as 1)
+    scores = (q @ k.transpose(-1, -2)) * ratio
+    outs = []
+    for c in range(q.shape[2]):
+        d = logd[:, :, c, :, None].exp()  # [B, H, size, 1]
+        target = beta[:, :, c, :, None] * (v[:, :, c] - d * (k[:, :, c] @ state))
+        u = torch.linalg.solve_triangular(system[:, :, c], target, upper=False, unitriangular=True)
+        outs.append(d * (q[:, :, c] @ state) + scores[:, :, c] @ u)
+        to_end = (logd[:, :, c, -1:] - logd[:, :, c]).exp()[..., None]  # d_C / d_j  [B, H, size, 1]
+        state = d[:, :, -1:] * state + (k[:, :, c] * to_end).transpose(-1, -2) @ u
+    return torch.cat(outs, dim=2)[:, :, :T], state
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear attention. One fused projection gives q, k, v (then a causal conv and silu), z (the output
+    gate), and per value head b and a: a write strength beta = sigmoid(b) and a decay g = -exp(A_log) *
+    softplus(a + dt_bias). q and k are L2-normalized; the delta rule runs on a [Dk, Dv] matrix per value head (a key
+    head serves value_heads / key_heads of them); the output goes through an RMSNorm per head gated by silu(z)."""
+
+    def __init__(self, config: DenseConfig, layer: int) -> None:
+        super().__init__()
+        (self.k_heads, self.v_heads), (self.k_dim, self.v_dim) = config.linear_heads, config.linear_head_dims
+        keys, values = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        self.parts = {"in_proj_qkv": 2 * keys + values, "in_proj_z": values, "in_proj_b": self.v_heads,
+                      "in_proj_a": self.v_heads}
+        self.in_proj = nn.Linear(config.hidden_size, sum(self.parts.values()), bias=False)
+        self.conv_weight = nn.Parameter(torch.zeros(2 * keys + values, 1, config.conv_kernel))
+        self.dt_bias, self.A_log = nn.Parameter(torch.ones(self.v_heads)), nn.Parameter(torch.zeros(self.v_heads))
+        self.norm = RMSNorm(self.v_dim, config.norm_eps)
+        self.out_proj = nn.Linear(values, config.hidden_size, bias=False)
+        self.memory: nn.Module = nn.Module()  # State, made by setup_cache
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv, z, b, a = self.in_proj(x).split(list(self.parts.values()), dim=-1)
+        conv, state, keep = self.memory.read(step, B) if step.input_pos is not None else (None, None, None)
+        qkv, conv = causal_conv(qkv, self.conv_weight, conv, keep)
+        q, k, v = F.silu(qkv).float().split([self.k_heads * self.k_dim] * 2 + [self.v_heads * self.v_dim], dim=-1)
+        beta = torch.sigmoid(b).float()  # [B, T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if keep is not None:
+            beta, g = beta * keep[..., None], g * keep[..., None]
+
+        def heads(t: torch.Tensor, count: int) -> torch.Tensor:  # [B, T, count * D] -> [B, Hv, T, D]
+            t = t.view(B, T, count, -1).transpose(1, 2)
+            return t.repeat_interleave(self.v_heads // count, dim=1) if count != self.v_heads else t
+
+        q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (heads(q, self.k_heads),
+                                                                                  heads(k, self.k_heads)))
+        state = state if state is not None else q.new_zeros(B, self.v_heads, self.k_dim, self.v_dim)
+        y, state = (delta_step if T == 1 else delta_chunks)(q * self.k_dim**-0.5, k, heads(v, self.v_heads),
+                                                            g.transpose(1, 2), beta.transpose(1, 2), state)
+        if keep is not None:
+            self.memory.write(step, conv, state)
+        y = self.norm(y.transpose(1, 2).to(x.dtype)) * F.silu(z.view(B, T, self.v_heads, self.v_dim).float())
+        return self.out_proj(y.to(x.dtype).reshape(B, T, -1))
+
+
+class ShortConv(nn.Module):
+    """LFM2's gated short conv: b, c, h = in_proj(x); out_proj(c * conv(b * h)), the conv causal and depthwise over
+    the last W inputs."""
+
+    def __init__(self, config: DenseConfig, layer: int) -> None:
+        super().__init__()
+        C = config.hidden_size
+        self.in_proj, self.out_proj = nn.Linear(C, 3 * C, bias=False), nn.Linear(C, C, bias=False)
+        self.conv_weight = nn.Parameter(torch.zeros(C, 1, config.conv_kernel))
+        self.memory: nn.Module = nn.Module()  # State, made by setup_cache
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        b, c, h = self.in_proj(x).chunk(3, dim=-1)
+        window, _, keep = self.memory.read(step, x.shape[0]) if step.input_pos is not None else (None, None, None)
+        y, window = causal_conv(b * h, self.conv_weight, window, keep)
+        if keep is not None:
+            self.memory.write(step, window, None)
+        return self.out_proj(c * y)
+
+
+MIXERS = {"attention": Attention, "delta": GatedDeltaNet, "conv": ShortConv}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 5. MLP and the decoder layer
 
 
 class GatedMLP(nn.Module):
@@ -454,7 +630,7 @@ class DecoderLayer(nn.Module):
 
         self.parallel = config.parallel_residual
         self.attn_norm, self.mlp_norm = norm(config.pre_norms), norm(config.pre_norms)
-        self.attn = Attention(config, layer)
+        self.attn = MIXERS[config.mixer(layer)](config, layer)  # (attention, or a layer whose memory is a state)
         self.mlp = MLP(config, layer) if config.mlp == "gelu" else GatedMLP(config, layer)
         self.attn_post_norm, self.mlp_post_norm = norm(config.post_norms), norm(config.post_norms)
         self.residual_scale = config.residual_scale
@@ -471,7 +647,7 @@ class DecoderLayer(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 5. The model
+# 6. The model
 
 
 class DenseDecoder(nn.Module):
@@ -511,11 +687,16 @@ class DenseDecoder(nn.Module):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         for layer in self.layers:
-            layer.attn.kv_cache = NoCache()  # free the old cache before allocating the new one
+            layer.attn.memory = NoCache()  # free the old cache before allocating the new one
         for layer in self.layers:
-            attn = layer.attn
-            attn.kv_cache = cache_class(max_batch_size, attn.n_kv_heads, max_seq_len, attn.head_dim,
-                                        dtype or self.dtype, self.device)
+            mixer = layer.attn
+            if isinstance(mixer, Attention):
+                mixer.memory = cache_class(max_batch_size, mixer.n_kv_heads, max_seq_len, mixer.head_dim,
+                                           dtype or self.dtype, self.device)
+            else:  # a state: the conv's window, and Gated DeltaNet's matrices
+                heads = (mixer.v_heads, mixer.k_dim, mixer.v_dim) if isinstance(mixer, GatedDeltaNet) else None
+                mixer.memory = State(max_batch_size, max_seq_len, mixer.conv_weight.shape[0],
+                                     mixer.conv_weight.shape[-1], heads, self.dtype, self.device)
         slots = torch.arange(max_seq_len + 1, device=self.device)
         self.register_buffer("kv_slots", slots, persistent=False)  # [S + 1]
         self.rotary = nn.ModuleDict({kind: Rotary(self.config, slots, max_seq_len, kind == "local")
@@ -589,61 +770,6 @@ class DenseDecoder(nn.Module):
                 f"rows must be [{B}] cache rows in 0..{self.max_batch_size - 1}")
         require(not causal or (input_pos.ndim == 1 and int(input_pos[0]) == 0 and int(input_pos[-1]) == T - 1),
                 "a causal step writes slots 0..T-1 of every row")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# 6. Sampling
-
-
-def sample(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, vocab_limit: int | None = None,
-           noise: torch.Tensor | None = None, last_filter=None) -> torch.Tensor:
-    """logits [B, V] -> next ids [B, 1]. temperature, top_k, top_p: numbers, or [B] tensors (a compiled step's inputs:
-    new values, no new graph; temperature 0 is greedy, top_k 0 and top_p 1 are off). No host sync: argmax(p / q) with
-    q ~ Exp(1) samples from p without torch.multinomial; noise [B, V] gives those draws (default: torch's generator).
-    last_filter(logits) -> logits: filters run after top-p (runtime/sampling.py's min-p and typical)."""
-    probs = probabilities(logits, temperature, top_k, top_p, vocab_limit, last_filter)
-    if probs is None:
-        return mask_vocab(logits, vocab_limit).argmax(dim=-1, keepdim=True)
-    noise = torch.empty_like(probs).exponential_(1) if noise is None else noise
-    sampled = (probs / noise).argmax(dim=-1, keepdim=True)
-    if not torch.is_tensor(temperature):
-        return sampled
-    greedy = mask_vocab(logits, vocab_limit).argmax(dim=-1, keepdim=True)  # the rows whose temperature is 0
-    return torch.where(temperature[:, None] == 0, greedy, sampled)
-
-
-def mask_vocab(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
-    """Padded embedding rows (ids >= vocab_limit, the tokenizer's size) are never sampled."""
-    if vocab_limit is None or vocab_limit >= logits.shape[-1]:
-        return logits
-    return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= vocab_limit, -math.inf)
-
-
-def probabilities(logits: torch.Tensor, temperature, top_k=None, top_p=None, vocab_limit: int | None = None,
-                  last_filter=None) -> torch.Tensor | None:
-    """The distribution sample() draws from, [..., V] float32 (None at temperature 0: greedy). Settings as in
-    sample(); [B] tensors apply to the rows of [B, V] logits. The filters run in transformers' order: temperature,
-    top-k, top-p, then last_filter's."""
-    per_row = torch.is_tensor(temperature)
-    if not per_row and temperature == 0:
-        return None
-    V = logits.shape[-1]
-    logits = mask_vocab(logits.float(), vocab_limit)
-    logits = logits / (temperature.clamp(min=1e-6)[:, None] if per_row else temperature)  # (greedy rows: unused)
-    if torch.is_tensor(top_k):  # the k-th largest of each row, k = V where off
-        k = torch.where(top_k > 0, top_k, V).clamp(max=V)
-        kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    elif top_k is not None:
-        kth = torch.topk(logits, min(top_k, V), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    if torch.is_tensor(top_p) or (top_p is not None and top_p < 1.0):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        limit = top_p[:, None] if torch.is_tensor(top_p) else top_p
-        drop = probs.cumsum(dim=-1) - probs > limit  # keep the smallest prefix whose mass reaches top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
-    return (logits if last_filter is None else last_filter(logits)).softmax(dim=-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from conftest import ROOT, fixture_path
 from dense_engine.formats import load
 from dense_engine.formats.load import from_pretrained
-from dense_engine.runtime import background, caches, generate
+from dense_engine.runtime import background, caches, generate, sampling
 from dense_engine.runtime.steps import Steps
 
 LLAMA = fixture_path("llama")
@@ -23,7 +23,7 @@ LLAMA = fixture_path("llama")
 
 def greedy(runner: generate.Runner, ids: torch.Tensor, n: int) -> list[int]:
     caches.setup_cache(runner.model, 1, 128)
-    token = generate.dense.sample(runner.prefill(ids, 0, None), 0.0)
+    token = sampling.sample(runner.prefill(ids, 0, None), 0.0)
     out = [int(token)]
     for i in range(n - 1):
         token = runner.decode(token, ids.shape[1] + i, None, generate.Sampling())

@@ -11,6 +11,7 @@ import dense
 from conftest import LAYOUTS, expected, fixture_path, random_model, rel_err
 from dense import DenseConfig
 from dense_engine.cpu import kernels
+from dense_engine.runtime import sampling
 from dense_engine.formats.load import from_pretrained
 from dense_engine.runtime import generate
 from dense_engine.runtime.steps import Steps
@@ -112,7 +113,7 @@ def test_cached_prefill_and_decode_equal_no_cache(layout):
 def test_cache_is_static_and_written_in_place():
     model = from_pretrained(fixture_path("llama"))
     model.setup_cache(2, 32)
-    cache = model.layers[0].attn.kv_cache
+    cache = model.layers[0].attn.memory
     k_ptr = cache.k.data_ptr()
     model(torch.ones(2, 3, dtype=torch.long), input_pos=torch.arange(3))
     assert cache.k.data_ptr() == k_ptr and cache.k.shape == (2, 2, 33, 16)  # GQA: 2 kv heads are cached, not 4
@@ -172,13 +173,13 @@ def test_generate_stops_at_eos_and_pads_finished_rows():
 def test_sampling_follows_the_distribution():
     torch.manual_seed(0)
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]])).repeat(20000, 1)
-    counts = torch.bincount(dense.sample(logits, temperature=1.0)[:, 0], minlength=4).float() / 20000
+    counts = torch.bincount(sampling.sample(logits, temperature=1.0)[:, 0], minlength=4).float() / 20000
     assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.015)
-    top1 = dense.sample(logits[:100], temperature=1.0, top_k=1)
+    top1 = sampling.sample(logits[:100], temperature=1.0, top_k=1)
     assert (top1 == 0).all()
-    nucleus = dense.sample(logits[:2000], temperature=1.0, top_p=0.75)  # 0.5 + 0.3 reach 0.75: token 2 is cut
+    nucleus = sampling.sample(logits[:2000], temperature=1.0, top_p=0.75)  # 0.5 + 0.3 reach 0.75: token 2 is cut
     assert set(nucleus[:, 0].tolist()) == {0, 1}
-    capped = dense.sample(torch.tensor([[0.0, 1.0, 9.0]]), temperature=0.0, vocab_limit=2)
+    capped = sampling.sample(torch.tensor([[0.0, 1.0, 9.0]]), temperature=0.0, vocab_limit=2)
     assert capped.item() == 1  # ids beyond the tokenizer's vocabulary are never chosen
 
 

@@ -129,8 +129,8 @@ def test_a_returning_conversation_whose_row_was_taken_prefills_only_what_the_sto
     prefilled = prefill_starts(monkeypatch)
     for capacity_blocks in (1000, 5):
         scheduler = Scheduler(model, vocab, 2, 128, compile=compiled, load=record)
-        assert isinstance(model.layers[0].attn.kv_cache, caches.CPUKVCache) == (layout != "dense")
-        assert isinstance(model.layers[0].attn.kv_cache, caches.CPUInt8KVCache) == (layout == "int8")
+        assert isinstance(model.layers[0].attn.memory, caches.CPUKVCache) == (layout != "dense")
+        assert isinstance(model.layers[0].attn.memory, caches.CPUInt8KVCache) == (layout == "int8")
         scheduler.store = PrefixStore(capacity_blocks * 16 * token_bytes(model), token_bytes(model), block=16)
         scheduler.metrics = metrics = Metrics()
         metrics.watch(scheduler)

@@ -15,7 +15,7 @@ from dense_engine.cpu import quantized
 from dense_engine.formats import load
 from dense_engine.formats.checkpoint import torch_dtype
 from dense_engine.formats.vocab import Vocabulary
-from dense_engine.runtime import session, speculative, tp
+from dense_engine.runtime import caches, session, speculative, tp
 from dense_engine.runtime.sampling import Defaults, SamplerSettings
 from dense_engine.runtime.session import Settings
 from dense_engine.system import machine
@@ -105,7 +105,15 @@ def load_model(ckpt: str, args, console) -> tuple:
     record, checkpoint = load.plan(ckpt, args.quant, args.device, args.dtype, args.kv_dtype, args.max_seq_len,
                                    args.compile)
     with console.status(f"Loading {ckpt} ({str(record.dtype).removeprefix('torch.')}, {record.device})..."):
-        return session.load_model(record, checkpoint), record
+        model = session.load_model(record, checkpoint)
+    if caches.has_state(model):  # what a state layer's memory cannot do yet, refused before it would answer wrongly
+        asked = [flag for flag, on in (("--draft", getattr(args, "draft", None)), ("--draft-quant", getattr(
+            args, "draft_quant", None)), ("--lookup", getattr(args, "lookup", None)), ("--prompt-cache", getattr(
+                args, "prompt_cache", None)), ("torchrun", tp.world()[1] > 1)) if on]
+        if asked:
+            raise UsageError(f"{ckpt}: {asked[0]} is not available for a model with state layers (Gated DeltaNet, "
+                             "short conv) yet")
+    return model, record
 
 
 def prompt_mode(args, vocab: Vocabulary, ckpt: str) -> str:

@@ -339,7 +339,7 @@ def describe_model(session: Session, ckpt: str, why: str) -> str:
             f"{config.vocab_size}, context {config.max_position_embeddings}\n"
             f"  {str(model.dtype).removeprefix('torch.')} on {model.device}, {why.removeprefix('weights: ')}\n"
             f"  cache {session.max_seq_len} tokens ({len(session.cached)} in use) of "
-            f"{str(model.layers[0].attn.kv_cache.v.dtype).removeprefix('torch.')}, "
+            f"{str(model.layers[0].attn.memory.v.dtype).removeprefix('torch.')}, "
             f"{'compiled steps' if session.steps is not None else 'eager'}"
             f"{', draft ' + type(session.draft).__name__ if session.draft is not None else ''}")
 

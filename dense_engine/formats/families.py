@@ -33,6 +33,7 @@ import torch
 
 from dense import DenseConfig
 from dense_engine.formats.checkpoint import Checkpoint, eager, load_pickle, make_config, open_safetensors, read_json
+from dense_engine.system import machine
 from dense_engine.system.errors import CheckpointError, first_line
 
 # Non-parameter buffers that older exports carry; recognised and skipped.
@@ -651,5 +652,113 @@ def read_torch_file(path: str, raw: dict | None) -> Checkpoint:
     return Checkpoint(path, config, table)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Families whose layers keep a state (dense.py section 4)
+
+
+def state_config(cfg: ConfigReader, layers: int, **values) -> DenseConfig:
+    """The config keys Qwen3.5 and LFM2 share with Llama's layout, read, and the family's own values."""
+    hidden, heads = int(cfg.need("hidden_size")), int(cfg.need("num_attention_heads"))
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    theta, scaling, rotary, _ = hf_rope(cfg, 1e4, head_dim)
+    if scaling is not None:
+        cfg.refuse("rope_parameters", "only default rope for this family")
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        cfg.refuse("hidden_act", "only silu for this family")
+    if cfg.get("attention_bias", False):
+        cfg.refuse("attention_bias", "this family has no biases")
+    return make_config(cfg.source, vocab_size=int(cfg.need("vocab_size")), hidden_size=hidden,
+                       num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=int(cfg.get("num_key_value_heads", heads)), head_dim=head_dim,
+                       max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)), rope_theta=theta,
+                       rotary_dim=rotary, qk_norm="shared", **values)
+
+
+def qwen3_5(folder: str, raw: dict, source: str):
+    """Qwen3.5 / 3.6: qwen3_5_text, or qwen3_5 (the Hub's image-text folder: the text model under
+    model.language_model, the vision tower skipped with a note). Three Gated DeltaNet layers to one full-attention
+    layer, whose q_proj also yields an output gate (per head: D query rows, then D gate rows), with q/k norms and a
+    quarter of each head rotated (mrope: text alone has one position in all its sections, so plain rope); (1 + w)
+    norms."""
+    wrapped = raw["model_type"] == "qwen3_5"
+    text = dict((raw.get("text_config") or {}) if wrapped else raw)
+    params = dict(text.get("rope_parameters") or {})
+    for key in ("mrope_section", "mrope_interleaved"):  # (text positions: every section the same)
+        params.pop(key, None)
+    cfg = ConfigReader({**text, "rope_parameters": params}, source)
+    layers = int(cfg.need("num_hidden_layers"))
+    interval = int(cfg.get("full_attention_interval", 4))
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                       for i in range(layers)]
+    config = state_config(
+        cfg, layers, intermediate_size=int(cfg.need("intermediate_size")), layer_types=types,
+        linear_heads=(int(cfg.get("linear_num_key_heads", 16)), int(cfg.get("linear_num_value_heads", 32))),
+        linear_head_dims=(int(cfg.get("linear_key_head_dim", 128)), int(cfg.get("linear_value_head_dim", 128))),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)), attn_output_gate=True,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), norm_unit_offset=True,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings") if wrapped else cfg.get("tie_word_embeddings")))
+    cfg.check_unread()
+    prefix = r"model\.language_model\." if wrapped else r"model\."
+    layer = prefix + r"layers\.(\d+)\."
+    weights = hf_weights(folder)
+    if any(name.startswith("model.visual.") for name in weights):
+        machine.note(f"{source}: the vision tower (model.visual.*) is not loaded: this engine reads text")
+    rules = [(r"model\.visual\..*", None), (r"mtp\..*", None),
+             (prefix + r"embed_tokens\.weight", "embed_tokens.weight"), (prefix + r"norm\.weight", "norm.weight"),
+             (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight"),
+             (layer + r"input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
+             (layer + r"post_attention_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
+             (layer + r"self_attn\.([qkvo]_proj|[qk]_norm)\.weight", r"layers.\1.attn.\2.weight"),
+             (layer + r"linear_attn\.(in_proj_\w+|out_proj|norm)\.weight", r"layers.\1.attn.\2.weight"),
+             (layer + r"linear_attn\.conv1d\.weight", r"layers.\1.attn.conv_weight"),
+             (layer + r"linear_attn\.(A_log|dt_bias)", r"layers.\1.attn.\2"),
+             (layer + r"mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.weight")]
+    table = rename(weights, rules, source)
+    for i in (i for i, kind in enumerate(types) if kind == "full_attention"):
+        a = f"layers.{i}.attn."
+        split_rows(table, a + "q_proj.weight", {a + "q_proj.weight": 0, a + "gate_proj.weight": 1},
+                   view=(config.num_attention_heads, 2, config.head_dim))
+    return config, table
+
+
+def lfm2(folder: str, raw: dict, source: str):
+    """LFM2 (Liquid AI): gated short convs between attention layers (q/k norms, no output gate), a SwiGLU whose width
+    the config may adjust (block_auto_adjust_ff_dim), the final norm named embedding_norm."""
+    cfg = ConfigReader(raw, source)
+    layers = int(cfg.need("num_hidden_layers"))
+    full = cfg.get("full_attn_idxs")
+    types = cfg.get("layer_types") or ["full_attention" if full is None or i in full else "conv"
+                                       for i in range(layers)]
+    width = int(cfg.get("block_ff_dim") or cfg.need("intermediate_size"))
+    if cfg.get("block_auto_adjust_ff_dim", True):  # (transformers' rule, rounded as it rounds)
+        width = int(2 * width / 3)
+        if cfg.get("block_ffn_dim_multiplier") is not None:
+            multiple = int(cfg.get("block_multiple_of", 256))
+            width = int(float(cfg.get("block_ffn_dim_multiplier")) * width)
+            width = multiple * ((width + multiple - 1) // multiple)
+    if cfg.get("conv_bias", False):
+        cfg.refuse("conv_bias", "LFM2 releases have no conv biases")
+    config = state_config(cfg, layers, intermediate_size=width, layer_types=types,
+                          conv_kernel=int(cfg.get("conv_L_cache", 3)), norm_eps=float(cfg.get("norm_eps", 1e-5)),
+                          tie_word_embeddings=bool(cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))))
+    cfg.check_unread()
+    layer = r"model\.layers\.(\d+)\."
+    rules = [(r"model\.embed_tokens\.weight", "embed_tokens.weight"),
+             (r"model\.embedding_norm\.weight", "norm.weight"),
+             (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight"),
+             (layer + r"operator_norm\.weight", r"layers.\1.attn_norm.weight"),
+             (layer + r"ffn_norm\.weight", r"layers.\1.mlp_norm.weight"),
+             (layer + r"self_attn\.([qkv]_proj)\.weight", r"layers.\1.attn.\2.weight"),
+             (layer + r"self_attn\.out_proj\.weight", r"layers.\1.attn.o_proj.weight"),
+             (layer + r"self_attn\.([qk])_layernorm\.weight", r"layers.\1.attn.\2_norm.weight"),
+             (layer + r"conv\.(in_proj|out_proj)\.weight", r"layers.\1.attn.\2.weight"),
+             (layer + r"conv\.conv\.weight", r"layers.\1.attn.conv_weight"),
+             (layer + r"feed_forward\.w1\.weight", r"layers.\1.mlp.gate_proj.weight"),
+             (layer + r"feed_forward\.w3\.weight", r"layers.\1.mlp.up_proj.weight"),
+             (layer + r"feed_forward\.w2\.weight", r"layers.\1.mlp.down_proj.weight")]
+    return config, rename(hf_weights(folder), rules, source)
+
+
 # Hugging Face folders by config.json's model_type: (folder, raw config, config path) -> (DenseConfig, table)
-HF_FAMILIES = {"openelm": openelm, "gpt_neox": gpt_neox, **{kind: hf_decoder for kind in FAMILIES}}
+HF_FAMILIES = {"openelm": openelm, "gpt_neox": gpt_neox, "qwen3_5": qwen3_5, "qwen3_5_text": qwen3_5, "lfm2": lfm2,
+               **{kind: hf_decoder for kind in FAMILIES}}

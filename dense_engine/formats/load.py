@@ -288,7 +288,7 @@ def fused_parts(model: dense.DenseDecoder, module_name: str) -> dict[str, int]:
     """{checkpoint prefix: rows} of the tensors a module is stacked from (itself alone for most modules): q/k/v (and
     the gate) into qkv_proj, gate and up into gate_up_proj."""
     parent, _, leaf = module_name.rpartition(".")
-    parts = getattr(model.get_submodule(parent), "parts", None) if leaf in ("qkv_proj", "gate_up_proj") else None
+    parts = getattr(model.get_submodule(parent), "parts", None) if leaf in ("qkv_proj", "gate_up_proj", "in_proj") else None
     return {f"{parent}.{p}": rows for p, rows in parts.items()} if parts else {module_name: 0}
 
 

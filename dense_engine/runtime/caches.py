@@ -3,7 +3,7 @@ needs; here are the variants a load may ask for and their layout on each device 
 (cache_bytes), their copies to host memory and back (copy_slots, put_slots: a server's kept prefixes, /save), and
 their files (write, read: the prefix store's disk tier, llama-server's slot files, chat.py's --prompt-cache).
 
-A layer's memory is a module on layer.attn.kv_cache (memories(model) lists them) with
+A layer's memory is a module on layer.attn.memory (memories(model) lists them) with
   attend(q, k, v, step, view, scale, softcap)   its part of a forward call (dense.py's NoCache and KVCache);
   slots(row, start, end) -> tuple of tensors   what it holds of row's slots start..end-1, each tensor's dim 1 its
                                                slots (or blocks of them): copies of these travel and are saved;
@@ -234,7 +234,28 @@ def cache_for(model: dense.DenseDecoder, kv_dtype: str = "auto") -> tuple[type, 
 
 def memories(model: dense.DenseDecoder) -> list[nn.Module]:
     """Each layer's memory, in layer order."""
-    return [layer.attn.kv_cache for layer in model.layers]
+    return [layer.attn.memory for layer in model.layers]
+
+
+def has_state(model: dense.DenseDecoder) -> bool:
+    """Whether some layer's memory is a fixed-size state (dense.py section 4) rather than keys and values."""
+    return any(not isinstance(layer.attn, dense.Attention) for layer in model.layers)
+
+
+def kept_memories(model: dense.DenseDecoder) -> list[nn.Module]:
+    """memories(), for copies and files of a row's slots; refused in one line where a layer keeps a state (a state
+    holds where it ends, not its slots: it is kept only at its own boundaries, which is not done yet)."""
+    if has_state(model):
+        raise ValueError("this model's state layers (Gated DeltaNet, short conv) cannot be kept per slot yet: prefix "
+                         "reuse, --prompt-cache, /save and slot files are not available for it")
+    return memories(model)
+
+
+def state_bytes(mixer: nn.Module, batch: int, dtype: torch.dtype) -> int:
+    """The bytes of a state layer's memory: the conv window in the model's dtype, and float32 matrices."""
+    channels, width = mixer.conv_weight.shape[0], mixer.conv_weight.shape[-1]
+    matrices = mixer.v_heads * mixer.k_dim * mixer.v_dim * 4 if isinstance(mixer, dense.GatedDeltaNet) else 0
+    return batch * (channels * (width - 1) * dtype.itemsize + matrices)
 
 
 def cache_bytes(model: dense.DenseDecoder, batch: int, seq_len: int, dtype: torch.dtype | None = None,
@@ -245,6 +266,7 @@ def cache_bytes(model: dense.DenseDecoder, batch: int, seq_len: int, dtype: torc
     if dtype == torch.int8 and not issubclass(cache_class, ScaledSlots):
         cache_class = Int8KVCache
     return sum(cache_class.bytes_for(batch, layer.attn.n_kv_heads, seq_len, layer.attn.head_dim, dtype)
+               if isinstance(layer.attn, dense.Attention) else state_bytes(layer.attn, batch, model.dtype)
                for layer in model.layers)
 
 
@@ -252,13 +274,13 @@ def setup_cache(model: dense.DenseDecoder, batch: int, seq_len: int, kv_dtype: s
     """model.setup_cache with the cache kv_dtype asks for on this device (cache_for; None: the kind the model holds now,
     auto before its first or after a move to another device), refused in one line when it would not fit the memory
     available."""
-    now = memories(model)[0]
+    now = next(m for m in memories(model) if not isinstance(m, dense.State))
     if kv_dtype is None and isinstance(now, dense.KVCache) and now.v.device == model.device:
         cache_class, dtype = type(now), now.v.dtype
     else:
         cache_class, dtype = cache_for(model, kv_dtype or "auto")
     for layer in model.layers:  # (the old cache's memory counts as available)
-        layer.attn.kv_cache = dense.NoCache()
+        layer.attn.memory = dense.NoCache()
     need, have = cache_bytes(model, batch, seq_len, dtype, cache_class), machine.available_memory(model.device)
     if need > have:
         raise ValueError(f"a KV cache of {seq_len} tokens x batch {batch} needs {need / 2**30:.1f} GiB; "
@@ -297,18 +319,18 @@ def fitting_cache(model: dense.DenseDecoder, batch: int = 1, asked: int | None =
 def copy_slots(model: dense.DenseDecoder, row: int, start: int, end: int) -> list[tuple[torch.Tensor, ...]]:
     """Each layer's memory of row's slots start..end-1, copied to host memory (end and start: multiples of 16 for
     the CPU cache's key blocks)."""
-    return [tuple(t.to("cpu", copy=True) for t in memory.slots(row, start, end)) for memory in memories(model)]
+    return [tuple(t.to("cpu", copy=True) for t in memory.slots(row, start, end)) for memory in kept_memories(model)]
 
 
 def put_slots(model: dense.DenseDecoder, row: int, start: int, layers: list[tuple[torch.Tensor, ...]]) -> None:
     """copy_slots' copies (or a file's) into row's slots from start on."""
-    for parts, memory in zip(layers, memories(model)):
+    for parts, memory in zip(layers, kept_memories(model)):
         memory.put_slots(row, start, *(t.to(model.device) for t in parts))
 
 
 def like(model: dense.DenseDecoder, slots: int = 0) -> list[tuple[torch.Tensor, ...]]:
     """Each layer's parts for `slots` slots (views, not copies): the shapes and dtypes a file must match."""
-    return [memory.slots(0, 0, slots) for memory in memories(model)]
+    return [memory.slots(0, 0, slots) for memory in kept_memories(model)]
 
 
 def whole_slots(n: int) -> int:
@@ -410,12 +432,12 @@ def model_key(model: dense.DenseDecoder) -> str:
     """What the memory its cache holds depends on: every weight's bytes (quantized ones as quantized), the config, the
     cache's class and dtype, and on CPU the kernels that compute them (kernels.build_key: a prefix an AVX2 build wrote
     is not read back by an AVX-512 one, whose answers would then depend on it). Hashing the weights reads them once."""
-    cache = memories(model)[0]
+    cache = kept_memories(model)[0]
     built = kernels.build_key() if cache.v.device.type == "cpu" else ""
     h = hashlib.sha256(f"{type(cache).__qualname__} {cache.v.dtype} {built}".encode())
     h.update(repr(sorted(vars(model.config).items())).encode())
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if ".kv_cache." in name or name.startswith("rotary") or name == "kv_slots":
+        if ".memory." in name or name.startswith("rotary") or name == "kv_slots":
             continue  # (the cache itself and its position tables)
         h.update(f"{name} {t.dtype} {list(t.shape)}".encode())
         h.update(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy())

@@ -31,7 +31,7 @@ import torch
 
 import dense
 from dense_engine.runtime import caches
-from dense_engine.runtime.sampling import SamplerSettings, last_filters
+from dense_engine.runtime.sampling import SamplerSettings, sample as draw
 from dense_engine.runtime.steps import Steps, steps_for
 
 MIN_BUCKET = 256
@@ -55,7 +55,7 @@ def bucket_for(length: int, cache_len: int) -> int:
 def attend_width(model: dense.DenseDecoder, length: int) -> int:
     """How many slots a compiled step over `length` slots in use attends: the bucket, or the whole cache when the
     cache's attention reads only the slots in use anyway (caches.CPUKVCache: one graph serves every position)."""
-    if isinstance(model.layers[0].attn.kv_cache, caches.CPUKVCache):
+    if isinstance(model.layers[0].attn.memory, caches.CPUKVCache):
         return model.max_seq_len
     return bucket_for(length, model.max_seq_len)
 
@@ -162,12 +162,12 @@ def next_token(logits, kind: str, vocab_limit: int | None, temperature, top_k, t
                bias=None, penalty=None) -> torch.Tensor:
     logits = shape_logits(logits, bias, penalty)
     if kind == "greedy":
-        return dense.sample(logits, 0.0, vocab_limit=vocab_limit)
+        return draw(logits, 0.0, vocab_limit=vocab_limit)
     base, *extra = kind.split("+")
     top_k, top_p = (top_k, top_p) if base == "filtered" else (None, None)
     min_p = min_p if "min-p" in extra else None
     typical_p = typical_p if "typical" in extra else None
-    return dense.sample(logits, temperature, top_k, top_p, vocab_limit, noise, last_filters(min_p, typical_p))
+    return draw(logits, temperature, top_k, top_p, vocab_limit, noise, min_p, typical_p)
 
 
 def sample(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -445,7 +445,7 @@ def prepare(model: dense.DenseDecoder, prompts, max_new_tokens: int, start_pos: 
     if needed > model.config.max_position_embeddings:
         raise ValueError(f"{start_pos + T} tokens + {max_new_tokens} new exceed the context of "
                          f"{model.config.max_position_embeddings}")
-    cache = model.layers[0].attn.kv_cache
+    cache = model.layers[0].attn.memory
     moved = isinstance(cache, dense.KVCache) and next(cache.buffers()).device != model.device  # (after model.to())
     if model.max_seq_len < needed or model.max_batch_size < B or moved:
         if start_pos:

@@ -2,8 +2,8 @@
 body, protocol.py; chat.py from its flags and /set, cli/flags.py and cli/repl.py; the Python API from its keywords,
 api.py) and hands it whole to generation: generate.Sampling.of turns it (one, or one per row of a server's batch)
 into the inputs of a step, and generate.sample / generate.next_token are the one rule every token is drawn by.
-Also here: the filters the APIs ask for beyond dense.py's temperature, top-k and top-p (min-p, typical), which
-dense.sample runs after top-p (last_filters; sample() and probabilities() take them all)."""
+Also here: the sampler itself (sample, probabilities): temperature, top-k, top-p, then the filters the APIs ask for
+beyond them (min-p, typical: last_filters), as numbers or as [B] tensors (a compiled step's inputs)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-import dense
 from dense_engine.runtime import dry
 
 
@@ -144,19 +143,59 @@ def describe(sampler: SamplerSettings, sources: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The filters after top-p: numbers, or [B] tensors (a compiled step's inputs; min_p 0 and typical_p 1 are off)
+# The sampler: numbers, or [B] tensors (a compiled step's inputs: top_k 0, top_p 1, min_p 0 and typical_p 1 are off)
 
 
 def sample(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, vocab_limit: int | None = None,
            noise: torch.Tensor | None = None, min_p=None, typical_p=None) -> torch.Tensor:
-    """dense.sample with min-p and typical after its filters: logits [B, V] -> next ids [B, 1]."""
-    return dense.sample(logits, temperature, top_k, top_p, vocab_limit, noise, last_filters(min_p, typical_p))
+    """logits [B, V] -> next ids [B, 1]. temperature, top_k, top_p: numbers, or [B] tensors (a compiled step's inputs:
+    new values, no new graph; temperature 0 is greedy, top_k 0 and top_p 1 are off). No host sync: argmax(p / q) with
+    q ~ Exp(1) samples from p without torch.multinomial; noise [B, V] gives those draws (default: torch's generator).
+    min_p and typical_p run after top-p (last_filters)."""
+    probs = probabilities(logits, temperature, top_k, top_p, vocab_limit, min_p, typical_p)
+    if probs is None:
+        return mask_vocab(logits, vocab_limit).argmax(dim=-1, keepdim=True)
+    noise = torch.empty_like(probs).exponential_(1) if noise is None else noise
+    sampled = (probs / noise).argmax(dim=-1, keepdim=True)
+    if not torch.is_tensor(temperature):
+        return sampled
+    greedy = mask_vocab(logits, vocab_limit).argmax(dim=-1, keepdim=True)  # the rows whose temperature is 0
+    return torch.where(temperature[:, None] == 0, greedy, sampled)
+
+
+def mask_vocab(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
+    """Padded embedding rows (ids >= vocab_limit, the tokenizer's size) are never sampled."""
+    if vocab_limit is None or vocab_limit >= logits.shape[-1]:
+        return logits
+    return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= vocab_limit, -math.inf)
 
 
 def probabilities(logits: torch.Tensor, temperature, top_k=None, top_p=None, vocab_limit: int | None = None,
                   min_p=None, typical_p=None) -> torch.Tensor | None:
-    """dense.probabilities with min-p and typical after its filters (transformers' order)."""
-    return dense.probabilities(logits, temperature, top_k, top_p, vocab_limit, last_filters(min_p, typical_p))
+    """The distribution sample() draws from, [..., V] float32 (None at temperature 0: greedy). Settings as in
+    sample(); [B] tensors apply to the rows of [B, V] logits. The filters run in transformers' order: temperature,
+    top-k, top-p, then min-p and typical."""
+    per_row = torch.is_tensor(temperature)
+    if not per_row and temperature == 0:
+        return None
+    V = logits.shape[-1]
+    logits = mask_vocab(logits.float(), vocab_limit)
+    logits = logits / (temperature.clamp(min=1e-6)[:, None] if per_row else temperature)  # (greedy rows: unused)
+    if torch.is_tensor(top_k):  # the k-th largest of each row, k = V where off
+        k = torch.where(top_k > 0, top_k, V).clamp(max=V)
+        kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    elif top_k is not None:
+        kth = torch.topk(logits, min(top_k, V), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if torch.is_tensor(top_p) or (top_p is not None and top_p < 1.0):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        limit = top_p[:, None] if torch.is_tensor(top_p) else top_p
+        drop = probs.cumsum(dim=-1) - probs > limit  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
+    last = last_filters(min_p, typical_p)
+    return (logits if last is None else last(logits)).softmax(dim=-1)
 
 
 def last_filters(min_p, typical_p):

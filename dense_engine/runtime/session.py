@@ -161,6 +161,8 @@ class Session:
         it ends (a stop token, the length, Ctrl-C, or the consumer closing it), self.last holds its ReplyStats and
         self.reply_ids its tokens. Ctrl-C stops the reply, not the session."""
         common = common_prefix(self.cached, prompt_ids)
+        if common < len(self.cached) and caches.has_state(self.model):
+            common = 0  # a state holds where it ends: it goes on from there or starts again, never from before
         stats = ReplyStats(prefilled=len(prompt_ids) - common, reused=common, compile_s=self.compile_s,
                            speculation={} if self.draft is not None else None)
         self.prefilled += stats.prefilled

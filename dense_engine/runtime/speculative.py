@@ -29,7 +29,7 @@ import dense
 from dense_engine.cpu import quantized
 from dense_engine.runtime import caches
 from dense_engine.runtime.generate import Runner, Sampling, collect, prepare, sample
-from dense_engine.runtime.sampling import SamplerSettings, probabilities
+from dense_engine.runtime.sampling import SamplerSettings, mask_vocab, probabilities
 from dense_engine.runtime.steps import Steps, steps_for
 
 
@@ -82,7 +82,7 @@ class ModelDraft:
         logits = self.sync(context)
         device = self.model.device
         if sampling.temperature == 0:  # greedy: the ordinary decode step, the argmax inside its graph
-            tokens = [int(dense.mask_vocab(logits[None], sampling.vocab_limit).argmax())]
+            tokens = [int(mask_vocab(logits[None], sampling.vocab_limit).argmax())]
             while len(tokens) < k:
                 fed = torch.tensor([[tokens[-1]]], device=device)
                 tokens.append(int(self.runner.decode(fed, len(self.cached), None, sampling)))
@@ -136,7 +136,7 @@ def quantized_copy(model: dense.DenseDecoder, mode: str) -> dense.DenseDecoder:
         model.embed_tokens = embedding
     draft.embed_tokens = embedding
     for layer in draft.layers:
-        layer.attn.kv_cache = dense.NoCache()
+        layer.attn.memory = dense.NoCache()
     draft.max_batch_size = draft.max_seq_len = 0
     return quantized.quantize_model(draft, mode)
 

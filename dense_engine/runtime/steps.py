@@ -241,7 +241,7 @@ class PackagedStep:
     def __init__(self, path: str, model: dense.DenseDecoder) -> None:
         self.loader = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
         self.model, self.names = model, self.loader.get_constant_fqns()
-        self.holders = [m for m in model.modules() if hasattr(m, "kv_cache")]
+        self.holders = [m for m in model.modules() if hasattr(m, "memory")]
         self.bound: list = []
         self.bind()
 
@@ -252,10 +252,10 @@ class PackagedStep:
         if missing:
             raise ValueError(f"the package's constant {missing[0]} is not among the model's tensors")
         self.loader.load_constants({name: tensors[name] for name in self.names}, False, True, True)
-        self.bound = [h.kv_cache for h in self.holders]  # (and the tensors stay referenced by the model)
+        self.bound = [h.memory for h in self.holders]  # (and the tensors stay referenced by the model)
 
     def __call__(self, *args):
-        if any(h.kv_cache is not c for h, c in zip(self.holders, self.bound)):
+        if any(h.memory is not c for h, c in zip(self.holders, self.bound)):
             self.bind()
         out = self.loader.run([a for a in args if torch.is_tensor(a)])
         return out[0] if len(out) == 1 else tuple(out)

@@ -1,0 +1,193 @@
+"""Layers whose memory is a state (dense.py section 4): Qwen3.5's Gated DeltaNet and LFM2's short conv. Tiny random
+models made with transformers are the oracle; each cached path (chunks with padding, rows, left-padded batches, a
+conversation's next turn, the compiled step) is checked against the plain pass."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+import dense
+from conftest import FIXTURES, ROOT
+from dense_engine.formats import load
+from dense_engine.formats.load import LoadRecord
+from dense_engine.runtime import caches, generate
+from dense_engine.runtime.session import Session, Settings
+from dense_engine.runtime.sampling import SamplerSettings
+
+QWEN = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            max_position_embeddings=512, eos_token_id=2)
+LFM2 = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=512, layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
+            num_hidden_layers=5, eos_token_id=2)
+CASES = {  # name: (transformers class, its config)
+    "qwen3_5 3 linear + 1 full": ("Qwen3_5ForCausalLM", transformers.Qwen3_5TextConfig(
+        vocab_size=512, num_hidden_layers=4, **QWEN)),
+    "qwen3_5 6 layers untied": ("Qwen3_5ForCausalLM", transformers.Qwen3_5TextConfig(
+        vocab_size=512, num_hidden_layers=6, tie_word_embeddings=False, **QWEN)),
+    "qwen3_5 image-text wrapper": ("Qwen3_5ForConditionalGeneration", transformers.Qwen3_5Config(
+        text_config=dict(vocab_size=512, num_hidden_layers=4, **QWEN),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2))),
+    "lfm2": ("Lfm2ForCausalLM", transformers.Lfm2Config(vocab_size=512, **LFM2)),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """{case: a saved tiny random model}: weights drawn wider than transformers' init (std 0.05; the norms as made)
+    so that its greedy tokens vary, and the fixture llama's tokenizer (512 tokens) beside them."""
+    made = {}
+    for i, (name, (cls, config)) in enumerate(CASES.items()):
+        torch.manual_seed(i)
+        model = getattr(transformers, cls)(config)
+        with torch.no_grad():
+            for key, p in model.named_parameters():
+                if "norm" not in key:
+                    p.normal_(0, 0.05)
+        folder = tmp_path_factory.mktemp("state") / name.replace(" ", "_")
+        model.save_pretrained(folder)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(FIXTURES, "llama", f), folder)
+        made[name] = (str(folder), model.eval())
+    return made
+
+
+def prompt(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    return torch.randint(3, 512, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_and_greedy_tokens_equal_transformers(folders, case):
+    folder, reference = folders[case]
+    ids = prompt(150, batch=2)  # (three chunks of the chunked rule: 64, 64, 22)
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits.float()
+        want_tokens = reference.generate(ids[:1, :40], max_new_tokens=24, do_sample=False)[0, 40:].tolist()
+    model = load.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        got = model(ids)
+    assert (got - want).abs().max() < 1e-4
+    tokens = generate.generate(model, ids[:1, :40], 24)[0, 40:].tolist()
+    tokens = tokens[:tokens.index(2) + 1] if 2 in tokens else tokens  # (transformers stops at eos, 2)
+    assert tokens == want_tokens and len(set(tokens)) > 3  # (tokens that vary: the test can tell models apart)
+
+
+def test_the_chunked_rule_equals_the_rule_a_token_at_a_time():
+    torch.manual_seed(0)
+    B, H, T, Dk, Dv = 2, 3, 45, 8, 5
+    q, k = (torch.nn.functional.normalize(torch.randn(B, H, T, Dk, dtype=torch.float64), dim=-1) for _ in range(2))
+    v = torch.randn(B, H, T, Dv, dtype=torch.float64)
+    g, beta = -torch.rand(B, H, T, dtype=torch.float64) * 2, torch.rand(B, H, T, dtype=torch.float64)
+    state = torch.randn(B, H, Dk, Dv, dtype=torch.float64)
+    outs, one = [], state
+    for t in range(T):
+        out, one = dense.delta_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], g[:, :, t:t + 1],
+                                    beta[:, :, t:t + 1], one)
+        outs.append(out)
+    chunked, last = dense.delta_chunks(q, k, v, g, beta, state, size=16)  # (chunks of 16, 16 and 13 + padding)
+    assert torch.allclose(chunked, torch.cat(outs, dim=2), atol=1e-10) and torch.allclose(last, one, atol=1e-10)
+
+
+@pytest.fixture(scope="module")
+def models(folders):
+    return {name: load.from_pretrained(folders[name][0], dtype=torch.float32)
+            for name in ("qwen3_5 3 linear + 1 full", "lfm2")}
+
+
+@pytest.mark.parametrize("case", ["qwen3_5 3 linear + 1 full", "lfm2"])
+def test_cached_steps_equal_the_plain_pass(models, case):
+    """A prompt in chunks whose padding goes to the scratch slot, then decode steps, on row 1 of 3 while rows 0 and
+    2 hold other sequences: the plain pass's logits."""
+    model = models[case]
+    S, chunk = 96, 16
+    model.setup_cache(3, S)
+    ids, others = prompt(45, seed=1), prompt(45, seed=2, batch=3)
+    with torch.no_grad():
+        want = model(ids)[0]
+        model(others[:, :44], torch.arange(44))  # rows 0..2 hold others' states
+        got = []
+        for start in range(0, 37, chunk):  # 37 prompt tokens: chunks of 16, 16 and 5 + 11 padding
+            n = min(chunk, 37 - start)
+            pos = torch.cat([torch.arange(start, start + n), torch.full((chunk - n,), S)])
+            piece = torch.cat([ids[:, start:start + n], torch.zeros(1, chunk - n, dtype=torch.long)], 1)
+            got.append(model(piece, pos, rows=torch.tensor([1]))[0, :n])
+        for t in range(37, 45):  # decode steps of all 3 rows, rows 0 and 2 idle (at the scratch slot)
+            step = torch.stack([others[0, :1], ids[0, t:t + 1], others[2, :1]])
+            got.append(model(step, torch.tensor([[S], [t], [S]]))[1])
+        again = model(others[:, 44:45], torch.tensor([[44], [45], [44]]))  # the idle rows were left as they were
+        whole = model(others)[:, -1]
+    assert (torch.cat(got) - want).abs().max() < 1e-4
+    assert (again[[0, 2], 0] - whole[[0, 2]]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("case", ["qwen3_5 3 linear + 1 full", "lfm2"])
+def test_a_left_padded_batch_equals_each_prompt_alone(models, case):
+    model = models[case]
+    prompts = [prompt(9, seed=3)[0], prompt(30, seed=4)[0], prompt(17, seed=5)[0]]
+    alone = [generate.generate(model, p[None], 12)[0, len(p):].tolist() for p in prompts]
+    together = generate.generate(model, prompts, 12)
+    assert [t.tolist() for t in together] == alone
+
+
+def test_a_conversation_that_changes_its_past_starts_the_state_again(models, folders):
+    """A next turn that extends the cached tokens goes on from the state; one that rewrites them (a regenerated
+    reply) prefills from the start: the answers equal fresh runs."""
+    model = models["qwen3_5 3 linear + 1 full"]
+    from dense_engine.formats.vocab import load_vocabulary
+
+    vocab = load_vocabulary(folders["qwen3_5 3 linear + 1 full"][0], None)
+    session = Session(model, vocab, Settings(SamplerSettings(0.0), max_new_tokens=8),
+                      LoadRecord(max_seq_len=128, compile=False))
+    first, second, rewritten = prompt(20, seed=6)[0].tolist(), prompt(10, seed=7)[0].tolist(), prompt(
+        25, seed=8)[0].tolist()
+
+    def fresh(ids):
+        out = generate.generate(model, torch.tensor([ids]), 8)[0, len(ids):].tolist()
+        return out[:next((i for i, t in enumerate(out) if t in vocab.stop_ids), len(out))]
+
+    reply, _ = session.reply(first, lambda s: None)
+    assert reply == fresh(first)
+    follow = first + reply + second
+    reply2, stats = session.reply(follow, lambda s: None)
+    assert stats.reused > 0 and reply2 == fresh(follow)
+    reply3, stats = session.reply(first[:5] + rewritten, lambda s: None)
+    assert stats.reused == 0 and reply3 == fresh(first[:5] + rewritten)
+
+
+def test_the_compiled_decode_step_equals_eager(models):
+    model = models["qwen3_5 3 linear + 1 full"]
+    ids = prompt(21, seed=9)
+    eager = generate.generate(model, ids, 16)
+    assert torch.equal(generate.generate(model, ids, 16, compile=True), eager)
+
+
+def test_what_a_state_cannot_do_yet_is_refused_in_one_line(models):
+    with pytest.raises(ValueError, match="state layers .* cannot be kept per slot yet"):
+        caches.copy_slots(models["lfm2"], 0, 0, 16)
+
+
+@pytest.mark.slow
+def test_chat_answers_a_state_model_as_generate_does_and_refuses_speculation(folders):
+    folder = folders["qwen3_5 3 linear + 1 full"][0]
+    run = lambda *a: subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", folder, *a],
+                                    capture_output=True, text=True, cwd=ROOT,
+                                    env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    done = run("--prompt", "the cat sat", "--complete", "--max-new-tokens", "16", "--temperature", "0")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    ids = tok.encode("the cat sat").ids
+    model = load.from_pretrained(folder, dtype=torch.float32)
+    want = generate.generate(model, torch.tensor([ids]), 16)[0, len(ids):].tolist()
+    assert done.returncode == 0 and done.stdout == tok.decode(want, skip_special_tokens=True), done.stderr
+    refused = run("--prompt", "hi", "--lookup")
+    assert refused.returncode != 0 and refused.stderr.count("\n") == 1 and "--lookup is not available" in refused.stderr
+    served = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), "--ckpt", folder, "--port", "1"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert served.returncode != 0 and "does not serve a model with state layers" in served.stderr
