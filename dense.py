@@ -61,6 +61,8 @@ class DenseConfig:
     # (LFM2's short conv)
     linear_heads: tuple[int, int] = (16, 32)  # a Gated DeltaNet layer's (key, value) heads
     linear_head_dims: tuple[int, int] = (128, 128)  # its (key, value) channels per head
+    linear_tiled_values: bool = False  # value head j reads key head j % key_heads (llama.cpp's qwen35 files);
+    #                                    False: j // (value_heads / key_heads) (transformers)
     conv_kernel: int = 4  # the causal depthwise conv's width (Qwen3.5's linear_conv_kernel_dim, LFM2's conv_L_cache)
     # the block
     norm: str = "rmsnorm"  # "layernorm" (with bias: GPT-NeoX, StableLM)
@@ -525,6 +527,7 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, config: DenseConfig, layer: int) -> None:
         super().__init__()
         (self.k_heads, self.v_heads), (self.k_dim, self.v_dim) = config.linear_heads, config.linear_head_dims
+        self.tiled = config.linear_tiled_values
         keys, values = self.k_heads * self.k_dim, self.v_heads * self.v_dim
         self.parts = {"in_proj_qkv": 2 * keys + values, "in_proj_z": values, "in_proj_b": self.v_heads,
                       "in_proj_a": self.v_heads}
@@ -548,7 +551,10 @@ class GatedDeltaNet(nn.Module):
 
         def heads(t: torch.Tensor, count: int) -> torch.Tensor:  # [B, T, count * D] -> [B, Hv, T, D]
             t = t.view(B, T, count, -1).transpose(1, 2)
-            return t.repeat_interleave(self.v_heads // count, dim=1) if count != self.v_heads else t
+            if count == self.v_heads:
+                return t
+            return t.repeat(1, self.v_heads // count, 1, 1) if self.tiled else t.repeat_interleave(
+                self.v_heads // count, dim=1)
 
         q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (heads(q, self.k_heads),
                                                                                   heads(k, self.k_heads)))

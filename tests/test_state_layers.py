@@ -191,3 +191,33 @@ def test_chat_answers_a_state_model_as_generate_does_and_refuses_speculation(fol
     served = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), "--ckpt", folder, "--port", "1"],
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert served.returncode != 0 and "does not serve a model with state layers" in served.stderr
+
+
+def test_value_heads_in_tiled_order_give_the_same_model(models):
+    """llama.cpp's qwen35 files store a Gated DeltaNet layer's value heads tiled over the key heads (value head j
+    reads key head j % K) where transformers groups them (j // (V / K)): the same weights reordered, with the switch,
+    are the same model."""
+    import copy
+
+    grouped = copy.deepcopy(models["qwen3_5 3 linear + 1 full"]).double()
+    tiled = copy.deepcopy(grouped)
+    ids = prompt(70, seed=10)
+    with torch.no_grad():
+        for layer in tiled.layers:
+            a = layer.attn
+            if not isinstance(a, dense.GatedDeltaNet):
+                continue
+            K, V, Dk, Dv = a.k_heads, a.v_heads, a.k_dim, a.v_dim
+            heads = torch.arange(V).view(K, V // K).t().reshape(-1)  # tiled head j is grouped head heads[j]
+            rows = (heads[:, None] * Dv + torch.arange(Dv)).reshape(-1)
+            w, qk, vd = a.in_proj.weight, 2 * K * Dk, V * Dv
+            a.in_proj.weight.copy_(torch.cat([w[:qk], w[qk:qk + vd][rows], w[qk + vd:qk + 2 * vd][rows],
+                                              w[qk + 2 * vd:qk + 2 * vd + V][heads], w[qk + 2 * vd + V:][heads]]))
+            a.conv_weight[qk:] = a.conv_weight[qk:][rows].clone()
+            a.A_log.copy_(a.A_log[heads]), a.dt_bias.copy_(a.dt_bias[heads])
+            a.out_proj.weight.copy_(a.out_proj.weight[:, rows])
+            a.tiled = True
+        assert torch.equal(tiled(ids), grouped(ids))
+        layer = next(layer.attn for layer in tiled.layers if isinstance(layer.attn, dense.GatedDeltaNet))
+        layer.tiled = False  # (the switch matters: the reordered weights read the grouped way differ)
+        assert not torch.allclose(tiled(ids), grouped(ids), atol=1e-3)
