@@ -80,6 +80,16 @@ def test_schedule_admits_into_the_row_holding_the_prompt_s_prefix():
     assert rows[1].request is None and first.status is Status.WAITING  # (nothing changed)
 
 
+def test_schedule_reuses_a_row_only_whole_where_layers_keep_a_state():
+    """A state holds where it ends: a prompt that goes on from all of a row is reused; one that shares only part of
+    it starts again (the KV cache would keep the shared part)."""
+    rows = [Row(tokens=[1, 2, 3, 4], used=1), Row(tokens=[5, 6, 7, 8, 9], used=2)]
+    on, apart = waiting([1, 2, 3, 4, 10]), waiting([5, 6, 7, 11, 12])
+    assert schedule(rows, [on, apart]).admit == [(0, on, 4), (1, apart, 3)]
+    plan = schedule(rows, [on, apart], whole_rows=True)
+    assert plan.admit == [(0, on, 4), (1, apart, 0)] and plan.prefill == [(0, 4, 5), (1, 0, 5)]
+
+
 def test_schedule_prefills_in_chunks_beside_decoding_rows():
     rows = [running([1, 2], Status.DECODING), Row(), Row()]
     long = waiting(list(range(100, 200)))

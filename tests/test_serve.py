@@ -647,8 +647,9 @@ def test_structured_output_on_the_default_model_parses_into_a_pydantic_object(de
     jsonschema = pytest.importorskip("jsonschema")
     called = s.client().chat.completions.create(
         model="default", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-        tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60)
-    call = called.choices[0].message.tool_calls[0]
+        tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60, parallel_tool_calls=False)
+    call = called.choices[0].message.tool_calls[0]  # (one call: the grammar ends after it; with parallel calls
+    # allowed this small model writes call after call until max_tokens cuts one: "length", as llama.cpp says)
     assert called.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
@@ -664,6 +665,34 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
     "additionalProperties": False}}}
+
+
+def test_a_schema_that_does_not_say_admits_no_other_properties():
+    """llama.cpp's rule (and OpenAI's strict mode): an object schema naming its properties admits no others unless it
+    says so; a small model otherwise writes invented ones until max_tokens cuts the call."""
+    from dense_engine.formats.vocab import load_vocabulary
+    from dense_engine.runtime import grammar
+
+    said = {"type": "object", "properties": {"a": {"type": "object", "additionalProperties": True}}}
+    nested = {"type": "object", "properties": {"city": {"type": "string"}, "properties": {
+        "type": "array", "items": {"type": "object", "properties": {"x": {"type": "integer"}}}}},
+        "required": ["city"], "$defs": {"p": {"properties": {"y": {"const": {"properties": 1}}}}}}
+    closed = grammar.closed_objects(nested)
+    assert closed["additionalProperties"] is False and closed["$defs"]["p"]["additionalProperties"] is False
+    assert closed["properties"]["properties"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["p"]["properties"]["y"] == {"const": {"properties": 1}}  # (a value, left as it is)
+    assert grammar.closed_objects(said) == {**said, "additionalProperties": False}  # (its inner object said)
+    assert grammar.closed_objects({"type": "object"}) == {"type": "object"}  # (names nothing: any object)
+    vocab = load_vocabulary(LLAMA, None)
+    tokenizer = grammar.tokenizer_for(vocab, vocab.size)
+    weather = WEATHER["function"]["parameters"]
+    open_weather = {k: v for k, v in weather.items() if k != "additionalProperties"}
+    ll = grammar.llguidance()
+    for text, ok in (('{"city":"Paris"}', True), ('{"city":"Paris","type":"object"}', False)):
+        for schema in (weather, open_weather):
+            matcher = ll.LLMatcher(tokenizer, grammar.json_grammar(schema), log_level=0)
+            ids = vocab.encode(text, special=False)
+            assert (matcher.validate_tokens(ids) == len(ids)) == ok, (text, schema)
 
 
 def read_calls(text: str, fmt: str, names, step: int) -> tuple[str, list[dict], list]:
@@ -760,6 +789,10 @@ def test_a_full_tool_round_trip_through_the_families_templates(tmp_path, templat
                                                tool_choice={"type": "function", "function": {"name": "get_time"}},
                                                max_tokens=60)
         assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_time"]
+        cut = dict(model="m", messages=messages, tools=[WEATHER], temperature=0, tool_choice="required", max_tokens=6)
+        assert client.chat.completions.create(**cut).choices[0].finish_reason == "length"  # (not a call to make)
+        assert [c.choices[0].finish_reason for c in client.chat.completions.create(**cut, stream=True)
+                if c.choices and c.choices[0].finish_reason] == ["length"]
         pieces = {}
         for chunk in client.chat.completions.create(model="m", messages=messages, tools=[WEATHER, TIME],
                                                     temperature=0, tool_choice="required", max_tokens=60,

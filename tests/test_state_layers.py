@@ -2,6 +2,7 @@
 models made with transformers are the oracle; each cached path (chunks with padding, rows, left-padded batches, a
 conversation's next turn, the compiled step) is checked against the plain pass."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -167,13 +168,31 @@ def test_the_compiled_decode_step_equals_eager(models):
     assert torch.equal(generate.generate(model, ids, 16, compile=True), eager)
 
 
+@pytest.mark.parametrize("draft", ["lookup", "int4"])
+def test_speculative_decoding_equals_plain_greedy(models, draft):
+    """A rejected draft token went into the target's state (and the draft's): each round starts again from the
+    state it began with, fed only the accepted tokens. Drafts that are partly rejected, so that path runs."""
+    from dense_engine.runtime import speculative
+
+    model = models["qwen3_5 3 linear + 1 full"]
+    ids = prompt(30, seed=11)
+    ids = torch.cat([ids, ids[:, :12], ids[:, 5:20]], 1)  # (repeats: prompt lookup finds drafts)
+    plain = generate.generate(model, ids, 40)[0, ids.shape[1]:].tolist()
+    made = speculative.LookupDraft(3) if draft == "lookup" else speculative.ModelDraft(
+        speculative.quantized_copy(model, draft))
+    stats = {}
+    tokens = [t for step in speculative.generate_rounds(model, ids, 40, made, speculate_k=4, stats=stats)
+              for t in step]
+    assert tokens == plain and stats["proposed"] > stats["accepted"] + 4
+
+
 def test_what_a_state_cannot_do_yet_is_refused_in_one_line(models):
     with pytest.raises(ValueError, match="state layers .* cannot be kept per slot yet"):
         caches.copy_slots(models["lfm2"], 0, 0, 16)
 
 
 @pytest.mark.slow
-def test_chat_answers_a_state_model_as_generate_does_and_refuses_speculation(folders):
+def test_chat_answers_a_state_model_as_generate_does_and_refuses_a_prompt_cache(folders):
     folder = folders["qwen3_5 3 linear + 1 full"][0]
     run = lambda *a: subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", folder, *a],
                                     capture_output=True, text=True, cwd=ROOT,
@@ -186,11 +205,42 @@ def test_chat_answers_a_state_model_as_generate_does_and_refuses_speculation(fol
     model = load.from_pretrained(folder, dtype=torch.float32)
     want = generate.generate(model, torch.tensor([ids]), 16)[0, len(ids):].tolist()
     assert done.returncode == 0 and done.stdout == tok.decode(want, skip_special_tokens=True), done.stderr
-    refused = run("--prompt", "hi", "--lookup")
-    assert refused.returncode != 0 and refused.stderr.count("\n") == 1 and "--lookup is not available" in refused.stderr
-    served = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), "--ckpt", folder, "--port", "1"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert served.returncode != 0 and "does not serve a model with state layers" in served.stderr
+    refused = run("--prompt", "hi", "--prompt-cache", os.path.join(folder, "cache.bin"))
+    assert refused.returncode != 0 and refused.stderr.count("\n") == 1 and "--prompt-cache is not available" in \
+        refused.stderr
+
+
+@pytest.mark.slow
+def test_the_server_answers_a_state_model_as_generate_does(folders, tmp_path):
+    """Through the official openai client: concurrent greedy completions (more requests than rows: one waits for a
+    row another used), and a conversation's next turn on the row that holds its start, each equal to generate()."""
+    import concurrent.futures
+
+    from test_serve import Server
+    from tokenizers import Tokenizer
+
+    folder = folders["qwen3_5 3 linear + 1 full"][0]
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    model = load.from_pretrained(folder, dtype=torch.float32)
+
+    def want(text: str, n: int) -> str:
+        ids = tok.encode(text).ids
+        return tok.decode(generate.generate(model, torch.tensor([ids]), n)[0, len(ids):].tolist())
+
+    server = Server("--max-batch", "3", "--slot-save-path", str(tmp_path), ckpt=folder)
+    try:
+        client = server.client()
+        ask = lambda text, n=12: client.completions.create(model="m", prompt=text, max_tokens=n,
+                                                           temperature=0).choices[0].text
+        texts = ["the cat sat", "once upon a time there", "a b c d e f g", "hello"]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(ask, texts)) == [want(t, 12) for t in texts]
+        follow = "the cat sat" + ask("the cat sat", 8) + " and then"
+        assert ask(follow) == want(follow, 12)
+        status, body = server.request("POST", "/slots/0?action=save", {"filename": "x.bin"})
+        assert status == 501 and "state layers" in json.dumps(body)
+    finally:
+        server.stop()
 
 
 def test_value_heads_in_tiled_order_give_the_same_model(models):
@@ -221,3 +271,23 @@ def test_value_heads_in_tiled_order_give_the_same_model(models):
         layer = next(layer.attn for layer in tiled.layers if isinstance(layer.attn, dense.GatedDeltaNet))
         layer.tiled = False  # (the switch matters: the reordered weights read the grouped way differ)
         assert not torch.allclose(tiled(ids), grouped(ids), atol=1e-3)
+
+
+def test_a_chat_template_saved_apart_is_read_and_rendered_as_transformers_does(folders, tmp_path):
+    """transformers 5 saves a folder's chat template as chat_template.jinja (Qwen3.5's own folders ship it so)."""
+    import json as json_module
+
+    from dense_engine.formats.vocab import load_vocabulary
+
+    folder = tmp_path / "jinja"
+    shutil.copytree(folders["qwen3_5 3 linear + 1 full"][0], folder)
+    config = json_module.loads((folder / "tokenizer_config.json").read_text())
+    template = config.pop("chat_template")
+    (folder / "tokenizer_config.json").write_text(json_module.dumps(config))
+    (folder / "chat_template.jinja").write_text(template.replace("<|im_start|>assistant", "<|im_start|>assistant\n"
+                                                                 "<think>\n"))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    want = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    vocab = load_vocabulary(str(folder), None)
+    assert "<think>" in want and vocab.render(messages) == want

@@ -107,9 +107,8 @@ def load_model(ckpt: str, args, console) -> tuple:
     with console.status(f"Loading {ckpt} ({str(record.dtype).removeprefix('torch.')}, {record.device})..."):
         model = session.load_model(record, checkpoint)
     if caches.has_state(model):  # what a state layer's memory cannot do yet, refused before it would answer wrongly
-        asked = [flag for flag, on in (("--draft", getattr(args, "draft", None)), ("--draft-quant", getattr(
-            args, "draft_quant", None)), ("--lookup", getattr(args, "lookup", None)), ("--prompt-cache", getattr(
-                args, "prompt_cache", None)), ("torchrun", tp.world()[1] > 1)) if on]
+        asked = [flag for flag, on in (("--prompt-cache", getattr(args, "prompt_cache", None)),
+                                       ("torchrun", tp.world()[1] > 1)) if on]
         if asked:
             raise UsageError(f"{ckpt}: {asked[0]} is not available for a model with state layers (Gated DeltaNet, "
                              "short conv) yet")

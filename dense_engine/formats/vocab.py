@@ -147,7 +147,12 @@ def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
         return read_json(file) if os.path.isfile(file) else {}
 
     tok_config, gen_config, model_config = side("tokenizer_config.json"), side("generation_config.json"), side("config.json")
-    vocab = Vocabulary(tokenizer, tok_config.get("chat_template"), token_text(tok_config.get("bos_token")),
+    template = tok_config.get("chat_template")
+    jinja = os.path.join(folder, "chat_template.jinja")  # (transformers 5 saves the template apart; it wins, as there)
+    if not extra and os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            template = f.read()
+    vocab = Vocabulary(tokenizer, template, token_text(tok_config.get("bos_token")),
                        token_text(tok_config.get("eos_token")))
     if isinstance(vocab.chat_template, list):  # [{"name": "default", "template": ...}, ...]
         vocab.chat_template = next((t["template"] for t in vocab.chat_template if t.get("name") == "default"), None)

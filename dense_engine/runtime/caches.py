@@ -251,6 +251,19 @@ def kept_memories(model: dense.DenseDecoder) -> list[nn.Module]:
     return memories(model)
 
 
+def saved_states(model: dense.DenseDecoder) -> list[torch.Tensor]:
+    """Copies of every state layer's buffers (a speculative round's starting point: rejected drafts are undone by
+    putting them back and feeding the accepted tokens again)."""
+    return [t.clone() for m in memories(model) if isinstance(m, dense.State) for t in (m.conv, m.recurrent)
+            if t is not None]
+
+
+def restore_states(model: dense.DenseDecoder, saved: list[torch.Tensor]) -> None:
+    buffers = [t for m in memories(model) if isinstance(m, dense.State) for t in (m.conv, m.recurrent) if t is not None]
+    for buffer, copy in zip(buffers, saved):
+        buffer.copy_(copy)
+
+
 def state_bytes(mixer: nn.Module, batch: int, dtype: torch.dtype) -> int:
     """The bytes of a state layer's memory: the conv window in the model's dtype, and float32 matrices."""
     channels, width = mixer.conv_weight.shape[0], mixer.conv_weight.shape[-1]

@@ -264,13 +264,14 @@ class Runner:
     def prefill_rows(self, chunks: list[list[int]], starts: list[int], rows: torch.Tensor) -> torch.Tensor:
         """Several rows' prompts (or chunks of them) in one eager pass, the weights read once: chunk b at slots
         starts[b].. of cache row rows[b] -> float32 logits [B, V] of each chunk's last token. A shorter chunk is
-        padded at its end with slots past it (written, never read: a row's later tokens overwrite them before any
-        token sees them; past the cache's end, the scratch slot)."""
+        padded at its end with tokens at the scratch slot (written, never read; a state layer leaves its state as it
+        was for them)."""
         model, device = self.model, rows.device
         T = max(len(c) for c in chunks)
         tokens = torch.tensor([c + [0] * (T - len(c)) for c in chunks], device=device)  # [B, T]
-        positions = (torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)).clamp(
-            max=model.max_seq_len)  # [B, T]
+        offsets = torch.arange(T, device=device)
+        positions = torch.where(offsets < torch.tensor([len(c) for c in chunks], device=device)[:, None],
+                                torch.tensor(starts, device=device)[:, None] + offsets, model.max_seq_len)  # [B, T]
         attend = max(s + len(c) for s, c in zip(starts, chunks))  # (the padding sees what its row holds)
         hidden = model.hidden_states(tokens, positions, attend, rows=rows)  # [B, T, C]
         last = torch.tensor([len(c) - 1 for c in chunks], device=device)
@@ -308,10 +309,13 @@ class Runner:
         return tuple(t.clone() for t in out) if with_logits else out.clone()
 
     @torch.no_grad()
-    def logits(self, tokens: torch.Tensor, pos: int, row_start=None) -> torch.Tensor:
-        """Logits [B, T, V] of tokens [B, T] at slots pos.. (the verify step of speculative decoding)."""
+    def logits(self, tokens: torch.Tensor, pos: int, row_start=None, real: int | None = None) -> torch.Tensor:
+        """Logits [B, T, V] of tokens [B, T] at slots pos.. (the verify step of speculative decoding); real: only the
+        first `real` tokens count, the rest (a fixed width's padding) go to the scratch slot and change no state."""
         model, T = self.model, tokens.shape[1]
-        input_pos = torch.arange(pos, pos + T, device=tokens.device).clamp(max=model.max_seq_len)
+        input_pos = torch.arange(pos, pos + T, device=tokens.device)
+        input_pos = torch.where(input_pos < pos + (T if real is None else real), input_pos, model.max_seq_len).clamp(
+            max=model.max_seq_len)
         fn = None
         if self.steps is not None:
             attend = attend_width(model, min(pos + T, model.max_seq_len))

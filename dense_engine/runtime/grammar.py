@@ -44,14 +44,36 @@ def tokenizer_for(vocab: Vocabulary, n_vocab: int):
     return built[n_vocab]
 
 
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+SCHEMA_VALUES = ("const", "enum", "default", "examples", "required")  # values, not schemas
+
+
+def closed_objects(schema):
+    """The schema with additionalProperties false on every object schema that names properties and does not say
+    (llama.cpp's rule, and OpenAI's strict mode: else a small model invents properties until its tokens run out)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_objects(s) for name, s in value.items()}
+        else:
+            out[key] = value if key in SCHEMA_VALUES else closed_objects(value)
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def json_grammar(schema: dict | None = None) -> str:
-    """The grammar of a JSON value that validates against `schema` (None: any JSON object); ValueError if the schema
-    is not one llguidance can compile."""
+    """The grammar of a JSON value that validates against `schema` (None: any JSON object; objects closed as
+    closed_objects says); ValueError if the schema is not one llguidance can compile."""
     ll = llguidance()
     schema = {"type": "object"} if schema is None else schema
     if not isinstance(schema, dict):
         raise ValueError("a JSON schema must be a JSON object")
-    grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+    grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(schema)), overrides=JSON_OPTIONS)
     error = ll.LLMatcher.validate_grammar(grammar)
     if error and not error.startswith("WARNING"):
         raise ValueError(error.splitlines()[0])

@@ -41,9 +41,10 @@ class ModelDraft:
         self.model = model
         self.cached: list[int] = []
         self.runner = None
+        self.saved = None  # a state draft: (its tokens, its states) where its last proposal began
 
     def reset(self) -> None:
-        self.cached = []
+        self.cached, self.saved = [], None
 
     def attach(self, target_runner) -> None:
         """Take the target's cache length and compile setting (called by generate_tokens)."""
@@ -67,11 +68,20 @@ class ModelDraft:
         common = 0
         while common < min(len(self.cached), len(context) - 1) and self.cached[common] == context[common]:
             common += 1
+        if common < len(self.cached) and self.saved is not None:  # a state holds where it ends: back to the
+            tokens, states = self.saved  # proposal's start (a prefix of the context), then the accepted tokens
+            if common >= len(tokens) and context[:len(tokens)] == tokens:
+                caches.restore_states(self.model, states)
+                common = len(tokens)
+            else:
+                common = 0
+        elif common < len(self.cached) and caches.has_state(self.model):
+            common = 0
         new = context[common:]
         if len(new) <= 2:  # after a verify: its token, and the last draft token when all were accepted
-            # one fixed-width step (a padded second token writes a future slot, overwritten before it is read)
+            # one fixed-width step (a padded second token goes to the scratch slot)
             block = torch.tensor([new + new[-1:] * (2 - len(new))], device=self.model.device)
-            logits = self.runner.logits(block, common)[0, len(new) - 1]
+            logits = self.runner.logits(block, common, real=len(new))[0, len(new) - 1]
         else:  # a new prompt, or a chat turn
             logits = self.runner.prefill(torch.tensor([new], device=self.model.device), common, None)[0]
         self.cached = list(context)
@@ -80,6 +90,8 @@ class ModelDraft:
     def propose(self, context: list[int], k: int, sampling) -> tuple[list[int], torch.Tensor | None]:
         """k draft tokens after context, and their distributions q [k, V] (None when greedy)."""
         logits = self.sync(context)
+        if caches.has_state(self.model):
+            self.saved = (list(self.cached), caches.saved_states(self.model))
         device = self.model.device
         if sampling.temperature == 0:  # greedy: the ordinary decode step, the argmax inside its graph
             tokens = [int(mask_vocab(logits[None], sampling.vocab_limit).argmax())]
@@ -208,6 +220,7 @@ def generate_rounds(model: dense.DenseDecoder, prompts, max_new_tokens: int, dra
     draft.attach(runner)
     stats = stats if stats is not None else {}
     stats.update(proposed=0, accepted=0, target_steps=0)
+    stateful = caches.has_state(model)
     token = sample(runner.prefill(ids, start_pos, None), sampling)
     produced = 1
     yield [int(token)]
@@ -222,8 +235,12 @@ def generate_rounds(model: dense.DenseDecoder, prompts, max_new_tokens: int, dra
         else:
             proposal = proposal + [proposal[-1]] * (k - n)  # the verify step has a fixed width: k + 1
             block = torch.tensor([[context[-1]] + proposal], device=device)
-            target_logits = runner.logits(block, pos)[0, : n + 1].float()
+            saved = caches.saved_states(model) if stateful else None
+            target_logits = runner.logits(block, pos, real=n + 1)[0, : n + 1].float()
             new, accepted = accept(target_logits, proposal[:n], None if q is None else q[:n], sampling)
+            if stateful and accepted < n:  # the rejected drafts went into the state: from its start again, with
+                caches.restore_states(model, saved)  # the accepted ones only (the same fixed-width step)
+                runner.logits(block, pos, real=accepted + 1)
             stats["proposed"] += n
             stats["accepted"] += accepted
         stats["target_steps"] += 1

@@ -84,7 +84,7 @@ def call_grammar(tools: list[dict], only: str | None, fmt: str, parallel: bool) 
     functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     key = "parameters" if fmt == "llama3" else "arguments"
     choices = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 key: f.get("parameters") or {"type": "object"}},
+                                                 key: grammar.closed_objects(f.get("parameters") or {"type": "object"})},
                 "required": ["name", key], "additionalProperties": False} for f in functions]
     schema = {"x-guidance": JSON_OPTIONS, **(choices[0] if len(choices) == 1 else {"anyOf": choices})}
     call = "call: %json " + json.dumps(schema)

@@ -147,10 +147,10 @@ class MessagesReply(Reply):
     def stop(self) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence)."""
         job = self.jobs[0]
+        if job.finish_reason == "length":  # (a tool call cut by max_tokens is not a call to make)
+            return "max_tokens", None
         if any(b["type"] == "tool_use" for b in self.blocks):
             return "tool_use", None
-        if job.finish_reason == "length":
-            return "max_tokens", None
         matched = job.output.held.matched if job.output.held is not None else None
         return ("stop_sequence", matched) if matched else ("end_turn", None)
 

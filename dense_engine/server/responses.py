@@ -167,8 +167,8 @@ class Reply:
         for job in self.jobs:
             text, entries = "".join(self.texts[job.index]), self.entries[job.index]
             choices.append(self.choice(job, text, job.finish_reason, False, entries))
-            if self.calls[job.index]:
-                choices[-1].update(finish_reason="tool_calls")
+            if self.calls[job.index]:  # (a call cut by max_tokens is not a call to make: "length")
+                choices[-1].update(finish_reason="length" if job.finish_reason == "length" else "tool_calls")
                 calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"],
                                                                           "arguments": c["arguments"]}}
                          for c in self.calls[job.index]]
@@ -217,7 +217,8 @@ class ChatReply(Reply):
 
     def chunks(self, piece: Piece) -> list[dict]:
         if piece.kind == "done" and self.calls[piece.index]:  # the finish of a reply that called tools
-            return [self.chunk([{"index": piece.index, "delta": {}, "finish_reason": "tool_calls",
+            reason = "length" if piece.text == "length" else "tool_calls"
+            return [self.chunk([{"index": piece.index, "delta": {}, "finish_reason": reason,
                                  "logprobs": self.logprobs(self.jobs[piece.index], list(piece.entries))}])]
         return super().chunks(piece)
 

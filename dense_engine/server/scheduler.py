@@ -199,10 +199,11 @@ class Plan:
 
 def schedule(rows: list[Row], waiting: list[Request], *, drafting: bool = False, speculating: bool = False,
              reuse: bool = True, prefill_chunk: int = PREFILL_BUDGET,
-             stored: Callable[[Request], int] = lambda request: 0) -> Plan:
+             stored: Callable[[Request], int] = lambda request: 0, whole_rows: bool = False) -> Plan:
     """This turn's Plan, from the rows and the line of waiting requests (changes neither). With a draft, a request
     the sampler alone decides takes row 0 to speculate, when no other request does. stored(request): how many of its
-    prompt's first tokens the prefix store holds (prefixes.stored)."""
+    prompt's first tokens the prefix store holds (prefixes.stored). whole_rows: a row's cache is reused only whole
+    (a state layer holds where it ends: a prompt that goes on from all of it, or none)."""
     plan, taken = Plan(), set()
     for request in waiting:
         free = [r for r, row in enumerate(rows) if row.request is None and r not in taken]
@@ -216,7 +217,7 @@ def schedule(rows: list[Row], waiting: list[Request], *, drafting: bool = False,
             plan.speculate, plan.round = request, True
             taken.add(0)
             continue
-        row, common = pick_row(rows, free, request, reuse)
+        row, common = pick_row(rows, free, request, reuse, whole_rows)
         taken.add(row)
         plan.admit.append((row, request, common))
     plan.round = plan.round or speculating
@@ -234,13 +235,17 @@ def schedule(rows: list[Row], waiting: list[Request], *, drafting: bool = False,
     return plan
 
 
-def pick_row(rows: list[Row], free: list[int], request: Request, reuse: bool) -> tuple[int, int]:
+def pick_row(rows: list[Row], free: list[int], request: Request, reuse: bool,
+             whole_rows: bool = False) -> tuple[int, int]:
     """(the free row to prefill into, how many of the prompt's first tokens its cache already holds): the row sharing
     the longest prefix when that is at least REUSE_SHARE of what it holds (a conversation's next turn); else an empty
-    row; else the least recently used one (its conversation the least likely to come back)."""
+    row; else the least recently used one (its conversation the least likely to come back). whole_rows: a shared
+    prefix counts only when it is all the row holds."""
     if not reuse or request.echo:  # (echo's logprobs need every prompt position computed)
         return free[0], 0
     shared = {r: common_prefix(rows[r].tokens, request.prompt) for r in free}
+    if whole_rows:
+        shared = {r: n if n == len(rows[r].tokens) else 0 for r, n in shared.items()}
     best = max(free, key=lambda r: (shared[r], -r))
     if shared[best] and shared[best] >= REUSE_SHARE * len(rows[best].tokens):
         return best, shared[best]
@@ -297,8 +302,9 @@ class Scheduler:
         self.key: str | None = None  # (model_key)
         if prefix_cache_mb is None:
             prefix_cache_mb = default_capacity_mb()
+        self.whole_rows = caches.has_state(model)  # (a state is kept where it ends, not per block: no prefix store)
         self.store = PrefixStore(prefix_cache_mb << 20, token_bytes(model), prefix_block) \
-            if reuse and prefix_cache_mb else None
+            if reuse and prefix_cache_mb and not self.whole_rows else None
         self.disk = None  # the store's disk tier: prefixes used more than once, kept across restarts
         if self.store is not None and prefix_disk_mb != 0 and tp.world()[1] == 1 and machine.unwritable_cache() is None:
             self.disk = DiskStore(os.path.join(machine.cache_dir(), "prefixes"), (prefix_disk_mb or default_disk_mb())
@@ -362,7 +368,7 @@ class Scheduler:
             line = list(self.waiting.queue)
         plan = schedule(self.slots, line, drafting=self.draft is not None, speculating=self.speculation is not None,
                         reuse=self.reuse, prefill_chunk=self.prefill_chunk,
-                        stored=lambda request: prefixes.stored(self, request))
+                        stored=lambda request: prefixes.stored(self, request), whole_rows=self.whole_rows)
         admit(self, plan)
         for row in plan.freed:
             self.slots[row].request = None

@@ -93,9 +93,6 @@ def load_for_serving(args, console, rank0: bool = True) -> tuple:
         except TemplateError:
             pass  # (a chat request says what is wrong with it; completions still work)
     model, record = load_model(ckpt, args, console)
-    if caches.has_state(model):  # (a row's state is not kept per slot yet: the prefix store would reuse it wrongly)
-        raise UsageError(f"{ckpt}: serve.py does not serve a model with state layers (Gated DeltaNet, short conv) "
-                         "yet; chat.py and the Python API run it")
     if rank0:
         print(f"weights: {record.weights}", file=sys.stderr, flush=True)
         defaults = Defaults.of_vocab(vocab, lambda message: print(f"note: {message}", file=sys.stderr, flush=True))

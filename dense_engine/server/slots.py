@@ -41,6 +41,9 @@ async def act(server, row: str, action: str | None, body: dict) -> dict:
         raise BadRequest("slot files are not served under torchrun (tensor parallel)", status=501,
                          kind="not_supported_error")
     scheduler = server.scheduler
+    if scheduler.whole_rows:
+        raise BadRequest("slot files are not served for a model with state layers (Gated DeltaNet, short conv) yet",
+                         status=501, kind="not_supported_error")
     if action not in ACTIONS:
         raise BadRequest(f"'action' must be one of {', '.join(ACTIONS)}, got {action!r}", "action")
     if not row.isdigit() or int(row) >= len(scheduler.rows):
