@@ -238,6 +238,10 @@ def test_messages_tool_use_round_trip(vocab):
     use = first.content[0]
     assert first.stop_reason == "tool_use" and use.type == "tool_use" and use.name == "get_weather"
     assert use.input == {"city": "Oslo"} and use.id.startswith("toolu_")
+    cut = client.messages.create(model="m", max_tokens=48, tools=tools,  # (inside the call's arguments; at 60
+                                 # the call is whole and only its closing tag is cut: tool_use, above)
+                                 messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    assert cut.stop_reason == "max_tokens"
     client.messages.create(model="m", max_tokens=60, tools=tools, messages=[
         {"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": first.content},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}]}])

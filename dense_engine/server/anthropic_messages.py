@@ -147,10 +147,10 @@ class MessagesReply(Reply):
     def stop(self) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence)."""
         job = self.jobs[0]
-        if job.finish_reason == "length":  # (a tool call cut by max_tokens is not a call to make)
-            return "max_tokens", None
-        if any(b["type"] == "tool_use" for b in self.blocks):
+        if any(b["type"] == "tool_use" for b in self.blocks) and not self.call_cut(0, job.finish_reason):
             return "tool_use", None
+        if job.finish_reason == "length":  # (also a tool call that max_tokens cut: not a call to make)
+            return "max_tokens", None
         matched = job.output.held.matched if job.output.held is not None else None
         return ("stop_sequence", matched) if matched else ("end_turn", None)
 
@@ -187,6 +187,7 @@ class MessagesReply(Reply):
             return [{"type": "content_block_delta", "index": self.writing,
                      "delta": {"type": "input_json_delta", "partial_json": piece.text}}]
         if piece.kind == "end":
+            self.track(piece)
             return self.close()
         if piece.kind == "done":
             reason, sequence = self.stop()

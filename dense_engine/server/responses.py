@@ -146,6 +146,12 @@ class Reply:
             calls.append({"id": call_id(self.call_prefix), "name": piece.text, "arguments": ""})
         elif piece.kind == "arguments":
             calls[piece.call]["arguments"] += piece.text
+        elif piece.kind == "end":
+            calls[piece.call]["ended"] = True
+
+    def call_cut(self, index: int, reason: str) -> bool:
+        """Whether max_tokens cut choice `index` inside a tool call (its arguments not whole): no call to make."""
+        return reason == "length" and any(not call.get("ended") for call in self.calls[index])
 
     # whole
 
@@ -167,8 +173,9 @@ class Reply:
         for job in self.jobs:
             text, entries = "".join(self.texts[job.index]), self.entries[job.index]
             choices.append(self.choice(job, text, job.finish_reason, False, entries))
-            if self.calls[job.index]:  # (a call cut by max_tokens is not a call to make: "length")
-                choices[-1].update(finish_reason="length" if job.finish_reason == "length" else "tool_calls")
+            if self.calls[job.index]:
+                choices[-1].update(finish_reason="length" if self.call_cut(job.index, job.finish_reason) else
+                                   "tool_calls")
                 calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"],
                                                                           "arguments": c["arguments"]}}
                          for c in self.calls[job.index]]
@@ -217,7 +224,7 @@ class ChatReply(Reply):
 
     def chunks(self, piece: Piece) -> list[dict]:
         if piece.kind == "done" and self.calls[piece.index]:  # the finish of a reply that called tools
-            reason = "length" if piece.text == "length" else "tool_calls"
+            reason = "length" if self.call_cut(piece.index, piece.text) else "tool_calls"
             return [self.chunk([{"index": piece.index, "delta": {}, "finish_reason": reason,
                                  "logprobs": self.logprobs(self.jobs[piece.index], list(piece.entries))}])]
         return super().chunks(piece)
