@@ -703,6 +703,9 @@ def qwen3_5(folder: str, raw: dict, source: str):
     weights = hf_weights(folder)
     if any(name.startswith("model.visual.") for name in weights):
         machine.note(f"{source}: the vision tower (model.visual.*) is not loaded: this engine reads text")
+    if any(name.startswith("mtp.") for name in weights):
+        machine.note(f"{source}: the multi-token prediction layers (mtp.*) are not used yet (a draft: --draft-quant "
+                     "or --lookup speculate)")
     rules = [(r"model\.visual\..*", None), (r"mtp\..*", None),
              (prefix + r"embed_tokens\.weight", "embed_tokens.weight"), (prefix + r"norm\.weight", "norm.weight"),
              (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -223,6 +224,16 @@ def package(fn: Callable, args: tuple, dynamic: dict | None, path: str) -> None:
             shapes[at[i]][dim] = length
         shapes = ([s or None for s in shapes],)
     before_tracing()
+    ir_log = logging.getLogger("torch._inductor.ir")  # its note that an op without a C shim runs through a fallback
+    level = ir_log.level  # (a state layer's triangular solve) is not the user's to read
+    ir_log.setLevel(logging.ERROR)
+    try:
+        export_and_compile(fn, args, tensors, shapes, path)
+    finally:
+        ir_log.setLevel(level)
+
+
+def export_and_compile(fn: Callable, args: tuple, tensors: list, shapes, path: str) -> None:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # (PyTorch's own deprecations inside export, not the user's)
         exported = torch.export.export(Exported(fn, args), (tensors,), dynamic_shapes=shapes, strict=False)
