@@ -200,6 +200,15 @@ def longrope_factors(s: dict) -> tuple[np.ndarray, np.ndarray]:
 # Writing the GGUF file
 
 
+# A layer's tensors: Hugging Face names (after "model.layers.N.") -> the converter's (after "blk.N."), those every
+# architecture with Llama's names has
+LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+               "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+               "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
+               "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+               "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+
+
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """The q/k row order llama.cpp's converter gives the llama architecture (its rotary turns adjacent pairs)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -225,16 +234,12 @@ def gguf_tensors(case: str) -> dict[str, np.ndarray]:
         else:
             i, rest = name.split(".", 3)[2], name.split(".", 3)[3]
             post = "post_attention_norm" if arch in ("gemma2", "gemma3") else "ffn_norm"
-            theirs = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": f"{post}.weight",
+            theirs = {**LAYER_NAMES, "post_attention_layernorm.weight": f"{post}.weight",
                       "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                       "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-                      "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-                      "self_attn.v_proj.weight": "attn_v.weight", "self_attn.q_proj.bias": "attn_q.bias",
-                      "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
-                      "self_attn.o_proj.weight": "attn_output.weight", "self_attn.qkv_proj.weight": "attn_qkv.weight",
-                      "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-                      "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-                      "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}[rest]
+                      "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+                      "self_attn.v_proj.bias": "attn_v.bias", "self_attn.qkv_proj.weight": "attn_qkv.weight",
+                      "mlp.gate_up_proj.weight": "ffn_up.weight"}[rest]
             if arch == "llama" and theirs in ("attn_q.weight", "attn_k.weight"):
                 t = llama_cpp_permute(t, s["heads"] if theirs == "attn_q.weight" else s["kv_heads"])
             out[f"blk.{i}.{theirs}"] = t
@@ -253,14 +258,7 @@ def write(case: str, path: str, qtype=None) -> str:
     writer = gguf.GGUFWriter(str(path), arch)
     if arch in STATE_ARCHITECTURES:
         return write_state(writer, case, qtype)
-    writer.add_context_length(s["context"])
-    writer.add_embedding_length(s["hidden"])
-    writer.add_block_count(s["layers"])
-    writer.add_feed_forward_length(s["ffn"])
-    writer.add_head_count(s["heads"])
-    writer.add_head_count_kv(s["kv_heads"])
-    writer.add_layer_norm_rms_eps(s["eps"])
-    writer.add_rope_freq_base(s["theta"])
+    write_shape(writer, s, s["layers"], s["kv_heads"])
     if s["head_dim"] != s["hidden"] // s["heads"]:
         writer.add_key_length(s["head_dim"])
         writer.add_value_length(s["head_dim"])
@@ -285,6 +283,18 @@ def write(case: str, path: str, qtype=None) -> str:
         return (gguf.quants.quantize(t, qtype), qtype) if block else (t, None)
 
     return write_tensors(writer, gguf_tensors(case), stored)
+
+
+def write_shape(writer, s: dict, layers: int, kv_heads) -> None:
+    """The metadata every architecture has (layers: the block count; kv_heads: a count, or one a layer)."""
+    writer.add_context_length(s["context"])
+    writer.add_embedding_length(s["hidden"])
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(s["ffn"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(s["eps"])
+    writer.add_rope_freq_base(s["theta"])
 
 
 def write_tensors(writer, tensors: dict[str, np.ndarray], stored) -> str:
@@ -403,18 +413,12 @@ def state_hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
     return w
 
 
-# A layer's tensors: Hugging Face names (after "model.layers.N.") -> the converter's (after "blk.N.")
-QWEN35_NAMES = {"input_layernorm.weight": "attn_norm.weight",
-                "post_attention_layernorm.weight": "post_attention_norm.weight",
-                "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-                "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.weight": "attn_q.weight",
-                "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-                "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
-                "self_attn.k_norm.weight": "attn_k_norm.weight", "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
-                "linear_attn.in_proj_z.weight": "attn_gate.weight", "linear_attn.in_proj_b.weight": "ssm_beta.weight",
-                "linear_attn.in_proj_a.weight": "ssm_alpha.weight", "linear_attn.conv1d.weight": "ssm_conv1d.weight",
-                "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.A_log": "ssm_a",
-                "linear_attn.norm.weight": "ssm_norm.weight", "linear_attn.out_proj.weight": "ssm_out.weight"}
+QWEN35_NAMES = {**LAYER_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight",
+                "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
+                "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+                "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.dt_bias": "ssm_dt.bias",
+                "linear_attn.A_log": "ssm_a", "linear_attn.norm.weight": "ssm_norm.weight",
+                "linear_attn.out_proj.weight": "ssm_out.weight"}
 LFM2_NAMES = {"operator_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
               "self_attn.v_proj.weight": "attn_v.weight", "self_attn.out_proj.weight": "attn_output.weight",
@@ -492,20 +496,14 @@ def write_state(writer, case: str, qtype=None) -> str:
     for the head, attn_v and ffn_down as llama.cpp's Q4_K_M picks). Returns the weights' digest."""
     s = spec(case)
     arch, types, mtp = s["arch"], s["layer_types"], s.get("mtp", 0)
-    writer.add_block_count(len(types) + mtp)
-    writer.add_context_length(s["context"])
-    writer.add_embedding_length(s["hidden"])
-    writer.add_feed_forward_length(s["ffn"])
-    writer.add_head_count(s["heads"])
-    writer.add_rope_freq_base(s["theta"])
-    writer.add_layer_norm_rms_eps(s["eps"])
-    if arch == "lfm2":  # key/value heads per layer: 0 marks a conv layer
-        writer.add_head_count_kv([0 if kind == "conv" else s["kv_heads"] for kind in types])
+    # lfm2: key/value heads per layer, 0 marking a conv layer; qwen35: the MTP layer counted among the blocks
+    kv_heads = [0 if kind == "conv" else s["kv_heads"] for kind in types] if arch == "lfm2" else s["kv_heads"]
+    write_shape(writer, s, len(types) + mtp, kv_heads)
+    if arch == "lfm2":
         writer.add_vocab_size(vocab_size(case))
         writer.add_shortconv_l_cache(s["conv"])
     else:
         k_heads, v_heads, dim = s["linear"]
-        writer.add_head_count_kv(s["kv_heads"])
         writer.add_key_length(s["head_dim"])
         writer.add_value_length(s["head_dim"])
         if mtp:

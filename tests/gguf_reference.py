@@ -96,29 +96,29 @@ def transformers_logits(case: str, ids: list[int]):
     if arch in ("llama", "qwen2", "qwen3", "phi3"):
         values["tie_word_embeddings"] = False
     config = transformers.AutoConfig.for_model(model_type, rope_parameters=rope, **values)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    state = {k: torch.from_numpy(v) for k, v in gguf_cases.hf_weights(case).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or unexpected:
-        sys.exit(f"{case}: the Hugging Face layout does not fit transformers' model: {missing} {unexpected}")
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return forward(model, case, ids)
 
 
 def state_transformers_logits(case: str, ids: list[int]):
-    """Qwen3_5ForCausalLM's or Lfm2ForCausalLM's forward of the case's weights (without Qwen3.5's mtp.* layer, which
-    transformers does not build)."""
-    import torch
+    """Qwen3_5ForCausalLM's or Lfm2ForCausalLM's forward of the case's weights."""
     import transformers
 
     config = gguf_cases.state_hf_config(case)
     config._attn_implementation = "eager"
     kind = transformers.Lfm2ForCausalLM if gguf_cases.spec(case)["arch"] == "lfm2" else transformers.Qwen3_5ForCausalLM
-    model = kind(config).float().eval()
+    return forward(kind(config), case, ids)
+
+
+def forward(model, case: str, ids: list[int]):
+    """model's float32 logits for ids, its weights the case's in their Hugging Face layout (but Qwen3.5's mtp.* layer,
+    which transformers does not build)."""
+    import torch
+
+    model = model.float().eval()
     state = {k: torch.from_numpy(v) for k, v in gguf_cases.hf_weights(case).items() if not k.startswith("mtp.")}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+    missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:
         sys.exit(f"{case}: the Hugging Face layout does not fit transformers' model: {missing} {unexpected}")
     with torch.no_grad():

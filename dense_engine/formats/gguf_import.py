@@ -1,8 +1,9 @@
 """gguf_import.py: llama.cpp's GGUF files as native checkpoints, and their tokenizers, read as llama.cpp reads them.
 
-Architectures: llama (Llama 1/2/3.x, SmolLM2, TinyLlama), qwen2, qwen3, gemma, gemma2, gemma3, phi3. What llama.cpp's
+Architectures: llama (Llama 1/2/3.x, SmolLM2, TinyLlama), qwen2, qwen3, gemma, gemma2, gemma3, phi3, and the hybrids
+whose other layers keep a state (dense.py section 4): qwen35 (Qwen3.5 / 3.6), lfm2 (LFM2). What llama.cpp's
 converter (convert_hf_to_gguf.py) did that an importer must undo or honour, and what llama.cpp's model code decides
-beyond the file (llama-model.cpp), each where it is read below:
+beyond the file (llama-model.cpp, src/models/*.cpp), each where it is read below:
   * llama: q and k rows permuted so rotary can turn adjacent pairs (2i, 2i+1); undone here, back to rotate-half
     pairs (i, i + D/2), the same model. `rope_freqs.weight` holds Llama 3.x's divisor of each frequency.
   * gemma, gemma2, gemma3: every norm weight has the `+1` of Gemma's `(1 + w)` baked in; embeddings times sqrt(hidden);
@@ -10,6 +11,11 @@ beyond the file (llama-model.cpp), each where it is read below:
     other layer; 3: five of six, with `rope.freq_base_swa`), and a query scale fixed by llama.cpp's code, not the file.
   * phi3: q|k|v fused in attn_qkv and gate|up in ffn_up (split here); partial rotary; LongRoPE factors as tensors,
     the long ones for a cache longer than `rope.scaling.original_context_length` (as llama.cpp picks by its context).
+  * qwen35: Gated DeltaNet layers (ssm.* metadata; ssm_a = -exp(A_log), taken back to A_log; conv kernels [C, W];
+    value heads reordered to tiled, kept so: linear_tiled_values) and full-attention layers whose attn_q holds each
+    head's query rows, then its output-gate rows; every norm but ssm_norm with its 1 + w baked in (used as stored);
+    MTP layers after the model's (nextn_predict_layers) skipped with a note.
+  * lfm2: short-conv layers where attention.head_count_kv is 0; the final norm is token_embd_norm.
 
 The file's metadata and tensor table are parsed here (GGUFFile, over a memory map: gguf's reader takes seconds on a
 large vocabulary); weights are dequantized with the `gguf` package's own dequantizer (F32, F16, BF16, Q8_0, Q4_0,
