@@ -1,7 +1,8 @@
 """Tiny random GGUF files of every architecture gguf_import reads, laid out as llama.cpp's own converter
 (convert_hf_to_gguf.py) writes them, with byte-level BPE and SentencePiece vocabularies. Shared by tests/test_gguf.py,
 which compares this engine with the checked-in llama.cpp references, and tests/gguf_reference.py, which made those
-references once with llama.cpp (and checked each file against transformers' forward of the same weights).
+references once with llama.cpp (and checked each file against transformers' forward of the same weights). The
+hybrids whose other layers keep a state (qwen35, lfm2: STATE_CASES, STATE_FILES) have references of their own.
 
 Everything here is deterministic (numpy's seeded RandomState, fixed corpora), so a test writes the very file the
 reference was made from; the references record each file's weights' digest to prove it.
@@ -31,6 +32,8 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
 
 BASE = dict(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, ffn=128, context=128, eps=1e-5, theta=10000.0)
 # case -> architecture, shape changes, tokenizer ("bpe", pre) or ("spm", add_space_prefix), other switches
@@ -47,13 +50,32 @@ CASES = {
     "phi3": dict(arch="phi3", tokenizer=("spm", True), rotary=12, longrope=True, original_context=16),
 }
 QUANTIZED = {"qwen2-q8_0": ("qwen2", Q.Q8_0), "gemma2-q4_1": ("gemma2", Q.Q4_1)}  # the block linears in these types
+STATE_ARCHITECTURES = ("qwen35", "lfm2")
+# The hybrids: qwen35 (Qwen3.5: Gated DeltaNet layers, linear = (key heads, value heads, head dim), and a
+# full-attention layer every 4th, with an MTP layer after them) and lfm2 (short convs of width conv between attention
+# layers). qwen35-wide: rows of 256 inputs, for K-quant blocks.
+QWEN35 = dict(arch="qwen35", tokenizer=("bpe", "qwen35"), head_dim=32, rotary=8, eps=1e-6, theta=1e7,
+              linear=(2, 4, 16), conv=4, mtp=1, layer_types=["linear_attention"] * 3 + ["full_attention"])
+STATE_CASES = {
+    "qwen35": QWEN35,
+    "qwen35-wide": {**QWEN35, "hidden": 256, "head_dim": 64, "rotary": 16, "ffn": 256, "linear": (2, 4, 64), "mtp": 0},
+    "lfm2": dict(arch="lfm2", tokenizer=("bpe", "lfm2"), layers=6, theta=1e6, conv=3,
+                 layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"]),
+}
+# file -> (case, type of its 2-D weights but the convs: None F32; Q8_0 as the converter's --outtype q8_0 makes it;
+# Q4_K: K-quant blocks as llama.cpp's Q4_K_M mixes them, random (gguf cannot make K-quants), Q6_K where it uses Q6_K)
+STATE_FILES = {"qwen35": ("qwen35", None), "lfm2": ("lfm2", None), "qwen35-q8_0": ("qwen35", Q.Q8_0),
+               "qwen35-q4_k": ("qwen35-wide", Q.Q4_K)}
+# Letters with combining marks (\p{M}): Qwen3.5's split keeps them in their word; its vocabulary is trained on them too
+MARKS = "combining marks: e\u0301te\u0301 nin\u0303o Mu\u0308ller, cafe\u0301 \u0301\u0301!"
+STATE_TEXTS = TEXTS + [MARKS, "ba\u0301ra\u0301 e\u0301"]
 IDS_LENGTH = 40
 VOCAB = 512  # what the BPE trainer is asked for (it stops short on this corpus)
 SPM_PIECES = 400
 
 
 def spec(case: str) -> dict:
-    return {**BASE, **CASES[case]}
+    return {**BASE, **(CASES[case] if case in CASES else STATE_CASES[case])}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -61,16 +83,18 @@ def spec(case: str) -> dict:
 
 
 def bpe_tokenizer(pre: str) -> Tokenizer:
-    """A byte-level BPE trained here on CORPUS, split as llama.cpp splits for `pre` (Llama 3's or Qwen2's regex)."""
+    """A byte-level BPE trained here on CORPUS (and MARKS for qwen35), split as llama.cpp splits for `pre` (Llama 3's,
+    Qwen2's or Qwen3.5's regex)."""
     tok = Tokenizer(models.BPE())
-    split = QWEN2_SPLIT if pre == "qwen2" else (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| "
-                                                r"?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    split = {"qwen2": QWEN2_SPLIT, "qwen35": QWEN35_SPLIT}.get(pre, r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?"
+                                                              r"\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+                                                              r"\s+(?!\S)|\s+")
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB - len(SPECIALS), special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS * 5, trainer)
+    tok.train_from_iterator((CORPUS + ([MARKS] if pre == "qwen35" else [])) * 5, trainer)
     return tok
 
 
@@ -107,6 +131,8 @@ def vocab_size(case: str) -> int:
 
 def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
     s = spec(case)
+    if s["arch"] in STATE_ARCHITECTURES:
+        return state_hf_weights(case, seed)
     V = vocab_size(case)
     rng = np.random.RandomState(seed + sum(map(ord, case)))
     C, H, K, D, F, L = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["ffn"], s["layers"]
@@ -174,6 +200,15 @@ def longrope_factors(s: dict) -> tuple[np.ndarray, np.ndarray]:
 # Writing the GGUF file
 
 
+# A layer's tensors: Hugging Face names (after "model.layers.N.") -> the converter's (after "blk.N."), those every
+# architecture with Llama's names has
+LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+               "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+               "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
+               "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+               "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+
+
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """The q/k row order llama.cpp's converter gives the llama architecture (its rotary turns adjacent pairs)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -181,6 +216,8 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def gguf_tensors(case: str) -> dict[str, np.ndarray]:
     """The file's tensors, named and changed as convert_hf_to_gguf.py does for the case's architecture."""
+    if spec(case)["arch"] in STATE_ARCHITECTURES:
+        return state_gguf_tensors(case)
     s, w = spec(case), hf_weights(case)
     arch = s["arch"]
     gemma = arch.startswith("gemma")
@@ -197,16 +234,12 @@ def gguf_tensors(case: str) -> dict[str, np.ndarray]:
         else:
             i, rest = name.split(".", 3)[2], name.split(".", 3)[3]
             post = "post_attention_norm" if arch in ("gemma2", "gemma3") else "ffn_norm"
-            theirs = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": f"{post}.weight",
+            theirs = {**LAYER_NAMES, "post_attention_layernorm.weight": f"{post}.weight",
                       "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                       "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-                      "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-                      "self_attn.v_proj.weight": "attn_v.weight", "self_attn.q_proj.bias": "attn_q.bias",
-                      "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
-                      "self_attn.o_proj.weight": "attn_output.weight", "self_attn.qkv_proj.weight": "attn_qkv.weight",
-                      "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-                      "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-                      "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}[rest]
+                      "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+                      "self_attn.v_proj.bias": "attn_v.bias", "self_attn.qkv_proj.weight": "attn_qkv.weight",
+                      "mlp.gate_up_proj.weight": "ffn_up.weight"}[rest]
             if arch == "llama" and theirs in ("attn_q.weight", "attn_k.weight"):
                 t = llama_cpp_permute(t, s["heads"] if theirs == "attn_q.weight" else s["kv_heads"])
             out[f"blk.{i}.{theirs}"] = t
@@ -223,14 +256,9 @@ def write(case: str, path: str, qtype=None) -> str:
     s = spec(case)
     arch = s["arch"]
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(s["context"])
-    writer.add_embedding_length(s["hidden"])
-    writer.add_block_count(s["layers"])
-    writer.add_feed_forward_length(s["ffn"])
-    writer.add_head_count(s["heads"])
-    writer.add_head_count_kv(s["kv_heads"])
-    writer.add_layer_norm_rms_eps(s["eps"])
-    writer.add_rope_freq_base(s["theta"])
+    if arch in STATE_ARCHITECTURES:
+        return write_state(writer, case, qtype)
+    write_shape(writer, s, s["layers"], s["kv_heads"])
     if s["head_dim"] != s["hidden"] // s["heads"]:
         writer.add_key_length(s["head_dim"])
         writer.add_value_length(s["head_dim"])
@@ -248,12 +276,34 @@ def write(case: str, path: str, qtype=None) -> str:
         scale = s["context"] / s["original_context"]
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(s["original_context"])))
     write_vocabulary(writer, s["tokenizer"])
-    digest = hashlib.sha256()
-    for name, t in gguf_tensors(case).items():
+
+    def stored(name: str, t: np.ndarray):
         kind = name.split(".")[-2]
         block = qtype is not None and t.ndim == 2 and kind.startswith(("attn_", "ffn_")) and "norm" not in kind
-        raw = gguf.quants.quantize(t, qtype) if block else t
-        writer.add_tensor(name, raw, raw_dtype=qtype if block else None)
+        return (gguf.quants.quantize(t, qtype), qtype) if block else (t, None)
+
+    return write_tensors(writer, gguf_tensors(case), stored)
+
+
+def write_shape(writer, s: dict, layers: int, kv_heads) -> None:
+    """The metadata every architecture has (layers: the block count; kv_heads: a count, or one a layer)."""
+    writer.add_context_length(s["context"])
+    writer.add_embedding_length(s["hidden"])
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(s["ffn"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(s["eps"])
+    writer.add_rope_freq_base(s["theta"])
+
+
+def write_tensors(writer, tensors: dict[str, np.ndarray], stored) -> str:
+    """Write the tensors, each as stored(name, t) gives it: (raw array, GGUF type or None for its numpy type), and
+    the file. Returns the digest of the names and raw arrays."""
+    digest = hashlib.sha256()
+    for name, t in tensors.items():
+        raw, kind = stored(name, t)
+        writer.add_tensor(name, raw, raw_dtype=kind)
         digest.update(name.encode() + np.ascontiguousarray(raw).tobytes())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -300,3 +350,208 @@ def write_vocabulary(writer, tokenizer: tuple) -> None:
 def input_ids(case: str) -> list[int]:
     rng = np.random.RandomState(7)
     return rng.randint(3, vocab_size(case), IDS_LENGTH).tolist()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The hybrids whose other layers keep a state: Qwen3.5 (qwen35) and LFM2 (lfm2)
+
+
+def state_hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """Qwen3_5ForCausalLM's tensors (and its checkpoint's mtp.* layer), or Lfm2ForCausalLM's (a tied head), in their
+    Hugging Face names."""
+    s = spec(case)
+    rng = np.random.RandomState(seed + sum(map(ord, case)))
+    C, H, K, D, F, W = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["ffn"], s["conv"]
+    qwen = s["arch"] == "qwen35"
+
+    def mat(rows, cols, std=0.15):
+        return (rng.standard_normal((rows, cols)) * std).astype(np.float32)
+
+    def gain(n):  # Qwen3.5's norms store offsets from 1 (all but the Gated DeltaNet's own)
+        return (rng.uniform(-0.5, 0.5, n) if qwen else rng.uniform(0.5, 1.5, n)).astype(np.float32)
+
+    def attention(p: str) -> dict:  # Qwen3.5's q_proj: per head, D query rows then D output-gate rows
+        names = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm") if qwen else (
+            "q_proj", "k_proj", "v_proj", "out_proj", "q_layernorm", "k_layernorm")
+        shapes = [((2 if qwen else 1) * H * D, C), (K * D, C), (K * D, C), (C, H * D)]
+        out = {f"{p}self_attn.{n}.weight": mat(*shape) for n, shape in zip(names, shapes)}
+        out.update({f"{p}self_attn.{n}.weight": gain(D) for n in names[4:]})
+        return out
+
+    def layer(p: str, kind: str) -> dict:
+        out = {p + ("input_layernorm" if qwen else "operator_norm") + ".weight": gain(C),
+               p + ("post_attention_layernorm" if qwen else "ffn_norm") + ".weight": gain(C)}
+        gate, up, down = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj") if qwen else (
+            "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
+        out.update({f"{p}{gate}.weight": mat(F, C), f"{p}{up}.weight": mat(F, C), f"{p}{down}.weight": mat(C, F)})
+        if kind == "full_attention":
+            return {**out, **attention(p)}
+        if kind == "conv":
+            return {**out, p + "conv.in_proj.weight": mat(3 * C, C), p + "conv.out_proj.weight": mat(C, C),
+                    p + "conv.conv.weight": (rng.standard_normal((C, 1, W)) * 0.3).astype(np.float32)}
+        k_heads, v_heads, dim = s["linear"]
+        channels, a = 2 * k_heads * dim + v_heads * dim, p + "linear_attn."
+        return {**out, a + "in_proj_qkv.weight": mat(channels, C), a + "in_proj_z.weight": mat(v_heads * dim, C),
+                a + "in_proj_b.weight": mat(v_heads, C), a + "in_proj_a.weight": mat(v_heads, C),
+                a + "conv1d.weight": (rng.standard_normal((channels, 1, W)) * 0.6).astype(np.float32),
+                a + "dt_bias": rng.uniform(-1, 1, v_heads).astype(np.float32),
+                a + "A_log": np.log(rng.uniform(0.02, 0.5, v_heads)).astype(np.float32),
+                a + "norm.weight": rng.uniform(0.5, 1.5, dim).astype(np.float32),
+                a + "out_proj.weight": mat(C, v_heads * dim)}
+
+    w = {"model.embed_tokens.weight": mat(vocab_size(case), C, 0.5),
+         "model.norm.weight" if qwen else "model.embedding_norm.weight": gain(C)}
+    if qwen:
+        w["lm_head.weight"] = mat(vocab_size(case), C)
+    for i, kind in enumerate(s["layer_types"]):
+        w.update(layer(f"model.layers.{i}.", kind))
+    if s.get("mtp"):  # Qwen3.5's multi-token prediction: fc of the normed embedding | hidden state, attention layers
+        w.update({"mtp.fc.weight": mat(C, 2 * C), "mtp.pre_fc_norm_embedding.weight": gain(C),
+                  "mtp.pre_fc_norm_hidden.weight": gain(C), "mtp.norm.weight": gain(C)})
+    for j in range(s.get("mtp", 0)):
+        w.update(layer(f"mtp.layers.{j}.", "full_attention"))
+    return w
+
+
+QWEN35_NAMES = {**LAYER_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight",
+                "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
+                "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+                "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.dt_bias": "ssm_dt.bias",
+                "linear_attn.A_log": "ssm_a", "linear_attn.norm.weight": "ssm_norm.weight",
+                "linear_attn.out_proj.weight": "ssm_out.weight"}
+LFM2_NAMES = {"operator_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+              "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+              "self_attn.v_proj.weight": "attn_v.weight", "self_attn.out_proj.weight": "attn_output.weight",
+              "self_attn.q_layernorm.weight": "attn_q_norm.weight",
+              "self_attn.k_layernorm.weight": "attn_k_norm.weight",
+              "conv.conv.weight": "shortconv.conv.weight", "conv.in_proj.weight": "shortconv.in_proj.weight",
+              "conv.out_proj.weight": "shortconv.out_proj.weight", "feed_forward.w1.weight": "ffn_gate.weight",
+              "feed_forward.w3.weight": "ffn_up.weight", "feed_forward.w2.weight": "ffn_down.weight"}
+STATE_MODEL_NAMES = {"lm_head.weight": "output.weight", "model.embed_tokens.weight": "token_embd.weight",
+                     "model.norm.weight": "output_norm.weight", "model.embedding_norm.weight": "token_embd_norm.weight"}
+
+
+def tiled(t: np.ndarray, axis: int, key_heads: int, value_heads: int, dim: int) -> np.ndarray:
+    """The converter's V-head reorder (_LinearAttentionVReorderBase): heads along `axis`, grouped by key head
+    [G0 v0, G0 v1, G1 v0, ...], become tiled [G0 v0, G1 v0, G0 v1, ...]."""
+    t = np.moveaxis(t, axis, 0)
+    t = t.reshape(key_heads, value_heads // key_heads, dim, *t.shape[1:]).swapaxes(0, 1).reshape(t.shape)
+    return np.ascontiguousarray(np.moveaxis(t, 0, axis))
+
+
+def state_gguf_tensors(case: str) -> dict[str, np.ndarray]:
+    """qwen35 / lfm2 tensors named and changed as convert_hf_to_gguf.py does, in its order (the checkpoint's sorted
+    names): conv kernels squeezed to [channels, W]; qwen35: norms + 1 but the Gated DeltaNet's, ssm_a = -exp(A_log),
+    dt_bias as ssm_dt.bias, value heads tiled, the MTP layer as blk.L.* with nextn.* tensors."""
+    import torch
+
+    s, w = spec(case), hf_weights(case)
+    L, qwen = len(s["layer_types"]), s["arch"] == "qwen35"
+    mtp = {"mtp.fc.weight": f"blk.{L}.nextn.eh_proj.weight",
+           "mtp.pre_fc_norm_embedding.weight": f"blk.{L}.nextn.enorm.weight",
+           "mtp.pre_fc_norm_hidden.weight": f"blk.{L}.nextn.hnorm.weight",
+           "mtp.norm.weight": f"blk.{L}.nextn.shared_head_norm.weight"}
+    out = {}
+    for name in sorted(w):
+        t = w[name]
+        parts = name.split(".", 3)
+        if name in STATE_MODEL_NAMES or name in mtp:
+            theirs = STATE_MODEL_NAMES.get(name) or mtp[name]
+        else:
+            layer = int(parts[2]) + (L if parts[0] == "mtp" else 0)
+            theirs = f"blk.{layer}." + (QWEN35_NAMES if qwen else LFM2_NAMES)[parts[3]]
+        if "conv" in theirs.split(".")[-2]:
+            t = t.squeeze(1)
+        if qwen and ".linear_attn." in name and s["linear"][0] != s["linear"][1]:
+            k_heads, v_heads, dim = s["linear"]
+            keys = 2 * k_heads * dim
+            if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+                t = np.concatenate([t[:keys], tiled(t[keys:], 0, k_heads, v_heads, dim)])
+            elif name.endswith(("in_proj_z.weight", "out_proj.weight")):
+                t = tiled(t, 0 if "in_proj_z" in name else 1, k_heads, v_heads, dim)
+            elif not name.endswith("norm.weight"):  # b, a, dt_bias, A_log: one row or value per head
+                t = tiled(t, 0, k_heads, v_heads, 1)
+        if qwen and name.endswith("A_log"):
+            t = (-torch.exp(torch.from_numpy(t))).numpy()  # (as the converter computes it: torch, float32)
+        if qwen and theirs.endswith("norm.weight") and not theirs.endswith("ssm_norm.weight"):
+            t = t + np.float32(1)
+        out[theirs] = t
+    return out
+
+
+def kquant_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
+    """Random K-quant blocks [rows, bytes] (gguf cannot make K-quants) whose values spread about 0 by about 0.05:
+    Q4_K's w = d * scale * q - dmin * min (scale, min in 0..63, q in 0..15: dmin = 7.5 d centres it), Q6_K's
+    w = d * scale * (q - 32) (signed scales)."""
+    size, halves = {Q.Q4_K: (144, {0: 2e-4, 2: 1.5e-3}), Q.Q6_K: (210, {208: 4e-5})}[qtype]
+    raw = rng.randint(0, 256, size=(rows, cols // 256, size)).astype(np.uint8)
+    for at, value in halves.items():
+        raw[..., at:at + 2] = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_state(writer, case: str, qtype=None) -> str:
+    """A qwen35 or lfm2 file: the metadata convert_hf_to_gguf.py writes, the vocabulary, the tensors (with qtype,
+    every 2-D one but the conv kernels in that type, as the converter's --outtype q8_0; Q4_K: random blocks, Q6_K
+    for the head, attn_v and ffn_down as llama.cpp's Q4_K_M picks). Returns the weights' digest."""
+    s = spec(case)
+    arch, types, mtp = s["arch"], s["layer_types"], s.get("mtp", 0)
+    # lfm2: key/value heads per layer, 0 marking a conv layer; qwen35: the MTP layer counted among the blocks
+    kv_heads = [0 if kind == "conv" else s["kv_heads"] for kind in types] if arch == "lfm2" else s["kv_heads"]
+    write_shape(writer, s, len(types) + mtp, kv_heads)
+    if arch == "lfm2":
+        writer.add_vocab_size(vocab_size(case))
+        writer.add_shortconv_l_cache(s["conv"])
+    else:
+        k_heads, v_heads, dim = s["linear"]
+        writer.add_key_length(s["head_dim"])
+        writer.add_value_length(s["head_dim"])
+        if mtp:
+            writer.add_nextn_predict_layers(mtp)
+        writer.add_ssm_conv_kernel(s["conv"])
+        writer.add_ssm_state_size(dim)
+        writer.add_ssm_group_count(k_heads)
+        writer.add_ssm_time_step_rank(v_heads)
+        writer.add_ssm_inner_size(v_heads * dim)
+        recurrent = [kind == "linear_attention" for kind in types] + [False] * mtp  # (the MTP layer: attention)
+        writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
+        writer.add_full_attention_interval(4)
+        writer.add_rope_dimension_count(s["rotary"])
+        writer.add_rope_dimension_sections([11, 11, 10, 0])  # (the converter's default mrope sections)
+    write_vocabulary(writer, s["tokenizer"])
+    rng = np.random.RandomState(sum(map(ord, case)))
+
+    def stored(name: str, t: np.ndarray):
+        if qtype is None or t.ndim != 2 or "conv" in name.split(".")[-2]:
+            return t, None
+        if qtype != Q.Q4_K:
+            return gguf.quants.quantize(t, qtype), qtype
+        kind = Q.Q6_K if name == "output.weight" or name.split(".")[-2] in ("attn_v", "ffn_down") else Q.Q4_K
+        return kquant_blocks(kind, *t.shape, rng), kind
+
+    return write_tensors(writer, gguf_tensors(case), stored)
+
+
+def state_hf_config(case: str):
+    """transformers' config of the case's model (Qwen3_5TextConfig or Lfm2Config): what its Hugging Face folder
+    says."""
+    import transformers
+
+    s = spec(case)
+    values = dict(vocab_size=vocab_size(case), hidden_size=s["hidden"], intermediate_size=s["ffn"],
+                  num_hidden_layers=len(s["layer_types"]), num_attention_heads=s["heads"],
+                  num_key_value_heads=s["kv_heads"], max_position_embeddings=s["context"],
+                  layer_types=s["layer_types"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if s["arch"] == "lfm2":  # (its FFN width as LFM2's configs give it: 2/3 of intermediate_size, rounded up)
+        values["intermediate_size"] = s["ffn"] * 3 // 2
+        return transformers.Lfm2Config(**values, norm_eps=s["eps"], conv_L_cache=s["conv"],
+                                       block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0,
+                                       block_multiple_of=64, tie_word_embeddings=True,
+                                       rope_parameters={"rope_type": "default", "rope_theta": s["theta"]})
+    k_heads, v_heads, dim = s["linear"]
+    return transformers.Qwen3_5TextConfig(
+        **values, head_dim=s["head_dim"], rms_norm_eps=s["eps"], linear_conv_kernel_dim=s["conv"],
+        linear_num_key_heads=k_heads, linear_num_value_heads=v_heads, linear_key_head_dim=dim,
+        linear_value_head_dim=dim, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": s["theta"],
+                         "partial_rotary_factor": s["rotary"] / s["head_dim"]})

@@ -4,9 +4,12 @@ token ids for a set of texts. Made once; the files they come from are rewritten 
 
     python tests/gguf_reference.py --llama-python VENV/bin/python      # -> tests/fixtures/gguf/reference.*
     python tests/gguf_reference.py --llama-python VENV/bin/python --kquant-prefill   # -> .../kquant_prefill.*
+    python tests/gguf_reference.py --llama-python VENV/bin/python --state   # -> .../state_reference.*
 
 --kquant-prefill: llama.cpp's logits of a 40-token prefill on tests/test_gguf_blocks.py's mixed K-quant file (its
 quantized matmuls round x to 8 bits; the test holds this engine's to no farther from the float path).
+--state: the same references for the hybrids whose other layers keep a state (gguf_cases.STATE_FILES: qwen35, lfm2
+and quantized qwen35 files; llama-cpp-python 0.3.36 runs them), in files of their own: the others stay as they are.
 
 llama-cpp-python runs in its own process and virtualenv (how to build it: bench/llamacpp.py), never in the project.
 Its KV cache is kept in float32 (llama.cpp's default, float16, would round every key and value). Each file is also
@@ -65,6 +68,8 @@ def transformers_logits(case: str, ids: list[int]):
 
     s = gguf_cases.spec(case)
     arch, V = s["arch"], gguf_cases.vocab_size(case)
+    if arch in gguf_cases.STATE_ARCHITECTURES:
+        return state_transformers_logits(case, ids)
     values = dict(vocab_size=V, hidden_size=s["hidden"], intermediate_size=s["ffn"], num_hidden_layers=s["layers"],
                   num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
                   max_position_embeddings=s["context"], rms_norm_eps=s["eps"], pad_token_id=0, bos_token_id=1,
@@ -91,10 +96,29 @@ def transformers_logits(case: str, ids: list[int]):
     if arch in ("llama", "qwen2", "qwen3", "phi3"):
         values["tie_word_embeddings"] = False
     config = transformers.AutoConfig.for_model(model_type, rope_parameters=rope, **values)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    state = {k: torch.from_numpy(v) for k, v in gguf_cases.hf_weights(case).items()}
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return forward(model, case, ids)
+
+
+def state_transformers_logits(case: str, ids: list[int]):
+    """Qwen3_5ForCausalLM's or Lfm2ForCausalLM's forward of the case's weights."""
+    import transformers
+
+    config = gguf_cases.state_hf_config(case)
+    config._attn_implementation = "eager"
+    kind = transformers.Lfm2ForCausalLM if gguf_cases.spec(case)["arch"] == "lfm2" else transformers.Qwen3_5ForCausalLM
+    return forward(kind(config), case, ids)
+
+
+def forward(model, case: str, ids: list[int]):
+    """model's float32 logits for ids, its weights the case's in their Hugging Face layout (but Qwen3.5's mtp.* layer,
+    which transformers does not build)."""
+    import torch
+
+    model = model.float().eval()
+    state = {k: torch.from_numpy(v) for k, v in gguf_cases.hf_weights(case).items() if not k.startswith("mtp.")}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+    missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:
         sys.exit(f"{case}: the Hugging Face layout does not fit transformers' model: {missing} {unexpected}")
     with torch.no_grad():
@@ -121,25 +145,24 @@ def kquant_prefill(python: str) -> int:
     return 0
 
 
-def main() -> int:
+def references(python: str, cases: dict, texts: list[str]) -> tuple[dict, dict]:
+    """(record, {name: llama.cpp's logits}) for files {name: (case, type of its quantized tensors)}: each written,
+    run by llama.cpp (logits, and token ids of texts), and checked against transformers' forward of the same weights
+    (not a file of random K-quant blocks: no weights of their own)."""
     import numpy as np
-    from safetensors.numpy import save_file
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--llama-python", required=True, help="python of a virtualenv with llama-cpp-python")
-    p.add_argument("--kquant-prefill", action="store_true", help="only the mixed K-quant file's 40-token prefill")
-    args = p.parse_args()
-    os.makedirs(OUT, exist_ok=True)
-    if args.kquant_prefill:
-        return kquant_prefill(args.llama_python)
-    record, arrays = {"cases": {}, "texts": gguf_cases.TEXTS}, {}
-    cases = {case: (case, None) for case in gguf_cases.CASES} | gguf_cases.QUANTIZED
+    record, arrays = {"cases": {}, "texts": texts}, {}
     with tempfile.TemporaryDirectory() as work:
         for name, (case, qtype) in cases.items():
             path = os.path.join(work, f"{name}.gguf")
             digest = gguf_cases.write(case, path, qtype)
             ids = gguf_cases.input_ids(case)
-            logits, tokens = llama_cpp(args.llama_python, path, ids, gguf_cases.TEXTS)
+            logits, tokens = llama_cpp(python, path, ids, texts)
+            arrays[name] = logits
+            record["cases"][name] = {"digest": digest, "ids": ids, "tokens": tokens}
+            if qtype == gguf_cases.Q.Q4_K:
+                print(f"{name:12s} digest {digest}  (random K-quant blocks: no transformers model)")
+                continue
             hf = transformers_logits(case, ids)
             versus_hf = float(np.abs(logits - hf).max() / np.abs(hf).max())
             argmax = float((logits.argmax(-1) == hf.argmax(-1)).mean())
@@ -148,13 +171,33 @@ def main() -> int:
             if qtype is None and versus_hf > 1e-2:
                 sys.exit(f"{name}: llama.cpp and transformers disagree: the file is not laid out as llama.cpp's "
                          "converter would")
-            arrays[name] = logits
-            record["cases"][name] = {"digest": digest, "ids": ids, "tokens": tokens,
-                                     "llama_cpp_vs_transformers": round(versus_hf, 6)}
-    save_file(arrays, os.path.join(OUT, "reference.safetensors"))
-    with open(os.path.join(OUT, "reference.json"), "w") as f:
+            record["cases"][name]["llama_cpp_vs_transformers"] = round(versus_hf, 6)
+    return record, arrays
+
+
+def save(record: dict, arrays: dict, stem: str) -> None:
+    from safetensors.numpy import save_file
+
+    save_file(arrays, os.path.join(OUT, f"{stem}.safetensors"))
+    with open(os.path.join(OUT, f"{stem}.json"), "w") as f:
         json.dump(record, f, indent=1, ensure_ascii=False)
-    print(f"wrote {OUT}/reference.json and reference.safetensors")
+    print(f"wrote {OUT}/{stem}.json and {stem}.safetensors")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--llama-python", required=True, help="python of a virtualenv with llama-cpp-python")
+    p.add_argument("--kquant-prefill", action="store_true", help="only the mixed K-quant file's 40-token prefill")
+    p.add_argument("--state", action="store_true", help="only the hybrids' files (qwen35, lfm2): state_reference.*")
+    args = p.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    if args.kquant_prefill:
+        return kquant_prefill(args.llama_python)
+    if args.state:
+        save(*references(args.llama_python, gguf_cases.STATE_FILES, gguf_cases.STATE_TEXTS), "state_reference")
+        return 0
+    cases = {case: (case, None) for case in gguf_cases.CASES} | gguf_cases.QUANTIZED
+    save(*references(args.llama_python, cases, gguf_cases.TEXTS), "reference")
     return 0
 
 

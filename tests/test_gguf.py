@@ -296,23 +296,26 @@ REFERENCE = os.path.join(os.path.dirname(__file__), "fixtures", "gguf")
 
 @pytest.fixture(scope="module")
 def reference():
+    return read_reference("reference")
+
+
+def read_reference(stem: str) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
-    with open(os.path.join(REFERENCE, "reference.json")) as f:
+    with open(os.path.join(REFERENCE, f"{stem}.json")) as f:
         record = json.load(f)
-    return record, load_file(os.path.join(REFERENCE, "reference.safetensors"))
+    return record, load_file(os.path.join(REFERENCE, f"{stem}.safetensors"))
 
 
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory):
-    """{name: path} of every reference file, written again here (the test checks each is the same file)."""
+    """{name: (path, digest)} of every reference file, written again here (the test checks each is the same file)."""
+    return write_files(tmp_path_factory.mktemp("gguf"), {c: (c, None) for c in gguf_cases.CASES} | gguf_cases.QUANTIZED)
 
-    root = tmp_path_factory.mktemp("gguf")
-    files = {}
-    for name, (case, qtype) in ({c: (c, None) for c in gguf_cases.CASES} | gguf_cases.QUANTIZED).items():
-        path = str(root / f"{name}.gguf")
-        files[name] = (path, gguf_cases.write(case, path, qtype))
-    return files
+
+def write_files(root, files: dict) -> dict:
+    return {name: (str(root / f"{name}.gguf"), gguf_cases.write(case, str(root / f"{name}.gguf"), qtype))
+            for name, (case, qtype) in files.items()}
 
 
 def compare(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
@@ -322,8 +325,14 @@ def compare(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 @pytest.mark.parametrize("name", ["llama3", "llama-spm", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3"])
 def test_every_architecture_gives_llama_cpps_logits(reference, gguf_files, name):
+    assert_llama_cpps_logits(reference, gguf_files, name)
+
+
+def assert_llama_cpps_logits(reference, files, name: str) -> None:
+    """The file's logits, a plain pass and a prefill of 24 tokens then decode steps through the cache, within 2e-3 of
+    llama.cpp's (relative to its largest), the argmax the same at 95% of the positions."""
     record, logits = reference
-    path, digest = gguf_files[name]
+    path, digest = files[name]
     assert digest == record["cases"][name]["digest"]  # the very file the reference was made from
     ids = torch.tensor([record["cases"][name]["ids"]])
     model = load.from_pretrained(path)
@@ -341,8 +350,11 @@ def test_tokenizers_give_llama_cpps_ids(reference, gguf_files, name):
     """Byte-level BPE with Llama 3's and Qwen2's pre-tokenizers, SentencePiece with and without the space prefix:
     the ids of llama.cpp's tokenize for ordinary text, whitespace runs, digits, emoji and text around special
     tokens, without and with BOS."""
+    assert_llama_cpps_ids(reference, gguf_files[name][0], name)
+
+
+def assert_llama_cpps_ids(reference, path: str, name: str) -> None:
     record, _ = reference
-    path, _ = gguf_files[name]
     tokenizer = gguf_import.build_tokenizer(gguf_import.open_gguf(path), path)
     for text, (plain, with_bos) in record["cases"][name]["tokens"].items():
         assert tokenizer.encode(text, add_special_tokens=False).ids == plain, text
@@ -400,8 +412,8 @@ def test_chat_and_convert_take_a_gguf_of_another_architecture(gguf_files, tmp_pa
     assert torch.equal(load.from_pretrained(str(dst))(ids), load.from_pretrained(gguf_files["gemma3"][0])(ids))
 
 
-def rewrite(source: str, target: str, drop=(), add=None, tensors=None) -> str:
-    """A copy of a float32 GGUF file with metadata keys dropped or added (and extra tensors)."""
+def rewrite(source: str, target: str, drop=(), add=None, tensors=None, replace=None) -> str:
+    """A copy of a float32 GGUF file with metadata keys dropped or added (and extra tensors, or tensors replaced)."""
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(target, arch)
@@ -415,7 +427,7 @@ def rewrite(source: str, target: str, drop=(), add=None, tensors=None) -> str:
     for key, (value, kind) in (add or {}).items():
         writer.add_key_value(key, value, kind)
     for t in reader.tensors:  # (float32 sources: their data are the tensors as they are)
-        writer.add_tensor(t.name, np.asarray(t.data))
+        writer.add_tensor(t.name, (replace or {}).get(t.name, np.asarray(t.data)))
     for name, value in (tensors or {}).items():
         writer.add_tensor(name, value)
     writer.write_header_to_file()
@@ -447,3 +459,111 @@ def test_what_llama_cpp_would_not_read_is_one_line(gguf_files, tmp_path, source,
                             capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr and "x.gguf" in result.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The hybrids whose other layers keep a state, qwen35 (Gated DeltaNet) and lfm2 (short convs), against llama.cpp
+# (references made once by tests/gguf_reference.py --state) and against their Hugging Face folders
+
+
+@pytest.fixture(scope="module")
+def state_reference():
+    return read_reference("state_reference")
+
+
+@pytest.fixture(scope="module")
+def state_files(tmp_path_factory):
+    return write_files(tmp_path_factory.mktemp("state"), gguf_cases.STATE_FILES)
+
+
+@pytest.mark.parametrize("name", ["qwen35", "lfm2"])
+def test_hybrids_give_llama_cpps_logits_and_ids(state_reference, state_files, name):
+    """qwen35: three Gated DeltaNet layers (2 key heads, 4 value heads in the converter's tiled order) and a
+    full-attention layer (output gate, 8 of 32 channels rotated), norms with 1 + w baked in, an MTP layer; lfm2: short
+    convs between two attention layers, a tied head. A prompt (the chunked rule), then decode steps (the recurrent
+    one), and the tokenizers (qwen35's split keeps combining marks in words)."""
+    assert_llama_cpps_logits(state_reference, state_files, name)
+    assert_llama_cpps_ids(state_reference, state_files[name][0], name)
+
+
+def test_a_hybrid_gguf_is_the_model_its_hugging_face_folder_is(state_files, tmp_path):
+    """The same weights as a Hugging Face folder (what the converter read) and as the GGUF file: the same logits, in
+    float32 (the file's layout undone: A_log from -exp(A_log), norms' 1 + w, value heads tiled, q|gate split)."""
+    from safetensors.numpy import save_file
+
+    for case in ("qwen35", "lfm2"):
+        folder = tmp_path / case
+        gguf_cases.state_hf_config(case).save_pretrained(folder)
+        save_file(gguf_cases.hf_weights(case), str(folder / "model.safetensors"))
+        ids = torch.tensor([gguf_cases.input_ids(case)])
+        with torch.no_grad():
+            want = load.from_pretrained(str(folder), dtype=torch.float32)(ids)
+            got = load.from_pretrained(state_files[case][0])(ids)
+        assert (got - want).abs().max() <= 1e-4, case
+
+
+def test_the_mtp_layer_is_skipped_with_one_note(state_files, capsys):
+    checkpoint = gguf_import.read_gguf(state_files["qwen35"][0])
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) == 1 and "multi-token prediction layer (blk.4.*" in notes[0] and "qwen35.gguf" in notes[0]
+    assert checkpoint.config.num_hidden_layers == 4 and not any(n.startswith("layers.4.") for n in checkpoint.tensors)
+    assert checkpoint.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert checkpoint.config.linear_tiled_values and checkpoint.config.rotary_dim == 8
+
+
+@pytest.mark.parametrize("name", ["qwen35-q8_0", "qwen35-q4_k"])
+def test_quantized_hybrids_keep_their_blocks_in_the_models_order(state_reference, state_files, name):
+    """Q8_0 (every 2-D weight but the convs, as the converter's --outtype q8_0) and K-quants (Q4_K and Q6_K as
+    llama.cpp's Q4_K_M mixes them): --quant auto keeps each linear in the file's blocks, the Gated DeltaNet's
+    projection from four tensors, the attention's from q|gate rows alternating per head: each the file's own values
+    in the model's order. Its kernels round x to bytes: the logits are as near the float path (the same values,
+    float64 products) as llama.cpp's, and with K-quants, whose rounding is llama.cpp's, nearer llama.cpp's than
+    either is to it. (Not within 2e-3: where rounding x to bytes meets a float difference of 1e-7 at a half-step,
+    the two round apart, a step of 1/127 that the layers after it carry on.)"""
+    record, logits = state_reference
+    path, digest = state_files[name]
+    assert digest == record["cases"][name]["digest"]
+    model = load.from_pretrained(path, quant="auto")
+    raw = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(
+        gguf_import.shape_of(t)) for t in gguf_import.open_gguf(path).tensors}
+    delta, attention = model.layers[0].attn, model.layers[3].attn
+    assert isinstance(delta.in_proj, quantized.GGUFLinear) and isinstance(attention.qkv_proj, quantized.GGUFLinear)
+    parts = [raw[f"blk.0.{p}.weight"] for p in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")]
+    assert torch.equal(delta.in_proj.dequantize(torch.float32), torch.cat(parts))
+    H, D = model.config.num_attention_heads, model.config.head_dim
+    q, gate = raw["blk.3.attn_q.weight"].view(H, 2, D, -1).unbind(1)  # [heads, D, C] each
+    parts = [q.flatten(0, 1), raw["blk.3.attn_k.weight"], raw["blk.3.attn_v.weight"], gate.flatten(0, 1)]
+    assert torch.equal(attention.qkv_proj.dequantize(torch.float32), torch.cat(parts))
+    assert torch.equal(delta.out_proj.dequantize(torch.float32), raw["blk.0.ssm_out.weight"])
+    ids = torch.tensor([record["cases"][name]["ids"]])
+    with torch.no_grad():
+        want = load.from_pretrained(path, quant="none").double()(ids)[0].float()
+        got = model(ids)[0]
+    theirs = logits[name]
+
+    def rms(a, b):  # the typical difference, relative to b's logits
+        return float((a - b).square().mean().sqrt() / b.square().mean().sqrt())
+
+    if not kernels.available():  # PyTorch's products of the dequantized weights: the float path
+        assert rms(got, want) <= 1e-2 * rms(theirs, want)
+        return
+    assert rms(got, want) <= 1.1 * rms(theirs, want) and compare(got, want)[0] <= 1.5 * compare(theirs, want)[0]
+    if name == "qwen35-q4_k":
+        assert rms(got, theirs) <= 0.25 * rms(theirs, want), (rms(got, theirs), rms(theirs, want))
+
+
+@pytest.mark.parametrize("source, change, message", [
+    ("qwen35", {"replace": {"blk.1.ssm_a": np.ones(4, dtype=np.float32)}}, "tensor 'blk.1.ssm_a' holds values >= 0"),
+    ("qwen35", {"drop": ("qwen35.ssm.inner_size",)}, "missing GGUF metadata 'qwen35.ssm.inner_size'"),
+    ("qwen35", {"drop": ("qwen35.ssm.inner_size",), "add": {"qwen35.ssm.inner_size": (66, gguf.GGUFValueType.UINT32)}},
+     "qwen35.ssm.inner_size 66 is not a whole number of qwen35.ssm.time_step_rank 4 value heads"),
+    ("lfm2", {"add": {"lfm2.attention.sliding_window": (8, gguf.GGUFValueType.UINT32)}},
+     "lfm2.attention.sliding_window: sliding-window attention is not supported for lfm2"),
+    ("lfm2", {"tensors": {"blk.0.ssm_a": -np.ones(4, dtype=np.float32)}},
+     "unexpected tensor 'blk.0.ssm_a' for architecture 'lfm2'"),
+])
+def test_what_a_hybrid_gguf_cannot_be_is_one_line(state_files, tmp_path, source, change, message):
+    path = rewrite(state_files[source][0], str(tmp_path / "x.gguf"), **change)
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        load.from_pretrained(path)
+    assert message in str(error.value) and "x.gguf" in str(error.value) and "\n" not in str(error.value)

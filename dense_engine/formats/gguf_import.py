@@ -1,8 +1,9 @@
 """gguf_import.py: llama.cpp's GGUF files as native checkpoints, and their tokenizers, read as llama.cpp reads them.
 
-Architectures: llama (Llama 1/2/3.x, SmolLM2, TinyLlama), qwen2, qwen3, gemma, gemma2, gemma3, phi3. What llama.cpp's
+Architectures: llama (Llama 1/2/3.x, SmolLM2, TinyLlama), qwen2, qwen3, gemma, gemma2, gemma3, phi3, and the hybrids
+whose other layers keep a state (dense.py section 4): qwen35 (Qwen3.5 / 3.6), lfm2 (LFM2). What llama.cpp's
 converter (convert_hf_to_gguf.py) did that an importer must undo or honour, and what llama.cpp's model code decides
-beyond the file (llama-model.cpp), each where it is read below:
+beyond the file (llama-model.cpp, src/models/*.cpp), each where it is read below:
   * llama: q and k rows permuted so rotary can turn adjacent pairs (2i, 2i+1); undone here, back to rotate-half
     pairs (i, i + D/2), the same model. `rope_freqs.weight` holds Llama 3.x's divisor of each frequency.
   * gemma, gemma2, gemma3: every norm weight has the `+1` of Gemma's `(1 + w)` baked in; embeddings times sqrt(hidden);
@@ -10,6 +11,11 @@ beyond the file (llama-model.cpp), each where it is read below:
     other layer; 3: five of six, with `rope.freq_base_swa`), and a query scale fixed by llama.cpp's code, not the file.
   * phi3: q|k|v fused in attn_qkv and gate|up in ffn_up (split here); partial rotary; LongRoPE factors as tensors,
     the long ones for a cache longer than `rope.scaling.original_context_length` (as llama.cpp picks by its context).
+  * qwen35: Gated DeltaNet layers (ssm.* metadata; ssm_a = -exp(A_log), taken back to A_log; conv kernels [C, W];
+    value heads reordered to tiled, kept so: linear_tiled_values) and full-attention layers whose attn_q holds each
+    head's query rows, then its output-gate rows; every norm but ssm_norm with its 1 + w baked in (used as stored);
+    MTP layers after the model's (nextn_predict_layers) skipped with a note.
+  * lfm2: short-conv layers where attention.head_count_kv is 0; the final norm is token_embd_norm.
 
 The file's metadata and tensor table are parsed here (GGUFFile, over a memory map: gguf's reader takes seconds on a
 large vocabulary); weights are dequantized with the `gguf` package's own dequantizer (F32, F16, BF16, Q8_0, Q4_0,
@@ -39,9 +45,10 @@ from dense_engine.cpu import quantized
 from dense_engine.formats import families
 from dense_engine.formats.checkpoint import Checkpoint, atomic_write, make_config
 from dense_engine.system.errors import CheckpointError, first_line
-from dense_engine.system.machine import cache_dir, unwritable_cache
+from dense_engine.system.machine import cache_dir, note, unwritable_cache
 
-ARCHITECTURES = tuple(families.BY_GGUF)  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3
+STATE_ARCHITECTURES = ("qwen35", "lfm2")  # hybrids whose other layers keep a state (dense.py section 4)
+ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3
 # Token texts that end a turn in common chat formats (llama.cpp recognises them the same way).
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "</s>")
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type values
@@ -51,6 +58,22 @@ LAYER_TENSORS = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "post_attenti
                  "attn_v": "attn.v_proj", "attn_output": "attn.o_proj", "attn_q_norm": "attn.q_norm",
                  "attn_k_norm": "attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                  "ffn_down": "mlp.down_proj"}
+# qwen35 and lfm2: per-layer GGUF tensors (after "blk.N.") -> native names (after "layers.N."); the changes the
+# converter made are undone in state_layer_tensors
+ATTENTION_TENSORS = {"attn_norm.weight": "attn_norm.weight", "attn_q.weight": "attn.q_proj.weight",
+                     "attn_k.weight": "attn.k_proj.weight", "attn_v.weight": "attn.v_proj.weight",
+                     "attn_output.weight": "attn.o_proj.weight", "attn_q_norm.weight": "attn.q_norm.weight",
+                     "attn_k_norm.weight": "attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+                     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+STATE_LAYER_TENSORS = {
+    "qwen35": {**ATTENTION_TENSORS, "post_attention_norm.weight": "mlp_norm.weight",  # (the MLP's input norm)
+               "attn_qkv.weight": "attn.in_proj_qkv.weight", "attn_gate.weight": "attn.in_proj_z.weight",
+               "ssm_beta.weight": "attn.in_proj_b.weight", "ssm_alpha.weight": "attn.in_proj_a.weight",
+               "ssm_conv1d.weight": "attn.conv_weight", "ssm_dt.bias": "attn.dt_bias", "ssm_a": "attn.A_log",
+               "ssm_norm.weight": "attn.norm.weight", "ssm_out.weight": "attn.out_proj.weight"},
+    "lfm2": {**ATTENTION_TENSORS, "ffn_norm.weight": "mlp_norm.weight",
+             "shortconv.conv.weight": "attn.conv_weight", "shortconv.in_proj.weight": "attn.in_proj.weight",
+             "shortconv.out_proj.weight": "attn.out_proj.weight"}}
 
 
 def open_gguf(path: str) -> "GGUFFile":
@@ -285,6 +308,60 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         final_softcap=float(key("final_logit_softcapping", 30.0 if family.softcaps else 0.0)) or None)
 
 
+def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
+    """The config of a qwen35 or lfm2 file, as llama.cpp's model code reads it. qwen35: Gated DeltaNet layers (ssm.*:
+    key heads = group_count, value heads = time_step_rank, Dk = state_size, Dv = inner_size / value heads) where
+    attention.recurrent_layers marks them (or all but every full_attention_interval-th), full-attention layers with
+    an output gate, partial rotary (rope.dimension_sections: text has one position in every section, plain rope),
+    norms with their 1 + w baked in, and nextn_predict_layers MTP layers counted in block_count (skipped). lfm2:
+    short-conv layers where attention.head_count_kv is 0, conv width shortconv.l_cache."""
+    def key(name: str, default=None):
+        return field(reader, f"{arch}.{name}", default, path)
+
+    if int(key("expert_count", 0)):
+        raise CheckpointError(f"{path}: GGUF metadata {arch}.expert_count {key('expert_count')}: a mixture of experts; "
+                              "this engine runs dense models only")
+    if int(key("attention.sliding_window", 0)):
+        raise CheckpointError(f"{path}: GGUF metadata {arch}.attention.sliding_window: sliding-window attention is not "
+                              f"supported for {arch}")
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))
+    head_dim = int(key("attention.key_length", hidden // max(heads, 1)))
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise CheckpointError(f"{path}: GGUF metadata {arch}.attention.value_length differs from key_length")
+    rope_dim, context = int(key("rope.dimension_count", head_dim)), int(key("context_length", 2048))
+    if rope_scaling(reader, arch, tensors, path, context, rope_dim) is not None:
+        raise CheckpointError(f"{path}: GGUF metadata {arch}.rope.scaling.type: only plain rope for {arch}")
+    kv = key("attention.head_count_kv", heads)
+    kv = [int(n) for n in kv] if isinstance(kv, list) else [int(kv)] * layers  # (per layer: 0 for a state layer)
+    if arch == "lfm2":
+        types = ["conv" if n == 0 else "full_attention" for n in kv[:layers]]
+        values = dict(conv_kernel=int(key("shortconv.l_cache")))
+    else:
+        interval = int(key("full_attention_interval", 4))
+        flags = key("attention.recurrent_layers", []) or [(i + 1) % interval != 0 for i in range(layers)]
+        types = ["linear_attention" if recurrent else "full_attention" for recurrent in flags[:layers]]
+        k_heads, v_heads = int(key("ssm.group_count")), int(key("ssm.time_step_rank"))
+        inner = int(key("ssm.inner_size"))
+        if not 0 < v_heads or inner % v_heads:
+            raise CheckpointError(f"{path}: GGUF metadata {arch}.ssm.inner_size {inner} is not a whole number of "
+                                  f"{arch}.ssm.time_step_rank {v_heads} value heads")
+        # (value heads in the converter's tiled order: value head j reads key head j % key heads)
+        values = dict(linear_heads=(k_heads, v_heads), linear_head_dims=(int(key("ssm.state_size")), inner // v_heads),
+                      linear_tiled_values=k_heads != v_heads, conv_kernel=int(key("ssm.conv_kernel")),
+                      attn_output_gate=True, norm_gain_in_float32=True)  # (the gains 1 + w, in float32 as llama.cpp)
+    if len(types) != layers or len(kv) < layers:
+        raise CheckpointError(f"{path}: GGUF metadata {arch}: {len(types)} layer kinds for {layers} layers")
+    kv = [n or max(kv) or heads for n in kv[:layers]]  # (a state layer has no key/value heads: any count builds it)
+    return make_config(
+        path, vocab_size=int(key("vocab_size", 0) or tokens_count(reader, path)), hidden_size=hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv[0] if len(set(kv)) == 1 else kv,
+        head_dim=head_dim, intermediate_size=int(key("feed_forward_length")), max_position_embeddings=context,
+        rope_theta=float(key("rope.freq_base", 10000.0)), rotary_dim=rope_dim if rope_dim != head_dim else None,
+        layer_types=types, qk_norm="shared", norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in tensors, **values)
+
+
 def rope_scaling(reader, arch: str, tensors: dict, path: str, context: int, rope_dim: int) -> dict | None:
     """Llama 3.x's rope_freqs tensor, Phi-3's LongRoPE factor tensors, or a linear rope.scaling.factor."""
     def key(name: str, default=None):
@@ -318,82 +395,144 @@ def read_gguf(path: str) -> Checkpoint:
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
                               f"{', '.join(ARCHITECTURES)})")
     tensors = {t.name: t for t in reader.tensors}
-    config = read_config(reader, arch, tensors, path)
-    H, K, D, W = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size
-    permute = {"attn_q": H, "attn_k": K} if arch == "llama" else {}
-    # Phi-3's fused tensors: rows [start, stop) of each part
-    fused = {"attn_qkv": {"attn.q_proj": (0, H * D), "attn.k_proj": (H * D, (H + K) * D),
-                          "attn.v_proj": ((H + K) * D, (H + 2 * K) * D)},
-             "ffn_up": {"mlp.gate_proj": (0, W), "mlp.up_proj": (W, 2 * W)} if arch == "phi3" else None}
+    state = arch in STATE_ARCHITECTURES
+    config = (read_state_config if state else read_config)(reader, arch, tensors, path)
 
-    def read(name: str, heads: int | None = None, rows: tuple[int, int] | None = None):
+    def read(name: str, rows: torch.Tensor | None, change):
         def thunk() -> torch.Tensor:
             w = dequantized(tensors[name], path)
-            w = unpermute(w, heads) if heads else w
-            return w[rows[0]:rows[1]] if rows else w
+            w = w if rows is None else w[rows]
+            return w if change is None else change(w, f"{path}: tensor {name!r}")
         return thunk
 
-    def read_blocks(name: str, heads: int | None = None, rows: tuple[int, int] | None = None) -> Blocks:
+    def read_blocks(name: str, rows: torch.Tensor | None) -> Blocks:
         t = tensors[name]
         out = shape_of(t)[0]
-        start, stop = rows or (0, out)
-        row_bytes = t.n_bytes // out
-        return Blocks(t.tensor_type.name, path, name, t.data_offset + start * row_bytes, stop - start, row_bytes, heads)
+        return Blocks(t.tensor_type.name, path, name, t.data_offset, out, t.n_bytes // out, rows)
 
-    def read_int4(name: str, heads: int | None = None, rows: tuple[int, int] | None = None):
+    def read_int4(name: str, rows: torch.Tensor | None):
         def thunk() -> dict:
-            stored = int4_tensors(tensors[name], shape_of(tensors[name]), heads, path)
-            return {k: v[rows[0]:rows[1]] for k, v in stored.items()} if rows else stored
+            stored = int4_tensors(tensors[name], shape_of(tensors[name]), path)
+            return stored if rows is None else {k: v[rows] for k, v in stored.items()}
         return thunk
 
     table, types, exact, blocks = {}, {}, {}, {}
 
-    def add(native: str, name: str, heads: int | None = None, rows: tuple[int, int] | None = None) -> None:
-        table[native] = read(name, heads, rows)
+    def add(native: str, name: str, rows: torch.Tensor | None = None, change=None) -> None:
+        """native: rows `rows` of the tensor `name` (None: all), as change(w, where) makes them (None: as stored)."""
+        table[native] = read(name, rows, change)
         types[native] = tensors[name].tensor_type.name
+        if change is not None:  # (a changed tensor is float: conv kernels, ssm_a)
+            return
         if types[native] in quantized.GGUF_TYPES and len(tensors[name].shape) == 2:
-            blocks[native] = read_blocks(name, heads, rows)
+            blocks[native] = read_blocks(name, rows)
         if types[native] in quantized.EXACT_INT4_TYPES and native.startswith("layers.") and native.endswith(".weight"):
-            exact[native.removesuffix(".weight")] = read_int4(name, heads, rows)
+            exact[native.removesuffix(".weight")] = read_int4(name, rows)
 
     skip = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}  # read into the config
+    model_tensors = {"token_embd.weight": "embed_tokens.weight", "output.weight": "lm_head.weight",
+                     "token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight": "norm.weight"}
+    extra = range(config.num_hidden_layers, int(field(reader, f"{arch}.block_count", path=path)))  # qwen35's MTP
+    mtp = []  # the multi-token prediction layers' tensors (blk.N.*, N in extra): skipped
     for name in tensors:
         if name in skip:
             continue
-        if name in ("token_embd.weight", "output_norm.weight", "output.weight"):
-            add({"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
-                 "output.weight": "lm_head.weight"}[name], name)
+        if name in model_tensors:
+            add(model_tensors[name], name)
             continue
-        parts = name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or int(parts[1]) >= config.num_hidden_layers:
+        prefix, layer, rest = (name.split(".", 2) + ["", ""])[:3]
+        if prefix != "blk" or not layer.isdigit():
             raise CheckpointError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
-        layer, kind, suffix = int(parts[1]), parts[2], parts[3]
-        if fused.get(kind) is not None and suffix == "weight":
-            for native, rows in fused[kind].items():
-                add(f"layers.{layer}.{native}.weight", name, rows=rows)
-        elif kind in LAYER_TENSORS and (suffix == "weight" or kind in ("attn_q", "attn_k", "attn_v")):
-            add(f"layers.{layer}.{LAYER_TENSORS[kind]}.{suffix}", name, permute.get(kind))
-        else:
+        if int(layer) in extra:
+            mtp.append(name)
+            continue
+        parts = None
+        if int(layer) < config.num_hidden_layers:
+            parts = (state_layer_tensors if state else layer_tensors)(arch, config, rest)
+        if parts is None:
             raise CheckpointError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
+        for native, rows, change in parts:
+            add(f"layers.{layer}.{native}", name, rows, change)
+    if mtp:
+        layers = ", ".join(f"blk.{n}.*" for n in sorted({int(name.split(".")[1]) for name in mtp}))
+        note(f"{path}: the multi-token prediction layer ({layers}: {len(mtp)} tensors) is not loaded: this engine "
+             "predicts one token a step")
     if arch in ("gemma", "gemma2"):  # llama.cpp reads the head from the embedding, whatever else the file holds
         table.pop("lm_head.weight", None)
     return Checkpoint(path, config, table, source_types=types, exact_int4=exact, blocks=blocks)
 
 
+def layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple] | None:
+    """[(native name after "layers.N.", rows or None, None)] for a layer's tensor `rest` (after "blk.N.") of the
+    Llama-layout architectures; None: no such tensor. llama's q/k rows are put back in rotate-half order; a fused
+    q|k|v (Phi-3's) and Phi-3's fused gate|up are split."""
+    H, K, D, W = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size
+    kind, _, suffix = rest.partition(".")
+    if rest == "attn_qkv.weight":
+        return [("attn.q_proj.weight", torch.arange(0, H * D), None),
+                ("attn.k_proj.weight", torch.arange(H * D, (H + K) * D), None),
+                ("attn.v_proj.weight", torch.arange((H + K) * D, (H + 2 * K) * D), None)]
+    if arch == "phi3" and rest == "ffn_up.weight":
+        return [("mlp.gate_proj.weight", torch.arange(0, W), None),
+                ("mlp.up_proj.weight", torch.arange(W, 2 * W), None)]
+    if kind not in LAYER_TENSORS or suffix not in ("weight", "bias") or (
+            suffix == "bias" and kind not in ("attn_q", "attn_k", "attn_v")):
+        return None
+    heads = {"attn_q": H, "attn_k": K}.get(kind) if arch == "llama" else None
+    rows = unpermute(torch.arange(heads * D), heads) if heads else None
+    return [(f"{LAYER_TENSORS[kind]}.{suffix}", rows, None)]
+
+
+def state_layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple] | None:
+    """[(native name after "layers.N.", rows or None, change or None)] for a layer's tensor `rest` of qwen35 or lfm2;
+    None: no such tensor. What the converter changed is undone: qwen35's attn_q holds each head's D query rows then
+    its D output-gate rows, ssm_a is -exp(A_log), conv kernels lost their middle dimension. (qwen35's value heads stay
+    in the file's tiled order: linear_tiled_values.)"""
+    native = STATE_LAYER_TENSORS[arch].get(rest)
+    if native is None:
+        return None
+    if native == "attn.conv_weight":
+        return [(native, None, conv_kernel)]
+    if native == "attn.A_log":
+        return [(native, None, a_log)]
+    if arch == "qwen35" and native == "attn.q_proj.weight":  # [H * 2D, C]: per head D query rows, then D gate rows
+        H, D = config.num_attention_heads, config.head_dim
+        rows = torch.arange(H * 2 * D).view(H, 2, D)
+        return [(native, rows[:, 0].flatten(), None), ("attn.gate_proj.weight", rows[:, 1].flatten(), None)]
+    return [(native, None, None)]
+
+
+def conv_kernel(w: torch.Tensor, where: str) -> torch.Tensor:
+    """A depthwise conv's kernel [channels, W] (squeezed by the converter) -> the model's [channels, 1, W]."""
+    return w.unsqueeze(1)
+
+
+def a_log(w: torch.Tensor, where: str) -> torch.Tensor:
+    """qwen35's ssm_a [value heads] holds -exp(A_log): A_log = log(-ssm_a) (the model computes -exp(A_log) again)."""
+    if not (w < 0).all():
+        raise CheckpointError(f"{where} holds values >= 0, not -exp(A_log)")
+    return torch.log(-w.double()).float()
+
+
 @dataclass
 class Blocks:
-    """Rows [start, start + rows) of a GGUF tensor's blocks, as the file stores them (row_bytes a row), where they lie
-    in the file. heads: llama's q/k rows, permuted in the file (see unpermute)."""
+    """A GGUF tensor's blocks as the file stores them (rows of row_bytes each, from offset), and which of its rows a
+    native tensor is: order (indices of stored rows, in the native tensor's order; None: every row, in order): a
+    part of a fused tensor (Phi-3's q|k|v, qwen35's per-head q|gate) or llama's permuted q/k rows."""
     kind: str
     path: str
     name: str
-    offset: int  # in the file, of the first row
-    rows: int
+    offset: int  # in the file, of the tensor's first row
+    rows: int  # the tensor's rows
     row_bytes: int
-    heads: int | None = None
+    order: torch.Tensor | None = None
+
+    @property
+    def native_rows(self) -> int:
+        return self.rows if self.order is None else len(self.order)
 
     def read(self) -> torch.Tensor:
-        """The rows as stored, uint8 [rows, row_bytes] (a copy)."""
+        """The tensor's rows as stored, uint8 [rows, row_bytes] (a copy)."""
         with open(self.path, "rb") as f:
             f.seek(self.offset)
             data = f.read(self.rows * self.row_bytes)
@@ -402,10 +541,10 @@ class Blocks:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(self.rows, self.row_bytes)
 
 
-def int4_tensors(t, shape: tuple[int, ...], permute_heads: int | None, path: str) -> dict:
+def int4_tensors(t, shape: tuple[int, ...], path: str) -> dict:
     """A Q4_0 / Q4_1 tensor's blocks as int4-g32's stored tensors, exactly: Q4_1 blocks are {d, m, 16 bytes} with
     w = d * q + m, Q4_0 blocks are {d, 16 bytes} with w = d * (q - 8) = d * q + (-8 d); byte j of a block holds q[j]
-    in its low nibble and q[j + 16] in its high one."""
+    in its low nibble and q[j + 16] in its high one. (Every stored tensor is row-major: rows are picked after.)"""
     rows, cols = shape
     header = 4 if t.tensor_type.name == "Q4_1" else 2
     blocks = np.asarray(t.data, dtype=np.uint8).reshape(-1, header + 16)
@@ -415,8 +554,6 @@ def int4_tensors(t, shape: tuple[int, ...], permute_heads: int | None, path: str
     m = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16)).reshape(rows, cols // 32) if header == 4 else -8 * d
     packed = torch.from_numpy(blocks[:, header:].copy())  # [blocks, 16]
     codes = torch.cat((packed & 15, packed >> 4), dim=1).reshape(rows, cols)
-    if permute_heads:
-        codes, d, m = (unpermute(x, permute_heads) for x in (codes, d, m))
     return quantized.int4_pack(codes, d, m)
 
 
@@ -428,6 +565,9 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 # Qwen2's split: as Llama 3's, but digits one at a time
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5's: as Qwen2's, with combining marks (\p{M}) kept in words
+QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def pre_tokenizer(pre: str, path: str):
@@ -440,7 +580,7 @@ def pre_tokenizer(pre: str, path: str):
     if pre == "smollm":  # every digit alone, then GPT-2's split
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     split = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "dbrx": LLAMA3_SPLIT,
-             "smaug-bpe": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}.get(pre)
+             "smaug-bpe": LLAMA3_SPLIT, "lfm2": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, "qwen35": QWEN35_SPLIT}.get(pre)
     if split is None:
         raise CheckpointError(f"{path}: GGUF metadata tokenizer.ggml.pre {pre!r} is not supported")
     return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),

@@ -193,8 +193,9 @@ def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dt
     stored (nothing converted), on CPU straight into one mapping of huge pages (0.3 s a GB from the page cache; a
     decode step streams them 10-15% faster than from the file's own 4 KB pages); elsewhere, or without huge pages,
     they are views of the memory-mapped file. Parts of a fused projection that lie one after another in the file,
-    of one type, are one buffer; llama's permuted q/k rows stay as stored and the layer puts its outputs in order.
-    A tied head multiplies the embedding's own blocks."""
+    of one type, are one buffer, and a tensor two parts share (qwen35's per-head query and gate rows) is read once;
+    rows in another order than the model's (llama's permuted q/k) stay as stored and the layer puts its outputs in
+    order. A tied head multiplies the embedding's own blocks."""
     blocks = checkpoint.blocks
     linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     sources = {"embed_tokens": ["embed_tokens.weight"]}  # module -> the checkpoint weights it is stacked from
@@ -202,10 +203,15 @@ def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dt
         parts = [f"{prefix}.weight" for prefix in fused_parts(model, name)]
         sources[name] = ["embed_tokens.weight"] if name == "lm_head" and "lm_head.weight" not in tensors else parts
     sources = {m: parts for m, parts in sources.items() if all(p in blocks for p in parts)}
-    runs = {}  # module -> [(first block, rows)]: parts adjacent in the file and of one type, one buffer
-    for module_name, parts in sources.items():
+    stored = {}  # module -> the tensors its parts are rows of, each once (qwen35's q and gate: one tensor), in order
+    for module_name, parts in list(sources.items()):
+        stored[module_name] = list({(blocks[p].path, blocks[p].offset): blocks[p] for p in parts}.values())
+        if sum(b.rows for b in stored[module_name]) != sum(blocks[p].native_rows for p in parts):
+            del sources[module_name], stored[module_name]  # (its parts are not its tensors' rows: the float path)
+    runs = {}  # module -> [(first tensor, rows)]: tensors adjacent in the file and of one type, one buffer
+    for module_name, tensors_read in stored.items():
         runs[module_name] = []
-        for b in (blocks[p] for p in parts):
+        for b in tensors_read:
             last = runs[module_name][-1] if runs[module_name] else None
             if last and last[0].kind == b.kind and last[0].offset + last[1] * b.row_bytes == b.offset:
                 runs[module_name][-1] = (last[0], last[1] + b.rows)
@@ -221,19 +227,23 @@ def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dt
         if module_name == "embed_tokens":
             new = quantized.GGUFEmbedding(old.num_embeddings, old.embedding_dim, views[0][0], views[0][1], dtype)
         else:
-            order = None  # output j of the layer is output order[j] of its stored rows (llama's q/k permutation)
-            if any(blocks[p].heads for p in parts):
-                order, first = [], 0
-                for b in (blocks[p] for p in parts):
-                    rows = torch.arange(first, first + b.rows)
-                    order.append(gguf_import.unpermute(rows, b.heads) if b.heads else rows)
-                    first += b.rows
-                order = torch.cat(order)
             new = quantized.GGUFLinear(old.in_features, old.out_features, old.bias is not None, parts=views,
-                                       order=order)
+                                       order=stored_order([blocks[p] for p in parts], stored[module_name]))
         setattr(model.get_submodule(parent) if parent else model, attr, new)
     read = {p for parts in sources.values() for p in parts}
     return {name: thunk for name, thunk in tensors.items() if name not in read}
+
+
+def stored_order(parts: list, tensors: list) -> torch.Tensor | None:
+    """Output j of a layer made of `parts` (gguf_import.Blocks) is output order[j] of its `tensors`' stored rows, one
+    after another (each part's own order: llama's permuted q/k rows, a fused tensor's share); None: as stored."""
+    first, starts = 0, {}
+    for b in tensors:
+        starts[b.path, b.offset] = first
+        first += b.rows
+    order = torch.cat([starts[b.path, b.offset] + (torch.arange(b.rows) if b.order is None else b.order)
+                       for b in parts])
+    return None if torch.equal(order, torch.arange(len(order))) else order
 
 
 def read_runs(runs: list, device) -> dict:
