@@ -79,6 +79,23 @@ def test_logits_and_greedy_tokens_equal_transformers(folders, case):
     assert tokens == want_tokens and len(set(tokens)) > 3  # (tokens that vary: the test can tell models apart)
 
 
+@pytest.mark.parametrize("adjust", [True, False])
+def test_an_lfm2_ffn_width_is_read_as_transformers_reads_it(tmp_path, adjust):
+    """block_auto_adjust_ff_dim: two thirds of intermediate_size, times the multiplier, rounded up to a multiple;
+    without it, intermediate_size as given (the multiplier then changes nothing)."""
+    torch.manual_seed(0)
+    config = transformers.Lfm2Config(vocab_size=512, block_auto_adjust_ff_dim=adjust, block_ffn_dim_multiplier=1.5,
+                                     block_multiple_of=32, **{**LFM2, "intermediate_size": 100})
+    reference = transformers.Lfm2ForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path)
+    ids = prompt(20)
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+    model = load.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert model.config.intermediate_size == (128 if adjust else 100)  # (2/3 of 100 is 66, times 1.5 is 99: 128)
+    assert (model(ids) - want).abs().max() < 1e-4
+
+
 def test_the_chunked_rule_equals_the_rule_a_token_at_a_time():
     torch.manual_seed(0)
     B, H, T, Dk, Dv = 2, 3, 45, 8, 5

@@ -733,12 +733,11 @@ def lfm2(folder: str, raw: dict, source: str):
     types = cfg.get("layer_types") or ["full_attention" if full is None or i in full else "conv"
                                        for i in range(layers)]
     width = int(cfg.get("block_ff_dim") or cfg.need("intermediate_size"))
-    if cfg.get("block_auto_adjust_ff_dim", True):  # (transformers' rule, rounded as it rounds)
+    multiplier, multiple = cfg.get("block_ffn_dim_multiplier"), int(cfg.get("block_multiple_of", 256))
+    if cfg.get("block_auto_adjust_ff_dim", True):  # (transformers' rule, rounded as it rounds; else the width given)
         width = int(2 * width / 3)
-        if cfg.get("block_ffn_dim_multiplier") is not None:
-            multiple = int(cfg.get("block_multiple_of", 256))
-            width = int(float(cfg.get("block_ffn_dim_multiplier")) * width)
-            width = multiple * ((width + multiple - 1) // multiple)
+        if multiplier is not None:
+            width = multiple * ((int(float(multiplier) * width) + multiple - 1) // multiple)
     if cfg.get("conv_bias", False):
         cfg.refuse("conv_bias", "LFM2 releases have no conv biases")
     config = state_config(cfg, layers, intermediate_size=width, layer_types=types,
