@@ -203,11 +203,11 @@ def rope_tables(config: DenseConfig, positions: torch.Tensor, seq_len: int | Non
     # bfloat16 product)
     rounded = (lambda t: t.to(torch.bfloat16).float()) if config.rope_precision == "bfloat16" else (lambda t: t)
     angles = rounded(torch.outer(rounded(positions), rounded(inv_freq)))  # [P, R/2]
-    if config.rope_layout == "half":
-        angles = torch.cat((angles, angles), dim=-1)  # channel i and i + R/2 share an angle
-    else:
-        angles = angles.repeat_interleave(2, dim=-1)  # channels 2i and 2i + 1 share an angle
-    return rounded(angles.cos() * attention_factor), rounded(angles.sin() * attention_factor)  # (yarn, longrope: != 1)
+    # cos and sin of each angle once (attention_factor != 1: yarn, longrope), then laid out as the channels pair up
+    tables = [rounded(angles.cos() * attention_factor), rounded(angles.sin() * attention_factor)]
+    if config.rope_layout == "half":  # channel i and i + R/2 share an angle
+        return tuple(torch.cat((t, t), dim=-1) for t in tables)
+    return tuple(t.repeat_interleave(2, dim=-1) for t in tables)  # channels 2i and 2i + 1 share an angle
 
 
 class Rotary(nn.Module):
