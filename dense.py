@@ -430,9 +430,13 @@ class Attention(nn.Module):
 # writes the same shapes at every position: one fixed-shape graph, however long the conversation.
 
 
+class NoState(nn.Module):
+    """A state layer's memory before setup_cache: a plain pass starts from an empty state and keeps nothing."""
+
+
 class State(nn.Module):
-    """A state layer's memory per cache row: conv [B, channels, W - 1] (the conv's last inputs, in the model's dtype)
-    and recurrent [B, heads, Dk, Dv] float32 (Gated DeltaNet's matrices; None for a short conv). A row whose step
+    """A state layer's memory per cache row: window [B, channels, W - 1] (the conv's last inputs, in the model's
+    dtype) and recurrent [B, heads, Dk, Dv] float32 (Gated DeltaNet's matrices; None for a short conv). A row whose step
     starts at position 0 starts empty; padding (at the scratch slot S: a chunk's tail, an idle row; or before a
     left-padded row's start) changes nothing."""
 
@@ -440,23 +444,25 @@ class State(nn.Module):
                  device) -> None:
         super().__init__()
         self.scratch = seq_len
-        self.register_buffer("conv", torch.zeros(batch, channels, width - 1, dtype=dtype, device=device),
+        self.register_buffer("window", torch.zeros(batch, channels, width - 1, dtype=dtype, device=device),
                              persistent=False)
         recurrent = torch.zeros(batch, *heads_shape, device=device) if heads_shape else None
         self.register_buffer("recurrent", recurrent, persistent=False)
 
     def read(self, step: Step, B: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """The step's B rows of (conv, recurrent), and keep [B, T] (False: padding)."""
-        going_on = (step.input_pos[..., :1] != 0).reshape(-1, 1, 1)  # [B or 1, 1, 1]: not a new sequence
-        conv = cache_rows(self.conv, step, B) * going_on
-        recurrent = None if self.recurrent is None else cache_rows(self.recurrent, step, B) * going_on[..., None]
+        """The step's B rows of (window, recurrent), and keep [B, T] (False: padding)."""
+        # a row whose step starts at position 0 begins a new sequence: its state is zeroed (a multiply, not a branch:
+        # the same graph for every step)
+        continuing = (step.input_pos[..., :1] != 0).reshape(-1, 1, 1)  # [B or 1, 1, 1]
+        window = cache_rows(self.window, step, B) * continuing
+        recurrent = None if self.recurrent is None else cache_rows(self.recurrent, step, B) * continuing[..., None]
         keep = (step.input_pos != self.scratch).expand(B, -1)
         if step.row_start is not None:
             keep = keep & (step.input_pos >= step.row_start[:, None])
-        return conv, recurrent, keep
+        return window, recurrent, keep
 
-    def write(self, step: Step, conv: torch.Tensor, recurrent: torch.Tensor | None) -> None:
-        for buffer, new in ((self.conv, conv), (self.recurrent, recurrent)):
+    def write(self, step: Step, window: torch.Tensor, recurrent: torch.Tensor | None) -> None:
+        for buffer, new in ((self.window, window), (self.recurrent, recurrent)):
             if new is not None and step.rows is None:
                 buffer[: new.shape[0]].copy_(new)
             elif new is not None:
@@ -467,7 +473,8 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | No
                 keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv of x [B, T, Ch] with weight [Ch, 1, W], continuing after window [B, Ch, W - 1] (the
     earlier inputs; None: zeros) -> (out [B, T, Ch], the new window: the last W - 1 inputs up to the last kept
-    token). Padding (keep [B, T] False) enters as zeros: a left-padded row then starts as a new sequence does."""
+    token). Padding (keep [B, T] False) lies at a step's end or before a left-padded row's start, never between its
+    tokens; it enters as zeros, so a left-padded row starts as a new sequence does."""
     B, T, Ch = x.shape
     width = weight.shape[-1] - 1
     window = x.new_zeros(B, Ch, width) if window is None else window.to(x.dtype)
@@ -488,7 +495,7 @@ def delta_step(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
     beta (the delta rule: only the error is written), then q reads it: -> (out [B, H, 1, Dv], new state)."""
     state = state * g.exp()[..., None]  # [B, H, Dk, Dv] * [B, H, 1, 1]
     error = v[:, :, 0] - (k[:, :, 0, :, None] * state).sum(-2)  # [B, H, Dv]: v minus what the state recalls for k
-    state = state + k[:, :, 0, :, None] * (beta[:, :, :1] * error)[:, :, None, :]
+    state = state + k[:, :, 0, :, None] * (beta * error)[:, :, None, :]  # beta [B, H, 1]
     return (q[:, :, 0, :, None] * state).sum(-2)[:, :, None], state
 
 
@@ -536,13 +543,13 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias, self.A_log = nn.Parameter(torch.ones(self.v_heads)), nn.Parameter(torch.zeros(self.v_heads))
         self.norm = RMSNorm(self.v_dim, config.norm_eps)
         self.out_proj = nn.Linear(values, config.hidden_size, bias=False)
-        self.memory: nn.Module = nn.Module()  # State, made by setup_cache
+        self.memory: nn.Module = NoState()
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         B, T, _ = x.shape
         qkv, z, b, a = self.in_proj(x).split(list(self.parts.values()), dim=-1)
-        conv, state, keep = self.memory.read(step, B) if step.input_pos is not None else (None, None, None)
-        qkv, conv = causal_conv(qkv, self.conv_weight, conv, keep)
+        window, state, keep = self.memory.read(step, B) if step.input_pos is not None else (None, None, None)
+        qkv, window = causal_conv(qkv, self.conv_weight, window, keep)
         q, k, v = F.silu(qkv).float().split([self.k_heads * self.k_dim] * 2 + [self.v_heads * self.v_dim], dim=-1)
         beta = torch.sigmoid(b).float()  # [B, T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
@@ -551,18 +558,20 @@ class GatedDeltaNet(nn.Module):
 
         def heads(t: torch.Tensor, count: int) -> torch.Tensor:  # [B, T, count * D] -> [B, Hv, T, D]
             t = t.view(B, T, count, -1).transpose(1, 2)
-            if count == self.v_heads:
+            share = self.v_heads // count  # value heads per key head
+            if share == 1:
                 return t
-            return t.repeat(1, self.v_heads // count, 1, 1) if self.tiled else t.repeat_interleave(
-                self.v_heads // count, dim=1)
+            return t.repeat(1, share, 1, 1) if self.tiled else t.repeat_interleave(share, dim=1)
 
-        q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (heads(q, self.k_heads),
-                                                                                  heads(k, self.k_heads)))
+        def unit(t: torch.Tensor) -> torch.Tensor:  # L2-normalized over the channels
+            return t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6)
+
+        q, k, v = unit(heads(q, self.k_heads)) * self.k_dim**-0.5, unit(heads(k, self.k_heads)), heads(v, self.v_heads)
         state = state if state is not None else q.new_zeros(B, self.v_heads, self.k_dim, self.v_dim)
-        y, state = (delta_step if T == 1 else delta_chunks)(q * self.k_dim**-0.5, k, heads(v, self.v_heads),
-                                                            g.transpose(1, 2), beta.transpose(1, 2), state)
+        rule = delta_step if T == 1 else delta_chunks
+        y, state = rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), state)  # y [B, Hv, T, Dv]
         if keep is not None:
-            self.memory.write(step, conv, state)
+            self.memory.write(step, window, state)
         y = self.norm(y.transpose(1, 2).to(x.dtype)) * F.silu(z.view(B, T, self.v_heads, self.v_dim).float())
         return self.out_proj(y.to(x.dtype).reshape(B, T, -1))
 
@@ -576,7 +585,7 @@ class ShortConv(nn.Module):
         C = config.hidden_size
         self.in_proj, self.out_proj = nn.Linear(C, 3 * C, bias=False), nn.Linear(C, C, bias=False)
         self.conv_weight = nn.Parameter(torch.zeros(C, 1, config.conv_kernel))
-        self.memory: nn.Module = nn.Module()  # State, made by setup_cache
+        self.memory: nn.Module = NoState()
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         b, c, h = self.in_proj(x).chunk(3, dim=-1)
@@ -692,8 +701,8 @@ class DenseDecoder(nn.Module):
                              "(the model's context)")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
-        for layer in self.layers:
-            layer.attn.memory = NoCache()  # free the old cache before allocating the new one
+        for layer in self.layers:  # free the old memory before allocating the new one
+            layer.attn.memory = NoCache() if isinstance(layer.attn, Attention) else NoState()
         for layer in self.layers:
             mixer = layer.attn
             if isinstance(mixer, Attention):

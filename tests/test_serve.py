@@ -683,8 +683,20 @@ def test_a_schema_that_does_not_say_admits_no_other_properties():
     assert closed["$defs"]["p"]["properties"]["y"] == {"const": {"properties": 1}}  # (a value, left as it is)
     assert grammar.closed_objects(said) == {**said, "additionalProperties": False}  # (its inner object said)
     assert grammar.closed_objects({"type": "object"}) == {"type": "object"}  # (names nothing: any object)
+    both = {"allOf": [{"properties": {"a": {"type": "string"}}, "required": ["a"]},  # (pieces of one object: they
+                      {"properties": {"b": {"type": "string"}}, "required": ["b"]}]}  # stay open, or none is valid)
+    kinds = {"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"],
+             "anyOf": [{"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                       {"properties": {"y": {"type": "integer"}}, "required": ["y"]}]}
+    alternatives = {"anyOf": [{"type": "object", "properties": {"x": {"type": "integer"}}}]}
+    assert grammar.closed_objects(both) == both and grammar.closed_objects(kinds) == kinds
+    assert grammar.closed_objects(alternatives)["anyOf"][0]["additionalProperties"] is False
     vocab = load_vocabulary(LLAMA, None)
     tokenizer = grammar.tokenizer_for(vocab, vocab.size)
+    for schema, text in ((both, '{"a":"1","b":"2"}'), (kinds, '{"kind":"k","x":1}')):
+        ids = vocab.encode(text, special=False)
+        matcher = grammar.llguidance().LLMatcher(tokenizer, grammar.json_grammar(schema), log_level=0)
+        assert matcher.validate_tokens(ids) == len(ids), schema
     weather = WEATHER["function"]["parameters"]
     open_weather = {k: v for k, v in weather.items() if k != "additionalProperties"}
     ll = grammar.llguidance()

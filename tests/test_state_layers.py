@@ -153,7 +153,7 @@ def test_a_left_padded_batch_equals_each_prompt_alone(models, case):
     assert [t.tolist() for t in together] == alone
 
 
-def test_a_conversation_that_changes_its_past_starts_the_state_again(models, folders):
+def test_a_conversation_that_changes_its_past_starts_the_state_again(models, folders, tmp_path):
     """A next turn that extends the cached tokens goes on from the state; one that rewrites them (a regenerated
     reply) prefills from the start: the answers equal fresh runs."""
     model = models["qwen3_5 3 linear + 1 full"]
@@ -176,6 +176,11 @@ def test_a_conversation_that_changes_its_past_starts_the_state_again(models, fol
     assert stats.reused > 0 and reply2 == fresh(follow)
     reply3, stats = session.reply(first[:5] + rewritten, lambda s: None)
     assert stats.reused == 0 and reply3 == fresh(first[:5] + rewritten)
+    from dense_engine.cli import repl  # (chat.py's /model and /save: what they say of a state model)
+
+    assert "float32, and state layers" in repl.describe_model(session, "ckpt", "weights: full precision")
+    assert "not saved" in repl.save_cache_beside(session, str(tmp_path / "talk"))
+    assert not os.path.exists(tmp_path / "talk.cache")
 
 
 def test_the_compiled_decode_step_equals_eager(models):

@@ -188,7 +188,7 @@ def prompts(model, batch: int, lengths: tuple[int, int], seed: int, given: list[
 def attended(model, last: int, compile: bool) -> int:
     """Cache slots the last decode step attended over: its bucket, or the slots in use (eager steps, and the CPU
     cache whose attention reads only those)."""
-    if not compile or isinstance(model.layers[0].attn.memory, caches.CPUKVCache):
+    if not compile or isinstance(caches.kv_memory(model), caches.CPUKVCache):
         return last
     return generate.attend_width(model, last)
 

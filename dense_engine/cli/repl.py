@@ -307,6 +307,8 @@ def save_cache_beside(session: Session, path: str) -> str:
     cache = os.path.expanduser(path) + ".cache"
     if tp.world()[1] > 1 or not session.cached:
         return ""
+    if caches.has_state(session.model):
+        return " (its cache not saved: a model with state layers keeps no cache files yet)"
     if os.path.exists(cache) and not caches.is_cache_file(cache):
         return f" (its cache not saved: {cache} exists and is not a conversation's cache)"
     try:
@@ -339,7 +341,8 @@ def describe_model(session: Session, ckpt: str, why: str) -> str:
             f"{config.vocab_size}, context {config.max_position_embeddings}\n"
             f"  {str(model.dtype).removeprefix('torch.')} on {model.device}, {why.removeprefix('weights: ')}\n"
             f"  cache {session.max_seq_len} tokens ({len(session.cached)} in use) of "
-            f"{str(model.layers[0].attn.memory.v.dtype).removeprefix('torch.')}, "
+            f"{str(caches.kv_memory(model).v.dtype).removeprefix('torch.')}"
+            f"{', and state layers' if caches.has_state(model) else ''}, "
             f"{'compiled steps' if session.steps is not None else 'eager'}"
             f"{', draft ' + type(session.draft).__name__ if session.draft is not None else ''}")
 

@@ -237,6 +237,11 @@ def memories(model: dense.DenseDecoder) -> list[nn.Module]:
     return [layer.attn.memory for layer in model.layers]
 
 
+def kv_memory(model: dense.DenseDecoder) -> nn.Module | None:
+    """The first attention layer's memory (its kind and dtype are every attention layer's), or None."""
+    return next((m for m in memories(model) if not isinstance(m, dense.State)), None)
+
+
 def has_state(model: dense.DenseDecoder) -> bool:
     """Whether some layer's memory is a fixed-size state (dense.py section 4) rather than keys and values."""
     return any(not isinstance(layer.attn, dense.Attention) for layer in model.layers)
@@ -251,17 +256,19 @@ def kept_memories(model: dense.DenseDecoder) -> list[nn.Module]:
     return memories(model)
 
 
-def saved_states(model: dense.DenseDecoder) -> list[torch.Tensor]:
-    """Copies of every state layer's buffers (a speculative round's starting point: rejected drafts are undone by
-    putting them back and feeding the accepted tokens again)."""
-    return [t.clone() for m in memories(model) if isinstance(m, dense.State) for t in (m.conv, m.recurrent)
-            if t is not None]
+def state_buffers(model: dense.DenseDecoder) -> list[torch.Tensor]:
+    return [t for m in memories(model) if isinstance(m, dense.State) for t in (m.window, m.recurrent) if t is not None]
+
+
+def saved_states(model: dense.DenseDecoder, rows: int = 1) -> list[torch.Tensor]:
+    """Copies of the first `rows` rows of every state layer's buffers (a speculative round's starting point, in row
+    0: rejected drafts are undone by putting them back and feeding the accepted tokens again)."""
+    return [t[:rows].clone() for t in state_buffers(model)]
 
 
 def restore_states(model: dense.DenseDecoder, saved: list[torch.Tensor]) -> None:
-    buffers = [t for m in memories(model) if isinstance(m, dense.State) for t in (m.conv, m.recurrent) if t is not None]
-    for buffer, copy in zip(buffers, saved):
-        buffer.copy_(copy)
+    for buffer, copy in zip(state_buffers(model), saved):
+        buffer[: copy.shape[0]].copy_(copy)
 
 
 def state_bytes(mixer: nn.Module, batch: int, dtype: torch.dtype) -> int:
@@ -287,7 +294,7 @@ def setup_cache(model: dense.DenseDecoder, batch: int, seq_len: int, kv_dtype: s
     """model.setup_cache with the cache kv_dtype asks for on this device (cache_for; None: the kind the model holds now,
     auto before its first or after a move to another device), refused in one line when it would not fit the memory
     available."""
-    now = next(m for m in memories(model) if not isinstance(m, dense.State))
+    now = kv_memory(model)
     if kv_dtype is None and isinstance(now, dense.KVCache) and now.v.device == model.device:
         cache_class, dtype = type(now), now.v.dtype
     else:

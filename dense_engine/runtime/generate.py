@@ -55,7 +55,7 @@ def bucket_for(length: int, cache_len: int) -> int:
 def attend_width(model: dense.DenseDecoder, length: int) -> int:
     """How many slots a compiled step over `length` slots in use attends: the bucket, or the whole cache when the
     cache's attention reads only the slots in use anyway (caches.CPUKVCache: one graph serves every position)."""
-    if isinstance(model.layers[0].attn.memory, caches.CPUKVCache):
+    if isinstance(caches.kv_memory(model), caches.CPUKVCache):
         return model.max_seq_len
     return bucket_for(length, model.max_seq_len)
 
@@ -322,8 +322,8 @@ class Runner:
             args = (model, tokens, input_pos, row_start, attend)
             fn = self.steps.get("verify", logits_step, args, batch=tokens.shape[0], tokens=T, attend=attend,
                                 ragged=row_start is not None)
-        if fn is None:
-            return logits_step(model, tokens, input_pos, row_start, None if row_start is None else pos + T)
+        if fn is None:  # (the slots its real tokens reach: padding at the scratch slot attends no further)
+            return logits_step(model, tokens, input_pos, row_start, min(pos + T, model.max_seq_len))
         return fn(*args)
 
 
@@ -413,12 +413,13 @@ class Recent:
         return out.scatter_(1, seen, self.penalty)[:, :self.V]
 
 
-def ahead(tokens: Iterable[torch.Tensor]) -> Iterator[list[int]]:
+def ahead(tokens: Iterable[torch.Tensor], late: bool = True) -> Iterator[list[int]]:
     """Each token [B, 1] of a stream as host ints, one step late: the next step is queued before the host waits for
-    this one's copy, so a GPU never idles while the host prints (on the CPU there is nothing to overlap: as is)."""
+    this one's copy, so a GPU never idles while the host prints (on the CPU there is nothing to overlap: as is).
+    late=False: as is on any device (a state layer's model: a token the reader stops at must not have been fed)."""
     pending = None
     for token in tokens:
-        if token.device.type == "cpu":
+        if token.device.type == "cpu" or not late:
             yield token[:, 0].tolist()
             continue
         copy = token[:, 0].to("cpu", non_blocking=True)
@@ -449,8 +450,9 @@ def prepare(model: dense.DenseDecoder, prompts, max_new_tokens: int, start_pos: 
     if needed > model.config.max_position_embeddings:
         raise ValueError(f"{start_pos + T} tokens + {max_new_tokens} new exceed the context of "
                          f"{model.config.max_position_embeddings}")
-    cache = model.layers[0].attn.memory
-    moved = isinstance(cache, dense.KVCache) and next(cache.buffers()).device != model.device  # (after model.to())
+    cache = caches.memories(model)[0]
+    moved = isinstance(cache, (dense.KVCache, dense.State)) and next(cache.buffers()).device != model.device  # (after
+    # model.to())
     if model.max_seq_len < needed or model.max_batch_size < B or moved:
         if start_pos:
             raise ValueError(f"the cache ({model.max_seq_len} tokens) is too small to continue to {needed} tokens")

@@ -44,24 +44,35 @@ def tokenizer_for(vocab: Vocabulary, n_vocab: int):
     return built[n_vocab]
 
 
-SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> a whole schema
 SCHEMA_VALUES = ("const", "enum", "default", "examples", "required")  # values, not schemas
+PARTS = ("allOf", "if", "then", "else", "not", "dependentSchemas")  # pieces of their parent's object, never whole
+COMBINED = (*PARTS, "anyOf", "oneOf", "unevaluatedProperties")  # an object whose properties these add to or judge
 
 
-def closed_objects(schema):
-    """The schema with additionalProperties false on every object schema that names properties and does not say
-    (llama.cpp's rule, and OpenAI's strict mode: else a small model invents properties until its tokens run out)."""
+def closed_objects(schema, whole: bool = True):
+    """The schema with additionalProperties false on every whole object schema that names properties and does not
+    say (llama.cpp's rule, and OpenAI's strict mode: else a small model invents properties until its tokens run out).
+    Not closed: an object whose properties other subschemas add to or judge (allOf, anyOf, oneOf, if/then/else, not,
+    dependentSchemas, unevaluatedProperties), nor those subschemas themselves, each a piece of its parent's object;
+    anyOf and oneOf alternatives are whole when their parent names no properties."""
     if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
+        return [closed_objects(s, whole) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
         if key in SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: closed_objects(s) for name, s in value.items()}
+        elif key in SCHEMA_VALUES:
+            out[key] = value
+        elif key == "dependentSchemas" and isinstance(value, dict):
+            out[key] = {name: closed_objects(s, whole=False) for name, s in value.items()}
+        elif key in PARTS or key in ("anyOf", "oneOf"):
+            out[key] = closed_objects(value, whole=key not in PARTS and "properties" not in schema)
         else:
-            out[key] = value if key in SCHEMA_VALUES else closed_objects(value)
-    if "properties" in out and "additionalProperties" not in out:
+            out[key] = closed_objects(value)
+    if whole and "properties" in out and "additionalProperties" not in out and not any(k in out for k in COMBINED):
         out["additionalProperties"] = False
     return out
 

@@ -160,8 +160,8 @@ class Session:
         """Generate after prompt_ids, yielding the reply's text as it grows (pieces that are whole characters). When
         it ends (a stop token, the length, Ctrl-C, or the consumer closing it), self.last holds its ReplyStats and
         self.reply_ids its tokens. Ctrl-C stops the reply, not the session."""
-        common = common_prefix(self.cached, prompt_ids)
-        if common < len(self.cached) and caches.has_state(self.model):
+        common, stateful = common_prefix(self.cached, prompt_ids), caches.has_state(self.model)
+        if common < len(self.cached) and stateful:
             common = 0  # a state holds where it ends: it goes on from there or starts again, never from before
         stats = ReplyStats(prefilled=len(prompt_ids) - common, reused=common, compile_s=self.compile_s,
                            speculation={} if self.draft is not None else None)
@@ -174,7 +174,8 @@ class Session:
         try:
             tokens = self.generate(prompt_ids[common:], self.room(len(prompt_ids)), common, prompt_ids[:common],
                                    stats.speculation)
-            for (token,) in generate.ahead(tokens):  # (on a GPU the next step is queued before this one is read)
+            for (token,) in generate.ahead(tokens, late=not stateful):  # (on a GPU the next step is queued
+                # before this one is read; a state must not take a token the reply stops at)
                 yielded += 1
                 if yielded == 1:
                     stats.ttft_s = time.perf_counter() - start
@@ -197,6 +198,8 @@ class Session:
                 stats.compiled_steps = self.steps.decoded["compiled"] - decoded["compiled"]
             # every yielded token but the last was fed back, so the cache now holds these positions
             self.cached = (prompt_ids + generated)[: len(prompt_ids) + max(yielded - 1, 0)]
+            if stateful and self.draft is not None:  # (a round's accepted drafts past the reply's end are in the
+                self.cached = []  # state: the next prompt starts again)
         if rest := text.finish():
             yield rest
 
