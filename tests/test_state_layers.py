@@ -249,7 +249,7 @@ def test_the_server_answers_a_state_model_as_generate_does(folders, tmp_path):
         ids = tok.encode(text).ids
         return tok.decode(generate.generate(model, torch.tensor([ids]), n)[0, len(ids):].tolist())
 
-    server = Server("--max-batch", "3", "--slot-save-path", str(tmp_path), ckpt=folder)
+    server = Server("--no-compile", "--max-batch", "3", "--slot-save-path", str(tmp_path), ckpt=folder)
     try:
         client = server.client()
         ask = lambda text, n=12: client.completions.create(model="m", prompt=text, max_tokens=n,
