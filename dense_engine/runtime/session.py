@@ -93,13 +93,14 @@ class Settings:
     sources: dict = field(default_factory=dict)  # where each of the sampler's values came from (sampling.describe)
 
 
-def common_prefix(cached: list[int], prompt: list[int]) -> int:
+def common_prefix(cached: list[int], prompt: list[int], whole: bool = False) -> int:
     """How many of prompt's first tokens a cache holding `cached` already has: the shared prefix, leaving at least
-    one token of the prompt to prefill (its logits give the first new token)."""
+    one token of the prompt to prefill (its logits give the first new token). whole: all of `cached` or nothing (a
+    state layer holds where it ends: it goes on from there or starts again, never from before)."""
     n, limit = 0, min(len(cached), len(prompt) - 1)
     while n < limit and cached[n] == prompt[n]:
         n += 1
-    return n
+    return 0 if whole and n < len(cached) else n
 
 
 class Session:
@@ -160,9 +161,8 @@ class Session:
         """Generate after prompt_ids, yielding the reply's text as it grows (pieces that are whole characters). When
         it ends (a stop token, the length, Ctrl-C, or the consumer closing it), self.last holds its ReplyStats and
         self.reply_ids its tokens. Ctrl-C stops the reply, not the session."""
-        common, stateful = common_prefix(self.cached, prompt_ids), caches.has_state(self.model)
-        if common < len(self.cached) and stateful:
-            common = 0  # a state holds where it ends: it goes on from there or starts again, never from before
+        stateful = caches.has_state(self.model)
+        common = common_prefix(self.cached, prompt_ids, whole=stateful)
         stats = ReplyStats(prefilled=len(prompt_ids) - common, reused=common, compile_s=self.compile_s,
                            speculation={} if self.draft is not None else None)
         self.prefilled += stats.prefilled

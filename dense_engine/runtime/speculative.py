@@ -68,15 +68,12 @@ class ModelDraft:
         common = 0
         while common < min(len(self.cached), len(context) - 1) and self.cached[common] == context[common]:
             common += 1
-        if common < len(self.cached) and self.saved is not None:  # a state holds where it ends: back to the
-            tokens, states = self.saved  # proposal's start (a prefix of the context), then the accepted tokens
-            if common >= len(tokens) and context[:len(tokens)] == tokens:
+        if common < len(self.cached) and caches.has_state(self.model):  # a state holds where it ends: back to the
+            tokens, states = self.saved or ([], None)  # proposal's start (a prefix of the context), then the accepted
+            restored = states is not None and common >= len(tokens) and context[:len(tokens)] == tokens  # tokens
+            if restored:
                 caches.restore_states(self.model, states)
-                common = len(tokens)
-            else:
-                common = 0
-        elif common < len(self.cached) and caches.has_state(self.model):
-            common = 0
+            common = len(tokens) if restored else 0
         new = context[common:]
         if len(new) <= 2:  # after a verify: its token, and the last draft token when all were accepted
             # one fixed-width step (a padded second token goes to the scratch slot)

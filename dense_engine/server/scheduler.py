@@ -243,9 +243,7 @@ def pick_row(rows: list[Row], free: list[int], request: Request, reuse: bool,
     prefix counts only when it is all the row holds."""
     if not reuse or request.echo:  # (echo's logprobs need every prompt position computed)
         return free[0], 0
-    shared = {r: common_prefix(rows[r].tokens, request.prompt) for r in free}
-    if whole_rows:
-        shared = {r: n if n == len(rows[r].tokens) else 0 for r, n in shared.items()}
+    shared = {r: common_prefix(rows[r].tokens, request.prompt, whole_rows) for r in free}
     best = max(free, key=lambda r: (shared[r], -r))
     if shared[best] and shared[best] >= REUSE_SHARE * len(rows[best].tokens):
         return best, shared[best]
