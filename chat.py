@@ -18,6 +18,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from dense_engine.formats import preread
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "dense-chat":
+    preread.start_from_argv(sys.argv[1:])  # a GGUF file's blocks are read on a thread while torch is imported
+
 import torch
 
 from dense_engine.cli import benchmark
@@ -320,6 +325,7 @@ def run(argv, console) -> int:
         vocab_read = pool.submit(load_vocabulary, ckpt, args.tokenizer)
         try:
             model, record = load_model(ckpt, args, console)
+            preread.discard()
         finally:  # (a vocabulary that cannot be read is said first, as if read first)
             vocab = vocab_read.result()
     why = f"weights: {record.weights}"

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import dense
 from conftest import ROOT
 from dense_engine.cpu import kernels, quantized
-from dense_engine.formats import checkpoint, gguf_import, load
+from dense_engine.formats import checkpoint, gguf_import, load, preread
 from dense_engine.runtime import caches, generate
 
 Q = gguf.GGMLQuantizationType
@@ -383,6 +383,41 @@ def test_quantized_files_of_other_architectures(reference, gguf_files, name):
     assert isinstance(layer, quantized.Int4Linear) == (qtype == Q.Q4_1)
     err, same = compare(model(torch.tensor([record["cases"][name]["ids"]]))[0], logits[name])
     assert err <= 0.1 and same >= 0.85, (err, same)
+
+
+def test_a_file_read_while_torch_is_imported_is_the_model_read_after(gguf_files, monkeypatch):
+    """chat.py starts reading a quantized GGUF on a thread before `import torch` (preread): the blocks load takes
+    from that read are the file's bytes where they lie in it, the logits equal a load that reads the file itself, and
+    the share of bytes it reads early is the tensor table's. A float file, and one of Q4_0/Q4_1 blocks alone (loaded
+    as int4), are not read early; neither is a run on another device or quantization, nor --bench."""
+    path, _ = gguf_files["qwen2-q8_0"]
+    reader = gguf_import.open_gguf(path)
+    sizes = {t.tensor_type.name: 0 for t in reader.tensors}
+    for t in reader.tensors:
+        sizes[t.tensor_type.name] += t.n_bytes
+    assert preread.quantized_share(path) == pytest.approx(sizes["Q8_0"] / sum(sizes.values()), abs=0.01)
+    assert preread.quantized_share(gguf_files["qwen2"][0]) == 0 == preread.quantized_share(gguf_files["gemma2-q4_1"][0])
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    plain = load.from_pretrained(path, quant="auto")
+    monkeypatch.setattr(preread, "quantized_share", lambda path: 1.0)  # (this small file is a tenth norms)
+    preread.start(path)
+    early = preread._reads[os.path.realpath(path)]
+    model = load.from_pretrained(path, quant="auto")
+    assert not preread._reads
+    layer = model.layers[0].attn.qkv_proj
+    buffer = next(t for t in layer.buffers() if t.dtype == torch.uint8 and t.numel() > 1000)
+    base = preread._address(early.mapping) + early.start
+    offset = buffer.data_ptr() - base
+    assert 0 < offset < early.size
+    with open(path, "rb") as f:
+        f.seek(offset)
+        assert f.read(buffer.numel()) == buffer.numpy().tobytes()
+    assert torch.equal(model(ids), plain(ids))
+    for argv in (["--ckpt", path, "--device", "cuda"], ["--ckpt", path, "--quant", "int4"], ["--bench", "--ckpt", path]):
+        preread.start_from_argv(argv)
+        assert not preread._reads, argv
+    preread.start_from_argv(["--prompt", "hi", f"--ckpt={path}"])
+    assert preread.taken(path) is not None
 
 
 def test_chat_and_convert_take_a_gguf_of_another_architecture(gguf_files, tmp_path):

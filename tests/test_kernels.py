@@ -121,7 +121,7 @@ def test_kernels_compute_each_output_once_whatever_the_threads(threads):
     i8 = kernels.pack_int8(i8["weight"], i8["scales"])
     layer = quantized.Int4Linear(K, N, False, group_size=32)
     layer._buffers.update(quantized.int4_quantize(w, 32))
-    i4 = kernels.pack_int4(layer.codes(), layer.scales, layer.mins, 32)
+    i4 = kernels.pack_int4(layer.qweight, layer.scales, layer.mins, 32)
     ops = [lambda x: torch.ops.dense_kernels.linear_f32(x, w),
            lambda x: torch.ops.dense_kernels.linear_int8(x, i8["kernel_weight"], i8["kernel_scales"]),
            lambda x: torch.ops.dense_kernels.linear_int4(x, i4["kernel_weight"], i4["kernel_scales"], i4["kernel_mins"])]
@@ -198,7 +198,7 @@ def test_int4_kernel_is_the_dequantized_weights_product(M, N, K):
     stored = quantized.int4_quantize(torch.randn(N, K) * 0.1, 32)
     layer = quantized.Int4Linear(K, N, False, group_size=32)
     layer._buffers.update(stored)
-    packed = kernels.pack_int4(layer.codes(), stored["scales"], stored["mins"], 32)
+    packed = kernels.pack_int4(stored["qweight"], stored["scales"], stored["mins"], 32)
     op = lambda x: torch.ops.dense_kernels.linear_int4(x, packed["kernel_weight"], packed["kernel_scales"],
                                                       packed["kernel_mins"])
     y = op(x)
@@ -337,7 +337,7 @@ def reference_attention(q, k, v, visible, scale, softcap):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("B, H, K, T, D, S, P, window, softcap, per_row", [
     (1, 9, 3, 1, 64, 4096, 100, 0, 0.0, False), (1, 9, 3, 1, 64, 4096, 3000, 0, 0.0, False),
     (2, 4, 2, 5, 16, 64, 30, 0, 0.0, False), (1, 4, 4, 3, 100, 50, 20, 0, 0.0, False),

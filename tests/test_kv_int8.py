@@ -66,6 +66,7 @@ def test_the_memory_check_counts_the_bytes_the_cache_takes(cache_class):
 
 @needs_kernels
 @pytest.mark.parametrize("kv_dtype, cache_class, dtype", [("auto", caches.CPUKVCache, torch.float32),
+                                                         ("float16", caches.CPUKVCache, torch.float16),
                                                          ("bfloat16", caches.CPUKVCache, torch.bfloat16),
                                                          ("int8", caches.CPUInt8KVCache, torch.int8)])
 def test_kv_dtype_reaches_the_cache(kv_dtype, cache_class, dtype):
@@ -123,3 +124,31 @@ def test_the_python_api_takes_kv_dtype_and_answers_as_the_int8_cache_does():
     assert got == want[:len(got)] and len(got) >= 1
     with pytest.raises(UsageError, match="kv_dtype must be"):
         dense_engine.load(fixture_path("llama"), compile=False, kv_dtype="fp8")
+
+
+def test_prompt_logprobs_on_the_default_cache_are_transformers():
+    """lm-evaluation-harness reads a prompt's logprobs (a completion's echo): from a cached prefill from slot 0 (the
+    server's echo path), whose keys and values the cache stores in its dtype and reads back. With the default cache
+    (auto: float32 on CPU, for quantized weights too) they are transformers' within 2e-3 nats (here 2e-6); float16
+    and bfloat16 caches move them by their mantissa's rounding, bfloat16 the most (BENCHMARKS.md: on the default
+    model's int4 weights 4e-5 nats with float32, 1.4e-2 with float16, 6.8e-2 with bfloat16)."""
+    transformers = pytest.importorskip("transformers")
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(fixture_path("llama"), dtype=torch.float32).eval()
+    model = from_pretrained(fixture_path("llama"))
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)[:-1].gather(1, ids[0, 1:, None])
+
+    def echo(kv_dtype: str) -> float:
+        caches.setup_cache(model, 1, 64, kv_dtype)
+        with torch.no_grad():
+            logits = model(ids, input_pos=torch.arange(40))[0]
+        got = torch.log_softmax(logits, dim=-1)[:-1].gather(1, ids[0, 1:, None])
+        return float((got - want).abs().max())
+
+    default, half, bf16 = echo("auto"), echo("float16"), echo("bfloat16")
+    assert default < 2e-3 and default < half < bf16, (default, half, bf16)
+    quantized = from_pretrained(fixture_path("llama"), quant="int4")
+    assert caches.cache_for(quantized, "auto")[1] in (None, torch.float32)  # (None: the model's, float32)
+    assert quantized.dtype == torch.float32

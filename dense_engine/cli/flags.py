@@ -56,10 +56,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(gguf: Q4_K, Q5_K, Q6_K, Q8_0, ...), else as stored; none: full precision")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compiled prefill and decode steps, saved in the cache folder for later runs (default: on)")
-    p.add_argument("--kv-dtype", choices=("auto", "bfloat16", "int8"), default="auto",
-                   help="the KV cache's numbers: auto (float32 for full-precision weights on CPU, bfloat16 for "
-                        "quantized ones, else the model's dtype), bfloat16, or int8 (a scale per token and head: a "
-                        "quarter of float32's bytes, half of bfloat16's)")
+    p.add_argument("--kv-dtype", choices=load.KV_DTYPES, default="auto",
+                   help="the KV cache's numbers: auto (float32 on CPU, the model's dtype elsewhere), float32, float16, "
+                        "bfloat16, or int8 (a scale per token and head: a quarter of float32's bytes)")
     p.add_argument("--max-seq-len", type=positive_int, default=None,
                    help="KV cache length (default: the model's context; smaller is faster)")
     spec = p.add_argument_group("speculative decoding (the same output as without, in fewer target steps)")

@@ -1007,11 +1007,12 @@ inline __m512 softcap16(__m512 x, float cap) {
 
 constexpr int CHUNK = 8;   // x 16 slots scored at a time: GROUP x CHUNK accumulators
 
-// 16 cached values as float32, from a float32 or a bfloat16 cache
+// 16 cached values as float32, from a float32, bfloat16 or float16 cache
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
+inline __m512 load16(const c10::Half* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
 inline __m512 load16(const int8_t* p, __mmask16 m) {  // (an int8 cache: times the slot's scale by the caller)
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }

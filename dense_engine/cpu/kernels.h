@@ -614,6 +614,7 @@ inline float as_float(uint16_t bf16) {
   memcpy(&v, &bits, 4);
   return v;
 }
+inline float as_float(c10::Half h) { return (float)h; }
 
 // The scales of an int8 cache's slots (a key's or a value's int8 channels times its slot's scale, one per token and
 // head: [B, K, blocks * 16] float32 each, as many as the keys' blocks have slots); null for a float32 or bfloat16
@@ -771,9 +772,9 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_t, const at::Tens
   const auto kind = k_t.scalar_type();
   const bool int8 = kind == at::kChar;
   TORCH_CHECK(q_.scalar_type() == at::kFloat && kind == v.scalar_type() && pos_.scalar_type() == at::kLong &&
-              (kind == at::kFloat || kind == at::kBFloat16 || int8) &&
+              (kind == at::kFloat || kind == at::kBFloat16 || kind == at::kHalf || int8) &&
               int8 == (k_scale_.has_value() && v_scale_.has_value()),
-              "attention: a float32, bfloat16 or int8 cache (int8: with k_scale and v_scale)");
+              "attention: a float32, float16, bfloat16 or int8 cache (int8: with k_scale and v_scale)");
   auto q = q_.contiguous(), pos = pos_.contiguous(), rows = rows_.contiguous();
   const bool per_row = pos.dim() == 2;
   const int64_t D = q.size(3), S1 = v.size(2);
@@ -800,6 +801,9 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_t, const at::Tens
   else if (kind == at::kBFloat16)
     attention_impl<uint16_t>(q, k_t, v, k_scale, v_scale, pos.data_ptr<int64_t>(), stride, starts, row_of, window,
                              (float)scale, (float)softcap, out);
+  else if (kind == at::kHalf)
+    attention_impl<c10::Half>(q, k_t, v, k_scale, v_scale, pos.data_ptr<int64_t>(), stride, starts, row_of, window,
+                              (float)scale, (float)softcap, out);
   else
     attention_impl<int8_t>(q, k_t, v, k_scale, v_scale, pos.data_ptr<int64_t>(), stride, starts, row_of, window,
                            (float)scale, (float)softcap, out);

@@ -187,10 +187,11 @@ def place_weights(model) -> None:
         return
     chosen, seen = [], set()
     for module in model.modules():
-        for store in (module._parameters, module._buffers):
+        kernel = "kernel_weight" in module._buffers  # (a quantized layer's stored codes stay in the file's pages:
+        for store in (module._parameters, module._buffers):  # its kernel reads a layout of its own)
             for name, t in store.items():
                 if (t is not None and t.device.type == "cpu" and t.numel() * t.element_size() >= 1 << 18
-                        and not getattr(t, "placed", False)):
+                        and not getattr(t, "placed", False) and (name.startswith("kernel_") or not kernel)):
                     chosen.append((store, name, t))
     unique = {}
     for store, name, t in chosen:
@@ -286,33 +287,41 @@ def linear_int8(x: torch.Tensor, packed_weight: torch.Tensor, packed_scales: tor
     return y.to(x.dtype).reshape(*x.shape[:-1], packed_weight.shape[0])
 
 
-def pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> dict:
-    """codes [N, K] in 0..15; scales, mins [N, K / group] float16. {} where no kernel serves: dequantize instead."""
-    N, K = codes.shape
-    if codes.device.type == "cuda":  # tinygemm (gpt-fast's int4): its own tiled layout, (q - 8) * scale + zero
+def pack_int4(pairs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> dict:
+    """pairs [N, K / 2] uint8: codes 0..15 two to a byte, the even input in the low nibble (Int4Linear.qweight);
+    scales, mins [N, K / group] float16. {} where no kernel serves: dequantize instead."""
+    N, K = pairs.shape[0], pairs.shape[1] * 2
+    if pairs.device.type == "cuda":  # tinygemm (gpt-fast's int4): its own tiled layout, (q - 8) * scale + zero
         inner = next((t for t in (8, 4, 2) if K % (16 * t) == 0), None)
         if N % 8 or inner is None or group_size not in (32, 64, 128, 256):
             return {}
-        pairs = (codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8)  # [N, K / 2], the even input high
-        try:
-            packed = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner)
+        try:  # (its pairs have the even input high)
+            packed = torch.ops.aten._convert_weight_to_int4pack((pairs >> 4 | pairs << 4).contiguous(), inner)
         except (RuntimeError, NotImplementedError):  # (tinygemm needs an Ampere or later GPU)
             return {}
         return {"kernel_weight": packed, "kernel_scales": int4_scales_and_zeros(scales, mins), "kernel_mins":
-                torch.empty(0, device=codes.device)}
+                torch.empty(0, device=pairs.device)}
     if group_size == 32 and available():  # ours: groups of 16 rows, lanes over the rows (kernels.h)
-        return pack_int4_groups(codes.to(torch.uint8), scales.float(), mins.float())
+        return pack_int4_groups(pairs, scales.float(), mins.float())
     # PyTorch's int4 CPU kernel computes (q - 8) * scale + zero; fast with bfloat16 activations only
+    codes = torch.stack((pairs & 15, pairs >> 4), dim=-1).reshape(N, K)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
     return {"kernel_weight": packed, "kernel_scales": int4_scales_and_zeros(scales, mins), "kernel_mins":
             torch.empty(0)}
 
 
-def pack_int4_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> dict:
+def pack_int4_groups(pairs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> dict:
     """kernels.h's layout: rows in groups of 16 (the last of N % 16 rows), a group's codes [K / 8][rows][4 bytes] with
     codes 8c + 2p, 8c + 2p + 1 in bits 4p and 16 + 4p of a dword (p = 0..3), its scales and mins [K / 32][rows]. The
     tensors keep their shapes ([N, K / 2], [N, K / 32])."""
-    N, K = codes.shape
+    N, K = pairs.shape[0], pairs.shape[1] * 2
+    # A dword of pairs holds codes 0..7 of 8 in nibbles 0..7; the kernel's dword holds 0, 2, 4, 6, 1, 3, 5, 7: two
+    # swaps of bit fields (nibbles 1 <-> 2 and 5 <-> 6, then bytes 1 <-> 2)
+    x = pairs.contiguous()
+    x = (x.clone() if x.storage_offset() % 4 else x).view(torch.int32)  # [N, K / 8]
+    for shift, mask in ((4, 0x00F000F0), (8, 0x0000FF00)):
+        t = ((x >> shift) ^ x) & mask
+        x = x ^ t ^ (t << shift)
     parts: dict[str, list] = {"kernel_weight": [], "kernel_scales": [], "kernel_mins": []}
     whole = N // 16 * 16
     for start, rows in ((0, whole), (whole, N - whole)):
@@ -320,12 +329,9 @@ def pack_int4_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
             continue
         lanes = min(16, rows)
         groups = rows // lanes
-        c = codes[start:start + rows].reshape(groups, lanes, K // 8, 8).transpose(1, 2)  # [groups, K / 8, lanes, 8]
-        # a dword's bytes: codes 0 | 2 << 4, 4 | 6 << 4, 1 | 3 << 4, 5 | 7 << 4 of its 8
-        parts["kernel_weight"].append((c[..., [0, 4, 1, 5]] | (c[..., [2, 6, 3, 7]] << 4)).reshape(-1))
-        for name, t in (("kernel_scales", scales), ("kernel_mins", mins)):
-            parts[name].append(t[start:start + rows].reshape(groups, lanes, K // 32).transpose(1, 2).reshape(-1))
-    return {"kernel_weight": torch.cat(parts["kernel_weight"]).reshape(N, K // 2),
+        for name, t in (("kernel_weight", x), ("kernel_scales", scales), ("kernel_mins", mins)):
+            parts[name].append(t[start:start + rows].reshape(groups, lanes, -1).transpose(1, 2).reshape(-1))
+    return {"kernel_weight": torch.cat(parts["kernel_weight"]).view(torch.uint8).reshape(N, K // 2),
             "kernel_scales": torch.cat(parts["kernel_scales"]).reshape(N, K // 32),
             "kernel_mins": torch.cat(parts["kernel_mins"]).reshape(N, K // 32)}
 

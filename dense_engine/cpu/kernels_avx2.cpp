@@ -908,21 +908,20 @@ inline __m256 softcap8(__m256 x, float cap) {
   return _mm256_or_ps(t, _mm256_and_ps(x, sign));
 }
 
-// 8 cached values as float32 (the first `left`), from a float32 or a bfloat16 cache
+// 8 cached values as float32 (the first `left`), from a float32, bfloat16 or float16 cache
 inline __m256 load8(const float* p, int64_t left) {
   return left >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes8(left));
 }
-inline __m256 load8(const uint16_t* p, int64_t left) {
-  __m128i h;
-  if (left >= 8) {
-    h = _mm_loadu_si128((const __m128i*)p);
-  } else {
-    uint16_t part[8] = {};
-    memcpy(part, p, std::max<int64_t>(left, 0) * 2);
-    h = _mm_loadu_si128((const __m128i*)part);
-  }
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+inline __m128i load8_words(const void* p, int64_t left) {  // 8 16-bit numbers, zeros past `left`
+  if (left >= 8) return _mm_loadu_si128((const __m128i*)p);
+  uint16_t part[8] = {};
+  memcpy(part, p, std::max<int64_t>(left, 0) * 2);
+  return _mm_loadu_si128((const __m128i*)part);
 }
+inline __m256 load8(const uint16_t* p, int64_t left) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load8_words(p, left)), 16));
+}
+inline __m256 load8(const c10::Half* p, int64_t left) { return _mm256_cvtph_ps(load8_words(p, left)); }
 inline __m256 load8(const int8_t* p, int64_t left) {  // (an int8 cache: times the slot's scale by the caller)
   int64_t bytes = 0;
   memcpy(&bytes, p, std::min<int64_t>(std::max<int64_t>(left, 0), 8));

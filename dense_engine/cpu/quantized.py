@@ -217,7 +217,7 @@ class Int4Linear(QuantLinear):
 
     def finish_loading(self) -> None:
         if self.qweight.device.type in ("cpu", "cuda"):  # repacked for the kernel (kernels.py)
-            self.register_kernel(kernels.pack_int4(self.codes(), self.scales, self.mins, self.group_size))
+            self.register_kernel(kernels.pack_int4(self.qweight, self.scales, self.mins, self.group_size))
 
     def dequantize(self, dtype) -> torch.Tensor:
         g = self.codes().reshape(self.out_features, -1, self.group_size).to(torch.float32)

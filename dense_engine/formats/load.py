@@ -26,13 +26,13 @@ from torch import nn
 
 import dense
 from dense_engine.cpu import kernels, quantized
-from dense_engine.formats import convert, gguf_import
+from dense_engine.formats import convert, gguf_import, preread
 from dense_engine.system import machine
 from dense_engine.formats.checkpoint import Checkpoint
 from dense_engine.system.errors import CheckpointError, UsageError
 
 
-KV_DTYPES = ("auto", "bfloat16", "int8")  # what a load may ask of its KV cache (runtime/caches.py's cache_for)
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")  # what a load may ask of its KV cache (caches.cache_for)
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class LoadRecord:
     reason: str = "as stored"  # why that quantization: auto_mode's words, or the flag's
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
-    kv_dtype: str = "auto"  # the cache's numbers: "auto", "bfloat16" or "int8"
+    kv_dtype: str = "auto"  # the cache's numbers: one of KV_DTYPES
     max_seq_len: int | None = None  # the cache's length; None: the model's context, or what fits (fitting_cache)
     compile: bool = True  # compiled steps, saved for later processes
 
@@ -252,6 +252,14 @@ def read_runs(runs: list, device) -> dict:
     for torch, never written), moved to `device`."""
     shapes = [(rows, first.row_bytes) for first, rows in runs]
     placed = [torch.empty(0, device="meta")] * len(runs)
+    early = {path: preread.taken(path) for path in {first.path for first, _ in runs}}
+    if torch.device(device).type == "cpu" and all(early.values()):  # (read while torch was imported)
+        placed = [torch.frombuffer(early[first.path].mapping, dtype=torch.uint8, count=rows * first.row_bytes,
+                                   offset=early[first.path].start + first.offset).view(shape)
+                  for (first, rows), shape in zip(runs, shapes)]
+        for buffer in placed:
+            buffer.placed = True  # (place_weights leaves it where it is)
+        return {(first.path, first.offset): buffer for (first, _), buffer in zip(runs, placed)}
     if torch.device(device).type == "cpu":
         placed = kernels.huge_pages([torch.empty(shape, dtype=torch.uint8, device="meta") for shape in shapes],
                                     zeros=True)

@@ -107,7 +107,10 @@ class Int8KVCache(ScaledSlots, KVCache):
         return keys.float() * scales[0], values.float() * scales[1]
 
 
-LONG_CACHE_BYTES = 64 << 20  # a layer's cache beyond this is committed in 4 KB pages (CPUKVCache)
+# A layer's cache beyond this is committed in 4 KB pages (CPUKVCache): in 2 MB pages every head's keys and values
+# commit (and zero) a whole page at the first token, 2 MB per head and layer when a head's slots span 2 MB or more;
+# the default model's 8K-slot cache committed 360 MB so, a third of a second of a one-shot's first token.
+LONG_CACHE_BYTES = 4 << 20
 
 
 def zeroed(shapes: list[tuple[tuple, torch.dtype]], device, huge: bool) -> list[torch.Tensor]:
@@ -216,20 +219,19 @@ class CPUInt8KVCache(ScaledSlots, CPUKVCache):
 
 
 def cache_for(model: dense.DenseDecoder, kv_dtype: str = "auto") -> tuple[type, torch.dtype | None]:
-    """The cache class a model's cached steps should use, and its dtype, as kv_dtype asks (--kv-dtype: "auto",
-    "bfloat16", "int8"). auto: ours on CPU for float32 models, in bfloat16 when the model's linears are quantized
-    (their kernels already take activations in bfloat16 or 8 bits; half the bytes to read per attended slot), else
-    dense.py's layout in the model's dtype. int8: a quarter of float32's bytes."""
+    """The cache class a model's cached steps should use, and its dtype (None: the model's), as kv_dtype asks
+    (--kv-dtype: one of KV_DTYPES). auto: ours on CPU for float32 models, in float32 for quantized weights too (a
+    prompt's logprobs on the default model's int4 weights were 6.8e-2 nats from transformers' with bfloat16 keys and
+    values, 1.4e-2 with float16, 4e-5 with float32: BENCHMARKS.md), else dense.py's layout in the model's dtype.
+    int8: a quarter of float32's bytes."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    named = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(kv_dtype)
     if model.device.type == "cpu" and model.dtype == torch.float32 and kernels.available():
-        if kv_dtype == "int8":
-            return CPUInt8KVCache, torch.int8
-        quantized = any(hasattr(m, "kernel_weight") or hasattr(m, "kinds") for m in model.modules())
-        return CPUKVCache, torch.bfloat16 if kv_dtype == "bfloat16" or (kv_dtype == "auto" and quantized) else None
+        return (CPUInt8KVCache, torch.int8) if kv_dtype == "int8" else (CPUKVCache, named)
     if kv_dtype == "int8":
         return Int8KVCache, torch.int8
-    return KVCache, torch.bfloat16 if kv_dtype == "bfloat16" else None
+    return KVCache, named
 
 
 def memories(model: dense.DenseDecoder) -> list[nn.Module]:
