@@ -325,7 +325,6 @@ def run(argv, console) -> int:
         vocab_read = pool.submit(load_vocabulary, ckpt, args.tokenizer)
         try:
             model, record = load_model(ckpt, args, console)
-            preread.discard()
         finally:  # (a vocabulary that cannot be read is said first, as if read first)
             vocab = vocab_read.result()
     why = f"weights: {record.weights}"

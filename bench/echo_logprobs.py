@@ -101,7 +101,8 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for kv_dtype in args.kv_dtypes.split(","):
         try:
-            diffs = torch.cat([(engine_logprobs(model, ids, kv_dtype) - ref).abs() for ids, ref in zip(texts, reference)])
+            diffs = torch.cat([(engine_logprobs(model, ids, kv_dtype) - ref).abs()
+                               for ids, ref in zip(texts, reference)])
         except Exception as e:  # (a cache this device does not offer)
             print(f"| {kv_dtype} | {type(e).__name__}: {e} | | |")
             continue

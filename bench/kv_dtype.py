@@ -1,5 +1,5 @@
 """The KV cache's numbers (--kv-dtype): its bytes, decode tokens/s and logits at long positions, int8 against
-bfloat16 (the default model's cache in its default mode, int4 weights) and float32, compiled steps, batch 1; or a
+bfloat16 and float32 (the default model's cache in its default mode, int4 weights), compiled steps, batch 1; or a
 random-weight model of a published shape (float32 weights) for positions past the default model's 8,192.
 
     python bench/kv_dtype.py [--ckpt DIR | --shape qwen2.5-0.5b --positions 4096,32640] [--positions 4096,8064]

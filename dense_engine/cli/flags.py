@@ -12,7 +12,7 @@ import sys
 import torch
 
 from dense_engine.cpu import quantized
-from dense_engine.formats import load
+from dense_engine.formats import load, preread
 from dense_engine.formats.checkpoint import torch_dtype
 from dense_engine.formats.vocab import Vocabulary
 from dense_engine.runtime import caches, session, speculative, tp
@@ -57,8 +57,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compiled prefill and decode steps, saved in the cache folder for later runs (default: on)")
     p.add_argument("--kv-dtype", choices=load.KV_DTYPES, default="auto",
-                   help="the KV cache's numbers: auto (float32 on CPU, the model's dtype elsewhere), float32, float16, "
-                        "bfloat16, or int8 (a scale per token and head: a quarter of float32's bytes)")
+                   help="the KV cache's numbers: auto (the model's dtype: float32 on CPU unless --dtype says "
+                        "otherwise), float32, float16, bfloat16, or int8 (a scale per token and head: a quarter of "
+                        "float32's bytes)")
     p.add_argument("--max-seq-len", type=positive_int, default=None,
                    help="KV cache length (default: the model's context; smaller is faster)")
     spec = p.add_argument_group("speculative decoding (the same output as without, in fewer target steps)")
@@ -103,8 +104,11 @@ def load_model(ckpt: str, args, console) -> tuple:
     """(the model, its LoadRecord) as the flags ask: what was loaded and why is the record's `weights`."""
     record, checkpoint = load.plan(ckpt, args.quant, args.device, args.dtype, args.kv_dtype, args.max_seq_len,
                                    args.compile)
-    with console.status(f"Loading {ckpt} ({str(record.dtype).removeprefix('torch.')}, {record.device})..."):
-        model = session.load_model(record, checkpoint)
+    try:
+        with console.status(f"Loading {ckpt} ({str(record.dtype).removeprefix('torch.')}, {record.device})..."):
+            model = session.load_model(record, checkpoint)
+    finally:
+        preread.discard()  # (an early read of a file the load converted instead)
     if caches.has_state(model):  # what a state layer's memory cannot do yet, refused before it would answer wrongly
         asked = [flag for flag, on in (("--prompt-cache", getattr(args, "prompt_cache", None)),
                                        ("torchrun", tp.world()[1] > 1)) if on]

@@ -187,8 +187,10 @@ def place_weights(model) -> None:
         return
     chosen, seen = [], set()
     for module in model.modules():
-        kernel = "kernel_weight" in module._buffers  # (a quantized layer's stored codes stay in the file's pages:
-        for store in (module._parameters, module._buffers):  # its kernel reads a layout of its own)
+        # a quantized layer's stored codes stay where they were loaded (a saved variant's: in the file's pages); its
+        # kernel reads a layout of its own
+        kernel = "kernel_weight" in module._buffers
+        for store in (module._parameters, module._buffers):
             for name, t in store.items():
                 if (t is not None and t.device.type == "cpu" and t.numel() * t.element_size() >= 1 << 18
                         and not getattr(t, "placed", False) and (name.startswith("kernel_") or not kernel)):

@@ -96,7 +96,8 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
         mode, tensors = None, checkpoint.tensors
     if shard is not None:
         config, tensors = shard(checkpoint, tensors, mode)
-    check_fits(config, dtype, torch.device(device), checkpoint.path, quantized.BYTES_PER_WEIGHT.get(mode))
+    check_fits(config, dtype, torch.device(device), checkpoint.path, quantized.BYTES_PER_WEIGHT.get(mode),
+               held=preread.held(checkpoint.path) if torch.device(device).type == "cpu" else 0)
     with torch.device("meta"), no_init():
         model = dense.DenseDecoder(config)
     if mode == "gguf":
@@ -252,8 +253,10 @@ def read_runs(runs: list, device) -> dict:
     for torch, never written), moved to `device`."""
     shapes = [(rows, first.row_bytes) for first, rows in runs]
     placed = [torch.empty(0, device="meta")] * len(runs)
-    early = {path: preread.taken(path) for path in {first.path for first, _ in runs}}
-    if torch.device(device).type == "cpu" and all(early.values()):  # (read while torch was imported)
+    early = {}
+    if torch.device(device).type == "cpu":  # (another device: an early read is dropped unread)
+        early = {path: preread.taken(path) for path in {first.path for first, _ in runs}}
+    if early and all(early.values()):  # (read while torch was imported)
         placed = [torch.frombuffer(early[first.path].mapping, dtype=torch.uint8, count=rows * first.row_bytes,
                                    offset=early[first.path].start + first.offset).view(shape)
                   for (first, rows), shape in zip(runs, shapes)]
@@ -377,14 +380,15 @@ def more(names: list[str]) -> str:
 
 
 def check_fits(config: dense.DenseConfig, dtype: torch.dtype, device: torch.device, source: str,
-               bytes_per_weight: float | None = None) -> None:
+               bytes_per_weight: float | None = None, held: int = 0) -> None:
     """Refuse, before allocating anything, a config whose weights would not fit the device's available memory,
     naming its largest term (a config from the internet must not make us allocate hundreds of GB).
-    bytes_per_weight: of the quantized layers (all but the embedding), when they are quantized."""
+    bytes_per_weight: of the quantized layers (all but the embedding), when they are quantized. held: bytes of the
+    weights already in memory (a GGUF file read while torch was imported: preread), available to them."""
     elem = torch.empty((), dtype=dtype).element_size()
     embedding = config.vocab_size * config.hidden_size
     need = embedding * elem + (num_parameters(config) - embedding) * (bytes_per_weight or elem)
-    have = machine.available_memory(device)
+    have = machine.available_memory(device) + held
     if need <= have:
         return
     C, L = config.hidden_size, config.num_hidden_layers

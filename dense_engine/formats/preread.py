@@ -5,8 +5,9 @@ memory a decode step streams (load.read_runs: an anonymous mapping advised for 2
 a copy, which the kernel does with the GIL released: started first, on a thread, it costs little on a machine with a
 second core. load.read_runs takes the bytes from here when they are here, and reads them itself otherwise.
 
-Only files whose blocks the engine runs as stored are read early (nine tenths of their bytes quantized: an F16 or
-F32 file is converted, and its bytes would be a second copy), and only a file well within the free memory.
+Only files whose layers the engine runs as stored are read early: nine tenths of their bytes in block types with a
+CPU kernel (quantized.GGUF_TYPES), their layers not all Q4_0/Q4_1 (those load as int4: load.auto_mode), and the
+file well within the free memory. A read that loading does not take is stopped and dropped (discard).
 """
 
 import mmap
@@ -16,25 +17,27 @@ import sys
 import threading
 
 HUGE = 2 << 20
-FLOAT_TYPES = {0, 1, 30}  # GGML's F32, F16, BF16 tensors: converted at load, not run as stored
-INT4_TYPES = {2, 3}  # Q4_0, Q4_1: a file of only these loads as int4 (load.auto_mode), converted too
+CHUNK = 64 << 20  # bytes a read call (the thread looks at `stopped` between them)
+KERNEL_TYPES = {2, 3, 6, 7, 8, 12, 13, 14}  # GGML ids of quantized.GGUF_TYPES: the blocks a kernel runs as stored
+INT4_TYPES = {2, 3}  # Q4_0, Q4_1: a file whose layers are all these loads as int4 (load.auto_mode), converted
 
 _reads: dict[str, "EarlyRead"] = {}
 
 
 class EarlyRead:
     """A file's bytes, read on a thread into one anonymous mapping whose start is 2 MiB aligned: file offset x lies
-    at mapping offset start + x. complete: read whole (False: not a file to read early, or the read failed)."""
+    at mapping offset start + x. complete: read whole (False: not a file to read early, stopped, or the read
+    failed)."""
 
-    def __init__(self, path: str, size: int) -> None:
-        self.path, self.size = path, size
-        self.mapping, self.start, self.complete = None, 0, False
+    def __init__(self, path: str, stat: os.stat_result) -> None:
+        self.path, self.size, self.stamp = path, stat.st_size, (stat.st_size, stat.st_mtime_ns)
+        self.mapping, self.start, self.complete, self.stopped = None, 0, False, False
         self.thread = threading.Thread(target=self._read, name="dense-preread", daemon=True)
         self.thread.start()
 
     def _read(self) -> None:
         try:
-            if quantized_share(self.path) < 0.9:
+            if kernel_share(self.path) < 0.9:
                 return
             mapping = mmap.mmap(-1, self.size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             base = _address(mapping)
@@ -42,15 +45,16 @@ class EarlyRead:
             mapping.madvise(mmap.MADV_HUGEPAGE, start, self.size)
             with memoryview(mapping) as whole, open(self.path, "rb", buffering=0) as f:
                 view, done = whole[start:start + self.size], 0
-                while done < self.size:  # (one read returns at most about 2 GB)
-                    n = f.readinto(view[done:])
+                while done < self.size and not self.stopped:
+                    n = f.readinto(view[done:done + CHUNK])
                     if not n:
-                        return
+                        break
                     done += n
                 view.release()
-        except (OSError, ValueError, struct.error):  # (a damaged file: the loader says what is wrong with it)
+            if done == self.size:
+                self.mapping, self.start, self.complete = mapping, start, True
+        except Exception:  # (a damaged file, no huge pages: the loader reads it itself and says what is wrong)
             return
-        self.mapping, self.start, self.complete = mapping, start, True
 
 
 def _address(mapping: mmap.mmap) -> int:
@@ -59,10 +63,10 @@ def _address(mapping: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(mapping))
 
 
-def quantized_share(path: str) -> float:
-    """The share of a GGUF file's tensor bytes that are quantized blocks that load runs as stored (0 for anything
-    else): stepping over its metadata (a vocabulary's strings one by one) to its tensor table, in a few tens of
-    milliseconds."""
+def kernel_share(path: str) -> float:
+    """The share of a GGUF file's tensor bytes in block types that load runs as stored (0 for a file whose layers
+    load as int4, or for anything else): stepping over its metadata (a vocabulary's strings one by one) to its
+    tensor table, in a few tens of milliseconds."""
     scalars = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as head:
         if head[:4] != b"GGUF":
@@ -84,21 +88,24 @@ def quantized_share(path: str) -> float:
                 at += count * scalars[kind]
             else:  # (arrays of arrays: no file of a supported family has them here)
                 return 0.0
-        table = []  # (offset in the data, type)
+        table = []  # (offset in the data, type, name)
         for _ in range(tensors):
-            at += 8 + unpack("<Q", head, at)[0]
+            n = unpack("<Q", head, at)[0]
+            name, at = bytes(head[at + 8:at + 8 + n]), at + 8 + n
             at += 4 + 8 * unpack("<I", head, at)[0]
             kind, offset = unpack("<IQ", head, at)
-            table.append((offset, kind))
+            table.append((offset, kind, name))
             at += 12
         data = (at + 31) // 32 * 32
-        ends = sorted(offset for offset, _ in table)[1:] + [len(head) - data]
-        sizes = dict(zip(sorted(offset for offset, _ in table), ends))
-    kinds = {kind for _, kind in table} - FLOAT_TYPES
-    if kinds <= INT4_TYPES:
+        offsets = sorted(offset for offset, _, _ in table)
+        ends = dict(zip(offsets, offsets[1:] + [len(head) - data]))
+    layers = {kind for _, kind, name in table if name.startswith(b"blk.") and name.endswith(b".weight")
+              and kind not in (0, 1, 30)}  # (F32, F16, BF16: norms, convs)
+    if layers <= INT4_TYPES:
         return 0.0
-    quantized = sum(sizes[offset] - offset for offset, kind in table if kind not in FLOAT_TYPES)
-    return quantized / max(1, sum(sizes[offset] - offset for offset, _ in table))
+    stored = sum(ends[offset] - offset for offset, kind, _ in table if kind in KERNEL_TYPES)
+    return stored / max(1, sum(ends[offset] - offset for offset, _, _ in table))
+
 
 def free_bytes() -> int:
     try:
@@ -116,40 +123,56 @@ def start(path: str) -> None:
     if not sys.platform.startswith("linux") or not path.endswith(".gguf") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return
     try:
-        size = os.path.getsize(path)
+        stat = os.stat(path)
     except OSError:
         return
-    if size <= free_bytes() // 2:
-        _reads[os.path.realpath(path)] = EarlyRead(path, size)
+    if stat.st_size <= free_bytes() // 2:
+        _reads[os.path.realpath(path)] = EarlyRead(path, stat)
+
+
+FLAGS = ("--ckpt", "--device", "--quant")
 
 
 def start_from_argv(argv: list[str]) -> None:
-    """chat.py's runs of `--ckpt FILE.gguf` on the CPU with its blocks as stored."""
+    """chat.py's and serve.py's runs of `--ckpt FILE.gguf` on the CPU with its blocks as stored (the flags read as
+    argparse reads them: the last of a repeated flag, a flag by a prefix of its name)."""
     values = {}
     for i, arg in enumerate(argv):
         name, eq, value = arg.partition("=")
-        if name in ("--ckpt", "--device", "--quant") and name not in values:
-            values[name] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-    if os.environ.get("XPRE") or "--bench" in argv or "--help" in argv or "-h" in argv or "WORLD_SIZE" in os.environ:
+        full = [flag for flag in FLAGS if len(name) >= 4 and flag.startswith(name)]
+        if len(full) == 1:
+            values[full[0]] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    if "--bench" in argv or "--help" in argv or "-h" in argv or "WORLD_SIZE" in os.environ:
         return
-    if values.get("--device", "cpu") != "cpu" or ("--device" not in values and os.path.exists("/dev/nvidia0")):
+    gpu = any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/kfd"))  # (CUDA or ROCm: torch's default device)
+    if values.get("--device", "cuda" if gpu else "cpu") != "cpu":
         return
     if values.get("--quant", "auto") in ("auto", "gguf") and values.get("--ckpt"):
         start(values["--ckpt"])
 
 
+def held(path: str) -> int:
+    """Bytes an early read of this file holds (or will): memory the load's own weights take, not memory to find."""
+    early = _reads.get(os.path.realpath(path))
+    return early.size if early is not None and not early.stopped else 0
+
+
 def taken(path: str) -> EarlyRead | None:
     """The early read of this file once it is complete (waited for; None if there was none, or it read nothing):
-    its mapping goes with it (tensors made over it keep it alive)."""
+    its mapping goes with it (tensors made over it keep it alive; it is never closed while they live)."""
     early = _reads.pop(os.path.realpath(path), None)
     if early is None:
         return None
     early.thread.join()
-    if not early.complete or os.path.getsize(path) != early.size:
+    try:
+        stat = os.stat(path)
+    except OSError:
         return None
-    return early
+    return early if early.complete and (stat.st_size, stat.st_mtime_ns) == early.stamp else None
 
 
 def discard() -> None:
-    """Forget the early reads that loading did not take (a file converted, not run as stored)."""
+    """Stop and forget the early reads that loading did not take (a file converted, not run as stored)."""
+    for early in _reads.values():
+        early.stopped = True
     _reads.clear()

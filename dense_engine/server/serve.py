@@ -36,6 +36,11 @@ import signal
 import sys
 import threading
 
+from dense_engine.formats import preread
+
+if os.path.basename(sys.argv[0]) == "dense-serve":
+    preread.start_from_argv(sys.argv[1:])  # (serve.py starts it itself, before this module's imports)
+
 import torch
 
 from dense_engine.cli.flags import add_model_flags, check_environment, load_model, make_draft, parse_flags, positive_int
