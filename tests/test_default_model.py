@@ -90,3 +90,29 @@ def test_the_default_model_in_its_default_mode_is_its_file(tmp_path, monkeypatch
     open(generation, "w").write(json.dumps({"eos_token_id": [2, 0]}))  # (an earlier version's: no sampling)
     assert default_model.outdated(folder) == "without its default sampling"
     assert default_model.default_checkpoint(console) == folder and json.load(open(generation))["do_sample"] is False
+
+
+@pytest.mark.slow
+def test_structured_replies_of_the_default_model_close(tmp_path):
+    """--json-object and --json-schema on the default model, its default sampling: the reply is one JSON value (valid
+    against the schema) that ends before the token limit (compact JSON: no whitespace for a small model to run on
+    with; a schema's objects closed to the properties it names)."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"},
+                                               "landmarks": {"type": "array", "items": {"type": "string"}}},
+              "required": ["city", "population", "landmarks"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    cache = tmp_path / "cache"
+    for prompt, constraint in [("Give me a JSON object describing a cat with name and age.", ["--json-object"]),
+                               ("Describe Paris as JSON.", ["--json-schema", str(tmp_path / "schema.json")])]:
+        result = run_chat(cache, "--prompt", prompt, *constraint, "--max-new-tokens", "120", "--stats", "--no-compile")
+        assert result.returncode == 0, result.stderr
+        value = json.loads(result.stdout)
+        assert isinstance(value, dict) and value
+        if constraint[0] == "--json-schema":
+            jsonschema.validate(value, schema)
+        made = int(next(line for line in result.stderr.splitlines() if " tokens, " in line).split()[0])
+        assert made < 120, result.stderr
