@@ -43,17 +43,38 @@ class EarlyRead:
             base = _address(mapping)
             start = (base + HUGE - 1) // HUGE * HUGE - base
             mapping.madvise(mmap.MADV_HUGEPAGE, start, self.size)
-            with memoryview(mapping) as whole, open(self.path, "rb", buffering=0) as f:
-                view, done = whole[start:start + self.size], 0
-                while done < self.size and not self.stopped:
-                    n = f.readinto(view[done:done + CHUNK])
-                    if not n:
-                        break
-                    done += n
+            # one reader a core but the one importing torch (the page faults of new huge pages are most of a read)
+            readers = max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else 1
+            share = (self.size // readers + HUGE - 1) // HUGE * HUGE
+            slices = [(a, min(self.size, a + share)) for a in range(0, self.size, share)]
+            done = [False] * len(slices)
+            with memoryview(mapping) as whole:
+                view = whole[start:start + self.size]
+                threads = [threading.Thread(target=self._read_slice, args=(view, a, b, done, i), daemon=True)
+                           for i, (a, b) in enumerate(slices[1:], 1)]
+                for t in threads:
+                    t.start()
+                self._read_slice(view, *slices[0], done, 0)
+                for t in threads:
+                    t.join()
                 view.release()
-            if done == self.size:
+            if all(done):
                 self.mapping, self.start, self.complete = mapping, start, True
         except Exception:  # (a damaged file, no huge pages: the loader reads it itself and says what is wrong)
+            return
+
+    def _read_slice(self, view: memoryview, a: int, b: int, done: list, i: int) -> None:
+        """Bytes a..b of the file into view[a:b], CHUNK at a time (stopped: left unfinished)."""
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                f.seek(a)
+                while a < b and not self.stopped:
+                    n = f.readinto(view[a:min(b, a + CHUNK)])
+                    if not n:
+                        return
+                    a += n
+            done[i] = a == b
+        except OSError:
             return
 
 
