@@ -248,9 +248,10 @@ def stored_order(parts: list, tensors: list) -> torch.Tensor | None:
 
 
 def read_runs(runs: list, device) -> dict:
-    """{(path, offset): uint8 [rows, row_bytes]} for runs of rows of a GGUF file: on CPU read into huge pages (a plain
-    read: the file's pages never count in the process's memory), else views of the file (copy-on-write map: writable
-    for torch, never written), moved to `device`."""
+    """{(path, offset): uint8 [rows, row_bytes]} for runs of rows of a GGUF file: on CPU views of the file read into
+    huge pages while torch was imported (preread), or else read into huge pages now (a plain read: the file's pages
+    never count in the process's memory); elsewhere views of the file (copy-on-write map: writable for torch, never
+    written), moved to `device`."""
     shapes = [(rows, first.row_bytes) for first, rows in runs]
     placed = [torch.empty(0, device="meta")] * len(runs)
     early = {}
