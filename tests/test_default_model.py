@@ -27,7 +27,7 @@ def workers(tmp_path):
 @pytest.mark.slow
 def test_default_model_answers_paris_and_is_cached(tmp_path, workers):
     """As a new user runs it, default sampling (the default model's generation_config.json: greedy): the first answer
-    comes eagerly while its steps compile in the background."""
+    comes eagerly while its steps compile in the background. Its structured replies close."""
     args = ["--prompt", "What is the capital of France?", "--max-new-tokens", "20", "--verbose"]
     first = run_chat(tmp_path, *args, env={"DENSE_BACKGROUND_COMPILE": "1"})
     assert first.returncode == 0, first.stderr
@@ -41,6 +41,7 @@ def test_default_model_answers_paris_and_is_cached(tmp_path, workers):
                                             "DENSE_BACKGROUND_COMPILE": "1"})
     assert second.returncode == 0 and second.stdout == first.stdout  # from the cache: no fetch, same answer
     assert "Converted" not in second.stderr
+    assert_structured_replies_close(tmp_path, tmp_path)  # (the folder converted once serves these too)
 
 
 def test_without_network_one_message_says_how_to_get_it(tmp_path):
@@ -92,8 +93,7 @@ def test_the_default_model_in_its_default_mode_is_its_file(tmp_path, monkeypatch
     assert default_model.default_checkpoint(console) == folder and json.load(open(generation))["do_sample"] is False
 
 
-@pytest.mark.slow
-def test_structured_replies_of_the_default_model_close(tmp_path):
+def assert_structured_replies_close(cache, tmp_path) -> None:
     """--json-object and --json-schema on the default model, its default sampling: the reply is one JSON value (valid
     against the schema) that ends before the token limit (compact JSON: no whitespace for a small model to run on
     with; a schema's objects closed to the properties it names)."""
@@ -105,7 +105,6 @@ def test_structured_replies_of_the_default_model_close(tmp_path):
                                                "landmarks": {"type": "array", "items": {"type": "string"}}},
               "required": ["city", "population", "landmarks"]}
     (tmp_path / "schema.json").write_text(json.dumps(schema))
-    cache = tmp_path / "cache"
     for prompt, constraint in [("Give me a JSON object describing a cat with name and age.", ["--json-object"]),
                                ("Describe Paris as JSON.", ["--json-schema", str(tmp_path / "schema.json")])]:
         result = run_chat(cache, "--prompt", prompt, *constraint, "--max-new-tokens", "120", "--stats", "--no-compile")
