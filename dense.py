@@ -2,10 +2,11 @@
 for the layers that keep one, a fixed-size state.
 
 Read it top to bottom: config -> norms -> rotary -> attention and its cache (and the one place where a step's masks
-and rotary rows are decided) -> the layers whose memory is a state -> MLP -> layer -> model; the rope scalings are an
-appendix. A prefill writes the prompt's keys and values into the cache, then each decode step feeds one token at a
-fixed shape over a fixed number of cache slots (`attend`): torch.compile makes it one graph, replayed for every token
-(runtime/generate.py; the sampler is runtime/sampling.py).
+and rotary rows are decided) -> the layers whose memory is a state -> MLP -> layer -> model; the plain rope scalings
+are an appendix (the families' own: formats/rope_scalings.py). A prefill writes the prompt's keys and values into
+the cache, then each decode step feeds one token at a fixed shape over a fixed number of cache slots (`attend`):
+torch.compile makes it one graph, replayed for every token (runtime/generate.py; the sampler is
+runtime/sampling.py).
 
 Shapes: B batch, T tokens in this call, S cache length, A slots attended, H query heads, K key/value heads,
 D head_dim, C hidden size, R rotary channels, V vocabulary. This file imports only torch: the package dense_engine
@@ -184,11 +185,13 @@ def qk_norm(config: DenseConfig, heads: int) -> nn.Module:
 def rope_frequencies(config: DenseConfig, seq_len: int, local: bool = False) -> tuple[torch.Tensor, float]:
     """The rotary frequencies [R/2] (float32) of a sequence of up to seq_len tokens, and the factor that scales
     cos and sin (1 unless yarn or longrope says otherwise). local: the sliding-window layers' tables (their own base,
-    unscaled). A config's rope_scaling changes them as its function in the appendix (section 7) says."""
+    unscaled). A config's rope_scaling changes them as its function in ROPE_SCALINGS (the appendix, section 7) says."""
     base = config.rope_local_theta if local else config.rope_theta
     powers = base ** (torch.arange(0, config.rope_dim, 2, dtype=torch.int64).float() / config.rope_dim)  # [R/2]
     scaling = (None if local else config.rope_scaling) or {"rope_type": "plain"}
     original = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
+    if scaling["rope_type"] not in ROPE_SCALINGS:
+        raise ValueError(f"rope_scaling {scaling['rope_type']!r}: import dense_engine.formats.rope_scalings first")
     return ROPE_SCALINGS[scaling["rope_type"]](config, scaling, powers, original, seq_len)
 
 
@@ -788,8 +791,10 @@ class DenseDecoder(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 7. Appendix: the rope scalings, as transformers computes them. (config, rope_scaling, powers [R/2] = base^(2i/R),
-# the original context, seq_len) -> (frequencies [R/2], the attention factor that scales cos and sin).
+# 7. Appendix: the rope scalings. (config, rope_scaling, powers [R/2] = base^(2i/R), the original context, seq_len) ->
+# (frequencies [R/2], the attention factor that scales cos and sin). The plain ones are here; the families' own
+# (llama3, longrope, yarn, a GGUF's rope_freqs factors) are computed as transformers computes them in
+# dense_engine/formats/rope_scalings.py, which adds them to this table when a checkpoint is read.
 
 
 # (also "dynamic": NTK-aware scaling raises the base only past the model's context, which no cache reaches)
@@ -801,58 +806,4 @@ def linear_rope(config, scaling, powers, original, seq_len):
     return 1.0 / powers / scaling["factor"], 1.0
 
 
-def factors_rope(config, scaling, powers, original, seq_len):  # a divisor per frequency (a GGUF's rope_freqs)
-    return 1.0 / powers / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
-
-
-def llama3_rope(config, scaling, powers, original, seq_len):
-    """Long wavelengths divided by factor, short ones kept, a smooth blend between."""
-    inv_freq = 1.0 / powers
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
-    smooth = (original / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
-    return torch.where(medium, blended, scaled), 1.0
-
-
-def longrope(config, scaling, powers, original, seq_len):
-    """Phi-3: its long factors when seq_len exceeds the original context (a cache longer than that: every position,
-    as llama.cpp chooses by its context size), its short ones otherwise."""
-    factor = scaling.get("factor") or config.max_position_embeddings / original
-    attention = scaling.get("attention_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    ext = scaling["long_factor"] if seq_len > original else scaling["short_factor"]
-    return 1.0 / (torch.tensor(ext, dtype=torch.float32) * powers), attention
-
-
-def yarn_mscale(scale, m=1.0):
-    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-
-def yarn_rope(config, scaling, powers, original, seq_len):
-    """Frequencies blended between interpolated (slow ones) and extrapolated (fast ones) by a linear ramp."""
-    dim, base = config.rope_dim, config.rope_theta
-    factor = scaling.get("factor") or config.max_position_embeddings / original
-    attention = scaling.get("attention_factor")
-    if attention is None:
-        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
-
-    def correction_dim(rotations):
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
-    extrapolate = 1 - ramp
-    inv_freq = (1.0 / (factor * powers)) * (1 - extrapolate) + (1.0 / powers) * extrapolate
-    return inv_freq, float(attention)
-
-
-ROPE_SCALINGS = {"plain": plain_rope, "dynamic": plain_rope, "linear": linear_rope, "factors": factors_rope,
-                 "llama3": llama3_rope, "longrope": longrope, "yarn": yarn_rope}
+ROPE_SCALINGS = {"plain": plain_rope, "dynamic": plain_rope, "linear": linear_rope}
