@@ -2,11 +2,10 @@
 for the layers that keep one, a fixed-size state.
 
 Read it top to bottom: config -> norms -> rotary -> attention and its cache (and the one place where a step's masks
-and rotary rows are decided) -> the layers whose memory is a state -> MLP -> layer -> model; the plain rope scalings
-are an appendix (the families' own: formats/rope_scalings.py). A prefill writes the prompt's keys and values into
-the cache, then each decode step feeds one token at a fixed shape over a fixed number of cache slots (`attend`):
-torch.compile makes it one graph, replayed for every token (runtime/generate.py; the sampler is
-runtime/sampling.py).
+and rotary rows are decided) -> the layers whose memory is a state -> MLP -> layer -> model. A prefill writes the
+prompt's keys and values into the cache, then each decode step feeds one token at a fixed shape over a fixed number of
+cache slots (`attend`): torch.compile makes it one graph, replayed for every token (runtime/generate.py; the sampler
+is runtime/sampling.py).
 
 Shapes: B batch, T tokens in this call, S cache length, A slots attended, H query heads, K key/value heads,
 D head_dim, C hidden size, R rotary channels, V vocabulary. This file imports only torch: the package dense_engine
@@ -182,17 +181,26 @@ def qk_norm(config: DenseConfig, heads: int) -> nn.Module:
     return nn.Identity()
 
 
+# The families' rope scalings (llama3, longrope, yarn, a GGUF's factors), computed as transformers computes them:
+# (config, rope_scaling, powers [R/2] = base^(2i/R), the original context, seq_len) -> (frequencies [R/2], the factor
+# that scales cos and sin). dense_engine/formats/rope_scalings.py adds them to this table when a checkpoint is read.
+ROPE_SCALINGS: dict = {}
+
+
 def rope_frequencies(config: DenseConfig, seq_len: int, local: bool = False) -> tuple[torch.Tensor, float]:
     """The rotary frequencies [R/2] (float32) of a sequence of up to seq_len tokens, and the factor that scales
     cos and sin (1 unless yarn or longrope says otherwise). local: the sliding-window layers' tables (their own base,
-    unscaled). A config's rope_scaling changes them as its function in ROPE_SCALINGS (the appendix, section 7) says."""
+    unscaled)."""
     base = config.rope_local_theta if local else config.rope_theta
     powers = base ** (torch.arange(0, config.rope_dim, 2, dtype=torch.int64).float() / config.rope_dim)  # [R/2]
     scaling = (None if local else config.rope_scaling) or {"rope_type": "plain"}
-    original = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
-    if scaling["rope_type"] not in ROPE_SCALINGS:
-        raise ValueError(f"rope_scaling {scaling['rope_type']!r}: import dense_engine.formats.rope_scalings first")
-    return ROPE_SCALINGS[scaling["rope_type"]](config, scaling, powers, original, seq_len)
+    kind, original = scaling["rope_type"], scaling.get("original_max_position_embeddings")
+    # (dynamic: NTK-aware scaling raises the base only past the model's context, which no cache reaches)
+    if kind in ("plain", "dynamic", "linear"):
+        return 1.0 / powers / (scaling["factor"] if kind == "linear" else 1.0), 1.0
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"rope_scaling {kind!r}: import dense_engine.formats.rope_scalings first")
+    return ROPE_SCALINGS[kind](config, scaling, powers, original or config.max_position_embeddings, seq_len)
 
 
 def rope_tables(config: DenseConfig, positions: torch.Tensor, seq_len: int | None = None,
@@ -342,7 +350,8 @@ def cache_rows(cache: torch.Tensor, step: Step, B: int) -> torch.Tensor:
 
 
 class NoCache(nn.Module):
-    """A layer's cache before setup_cache: a plain pass attends over its own keys and values and keeps nothing."""
+    """A layer's memory before setup_cache: a plain pass attends over its own keys and values (a state layer starts
+    from an empty state) and keeps nothing."""
 
     def attend(self, q, k, v, step: Step, view: View, scale: float, softcap: float | None) -> torch.Tensor:
         return attention(q, k, v, view.mask, scale, softcap)
@@ -407,7 +416,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(C, sum(self.parts.values()), bias=config.bias or config.qkv_bias)
         self.o_proj = nn.Linear(q_width, C, bias=config.bias)
         self.q_norm, self.k_norm = qk_norm(config, self.n_heads), qk_norm(config, self.n_kv_heads)
-        self.memory: NoCache = NoCache()
+        self.memory: nn.Module = NoCache()
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         B, T, _ = x.shape
@@ -431,10 +440,6 @@ class Attention(nn.Module):
 # grows by a key and a value a token; these keep a fixed-size state instead: the last W - 1 inputs of a causal
 # depthwise conv and (Gated DeltaNet) a [Dk, Dv] matrix per head that every token rewrites. A decode step reads and
 # writes the same shapes at every position: one fixed-shape graph, however long the conversation.
-
-
-class NoState(nn.Module):
-    """A state layer's memory before setup_cache: a plain pass starts from an empty state and keeps nothing."""
 
 
 class State(nn.Module):
@@ -546,7 +551,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias, self.A_log = nn.Parameter(torch.ones(self.v_heads)), nn.Parameter(torch.zeros(self.v_heads))
         self.norm = RMSNorm(self.v_dim, config.norm_eps)
         self.out_proj = nn.Linear(values, config.hidden_size, bias=False)
-        self.memory: nn.Module = NoState()
+        self.memory: nn.Module = NoCache()
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         B, T, _ = x.shape
@@ -588,7 +593,7 @@ class ShortConv(nn.Module):
         C = config.hidden_size
         self.in_proj, self.out_proj = nn.Linear(C, 3 * C, bias=False), nn.Linear(C, C, bias=False)
         self.conv_weight = nn.Parameter(torch.zeros(C, 1, config.conv_kernel))
-        self.memory: nn.Module = NoState()
+        self.memory: nn.Module = NoCache()
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         b, c, h = self.in_proj(x).chunk(3, dim=-1)
@@ -687,6 +692,10 @@ class DenseDecoder(nn.Module):
         self.rotary = nn.ModuleDict()  # kind -> Rotary, made by setup_cache for the cache's slots
         self.max_batch_size = self.max_seq_len = 0
 
+    # An eager call's inputs are checked first, one ValueError each (they read values, a host sync, so compiled steps
+    # skip them): dense_engine/formats/call_checks.py sets this when a checkpoint is read.
+    check_inputs = None
+
     @property
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype  # (the final norm: every model has one, whatever its embedding holds)
@@ -705,7 +714,7 @@ class DenseDecoder(nn.Module):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         for layer in self.layers:  # free the old memory before allocating the new one
-            layer.attn.memory = NoCache() if isinstance(layer.attn, Attention) else NoState()
+            layer.attn.memory = NoCache()
         for layer in self.layers:
             mixer = layer.attn
             if isinstance(mixer, Attention):
@@ -727,8 +736,8 @@ class DenseDecoder(nn.Module):
         """Final hidden states after the last norm, [B, T, C], in the model's dtype. The arguments as in make_step();
         attend is a Python int (the fixed width of a compiled step); eager calls may leave it None for "the slots in
         use"."""
-        if not torch.compiler.is_compiling():
-            self._check_inputs(input_ids, input_pos, rows, causal)
+        if not torch.compiler.is_compiling() and self.check_inputs is not None:
+            self.check_inputs(input_ids, input_pos, rows, causal)
         T = input_ids.shape[1]
         if input_pos is not None and attend is None:
             attend = int(input_pos.max()) + 1
@@ -758,52 +767,3 @@ class DenseDecoder(nn.Module):
             return logits
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         return logits, loss
-
-    def _check_inputs(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None, rows: torch.Tensor | None,
-                      causal: bool) -> None:
-        """Eager-only checks (they read values, a host sync, so compiled steps skip them): one ValueError each."""
-        def require(ok: bool, message: str) -> None:
-            if not ok:
-                raise ValueError(message)
-
-        require(input_ids.ndim == 2 and input_ids.dtype in (torch.int64, torch.int32),
-                f"input_ids must be an integer tensor [batch, tokens], got {input_ids.dtype} {list(input_ids.shape)}")
-        B, T = input_ids.shape
-        require(T > 0, "input_ids has no tokens")
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        require(0 <= lo and hi < self.config.vocab_size,
-                f"token id {lo if lo < 0 else hi} is out of range for the vocabulary of {self.config.vocab_size}")
-        if input_pos is None:
-            require(T <= self.config.max_position_embeddings,
-                    f"{T} tokens exceed the context of {self.config.max_position_embeddings}")
-            return
-        require(self.max_seq_len > 0, "call setup_cache(max_batch_size, max_seq_len) before a cached step (input_pos)")
-        require(B <= self.max_batch_size, f"batch {B} exceeds the cache's max_batch_size {self.max_batch_size}")
-        require(input_pos.shape in ((T,), (B, T)),
-                f"input_pos must have shape [{T}] or [{B}, {T}] (one slot per token), got {list(input_pos.shape)}")
-        require(0 <= int(input_pos.min()) and int(input_pos.max()) <= self.max_seq_len,  # slot S: the scratch slot
-                f"position {int(input_pos.max())} is outside the cache of {self.max_seq_len} tokens "
-                f"(context {self.config.max_position_embeddings})")
-        require(rows is None or (rows.shape == (B,) and int(rows.min()) >= 0 and int(rows.max()) < self.max_batch_size),
-                f"rows must be [{B}] cache rows in 0..{self.max_batch_size - 1}")
-        require(not causal or (input_pos.ndim == 1 and int(input_pos[0]) == 0 and int(input_pos[-1]) == T - 1),
-                "a causal step writes slots 0..T-1 of every row")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# 7. Appendix: the rope scalings. (config, rope_scaling, powers [R/2] = base^(2i/R), the original context, seq_len) ->
-# (frequencies [R/2], the attention factor that scales cos and sin). The plain ones are here; the families' own
-# (llama3, longrope, yarn, a GGUF's rope_freqs factors) are computed as transformers computes them in
-# dense_engine/formats/rope_scalings.py, which adds them to this table when a checkpoint is read.
-
-
-# (also "dynamic": NTK-aware scaling raises the base only past the model's context, which no cache reaches)
-def plain_rope(config, scaling, powers, original, seq_len):
-    return 1.0 / powers, 1.0
-
-
-def linear_rope(config, scaling, powers, original, seq_len):
-    return 1.0 / powers / scaling["factor"], 1.0
-
-
-ROPE_SCALINGS = {"plain": plain_rope, "dynamic": plain_rope, "linear": linear_rope}

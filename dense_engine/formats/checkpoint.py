@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from dense import DenseConfig
+from dense_engine.formats import call_checks  # noqa: F401 (an eager call's checks, into dense.DenseDecoder)
 from dense_engine.formats import rope_scalings  # noqa: F401 (the families' rope scalings, into dense.ROPE_SCALINGS)
 from dense_engine.system.errors import CheckpointError, first_line
 
@@ -154,8 +155,8 @@ def torch_dtype(name) -> torch.dtype | None:
 # Configs read from files: checked before anything is built
 
 # The rotary scalings (rope_scaling["rope_type"]) and the keys each reads, the required ones first (a count); a key
-# not listed here is refused, so a scaling is never half applied. What each computes: dense.py's appendix and
-# rope_scalings.py.
+# not listed here is refused, so a scaling is never half applied. What each computes: dense.py's rope_frequencies
+# and rope_scalings.py.
 ROPE_SCALINGS = {
     "linear": (1, ("factor",)),
     "dynamic": (1, ("factor",)),

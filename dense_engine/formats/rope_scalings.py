@@ -1,4 +1,4 @@
-"""The rope scalings of the families, as transformers computes them (dense.py's appendix keeps the plain ones):
+"""The rope scalings of the families, as transformers computes them (dense.py computes plain, dynamic and linear):
 each (config, rope_scaling, powers [R/2] = base^(2i/R), the original context, seq_len) -> (frequencies [R/2], the
 attention factor that scales cos and sin). Importing this module adds them to dense.ROPE_SCALINGS (checkpoint.py
 does, so every loader has them); checkpoint.ROPE_SCALINGS lists the keys each reads."""
