@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 
 from dense_engine.formats import load as loading
+from dense_engine.formats import preread
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.load import LoadRecord
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
@@ -121,6 +122,10 @@ def load(path: str | None = None, quant: str = "auto", device: str | None = None
     path = path or default_checkpoint(Console(stderr=True, soft_wrap=True))
     vocab = load_vocabulary(path, tokenizer)
     record, checkpoint = loading.plan(path, quant, device, dtype, kv_dtype, max_seq_len, compile)
-    model = load_model(record, checkpoint)
+    preread.start_for(record)  # a GGUF's blocks into huge pages (a decode step streams them faster)
+    try:
+        model = load_model(record, checkpoint)
+    finally:
+        preread.discard()
     note = (lambda message: print(f"note: {message}", file=sys.stderr)) if compile else None
     return LLM(model, vocab, record, Session(model, vocab, load=record, note=note))

@@ -386,11 +386,12 @@ def test_quantized_files_of_other_architectures(reference, gguf_files, name):
 
 
 def test_a_file_read_while_torch_is_imported_is_the_model_read_after(gguf_files, monkeypatch):
-    """chat.py starts reading a quantized GGUF on a thread before `import torch` (preread): the blocks load takes
-    from that read are the file's bytes where they lie in it, the logits equal a load that reads the file itself, and
-    the share of bytes it reads early is the tensor table's. A float file, and one whose layers are Q4_0/Q4_1 blocks
-    (loaded as int4), are not read early; neither is a run on another device or quantization, nor --bench; a read
-    nobody took is stopped and dropped."""
+    """chat.py starts reading a quantized GGUF into huge pages on a thread before `import torch` (preread), for a run
+    that decodes long: the blocks load takes from that read are the file's bytes where they lie in it, the logits
+    equal a load whose blocks are views of the file's own pages (a one-shot's), and the share of bytes it reads early
+    is the tensor table's. A float file, and one whose layers are Q4_0/Q4_1 blocks (loaded as int4), are not read
+    early; neither is a one-shot (--prompt), a run on another device or quantization, nor --bench (its load reads
+    it: start_for); a read nobody took is stopped and dropped."""
     if not sys.platform.startswith("linux"):
         pytest.skip("early reads are Linux's (anonymous huge-page mappings)")
     path, _ = gguf_files["qwen2-q8_0"]
@@ -402,6 +403,8 @@ def test_a_file_read_while_torch_is_imported_is_the_model_read_after(gguf_files,
     assert preread.kernel_share(gguf_files["qwen2"][0]) == 0 == preread.kernel_share(gguf_files["gemma2-q4_1"][0])
     ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
     plain = load.from_pretrained(path, quant="auto")
+    mapped = next(t for t in plain.layers[0].attn.qkv_proj.buffers() if t.dtype == torch.uint8 and t.numel() > 1000)
+    assert mapped.untyped_storage().nbytes() == os.path.getsize(path)  # (no early read: a view of the file's pages)
     monkeypatch.setattr(preread, "kernel_share", lambda path: 1.0)  # (this small file is a tenth norms)
     preread.start(path)
     early = preread._reads[os.path.realpath(path)]
@@ -418,10 +421,14 @@ def test_a_file_read_while_torch_is_imported_is_the_model_read_after(gguf_files,
         assert f.read(buffer.numel()) == buffer.numpy().tobytes()
     assert torch.equal(model(ids), plain(ids))
     for argv in (["--ckpt", path, "--device", "cuda"], ["--ckpt", path, "--quant", "int4"], ["--bench", "--ckpt", path],
-                 ["--ckpt", path, "--qu", "int8", "--dev", "cpu"], ["--ckpt", path, "--device", "cpu", "--device=cuda"]):
+                 ["--ckpt", path, "--qu", "int8", "--dev", "cpu"], ["--ckpt", path, "--device", "cpu", "--device=cuda"],
+                 ["--prompt", "hi", f"--ckpt={path}"], [f"--ckpt={path}", "--prompt=hi"]):
         preread.start_from_argv(argv)
         assert not preread._reads, argv
-    preread.start_from_argv(["--prompt", "hi", f"--ckpt={path}", "--device", "cpu"])
+    preread.start_from_argv(["--max-new-tokens", "9", f"--ckpt={path}", "--device", "cpu"])
+    assert preread.taken(path) is not None
+    record, _ = load.plan(path, device="cpu")  # --bench and dense_engine.load: read when the load is planned
+    preread.start_for(record)
     assert preread.taken(path) is not None
     preread.start_from_argv(["--ckpt", path, "--dev", "cpu"])
     dropped = preread._reads[os.path.realpath(path)]

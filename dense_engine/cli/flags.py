@@ -104,6 +104,8 @@ def load_model(ckpt: str, args, console) -> tuple:
     """(the model, its LoadRecord) as the flags ask: what was loaded and why is the record's `weights`."""
     record, checkpoint = load.plan(ckpt, args.quant, args.device, args.dtype, args.kv_dtype, args.max_seq_len,
                                    args.compile)
+    if getattr(args, "prompt", None) is None or getattr(args, "bench", False):  # (a one-shot's stay in the file's pages)
+        preread.start_for(record)  # the blocks into huge pages, for a run that decodes long
     try:
         with console.status(f"Loading {ckpt} ({str(record.dtype).removeprefix('torch.')}, {record.device})..."):
             model = session.load_model(record, checkpoint)

@@ -16,7 +16,6 @@ through its `shard` hook.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,7 +25,7 @@ from torch import nn
 
 import dense
 from dense_engine.cpu import kernels, quantized
-from dense_engine.formats import convert, gguf_import, preread
+from dense_engine.formats import convert, preread
 from dense_engine.system import machine
 from dense_engine.formats.checkpoint import Checkpoint
 from dense_engine.system.errors import CheckpointError, UsageError
@@ -190,10 +189,9 @@ def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> 
 
 def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dtype) -> dict:
     """Put GGUF block layers (quantized.GGUFLinear, GGUFEmbedding) in a meta-device model where the file's tensors
-    are blocks with a kernel; returns the tensors still to load. The blocks are read from the file as they are
-    stored (nothing converted), on CPU straight into one mapping of huge pages (0.3 s a GB from the page cache; a
-    decode step streams them 10-15% faster than from the file's own 4 KB pages); elsewhere, or without huge pages,
-    they are views of the memory-mapped file. Parts of a fused projection that lie one after another in the file,
+    are blocks with a kernel; returns the tensors still to load. The blocks are the file's bytes as they are stored
+    (nothing converted): views of the memory-mapped file, or, for a run that decodes long on the CPU, of one mapping
+    of huge pages they were read into (read_runs). Parts of a fused projection that lie one after another in the file,
     of one type, are one buffer, and a tensor two parts share (qwen35's per-head query and gate rows) is read once;
     rows in another order than the model's (llama's permuted q/k) stay as stored and the layer puts its outputs in
     order. A tied head multiplies the embedding's own blocks."""
@@ -249,43 +247,24 @@ def stored_order(parts: list, tensors: list) -> torch.Tensor | None:
 
 def read_runs(runs: list, device) -> dict:
     """{(path, offset): uint8 [rows, row_bytes]} for runs of rows of a GGUF file: on CPU views of the file read into
-    huge pages while torch was imported (preread), or else read into huge pages now (a plain read: the file's pages
-    never count in the process's memory); elsewhere views of the file (copy-on-write map: writable for torch, never
-    written), moved to `device`."""
-    shapes = [(rows, first.row_bytes) for first, rows in runs]
-    placed = [torch.empty(0, device="meta")] * len(runs)
+    huge pages (preread: a run that decodes long asked for it), else views of the file's own pages (a copy-on-write
+    map: writable for torch, never written; nothing copied, so a one-shot's first token comes sooner), moved to
+    `device`."""
     early = {}
     if torch.device(device).type == "cpu":  # (another device: an early read is dropped unread)
         early = {path: preread.taken(path) for path in {first.path for first, _ in runs}}
-    if early and all(early.values()):  # (read while torch was imported)
-        placed = [torch.frombuffer(early[first.path].mapping, dtype=torch.uint8, count=rows * first.row_bytes,
-                                   offset=early[first.path].start + first.offset).view(shape)
-                  for (first, rows), shape in zip(runs, shapes)]
-        for buffer in placed:
-            buffer.placed = True  # (place_weights leaves it where it is)
-        return {(first.path, first.offset): buffer for (first, _), buffer in zip(runs, placed)}
-    if torch.device(device).type == "cpu":
-        placed = kernels.huge_pages([torch.empty(shape, dtype=torch.uint8, device="meta") for shape in shapes],
-                                    zeros=True)
-
-    def read(first, buffer) -> None:
-        if buffer.device.type == "meta":  # (no huge pages: mapped below)
-            return
-        with open(first.path, "rb") as f:
-            f.seek(first.offset)
-            if f.readinto(memoryview(buffer.numpy()).cast("B")) != buffer.numel():
-                raise CheckpointError(f"{first.path}: tensor {first.name!r} is truncated")
-
-    # a thread per core: the page faults of the new huge pages, most of a read's time, are taken in parallel (1.7x)
-    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        list(pool.map(read, [first for first, _ in runs], placed))
     out, mapped = {}, {}
-    for (first, rows), shape, buffer in zip(runs, shapes, placed):
-        if buffer.device.type == "meta":
+    for first, rows in runs:
+        if early.get(first.path) is not None:
+            read = early[first.path]
+            buffer = torch.frombuffer(read.mapping, dtype=torch.uint8, count=rows * first.row_bytes,
+                                      offset=read.start + first.offset)
+        else:
             if first.path not in mapped:
                 mapped[first.path] = torch.from_numpy(np.memmap(first.path, dtype=np.uint8, mode="c"))
-            buffer = mapped[first.path][first.offset:first.offset + rows * first.row_bytes].view(shape).to(device)
-            buffer.placed = True  # (kernels.place_weights leaves it in the file's pages)
+            buffer = mapped[first.path][first.offset:first.offset + rows * first.row_bytes].to(device)
+        buffer = buffer.view(rows, first.row_bytes)
+        buffer.placed = True  # (kernels.place_weights leaves it where it is)
         out[first.path, first.offset] = buffer
     return out
 

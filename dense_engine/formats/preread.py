@@ -1,9 +1,11 @@
-"""A quantized GGUF file read into huge pages while Python is still importing torch (standard library only).
+"""A quantized GGUF file read into huge pages, for a run that decodes long (standard library only).
 
-A warm one-shot spends its first second or more in `import torch`, on one core. Reading the file's blocks into the
-memory a decode step streams (load.read_runs: an anonymous mapping advised for 2 MB pages) is mostly page faults and
-a copy, which the kernel does with the GIL released: started first, on a thread, it costs little on a machine with a
-second core. load.read_runs takes the bytes from here when they are here, and reads them itself otherwise.
+A decode step streams the weights a few percent faster from 2 MB pages than from the file's own 4 KB pages (measured
+in BENCHMARKS.md), and the copy costs about 0.3 s a GB. Runs that decode long (chat.py's interactive mode, the
+server, --bench, dense_engine.load) pay it: chat.py and serve.py start it on a thread before `import torch` (reading is
+page faults and a copy, done by the kernel with the GIL released), the others when the load is planned (start_for). A
+one-shot does not: its weights stay in the file's pages (load.read_runs maps the file), and its first token comes
+sooner. load.read_runs takes the bytes from here when they are here.
 
 Only files whose layers the engine runs as stored are read early: nine tenths of their bytes in block types with a
 CPU kernel (quantized.GGUF_TYPES), their layers not all Q4_0/Q4_1 (those load as int4: load.auto_mode), and the
@@ -29,8 +31,9 @@ class EarlyRead:
     at mapping offset start + x. complete: read whole (False: not a file to read early, stopped, or the read
     failed)."""
 
-    def __init__(self, path: str, stat: os.stat_result) -> None:
+    def __init__(self, path: str, stat: os.stat_result, readers: int) -> None:
         self.path, self.size, self.stamp = path, stat.st_size, (stat.st_size, stat.st_mtime_ns)
+        self.readers = readers
         self.mapping, self.start, self.complete, self.stopped = None, 0, False, False
         self.thread = threading.Thread(target=self._read, name="dense-preread", daemon=True)
         self.thread.start()
@@ -43,9 +46,7 @@ class EarlyRead:
             base = _address(mapping)
             start = (base + HUGE - 1) // HUGE * HUGE - base
             mapping.madvise(mmap.MADV_HUGEPAGE, start, self.size)
-            # one reader a core but the one importing torch (the page faults of new huge pages are most of a read)
-            readers = max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else 1
-            share = (self.size // readers + HUGE - 1) // HUGE * HUGE
+            share = (self.size // self.readers + HUGE - 1) // HUGE * HUGE
             slices = [(a, min(self.size, a + share)) for a in range(0, self.size, share)]
             done = [False] * len(slices)
             with memoryview(mapping) as whole:
@@ -139,31 +140,44 @@ def free_bytes() -> int:
     return 0
 
 
-def start(path: str) -> None:
-    """Begin reading a GGUF file early (Linux; nothing elsewhere)."""
-    if not sys.platform.startswith("linux") or not path.endswith(".gguf") or not hasattr(mmap, "MADV_HUGEPAGE"):
+def start(path: str, beside_import: bool = True) -> None:
+    """Begin reading a GGUF file into huge pages (Linux; nothing elsewhere; a file read already is not read again).
+    A reader a core (the page faults of new huge pages are most of a read's time), but the one importing torch
+    (beside_import)."""
+    if (not sys.platform.startswith("linux") or not path.endswith(".gguf") or not hasattr(mmap, "MADV_HUGEPAGE")
+            or os.path.realpath(path) in _reads):
         return
     try:
         stat = os.stat(path)
     except OSError:
         return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     if stat.st_size <= free_bytes() // 2:
-        _reads[os.path.realpath(path)] = EarlyRead(path, stat)
+        _reads[os.path.realpath(path)] = EarlyRead(path, stat, max(1, cores - beside_import))
+
+
+def start_for(record) -> None:
+    """The read for a planned load (load.LoadRecord) that runs a file's blocks as stored on the CPU: --bench and
+    dense_engine.load, and chat.py's and serve.py's runs that did not start it before importing torch."""
+    if record.path and record.device == "cpu" and record.quant == "gguf":
+        start(record.path, beside_import=False)
 
 
 FLAGS = ("--ckpt", "--device", "--quant")
 
 
 def start_from_argv(argv: list[str]) -> None:
-    """chat.py's and serve.py's runs of `--ckpt FILE.gguf` on the CPU with its blocks as stored (the flags read as
-    argparse reads them: the last of a repeated flag, a flag by a prefix of its name)."""
+    """chat.py's and serve.py's runs of `--ckpt FILE.gguf` on the CPU with its blocks as stored, but a one-shot
+    (`--prompt`) (the flags read as argparse reads them: the last of a repeated flag, a flag by a prefix of its
+    name)."""
     values = {}
     for i, arg in enumerate(argv):
         name, eq, value = arg.partition("=")
         full = [flag for flag in FLAGS if len(name) >= 4 and flag.startswith(name)]
         if len(full) == 1:
             values[full[0]] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-    if "--bench" in argv or "--help" in argv or "-h" in argv or "WORLD_SIZE" in os.environ:
+    if ("--bench" in argv or "--help" in argv or "-h" in argv or "WORLD_SIZE" in os.environ
+            or any(arg == "--prompt" or arg.startswith("--prompt=") for arg in argv)):
         return
     gpu = any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/kfd"))  # (CUDA or ROCm: torch's default device)
     if values.get("--device", "cuda" if gpu else "cpu") != "cpu":
