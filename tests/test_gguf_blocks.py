@@ -18,7 +18,7 @@ from conftest import ROOT
 from test_gguf import Q, original_tokenizer, small_llama, write_gguf
 
 from dense_engine.cpu import kernels, quantized
-from dense_engine.formats import load
+from dense_engine.formats import gguf_import, load
 from dense_engine.runtime import caches, generate
 from dense_engine.runtime.steps import Steps
 from dense_engine.system.errors import CheckpointError
@@ -222,7 +222,7 @@ def test_a_fused_projection_writes_its_parts_in_place_in_the_models_order(rows):
     outputs into their columns (linear_gguf_into), the same bits as joining the parts' outputs and reordering them."""
     kinds, sizes = ["Q4_K", "Q6_K", "Q8_0"], [96, 40, 33]
     raws = [torch.from_numpy(random_blocks(kind, n, 512, seed=n)) for kind, n in zip(kinds, sizes)]
-    order = torch.cat([load.gguf_import.unpermute(torch.arange(96), 4), torch.arange(96, 169)])
+    order = torch.cat([gguf_import.unpermute(torch.arange(96), 4), torch.arange(96, 169)])
     layer = quantized.GGUFLinear(512, 169, False, parts=list(zip(kinds, raws)), order=order)
     x = torch.randn(1, rows, 512)
     parts = [torch.ops.dense_kernels.linear_gguf(x, raw, quantized.GGUF_TYPES[kind][0]) for kind, raw in zip(kinds, raws)]
