@@ -37,7 +37,7 @@ from dense_engine.runtime import caches, generate, grammar, tp
 from dense_engine.runtime.sampling import describe
 from dense_engine.runtime.session import Session
 from dense_engine.runtime.steps import Steps
-from dense_engine.system.errors import UsageError, run_program
+from dense_engine.system.errors import UsageError, leave, run_program
 
 # ----------------------------------------------------------------------------------------------------------------
 # The program
@@ -377,7 +377,7 @@ def entry() -> None:
     code = main()
     if tp.world()[1] > 1:  # under torchrun
         tp.exit(code)
-    sys.exit(code)
+    leave(code)
 
 
 if __name__ == "__main__":

@@ -153,3 +153,21 @@ def test_first_line_of_any_exception():
     assert errors.first_line(ValueError("")) == "ValueError"
     assert errors.first_line(OSError("\n  disk full\nmore")) == "disk full"
     assert errors.first_line(RuntimeError("x" * 300)) == "x" * 200
+
+
+def test_a_program_that_leaves_early_flushes_its_output_and_runs_its_exit_handlers(tmp_path):
+    """errors.leave (chat.py's exit: no interpreter teardown after the answer): the status is the one given, text still
+    in stdout's and stderr's buffers comes out whole, and atexit's handlers run (they remove a temporary folder)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    marker = tmp_path / "handler-ran"
+    program = (f"import atexit, sys; sys.path.insert(0, {ROOT!r}); from dense_engine.system.errors import leave; "
+               f"atexit.register(lambda: open({str(marker)!r}, 'w').write('yes')); "
+               "sys.stdout.write('answer ' * 5000 + 'end'); sys.stderr.write('note: last'); leave(3)")
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (what leave() flushes is there)
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, env=buffered)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "answer " * 5000 + "end", "note: last")
+    assert marker.read_text() == "yes"
