@@ -185,8 +185,12 @@ def place_weights(model) -> None:
     """Move a CPU model's large tensors (weights and their kernel layouts) into huge pages (see huge_pages)."""
     if model.device.type != "cpu" or not sys.platform.startswith("linux"):
         return
-    chosen, seen = [], set()
+    chosen = []
+    # an embedding's lookup reads a row a token: its table stays where it was loaded, unless the head multiplies it
+    head_is_table = getattr(model.config, "tie_word_embeddings", False) and isinstance(model.lm_head, nn.Linear)
     for module in model.modules():
+        if module is model.embed_tokens and not head_is_table:
+            continue
         # a quantized layer's stored codes stay where they were loaded (a saved variant's: in the file's pages); its
         # kernel reads a layout of its own
         kernel = "kernel_weight" in module._buffers
@@ -202,8 +206,7 @@ def place_weights(model) -> None:
     for store, name, t in chosen:
         new = placed[id(t)]
         store[name] = nn.Parameter(new, requires_grad=False) if isinstance(t, nn.Parameter) else new
-        seen.add(id(t))
-    if getattr(model.config, "tie_word_embeddings", False) and isinstance(model.lm_head, nn.Linear):
+    if head_is_table:
         model.lm_head.weight = model.embed_tokens.weight
 
 
