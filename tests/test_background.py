@@ -75,6 +75,9 @@ def saved_steps(folder) -> list:
 
 @pytest.mark.slow
 def test_a_worker_killed_while_compiling_leaves_no_broken_step(tmp_path):
+    """With the background compiler on, as users run: a worker killed while compiling leaves no broken step, the next
+    run compiles again and a later one loads the step (no note); a damaged saved step is one note and compiled again,
+    the answer the same each time."""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "DENSE_BACKGROUND_COMPILE": "1"}
     run = [sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", LLAMA, "--prompt", "hi", "--temperature", "0",
            "--max-new-tokens", "8"]
@@ -96,6 +99,13 @@ def test_a_worker_killed_while_compiling_leaves_no_broken_step(tmp_path):
         time.sleep(1)
     third = subprocess.run(run, capture_output=True, text=True, env=env)  # loads the step
     assert third.returncode == 0 and third.stdout == first.stdout and "background" not in third.stderr
+    # a damaged saved step: one note, the answer the same (eager), and the step compiled again in the background
+    (step,) = saved_steps(compiled)
+    step.write_bytes(step.read_bytes()[:1000])
+    fourth = subprocess.run(run, capture_output=True, text=True, env=env)
+    subprocess.run(["pkill", "-f", f"background.py {tmp_path}"])
+    assert fourth.returncode == 0 and fourth.stdout == first.stdout and "Traceback" not in fourth.stderr
+    assert fourth.stderr.count("ignoring the saved compiled step") == 1 and "in the background" in fourth.stderr
 
 
 @pytest.mark.slow
