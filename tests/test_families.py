@@ -62,11 +62,14 @@ CASES = {
     "granite": ("granite", dict(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
                                 logits_scaling=4.0), {"residual_scale": 1.0}),
     "olmo2": ("olmo2", dict(), {"post_norms": False, "pre_norms": True}),
+    "olmo3": ("olmo3", dict(sliding_window=8, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
+        "full_attention": {"rope_type": "linear", "rope_theta": 5e5, "factor": 8.0}}), {"rope_local_theta": None}),
     "stablelm": ("stablelm", dict(qk_layernorm=True, use_qkv_bias=True), {"qk_norm": "none"}),
     "stablelm-parallel": ("stablelm", dict(qk_layernorm=True, use_qkv_bias=True, use_parallel_residual=True), {}),
 }
 FAMILIES = ["llama3", "qwen2-window", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "smollm3", "granite",
-            "olmo2", "stablelm"]  # one case per family for the fast paths
+            "olmo2", "olmo3", "stablelm"]  # one case per family for the fast paths
 IDS = torch.randint(3, 512, (2, 48), generator=torch.Generator().manual_seed(1))
 
 
@@ -99,7 +102,9 @@ def hub_form(folder: str, target: str) -> None:
     with open(os.path.join(folder, "config.json")) as f:
         raw = json.load(f)
     rope = raw.pop("rope_parameters")
-    if "full_attention" in rope:  # Gemma 3: the local layers' base beside the global one
+    if "full_attention" in rope and raw["model_type"] == "olmo3":  # the local layers: the global base, unscaled
+        rope = rope["full_attention"]
+    elif "full_attention" in rope:  # Gemma 3: the local layers' base beside the global one
         raw["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
         raw["sliding_window_pattern"] = raw.pop("_sliding_window_pattern", 6)
         rope = rope["full_attention"]

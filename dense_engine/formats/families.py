@@ -14,8 +14,9 @@ dense.py and checkpoint.py; convert.py dispatches to these by what a path holds.
 | OpenELM                      | Hugging Face folder, model_type "openelm"                                |
 | GPT-NeoX                     | Hugging Face folder, model_type "gpt_neox"                               |
 | GPT-NeoX original            | global_step*/layer_NN-model_0R-model_states.pt + configs/*.yml           |
-| the FAMILIES table (12)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
-|                              | gemma2, gemma3_text, phi3, smollm3, granite, olmo2, stablelm; GGUF files |
+| the FAMILIES table (13)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
+|                              | gemma2, gemma3_text, phi3, smollm3, granite, olmo2, olmo3, stablelm;     |
+|                              | GGUF files                                                              |
 |                              | of llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3 (gguf_import.py)     |
 """
 
@@ -311,9 +312,11 @@ class Family:
     windows: str = "none"  # "none": a window is refused | "given": as the config says | "flag": only with
     #                        use_sliding_window (Qwen) | "pattern": every layer but each window_pattern-th
     window_pattern: int | None = None
+    window: int | None = None  # sliding_window when absent (OLMo 3: 4096)
     softcaps: bool = False  # attention and final logit soft-caps (Gemma 2)
     query_scalar: bool = False  # query_pre_attn_scalar sets the attention scale (Gemma 2/3)
-    local_rope: bool = False  # sliding layers rotate with their own base (Gemma 3)
+    local_rope: bool = False  # sliding layers rotate with their own base, unscaled (Gemma 3, OLMo 3)
+    local_theta: float | None = None  # that base when the config names none (None: the global one)
     nope: bool = False  # some layers have no rope, and those slide (SmolLM3)
     multipliers: bool = False  # Granite's embedding, attention, residual and logits multipliers
     stablelm: bool = False  # layer norms, per-head q/k layer norms, parallel blocks, qkv biases by flag
@@ -328,11 +331,14 @@ FAMILIES = {
     "gemma2": Family(gguf="gemma2", tied=True, head_dim=256, gemma=True, post_norms=True, windows="pattern",
                      window_pattern=2, softcaps=True, query_scalar=True),
     "gemma3_text": Family(gguf="gemma3", tied=True, theta=1e6, head_dim=256, gemma=True, qk_norm="shared",
-                          post_norms=True, windows="pattern", window_pattern=6, query_scalar=True, local_rope=True),
+                          post_norms=True, windows="pattern", window_pattern=6, query_scalar=True, local_rope=True,
+                          local_theta=1e4),
     "phi3": Family(gguf="phi3", eps=1e-5, derived_head_dim=True, windows="given"),
     "smollm3": Family(tied=True, theta=2e6, windows="flag", nope=True),
     "granite": Family(multipliers=True),
     "olmo2": Family(eps=1e-5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True),
+    "olmo3": Family(eps=1e-5, theta=5e5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True,
+                    windows="pattern", window_pattern=4, window=4096, local_rope=True),
     "stablelm": Family(eps=1e-5, derived_head_dim=True, rotary_fraction=0.25, stablelm=True),
 }
 BY_GGUF = {family.gguf: (kind, family) for kind, family in FAMILIES.items() if family.gguf}
@@ -425,7 +431,8 @@ def hf_decoder(folder: str, raw: dict, source: str):
     norms per head), Gemma 1/2/3 ((1 + w) norms, scaled embeddings, tanh-GELU gates; 2 and 3: post-norms, a
     query scale, sliding windows on some layers; 2: soft-capped scores and logits; 3: q/k norms and a local rope
     base), Phi-3/3.5/4-mini (fused projections, partial rotary, longrope), SmolLM3 (layers without rope), Granite
-    (multipliers), OLMo 2 (post-norms only, q/k norms over the projection), StableLM 2 (layer norms, partial
+    (multipliers), OLMo 2 (post-norms only, q/k norms over the projection; 3: and Gemma 3's windows and local rope
+    on three layers of four), StableLM 2 (layer norms, partial
     rotary, per-head q/k layer norms, parallel blocks)."""
     kind = raw["model_type"]
     family, cfg = FAMILIES[kind], ConfigReader(raw, source)
@@ -436,16 +443,16 @@ def hf_decoder(folder: str, raw: dict, source: str):
         head_dim = hidden // heads
     theta, scaling, rotary, local_theta = hf_rope(cfg, family.theta, head_dim, family.rotary_fraction)
     if family.local_rope and local_theta is None:
-        local_theta = 1e4
+        local_theta = family.local_theta or theta
     elif not family.local_rope and local_theta is not None:
-        cfg.refuse("rope_local_base_freq", "only Gemma 3 has a local rope base")
+        cfg.refuse("rope_local_base_freq", "only Gemma 3 and OLMo 3 have a local rope base")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act", "gelu_pytorch_tanh" if family.gemma else "silu")
     if family.gemma:
         if act not in ("gelu_pytorch_tanh", "gelu") or (act == "gelu" and kind != "gemma"):
             cfg.refuse("hidden_activation", "Gemma's MLP is gelu_pytorch_tanh")
     elif act not in ("silu", "swish"):
         cfg.refuse("hidden_act", "only silu for this family")
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window", family.window)
     if family.windows == "flag" and not cfg.get("use_sliding_window", False):
         window = None  # a window in the config is off unless use_sliding_window says so
     elif family.windows == "none" and window is not None:
