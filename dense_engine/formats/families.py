@@ -14,9 +14,9 @@ dense.py and checkpoint.py; convert.py dispatches to these by what a path holds.
 | OpenELM                      | Hugging Face folder, model_type "openelm"                                |
 | GPT-NeoX                     | Hugging Face folder, model_type "gpt_neox"                               |
 | GPT-NeoX original            | global_step*/layer_NN-model_0R-model_states.pt + configs/*.yml           |
-| the FAMILIES table (13)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
-|                              | gemma2, gemma3_text, phi3, smollm3, granite, olmo2, olmo3, stablelm;     |
-|                              | GGUF files                                                              |
+| the FAMILIES table (14)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
+|                              | gemma2, gemma3_text, phi3, smollm3, granite, olmo2, olmo3, stablelm,     |
+|                              | seed_oss; GGUF files                                                    |
 |                              | of llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3 (gguf_import.py)     |
 """
 
@@ -288,7 +288,7 @@ HARMLESS_KEYS = {
     "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "pruned_heads",
     "cross_attention_hidden_size", "use_bfloat16", "tf_legacy_loss", "_attn_implementation_autoset",
-    "cache_implementation", "unsloth_version", "unsloth_fixed", "quantization_config_null", "attn_implementation"}
+    "cache_implementation", "residual_dropout", "unsloth_version", "unsloth_fixed", "quantization_config_null", "attn_implementation"}
 # Mixtures of experts and other designs this dense engine does not run.
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 @dataclass(frozen=True)
@@ -320,6 +320,7 @@ class Family:
     nope: bool = False  # some layers have no rope, and those slide (SmolLM3)
     multipliers: bool = False  # Granite's embedding, attention, residual and logits multipliers
     stablelm: bool = False  # layer norms, per-head q/k layer norms, parallel blocks, qkv biases by flag
+    seed: bool = False  # attention_bias (true when absent) is q/k/v's biases, attention_out_bias the output's (Seed-OSS)
 
 
 FAMILIES = {
@@ -340,6 +341,7 @@ FAMILIES = {
     "olmo3": Family(eps=1e-5, theta=5e5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True,
                     windows="pattern", window_pattern=4, window=4096, local_rope=True),
     "stablelm": Family(eps=1e-5, derived_head_dim=True, rotary_fraction=0.25, stablelm=True),
+    "seed_oss": Family(head_dim=128, seed=True),
 }
 BY_GGUF = {family.gguf: (kind, family) for kind, family in FAMILIES.items() if family.gguf}
 
@@ -433,7 +435,7 @@ def hf_decoder(folder: str, raw: dict, source: str):
     base), Phi-3/3.5/4-mini (fused projections, partial rotary, longrope), SmolLM3 (layers without rope), Granite
     (multipliers), OLMo 2 (post-norms only, q/k norms over the projection; 3: and Gemma 3's windows and local rope
     on three layers of four), StableLM 2 (layer norms, partial
-    rotary, per-head q/k layer norms, parallel blocks)."""
+    rotary, per-head q/k layer norms, parallel blocks), Seed-OSS (q/k/v biases)."""
     kind = raw["model_type"]
     family, cfg = FAMILIES[kind], ConfigReader(raw, source)
     hidden, heads = int(cfg.need("hidden_size")), int(cfg.need("num_attention_heads"))
@@ -462,7 +464,10 @@ def hf_decoder(folder: str, raw: dict, source: str):
         interval = int(cfg.get("no_rope_layer_interval", 4))
         flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
         nope = [i for i, use_rope in enumerate(flags) if not use_rope]
-    attn_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
+    attn_bias, mlp_bias = bool(cfg.get("attention_bias", family.seed)), bool(cfg.get("mlp_bias", False))
+    qkv_bias = family.qkv_bias
+    if family.seed:  # attention_bias is q/k/v's; the output's is attention_out_bias
+        qkv_bias, attn_bias = attn_bias, bool(cfg.get("attention_out_bias", False))
     if attn_bias != mlp_bias:
         cfg.refuse("attention_bias" if attn_bias else "mlp_bias", "biases on attention or MLP alone")
     if cfg.get("use_bidirectional_attention"):
@@ -481,7 +486,7 @@ def hf_decoder(folder: str, raw: dict, source: str):
             float(scalar) ** -0.5 if scalar else None),
         attn_softcap=cfg.get("attn_logit_softcapping") if family.softcaps else None,
         sliding_window=window, layer_types=hf_layer_types(cfg, family, layers, window, nope),
-        qkv_bias=family.qkv_bias or (stablelm and bool(cfg.get("use_qkv_bias"))),
+        qkv_bias=qkv_bias or (stablelm and bool(cfg.get("use_qkv_bias"))),
         norm="layernorm" if stablelm else "rmsnorm",
         norm_eps=float(cfg.get("layer_norm_eps" if stablelm else "rms_norm_eps", family.eps)),
         norm_gain_in_float32=family.norm_gain_in_float32, norm_unit_offset=family.gemma,
