@@ -14,9 +14,9 @@ dense.py and checkpoint.py; convert.py dispatches to these by what a path holds.
 | OpenELM                      | Hugging Face folder, model_type "openelm"                                |
 | GPT-NeoX                     | Hugging Face folder, model_type "gpt_neox"                               |
 | GPT-NeoX original            | global_step*/layer_NN-model_0R-model_states.pt + configs/*.yml           |
-| the FAMILIES table (14)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
+| the FAMILIES table (15)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
 |                              | gemma2, gemma3_text, phi3, smollm3, granite, olmo2, olmo3, stablelm,     |
-|                              | seed_oss; GGUF files                                                    |
+|                              | seed_oss, exaone4; GGUF files                                           |
 |                              | of llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3 (gguf_import.py)     |
 """
 
@@ -318,6 +318,7 @@ class Family:
     local_rope: bool = False  # sliding layers rotate with their own base, unscaled (Gemma 3, OLMo 3)
     local_theta: float | None = None  # that base when the config names none (None: the global one)
     nope: bool = False  # some layers have no rope, and those slide (SmolLM3)
+    nope_full: bool = False  # with a window, the full layers have no rope (EXAONE 4)
     multipliers: bool = False  # Granite's embedding, attention, residual and logits multipliers
     stablelm: bool = False  # layer norms, per-head q/k layer norms, parallel blocks, qkv biases by flag
     seed: bool = False  # attention_bias (true when absent) is q/k/v's biases, attention_out_bias the output's (Seed-OSS)
@@ -342,6 +343,8 @@ FAMILIES = {
                     windows="pattern", window_pattern=4, window=4096, local_rope=True),
     "stablelm": Family(eps=1e-5, derived_head_dim=True, rotary_fraction=0.25, stablelm=True),
     "seed_oss": Family(head_dim=128, seed=True),
+    "exaone4": Family(eps=1e-5, qk_norm="shared", pre_norms=False, post_norms=True, windows="pattern", window_pattern=4,
+                      window=4096, nope_full=True),
 }
 BY_GGUF = {family.gguf: (kind, family) for kind, family in FAMILIES.items() if family.gguf}
 
@@ -415,8 +418,11 @@ def hf_layer_types(cfg: ConfigReader, family: Family, layers: int, window: int |
     when there is a window)."""
     given = cfg.get("layer_types")
     if family.window_pattern:
-        pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", family.window_pattern)))
-        rule = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", family.window_pattern))
+        if isinstance(pattern, str):  # EXAONE 4: "LLLG", L a local (sliding) layer, G a global one, repeated
+            rule = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(layers)]
+        else:
+            rule = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers)]
     elif family.windows == "flag" and not family.nope:  # Qwen: the layers from max_window_layers on
         first = int(cfg.get("max_window_layers", 28))
         rule = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
@@ -435,7 +441,8 @@ def hf_decoder(folder: str, raw: dict, source: str):
     base), Phi-3/3.5/4-mini (fused projections, partial rotary, longrope), SmolLM3 (layers without rope), Granite
     (multipliers), OLMo 2 (post-norms only, q/k norms over the projection; 3: and Gemma 3's windows and local rope
     on three layers of four), StableLM 2 (layer norms, partial
-    rotary, per-head q/k layer norms, parallel blocks), Seed-OSS (q/k/v biases)."""
+    rotary, per-head q/k layer norms, parallel blocks), Seed-OSS (q/k/v biases), EXAONE 4 (OLMo 2's norms, Qwen3's
+    q/k norms, windows on three layers of four and no rope on the others)."""
     kind = raw["model_type"]
     family, cfg = FAMILIES[kind], ConfigReader(raw, source)
     hidden, heads = int(cfg.need("hidden_size")), int(cfg.need("num_attention_heads"))
@@ -464,6 +471,9 @@ def hf_decoder(folder: str, raw: dict, source: str):
         interval = int(cfg.get("no_rope_layer_interval", 4))
         flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
         nope = [i for i, use_rope in enumerate(flags) if not use_rope]
+    types = hf_layer_types(cfg, family, layers, window, nope)
+    if family.nope_full and types:
+        nope = [i for i, kind in enumerate(types) if kind == "full_attention"]
     attn_bias, mlp_bias = bool(cfg.get("attention_bias", family.seed)), bool(cfg.get("mlp_bias", False))
     qkv_bias = family.qkv_bias
     if family.seed:  # attention_bias is q/k/v's; the output's is attention_out_bias
@@ -485,7 +495,7 @@ def hf_decoder(folder: str, raw: dict, source: str):
         attn_scale=float(cfg.get("attention_multiplier")) if family.multipliers else (
             float(scalar) ** -0.5 if scalar else None),
         attn_softcap=cfg.get("attn_logit_softcapping") if family.softcaps else None,
-        sliding_window=window, layer_types=hf_layer_types(cfg, family, layers, window, nope),
+        sliding_window=window, layer_types=types,
         qkv_bias=qkv_bias or (stablelm and bool(cfg.get("use_qkv_bias"))),
         norm="layernorm" if stablelm else "rmsnorm",
         norm_eps=float(cfg.get("layer_norm_eps" if stablelm else "rms_norm_eps", family.eps)),
