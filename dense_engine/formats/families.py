@@ -14,9 +14,9 @@ dense.py and checkpoint.py; convert.py dispatches to these by what a path holds.
 | OpenELM                      | Hugging Face folder, model_type "openelm"                                |
 | GPT-NeoX                     | Hugging Face folder, model_type "gpt_neox"                               |
 | GPT-NeoX original            | global_step*/layer_NN-model_0R-model_states.pt + configs/*.yml           |
-| the FAMILIES table (15)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
+| the FAMILIES table (16)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
 |                              | gemma2, gemma3_text, phi3, smollm3, granite, olmo2, olmo3, stablelm,     |
-|                              | seed_oss, exaone4; GGUF files                                           |
+|                              | seed_oss, glm4, exaone4; GGUF files                                     |
 |                              | of llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3 (gguf_import.py)     |
 """
 
@@ -321,7 +321,10 @@ class Family:
     nope_full: bool = False  # with a window, the full layers have no rope (EXAONE 4)
     multipliers: bool = False  # Granite's embedding, attention, residual and logits multipliers
     stablelm: bool = False  # layer norms, per-head q/k layer norms, parallel blocks, qkv biases by flag
-    seed: bool = False  # attention_bias (true when absent) is q/k/v's biases, attention_out_bias the output's (Seed-OSS)
+    seed: bool = False  # attention_bias (true when absent) is q/k/v's biases, attention_out_bias the output's (Seed-OSS,
+    #                     GLM-4)
+    glm: bool = False  # rotary pairs interleaved; post_self_attn_layernorm and post_mlp_layernorm after the branches,
+    #                    post_attention_layernorm before the MLP (GLM-4)
 
 
 FAMILIES = {
@@ -343,6 +346,7 @@ FAMILIES = {
                     windows="pattern", window_pattern=4, window=4096, local_rope=True),
     "stablelm": Family(eps=1e-5, derived_head_dim=True, rotary_fraction=0.25, stablelm=True),
     "seed_oss": Family(head_dim=128, seed=True),
+    "glm4": Family(eps=1.5625e-7, head_dim=128, rotary_fraction=0.5, seed=True, post_norms=True, glm=True),
     "exaone4": Family(eps=1e-5, qk_norm="shared", pre_norms=False, post_norms=True, windows="pattern", window_pattern=4,
                       window=4096, nope_full=True),
 }
@@ -441,7 +445,8 @@ def hf_decoder(folder: str, raw: dict, source: str):
     base), Phi-3/3.5/4-mini (fused projections, partial rotary, longrope), SmolLM3 (layers without rope), Granite
     (multipliers), OLMo 2 (post-norms only, q/k norms over the projection; 3: and Gemma 3's windows and local rope
     on three layers of four), StableLM 2 (layer norms, partial
-    rotary, per-head q/k layer norms, parallel blocks), Seed-OSS (q/k/v biases), EXAONE 4 (OLMo 2's norms, Qwen3's
+    rotary, per-head q/k layer norms, parallel blocks), Seed-OSS (q/k/v biases), GLM-4 (q/k/v biases, norms before and
+    after each branch, a half of each head rotated in interleaved pairs), EXAONE 4 (OLMo 2's norms, Qwen3's
     q/k norms, windows on three layers of four and no rope on the others)."""
     kind = raw["model_type"]
     family, cfg = FAMILIES[kind], ConfigReader(raw, source)
@@ -491,7 +496,7 @@ def hf_decoder(folder: str, raw: dict, source: str):
         num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads", heads)), head_dim=head_dim,
         intermediate_size=int(cfg.need("intermediate_size")),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)), rope_theta=theta,
-        rotary_dim=rotary, rope_scaling=scaling, rope_local_theta=local_theta, nope_layers=nope,
+        rotary_dim=rotary, rope_layout="interleaved" if family.glm else "half", rope_scaling=scaling, rope_local_theta=local_theta, nope_layers=nope,
         attn_scale=float(cfg.get("attention_multiplier")) if family.multipliers else (
             float(scalar) ** -0.5 if scalar else None),
         attn_softcap=cfg.get("attn_logit_softcapping") if family.softcaps else None,
@@ -519,7 +524,7 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
     """{native name: thunk} of a Llama-layout folder. Where the families' names differ: Gemma 2/3's
     post_attention_layernorm is the attention's post-norm (Llama's is the MLP's pre-norm), OLMo 2 has post-norms
     only, Phi-3 fuses q|k|v and gate|up, StableLM keeps one layer norm per head for q and k."""
-    after_attention = "attn_post_norm" if family.post_norms else "mlp_norm"
+    after_attention = "attn_post_norm" if family.post_norms and not family.glm else "mlp_norm"
     layer = r"model\.layers\.(\d+)\."
     rules = [
         (r"model\.embed_tokens\.weight", "embed_tokens.weight"), (r"model\.norm\.(weight|bias)", r"norm.\1"),
@@ -528,6 +533,8 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
         (layer + r"post_attention_layernorm\.(weight|bias)", rf"layers.\1.{after_attention}.\2"),
         (layer + r"pre_feedforward_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
         (layer + r"post_feedforward_layernorm\.weight", r"layers.\1.mlp_post_norm.weight"),
+        (layer + r"post_self_attn_layernorm\.weight", r"layers.\1.attn_post_norm.weight"),  # (GLM-4)
+        (layer + r"post_mlp_layernorm\.weight", r"layers.\1.mlp_post_norm.weight"),
         (layer + r"self_attn\.([qkvo]_proj)\.(weight|bias)", r"layers.\1.attn.\2.\3"),
         (layer + r"self_attn\.([qk])_norm\.weight", r"layers.\1.attn.\2_norm.weight"),
         (layer + r"self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight", r"layers.\1.attn.\2_norm.head\3"),
