@@ -68,13 +68,14 @@ CASES = {
     "stablelm": ("stablelm", dict(qk_layernorm=True, use_qkv_bias=True), {"qk_norm": "none"}),
     "seed_oss": ("seed_oss", dict(head_dim=16), {"qkv_bias": False}),
     "glm4": ("glm4", dict(head_dim=16), {"rope_layout": "half"}),
+    "cohere2": ("cohere2", dict(head_dim=16, sliding_window=8, logit_scale=0.3), {"parallel_residual": False}),
     "exaone4": ("exaone4", dict(head_dim=16, sliding_window=8, sliding_window_pattern=4), {"nope_layers": None}),
     "exaone4-lllg": ("exaone4", dict(head_dim=16, sliding_window=8, sliding_window_pattern="LG", layer_types=[
         "sliding_attention", "full_attention"] * 2), {"sliding_window": None, "layer_types": None}),
     "stablelm-parallel": ("stablelm", dict(qk_layernorm=True, use_qkv_bias=True, use_parallel_residual=True), {}),
 }
 FAMILIES = ["llama3", "qwen2-window", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "smollm3", "granite",
-            "olmo2", "olmo3", "stablelm", "seed_oss", "glm4", "exaone4"]  # one case per family for the fast paths
+            "olmo2", "olmo3", "stablelm", "seed_oss", "glm4", "cohere2", "exaone4"]  # one case per family for the fast paths
 IDS = torch.randint(3, 512, (2, 48), generator=torch.Generator().manual_seed(1))
 
 

@@ -14,9 +14,9 @@ dense.py and checkpoint.py; convert.py dispatches to these by what a path holds.
 | OpenELM                      | Hugging Face folder, model_type "openelm"                                |
 | GPT-NeoX                     | Hugging Face folder, model_type "gpt_neox"                               |
 | GPT-NeoX original            | global_step*/layer_NN-model_0R-model_states.pt + configs/*.yml           |
-| the FAMILIES table (16)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
+| the FAMILIES table (17)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
 |                              | gemma2, gemma3_text, phi3, smollm3, granite, olmo2, olmo3, stablelm,     |
-|                              | seed_oss, glm4, exaone4; GGUF files                                     |
+|                              | seed_oss, glm4, cohere2, exaone4; GGUF files                            |
 |                              | of llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3 (gguf_import.py)     |
 """
 
@@ -321,6 +321,8 @@ class Family:
     nope_full: bool = False  # with a window, the full layers have no rope (EXAONE 4)
     multipliers: bool = False  # Granite's embedding, attention, residual and logits multipliers
     stablelm: bool = False  # layer norms, per-head q/k layer norms, parallel blocks, qkv biases by flag
+    cohere: bool = False  # layer norms without bias, one before both branches in parallel, logits times logit_scale,
+    #                       rotary pairs interleaved (Command R7B / A)
     seed: bool = False  # attention_bias (true when absent) is q/k/v's biases, attention_out_bias the output's (Seed-OSS,
     #                     GLM-4)
     glm: bool = False  # rotary pairs interleaved; post_self_attn_layernorm and post_mlp_layernorm after the branches,
@@ -347,6 +349,8 @@ FAMILIES = {
     "stablelm": Family(eps=1e-5, derived_head_dim=True, rotary_fraction=0.25, stablelm=True),
     "seed_oss": Family(head_dim=128, seed=True),
     "glm4": Family(eps=1.5625e-7, head_dim=128, rotary_fraction=0.5, seed=True, post_norms=True, glm=True),
+    "cohere2": Family(eps=1e-5, tied=True, cohere=True, windows="pattern", window_pattern=4, window=4096,
+                      nope_full=True),
     "exaone4": Family(eps=1e-5, qk_norm="shared", pre_norms=False, post_norms=True, windows="pattern", window_pattern=4,
                       window=4096, nope_full=True),
 }
@@ -446,7 +450,8 @@ def hf_decoder(folder: str, raw: dict, source: str):
     (multipliers), OLMo 2 (post-norms only, q/k norms over the projection; 3: and Gemma 3's windows and local rope
     on three layers of four), StableLM 2 (layer norms, partial
     rotary, per-head q/k layer norms, parallel blocks), Seed-OSS (q/k/v biases), GLM-4 (q/k/v biases, norms before and
-    after each branch, a half of each head rotated in interleaved pairs), EXAONE 4 (OLMo 2's norms, Qwen3's
+    after each branch, a half of each head rotated in interleaved pairs), Command R7B (cohere2: layer norms without
+    bias before parallel branches, a logit scale, interleaved pairs, windows and no rope as EXAONE 4's), EXAONE 4 (OLMo 2's norms, Qwen3's
     q/k norms, windows on three layers of four and no rope on the others)."""
     kind = raw["model_type"]
     family, cfg = FAMILIES[kind], ConfigReader(raw, source)
@@ -490,29 +495,30 @@ def hf_decoder(folder: str, raw: dict, source: str):
     scalar = cfg.get("query_pre_attn_scalar") if family.query_scalar else None
     granite = {key: float(cfg.get(key, 1.0)) for key in ("embedding_multiplier", "residual_multiplier",
                                                          "logits_scaling")} if family.multipliers else {}
-    stablelm = family.stablelm
+    stablelm, layer_norms = family.stablelm, family.stablelm or family.cohere
     config = make_config(
         source, vocab_size=int(cfg.need("vocab_size")), hidden_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads", heads)), head_dim=head_dim,
         intermediate_size=int(cfg.need("intermediate_size")),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)), rope_theta=theta,
-        rotary_dim=rotary, rope_layout="interleaved" if family.glm else "half", rope_scaling=scaling, rope_local_theta=local_theta, nope_layers=nope,
+        rotary_dim=rotary, rope_layout="interleaved" if family.glm or family.cohere else "half", rope_scaling=scaling, rope_local_theta=local_theta, nope_layers=nope,
         attn_scale=float(cfg.get("attention_multiplier")) if family.multipliers else (
             float(scalar) ** -0.5 if scalar else None),
         attn_softcap=cfg.get("attn_logit_softcapping") if family.softcaps else None,
         sliding_window=window, layer_types=types,
         qkv_bias=qkv_bias or (stablelm and bool(cfg.get("use_qkv_bias"))),
-        norm="layernorm" if stablelm else "rmsnorm",
-        norm_eps=float(cfg.get("layer_norm_eps" if stablelm else "rms_norm_eps", family.eps)),
+        norm="layernorm" if layer_norms else "rmsnorm",
+        norm_eps=float(cfg.get("layer_norm_eps" if layer_norms else "rms_norm_eps", family.eps)),
         norm_gain_in_float32=family.norm_gain_in_float32, norm_unit_offset=family.gemma,
         qk_norm="per_channel" if stablelm and cfg.get("qk_layernorm") else family.qk_norm,
         mlp="geglu" if family.gemma else "swiglu", bias=attn_bias,
-        parallel_residual=stablelm and bool(cfg.get("use_parallel_residual")),
+        parallel_residual=family.cohere or stablelm and bool(cfg.get("use_parallel_residual")),
         pre_norms=family.pre_norms, post_norms=family.post_norms,
         residual_scale=granite.get("residual_multiplier", 1.0),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.tied)),
         embed_scale=hidden ** 0.5 if family.gemma else granite.get("embedding_multiplier"),
-        logits_divisor=granite.get("logits_scaling", 1.0),
+        logits_divisor=1 / float(cfg.get("logit_scale", 0.0625)) if family.cohere else granite.get("logits_scaling",
+                                                                                                   1.0),
         final_softcap=cfg.get("final_logit_softcapping") if family.softcaps else None)
     for key in ("max_window_layers", "use_sliding_window"):
         cfg.get(key)  # read above where they apply; without a window they change nothing
@@ -556,7 +562,10 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
                 if not all(heads):
                     raise CheckpointError(f"{source}: layer {i} lacks some of its per-head {part} norms")
                 table[f"{a}{part}_norm.weight"] = lambda heads=heads: torch.cat([read() for read in heads])
-        if config.parallel_residual and f"layers.{i}.attn_norm.weight" in table:  # StableLM's one norm, both branches
+        if family.cohere:  # layer norms without bias: a bias of zeros adds nothing
+            for norm in (f"layers.{i}.attn_norm.bias", "norm.bias"):
+                table[norm] = lambda C=config.hidden_size: torch.zeros(C)
+        if config.parallel_residual and f"layers.{i}.attn_norm.weight" in table:  # one norm, both branches
             for p in ("weight", "bias"):
                 table[f"layers.{i}.mlp_norm.{p}"] = table[f"layers.{i}.attn_norm.{p}"]
     return table
