@@ -69,13 +69,16 @@ CASES = {
     "seed_oss": ("seed_oss", dict(head_dim=16), {"qkv_bias": False}),
     "glm4": ("glm4", dict(head_dim=16), {"rope_layout": "half"}),
     "cohere2": ("cohere2", dict(head_dim=16, sliding_window=8, logit_scale=0.3), {"parallel_residual": False}),
+    "ministral3": ("ministral3", dict(head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 96, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}), {"rope_scaling": None}),
     "exaone4": ("exaone4", dict(head_dim=16, sliding_window=8, sliding_window_pattern=4), {"nope_layers": None}),
     "exaone4-lllg": ("exaone4", dict(head_dim=16, sliding_window=8, sliding_window_pattern="LG", layer_types=[
         "sliding_attention", "full_attention"] * 2), {"sliding_window": None, "layer_types": None}),
     "stablelm-parallel": ("stablelm", dict(qk_layernorm=True, use_qkv_bias=True, use_parallel_residual=True), {}),
 }
 FAMILIES = ["llama3", "qwen2-window", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "smollm3", "granite",
-            "olmo2", "olmo3", "stablelm", "seed_oss", "glm4", "cohere2", "exaone4"]  # one case per family for the fast paths
+            "olmo2", "olmo3", "stablelm", "seed_oss", "glm4", "cohere2", "exaone4", "ministral3"]  # one case per family for the fast paths
 IDS = torch.randint(3, 512, (2, 48), generator=torch.Generator().manual_seed(1))
 
 
@@ -149,7 +152,7 @@ def test_logits_and_greedy_tokens_equal_transformers(checkpoints, case, form):
     model = from_pretrained(folder if form == "transformers5" else hub)
     want = reference(hf)
     assert rel_err(model(IDS), want) <= 1e-4
-    model.setup_cache(2, 128)  # cached: a prefill, then one token at a time
+    model.setup_cache(2, min(128, model.config.max_position_embeddings))  # cached: a prefill, then a token at a time
     parts = [model(IDS[:, :30], input_pos=torch.arange(30))]
     parts += [model(IDS[:, p:p + 1], input_pos=torch.tensor([p])) for p in range(30, 48)]
     assert rel_err(torch.cat(parts, dim=1), want) <= 1e-4
@@ -292,3 +295,24 @@ def test_a_template_without_a_system_role_gets_the_system_message_in_the_first_u
     stops = {2, tok.token_to_id("<|im_end|>")}
     out = out[:next((i for i, t in enumerate(out) if t in stops), len(out))]
     assert result.stdout == tok.decode(out, skip_special_tokens=True)
+
+
+def test_the_mistral3_image_text_folder_is_its_text_model(tmp_path, capsys):
+    """Mistral 3's image-text folder (Ministral 3 inside Mistral3ForConditionalGeneration, as the Hub ships it): the
+    text model's logits equal transformers' (the vision tower skipped with a note), and the context stops where
+    Ministral 3 would start scaling its queries (llama_4_scaling_beta)."""
+    _, values, _ = CASES["ministral3"]
+    text = transformers.AutoConfig.for_model("ministral3", **{**BASE, **values})
+    vision = transformers.AutoConfig.for_model("pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, image_size=32, patch_size=16, head_dim=16)
+    config = transformers.AutoConfig.for_model("mistral3", text_config=text.to_dict(), vision_config=vision.to_dict())
+    torch.manual_seed(0)
+    hf = transformers.Mistral3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name and name.endswith("weight") else p.normal_(0, 0.15)
+    hf.save_pretrained(tmp_path)
+    model = from_pretrained(str(tmp_path))
+    assert "vision tower" in capsys.readouterr().err
+    assert model.config.max_position_embeddings == 96
+    assert rel_err(model(IDS), reference(hf)) <= 1e-4

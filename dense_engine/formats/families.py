@@ -14,9 +14,10 @@ dense.py and checkpoint.py; convert.py dispatches to these by what a path holds.
 | OpenELM                      | Hugging Face folder, model_type "openelm"                                |
 | GPT-NeoX                     | Hugging Face folder, model_type "gpt_neox"                               |
 | GPT-NeoX original            | global_step*/layer_NN-model_0R-model_states.pt + configs/*.yml           |
-| the FAMILIES table (17)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
+| the FAMILIES table (18)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
 |                              | gemma2, gemma3_text, phi3, smollm3, granite, olmo2, olmo3, stablelm,     |
-|                              | seed_oss, glm4, cohere2, exaone4; GGUF files                            |
+|                              | seed_oss, glm4, cohere2, exaone4, ministral3 (also inside mistral3, the  |
+|                              | image-text wrapper); GGUF files                                         |
 |                              | of llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3 (gguf_import.py)     |
 """
 
@@ -321,6 +322,7 @@ class Family:
     nope_full: bool = False  # with a window, the full layers have no rope (EXAONE 4)
     multipliers: bool = False  # Granite's embedding, attention, residual and logits multipliers
     stablelm: bool = False  # layer norms, per-head q/k layer norms, parallel blocks, qkv biases by flag
+    llama4_scale: bool = False  # rope_parameters' llama_4_scaling_beta scales queries past the original context
     cohere: bool = False  # layer norms without bias, one before both branches in parallel, logits times logit_scale,
     #                       rotary pairs interleaved (Command R7B / A)
     seed: bool = False  # attention_bias (true when absent) is q/k/v's biases, attention_out_bias the output's (Seed-OSS,
@@ -351,6 +353,7 @@ FAMILIES = {
     "glm4": Family(eps=1.5625e-7, head_dim=128, rotary_fraction=0.5, seed=True, post_norms=True, glm=True),
     "cohere2": Family(eps=1e-5, tied=True, cohere=True, windows="pattern", window_pattern=4, window=4096,
                       nope_full=True),
+    "ministral3": Family(theta=1e6, head_dim=128, windows="given", llama4_scale=True),
     "exaone4": Family(eps=1e-5, qk_norm="shared", pre_norms=False, post_norms=True, windows="pattern", window_pattern=4,
                       window=4096, nope_full=True),
 }
@@ -441,20 +444,34 @@ def hf_layer_types(cfg: ConfigReader, family: Family, layers: int, window: int |
     return None if window is None else given or rule
 
 
-def hf_decoder(folder: str, raw: dict, source: str):
+def hf_decoder(folder: str, raw: dict, source: str, prefix: str = "model."):
     """Hugging Face Llama and the families that share its layout (FAMILIES), exactly as transformers runs them:
     Llama 2/3.x (rope scalings), Mistral (a sliding window on every layer), Qwen2/2.5 (q/k/v biases), Qwen3 (q/k
     norms per head), Gemma 1/2/3 ((1 + w) norms, scaled embeddings, tanh-GELU gates; 2 and 3: post-norms, a
     query scale, sliding windows on some layers; 2: soft-capped scores and logits; 3: q/k norms and a local rope
     base), Phi-3/3.5/4-mini (fused projections, partial rotary, longrope), SmolLM3 (layers without rope), Granite
     (multipliers), OLMo 2 (post-norms only, q/k norms over the projection; 3: and Gemma 3's windows and local rope
-    on three layers of four), StableLM 2 (layer norms, partial
-    rotary, per-head q/k layer norms, parallel blocks), Seed-OSS (q/k/v biases), GLM-4 (q/k/v biases, norms before and
-    after each branch, a half of each head rotated in interleaved pairs), Command R7B (cohere2: layer norms without
-    bias before parallel branches, a logit scale, interleaved pairs, windows and no rope as EXAONE 4's), EXAONE 4 (OLMo 2's norms, Qwen3's
-    q/k norms, windows on three layers of four and no rope on the others)."""
+    on three layers of four), StableLM 2 (layer norms, partial rotary, per-head q/k layer norms, parallel blocks),
+    Seed-OSS (q/k/v biases), GLM-4 (q/k/v biases, norms before and after each branch, a half of each head rotated in
+    interleaved pairs), Command R7B (cohere2: layer norms without bias before parallel branches, a logit scale,
+    interleaved pairs, windows and no rope as EXAONE 4's), EXAONE 4 (OLMo 2's norms, Qwen3's q/k norms, windows on
+    three layers of four and no rope on the others), Ministral 3 (yarn; its query scale past the original context
+    is not run: the context stops there). prefix: where the decoder's tensors are (a wrapper's text model)."""
     kind = raw["model_type"]
     family, cfg = FAMILIES[kind], ConfigReader(raw, source)
+    context = int(cfg.get("max_position_embeddings", 2048))
+    for key in ("rope_parameters", "rope_scaling") if family.llama4_scale else ():
+        # the queries times 1 + beta log(1 + floor(position / original)): 1 within the original context
+        rope = dict(cfg.raw.get(key) or {})
+        beta, _ = rope.pop("llama_4_scaling_beta", 0), rope.pop("max_position_embeddings", None)
+        original = int(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+                       or context)
+        if beta and original < context:
+            machine.note(f"{source}: the context is {original} tokens (past them Ministral 3 scales its queries, "
+                         "which this engine does not do yet)")
+            context = original
+        if key in cfg.raw:
+            cfg.raw[key] = rope or None
     hidden, heads = int(cfg.need("hidden_size")), int(cfg.need("num_attention_heads"))
     layers = int(cfg.need("num_hidden_layers"))
     head_dim = int(cfg.get("head_dim") or family.head_dim or hidden // heads)
@@ -499,9 +516,9 @@ def hf_decoder(folder: str, raw: dict, source: str):
     config = make_config(
         source, vocab_size=int(cfg.need("vocab_size")), hidden_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads", heads)), head_dim=head_dim,
-        intermediate_size=int(cfg.need("intermediate_size")),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)), rope_theta=theta,
-        rotary_dim=rotary, rope_layout="interleaved" if family.glm or family.cohere else "half", rope_scaling=scaling, rope_local_theta=local_theta, nope_layers=nope,
+        intermediate_size=int(cfg.need("intermediate_size")), max_position_embeddings=context, rope_theta=theta,
+        rotary_dim=rotary, rope_layout="interleaved" if family.glm or family.cohere else "half",
+        rope_scaling=scaling, rope_local_theta=local_theta, nope_layers=nope,
         attn_scale=float(cfg.get("attention_multiplier")) if family.multipliers else (
             float(scalar) ** -0.5 if scalar else None),
         attn_softcap=cfg.get("attn_logit_softcapping") if family.softcaps else None,
@@ -523,17 +540,18 @@ def hf_decoder(folder: str, raw: dict, source: str):
     for key in ("max_window_layers", "use_sliding_window"):
         cfg.get(key)  # read above where they apply; without a window they change nothing
     cfg.check_unread()
-    return config, hf_decoder_tensors(folder, family, config, source)
+    return config, hf_decoder_tensors(folder, family, config, source, prefix)
 
 
-def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source: str) -> dict:
+def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source: str, prefix: str = "model.") -> dict:
     """{native name: thunk} of a Llama-layout folder. Where the families' names differ: Gemma 2/3's
     post_attention_layernorm is the attention's post-norm (Llama's is the MLP's pre-norm), OLMo 2 has post-norms
     only, Phi-3 fuses q|k|v and gate|up, StableLM keeps one layer norm per head for q and k."""
     after_attention = "attn_post_norm" if family.post_norms and not family.glm else "mlp_norm"
-    layer = r"model\.layers\.(\d+)\."
+    top = re.escape(prefix)
+    layer = top + r"layers\.(\d+)\."
     rules = [
-        (r"model\.embed_tokens\.weight", "embed_tokens.weight"), (r"model\.norm\.(weight|bias)", r"norm.\1"),
+        (top + r"embed_tokens\.weight", "embed_tokens.weight"), (top + r"norm\.(weight|bias)", r"norm.\1"),
         (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight"),
         (layer + r"input_layernorm\.(weight|bias)", r"layers.\1.attn_norm.\2"),
         (layer + r"post_attention_layernorm\.(weight|bias)", rf"layers.\1.{after_attention}.\2"),
@@ -547,6 +565,9 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
         (layer + r"self_attn\.qkv_proj\.weight", r"layers.\1.attn.qkv.weight"),
         (layer + r"mlp\.gate_up_proj\.weight", r"layers.\1.mlp.gate_up.weight"),
         (layer + r"mlp\.(gate|up|down)_proj\.(weight|bias)", r"layers.\1.mlp.\2_proj.\3")]
+    if prefix != "model.":  # a wrapper's image model: not read (its reader says so); its head beside the text model
+        rules += [(r"(?:model\.)?(vision_tower|multi_modal_projector)\..*", None),
+                  (r"language_model\.lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight")]
     table = rename(hf_weights(folder), rules, source)
     H, K, D, W = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size
     for i in range(config.num_hidden_layers):
@@ -569,6 +590,23 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
             for p in ("weight", "bias"):
                 table[f"layers.{i}.mlp_norm.{p}"] = table[f"layers.{i}.attn_norm.{p}"]
     return table
+
+
+def mistral3(folder: str, raw: dict, source: str):
+    """Mistral 3's image-text folder (Ministral 3, Mistral Small 3.1 / 3.2): the text model (text_config, a family of
+    FAMILIES) under model.language_model, read as that family's folder; the vision tower and its projector are skipped
+    with a note."""
+    text = dict(raw.get("text_config") or {})
+    if text.get("model_type") not in FAMILIES:
+        raise CheckpointError(f"{source}: text_config model_type {text.get('model_type')!r} is not supported")
+    if "tie_word_embeddings" in raw:  # (the wrapper's own says whether transformers ties the head)
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    names = list(hf_weights(folder))
+    if any(name.startswith(("model.vision_tower.", "vision_tower.")) for name in names):
+        machine.note(f"{source}: the vision tower is not loaded: this engine reads text")
+    # (the Hub's files: language_model.model.*; transformers 5's own: model.language_model.*)
+    legacy = any(name.startswith("language_model.model.") for name in names)
+    return hf_decoder(folder, text, source, prefix="language_model.model." if legacy else "model.language_model.")
 
 
 def refuse_moe(raw: dict, source: str) -> None:
@@ -801,4 +839,5 @@ def lfm2(folder: str, raw: dict, source: str):
 
 # Hugging Face folders by config.json's model_type: (folder, raw config, config path) -> (DenseConfig, table)
 HF_FAMILIES = {"openelm": openelm, "gpt_neox": gpt_neox, "qwen3_5": qwen3_5, "qwen3_5_text": qwen3_5, "lfm2": lfm2,
+               "mistral3": mistral3,
                **{kind: hf_decoder for kind in FAMILIES}}
