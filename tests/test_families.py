@@ -78,7 +78,9 @@ CASES = {
     "stablelm-parallel": ("stablelm", dict(qk_layernorm=True, use_qkv_bias=True, use_parallel_residual=True), {}),
 }
 FAMILIES = ["llama3", "qwen2-window", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "smollm3", "granite",
-            "olmo2", "olmo3", "stablelm", "seed_oss", "glm4", "cohere2", "exaone4", "ministral3"]  # one case per family for the fast paths
+            "olmo2", "stablelm", "glm4", "cohere2"]  # one case per family for the fast paths (OLMo 3, Seed-OSS, EXAONE 4
+#   and Ministral 3 combine switches these cases run: Gemma 3's windows and local rope, Qwen2's biases, SmolLM3's
+#   layers without rope, yarn)
 IDS = torch.randint(3, 512, (2, 48), generator=torch.Generator().manual_seed(1))
 
 
