@@ -166,9 +166,11 @@ def test_big_dirty_prompt_files_stream_in_bounded_memory(tmp_path, cache):
         path = tmp_path / f"p{junk}.jsonl"
         good = prompt_file(path, junk)
         run = subprocess.Popen([sys.executable, "-c", (
-            "import resource, runpy, sys; sys.argv = sys.argv[1:]\n"
-            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-            "finally:\n    print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)"),
+            # (at exit: chat.py leaves without the interpreter's teardown, but runs atexit's handlers)
+            "import atexit, resource, runpy, sys; sys.argv = sys.argv[1:]\n"
+            "atexit.register(lambda: print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
+            "file=sys.stderr))\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')"),
             CHAT, "--ckpt", LLAMA, "--prompt-file", str(path), "--complete", *GREEDY, "--no-compile"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env}, cwd=ROOT)
         out, err = run.communicate(timeout=300)
