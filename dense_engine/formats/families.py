@@ -289,7 +289,8 @@ HARMLESS_KEYS = {
     "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "pruned_heads",
     "cross_attention_hidden_size", "use_bfloat16", "tf_legacy_loss", "_attn_implementation_autoset",
-    "cache_implementation", "residual_dropout", "unsloth_version", "unsloth_fixed", "quantization_config_null", "attn_implementation"}
+    "cache_implementation", "residual_dropout", "unsloth_version", "unsloth_fixed", "quantization_config_null",
+    "attn_implementation"}
 # Mixtures of experts and other designs this dense engine does not run.
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 @dataclass(frozen=True)
@@ -325,8 +326,8 @@ class Family:
     llama4_scale: bool = False  # rope_parameters' llama_4_scaling_beta scales queries past the original context
     cohere: bool = False  # layer norms without bias, one before both branches in parallel, logits times logit_scale,
     #                       rotary pairs interleaved (Command R7B / A)
-    seed: bool = False  # attention_bias (true when absent) is q/k/v's biases, attention_out_bias the output's (Seed-OSS,
-    #                     GLM-4)
+    attention_bias_is_qkv: bool = False  # attention_bias (true when absent) is q/k/v's, attention_out_bias the
+    #                                      output's (Seed-OSS, GLM-4)
     glm: bool = False  # rotary pairs interleaved; post_self_attn_layernorm and post_mlp_layernorm after the branches,
     #                    post_attention_layernorm before the MLP (GLM-4)
 
@@ -349,8 +350,9 @@ FAMILIES = {
     "olmo3": Family(eps=1e-5, theta=5e5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True,
                     windows="pattern", window_pattern=4, window=4096, local_rope=True),
     "stablelm": Family(eps=1e-5, derived_head_dim=True, rotary_fraction=0.25, stablelm=True),
-    "seed_oss": Family(head_dim=128, seed=True),
-    "glm4": Family(eps=1.5625e-7, head_dim=128, rotary_fraction=0.5, seed=True, post_norms=True, glm=True),
+    "seed_oss": Family(head_dim=128, attention_bias_is_qkv=True),
+    "glm4": Family(eps=1.5625e-7, head_dim=128, rotary_fraction=0.5, attention_bias_is_qkv=True, post_norms=True,
+                   glm=True),
     "cohere2": Family(eps=1e-5, tied=True, cohere=True, windows="pattern", window_pattern=4, window=4096,
                       nope_full=True),
     "ministral3": Family(theta=1e6, head_dim=128, windows="given", llama4_scale=True),
@@ -431,7 +433,8 @@ def hf_layer_types(cfg: ConfigReader, family: Family, layers: int, window: int |
     if family.window_pattern:
         pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", family.window_pattern))
         if isinstance(pattern, str):  # EXAONE 4: "LLLG", L a local (sliding) layer, G a global one, repeated
-            rule = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(layers)]
+            rule = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
+                    for i in range(layers)]
         else:
             rule = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers)]
     elif family.windows == "flag" and not family.nope:  # Qwen: the layers from max_window_layers on
@@ -458,7 +461,7 @@ def hf_decoder(folder: str, raw: dict, source: str, prefix: str = "model."):
     three layers of four and no rope on the others), Ministral 3 (yarn; its query scale past the original context
     is not run: the context stops there). prefix: where the decoder's tensors are (a wrapper's text model)."""
     kind = raw["model_type"]
-    family, cfg = FAMILIES[kind], ConfigReader(raw, source)
+    family, cfg = FAMILIES[kind], ConfigReader(dict(raw), source)  # (a copy: a rope key below is rewritten)
     context = int(cfg.get("max_position_embeddings", 2048))
     for key in ("rope_parameters", "rope_scaling") if family.llama4_scale else ():
         # the queries times 1 + beta log(1 + floor(position / original)): 1 within the original context
@@ -501,9 +504,10 @@ def hf_decoder(folder: str, raw: dict, source: str, prefix: str = "model."):
     types = hf_layer_types(cfg, family, layers, window, nope)
     if family.nope_full and types:
         nope = [i for i, kind in enumerate(types) if kind == "full_attention"]
-    attn_bias, mlp_bias = bool(cfg.get("attention_bias", family.seed)), bool(cfg.get("mlp_bias", False))
+    attn_bias = bool(cfg.get("attention_bias", family.attention_bias_is_qkv))
+    mlp_bias = bool(cfg.get("mlp_bias", False))
     qkv_bias = family.qkv_bias
-    if family.seed:  # attention_bias is q/k/v's; the output's is attention_out_bias
+    if family.attention_bias_is_qkv:  # attention_bias is q/k/v's; the output's is attention_out_bias
         qkv_bias, attn_bias = attn_bias, bool(cfg.get("attention_out_bias", False))
     if attn_bias != mlp_bias:
         cfg.refuse("attention_bias" if attn_bias else "mlp_bias", "biases on attention or MLP alone")
@@ -534,8 +538,8 @@ def hf_decoder(folder: str, raw: dict, source: str, prefix: str = "model."):
         residual_scale=granite.get("residual_multiplier", 1.0),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.tied)),
         embed_scale=hidden ** 0.5 if family.gemma else granite.get("embedding_multiplier"),
-        logits_divisor=1 / float(cfg.get("logit_scale", 0.0625)) if family.cohere else granite.get("logits_scaling",
-                                                                                                   1.0),
+        logits_divisor=(1 / float(cfg.get("logit_scale", 0.0625)) if family.cohere
+                        else granite.get("logits_scaling", 1.0)),
         final_softcap=cfg.get("final_logit_softcapping") if family.softcaps else None)
     for key in ("max_window_layers", "use_sliding_window"):
         cfg.get(key)  # read above where they apply; without a window they change nothing
@@ -584,8 +588,7 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
                     raise CheckpointError(f"{source}: layer {i} lacks some of its per-head {part} norms")
                 table[f"{a}{part}_norm.weight"] = lambda heads=heads: torch.cat([read() for read in heads])
         if family.cohere:  # layer norms without bias: a bias of zeros adds nothing
-            for norm in (f"layers.{i}.attn_norm.bias", "norm.bias"):
-                table[norm] = lambda C=config.hidden_size: torch.zeros(C)
+            table[f"layers.{i}.attn_norm.bias"] = table["norm.bias"] = lambda C=config.hidden_size: torch.zeros(C)
         if config.parallel_residual and f"layers.{i}.attn_norm.weight" in table:  # one norm, both branches
             for p in ("weight", "bias"):
                 table[f"layers.{i}.mlp_norm.{p}"] = table[f"layers.{i}.attn_norm.{p}"]
