@@ -1,10 +1,11 @@
 """A load test of the OpenAI-compatible server: N clients, each sending one streamed chat request after another
 for T seconds; requests/s, generated tokens/s, time to first token and inter-token latency (p50, p95). This engine's
-serve.py and llama.cpp's server (llama-cpp-python's `llama_cpp.server`) on the same GGUF, under the same load, side
-by side, each in its own process (started here, stopped after its rows).
+serve.py and llama.cpp's servers (its own `llama-server`, a slot per row of ours; llama-cpp-python's
+`llama_cpp.server`) on the same GGUF, under the same load, side by side, each in its own process (started here,
+stopped after its rows).
 
-    python bench/serve_load.py [--clients 1,4,8,16] [--seconds 60] [--engines dense,llama] \
-        [--llama-python VENV/bin/python] [--quant auto] [--gguf FILE] [--replies short|long] \
+    python bench/serve_load.py [--clients 1,4,8,16] [--seconds 60] [--engines dense,llama-server,llama] \
+        [--llama-server BINARY] [--llama-python VENV/bin/python] [--quant auto] [--gguf FILE] [--replies short|long] \
         [--scenarios load,multi-turn,long-prompt,timeouts,flood,restart] [--root CHECKOUT] \
         [--serve-flag=--no-prefix-reuse]
 
@@ -72,6 +73,9 @@ def start(engine: str, args, ctx: int | None = None, extra=()) -> tuple[subproce
                *extra]
         if args.gguf:
             cmd += ["--ckpt", args.gguf]
+    elif engine == "llama-server":  # llama.cpp's own: a slot per row of ours, each with our context
+        cmd = [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(port), "-np",
+               str(args.max_batch), "-c", str(args.ctx * args.max_batch), "-t", str(os.cpu_count())]
     else:
         cmd = [args.llama_python, "-m", "llama_cpp.server", "--model", args.gguf, "--port", str(port), "--n_ctx",
                str(args.ctx), "--n_threads", str(os.cpu_count()), "--interrupt_requests", "False"]
@@ -83,7 +87,7 @@ def start(engine: str, args, ctx: int | None = None, extra=()) -> tuple[subproce
     end = time.monotonic() + 900  # (a first run compiles its steps)
     while time.monotonic() < end:
         try:
-            ready = "/health" if engine == "dense" else "/v1/models"  # (ours: 503 until the model is loaded)
+            ready = "/v1/models" if engine == "llama" else "/health"  # (503 until the model is loaded)
             with urllib.request.urlopen(f"http://127.0.0.1:{port}{ready}", timeout=2):
                 return process, port
         except OSError:
@@ -316,7 +320,8 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=60)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--engines", default="dense,llama")
-    p.add_argument("--llama-python", help="python of a virtualenv with llama-cpp-python[server]")
+    p.add_argument("--llama-python", help="python of a virtualenv with llama-cpp-python[server] (--engines llama)")
+    p.add_argument("--llama-server", help="llama.cpp's llama-server binary (--engines llama-server)")
     p.add_argument("--gguf", help="the GGUF both engines serve (default: the default model's)")
     p.add_argument("--quant", default="auto", help="this engine's --quant")
     p.add_argument("--max-batch", type=int, default=8)
@@ -360,6 +365,8 @@ def main() -> int:
     for engine in args.engines.split(","):
         if engine == "llama" and not args.llama_python:
             sys.exit("--engines llama needs --llama-python")
+        if engine == "llama-server" and not args.llama_server:
+            sys.exit("--engines llama-server needs --llama-server BINARY")
         process, port = start(engine, args)
         prompts = LONG_PROMPTS if args.replies == "long" else PROMPTS
         try:
@@ -376,9 +383,9 @@ def main() -> int:
         finally:
             process.terminate()
             process.wait(timeout=30)
-    print(f"\n{'engine':6s} {'load':30s} {'req/s':>6s} {'tok/s':>7s} {'TTFT p50/p95 ms':>16s} {'ITL p50/p95 ms':>15s}")
+    print(f"\n{'engine':12s} {'load':30s} {'req/s':>6s} {'tok/s':>7s} {'TTFT p50/p95 ms':>16s} {'ITL p50/p95 ms':>15s}")
     for r in (r for r in rows if "engine" in r):  # (the scenarios' rows were printed as they came)
-        print(f"{r['engine']:6s} {r['mode']:30s} {r['requests_per_s']:6.2f} {r['tokens_per_s']:7.1f} "
+        print(f"{r['engine']:12s} {r['mode']:30s} {r['requests_per_s']:6.2f} {r['tokens_per_s']:7.1f} "
               f"{r['ttft_p50_ms'] or 0:7.0f} /{r['ttft_p95_ms'] or 0:6.0f} {r['itl_p50_ms'] or 0:7.1f} /"
               f"{r['itl_p95_ms'] or 0:6.1f}")
     for engine in args.engines.split(","):

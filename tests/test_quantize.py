@@ -15,7 +15,7 @@ from safetensors import safe_open
 import dense
 import quantize
 from conftest import FIXTURES, ROOT, expected, fixture_path, rel_err
-from dense_engine.cpu import quantized
+from dense_engine.cpu import kernels, quantized
 from dense_engine.formats import checkpoint, load
 from dense_engine.runtime import generate
 
@@ -96,6 +96,39 @@ def test_round_trip_on_fixtures(layout, mode, tmp_path):
     # a saved variant reloads to exactly what quantizing at load time gives
     on_the_fly = quantized.quantize_model(load.from_pretrained(src), mode)
     assert torch.equal(on_the_fly(ids), logits)
+
+
+def test_int4_saved_in_the_kernels_layout_loads_as_stored(tmp_path, monkeypatch):
+    """An int4 variant is saved in the CPU kernel's layout: a load maps it and multiplies with it as stored (nothing
+    repacked), and every other reader (another device, no kernels, tensor parallel's table) gets the pairs back."""
+    src, out = fixture_path("llama"), tmp_path / "q"
+    quantize.quantize_checkpoint(src, "int4", out=str(out))
+    assert json.loads((out / "config.json").read_text())["quantization"]["int4"]["layout"] == kernels.INT4_LAYOUT
+    on_the_fly = quantized.quantize_model(load.from_pretrained(src), "int4")
+    fly = {n: m for n, m in on_the_fly.named_modules() if isinstance(m, quantized.Int4Linear)}
+    assert fly
+    table = load.pairs_layout(checkpoint.open_safetensors(str(out / "model.int4.safetensors")))
+    for name in ("layers.0.mlp.down_proj", "layers.1.attn.o_proj"):
+        for key in ("qweight", "scales", "mins"):
+            assert torch.equal(table[f"{name}.{key}"](), fly[name]._buffers[key]), (name, key)
+
+    def repacked(*args):
+        raise AssertionError("repacked at load")
+    monkeypatch.setattr(kernels, "pack_int4", repacked)
+    model = load.from_pretrained(str(out), quant="int4")
+    ids = expected("llama")["input_ids"]
+    assert torch.equal(model(ids), on_the_fly(ids))
+    for name, module in model.named_modules():
+        if isinstance(module, quantized.Int4Linear):
+            assert module.kernel_weight is module.qweight and module.kernel_scales is module.scales
+            pairs = module.stored_pairs()
+            assert all(torch.equal(pairs[k], fly[name]._buffers[k]) for k in pairs), name
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "available", lambda: False)  # no kernels: the pairs, dequantized as before
+    plain = load.from_pretrained(str(out), quant="int4")
+    layer = plain.layers[0].mlp.gate_up_proj
+    assert layer.layout == "pairs" and torch.equal(layer.qweight, on_the_fly.layers[0].mlp.gate_up_proj.qweight)
+    assert torch.equal(plain(ids), quantized.quantize_model(load.from_pretrained(src), "int4")(ids))
 
 
 def test_layers_chosen_and_file_sizes(tmp_path):

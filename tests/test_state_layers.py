@@ -272,27 +272,34 @@ def test_value_heads_in_tiled_order_give_the_same_model(models):
     import copy
 
     grouped = copy.deepcopy(models["qwen3_5 3 linear + 1 full"]).double()
-    tiled = copy.deepcopy(grouped)
+    tiled = tile_value_heads(copy.deepcopy(grouped))
     ids = prompt(70, seed=10)
     with torch.no_grad():
-        for layer in tiled.layers:
-            a = layer.attn
-            if not isinstance(a, dense.GatedDeltaNet):
-                continue
-            K, V, Dk, Dv = a.k_heads, a.v_heads, a.k_dim, a.v_dim
-            heads = torch.arange(V).view(K, V // K).t().reshape(-1)  # tiled head j is grouped head heads[j]
-            rows = (heads[:, None] * Dv + torch.arange(Dv)).reshape(-1)
-            w, qk, vd = a.in_proj.weight, 2 * K * Dk, V * Dv
-            a.in_proj.weight.copy_(torch.cat([w[:qk], w[qk:qk + vd][rows], w[qk + vd:qk + 2 * vd][rows],
-                                              w[qk + 2 * vd:qk + 2 * vd + V][heads], w[qk + 2 * vd + V:][heads]]))
-            a.conv_weight[qk:] = a.conv_weight[qk:][rows].clone()
-            a.A_log.copy_(a.A_log[heads]), a.dt_bias.copy_(a.dt_bias[heads])
-            a.out_proj.weight.copy_(a.out_proj.weight[:, rows])
-            a.tiled = True
         assert torch.equal(tiled(ids), grouped(ids))
         layer = next(layer.attn for layer in tiled.layers if isinstance(layer.attn, dense.GatedDeltaNet))
         layer.tiled = False  # (the switch matters: the reordered weights read the grouped way differ)
         assert not torch.allclose(tiled(ids), grouped(ids), atol=1e-3)
+
+
+@torch.no_grad()
+def tile_value_heads(model: dense.DenseDecoder) -> dense.DenseDecoder:
+    """The model with each Gated DeltaNet layer's value heads reordered as llama.cpp's qwen35 files store them."""
+    for layer in model.layers:
+        a = layer.attn
+        if not isinstance(a, dense.GatedDeltaNet):
+            continue
+        K, V, Dk, Dv = a.k_heads, a.v_heads, a.k_dim, a.v_dim
+        heads = torch.arange(V).view(K, V // K).t().reshape(-1)  # tiled head j is grouped head heads[j]
+        rows = (heads[:, None] * Dv + torch.arange(Dv)).reshape(-1)
+        w, qk, vd = a.in_proj.weight, 2 * K * Dk, V * Dv
+        a.in_proj.weight.copy_(torch.cat([w[:qk], w[qk:qk + vd][rows], w[qk + vd:qk + 2 * vd][rows],
+                                          w[qk + 2 * vd:qk + 2 * vd + V][heads], w[qk + 2 * vd + V:][heads]]))
+        a.conv_weight[qk:] = a.conv_weight[qk:][rows].clone()
+        a.A_log.copy_(a.A_log[heads]), a.dt_bias.copy_(a.dt_bias[heads])
+        a.out_proj.weight.copy_(a.out_proj.weight[:, rows])
+        a.tiled = True
+    model.config.linear_tiled_values = True
+    return model
 
 
 def test_a_chat_template_saved_apart_is_read_and_rendered_as_transformers_does(folders, tmp_path):

@@ -1,6 +1,6 @@
 """Tensor parallel (tp.py) on CPU with gloo, two processes, against the single-process model: logits within 1e-5 and
 the same greedy tokens for five layouts (eager; compiled for one), the GPT-NeoX original release read shard-per-rank,
-int8/int4 shards, each rank's weight bytes, and chat.py under torchrun."""
+int8/int4 shards, state layers (Qwen3.5, LFM2), each rank's weight bytes, and chat.py under torchrun."""
 
 import os
 import subprocess
@@ -37,7 +37,7 @@ def worker(rank, size, rdzv, out, jobs):
         greedy = generate.generate(model, ids[:, :6], 16)
         compiled = generate.generate(model, ids[:, :6], 16, compile=True) if compile else None
         results[name] = {"logits": logits, "greedy": greedy, "compiled": compiled, "bytes": stored_bytes(model),
-                         "o_proj": model.layers[0].attn.o_proj.state_dict()}
+                         "o_proj": model.layers[0].attn.o_proj.state_dict() if name == "neox_original" else None}
     gathered = [None] * size
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -87,11 +87,42 @@ def test_qk_norms_over_every_head_refuse_to_shard():
         tp.plan(config, 0, 2)
 
 
+@pytest.fixture(scope="module")
+def states(tmp_path_factory):
+    """Models with state layers: Qwen3.5 (value heads grouped, as transformers stores them, and tiled, as llama.cpp's
+    files do; widths that int4 groups of 32 divide per value head) and LFM2."""
+    import transformers
+    from test_state_layers import LFM2, QWEN, tile_value_heads
+
+    root, made = tmp_path_factory.mktemp("states"), {}
+    qwen = transformers.Qwen3_5TextConfig(vocab_size=512, num_hidden_layers=4,
+                                          **{**QWEN, "linear_value_head_dim": 32, "intermediate_size": 128})
+    for i, (case, cls, config) in enumerate((("qwen3_5", "Qwen3_5ForCausalLM", qwen),
+                                             ("lfm2", "Lfm2ForCausalLM", transformers.Lfm2Config(vocab_size=512,
+                                                                                                  **LFM2)))):
+        torch.manual_seed(i)
+        model = getattr(transformers, cls)(config)
+        with torch.no_grad():
+            for key, p in model.named_parameters():
+                if "norm" not in key:
+                    p.normal_(0, 0.05)
+        model.save_pretrained(root / case)
+        made[case] = str(root / case)
+    tiled = tile_value_heads(load.from_pretrained(made["qwen3_5"]))
+    made["qwen3_5 tiled"] = str(root / "tiled")
+    convert.write_native(made["qwen3_5 tiled"], tiled.config,
+                         {k: v.contiguous() for k, v in load.checkpoint_state_dict(tiled).items()})
+    return made
+
+
 @pytest.mark.slow
-def test_two_ranks_equal_one_process(tmp_path, bigger, families):
+def test_two_ranks_equal_one_process(tmp_path, bigger, families, states):
     jobs = [(layout, fixture_path(layout), None, layout != "neox_original") for layout in LAYOUTS]
     jobs += [(case, path, None, False) for case, path in families.items()]
     jobs += [("bigger", bigger, None, False), ("int8", bigger, "int8", False), ("int4", bigger, "int4", False)]
+    # state layers: a Gated DeltaNet layer's key heads and the value heads reading them go to one rank
+    jobs += [(case, path, None, case == "qwen3_5") for case, path in states.items()]
+    jobs += [("qwen3_5 int4", states["qwen3_5"], "int4", False), ("lfm2 int8", states["lfm2"], "int8", False)]
     ranks = run_two(tmp_path, jobs)
     for name, path, quant, compile in jobs:
         model, logits, greedy = single(path, quant)

@@ -111,12 +111,9 @@ def load_model(ckpt: str, args, console) -> tuple:
             model = session.load_model(record, checkpoint)
     finally:
         preread.discard()  # (an early read of a file the load converted instead)
-    if caches.has_state(model):  # what a state layer's memory cannot do yet, refused before it would answer wrongly
-        asked = [flag for flag, on in (("--prompt-cache", getattr(args, "prompt_cache", None)),
-                                       ("torchrun", tp.world()[1] > 1)) if on]
-        if asked:
-            raise UsageError(f"{ckpt}: {asked[0]} is not available for a model with state layers (Gated DeltaNet, "
-                             "short conv) yet")
+    if caches.has_state(model) and getattr(args, "prompt_cache", None):  # (refused before it would answer wrongly)
+        raise UsageError(f"{ckpt}: --prompt-cache is not available for a model with state layers (Gated DeltaNet, "
+                         "short conv) yet")
     return model, record
 
 

@@ -192,12 +192,12 @@ def place_weights(model) -> None:
         if module is model.embed_tokens and not head_is_table:
             continue
         # a quantized layer's stored codes stay where they were loaded (a saved variant's: in the file's pages); its
-        # kernel reads a layout of its own
-        kernel = "kernel_weight" in module._buffers
+        # kernel reads a layout of its own (or the stored tensors themselves, saved in that layout)
+        kernel = {id(t) for name, t in module._buffers.items() if name.startswith("kernel_")}
         for store in (module._parameters, module._buffers):
             for name, t in store.items():
                 if (t is not None and t.device.type == "cpu" and t.numel() * t.element_size() >= 1 << 18
-                        and not getattr(t, "placed", False) and (name.startswith("kernel_") or not kernel)):
+                        and not getattr(t, "placed", False) and (id(t) in kernel or not kernel)):
                     chosen.append((store, name, t))
     unique = {}
     for store, name, t in chosen:
@@ -307,7 +307,7 @@ def pack_int4(pairs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, gro
         return {"kernel_weight": packed, "kernel_scales": int4_scales_and_zeros(scales, mins), "kernel_mins":
                 torch.empty(0, device=pairs.device)}
     if group_size == 32 and available():  # ours: groups of 16 rows, lanes over the rows (kernels.h)
-        return pack_int4_groups(pairs, scales.float(), mins.float())
+        return pack_int4_groups(pairs, scales, mins)
     # PyTorch's int4 CPU kernel computes (q - 8) * scale + zero; fast with bfloat16 activations only
     codes = torch.stack((pairs & 15, pairs >> 4), dim=-1).reshape(N, K)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
@@ -319,26 +319,51 @@ def pack_int4_groups(pairs: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     """kernels.h's layout: rows in groups of 16 (the last of N % 16 rows), a group's codes [K / 8][rows][4 bytes] with
     codes 8c + 2p, 8c + 2p + 1 in bits 4p and 16 + 4p of a dword (p = 0..3), its scales and mins [K / 32][rows]. The
     tensors keep their shapes ([N, K / 2], [N, K / 32])."""
-    N, K = pairs.shape[0], pairs.shape[1] * 2
-    # A dword of pairs holds codes 0..7 of 8 in nibbles 0..7; the kernel's dword holds 0, 2, 4, 6, 1, 3, 5, 7: two
-    # swaps of bit fields (nibbles 1 <-> 2 and 5 <-> 6, then bytes 1 <-> 2)
-    x = pairs.contiguous()
+    return {f"kernel_{key}": int4_to_kernel(key, t) for key, t in
+            (("weight", pairs), ("scales", scales), ("mins", mins))}
+
+
+INT4_LAYOUT = "groups16"  # pack_int4_groups' layout, as a saved int4 variant's record names it (convert.write_variant)
+# A dword of pairs holds codes 0..7 of 8 in nibbles 0..7; the kernel's dword holds 0, 2, 4, 6, 1, 3, 5, 7: two swaps
+# of bit fields (nibbles 1 <-> 2 and 5 <-> 6, then bytes 1 <-> 2), undone in the other order
+CODE_SWAPS = ((4, 0x00F000F0), (8, 0x0000FF00))
+
+
+def int4_to_kernel(key: str, t: torch.Tensor) -> torch.Tensor:
+    """One of Int4Linear's stored tensors (key "weight" or "qweight": its pairs; "scales", "mins") in
+    pack_int4_groups' layout, same shape; scales and mins as float32, which the kernel reads."""
+    if key not in ("weight", "qweight"):
+        return row_groups(t.float())
+    x = t.contiguous()
     x = (x.clone() if x.storage_offset() % 4 else x).view(torch.int32)  # [N, K / 8]
-    for shift, mask in ((4, 0x00F000F0), (8, 0x0000FF00)):
-        t = ((x >> shift) ^ x) & mask
-        x = x ^ t ^ (t << shift)
-    parts: dict[str, list] = {"kernel_weight": [], "kernel_scales": [], "kernel_mins": []}
+    for shift, mask in CODE_SWAPS:
+        swapped = ((x >> shift) ^ x) & mask
+        x = x ^ swapped ^ (swapped << shift)
+    return row_groups(x).view(torch.uint8).reshape(t.shape)
+
+
+def int4_from_kernel(key: str, t: torch.Tensor) -> torch.Tensor:
+    """int4_to_kernel undone: the stored pairs, or float16 scales and mins (exact: they were float16)."""
+    if key not in ("weight", "qweight"):
+        return row_groups(t, inverse=True).to(torch.float16)
+    x = row_groups(t.contiguous().view(torch.int32), inverse=True)
+    for shift, mask in reversed(CODE_SWAPS):
+        swapped = ((x >> shift) ^ x) & mask
+        x = x ^ swapped ^ (swapped << shift)
+    return x.view(torch.uint8).reshape(t.shape)
+
+
+def row_groups(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """[N, C] with its rows in groups of 16 (the last of N % 16 rows), each group stored [C][rows]; inverse: back."""
+    N = t.shape[0]
     whole = N // 16 * 16
+    parts = []
     for start, rows in ((0, whole), (whole, N - whole)):
-        if rows == 0:
-            continue
-        lanes = min(16, rows)
-        groups = rows // lanes
-        for name, t in (("kernel_weight", x), ("kernel_scales", scales), ("kernel_mins", mins)):
-            parts[name].append(t[start:start + rows].reshape(groups, lanes, -1).transpose(1, 2).reshape(-1))
-    return {"kernel_weight": torch.cat(parts["kernel_weight"]).view(torch.uint8).reshape(N, K // 2),
-            "kernel_scales": torch.cat(parts["kernel_scales"]).reshape(N, K // 32),
-            "kernel_mins": torch.cat(parts["kernel_mins"]).reshape(N, K // 32)}
+        if rows:
+            lanes = min(16, rows)
+            shape = (rows // lanes, -1, lanes) if inverse else (rows // lanes, lanes, -1)
+            parts.append(t[start:start + rows].reshape(shape).transpose(1, 2).reshape(rows, -1))
+    return torch.cat(parts)
 
 
 def int4_scales_and_zeros(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:

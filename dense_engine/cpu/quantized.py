@@ -198,9 +198,10 @@ class Int8Linear(QuantLinear):
 class Int4Linear(QuantLinear):
     keep_dtype = ("scales", "mins")
 
-    def __init__(self, in_features, out_features, bias, group_size=32, **_) -> None:
+    def __init__(self, in_features, out_features, bias, group_size=32, layout="pairs", **_) -> None:
         super().__init__(in_features, out_features, bias)
         self.group_size = group_size
+        self.layout = layout  # of the stored tensors: "pairs", or a saved variant's kernels.INT4_LAYOUT
         groups = in_features // group_size
         self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float16))
@@ -212,16 +213,31 @@ class Int4Linear(QuantLinear):
 
     def codes(self) -> torch.Tensor:
         """q in 0..15, [out, in]."""
-        low, high = self.qweight & 15, self.qweight >> 4
-        return torch.stack((low, high), dim=-1).reshape(self.out_features, self.in_features)
+        pairs = self.stored_pairs()["qweight"]
+        return torch.stack((pairs & 15, pairs >> 4), dim=-1).reshape(self.out_features, self.in_features)
+
+    def stored_pairs(self) -> dict:
+        """{"qweight", "scales", "mins"} in the pairs layout, whichever layout holds them."""
+        stored = {name: self._buffers[name] for name in ("qweight", "scales", "mins")}
+        if self.layout == "pairs":
+            return stored
+        return {name: kernels.int4_from_kernel(name, t) for name, t in stored.items()}
 
     def finish_loading(self) -> None:
+        if self.layout != "pairs":  # a saved variant in the CPU kernel's layout: its tensors are the kernel's
+            if self.qweight.device.type == "cpu" and kernels.available():
+                self.register_kernel({"kernel_weight": self.qweight, "kernel_scales": self.scales,
+                                      "kernel_mins": self.mins})
+                return
+            self._buffers.update(self.stored_pairs())  # (another device, or no kernels)
+            self.layout = "pairs"
         if self.qweight.device.type in ("cpu", "cuda"):  # repacked for the kernel (kernels.py)
             self.register_kernel(kernels.pack_int4(self.qweight, self.scales, self.mins, self.group_size))
 
     def dequantize(self, dtype) -> torch.Tensor:
+        stored = self.stored_pairs()
         g = self.codes().reshape(self.out_features, -1, self.group_size).to(torch.float32)
-        w = self.mins.float()[..., None] + self.scales.float()[..., None] * g
+        w = stored["mins"].float()[..., None] + stored["scales"].float()[..., None] * g
         return w.reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

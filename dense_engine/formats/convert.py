@@ -22,7 +22,7 @@ import sys
 import torch
 
 from dense import DenseConfig
-from dense_engine.cpu import quantized
+from dense_engine.cpu import kernels, quantized
 from dense_engine.formats import families, gguf_import
 from dense_engine.formats.checkpoint import (Checkpoint, atomic_write, config_from_dict, locked, open_safetensors,
                                              read_json, torch_dtype)
@@ -207,11 +207,21 @@ def quantized_table(checkpoint, mode: str, params: dict, exact: dict | None = No
 
     table_weights = {name: table.pop(f"{name}.weight") for name in modes}
     for name, layer_mode in modes.items():
-        keys = {"int8": ("weight", "scales"), "llm.int8": ("weight", "scales"), "int4": ("qweight", "scales", "mins"),
+        keys = {"int8": ("weight", "scales"), "llm.int8": ("weight", "scales"), "int4": INT4_KEYS,
                 "nf4": ("weight", "absmax"), "gguf": ("blocks0",)}[layer_mode]
         for key in keys:
             table[f"{name}.{key}"] = lambda name=name, key=key: stored(name)[key]
     return table
+
+
+INT4_KEYS = ("qweight", "scales", "mins")  # an int4 linear's stored tensors (its bias stays as it is)
+
+
+def kernel_layout(stored: dict) -> str | None:
+    """kernels.INT4_LAYOUT where the int4 tensors can be saved in it: every linear's rows a multiple of 16, so that a
+    fused projection's layout is its parts' stacked (a group of 16 rows never spans two parts)."""
+    rows = [t.shape[0] for k, t in stored.items() if k.endswith(".qweight")]
+    return kernels.INT4_LAYOUT if rows and all(n % 16 == 0 for n in rows) else None
 
 
 def write_variant(checkpoint, mode: str, dst: str, params: dict, progress=None, exact: dict | None = None) -> str:
@@ -234,6 +244,11 @@ def write_variant(checkpoint, mode: str, dst: str, params: dict, progress=None, 
         stored[key] = read().contiguous()
         if progress:
             progress(i + 1, len(table))
+    layout = kernel_layout(stored) if mode == "int4" and params["group_size"] == 32 else None
+    if layout:  # the CPU kernel's layout, which a load then maps and uses as stored (another device undoes it)
+        linears = {k.removesuffix(".qweight") for k in stored if k.endswith(".qweight")}
+        stored = {k: kernels.int4_to_kernel(key, t) if prefix in linears and key in INT4_KEYS else t
+                  for k, t in stored.items() for prefix, _, key in [k.rpartition(".")]}
     target = os.path.join(dst, variant_file(mode))
     atomic_write(target, lambda p: save_file(stored, p, metadata={"format": "pt", "quantization": mode}))
     config_path = os.path.join(dst, "config.json")
@@ -246,7 +261,8 @@ def write_variant(checkpoint, mode: str, dst: str, params: dict, progress=None, 
                                                          if declared else {})}
         values.setdefault("quantization", {})[mode] = {"file": variant_file(mode), "group_size": params["group_size"]
                                                        if mode == "int4" else None, "double_quant": double_quant,
-                                                       "head": params.get("head") or quantized.head_mode(mode)}
+                                                       "head": params.get("head") or quantized.head_mode(mode),
+                                                       **({"layout": layout} if layout else {})}
         atomic_write(config_path, lambda p: open(p, "w").write(json.dumps(values, indent=2) + "\n"))
     if os.path.abspath(dst) != os.path.abspath(checkpoint.path):  # tokenizer files travel; existing ones stay
         for name, write in side_files(checkpoint.path).items():

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import zipfile
 
+from dense_engine.cpu import kernels
 from dense_engine.formats import convert
 from dense_engine.system import machine
 from dense_engine.system.errors import UsageError
@@ -71,11 +72,15 @@ def default_complete(target: str) -> bool:
 
 def outdated(target: str) -> str | None:
     """Why the folder is an earlier version's conversion, or None: its int4 variant has the head an earlier version
-    made (int8, requantized from the file's), or its generation_config.json lacks the default sampling."""
+    made (int8, requantized from the file's) or its codes in the order they were read (repacked at each load), or its
+    generation_config.json lacks the default sampling."""
     try:
         with open(os.path.join(target, "config.json")) as f:
-            if json.load(f)["quantization"]["int4"]["head"] == "int8":
-                return "its head requantized"
+            record = json.load(f)["quantization"]["int4"]
+        if record["head"] == "int8":
+            return "its head requantized"
+        if record.get("layout") != kernels.INT4_LAYOUT:
+            return "its int4 codes not in the kernel's layout"
         with open(os.path.join(target, "generation_config.json")) as f:
             if any(json.load(f).get(k) != v for k, v in DEFAULT_SAMPLING.items()):
                 return "without its default sampling"

@@ -93,6 +93,8 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
     config = checkpoint.config
     if shard is not None and mode == "gguf":  # tensor parallel cuts float or int8/int4 weights, not GGUF blocks
         mode, tensors = None, checkpoint.tensors
+    if shard is not None and params.pop("layout", None):  # tensor parallel cuts the pairs' rows and columns
+        tensors = pairs_layout(tensors)
     if shard is not None:
         config, tensors = shard(checkpoint, tensors, mode)
     check_fits(config, dtype, torch.device(device), checkpoint.path, quantized.BYTES_PER_WEIGHT.get(mode),
@@ -105,6 +107,16 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
     load_tensors(model, tensors, device, dtype, source=checkpoint.path)
     kernels.place_weights(model)  # huge pages for the weights a decode step streams (CPU)
     return model
+
+
+def pairs_layout(tensors: dict) -> dict:
+    """A table of an int4 variant saved in the kernel's layout, each int4 linear's tensors read back as pairs."""
+    linears = {n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")}
+
+    def pairs(name, read):
+        return lambda: kernels.int4_from_kernel(name.rpartition(".")[2], read())
+    return {n: pairs(n, read) if n.rpartition(".")[0] in linears and n.rpartition(".")[2] in convert.INT4_KEYS
+            else read for n, read in tensors.items()}
 
 
 class no_init:
@@ -175,6 +187,8 @@ def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> 
     params = {"group_size": record.get("group_size") or 32}
     if record.get("head") in quantized.GGUF_TYPES:  # the head in its GGUF's own blocks (convert.exact_variant)
         params["head"] = record["head"]
+    if record.get("layout"):  # int4 saved in the CPU kernel's layout (Int4Linear reads it)
+        params["layout"] = record["layout"]
     file = os.path.join(checkpoint.path, convert.variant_file(quant))
     if record and os.path.isfile(file):
         return quant, params, expand_double_quant(convert.open_safetensors(file))

@@ -12,6 +12,9 @@ A rank's shard, per block (rank r of N):
       rank keeps the one its queries use (replicated).
   o_proj, down_proj: split by input columns, so each rank's product is a partial sum; the all-reduce adds them (a
       bias is added by rank 0 only). GPT-NeoX's parallel residual adds attention and MLP first: one all-reduce.
+  a Gated DeltaNet layer: its key heads split as query heads are, each with the value heads that read it (their q, k,
+      v rows and conv channels, z, a, b, decays, states; out_proj by their columns); LFM2's short conv: whole on
+      every rank, its out_proj rank 0's alone (the others' zeros add nothing).
   embedding, norms, output head: replicated (whole logits on every rank, no gather; every rank samples the same token
       from the same logits with the same seed).
 dense.py knows none of this: a shard is an ordinary DenseDecoder whose config has H/N heads and W/N FFN width per
@@ -97,6 +100,8 @@ class LayerShard:
     heads: tuple[int, int]  # query heads [start, stop)
     kv_heads: tuple[int, int]  # key/value heads
     ffn: tuple[int, int]  # FFN columns
+    key_heads: tuple[int, int] = (0, 0)  # a Gated DeltaNet layer's key heads [start, stop)
+    value_heads: tuple[int, ...] = ()  # and the value heads they serve, in the rank's order
 
 
 def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
@@ -123,20 +128,42 @@ def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
             group = H // K
             kv = (rank * h // group, rank * h // group + 1)
         w = W // size
-        shards.append(LayerShard((rank * h, rank * h + h), kv, (rank * w, rank * w + w)))
+        shards.append(LayerShard((rank * h, rank * h + h), kv, (rank * w, rank * w + w),
+                                 *(delta_heads(config, rank, size, i) if config.mixer(i) == "delta" else ())))
     return shards
+
+
+def delta_heads(config: dense.DenseConfig, rank: int, size: int, layer: int) -> tuple[tuple[int, int], tuple]:
+    """A Gated DeltaNet layer's key heads for this rank, and the value heads that read them: grouped (value head j
+    reads key head j // (V / K)), a run; tiled (j reads j % K, llama.cpp's order), every K-th from each key head, in
+    the order that keeps the shard tiled over its own key heads."""
+    K, V = config.linear_heads
+    if K % size:
+        raise CheckpointError(f"layer {layer}: {K} Gated DeltaNet key heads do not divide over {size} ranks")
+    k, share = K // size, V // K
+    keys = (rank * k, rank * k + k)
+    if config.linear_tiled_values:
+        return keys, tuple(m * K + j for m in range(share) for j in range(*keys))
+    return keys, tuple(range(keys[0] * share, keys[1] * share))
 
 
 def shard_config(config: dense.DenseConfig, shards: list[LayerShard]) -> dense.DenseConfig:
     """The config of one rank's model: per-layer head counts and FFN widths of its slice."""
+    delta = next((s for s in shards if s.value_heads), None)  # (every Gated DeltaNet layer has the same heads)
+    linear_heads = (delta.key_heads[1] - delta.key_heads[0], len(delta.value_heads)) if delta else config.linear_heads
     return dataclasses.replace(config, num_attention_heads=[s.heads[1] - s.heads[0] for s in shards],
                                num_key_value_heads=[s.kv_heads[1] - s.kv_heads[0] for s in shards],
-                               intermediate_size=[s.ffn[1] - s.ffn[0] for s in shards])
+                               intermediate_size=[s.ffn[1] - s.ffn[0] for s in shards], linear_heads=linear_heads)
 
 
 # Which slice of a checkpoint tensor a rank reads: (pattern, how). "heads"/"kv_heads"/"ffn": rows of those units;
 # "in_heads"/"in_ffn": columns; "rank0": whole on rank 0, zeros elsewhere (a bias added after the partial sums).
+# A Gated DeltaNet layer: "qkv" rows of its key heads' q and k and its value heads' v (the conv's channels too),
+# "values" rows of its value heads, "in_values" their columns (a short conv's: whole, and out_proj rank 0's).
 RULES = [
+    (r"layers\.(\d+)\.attn\.(in_proj_qkv\.(weight|qweight|scales|mins|absmax)|conv_weight)", "qkv"),
+    (r"layers\.(\d+)\.attn\.(in_proj_[zab]\.(weight|qweight|scales|mins|absmax)|A_log|dt_bias)", "values"),
+    (r"layers\.(\d+)\.attn\.out_proj\.(weight|qweight|scales|mins)", "in_values"),
     (r"layers\.(\d+)\.attn\.(q_proj|gate_proj)\.(weight|bias|qweight|scales|mins|absmax)", "heads"),
     (r"layers\.(\d+)\.attn\.(k_proj|v_proj)\.(weight|bias|qweight|scales|mins|absmax)", "kv_heads"),
     (r"layers\.(\d+)\.attn\.q_norm\.weight", "norm_heads"),
@@ -158,6 +185,10 @@ def slicer(name: str, config: dense.DenseConfig, shards: list[LayerShard], rank:
         return None
     i = int(m.group(1))
     s = shards[i]
+    if how in ("qkv", "values", "in_values") and config.mixer(i) == "conv":
+        return (lambda t: t if rank == 0 else torch.zeros_like(t)) if how == "in_values" else None
+    if how in ("qkv", "values"):
+        return lambda t: delta_rows(t, config, s, how)
     if how == "rank0":
         return lambda t: t if rank == 0 else torch.zeros_like(t)
     if how in ("norm_heads", "norm_kv_heads"):
@@ -165,15 +196,16 @@ def slicer(name: str, config: dense.DenseConfig, shards: list[LayerShard], rank:
             return None
         units, (a, b) = (config.heads(i), s.heads) if how == "norm_heads" else (config.kv_heads(i), s.kv_heads)
         return lambda t: t.reshape(units, -1)[a:b].reshape(-1, *t.shape[1:])
+    if how.startswith("in_") and mode == "nf4":  # nf4's blocks run along the flattened weight
+        raise CheckpointError(f"{name}: nf4 weights cannot be split by input columns; use int8 or int4 with "
+                              "tensor parallel")
+    if how == "in_values":
+        return lambda t: value_columns(t, config, s, name)
     units, (a, b) = {"heads": (config.heads(i), s.heads), "kv_heads": (config.kv_heads(i), s.kv_heads),
                      "in_heads": (config.heads(i), s.heads), "ffn": (config.ffn_width(i), s.ffn),
                      "in_ffn": (config.ffn_width(i), s.ffn)}[how]
     if not how.startswith("in_"):  # rows (every stored layout is row-major per output row)
         return lambda t: t.narrow(0, a * t.shape[0] // units, (b - a) * t.shape[0] // units)
-    if mode == "nf4":  # nf4's blocks run along the flattened weight: they cannot be cut by columns
-        raise CheckpointError(f"{name}: nf4 weights cannot be split by input columns; use int8 or int4 with "
-                              "tensor parallel")
-
     inputs = config.heads(i) * config.head_dim if how == "in_heads" else config.ffn_width(i)
 
     def columns(t: torch.Tensor) -> torch.Tensor:  # weight [N, K], qweight [N, K/2], int4 scales/mins [N, K/group]
@@ -187,6 +219,33 @@ def slicer(name: str, config: dense.DenseConfig, shards: list[LayerShard], rank:
         return t.narrow(1, a * width // units, (b - a) * width // units).contiguous()
 
     return columns
+
+
+def delta_rows(t: torch.Tensor, config: dense.DenseConfig, s: LayerShard, how: str) -> torch.Tensor:
+    """A Gated DeltaNet tensor's rows for this rank ("qkv": in_proj_qkv or the conv's channels, q | k | v; "values":
+    a row or Dv rows per value head). Counted in stored rows (a quantized layout may hold several a weight row)."""
+    (K, V), (Dk, Dv) = config.linear_heads, config.linear_head_dims
+    if how == "values":
+        per = t.shape[0] // V
+        return torch.cat([t[j * per:(j + 1) * per] for j in s.value_heads])
+    f = t.shape[0] // (2 * K * Dk + V * Dv)
+    q, k, v = t.split([K * Dk * f, K * Dk * f, V * Dv * f])
+    a, b = s.key_heads
+    return torch.cat([q[a * Dk * f:b * Dk * f], k[a * Dk * f:b * Dk * f],
+                      *(v[j * Dv * f:(j + 1) * Dv * f] for j in s.value_heads)])
+
+
+def value_columns(t: torch.Tensor, config: dense.DenseConfig, s: LayerShard, name: str) -> torch.Tensor:
+    """out_proj's columns of this rank's value heads (weight [N, V Dv], qweight [N, V Dv / 2], int4 scales and mins
+    [N, V Dv / group]; int8's per-row scales whole)."""
+    if t.ndim < 2:
+        return t
+    V, Dv = config.linear_heads[1], config.linear_head_dims[1]
+    if t.shape[1] % V:
+        raise CheckpointError(f"{name}: int4 groups of {V * Dv // t.shape[1]} inputs do not divide a value head's {Dv} "
+                              "inputs; quantize with a smaller --group-size")
+    w = t.shape[1] // V
+    return torch.cat([t[:, j * w:(j + 1) * w] for j in s.value_heads], dim=1)
 
 
 def shard(rank: int, size: int) -> Callable:
