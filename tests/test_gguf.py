@@ -464,11 +464,14 @@ def test_chat_and_convert_take_a_gguf_of_another_architecture(gguf_files, tmp_pa
     assert torch.equal(load.from_pretrained(str(dst))(ids), load.from_pretrained(gguf_files["gemma3"][0])(ids))
 
 
-def rewrite(source: str, target: str, drop=(), add=None, tensors=None, replace=None) -> str:
-    """A copy of a float32 GGUF file with metadata keys dropped or added (and extra tensors, or tensors replaced)."""
+def rewrite(source: str, target: str, drop=(), add=None, tensors=None, replace=None, alignment=None) -> str:
+    """A copy of a float32 GGUF file with metadata keys dropped or added (and extra tensors, or tensors replaced: an
+    array, or (raw bytes, shape, type)), its data aligned to `alignment` (general.alignment) if given."""
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(target, arch)
+    if alignment:
+        writer.add_custom_alignment(alignment)
     for key, f in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture" or key in drop:
             continue
@@ -479,7 +482,11 @@ def rewrite(source: str, target: str, drop=(), add=None, tensors=None, replace=N
     for key, (value, kind) in (add or {}).items():
         writer.add_key_value(key, value, kind)
     for t in reader.tensors:  # (float32 sources: their data are the tensors as they are)
-        writer.add_tensor(t.name, (replace or {}).get(t.name, np.asarray(t.data)))
+        value = (replace or {}).get(t.name, np.asarray(t.data))
+        if isinstance(value, tuple):
+            writer.add_tensor(t.name, value[0], raw_shape=value[1], raw_dtype=value[2])
+        else:
+            writer.add_tensor(t.name, value)
     for name, value in (tensors or {}).items():
         writer.add_tensor(name, value)
     writer.write_header_to_file()
@@ -490,6 +497,38 @@ def rewrite(source: str, target: str, drop=(), add=None, tensors=None, replace=N
 
 
 S = gguf.GGUFValueType.STRING
+U32 = gguf.GGUFValueType.UINT32
+
+
+@pytest.mark.parametrize("value, kind", [(0, U32), (3, U32), ("64", S), (64, gguf.GGUFValueType.UINT64)])
+def test_an_alignment_llama_cpp_refuses_is_one_line(tmp_path, tokenizer, value, kind):
+    """llama.cpp reads general.alignment only as a power of two stored as u32 (with 3 this engine read the weights
+    from the wrong offsets and answered nothing)."""
+    source = str(tmp_path / "m.gguf")
+    write_gguf(source, small_llama(tied=True), tokenizer, "gpt2", {})
+    path = rewrite(source, str(tmp_path / "x.gguf"), add={"general.alignment": (value, kind)})
+    with pytest.raises(checkpoint.CheckpointError, match=r"x\.gguf: .*general\.alignment is .*; expected a power of two stored "
+                                              r"as u32"):
+        load.from_pretrained(path)
+    aligned = rewrite(source, str(tmp_path / "a64.gguf"), alignment=64)  # a valid alignment other than 32 reads right
+    ids = torch.arange(3, 30).reshape(1, -1)
+    with torch.no_grad():
+        assert torch.equal(load.from_pretrained(aligned)(ids), load.from_pretrained(source)(ids))
+
+
+def test_a_block_tensor_whose_rows_are_not_whole_blocks_is_one_line(tmp_path, tokenizer):
+    source = str(tmp_path / "m.gguf")
+    write_gguf(source, small_llama(tied=True), tokenizer, "gpt2", {})
+    raw = gguf.quants.quantize(np.zeros((96, 64), dtype=np.float32), Q.Q4_1)
+    path = rewrite(source, str(tmp_path / "x.gguf"), replace={"blk.0.ffn_up.weight": (raw, None, Q.Q4_1)})
+    data = bytearray(open(path, "rb").read())  # its dims [64, 96] -> [48, 128]: as many values, 192 whole blocks
+    name = b"blk.0.ffn_up.weight"
+    at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name) + 4  # (after the name and n_dims)
+    data[at:at + 16] = (48).to_bytes(8, "little") + (128).to_bytes(8, "little")
+    open(path, "wb").write(data)
+    with pytest.raises(checkpoint.CheckpointError, match=r"x\.gguf: .*tensor 'blk\.0\.ffn_up\.weight': its rows of 48 values are "
+                                              r"not whole Q4_1 blocks of 32"):
+        load.from_pretrained(path)
 
 
 @pytest.mark.parametrize("source, change, message", [

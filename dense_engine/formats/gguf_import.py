@@ -156,8 +156,11 @@ class GGUFFile:
             raise ValueError("counts past the end of the file")
         self.fields = {}
         for _ in range(kvs):
-            key = self.string()
-            self.fields[key] = Field(self.value(self.scalar(4)))
+            key, kind = self.string(), self.scalar(4)
+            self.fields[key] = Field(self.value(kind))
+            if key == "general.alignment" and (kind != 4 or not is_power_of_two(self.fields[key].contents())):
+                raise ValueError(f"general.alignment is {self.fields[key].contents()!r}"
+                                 f"{'' if kind == 4 else ' (not stored as u32)'}; expected a power of two stored as u32")
         infos = []
         for _ in range(tensors):
             name, dims = self.string(), self.scalar(4)
@@ -171,8 +174,10 @@ class GGUFFile:
         for name, shape, kind, offset in infos:
             values, size = gguf.GGML_QUANT_SIZES[kind]
             count = math.prod(shape)
-            if count % values:
-                raise ValueError(f"tensor {name!r}: {count} values are not whole {kind.name} blocks")
+            row = shape[0] if shape else count
+            if row % values:  # (a block never spans two rows)
+                raise ValueError(f"tensor {name!r}: its rows of {row} values are not whole {kind.name} blocks of "
+                                 f"{values}")
             n_bytes = count // values * size
             if start + offset + n_bytes > len(self.buf):
                 raise ValueError(f"tensor {name!r} runs past the end of the file")
@@ -214,6 +219,10 @@ class GGUFFile:
             return Strings(self, start, count)
         values = (self.value(item) for _ in range(count))  # arrays of arrays: decoded now, each where it lies
         return [value() if callable(value) else value for value in values]
+
+
+def is_power_of_two(n) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
 
 
 def tokens_count(reader, path: str) -> int:
