@@ -48,7 +48,11 @@ CASES = {
     "gemma3": dict(arch="gemma3", tokenizer=("spm", False), layers=6, eps=1e-6, window=8, theta=1e6,
                    linear_factor=8.0),
     "phi3": dict(arch="phi3", tokenizer=("spm", True), rotary=12, longrope=True, original_context=16),
+    "smollm3": dict(arch="smollm3", tokenizer=("bpe", "llama-bpe"), theta=2e6),  # (every 4th layer without rope)
+    "granite": dict(arch="granite", tokenizer=("bpe", "refact"), multipliers=dict(attention=0.3, embedding=3.0,
+                                                                                residual=0.5, logits=2.0)),
 }
+PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel turns their q/k rows
 QUANTIZED = {"qwen2-q8_0": ("qwen2", Q.Q8_0), "gemma2-q4_1": ("gemma2", Q.Q4_1)}  # the block linears in these types
 STATE_ARCHITECTURES = ("qwen35", "lfm2")
 # The hybrids: qwen35 (Qwen3.5: Gated DeltaNet layers, linear = (key heads, value heads, head dim), and a
@@ -240,7 +244,7 @@ def gguf_tensors(case: str) -> dict[str, np.ndarray]:
                       "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
                       "self_attn.v_proj.bias": "attn_v.bias", "self_attn.qkv_proj.weight": "attn_qkv.weight",
                       "mlp.gate_up_proj.weight": "ffn_up.weight"}[rest]
-            if arch == "llama" and theirs in ("attn_q.weight", "attn_k.weight"):
+            if arch in PERMUTED and theirs in ("attn_q.weight", "attn_k.weight"):
                 t = llama_cpp_permute(t, s["heads"] if theirs == "attn_q.weight" else s["kv_heads"])
             out[f"blk.{i}.{theirs}"] = t
     if s.get("llama3"):
@@ -271,6 +275,12 @@ def write(case: str, path: str, qtype=None) -> str:
     if s.get("linear_factor"):
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(s["linear_factor"])
+    if s.get("multipliers"):  # Granite's, as the converter names them
+        m = s["multipliers"]
+        writer.add_attention_scale(m["attention"])
+        writer.add_embedding_scale(m["embedding"])
+        writer.add_residual_scale(m["residual"])
+        writer.add_logit_scale(m["logits"])
     if s.get("longrope"):  # Phi-3-mini-128k style: the context 8x the original, attention factor as the converter
         writer.add_rope_scaling_orig_ctx_len(s["original_context"])
         scale = s["context"] / s["original_context"]

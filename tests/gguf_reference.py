@@ -76,7 +76,7 @@ def transformers_logits(case: str, ids: list[int]):
                   eos_token_id=2)
     rope = {"rope_type": "default", "rope_theta": s["theta"]}
     model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
-                  "gemma3": "gemma3_text", "phi3": "phi3"}[arch]
+                  "gemma3": "gemma3_text", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite"}[arch]
     if s.get("llama3"):
         rope = {"rope_type": "llama3", "rope_theta": s["theta"], "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -93,6 +93,12 @@ def transformers_logits(case: str, ids: list[int]):
                       partial_rotary_factor=s["rotary"] / s["head_dim"])
         rope = {"rope_type": "longrope", "rope_theta": s["theta"], "partial_rotary_factor": s["rotary"] / s["head_dim"],
                 "short_factor": short.tolist(), "long_factor": long.tolist()}
+    if arch == "smollm3":  # (llama.cpp: every 4th layer without rope, no window)
+        values.update(no_rope_layer_interval=4, use_sliding_window=False, tie_word_embeddings=True)
+    if arch == "granite":
+        m = s["multipliers"]
+        values.update(attention_multiplier=m["attention"], embedding_multiplier=m["embedding"],
+                      residual_multiplier=m["residual"], logits_scaling=m["logits"], tie_word_embeddings=True)
     if arch in ("llama", "qwen2", "qwen3", "phi3"):
         values["tie_word_embeddings"] = False
     config = transformers.AutoConfig.for_model(model_type, rope_parameters=rope, **values)

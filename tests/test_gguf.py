@@ -323,7 +323,8 @@ def compare(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return float((got - want).abs().max() / want.abs().max()), float((got.argmax(-1) == want.argmax(-1)).float().mean())
 
 
-@pytest.mark.parametrize("name", ["llama3", "llama-spm", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("name", ["llama3", "llama-spm", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
+                                  "smollm3", "granite"])
 def test_every_architecture_gives_llama_cpps_logits(reference, gguf_files, name):
     assert_llama_cpps_logits(reference, gguf_files, name)
 
@@ -345,7 +346,7 @@ def assert_llama_cpps_logits(reference, files, name: str) -> None:
     assert err <= 2e-3 and same >= 0.95, (err, same)
 
 
-@pytest.mark.parametrize("name", ["llama3", "llama-spm", "qwen2", "gemma"])
+@pytest.mark.parametrize("name", ["llama3", "llama-spm", "qwen2", "gemma", "granite"])
 def test_tokenizers_give_llama_cpps_ids(reference, gguf_files, name):
     """Byte-level BPE with Llama 3's and Qwen2's pre-tokenizers, SentencePiece with and without the space prefix:
     the ids of llama.cpp's tokenize for ordinary text, whitespace runs, digits, emoji and text around special

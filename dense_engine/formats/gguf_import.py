@@ -48,7 +48,8 @@ from dense_engine.system.errors import CheckpointError, first_line
 from dense_engine.system.machine import cache_dir, note, unwritable_cache
 
 STATE_ARCHITECTURES = ("qwen35", "lfm2")  # hybrids whose other layers keep a state (dense.py section 4)
-ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3
+ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
+#                                                                   smollm3, granite
 # Token texts that end a turn in common chat formats (llama.cpp recognises them the same way).
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "</s>")
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type values
@@ -298,6 +299,7 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         flags = pattern if isinstance(pattern, list) else [il % pattern < pattern - 1 for il in range(layers)]
         layer_types = ["sliding_attention" if f else "full_attention" for f in flags]
     big = layers == {"gemma2": 46, "gemma3": 62}.get(arch)  # llama.cpp's 27B: the query scale of hidden / heads
+    granite = family.multipliers  # its scales, as llama.cpp reads them (the logit scale required)
     return make_config(
         path, vocab_size=int(key("vocab_size", 0) or tokens_count(reader, path)),
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
@@ -306,14 +308,18 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         rope_theta=float(key("rope.freq_base", 10000.0)), rotary_dim=rope_dim if rope_dim != head_dim else None,
         rope_scaling=scaling,
         rope_local_theta=float(key("rope.freq_base_swa", 10000.0)) if family.local_rope and window else None,
-        attn_scale=(hidden // heads) ** -0.5 if big else None,
+        attn_scale=float(key("attention.scale")) if granite and key("attention.scale", 0.0) else (
+            (hidden // heads) ** -0.5 if big else None),
+        embed_scale=math.sqrt(hidden) if family.gemma else (float(key("embedding_scale", 0.0)) or None),
+        residual_scale=float(key("residual_scale", 0.0) or 1.0), logits_divisor=float(key("logit_scale"))
+        if granite else 1.0,
+        nope_layers=[i for i in range(layers) if (i + 1) % 4 == 0] if family.nope else None,  # (llama.cpp: every 4th)
         attn_softcap=float(key("attn_logit_softcapping", 50.0)) if family.softcaps else None,
         sliding_window=window or None, layer_types=layer_types, qkv_bias="blk.0.attn_q.bias" in tensors,
         norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         qk_norm="shared" if "blk.0.attn_q_norm.weight" in tensors else "none",
         mlp="geglu" if family.gemma else "swiglu", post_norms=family.post_norms,  # (the norms' 1 + w: baked in)
         tie_word_embeddings="output.weight" not in tensors or arch in ("gemma", "gemma2"),
-        embed_scale=math.sqrt(hidden) if family.gemma else None,
         final_softcap=float(key("final_logit_softcapping", 30.0 if family.softcaps else 0.0)) or None)
 
 
@@ -471,6 +477,9 @@ def read_gguf(path: str) -> Checkpoint:
     return Checkpoint(path, config, table, source_types=types, exact_int4=exact, blocks=blocks)
 
 
+PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel turns their q/k rows for its rotary's pairs
+
+
 def layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple] | None:
     """[(native name after "layers.N.", rows or None, None)] for a layer's tensor `rest` (after "blk.N.") of the
     Llama-layout architectures; None: no such tensor. llama's q/k rows are put back in rotate-half order; a fused
@@ -487,7 +496,7 @@ def layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple] | No
     if kind not in LAYER_TENSORS or suffix not in ("weight", "bias") or (
             suffix == "bias" and kind not in ("attn_q", "attn_k", "attn_v")):
         return None
-    heads = {"attn_q": H, "attn_k": K}.get(kind) if arch == "llama" else None
+    heads = {"attn_q": H, "attn_k": K}.get(kind) if arch in PERMUTED else None
     rows = unpermute(torch.arange(heads * D), heads) if heads else None
     return [(f"{LAYER_TENSORS[kind]}.{suffix}", rows, None)]
 
@@ -584,9 +593,9 @@ def pre_tokenizer(pre: str, path: str):
     from tokenizers import Regex, pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("default", "gpt2", "gpt-2", "olmo", "starcoder", "refact", "jina-es", "jina-de"):
+    if pre in ("default", "gpt2", "gpt-2", "olmo", "jina-es", "jina-de"):
         return byte_level
-    if pre == "smollm":  # every digit alone, then GPT-2's split
+    if pre in ("smollm", "starcoder", "refact"):  # every digit alone, then GPT-2's split (llama.cpp's REFACT)
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     split = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "dbrx": LLAMA3_SPLIT,
              "smaug-bpe": LLAMA3_SPLIT, "lfm2": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, "qwen35": QWEN35_SPLIT}.get(pre)
