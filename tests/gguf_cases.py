@@ -51,6 +51,8 @@ CASES = {
     "smollm3": dict(arch="smollm3", tokenizer=("bpe", "llama-bpe"), theta=2e6),  # (every 4th layer without rope)
     "granite": dict(arch="granite", tokenizer=("bpe", "refact"), multipliers=dict(attention=0.3, embedding=3.0,
                                                                                 residual=0.5, logits=2.0)),
+    "olmo2": dict(arch="olmo2", tokenizer=("bpe", "gpt-2")),  # norms after the branches, q/k norms over all heads
+    "olmo3": dict(arch="olmo2", tokenizer=("bpe", "gpt-2"), layers=5, window=8, theta=5e5),  # every 4th layer full
 }
 PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel turns their q/k rows
 QUANTIZED = {"qwen2-q8_0": ("qwen2", Q.Q8_0), "gemma2-q4_1": ("gemma2", Q.Q4_1)}  # the block linears in these types
@@ -149,14 +151,17 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
         return (rng.uniform(-0.5, 0.5, n) if gemma else rng.uniform(0.5, 1.5, n)).astype(np.float32)
 
     w = {"model.embed_tokens.weight": mat(V, C, 0.5), "model.norm.weight": gain(C)}
-    if s["arch"] in ("llama", "qwen2", "qwen3", "phi3"):
+    olmo = s["arch"] == "olmo2"
+    if s["arch"] in ("llama", "qwen2", "qwen3", "phi3", "olmo2"):
         w["lm_head.weight"] = mat(V, C)
     for i in range(L):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = gain(C)
+        if not olmo:
+            w[p + "input_layernorm.weight"] = gain(C)
         w[p + "post_attention_layernorm.weight"] = gain(C)
         if s["arch"] in ("gemma2", "gemma3"):
             w[p + "pre_feedforward_layernorm.weight"] = gain(C)
+        if s["arch"] in ("gemma2", "gemma3", "olmo2"):
             w[p + "post_feedforward_layernorm.weight"] = gain(C)
         q, k, v = mat(H * D, C), mat(K * D, C), mat(K * D, C)
         if s["arch"] == "phi3":
@@ -173,6 +178,8 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
                 w[p + f"self_attn.{part}_proj.bias"] = (rng.standard_normal(n * D) * 0.1).astype(np.float32)
         if s["arch"] in ("qwen3", "gemma3"):
             w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = gain(D), gain(D)
+        if olmo:  # (over every head's channels at once)
+            w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = gain(H * D), gain(K * D)
     return w
 
 
@@ -237,7 +244,7 @@ def gguf_tensors(case: str) -> dict[str, np.ndarray]:
             out["output.weight"] = t
         else:
             i, rest = name.split(".", 3)[2], name.split(".", 3)[3]
-            post = "post_attention_norm" if arch in ("gemma2", "gemma3") else "ffn_norm"
+            post = "post_attention_norm" if arch in ("gemma2", "gemma3", "olmo2") else "ffn_norm"
             theirs = {**LAYER_NAMES, "post_attention_layernorm.weight": f"{post}.weight",
                       "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                       "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
@@ -269,6 +276,8 @@ def write(case: str, path: str, qtype=None) -> str:
     writer.add_rope_dimension_count(s.get("rotary", s["head_dim"]))
     if s.get("window"):
         writer.add_sliding_window(s["window"])
+    if s.get("window") and arch == "olmo2":  # (the converter's pattern for OLMo 3: every 4th layer full)
+        writer.add_sliding_window_pattern([(i + 1) % 4 != 0 for i in range(s["layers"])])
     if s.get("attn_softcap"):
         writer.add_attn_logit_softcapping(s["attn_softcap"])
         writer.add_final_logit_softcapping(s["final_softcap"])

@@ -5,6 +5,7 @@ token ids for a set of texts. Made once; the files they come from are rewritten 
     python tests/gguf_reference.py --llama-python VENV/bin/python      # -> tests/fixtures/gguf/reference.*
     python tests/gguf_reference.py --llama-python VENV/bin/python --kquant-prefill   # -> .../kquant_prefill.*
     python tests/gguf_reference.py --llama-python VENV/bin/python --state   # -> .../state_reference.*
+    python tests/gguf_reference.py --llama-python VENV/bin/python --add olmo2,olmo3   # those cases, added
 
 --kquant-prefill: llama.cpp's logits of a 40-token prefill on tests/test_gguf_blocks.py's mixed K-quant file (its
 quantized matmuls round x to 8 bits; the test holds this engine's to no farther from the float path).
@@ -76,7 +77,8 @@ def transformers_logits(case: str, ids: list[int]):
                   eos_token_id=2)
     rope = {"rope_type": "default", "rope_theta": s["theta"]}
     model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
-                  "gemma3": "gemma3_text", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite"}[arch]
+                  "gemma3": "gemma3_text", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite",
+                  "olmo2": "olmo3" if s.get("window") else "olmo2"}[arch]
     if s.get("llama3"):
         rope = {"rope_type": "llama3", "rope_theta": s["theta"], "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -99,7 +101,12 @@ def transformers_logits(case: str, ids: list[int]):
         m = s["multipliers"]
         values.update(attention_multiplier=m["attention"], embedding_multiplier=m["embedding"],
                       residual_multiplier=m["residual"], logits_scaling=m["logits"], tie_word_embeddings=True)
-    if arch in ("llama", "qwen2", "qwen3", "phi3"):
+    if arch == "olmo2" and s.get("window"):  # OLMo 3: the local layers rotate with the same base, unscaled
+        values.update(sliding_window=s["window"], layer_types=["full_attention" if (i + 1) % 4 == 0 else
+                                                               "sliding_attention" for i in range(s["layers"])])
+        rope = {kind: {"rope_type": "default", "rope_theta": s["theta"]} for kind in ("sliding_attention",
+                                                                                       "full_attention")}
+    if arch in ("llama", "qwen2", "qwen3", "phi3", "olmo2"):
         values["tie_word_embeddings"] = False
     config = transformers.AutoConfig.for_model(model_type, rope_parameters=rope, **values)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -195,6 +202,7 @@ def main() -> int:
     p.add_argument("--llama-python", required=True, help="python of a virtualenv with llama-cpp-python")
     p.add_argument("--kquant-prefill", action="store_true", help="only the mixed K-quant file's 40-token prefill")
     p.add_argument("--state", action="store_true", help="only the hybrids' files (qwen35, lfm2): state_reference.*")
+    p.add_argument("--add", help="only these cases (a,b,...), added to reference.* beside the others as they are")
     args = p.parse_args()
     os.makedirs(OUT, exist_ok=True)
     if args.kquant_prefill:
@@ -203,6 +211,15 @@ def main() -> int:
         save(*references(args.llama_python, gguf_cases.STATE_FILES, gguf_cases.STATE_TEXTS), "state_reference")
         return 0
     cases = {case: (case, None) for case in gguf_cases.CASES} | gguf_cases.QUANTIZED
+    if args.add:  # these cases' references beside the others' as they are (llama.cpp's own threads vary in ~1e-6)
+        record, arrays = references(args.llama_python, {c: cases[c] for c in args.add.split(",")}, gguf_cases.TEXTS)
+        from safetensors.numpy import load_file
+
+        with open(os.path.join(OUT, "reference.json")) as f:
+            kept = json.load(f)
+        kept["cases"].update(record["cases"])
+        save(kept, load_file(os.path.join(OUT, "reference.safetensors")) | arrays, "reference")
+        return 0
     save(*references(args.llama_python, cases, gguf_cases.TEXTS), "reference")
     return 0
 

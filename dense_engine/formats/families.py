@@ -347,7 +347,7 @@ FAMILIES = {
     "smollm3": Family(gguf="smollm3", tied=True, theta=2e6, windows="flag", nope=True),
     "granite": Family(gguf="granite", multipliers=True),
     "olmo2": Family(eps=1e-5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True),
-    "olmo3": Family(eps=1e-5, theta=5e5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True,
+    "olmo3": Family(gguf="olmo2", eps=1e-5, theta=5e5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True,
                     windows="pattern", window_pattern=4, window=4096, local_rope=True),
     "stablelm": Family(eps=1e-5, derived_head_dim=True, rotary_fraction=0.25, stablelm=True),
     "seed_oss": Family(head_dim=128, attention_bias_is_qkv=True),

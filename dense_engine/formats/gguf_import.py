@@ -49,7 +49,7 @@ from dense_engine.system.machine import cache_dir, note, unwritable_cache
 
 STATE_ARCHITECTURES = ("qwen35", "lfm2")  # hybrids whose other layers keep a state (dense.py section 4)
 ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
-#                                                                   smollm3, granite
+#                                                                   smollm3, granite, olmo2 (OLMo 2 and 3)
 # Token texts that end a turn in common chat formats (llama.cpp recognises them the same way).
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "</s>")
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type values
@@ -307,7 +307,8 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         intermediate_size=int(key("feed_forward_length")), max_position_embeddings=context,
         rope_theta=float(key("rope.freq_base", 10000.0)), rotary_dim=rope_dim if rope_dim != head_dim else None,
         rope_scaling=scaling,
-        rope_local_theta=float(key("rope.freq_base_swa", 10000.0)) if family.local_rope and window else None,
+        rope_local_theta=float(key("rope.freq_base_swa", family.local_theta or key("rope.freq_base", 10000.0)))
+        if family.local_rope and window else None,
         attn_scale=float(key("attention.scale")) if granite and key("attention.scale", 0.0) else (
             (hidden // heads) ** -0.5 if big else None),
         embed_scale=math.sqrt(hidden) if family.gemma else (float(key("embedding_scale", 0.0)) or None),
@@ -317,8 +318,9 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         attn_softcap=float(key("attn_logit_softcapping", 50.0)) if family.softcaps else None,
         sliding_window=window or None, layer_types=layer_types, qkv_bias="blk.0.attn_q.bias" in tensors,
         norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        qk_norm="shared" if "blk.0.attn_q_norm.weight" in tensors else "none",
-        mlp="geglu" if family.gemma else "swiglu", post_norms=family.post_norms,  # (the norms' 1 + w: baked in)
+        qk_norm=(family.qk_norm if family.qk_norm != "none" else "shared") if "blk.0.attn_q_norm.weight" in tensors
+        else "none", mlp="geglu" if family.gemma else "swiglu", pre_norms=family.pre_norms,
+        post_norms=family.post_norms, norm_gain_in_float32=family.norm_gain_in_float32,  # (Gemma's 1 + w: baked in)
         tie_word_embeddings="output.weight" not in tensors or arch in ("gemma", "gemma2"),
         final_softcap=float(key("final_logit_softcapping", 30.0 if family.softcaps else 0.0)) or None)
 
