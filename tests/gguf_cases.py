@@ -53,6 +53,8 @@ CASES = {
                                                                                 residual=0.5, logits=2.0)),
     "olmo2": dict(arch="olmo2", tokenizer=("bpe", "gpt-2")),  # norms after the branches, q/k norms over all heads
     "olmo3": dict(arch="olmo2", tokenizer=("bpe", "gpt-2"), layers=5, window=8, theta=5e5),  # every 4th layer full
+    "exaone4": dict(arch="exaone4", tokenizer=("bpe", "exaone")),  # norms after, q/k norms; llama.cpp slides only 64
+    "seed_oss": dict(arch="seed_oss", tokenizer=("bpe", "llama-bpe"), head_dim=32),  # q/k/v biases
 }
 PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel turns their q/k rows
 QUANTIZED = {"qwen2-q8_0": ("qwen2", Q.Q8_0), "gemma2-q4_1": ("gemma2", Q.Q4_1)}  # the block linears in these types
@@ -151,8 +153,8 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
         return (rng.uniform(-0.5, 0.5, n) if gemma else rng.uniform(0.5, 1.5, n)).astype(np.float32)
 
     w = {"model.embed_tokens.weight": mat(V, C, 0.5), "model.norm.weight": gain(C)}
-    olmo = s["arch"] == "olmo2"
-    if s["arch"] in ("llama", "qwen2", "qwen3", "phi3", "olmo2"):
+    olmo = s["arch"] in ("olmo2", "exaone4")  # norms after the branches only
+    if s["arch"] in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "exaone4", "seed_oss"):
         w["lm_head.weight"] = mat(V, C)
     for i in range(L):
         p = f"model.layers.{i}."
@@ -161,7 +163,7 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
         w[p + "post_attention_layernorm.weight"] = gain(C)
         if s["arch"] in ("gemma2", "gemma3"):
             w[p + "pre_feedforward_layernorm.weight"] = gain(C)
-        if s["arch"] in ("gemma2", "gemma3", "olmo2"):
+        if s["arch"] in ("gemma2", "gemma3", "olmo2", "exaone4"):
             w[p + "post_feedforward_layernorm.weight"] = gain(C)
         q, k, v = mat(H * D, C), mat(K * D, C), mat(K * D, C)
         if s["arch"] == "phi3":
@@ -173,12 +175,12 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
                       p + "mlp.up_proj.weight": mat(F, C)})
         w[p + "self_attn.o_proj.weight"] = mat(C, H * D)
         w[p + "mlp.down_proj.weight"] = mat(C, F)
-        if s["arch"] == "qwen2":
+        if s["arch"] in ("qwen2", "seed_oss"):
             for part, n in (("q", H), ("k", K), ("v", K)):
                 w[p + f"self_attn.{part}_proj.bias"] = (rng.standard_normal(n * D) * 0.1).astype(np.float32)
-        if s["arch"] in ("qwen3", "gemma3"):
+        if s["arch"] in ("qwen3", "gemma3", "exaone4"):
             w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = gain(D), gain(D)
-        if olmo:  # (over every head's channels at once)
+        if s["arch"] == "olmo2":  # (over every head's channels at once)
             w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = gain(H * D), gain(K * D)
     return w
 
@@ -244,7 +246,7 @@ def gguf_tensors(case: str) -> dict[str, np.ndarray]:
             out["output.weight"] = t
         else:
             i, rest = name.split(".", 3)[2], name.split(".", 3)[3]
-            post = "post_attention_norm" if arch in ("gemma2", "gemma3", "olmo2") else "ffn_norm"
+            post = "post_attention_norm" if arch in ("gemma2", "gemma3", "olmo2", "exaone4", "seed_oss") else "ffn_norm"
             theirs = {**LAYER_NAMES, "post_attention_layernorm.weight": f"{post}.weight",
                       "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                       "post_feedforward_layernorm.weight": "post_ffw_norm.weight",

@@ -324,7 +324,7 @@ def compare(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("name", ["llama3", "llama-spm", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
-                                  "smollm3", "granite", "olmo2", "olmo3"])
+                                  "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss"])
 def test_every_architecture_gives_llama_cpps_logits(reference, gguf_files, name):
     assert_llama_cpps_logits(reference, gguf_files, name)
 
@@ -346,7 +346,7 @@ def assert_llama_cpps_logits(reference, files, name: str) -> None:
     assert err <= 2e-3 and same >= 0.95, (err, same)
 
 
-@pytest.mark.parametrize("name", ["llama3", "llama-spm", "qwen2", "gemma", "granite"])
+@pytest.mark.parametrize("name", ["llama3", "llama-spm", "qwen2", "gemma", "granite", "exaone4"])
 def test_tokenizers_give_llama_cpps_ids(reference, gguf_files, name):
     """Byte-level BPE with Llama 3's and Qwen2's pre-tokenizers, SentencePiece with and without the space prefix:
     the ids of llama.cpp's tokenize for ordinary text, whitespace runs, digits, emoji and text around special

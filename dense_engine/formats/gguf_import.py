@@ -49,7 +49,8 @@ from dense_engine.system.machine import cache_dir, note, unwritable_cache
 
 STATE_ARCHITECTURES = ("qwen35", "lfm2")  # hybrids whose other layers keep a state (dense.py section 4)
 ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
-#                                                                   smollm3, granite, olmo2 (OLMo 2 and 3)
+#                                                                   smollm3, granite, olmo2 (OLMo 2 and 3), seed_oss,
+#                                                                   exaone4
 # Token texts that end a turn in common chat formats (llama.cpp recognises them the same way).
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "</s>")
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type values
@@ -293,11 +294,16 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
     context = int(key("context_length", 2048))
     scaling = rope_scaling(reader, arch, tensors, path, context, rope_dim)
     window = int(key("attention.sliding_window", 4096 if family.softcaps else 0)) if family.window_pattern else 0
+    if arch == "exaone4":  # llama.cpp slides only the 32B's layers (64 of them), by 4096 unless the file says
+        window = int(key("attention.sliding_window", 4096)) if layers == 64 else 0
     layer_types = None
     if window:  # llama.cpp: layer il slides if il % n < n - 1 (n: the family's pattern), or the file's flags
         pattern = key("attention.sliding_window_pattern", family.window_pattern)
         flags = pattern if isinstance(pattern, list) else [il % pattern < pattern - 1 for il in range(layers)]
         layer_types = ["sliding_attention" if f else "full_attention" for f in flags]
+    nope = [i for i in range(layers) if (i + 1) % 4 == 0] if family.nope else None  # (llama.cpp: every 4th)
+    if family.nope_full and layer_types:  # (EXAONE 4: the full layers have no rope)
+        nope = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
     big = layers == {"gemma2": 46, "gemma3": 62}.get(arch)  # llama.cpp's 27B: the query scale of hidden / heads
     granite = family.multipliers  # its scales, as llama.cpp reads them (the logit scale required)
     return make_config(
@@ -314,7 +320,7 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         embed_scale=math.sqrt(hidden) if family.gemma else (float(key("embedding_scale", 0.0)) or None),
         residual_scale=float(key("residual_scale", 0.0) or 1.0), logits_divisor=float(key("logit_scale"))
         if granite else 1.0,
-        nope_layers=[i for i in range(layers) if (i + 1) % 4 == 0] if family.nope else None,  # (llama.cpp: every 4th)
+        nope_layers=nope,
         attn_softcap=float(key("attn_logit_softcapping", 50.0)) if family.softcaps else None,
         sliding_window=window or None, layer_types=layer_types, qkv_bias="blk.0.attn_q.bias" in tensors,
         norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -495,6 +501,8 @@ def layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple] | No
     if arch == "phi3" and rest == "ffn_up.weight":
         return [("mlp.gate_proj.weight", torch.arange(0, W), None),
                 ("mlp.up_proj.weight", torch.arange(W, 2 * W), None)]
+    if arch == "seed_oss" and kind == "post_attention_norm":  # (its norm before the MLP, as llama.cpp names it)
+        return [(f"mlp_norm.{suffix}", None, None)]
     if kind not in LAYER_TENSORS or suffix not in ("weight", "bias") or (
             suffix == "bias" and kind not in ("attn_q", "attn_k", "attn_v")):
         return None
@@ -597,7 +605,7 @@ def pre_tokenizer(pre: str, path: str):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("default", "gpt2", "gpt-2", "olmo", "jina-es", "jina-de"):
         return byte_level
-    if pre in ("smollm", "starcoder", "refact"):  # every digit alone, then GPT-2's split (llama.cpp's REFACT)
+    if pre in ("smollm", "starcoder", "refact", "exaone"):  # every digit alone, then GPT-2's split (llama.cpp's REFACT)
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     split = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "dbrx": LLAMA3_SPLIT,
              "smaug-bpe": LLAMA3_SPLIT, "lfm2": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, "qwen35": QWEN35_SPLIT}.get(pre)
