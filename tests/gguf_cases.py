@@ -55,6 +55,7 @@ CASES = {
     "olmo3": dict(arch="olmo2", tokenizer=("bpe", "gpt-2"), layers=5, window=8, theta=5e5),  # every 4th layer full
     "exaone4": dict(arch="exaone4", tokenizer=("bpe", "exaone")),  # norms after, q/k norms; llama.cpp slides only 64
     "seed_oss": dict(arch="seed_oss", tokenizer=("bpe", "llama-bpe"), head_dim=32),  # q/k/v biases
+    "glm4": dict(arch="glm4", tokenizer=("bpe", "llama-bpe"), rotary=8),  # pairs interleaved, half rotated, 4 norms
 }
 PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel turns their q/k rows
 QUANTIZED = {"qwen2-q8_0": ("qwen2", Q.Q8_0), "gemma2-q4_1": ("gemma2", Q.Q4_1)}  # the block linears in these types
@@ -154,7 +155,7 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
 
     w = {"model.embed_tokens.weight": mat(V, C, 0.5), "model.norm.weight": gain(C)}
     olmo = s["arch"] in ("olmo2", "exaone4")  # norms after the branches only
-    if s["arch"] in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "exaone4", "seed_oss"):
+    if s["arch"] in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "exaone4", "seed_oss", "glm4"):
         w["lm_head.weight"] = mat(V, C)
     for i in range(L):
         p = f"model.layers.{i}."
@@ -165,17 +166,23 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
             w[p + "pre_feedforward_layernorm.weight"] = gain(C)
         if s["arch"] in ("gemma2", "gemma3", "olmo2", "exaone4"):
             w[p + "post_feedforward_layernorm.weight"] = gain(C)
+        if s["arch"] == "glm4":
+            w[p + "post_self_attn_layernorm.weight"], w[p + "post_mlp_layernorm.weight"] = gain(C), gain(C)
         q, k, v = mat(H * D, C), mat(K * D, C), mat(K * D, C)
         if s["arch"] == "phi3":
             w[p + "self_attn.qkv_proj.weight"] = np.concatenate([q, k, v])
             w[p + "mlp.gate_up_proj.weight"] = np.concatenate([mat(F, C), mat(F, C)])
+        elif s["arch"] == "glm4":
+            w.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                      p + "self_attn.v_proj.weight": v,
+                      p + "mlp.gate_up_proj.weight": np.concatenate([mat(F, C), mat(F, C)])})
         else:
             w.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
                       p + "self_attn.v_proj.weight": v, p + "mlp.gate_proj.weight": mat(F, C),
                       p + "mlp.up_proj.weight": mat(F, C)})
         w[p + "self_attn.o_proj.weight"] = mat(C, H * D)
         w[p + "mlp.down_proj.weight"] = mat(C, F)
-        if s["arch"] in ("qwen2", "seed_oss"):
+        if s["arch"] in ("qwen2", "seed_oss", "glm4"):
             for part, n in (("q", H), ("k", K), ("v", K)):
                 w[p + f"self_attn.{part}_proj.bias"] = (rng.standard_normal(n * D) * 0.1).astype(np.float32)
         if s["arch"] in ("qwen3", "gemma3", "exaone4"):
@@ -248,6 +255,8 @@ def gguf_tensors(case: str) -> dict[str, np.ndarray]:
             i, rest = name.split(".", 3)[2], name.split(".", 3)[3]
             post = "post_attention_norm" if arch in ("gemma2", "gemma3", "olmo2", "exaone4", "seed_oss") else "ffn_norm"
             theirs = {**LAYER_NAMES, "post_attention_layernorm.weight": f"{post}.weight",
+                      "post_self_attn_layernorm.weight": "post_attention_norm.weight",
+                      "post_mlp_layernorm.weight": "post_ffw_norm.weight",
                       "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                       "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
                       "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",

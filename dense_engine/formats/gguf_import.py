@@ -50,7 +50,7 @@ from dense_engine.system.machine import cache_dir, note, unwritable_cache
 STATE_ARCHITECTURES = ("qwen35", "lfm2")  # hybrids whose other layers keep a state (dense.py section 4)
 ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
 #                                                                   smollm3, granite, olmo2 (OLMo 2 and 3), seed_oss,
-#                                                                   exaone4
+#                                                                   exaone4, glm4
 # Token texts that end a turn in common chat formats (llama.cpp recognises them the same way).
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "</s>")
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type values
@@ -312,6 +312,7 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         num_key_value_heads=int(key("attention.head_count_kv", heads)), head_dim=head_dim,
         intermediate_size=int(key("feed_forward_length")), max_position_embeddings=context,
         rope_theta=float(key("rope.freq_base", 10000.0)), rotary_dim=rope_dim if rope_dim != head_dim else None,
+        rope_layout="interleaved" if family.glm else "half",  # (llama.cpp's "norm" rope, the file's q/k as made)
         rope_scaling=scaling,
         rope_local_theta=float(key("rope.freq_base_swa", family.local_theta or key("rope.freq_base", 10000.0)))
         if family.local_rope and window else None,
@@ -381,6 +382,7 @@ def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfi
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv[0] if len(set(kv)) == 1 else kv,
         head_dim=head_dim, intermediate_size=int(key("feed_forward_length")), max_position_embeddings=context,
         rope_theta=float(key("rope.freq_base", 10000.0)), rotary_dim=rope_dim if rope_dim != head_dim else None,
+        rope_layout="interleaved" if family.glm else "half",  # (llama.cpp's "norm" rope, the file's q/k as made)
         layer_types=types, qk_norm="shared", norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         tie_word_embeddings="output.weight" not in tensors, **values)
 
@@ -498,7 +500,7 @@ def layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple] | No
         return [("attn.q_proj.weight", torch.arange(0, H * D), None),
                 ("attn.k_proj.weight", torch.arange(H * D, (H + K) * D), None),
                 ("attn.v_proj.weight", torch.arange((H + K) * D, (H + 2 * K) * D), None)]
-    if arch == "phi3" and rest == "ffn_up.weight":
+    if arch in ("phi3", "glm4") and rest == "ffn_up.weight":  # gate | up
         return [("mlp.gate_proj.weight", torch.arange(0, W), None),
                 ("mlp.up_proj.weight", torch.arange(W, 2 * W), None)]
     if arch == "seed_oss" and kind == "post_attention_norm":  # (its norm before the MLP, as llama.cpp names it)
