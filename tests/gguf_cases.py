@@ -56,6 +56,7 @@ CASES = {
     "exaone4": dict(arch="exaone4", tokenizer=("bpe", "exaone")),  # norms after, q/k norms; llama.cpp slides only 64
     "seed_oss": dict(arch="seed_oss", tokenizer=("bpe", "llama-bpe"), head_dim=32),  # q/k/v biases
     "glm4": dict(arch="glm4", tokenizer=("bpe", "llama-bpe"), rotary=8),  # pairs interleaved, half rotated, 4 norms
+    "cohere2": dict(arch="cohere2", tokenizer=("bpe", "llama-bpe"), layers=5, window=8, logit_scale=0.25),
 }
 PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel turns their q/k rows
 QUANTIZED = {"qwen2-q8_0": ("qwen2", Q.Q8_0), "gemma2-q4_1": ("gemma2", Q.Q4_1)}  # the block linears in these types
@@ -161,7 +162,8 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
         p = f"model.layers.{i}."
         if not olmo:
             w[p + "input_layernorm.weight"] = gain(C)
-        w[p + "post_attention_layernorm.weight"] = gain(C)
+        if s["arch"] != "cohere2":  # (Command R: one norm before both branches)
+            w[p + "post_attention_layernorm.weight"] = gain(C)
         if s["arch"] in ("gemma2", "gemma3"):
             w[p + "pre_feedforward_layernorm.weight"] = gain(C)
         if s["arch"] in ("gemma2", "gemma3", "olmo2", "exaone4"):
@@ -287,6 +289,10 @@ def write(case: str, path: str, qtype=None) -> str:
     writer.add_rope_dimension_count(s.get("rotary", s["head_dim"]))
     if s.get("window"):
         writer.add_sliding_window(s["window"])
+    if s.get("logit_scale"):
+        writer.add_logit_scale(s["logit_scale"])
+    if arch == "cohere2":  # layer norms: their eps under its own key
+        writer.add_layer_norm_eps(s["eps"])
     if s.get("window") and arch == "olmo2":  # (the converter's pattern for OLMo 3: every 4th layer full)
         writer.add_sliding_window_pattern([(i + 1) % 4 != 0 for i in range(s["layers"])])
     if s.get("attn_softcap"):

@@ -79,7 +79,7 @@ def transformers_logits(case: str, ids: list[int]):
     model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
                   "gemma3": "gemma3_text", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite",
                   "olmo2": "olmo3" if s.get("window") else "olmo2", "exaone4": "exaone4", "seed_oss": "seed_oss",
-                  "glm4": "glm4"}[arch]
+                  "glm4": "glm4", "cohere2": "cohere2"}[arch]
     if s.get("llama3"):
         rope = {"rope_type": "llama3", "rope_theta": s["theta"], "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -111,6 +111,10 @@ def transformers_logits(case: str, ids: list[int]):
         values.update(sliding_window=None, layer_types=["full_attention"] * s["layers"])
     if arch == "seed_oss":
         values.update(attention_bias=True, attention_out_bias=False)
+    if arch == "cohere2":  # every 4th layer full, without rope
+        values.update(sliding_window=s["window"], logit_scale=s["logit_scale"], layer_norm_eps=s["eps"],
+                      layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                                   for i in range(s["layers"])], tie_word_embeddings=True)
     if arch == "glm4":
         values.update(attention_bias=True, partial_rotary_factor=s["rotary"] / s["head_dim"])
         rope["partial_rotary_factor"] = s["rotary"] / s["head_dim"]

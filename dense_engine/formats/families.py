@@ -353,7 +353,7 @@ FAMILIES = {
     "seed_oss": Family(gguf="seed_oss", head_dim=128, attention_bias_is_qkv=True),
     "glm4": Family(gguf="glm4", eps=1.5625e-7, head_dim=128, rotary_fraction=0.5, attention_bias_is_qkv=True, post_norms=True,
                    glm=True),
-    "cohere2": Family(eps=1e-5, tied=True, cohere=True, windows="pattern", window_pattern=4, window=4096,
+    "cohere2": Family(gguf="cohere2", eps=1e-5, tied=True, cohere=True, windows="pattern", window_pattern=4, window=4096,
                       nope_full=True),
     "ministral3": Family(theta=1e6, head_dim=128, windows="given", llama4_scale=True),
     "exaone4": Family(gguf="exaone4", eps=1e-5, qk_norm="shared", pre_norms=False, post_norms=True, windows="pattern", window_pattern=4,

@@ -50,7 +50,7 @@ from dense_engine.system.machine import cache_dir, note, unwritable_cache
 STATE_ARCHITECTURES = ("qwen35", "lfm2")  # hybrids whose other layers keep a state (dense.py section 4)
 ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
 #                                                                   smollm3, granite, olmo2 (OLMo 2 and 3), seed_oss,
-#                                                                   exaone4, glm4
+#                                                                   exaone4, glm4, cohere2
 # Token texts that end a turn in common chat formats (llama.cpp recognises them the same way).
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "</s>")
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type values
@@ -312,7 +312,7 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         num_key_value_heads=int(key("attention.head_count_kv", heads)), head_dim=head_dim,
         intermediate_size=int(key("feed_forward_length")), max_position_embeddings=context,
         rope_theta=float(key("rope.freq_base", 10000.0)), rotary_dim=rope_dim if rope_dim != head_dim else None,
-        rope_layout="interleaved" if family.glm else "half",  # (llama.cpp's "norm" rope, the file's q/k as made)
+        rope_layout="interleaved" if family.glm or family.cohere else "half",  # (llama.cpp's "norm" rope: q/k as made)
         rope_scaling=scaling,
         rope_local_theta=float(key("rope.freq_base_swa", family.local_theta or key("rope.freq_base", 10000.0)))
         if family.local_rope and window else None,
@@ -320,15 +320,17 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
             (hidden // heads) ** -0.5 if big else None),
         embed_scale=math.sqrt(hidden) if family.gemma else (float(key("embedding_scale", 0.0)) or None),
         residual_scale=float(key("residual_scale", 0.0) or 1.0), logits_divisor=float(key("logit_scale"))
-        if granite else 1.0,
+        if granite else 1 / float(key("logit_scale")) if family.cohere else 1.0,
         nope_layers=nope,
         attn_softcap=float(key("attn_logit_softcapping", 50.0)) if family.softcaps else None,
         sliding_window=window or None, layer_types=layer_types, qkv_bias="blk.0.attn_q.bias" in tensors,
-        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        norm_eps=float(key("attention.layer_norm_epsilon") if family.cohere else
+                       key("attention.layer_norm_rms_epsilon", 1e-5)),
+        norm="layernorm" if family.cohere else "rmsnorm", parallel_residual=family.cohere,  # (one norm, both branches)
         qk_norm=(family.qk_norm if family.qk_norm != "none" else "shared") if "blk.0.attn_q_norm.weight" in tensors
         else "none", mlp="geglu" if family.gemma else "swiglu", pre_norms=family.pre_norms,
         post_norms=family.post_norms, norm_gain_in_float32=family.norm_gain_in_float32,  # (Gemma's 1 + w: baked in)
-        tie_word_embeddings="output.weight" not in tensors or arch in ("gemma", "gemma2"),
+        tie_word_embeddings="output.weight" not in tensors or arch in ("gemma", "gemma2", "cohere2"),
         final_softcap=float(key("final_logit_softcapping", 30.0 if family.softcaps else 0.0)) or None)
 
 
@@ -382,7 +384,7 @@ def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfi
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv[0] if len(set(kv)) == 1 else kv,
         head_dim=head_dim, intermediate_size=int(key("feed_forward_length")), max_position_embeddings=context,
         rope_theta=float(key("rope.freq_base", 10000.0)), rotary_dim=rope_dim if rope_dim != head_dim else None,
-        rope_layout="interleaved" if family.glm else "half",  # (llama.cpp's "norm" rope, the file's q/k as made)
+        rope_layout="interleaved" if family.glm or family.cohere else "half",  # (llama.cpp's "norm" rope: q/k as made)
         layer_types=types, qk_norm="shared", norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         tie_word_embeddings="output.weight" not in tensors, **values)
 
@@ -482,8 +484,13 @@ def read_gguf(path: str) -> Checkpoint:
         layers = ", ".join(f"blk.{n}.*" for n in sorted({int(name.split(".")[1]) for name in mtp}))
         note(f"{path}: the multi-token prediction layer ({layers}: {len(mtp)} tensors) is not loaded: this engine "
              "predicts one token a step")
-    if arch in ("gemma", "gemma2"):  # llama.cpp reads the head from the embedding, whatever else the file holds
+    if arch in ("gemma", "gemma2", "cohere2"):  # llama.cpp reads the head from the embedding, whatever else is there
         table.pop("lm_head.weight", None)
+    if arch == "cohere2":  # layer norms without bias (zeros add nothing), one before both branches
+        table["norm.bias"] = lambda C=config.hidden_size: torch.zeros(C)
+        for i in range(config.num_hidden_layers):
+            table[f"layers.{i}.attn_norm.bias"] = table[f"layers.{i}.mlp_norm.bias"] = table["norm.bias"]
+            table[f"layers.{i}.mlp_norm.weight"] = table[f"layers.{i}.attn_norm.weight"]
     return Checkpoint(path, config, table, source_types=types, exact_int4=exact, blocks=blocks)
 
 
