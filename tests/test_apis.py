@@ -259,7 +259,7 @@ def test_messages_tool_use_round_trip(vocab):
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
      "invalid_request_error"),
     ({"max_tokens": 5, "messages": [{"role": "robot", "content": "hi"}]}, 400, "invalid_request_error"),
-    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "enabled"}}, 400,
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "sometimes"}}, 400,
      "invalid_request_error")])
 def test_messages_bad_input_is_anthropics_error_body(vocab, body, status, kind):
     http, _ = app_client(vocab, "x")

@@ -40,28 +40,29 @@ class Vocabulary:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None) -> str:
         """The chat template rendered as Hugging Face renders tokenizer_config.json's chat_template. A template that
         refuses a system message (Gemma 1 and 2 have no system role) gets it at the start of the first user message
         instead, with a note the first time: transformers would stop with the template's error."""
         try:
-            return self.render_as_is(messages, tools)
+            return self.render_as_is(messages, tools, options)
         except TemplateRefused:
             if len(messages) < 2 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
                 raise
             merged = [{"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}]
-            text = self.render_as_is(merged + messages[2:], tools)
+            text = self.render_as_is(merged + messages[2:], tools, options)
             if not self.merged_system:
                 machine.note("this chat template has no system role; the system message goes at the start of the "
                              "first user message")
                 self.merged_system = True
             return text
 
-    def render_as_is(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render_as_is(self, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None) -> str:
+        """options: the template's own variables a request sets (chat_template_kwargs: enable_thinking, ...)."""
         from jinja2 import TemplateError
 
         try:
-            extra = {"tools": tools} if tools else {}  # (templates test `tools is defined`)
+            extra = {**(options or {}), **({"tools": tools} if tools else {})}  # (templates test `tools is defined`)
             template = self.template()
             template.environment.deadline.at = time.monotonic() + TEMPLATE_SECONDS
             return template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",

@@ -2,7 +2,8 @@
 coding agents speak: a translator of its request into a chat completion's body (system blocks -> a system message,
 content blocks -> messages, tool_use / tool_result -> tool calls and tool messages, input_schema -> parameters,
 stop_sequences -> stop), and a Reply that tells the pieces as Anthropic's events (message_start,
-content_block_start / delta / stop with text_delta and input_json_delta, message_delta with the stop_reason,
+content_block_start / delta / stop with text_delta, thinking_delta and input_json_delta, message_delta with the
+stop_reason,
 message_stop) or folds them into one message. Errors are Anthropic's bodies: {"type": "error", "error": {...}}."""
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ from dense_engine.server.protocol import BadRequest, chat_prompt, check_fields, 
 from dense_engine.server.responses import Piece, Reply, sse_event
 
 IGNORED = {"model", "metadata", "service_tier", "container", "context_management", "anthropic_version"}
-REFUSED = {"thinking": lambda v: v not in (None, {"type": "disabled"}) and not (isinstance(v, dict) and
-                                                                            v.get("type") == "disabled"),
-           "mcp_servers": bool}
+REFUSED = {"mcp_servers": bool}
 PASSED = {"temperature", "top_p", "top_k", "stream", "min_p", "typical_p", "repetition_penalty", "seed"}
-KNOWN = {"max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences"}
+KNOWN = {"max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences", "thinking"}
 FIELDS = {"stop": "stop_sequences"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -38,6 +37,11 @@ def translate(body: dict, server) -> tuple[str, dict, dict]:
     chat["messages"] = system_messages(body.get("system")) + messages(body.get("messages"))
     if body.get("stop_sequences") is not None:
         chat["stop"] = body["stop_sequences"]
+    thinking = body.get("thinking")
+    if thinking is not None:  # the template's switch (enable_thinking): a thinking model thinks or answers at once
+        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+            raise BadRequest("thinking: must be {\"type\": \"enabled\" | \"disabled\" | \"adaptive\"}", "thinking")
+        chat["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled"}
     if body.get("tools"):
         chat["tools"] = chat_tools(body["tools"])
         choice = body.get("tool_choice") or {"type": "auto"}
@@ -52,7 +56,7 @@ def translate(body: dict, server) -> tuple[str, dict, dict]:
 def count_tokens(body: dict, server) -> dict:
     """/v1/messages/count_tokens: the prompt's tokens as /v1/messages would render them."""
     _, chat, _ = translate({**body, "max_tokens": 1}, server)
-    prompt, _ = chat_prompt(chat, server.vocab, server.max_seq_len)
+    prompt = chat_prompt(chat, server.vocab, server.max_seq_len)[0]
     return {"input_tokens": len(prompt)}
 
 
@@ -171,12 +175,14 @@ class MessagesReply(Reply):
     def chunks(self, piece: Piece) -> list[dict]:
         if piece.kind == "error":
             return [error_body(BadRequest(piece.text, status=500))]
-        if piece.kind == "text":
-            out = [] if self.writing is not None and self.blocks[self.writing]["type"] == "text" else \
-                self.close() + self.open({"type": "text", "text": ""})
-            self.blocks[self.writing]["text"] += piece.text
+        if piece.kind in ("text", "thinking"):  # (a thinking block: the reasoning; its signature empty, ours)
+            field = piece.kind
+            out = [] if self.writing is not None and self.blocks[self.writing]["type"] == field else \
+                self.close() + self.open({"type": field, field: "", **({"signature": ""} if field == "thinking"
+                                                                        else {})})
+            self.blocks[self.writing][field] += piece.text
             return out + [{"type": "content_block_delta", "index": self.writing,
-                           "delta": {"type": "text_delta", "text": piece.text}}]
+                           "delta": {"type": f"{field}_delta", field: piece.text}}]
         if piece.kind == "call":
             self.track(piece)
             call = self.calls[piece.index][piece.call]

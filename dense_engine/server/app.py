@@ -137,7 +137,7 @@ async def completion(request):
     for job in jobs:
         server.scheduler.submit(job)
     request.scope.setdefault("state", {})["job"] = jobs[0]
-    reader = ClientEvents(jobs, server.vocab, settings.calling)
+    reader = ClientEvents(jobs, server.vocab, settings.calling, settings.thinking)
     reply = api.reply(head, jobs, server.vocab, settings, meta)
     if settings.stream:
         return StreamingResponse(streamed(reader, reply, events, jobs), media_type=reply.media_type,

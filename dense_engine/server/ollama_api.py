@@ -41,12 +41,17 @@ def now_iso() -> str:
 def common(body: dict) -> dict:
     """The fields /api/chat and /api/generate share, as a chat or completion body's."""
     check_fields(body, IGNORED)
-    if body.get("think") not in (None, False):
-        raise BadRequest("this model does not think ('think' must be false or absent)", "think")
+    think = body.get("think")
+    if think not in (None, True, False, "low", "medium", "high"):
+        raise BadRequest("'think' must be true, false, \"low\", \"medium\" or \"high\"", "think")
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise BadRequest("'options' must be an object", "options")
     out = {"stream": body.get("stream", True)}  # (Ollama streams unless told not to)
+    if think is not None:  # the template's switch; a level is also its reasoning_effort
+        out["chat_template_kwargs"] = {"enable_thinking": think is not False}
+        if isinstance(think, str):
+            out["reasoning_effort"] = think
     for name, value in options.items():
         if name in OPTIONS:
             out[OPTIONS[name]] = value
@@ -175,9 +180,6 @@ class OllamaReply(Reply):
     def line(self, **fields) -> dict:
         return {"model": self.head["model"], "created_at": now_iso(), **fields}
 
-    def said(self, text: str, calls: list | None = None) -> dict:
-        return {self.key: text}
-
     def stats(self) -> dict:
         job, end = self.jobs[0], time.perf_counter()
         arrived, first = job.timing.arrived, job.timing.first_token_at or end
@@ -195,6 +197,8 @@ class OllamaReply(Reply):
             return [{"error": piece.text}]
         if piece.kind == "text":
             return [self.line(**self.said(piece.text), done=False)]
+        if piece.kind == "thinking":
+            return [self.line(**self.said("", thinking=piece.text), done=False)]
         if piece.kind in ("call", "arguments"):
             self.track(piece)
             return []
@@ -206,12 +210,15 @@ class OllamaReply(Reply):
 
     def body(self) -> dict:
         text = "".join(self.texts[0])
-        return self.line(**self.said(text, self.calls[0]), done=True, **self.stats())
+        return self.line(**self.said(text, self.calls[0], "".join(self.thinking[0])), done=True, **self.stats())
+
+    def said(self, text: str, calls: list | None = None, thinking: str = "") -> dict:
+        return {self.key: text, **({"thinking": thinking} if thinking else {})}
 
 
 class ChatReply(OllamaReply):
-    def said(self, text: str, calls: list | None = None) -> dict:
-        message = {"role": "assistant", "content": text}
+    def said(self, text: str, calls: list | None = None, thinking: str = "") -> dict:
+        message = {"role": "assistant", "content": text, **({"thinking": thinking} if thinking else {})}
         if calls:
             message["content"] = text.strip()
             message["tool_calls"] = [{"function": {"index": self.calls[0].index(c), "name": c["name"],

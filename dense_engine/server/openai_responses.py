@@ -86,6 +86,9 @@ def translate(body: dict, server) -> tuple[str, dict, dict]:
         chat["response_format"] = response_format(text.get("format") or {"type": "text"})
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:  # (the template's reasoning_effort)
+        chat["reasoning_effort"] = reasoning["effort"]
     store = body.get("store", True)
     if not isinstance(store, bool):
         raise BadRequest("'store' must be true or false", "store")
@@ -181,6 +184,7 @@ class ResponsesReply(Reply):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.items, self.writing, self.sequence, self.final = [], None, 0, None  # writing: the open message
+        self.reasoning = None  # the open reasoning item's index
 
     def frame(self, chunk: dict) -> str:
         return sse_event(chunk)
@@ -222,6 +226,16 @@ class ResponsesReply(Reply):
         if piece.kind == "error":
             return [self.event("response.failed", response=self.response(
                 "failed", {"code": "server_error", "message": piece.text}))]
+        if piece.kind == "thinking":  # a reasoning item, its text as reasoning_text
+            out = self.open_reasoning()
+            item = self.items[self.reasoning]
+            item["content"][0]["text"] += piece.text
+            return out + [self.event("response.reasoning_text.delta", item_id=item["id"],
+                                     output_index=self.reasoning, content_index=0, delta=piece.text)]
+        return self.close_reasoning() + self.told(piece)
+
+    def told(self, piece: Piece) -> list[dict]:
+        """A piece of the answer: its text, calls, or the end."""
         if piece.kind == "text":
             out = self.open_message()
             item = self.items[self.writing]
@@ -255,6 +269,24 @@ class ResponsesReply(Reply):
             self.keep()
             return out + [self.event("response." + status, response=self.final)]
         return []
+
+    def open_reasoning(self) -> list[dict]:
+        if self.reasoning is not None:
+            return []
+        self.items.append({"type": "reasoning", "id": item_id("rs_"), "summary": [], "status": "in_progress",
+                           "content": [{"type": "reasoning_text", "text": ""}]})
+        self.reasoning = len(self.items) - 1
+        return [self.event("response.output_item.added", output_index=self.reasoning, item=self.items[-1])]
+
+    def close_reasoning(self) -> list[dict]:
+        if self.reasoning is None:
+            return []
+        at, self.reasoning = self.reasoning, None
+        item = self.items[at]
+        item["status"] = "completed"
+        return [self.event("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
+                           text=item["content"][0]["text"]),
+                self.event("response.output_item.done", output_index=at, item=item)]
 
     def open_message(self) -> list[dict]:
         if self.writing is not None:

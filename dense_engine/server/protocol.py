@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dense_engine.formats.vocab import Vocabulary
-from dense_engine.runtime import dry, grammar, tools
+from dense_engine.runtime import dry, grammar, reasoning, tools
 from dense_engine.runtime.sampling import Defaults, SamplerSettings
 from dense_engine.system.errors import UsageError
 
@@ -38,7 +38,8 @@ SHARED = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k"
 # llama-server's grammar (GBNF) and json_schema
 SHAPES = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
           "grammar", "json_schema")
-KNOWN = {"chat": {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}, "completion": {
+KNOWN = {"chat": {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                  "reasoning_effort"}, "completion": {
     "prompt", "echo"}}
 # The bounds of a request (README, Serve): past one, a 400 naming the field. The body's size: serve.py --max-body-mb.
 MAX_DEPTH = 64  # JSON nesting of a body
@@ -89,6 +90,7 @@ class Settings:
     echo: bool  # (completions) the prompt and its logprobs before the reply
     grammar: str | None  # a response_format's or a required tool call's
     calling: ToolCalling | None
+    thinking: bool | None = None  # (chat) the reply's reasoning told apart; True: the prompt opened it (reasoning.py)
 
 
 def decode_body(raw: bytes) -> dict:
@@ -136,8 +138,9 @@ def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculat
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     check_names(body, kind)
+    thinking = None
     if kind == "chat":
-        prompt, calling = chat_prompt(body, vocab, max_seq_len)
+        prompt, calling, thinking = chat_prompt(body, vocab, max_seq_len)
         prompts, logprobs, echo = [prompt], chat_logprobs(body), False
     else:
         prompts, calling = completion_prompts(body.get("prompt"), vocab, max_seq_len), None
@@ -174,7 +177,7 @@ def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculat
         frequency_penalty=frequency, logit_bias=bias, seed=seed)
     return Settings(prompts=prompts, max_tokens=max_tokens, sampler=sampler, stop=stop, stream=stream,
                     include_usage=options.get("include_usage", False), logprobs=logprobs, echo=echo, grammar=shape,
-                    calling=calling)
+                    calling=calling, thinking=thinking)
 
 
 def dry_settings(body: dict) -> dict:
@@ -213,8 +216,10 @@ def note_unknown(name: str, what: str = "parameter") -> None:
     print(f"note: ignoring the unknown {what} '{name}'", file=sys.stderr, flush=True)
 
 
-def chat_prompt(body: dict, vocab: Vocabulary, max_seq_len: int) -> tuple[list[int], ToolCalling | None]:
-    """The messages (and the tools offered) rendered by the checkpoint's chat template, as token ids."""
+def chat_prompt(body: dict, vocab: Vocabulary, max_seq_len: int) -> tuple[list[int], ToolCalling | None, bool | None]:
+    """The messages (and the tools offered) rendered by the checkpoint's chat template, as token ids; the tools; and
+    for a template that thinks, whether the prompt leaves the thinking open (None: no thinking to tell apart).
+    chat_template_kwargs and reasoning_effort are the template's own variables (enable_thinking, ...)."""
     messages = chat_messages(body.get("messages"))
     refuse_long_text(sum(len(m["content"] or "") for m in messages), "messages", max_seq_len)
     if not vocab.chat_template:
@@ -228,9 +233,25 @@ def chat_prompt(body: dict, vocab: Vocabulary, max_seq_len: int) -> tuple[list[i
     elif any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
         messages = tools.template_messages(messages, [], vocab.chat_template)[0]
     try:
-        return vocab.encode(vocab.render(messages, render_tools), special=False), calling
+        text = vocab.render(messages, render_tools, template_options(body))
     except UsageError as e:
         raise BadRequest(str(e), "messages") from None
+    thinking = reasoning.opened(text) if reasoning.thinks(vocab.chat_template) else None
+    return vocab.encode(text, special=False), calling, thinking
+
+
+def template_options(body: dict) -> dict:
+    """chat_template_kwargs (vLLM's and llama-server's: {"enable_thinking": false}, ...) and reasoning_effort, as
+    the template's variables."""
+    options = body.get("chat_template_kwargs") or {}
+    if not isinstance(options, dict) or not all(isinstance(k, str) and k.isidentifier() for k in options) or \
+            set(options) & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}:
+        raise BadRequest("'chat_template_kwargs' must be an object of the template's own variables (names)",
+                         "chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in ("minimal", "low", "medium", "high", "none"):
+        raise BadRequest("'reasoning_effort' must be one of none, minimal, low, medium, high", "reasoning_effort")
+    return {**({"reasoning_effort": effort} if effort is not None else {}), **options}
 
 
 def chat_messages(messages) -> list[dict]:

@@ -10,14 +10,15 @@ import uuid
 from typing import NamedTuple
 
 from dense_engine.formats.vocab import Vocabulary
-from dense_engine.runtime import tools
+from dense_engine.runtime import reasoning, tools
 from dense_engine.server.protocol import BadRequest, ToolCalling
 from dense_engine.server.scheduler import Event, Request
 
 
 class Piece(NamedTuple):
-    """What a choice's client is told next: "text" (text, its logprob entries), "prompt" (echo: the prompt's text and
-    entries, before the reply's), "call" (a tool call begins: text is its name, call its number in the reply),
+    """What a choice's client is told next: "text" (text, its logprob entries), "thinking" (a piece of its reasoning,
+    reasoning.py), "prompt" (echo: the prompt's text and entries, before the reply's), "call" (a tool call begins:
+    text is its name, call its number in the reply),
     "arguments" (a piece of call `call`'s arguments, as the model writes them), "end" (call `call`'s arguments are
     whole), "done" (the finish reason, entries) or "error" (a message)."""
     index: int
@@ -29,16 +30,20 @@ class Piece(NamedTuple):
 
 class ClientEvents:
     """The events of a request's choices, in the order its client is told them: an echoed prompt before a choice's
-    first piece; with tools, the reply read by tools.CallStream as it comes: text, and calls with their arguments
-    in pieces (text that could still open a call held back, a few characters at most)."""
+    first piece; a thinking model's reasoning apart from its answer (reasoning.ThinkStream; thinking: whether the
+    prompt opened it, None: no thinking to tell apart); with tools, the answer read by tools.CallStream as it comes:
+    text, and calls with their arguments in pieces (text that could still open a call or end the thinking held back,
+    a few characters at most)."""
 
-    def __init__(self, jobs: list[Request], vocab: Vocabulary, calling: ToolCalling | None) -> None:
+    def __init__(self, jobs: list[Request], vocab: Vocabulary, calling: ToolCalling | None,
+                 thinking: bool | None = None) -> None:
         self.jobs, self.vocab, self.calling = jobs, vocab, calling
         self.open = len(jobs)  # choices not done (0 after an error: nothing more is told)
         self.echoed = set()
+        self.thoughts = {job.index: reasoning.ThinkStream(thinking) for job in jobs} if thinking is not None else {}
         self.streams = {job.index: tools.CallStream(calling.format, calling.names, calling.parallel)
                         for job in jobs} if calling is not None else {}
-        self.pending = {job.index: [] for job in jobs}  # logprob entries of text a CallStream holds back
+        self.pending = {job.index: [] for job in jobs}  # logprob entries of text a stream holds back
 
     def feed(self, event: Event) -> list[Piece]:
         job = self.jobs[event.index]
@@ -46,6 +51,8 @@ class ClientEvents:
             self.open = 0
             return [Piece(event.index, "error", event.text, [])]
         self.open -= event.kind == "done"
+        if self.thoughts:
+            return self.read_thinking(job, event)
         if self.calling is not None:
             return self.read_calls(job, event)
         pieces = []
@@ -54,6 +61,25 @@ class ClientEvents:
             entries = [job.prompt[0]] + job.prompt_entries[1:] if job.prompt_entries else []  # (the first: none)
             pieces.append(Piece(job.index, "prompt", self.vocab.decode(job.prompt), entries))
         return pieces + [Piece(event.index, event.kind, event.text, event.entries)]
+
+    def read_thinking(self, job: Request, event: Event) -> list[Piece]:
+        """The reasoning as "thinking" pieces; the answer's text on to the calls' reading, or told as it is."""
+        stream, pending = self.thoughts[job.index], self.pending[job.index]
+        found = stream.feed(event.text) if event.kind == "text" else stream.finish()
+        pending += event.entries  # (the next piece told carries them)
+        pieces = []
+        for kind, text in found:
+            if kind == "text" and self.calling is not None:
+                pieces += self.read_calls(job, Event(event.index, "text", text, []))
+                continue
+            entries, pending[:] = list(pending), []
+            pieces.append(Piece(job.index, kind, text, entries))
+        if event.kind == "done" and self.calling is not None:
+            pieces += self.read_calls(job, Event(event.index, "done", event.text, []))
+        elif event.kind == "done":
+            entries, pending[:] = list(pending), []
+            pieces.append(Piece(job.index, "done", event.text, entries))
+        return pieces
 
     def read_calls(self, job: Request, event: Event) -> list[Piece]:
         stream, pending = self.streams[job.index], self.pending[job.index]
@@ -98,6 +124,7 @@ class Reply:
         self.texts = {job.index: [] for job in jobs}  # (whole) per choice: its texts, entries and calls
         self.entries = {job.index: [] for job in jobs}
         self.calls = {job.index: [] for job in jobs}  # per choice: its calls so far, {"id", "name", "arguments"}
+        self.thinking = {job.index: [] for job in jobs}  # (whole) per choice: its reasoning's pieces
 
     def piece(self, token: int) -> str:
         return self.vocab.tokenizer.decode([token], skip_special_tokens=False)
@@ -164,6 +191,8 @@ class Reply:
             return
         if piece.kind == "text":
             self.texts[piece.index].append(piece.text)
+        if piece.kind == "thinking":
+            self.thinking[piece.index].append(piece.text)
         self.entries[piece.index] += piece.entries
         if piece.kind in ("call", "arguments", "end"):
             self.track(piece)
@@ -223,11 +252,23 @@ class ChatReply(Reply):
                              "logprobs": None}])]
 
     def chunks(self, piece: Piece) -> list[dict]:
+        if piece.kind == "thinking":  # (llama-server's and vLLM's field)
+            return [self.chunk([{"index": piece.index, "delta": {"reasoning_content": piece.text},
+                                 "finish_reason": None,
+                                 "logprobs": self.logprobs(self.jobs[piece.index], list(piece.entries))}])]
         if piece.kind == "done" and self.calls[piece.index]:  # the finish of a reply that called tools
             reason = "length" if self.call_cut(piece.index, piece.text) else "tool_calls"
             return [self.chunk([{"index": piece.index, "delta": {}, "finish_reason": reason,
                                  "logprobs": self.logprobs(self.jobs[piece.index], list(piece.entries))}])]
         return super().chunks(piece)
+
+
+    def body(self) -> dict:
+        body = super().body()
+        for choice in body["choices"]:
+            if self.thinking[choice["index"]]:
+                choice["message"]["reasoning_content"] = "".join(self.thinking[choice["index"]])
+        return body
 
 
 class CompletionReply(Reply):

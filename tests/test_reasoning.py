@@ -1,0 +1,162 @@
+"""A thinking model's reasoning told apart from its answer (runtime/reasoning.py), in every API through its official
+client: chat completions' reasoning_content (whole and streamed deltas), the Responses API's reasoning items,
+Anthropic's thinking blocks, Ollama's message.thinking; the thinking opened by the model or by the prompt, and
+switched off through each API's own field (chat_template_kwargs, thinking, think) reaching the template. The HTTP app
+runs over a scripted scheduler (test_apis.py): its replies are the text a thinking model writes."""
+
+import json
+
+import pytest
+
+from conftest import fixture_path
+from dense_engine.formats.vocab import load_vocabulary
+from dense_engine.runtime import reasoning
+from test_apis import CALL, WEATHER, anthropic_client, app_client, ollama_client, openai_client
+
+# Qwen3's switches, written small: enable_thinking false closes an empty thinking in the prompt; think_in_prompt
+# opens one there (as Qwen3.5's and DeepSeek-R1's templates do), so that the reply starts inside it
+TEMPLATE = ("{% if reasoning_effort is defined %}effort: {{ reasoning_effort }}\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+            "{% elif think_in_prompt is defined and think_in_prompt %}<think>\n{% endif %}{% endif %}")
+THOUGHT, ANSWER = "The user asks for a capital.\nFrance's is Paris.", "The capital of France is Paris."
+REPLY = f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}"
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    vocab = load_vocabulary(fixture_path("llama"), None)
+    vocab.tokenizer.add_tokens(["<think>", "</think>"])  # (Qwen3's: added, not special: they stay in the text)
+    vocab.chat_template = TEMPLATE
+    return vocab
+
+
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# ---- the split itself
+
+
+@pytest.mark.parametrize("text, opened, want", [
+    (REPLY, False, (THOUGHT + "\n", ANSWER)),
+    (f"{THOUGHT}\n</think>\n\n{ANSWER}", True, (THOUGHT + "\n", ANSWER)),  # opened by the prompt
+    (ANSWER, False, ("", ANSWER)),  # a reply without thinking
+    (f"{ANSWER} <think>not a thought</think>", False, ("", f"{ANSWER} <think>not a thought</think>")),  # (mid-answer)
+    ("<think>\ncut off by max_tokens", False, ("cut off by max_tokens", "")),
+    ("\n\n<think>a</think>b", False, ("a", "b")),
+    ("<thin", False, ("", "<thin")),  # (held back, then told at the end: not a marker)
+])
+def test_a_reply_splits_the_same_whole_and_in_every_pair_of_pieces(text, opened, want):
+    assert reasoning.split(text, opened) == want
+    for at in range(len(text) + 1):  # every place a piece may end; and a character at a time
+        for pieces in ([text[:at], text[at:]], list(text)):
+            stream = reasoning.ThinkStream(opened)
+            told = [p for piece in pieces for p in stream.feed(piece)] + stream.finish()
+            assert ("".join(t for kind, t in told if kind == "thinking"),
+                    "".join(t for kind, t in told if kind == "text")) == want, (at, pieces)
+
+
+def test_only_a_template_with_the_markers_thinks_and_a_prompt_may_open_it():
+    assert reasoning.thinks(TEMPLATE) and not reasoning.thinks("{{ messages }}") and not reasoning.thinks(None)
+    assert reasoning.opened("<|im_start|>assistant\n<think>\n") and not reasoning.opened("<think></think>\n\n")
+
+
+# ---- each API, through its official client
+
+
+def test_chat_completions_tell_reasoning_content_whole_and_streamed(vocab):
+    http, scheduler = app_client(vocab, REPLY)
+    client = openai_client(http)
+    whole = client.chat.completions.create(model="m", messages=ASK, max_tokens=200)
+    message = whole.choices[0].message
+    assert message.content == ANSWER and message.model_extra["reasoning_content"] == THOUGHT + "\n"
+    chunks = list(client.chat.completions.create(model="m", messages=ASK, max_tokens=200, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thought = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+    assert thought == THOUGHT + "\n" and "".join(d.content or "" for d in deltas) == ANSWER
+    first_answer = next(i for i, d in enumerate(deltas) if d.content)
+    assert all(not d.model_extra.get("reasoning_content") for d in deltas[first_answer:])  # (the thinking first)
+    # the template's switch, as vLLM and llama-server take it: the prompt closes an empty thinking
+    client.chat.completions.create(model="m", messages=ASK, extra_body={"chat_template_kwargs": {
+        "enable_thinking": False}})
+    assert vocab.decode(scheduler.jobs[-1].prompt).endswith("<think>\n\n</think>\n\n")
+    assert not vocab.decode(scheduler.jobs[0].prompt).endswith("</think>\n\n")
+    for bad in ({"chat_template_kwargs": ["x"]}, {"chat_template_kwargs": {"messages": []}},
+                {"reasoning_effort": "extreme"}):
+        response = http.post("/v1/chat/completions", json={"model": "m", "messages": ASK, **bad})
+        assert response.status_code == 400 and response.json()["error"]["param"] == next(iter(bad)), bad
+
+
+def test_a_prompt_that_opens_the_thinking_is_read_from_inside_it(vocab):
+    http, scheduler = app_client(vocab, f"{THOUGHT}\n</think>\n\n{ANSWER}")
+    message = openai_client(http).chat.completions.create(
+        model="m", messages=ASK, extra_body={"chat_template_kwargs": {"think_in_prompt": True}}).choices[0].message
+    assert vocab.decode(scheduler.jobs[-1].prompt).endswith("<think>\n")
+    assert message.content == ANSWER and message.model_extra["reasoning_content"] == THOUGHT + "\n"
+
+
+def test_a_tool_call_after_the_thinking_is_a_call(vocab):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    http, _ = app_client(vocab, f"<think>\nThe user wants the weather.\n</think>\n\n{CALL}")
+    client = openai_client(http)
+    whole = client.chat.completions.create(model="m", messages=ASK, tools=tools)
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and message.content is None
+    assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    assert message.model_extra["reasoning_content"] == "The user wants the weather.\n"
+    chunks = list(client.chat.completions.create(model="m", messages=ASK, tools=tools, stream=True))
+    calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert "".join(call[0].function.arguments or "" for call in calls) == '{"city": "Oslo"}'
+
+
+def test_the_responses_api_tells_a_reasoning_item_before_the_message(vocab):
+    http, scheduler = app_client(vocab, REPLY)
+    client = openai_client(http)
+    whole = client.responses.create(model="m", input="What is the capital of France?", reasoning={"effort": "low"})
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == THOUGHT + "\n" and whole.output_text == ANSWER
+    events = list(client.responses.create(model="m", input="What is the capital of France?", stream=True))
+    kinds = [e.type for e in events]
+    once = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
+    assert once == ["response.created", "response.in_progress", "response.output_item.added",
+                    "response.reasoning_text.delta", "response.reasoning_text.done", "response.output_item.done",
+                    "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+                    "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                    "response.completed"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THOUGHT + "\n"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["reasoning", "message"] and final.output_text == ANSWER
+    assert final.output[0].content[0].text == THOUGHT + "\n" and final.output[0].status == "completed"
+    assert vocab.decode(scheduler.jobs[0].prompt).startswith("effort: low\n")  # (reasoning.effort: the template's)
+
+
+def test_anthropic_messages_tell_a_thinking_block(vocab):
+    http, scheduler = app_client(vocab, REPLY)
+    client = anthropic_client(http)
+    whole = client.messages.create(model="m", max_tokens=200, messages=ASK,
+                                   thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [b.type for b in whole.content] == ["thinking", "text"]
+    assert whole.content[0].thinking == THOUGHT + "\n" and whole.content[1].text == ANSWER
+    with client.messages.stream(model="m", max_tokens=200, messages=ASK) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[0].thinking == THOUGHT + "\n"
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+    assert deltas.index("text_delta") > max(i for i, d in enumerate(deltas) if d == "thinking_delta")
+    client.messages.create(model="m", max_tokens=200, messages=ASK, thinking={"type": "disabled"})
+    assert vocab.decode(scheduler.jobs[-1].prompt).endswith("<think>\n\n</think>\n\n")
+
+
+def test_ollama_tells_message_thinking(vocab):
+    http, scheduler = app_client(vocab, REPLY)
+    client = ollama_client(http)
+    whole = client.chat(model="m", messages=ASK, think=True)
+    assert whole.message.thinking == THOUGHT + "\n" and whole.message.content == ANSWER
+    parts = list(client.chat(model="m", messages=ASK, stream=True))
+    assert "".join(p.message.thinking or "" for p in parts) == THOUGHT + "\n"
+    assert "".join(p.message.content or "" for p in parts) == ANSWER
+    client.chat(model="m", messages=ASK, think=False)
+    assert vocab.decode(scheduler.jobs[-1].prompt).endswith("<think>\n\n</think>\n\n")
+    generated = client.generate(model="m", prompt="What is the capital of France?")
+    assert generated.thinking == THOUGHT + "\n" and generated.response == ANSWER
