@@ -33,7 +33,7 @@ from dense_engine.cli import terminal
 from dense_engine.cli.terminal import Notes
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
-from dense_engine.runtime import caches, generate, grammar, tp
+from dense_engine.runtime import caches, generate, grammar, reasoning, tp
 from dense_engine.runtime.sampling import describe
 from dense_engine.runtime.session import Session
 from dense_engine.runtime.steps import Steps
@@ -158,20 +158,38 @@ def one_shot(session: Session, vocab: Vocabulary, args, mode: str, notes: Notes,
         load_prompt_cache(session, args.prompt_cache, notes)
     keys = ctrl_c_as_key(session)
     last = [""]  # the answer's last character: is its line still open?
+    # a thinking model's reasoning: kept from stdout (the answer), folded to one dim line on the notes' console after it
+    thoughts = reasoning.ThinkStream(reasoning.opened(vocab.decode(ids))) if mode == "chat" and \
+        reasoning.thinks(vocab.chat_template) else None
+    thought = []
+    from rich.markup import escape  # (the model's text is not markup)
 
     def write(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        last[0] = text[-1:] or last[0]
+        if thoughts is not None:
+            parts = thoughts.feed(text)
+            thought.extend(t for kind, t in parts if kind == "thinking")
+            text = "".join(t for kind, t in parts if kind == "text")
+        show(text)
+
+    def show(text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            last[0] = text[-1:]
 
     try:
         with notes.held() as waiting:  # (printed after the reply's line)
             _, stats = session.reply(ids, write)
+            if thoughts is not None:
+                for kind, t in thoughts.finish():
+                    show(t) if kind == "text" else thought.append(t)
+                if "".join(thought).strip():
+                    notes(f"thought: {escape(terminal.folded(''.join(thought), 160))}")
             # a terminal gets the answer's line closed; a pipe gets the answer as it is, unless a note or the stats
             # line follows into the same file (2>&1), where it would be glued to the answer's last word
             follows = bool(waiting) or (args.stats and tp.world()[0] == 0)
             if last[0] != "\n" and (sys.stdout.isatty() or follows and terminal.same_file(sys.stdout, sys.stderr)):
-                write("\n")
+                show("\n")
     finally:
         if keys is not None:
             keys.restore()

@@ -5,6 +5,8 @@ switched off through each API's own field (chat_template_kwargs, thinking, think
 runs over a scripted scheduler (test_apis.py): its replies are the text a thinking model writes."""
 
 import json
+import re
+import types
 
 import pytest
 
@@ -160,3 +162,76 @@ def test_ollama_tells_message_thinking(vocab):
     assert vocab.decode(scheduler.jobs[-1].prompt).endswith("<think>\n\n</think>\n\n")
     generated = client.generate(model="m", prompt="What is the capital of France?")
     assert generated.thinking == THOUGHT + "\n" and generated.response == ANSWER
+    assert "thinking" in client.show("m").capabilities
+
+
+# ---- chat.py
+
+
+def test_chat_shows_the_answer_and_the_thinking_folded_to_one_dim_line_after_it():
+    import io
+
+    from rich.console import Console
+
+    from dense_engine.cli import terminal
+
+    plain = io.StringIO()
+    view = terminal.ReplyView(Console(file=plain, force_terminal=False, width=300), markdown=False, thinking=False)
+    for i in range(0, len(REPLY), 3):  # a few characters a token
+        view.write(REPLY[i:i + 3])
+    view.finish("stats")
+    assert plain.getvalue() == f"{ANSWER}\nthought: {' '.join(THOUGHT.split())}\nstats\n"
+    styled = io.StringIO()
+    console = Console(file=styled, force_terminal=True, width=300, color_system="truecolor")
+    view = terminal.ReplyView(console, markdown=True, thinking=True)  # (the prompt opened it)
+    for i in range(0, len(REPLY) - 7, 4):
+        view.write(REPLY[7:][i:i + 4])
+    view.finish("stats")
+    shown = styled.getvalue()
+    assert "\x1b[2mthought: The user asks" in shown  # dim
+    final = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown)
+    assert final.rindex("The capital of France is Paris.") < final.rindex("thought: The user asks")
+    assert terminal.folded("a\n\nb  c " + "x" * 300, 10) == "a b c xxx\u2026"
+
+
+def test_slash_think_sets_the_templates_switch(vocab):
+    import io
+
+    from rich.console import Console
+
+    from dense_engine.cli import repl
+
+    out = io.StringIO()
+    talk = repl.Conversation("chat")
+    repl.command(None, vocab, talk, "/think off", Console(file=out), "ckpt", "", False, None)
+    assert talk.options == {"enable_thinking": False} and "thinking off" in out.getvalue()
+    ids, _ = repl.fit_conversation(types.SimpleNamespace(settings=types.SimpleNamespace(max_new_tokens=8),
+                                                         max_seq_len=512), vocab, None, ASK, talk.options)
+    assert vocab.decode(ids).endswith("<think>\n\n</think>\n\n")
+    plain = load_vocabulary(fixture_path("llama"), None)  # (a template without thinking)
+    repl.command(None, plain, talk, "/think on", Console(file=out), "ckpt", "", False, None)
+    assert "no thinking to switch" in out.getvalue() and talk.options == {"enable_thinking": False}
+
+
+def test_a_one_shot_prints_the_answer_and_then_the_thinking_on_one_line(vocab, capsys):
+    import io
+    import sys
+
+    from rich.console import Console
+
+    import chat
+    from dense_engine.cli.terminal import Notes
+
+    def reply(ids, write):  # what a thinking model's session writes, a few characters a token
+        assert vocab.decode(ids).endswith("assistant\n")
+        for i in range(0, len(REPLY), 5):
+            write(REPLY[i:i + 5])
+        return [], types.SimpleNamespace(line=lambda: "stats")
+
+    session = types.SimpleNamespace(max_seq_len=512, reply=reply, stop=None)
+    args = types.SimpleNamespace(prompt="What is the [b]capital[/b] of France?", system=None, prompt_cache=None,
+                                 stats=False)
+    notes = io.StringIO()
+    chat.one_shot(session, vocab, args, "chat", Notes(Console(file=notes, width=300)), 0.0)
+    assert capsys.readouterr().out == ANSWER  # (a pipe: the answer as it is)
+    assert notes.getvalue() == f"thought: {' '.join(THOUGHT.split())}\n"

@@ -17,7 +17,7 @@ import dense
 from dense_engine.cli import terminal
 from dense_engine.formats import convert
 from dense_engine.formats.vocab import Vocabulary
-from dense_engine.runtime import caches, tp
+from dense_engine.runtime import caches, reasoning, tp
 from dense_engine.runtime.sampling import DECLARED, describe, normal
 from dense_engine.runtime.session import Session
 from dense_engine.system import machine
@@ -32,6 +32,7 @@ HELP = """/help          this text               /exit          quit (or Ctrl-D)
 /set NAME VAL  temperature, top-k, top-p, min-p, typical-p, repetition-penalty (none: off), repeat-last-n,
                dry-multiplier, dry-base, dry-allowed-length, dry-penalty-last-n, max-new-tokens; /set alone: them all
 /model         what is loaded          /stats         cache and speed of the last reply
+/think on|off  a thinking model thinks first, or answers at once (its template's enable_thinking)
 Up/down recall earlier messages. A pasted block is one message; end a line with \\ to type another."""
 
 # The sampling settings: (type, valid value, what is expected). parse_args checks the flags with them, /set the
@@ -117,6 +118,7 @@ class Conversation:
     system: str | None = None
     messages: list[dict] = field(default_factory=list)
     last_line: str | None = None
+    options: dict = field(default_factory=dict)  # the chat template's variables (/think: enable_thinking)
 
 
 def interactive(session: Session, vocab: Vocabulary, args, mode: str, console, ckpt: str, why: str, notes) -> int:
@@ -206,6 +208,13 @@ def command(session: Session, vocab: Vocabulary, talk: Conversation, line: str, 
             console.print(f"[dim]{set_option(session.settings, rest)}[/dim]")
         elif name == "/model":
             console.print(describe_model(session, ckpt, why), markup=False)
+        elif name == "/think":
+            if rest not in ("on", "off"):
+                raise UsageError("expected on or off")
+            if not reasoning.thinks(vocab.chat_template):
+                raise UsageError("this model's chat template has no thinking to switch")
+            talk.options["enable_thinking"] = rest == "on"
+            console.print(f"[dim]thinking {rest} (the template's enable_thinking)[/dim]")
         else:
             console.print(f"[red]unknown command {name}[/red] (/help lists them)")
     except UsageError as e:
@@ -219,7 +228,7 @@ def turn(session: Session, vocab: Vocabulary, talk: Conversation, line: str | No
     (/retry: its prompt is all in the cache, so only its last token is fed again)."""
     if talk.mode == "chat":
         messages = talk.messages + ([{"role": "user", "content": line}] if line is not None else [])
-        ids, dropped = fit_conversation(session, vocab, talk.system, messages)
+        ids, dropped = fit_conversation(session, vocab, talk.system, messages, talk.options)
         if ids is None:
             console.print("[red]that message does not fit in the context[/red]")
             return
@@ -231,7 +240,9 @@ def turn(session: Session, vocab: Vocabulary, talk: Conversation, line: str | No
     else:
         talk.last_line = line
         ids = vocab.encode(line, special=True)[: session.max_seq_len - 1]
-    view = terminal.ReplyView(console, markdown)
+    thinking = reasoning.opened(vocab.decode(ids)) if talk.mode == "chat" and reasoning.thinks(vocab.chat_template) \
+        else None
+    view = terminal.ReplyView(console, markdown, thinking)
     with notes.held():  # (after the reply and its status line)
         try:
             reply, stats = session.reply(ids, view.write)
@@ -239,8 +250,9 @@ def turn(session: Session, vocab: Vocabulary, talk: Conversation, line: str | No
             view.finish("(stopped)")
             raise
         view.finish(stats.line())
-    if talk.mode == "chat":
-        talk.messages = talk.messages + [{"role": "assistant", "content": vocab.decode(reply)}]
+    if talk.mode == "chat":  # (the answer: templates drop an earlier turn's thinking)
+        answer = vocab.decode(reply) if thinking is None else reasoning.split(vocab.decode(reply), thinking)[1]
+        talk.messages = talk.messages + [{"role": "assistant", "content": answer}]
 
 
 CONVERSATION_FORMAT = "dense-engine conversation"
@@ -356,13 +368,14 @@ def read_json_quietly(path: str) -> dict:
         return {}
 
 
-def fit_conversation(session: Session, vocab: Vocabulary, system: str | None, history: list[dict]):
+def fit_conversation(session: Session, vocab: Vocabulary, system: str | None, history: list[dict],
+                     options: dict | None = None):
     """Token ids of the rendered conversation, dropping the oldest messages (never the system message) until the
     prompt and a reply fit the cache. Returns (ids, messages dropped), or (None, 0) when even the last message
     alone does not fit."""
     head = [{"role": "system", "content": system}] if system else []
     for dropped in range(0, len(history), 2):
-        ids = vocab.encode(vocab.render(head + history[dropped:]), special=False)
+        ids = vocab.encode(vocab.render(head + history[dropped:], options=options), special=False)
         if len(ids) + min(session.settings.max_new_tokens, 64) <= session.max_seq_len:
             return ids, dropped
     return None, 0

@@ -18,6 +18,8 @@ import signal
 import sys
 import time
 
+from dense_engine.runtime import reasoning
+
 try:
     import readline
     import termios
@@ -161,11 +163,15 @@ def prompt_text(console) -> str:
 
 
 class ReplyView:
-    """Shows one reply while it streams; write(text) for each piece, finish(stats_line) at the end."""
+    """Shows one reply while it streams; write(text) for each piece, finish(stats_line) at the end. thinking (not
+    None: a thinking model's reply, True when the prompt opened the thinking): the reasoning is kept apart
+    (reasoning.py) and shown dimmed, folded to one line, after the answer."""
 
-    def __init__(self, console, markdown: bool) -> None:
+    def __init__(self, console, markdown: bool, thinking: bool | None = None) -> None:
         self.console, self.markdown = console, markdown
         self.text, self.pieces, self.start = "", 0, time.perf_counter()
+        self.thoughts = reasoning.ThinkStream(thinking) if thinking is not None else None
+        self.thought = ""
         self.live = None
         if markdown:
             from rich.live import Live
@@ -174,14 +180,20 @@ class ReplyView:
             self.live.start()
 
     def write(self, text: str) -> None:
-        self.text += text
         self.pieces += 1
+        parts = self.thoughts.feed(text) if self.thoughts is not None else [("text", text)]
+        self.show("".join(t for kind, t in parts if kind == "text"))
+        self.thought += "".join(t for kind, t in parts if kind == "thinking")
+
+    def show(self, text: str) -> None:
+        self.text += text
         if self.live is None:
             self.console.file.write(text)
             self.console.file.flush()
             return
         rate = self.pieces / max(time.perf_counter() - self.start, 1e-9)
-        self.live.update(self.render(f"{self.pieces} tokens, {rate:.1f} tok/s"))
+        thinking = f"thinking ({len(self.thought)} characters), " if self.thought and not self.text else ""
+        self.live.update(self.render(f"{thinking}{self.pieces} tokens, {rate:.1f} tok/s"))
 
     def render(self, status: str | None):
         from rich.console import Group
@@ -192,12 +204,26 @@ class ReplyView:
         return Group(body, Text(status, style="dim")) if status else body
 
     def finish(self, stats_line: str) -> None:
+        if self.thoughts is not None:
+            for kind, t in self.thoughts.finish():
+                self.thought += t if kind == "thinking" else ""
+                self.show(t if kind == "text" else "")
         if self.live is not None:
             self.live.update(self.render(None), refresh=True)
             self.live.stop()
         else:
             self.console.print()
+        if self.thought.strip():
+            from rich.text import Text
+
+            self.console.print(Text(f"thought: {folded(self.thought, 160)}", style="dim"), soft_wrap=True)
         self.console.print(f"[dim]{stats_line}[/dim]", soft_wrap=True)
+
+
+def folded(text: str, width: int) -> str:
+    """text on one line (its whitespace runs as one space), cut to width characters with an ellipsis."""
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[:width - 1] + "\u2026"
 
 
 def same_file(a, b) -> bool:

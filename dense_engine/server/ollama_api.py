@@ -12,6 +12,7 @@ import hashlib
 import json
 import time
 
+from dense_engine.runtime import reasoning
 from dense_engine.server import infill
 from dense_engine.server.protocol import BadRequest, check_fields, note_unknown
 from dense_engine.server.responses import Piece, Reply
@@ -155,7 +156,8 @@ def tags(server, running: bool = False) -> dict:
 def show(server, body: dict) -> dict:
     config = server.scheduler.model.config
     capabilities = ["completion"] + (["tools"] if server.vocab.chat_template and "tools" in server.vocab.chat_template
-                                     else []) + (["insert"] if infill.fim_tokens(server.vocab) else [])
+                                     else []) + (["insert"] if infill.fim_tokens(server.vocab) else []) + (
+        ["thinking"] if reasoning.thinks(server.vocab.chat_template) else [])
     info = {"general.architecture": server.name,
             "general.parameter_count": sum(p.numel() for p in server.scheduler.model.parameters()),
             "context_length": config.max_position_embeddings, "embedding_length": config.hidden_size,
