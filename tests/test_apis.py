@@ -116,6 +116,27 @@ def test_responses_text_plain_and_streamed(vocab):
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
 
 
+def test_a_reply_cut_after_its_calls_began_finishes_with_length_on_every_api(vocab):
+    """max_tokens cut the reply inside its second call's name (the small default model, its calls allowed in
+    parallel, writes call after call): a cut reply, not calls to make."""
+    text = CALL + '\n<tool_call>\n{"na'
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    chat = openai_client(app_client(vocab, text, reason="length")[0]).chat.completions
+    assert chat.create(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools).choices[0] \
+        .finish_reason == "length"
+    streamed = [c.choices[0].finish_reason for c in chat.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], tools=tools, stream=True)
+        if c.choices and c.choices[0].finish_reason]
+    assert streamed == ["length"]
+    message = anthropic_client(app_client(vocab, text, reason="length")[0]).messages.create(
+        model="m", max_tokens=5, messages=[{"role": "user", "content": "hi"}],
+        tools=[{"name": "get_weather", "input_schema": WEATHER}])
+    assert message.stop_reason == "max_tokens"
+    whole = openai_client(app_client(vocab, CALL)[0]).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], tools=tools)
+    assert whole.choices[0].finish_reason == "tool_calls"  # (a reply that ended after its call)
+
+
 def test_responses_function_call_then_previous_response_id(vocab):
     http, scheduler = app_client(vocab, CALL)
     client = openai_client(http)

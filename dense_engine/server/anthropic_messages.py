@@ -177,6 +177,8 @@ class MessagesReply(Reply):
             return [error_body(BadRequest(piece.text, status=500))]
         if piece.kind in ("text", "thinking"):  # (a thinking block: the reasoning; its signature empty, ours)
             field = piece.kind
+            if field == "text":
+                self.note_text(piece)
             out = [] if self.writing is not None and self.blocks[self.writing]["type"] == field else \
                 self.close() + self.open({"type": field, field: "", **({"signature": ""} if field == "thinking"
                                                                         else {})})

@@ -125,6 +125,7 @@ class Reply:
         self.entries = {job.index: [] for job in jobs}
         self.calls = {job.index: [] for job in jobs}  # per choice: its calls so far, {"id", "name", "arguments"}
         self.thinking = {job.index: [] for job in jobs}  # (whole) per choice: its reasoning's pieces
+        self.after_calls = set()  # choices with text after their calls (note_text)
 
     def piece(self, token: int) -> str:
         return self.vocab.tokenizer.decode([token], skip_special_tokens=False)
@@ -157,6 +158,7 @@ class Reply:
             return self.call_chunks(piece, self.calls[piece.index][piece.call])
         if piece.kind == "done":
             return [self.chunk([self.choice(job, None, piece.text, True, piece.entries, at)])]
+        self.note_text(piece)
         self.offsets[piece.index] = at + len(piece.text)
         return [self.chunk([self.choice(job, piece.text, None, True, piece.entries, at)])]
 
@@ -177,8 +179,15 @@ class Reply:
             calls[piece.call]["ended"] = True
 
     def call_cut(self, index: int, reason: str) -> bool:
-        """Whether max_tokens cut choice `index` inside a tool call (its arguments not whole): no call to make."""
-        return reason == "length" and any(not call.get("ended") for call in self.calls[index])
+        """Whether max_tokens cut choice `index` inside a tool call: its arguments not whole, or text after its calls
+        (another call cut before its name was whole). Its finish is "length", never "tool_calls"."""
+        return reason == "length" and (any(not call.get("ended") for call in self.calls[index]) or
+                                       index in self.after_calls)
+
+    def note_text(self, piece: Piece) -> None:
+        """Text told after a choice's calls (what a call cut before its name is whole reads as)."""
+        if self.calls[piece.index] and piece.text.strip():
+            self.after_calls.add(piece.index)
 
     # whole
 
@@ -191,6 +200,7 @@ class Reply:
             return
         if piece.kind == "text":
             self.texts[piece.index].append(piece.text)
+            self.note_text(piece)
         if piece.kind == "thinking":
             self.thinking[piece.index].append(piece.text)
         self.entries[piece.index] += piece.entries
