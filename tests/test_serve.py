@@ -654,6 +654,64 @@ def test_structured_output_on_the_default_model_parses_into_a_pydantic_object(de
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
+@pytest.mark.slow
+def test_agent_loops_complete_on_the_default_model_through_each_client(default_server):
+    """A tool named (or required, one call) gives a call whose arguments validate against the schema, the tool's
+    result goes back, and the next reply answers without a call: openai's chat, Anthropic's Messages, an
+    openai-agents agent (Responses), and Ollama's chat (its tools offered: the model may call or answer)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    anthropic = pytest.importorskip("anthropic")
+    ollama = pytest.importorskip("ollama")
+    agents = pytest.importorskip("agents")
+    schema, ask = WEATHER["function"]["parameters"], "What is the weather in Paris?"
+    client = default_server.client()
+    messages = [{"role": "user", "content": ask}]
+    first = client.chat.completions.create(model="default", messages=messages, tools=[WEATHER], max_tokens=60,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    last = client.chat.completions.create(model="default", messages=messages, tools=[WEATHER], max_tokens=60)
+    assert last.choices[0].finish_reason == "stop" and last.choices[0].message.content and \
+        not last.choices[0].message.tool_calls
+    claude = anthropic.Anthropic(base_url=default_server.url, api_key="unused", max_retries=0)
+    tools = [{"name": "get_weather", "description": WEATHER["function"]["description"], "input_schema": schema}]
+    turns = [{"role": "user", "content": ask}]
+    first = claude.messages.create(model="default", max_tokens=60, tools=tools, messages=turns,
+                                   tool_choice={"type": "tool", "name": "get_weather"})
+    use = next(b for b in first.content if b.type == "tool_use")
+    assert first.stop_reason == "tool_use"
+    jsonschema.validate(use.input, schema)
+    turns += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}]}]
+    last = claude.messages.create(model="default", max_tokens=60, tools=tools, messages=turns)
+    assert last.stop_reason == "end_turn" and [b.type for b in last.content] == ["text"]
+    asked = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        asked.append(city)
+        return "sunny, 21 C"
+
+    agents.set_tracing_disabled(True)
+    model = agents.OpenAIResponsesModel(model="default", openai_client=openai.AsyncOpenAI(
+        base_url=default_server.url + "/v1", api_key="unused", max_retries=0))
+    agent = agents.Agent(name="weather", instructions="Answer with the tool.", tools=[get_weather], model=model,
+                         model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                                             max_tokens=60, temperature=0))
+    result = agents.Runner.run_sync(agent, ask, max_turns=4)  # (the tool choice resets after the call: it answers)
+    assert asked and all(isinstance(city, str) and city for city in asked) and result.final_output
+    local = ollama.Client(host=default_server.url)
+    reply = local.chat(model="default", messages=[{"role": "user", "content": ask}], tools=[WEATHER],
+                       options={"temperature": 0, "num_predict": 60})
+    for made in reply.message.tool_calls or []:
+        jsonschema.validate(made.function.arguments, schema)
+    assert reply.message.content or reply.message.tool_calls
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Tools: rendered through the checkpoint's template, replies parsed into tool_calls, required calls by grammar
 
