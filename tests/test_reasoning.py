@@ -13,7 +13,8 @@ import pytest
 from conftest import fixture_path
 from dense_engine.formats.vocab import load_vocabulary
 from dense_engine.runtime import reasoning
-from test_apis import CALL, WEATHER, anthropic_client, app_client, ollama_client, openai_client
+from test_apis import CALL, WEATHER, anthropic_client, ollama_client, openai_client
+from test_apis import app_client as scripted_app
 
 # Qwen3's switches, written small: enable_thinking false closes an empty thinking in the prompt; think_in_prompt
 # opens one there (as Qwen3.5's and DeepSeek-R1's templates do), so that the reply starts inside it
@@ -34,6 +35,13 @@ def vocab():
 
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def app_client(vocab, text, **kw):
+    """test_apis' app over a scripted scheduler, its model's vocabulary the thinking one's (two tokens added)."""
+    http, scheduler = scripted_app(vocab, text, **kw)
+    scheduler.model.config.vocab_size = vocab.size
+    return http, scheduler
 
 
 # ---- the split itself
@@ -235,3 +243,76 @@ def test_a_one_shot_prints_the_answer_and_then_the_thinking_on_one_line(vocab, c
     chat.one_shot(session, vocab, args, "chat", Notes(Console(file=notes, width=300)), 0.0)
     assert capsys.readouterr().out == ANSWER  # (a pipe: the answer as it is)
     assert notes.getvalue() == f"thought: {' '.join(THOUGHT.split())}\n"
+
+
+# ---- grammars that start later: a call in a reply that may be text, an answer after the thinking
+
+
+def walk(constraint, vocab, text: str) -> list[bool]:
+    """For each token of text: whether the constraint allowed it, then it is consumed."""
+    allowed = []
+    for token in vocab.encode(text, special=False):
+        allowed.append(bool(constraint.bias("cpu")[token] == 0))
+        constraint.consume(token)
+    return allowed
+
+
+def test_a_call_grammar_holds_from_the_calls_opener_on(vocab):
+    from dense_engine.runtime import grammar, tools
+
+    tool = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    lazy = tools.call_grammar(tool, None, "hermes", False, opened=True)
+    V = vocab.size
+    free = grammar.Lazy(lazy, grammar.tokenizer_for(vocab, V), V, tools.OPENERS["hermes"])
+    assert all(walk(free, vocab, "Let me look that up. ")) and not free.done  # text: anything goes
+    compact = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'  # (compact JSON)
+    assert all(walk(free, vocab, compact)) and free.matcher.is_accepting()  # then a call the schema allows
+    bad = grammar.Lazy(lazy, grammar.tokenizer_for(vocab, V), V, tools.OPENERS["hermes"])
+    steps = walk(bad, vocab, 'Sure. <tool_call>\n{"name":"get_weather","arguments":{"town":"Oslo"}}')
+    assert all(steps[:6]) and not all(steps)  # ("town": not a property the schema names)
+
+
+def test_a_thinking_models_grammar_holds_after_its_thinking_or_from_the_first_token(vocab):
+    from dense_engine.runtime import grammar
+
+    schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"]}
+    g, V = grammar.json_grammar(schema), vocab.size
+    think = vocab.tokenizer.token_to_id("<think>")
+
+    def lazy():
+        return grammar.Lazy(g, grammar.tokenizer_for(vocab, V), V, reasoning.CLOSE, opens=think)
+
+    thinker = lazy()
+    assert all(walk(thinker, vocab, "<think>\nIt is Paris, surely.\n</think>"))  # the thinking: free
+    assert all(walk(thinker, vocab, '{"capital":"Paris"}')) and thinker.matcher.is_accepting()
+    assert not walk(thinker, vocab, "x")[0]
+    direct = lazy()  # no thinking: the grammar from the first token (but <think> may open one)
+    assert bool(direct.bias("cpu")[think] == 0) and not walk(lazy(), vocab, "Hello")[0]
+    assert all(walk(direct, vocab, '{"capital":"Rome"}')) and direct.matcher.is_accepting()
+    opened = grammar.Lazy(g, grammar.tokenizer_for(vocab, V), V, reasoning.CLOSE)  # (the prompt opened it)
+    assert all(walk(opened, vocab, 'It is Paris.</think>{"capital":"Paris"}'))
+
+
+def test_settings_make_the_grammar_lazy_where_the_model_may_write_text_or_think_first(vocab):
+    from dense_engine.server import app, protocol
+
+    tools_ = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    body = {"messages": ASK, "tools": tools_}
+    auto = protocol.parse_request(body, "chat", vocab, 512)
+    assert auto.trigger == "<tool_call>" and isinstance(app.constraint(auto, vocab, vocab.size), grammar_lazy())
+    required = protocol.parse_request({**body, "tool_choice": "required"}, "chat", vocab, 512)
+    assert required.trigger == reasoning.CLOSE and required.thinking is False
+    assert app.constraint(required, vocab, vocab.size).opens == vocab.tokenizer.token_to_id("<think>")
+    shaped = protocol.parse_request({"messages": ASK, "response_format": {"type": "json_object"},
+                                     "chat_template_kwargs": {"think_in_prompt": True}}, "chat", vocab, 512)
+    assert shaped.trigger == reasoning.CLOSE and shaped.thinking is True
+    assert app.constraint(shaped, vocab, vocab.size).opens is None
+    plain = load_vocabulary(fixture_path("llama"), None)  # (no thinking, no tools: a grammar from the first token)
+    fixed = protocol.parse_request({"messages": ASK, "response_format": {"type": "json_object"}}, "chat", plain, 512)
+    assert fixed.trigger is None and not isinstance(app.constraint(fixed, plain, plain.size), grammar_lazy())
+
+
+def grammar_lazy():
+    from dense_engine.runtime import grammar
+
+    return grammar.Lazy

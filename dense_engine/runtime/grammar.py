@@ -147,3 +147,46 @@ class Constraint:
     def done(self) -> bool:
         """The grammar takes no more tokens (complete, or in an error state)."""
         return self.matcher.is_stopped() or self.matcher.is_error()
+
+
+class Lazy(Constraint):
+    """A grammar that starts after a trigger (llama.cpp's lazy grammars): the reply is free until its text holds
+    `trigger` (a tool call's opener, a thinking model's </think>); then the text after it goes into the grammar,
+    which holds every later token. opens: a token the reply may start with instead (a thinking model's <think>):
+    then the grammar holds from the first token unless that token opens a thinking, and waits for the trigger if
+    it does."""
+
+    def __init__(self, grammar: str, tokenizer, n_vocab: int, trigger: str, opens: int | None = None) -> None:
+        super().__init__(grammar, tokenizer, n_vocab)
+        self.tokenizer, self.trigger, self.opens = tokenizer, trigger, opens
+        self.waiting, self.ids = opens is None, []
+
+    def bias(self, device) -> torch.Tensor:
+        if self.waiting:
+            return torch.zeros(self.n_vocab, device=device)
+        bias = super().bias(device)
+        if self.opens is not None and not self.ids:
+            bias[self.opens] = 0
+        return bias
+
+    def consume(self, token: int) -> None:
+        first = not self.ids
+        self.ids.append(int(token))
+        if not self.waiting:
+            if first and token == self.opens:
+                self.waiting = True
+                return
+            return super().consume(token)
+        text = self.tokenizer.decode_str(self.ids[-64:])  # (the trigger is a few tokens, just written)
+        at = text.find(self.trigger)
+        if at >= 0:
+            self.waiting = False
+            rest = text[at + len(self.trigger):]
+            rest = rest.lstrip() if self.opens is not None or self.trigger == "</think>" else rest
+            if rest:
+                self.matcher.consume_tokens(self.tokenizer.tokenize_str(rest))
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and super().done
+

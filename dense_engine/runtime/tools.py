@@ -78,9 +78,10 @@ def load(text: str):
         return None
 
 
-def call_grammar(tools: list[dict], only: str | None, fmt: str, parallel: bool) -> str:
+def call_grammar(tools: list[dict], only: str | None, fmt: str, parallel: bool, opened: bool = False) -> str:
     """The grammar of a reply that is a call (of `only`, or of any tool), valid against its parameters' schema;
-    more than one when parallel."""
+    more than one when parallel. opened: of what follows the call's opener (OPENERS: the trigger of a lazy grammar,
+    grammar.Lazy, when the model may answer in text instead)."""
     functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     key = "parameters" if fmt == "llama3" else "arguments"
     choices = [{"type": "object", "properties": {"name": {"const": f["name"]},
@@ -90,7 +91,8 @@ def call_grammar(tools: list[dict], only: str | None, fmt: str, parallel: bool) 
     call = "call: %json " + json.dumps(schema)
     if fmt == "hermes":
         one = '"<tool_call>\\n" call "\\n</tool_call>"'
-        start = f"start: {one} (\"\\n\" {one})*" if parallel else f"start: {one}"
+        first = '"\\n" call "\\n</tool_call>"' if opened else one
+        start = f"start: {first} (\"\\n\" {one})*" if parallel else f"start: {first}"
     elif fmt == "mistral":
         start = 'start: "[" call ("," call)* "]"' if parallel else 'start: "[" call "]"'
     else:

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from dense_engine.runtime import grammar
+from dense_engine.runtime import grammar, reasoning
 from dense_engine.server import anthropic_messages, infill, ollama_api, openai_responses, slots
 from dense_engine.server.protocol import BadRequest, Settings, decode_body, parse_request
 from dense_engine.server.responses import ChatReply, ClientEvents, CompletionReply
@@ -63,9 +63,23 @@ def make_jobs(settings: Settings, server, sink) -> list[Request]:
     return [Request(prompt, settings.max_tokens, sampler, settings.stop,
                     torch.Generator(model.device).manual_seed((sampler.seed + i) % 2**63), sink, index=i,
                     logprobs=settings.logprobs, echo=settings.echo,
-                    shaping=Shaping(grammar.Constraint(settings.grammar, grammar.tokenizer_for(vocab, V), V)
-                                    if settings.grammar else None, sampler.dry_for(vocab)))
+                    shaping=Shaping(constraint(settings, vocab, V), sampler.dry_for(vocab)))
             for i, prompt in enumerate(settings.prompts)]
+
+
+def constraint(settings: Settings, vocab, V: int):
+    """A reply's grammar: from its first token, or lazily from a trigger (a call's opener; a thinking model's
+    </think>, which a reply that does not open its thinking with <think> never writes: the grammar then holds from
+    its first token)."""
+    if not settings.grammar:
+        return None
+    tokenizer = grammar.tokenizer_for(vocab, V)
+    opens = None
+    if settings.trigger == reasoning.CLOSE and not settings.thinking:
+        opens = vocab.tokenizer.token_to_id(reasoning.OPEN)
+    if settings.trigger is None or settings.trigger == reasoning.CLOSE and not settings.thinking and opens is None:
+        return grammar.Constraint(settings.grammar, tokenizer, V)
+    return grammar.Lazy(settings.grammar, tokenizer, V, settings.trigger, opens)
 
 
 def make_app(server):

@@ -69,12 +69,14 @@ class BadRequest(Exception):
 @dataclass(frozen=True)
 class ToolCalling:
     """The tools a chat request offers: their names, the reply format the template's family writes calls in, whether
-    several calls may come at once, and the grammar of a required call (None: the model may answer in text)."""
+    several calls may come at once, and the grammar of a required call (None: the model may answer in text); when
+    it may, the grammar of what follows a call's opener (lazy: from the opener on, grammar.Lazy)."""
     tools: list
     names: frozenset
     format: str
     parallel: bool
     grammar: str | None
+    lazy: str | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class Settings:
     echo: bool  # (completions) the prompt and its logprobs before the reply
     grammar: str | None  # a response_format's or a required tool call's
     calling: ToolCalling | None
+    trigger: str | None = None  # the grammar holds from this text on (grammar.Lazy): a call's opener, </think>
     thinking: bool | None = None  # (chat) the reply's reasoning told apart; True: the prompt opened it (reasoning.py)
 
 
@@ -156,7 +159,11 @@ def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculat
     seed = seed if seed is not None else int(torch.randint(2**62, ()))
     top_p = number(body, "top_p", float, None, low=0, high=1, low_open=True)
     top_k = number(body, "top_k", int, None, low=0)
-    shape = requested_grammar(body, calling)
+    shape, trigger = requested_grammar(body, calling), None
+    if shape is None and calling is not None and calling.lazy is not None:  # the model may call: from the opener on
+        shape, trigger = calling.lazy, tools.OPENERS[calling.format]
+    elif shape is not None and thinking is not None:  # a thinking model's grammar holds after its thinking
+        trigger = reasoning.CLOSE
     bias = logit_bias(body.get("logit_bias"), vocab.size)
     presence = number(body, "presence_penalty", float, 0.0, low=-2, high=2)
     frequency = number(body, "frequency_penalty", float, 0.0, low=-2, high=2)
@@ -177,7 +184,7 @@ def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculat
         frequency_penalty=frequency, logit_bias=bias, seed=seed)
     return Settings(prompts=prompts, max_tokens=max_tokens, sampler=sampler, stop=stop, stream=stream,
                     include_usage=options.get("include_usage", False), logprobs=logprobs, echo=echo, grammar=shape,
-                    calling=calling, thinking=thinking)
+                    calling=calling, thinking=thinking, trigger=trigger)
 
 
 def dry_settings(body: dict) -> dict:
@@ -337,13 +344,15 @@ def tool_calling(body: dict, vocab: Vocabulary) -> ToolCalling | None:
     if not isinstance(parallel, bool):
         raise BadRequest("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
     fmt = tools.reply_format(vocab.chat_template)
-    forced = None
-    if choice == "required" or only:
-        try:
+    forced = lazy = None
+    try:
+        if choice == "required" or only:
             forced = tools.call_grammar(given, only, fmt, parallel and not only)
-        except UsageError as e:
-            raise BadRequest(str(e), "tool_choice", status=500, kind="server_error") from None
-    return ToolCalling(given, names, fmt, parallel, forced)
+        elif tools.OPENERS[fmt] is not None:  # (llama3's call is a whole reply: no opener to wait for)
+            lazy = tools.call_grammar(given, None, fmt, parallel, opened=True)
+    except UsageError as e:
+        raise BadRequest(str(e), "tool_choice", status=500, kind="server_error") from None
+    return ToolCalling(given, names, fmt, parallel, forced, lazy)
 
 
 def completion_prompts(prompt, vocab: Vocabulary, max_seq_len: int) -> list[list[int]]:
