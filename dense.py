@@ -55,6 +55,7 @@ class DenseConfig:
     qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2, StableLM)
     qk_norm: str = "none"  # "per_channel": per head, a gain per (head, channel) (ShellElastic, StableLM) |
     #                        "shared": per head, one [D] gain (OpenELM, Qwen3, Gemma 3) | "whole": all heads (OLMo 2)
+    qk_norm_after_rope: bool = False  # the q/k norms after the rotary instead of before (Hunyuan)
     attn_output_gate: bool = False  # attention output *= sigmoid(x W_gate^T), x the attention input (ShellElastic,
     #                                 Qwen3.5)
     # layers whose memory is a fixed-size state: layer_types "linear_attention" (Qwen3.5's Gated DeltaNet) | "conv"
@@ -71,7 +72,7 @@ class DenseConfig:
     #                                     to the compute dtype first, then the gain (Llama)
     norm_unit_offset: bool = False  # RMSNorm's gain is 1 + weight (Gemma stores offsets from 1)
     mlp: str = "swiglu"  # down(silu(gate(x)) * up(x)) | "geglu": tanh-GELU instead of silu (Gemma) |
-    #                      "gelu": down(gelu(up(x))), exact GELU (GPT-NeoX)
+    #                      "gelu": down(gelu(up(x))), exact GELU (GPT-NeoX) | "xielu": down(xielu(up(x))) (Apertus)
     bias: bool = False  # biases on every linear of the blocks (GPT-NeoX)
     parallel_residual: bool = False  # x + attn(n1(x)) + mlp(n2(x)) (GPT-NeoX, StableLM 2)
     pre_norms: bool = True  # norm each branch's input (every family but OLMo 2)
@@ -416,17 +417,21 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(C, sum(self.parts.values()), bias=config.bias or config.qkv_bias)
         self.o_proj = nn.Linear(q_width, C, bias=config.bias)
         self.q_norm, self.k_norm = qk_norm(config, self.n_heads), qk_norm(config, self.n_kv_heads)
+        self.norm_after_rope = config.qk_norm_after_rope
         self.memory: nn.Module = NoCache()
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v, *gate = self.qkv_proj(x).split(list(self.parts.values()), dim=-1)
-        q = self.q_norm(q.view(B, T, self.n_heads, self.head_dim))
-        k = self.k_norm(k.view(B, T, self.n_kv_heads, self.head_dim))
+        q, k = q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        if not self.norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_kind is not None:
             cos, sin = step.rope[self.rope_kind]
             q, k = apply_rotary(q, cos, sin, self.rope_layout), apply_rotary(k, cos, sin, self.rope_layout)
+        if self.norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
         y = self.memory.attend(q, k, v, step, step.views[self.kind], self.scale, self.softcap)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
@@ -628,16 +633,22 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+# mlp kind -> an activation with learned parameters of its own (Apertus' xIELU: dense_engine/formats/activations.py
+# adds it when a checkpoint is read)
+ACTIVATIONS: dict = {}
+
+
 class MLP(nn.Module):
-    """down(gelu(up(x))), exact GELU (GPT-NeoX)."""
+    """down(act(up(x))): exact GELU (GPT-NeoX), or a family's activation of ACTIVATIONS."""
 
     def __init__(self, config: DenseConfig, layer: int) -> None:
         super().__init__()
         self.up_proj = nn.Linear(config.hidden_size, config.ffn_width(layer), bias=config.bias)
         self.down_proj = nn.Linear(config.ffn_width(layer), config.hidden_size, bias=config.bias)
+        self.act = nn.GELU() if config.mlp == "gelu" else ACTIVATIONS[config.mlp]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.up_proj(x)))
+        return self.down_proj(self.act(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -654,7 +665,7 @@ class DecoderLayer(nn.Module):
         self.parallel = config.parallel_residual
         self.attn_norm, self.mlp_norm = norm(config.pre_norms), norm(config.pre_norms)
         self.attn = MIXERS[config.mixer(layer)](config, layer)  # (attention, or a layer whose memory is a state)
-        self.mlp = MLP(config, layer) if config.mlp == "gelu" else GatedMLP(config, layer)
+        self.mlp = GatedMLP(config, layer) if config.mlp in ("swiglu", "geglu") else MLP(config, layer)
         self.attn_post_norm, self.mlp_post_norm = norm(config.post_norms), norm(config.post_norms)
         self.residual_scale = config.residual_scale
 

@@ -76,6 +76,12 @@ CASES = {
     "exaone4-lllg": ("exaone4", dict(head_dim=16, sliding_window=8, sliding_window_pattern="LG", layer_types=[
         "sliding_attention", "full_attention"] * 2), {"sliding_window": None, "layer_types": None}),
     "stablelm-parallel": ("stablelm", dict(qk_layernorm=True, use_qkv_bias=True, use_parallel_residual=True), {}),
+    "apertus": ("apertus", dict(head_dim=16, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 32,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0}), {"mlp": "gelu"}),  # (xIELU, its parameters per layer)
+    "hunyuan": ("hunyuan_v1_dense", dict(head_dim=16, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
+                                                                       "alpha": 1000.0, "factor": 1.0}),
+                {"qk_norm_after_rope": False}),  # (q/k norms after the rotary; the base stretched by alpha)
 }
 FAMILIES = ["llama3", "qwen2-window", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "smollm3", "granite",
             "olmo2", "stablelm", "glm4", "cohere2"]  # one case per family for the fast paths (OLMo 3, Seed-OSS, EXAONE 4

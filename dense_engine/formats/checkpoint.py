@@ -21,7 +21,7 @@ import torch
 
 from dense import DenseConfig
 from dense_engine.formats import call_checks  # noqa: F401 (an eager call's checks, into dense.DenseDecoder)
-from dense_engine.formats import rope_scalings  # noqa: F401 (the families' rope scalings, into dense.ROPE_SCALINGS)
+from dense_engine.formats import activations, rope_scalings  # noqa: F401 (into dense.ACTIVATIONS, ROPE_SCALINGS)
 from dense_engine.system.errors import CheckpointError, first_line
 
 
@@ -209,7 +209,7 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
 
     choices = {"rope_precision": ("bfloat16", "float32"), "rope_layout": ("half", "interleaved"),
                "norm": ("rmsnorm", "layernorm"), "qk_norm": ("none", "per_channel", "shared", "whole"),
-               "mlp": ("swiglu", "geglu", "gelu")}
+               "mlp": ("swiglu", "geglu", "gelu", "xielu")}
     for name, allowed in choices.items():
         if getattr(config, name) not in allowed:
             bad(f"{name} must be one of {', '.join(allowed)}, got {getattr(config, name)!r}")

@@ -278,7 +278,8 @@ def gpt_neox(folder: str, raw: dict, source: str):
 # Keys that describe a release, its training or its generation defaults, never the forward pass.
 HARMLESS_KEYS = {
     "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "auto_map",
-    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "initializer_range",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "eod_token_id", "decoder_start_token_id",
+    "initializer_range",
     "use_cache", "attention_dropout", "hidden_dropout", "embd_pdrop", "resid_pdrop", "classifier_dropout",
     "pretraining_tp", "output_attentions", "output_hidden_states", "return_dict", "use_return_dict", "torchscript",
     "tie_encoder_decoder", "is_encoder_decoder", "is_decoder", "add_cross_attention", "chunk_size_feed_forward",
@@ -328,6 +329,8 @@ class Family:
     #                       rotary pairs interleaved (Command R7B / A)
     attention_bias_is_qkv: bool = False  # attention_bias (true when absent) is q/k/v's, attention_out_bias the
     #                                      output's (Seed-OSS, GLM-4)
+    norm_after_rope: bool = False  # the q/k norms after the rotary (Hunyuan)
+    mlp: str = "swiglu"  # "xielu": down(xielu(up(x))), its parameters learned per layer (Apertus)
     glm: bool = False  # rotary pairs interleaved; post_self_attn_layernorm and post_mlp_layernorm after the branches,
     #                    post_attention_layernorm before the MLP (GLM-4)
 
@@ -356,6 +359,8 @@ FAMILIES = {
     "cohere2": Family(gguf="cohere2", eps=1e-5, tied=True, cohere=True, windows="pattern", window_pattern=4, window=4096,
                       nope_full=True),
     "ministral3": Family(theta=1e6, head_dim=128, windows="given", llama4_scale=True),
+    "apertus": Family(eps=1e-5, theta=12e6, qk_norm="shared", mlp="xielu"),
+    "hunyuan_v1_dense": Family(eps=1e-5, qk_norm="shared", norm_after_rope=True),
     "exaone4": Family(gguf="exaone4", eps=1e-5, qk_norm="shared", pre_norms=False, post_norms=True, windows="pattern", window_pattern=4,
                       window=4096, nope_full=True),
 }
@@ -409,6 +414,9 @@ def hf_rope(cfg: ConfigReader, default_theta: float, head_dim: int,
     fraction = float(params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", default_fraction)))
     kind = params.pop("rope_type", params.pop("type", "default"))
     kind = {"su": "longrope"}.get(kind, kind)
+    if kind == "dynamic" and params.get("alpha"):  # Hunyuan's NTK alpha: a fixed stretch of the base, as transformers
+        theta *= float(params.pop("alpha")) ** (head_dim / (head_dim - 2))
+        kind = "default"
     if kind == "yarn" and cfg.raw.get("model_type") == "phi3":
         kind = "longrope"  # transformers reads Phi-3's legacy "yarn" as longrope
     cfg.get("original_max_position_embeddings")  # read where a scaling uses it; without one it changes nothing
@@ -489,8 +497,8 @@ def hf_decoder(folder: str, raw: dict, source: str, prefix: str = "model."):
     if family.gemma:
         if act not in ("gelu_pytorch_tanh", "gelu") or (act == "gelu" and kind != "gemma"):
             cfg.refuse("hidden_activation", "Gemma's MLP is gelu_pytorch_tanh")
-    elif act not in ("silu", "swish"):
-        cfg.refuse("hidden_act", "only silu for this family")
+    elif act != family.mlp and (family.mlp == "xielu" or act not in ("silu", "swish")):
+        cfg.refuse("hidden_act", f"only {'xielu' if family.mlp == 'xielu' else 'silu'} for this family")
     window = cfg.get("sliding_window", family.window)
     if family.windows == "flag" and not cfg.get("use_sliding_window", False):
         window = None  # a window in the config is off unless use_sliding_window says so
@@ -532,7 +540,8 @@ def hf_decoder(folder: str, raw: dict, source: str, prefix: str = "model."):
         norm_eps=float(cfg.get("layer_norm_eps" if layer_norms else "rms_norm_eps", family.eps)),
         norm_gain_in_float32=family.norm_gain_in_float32, norm_unit_offset=family.gemma,
         qk_norm="per_channel" if stablelm and cfg.get("qk_layernorm") else family.qk_norm,
-        mlp="geglu" if family.gemma else "swiglu", bias=attn_bias,
+        qk_norm_after_rope=family.norm_after_rope,
+        mlp="geglu" if family.gemma else family.mlp, bias=attn_bias,
         parallel_residual=family.cohere or stablelm and bool(cfg.get("use_parallel_residual")),
         pre_norms=family.pre_norms, post_norms=family.post_norms,
         residual_scale=granite.get("residual_multiplier", 1.0),
@@ -557,7 +566,9 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
     rules = [
         (top + r"embed_tokens\.weight", "embed_tokens.weight"), (top + r"norm\.(weight|bias)", r"norm.\1"),
         (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight"),
-        (layer + r"input_layernorm\.(weight|bias)", r"layers.\1.attn_norm.\2"),
+        (layer + r"(?:input|attention)_layernorm\.(weight|bias)", r"layers.\1.attn_norm.\2"),
+        (layer + r"feedforward_layernorm\.weight", r"layers.\1.mlp_norm.weight"),  # (Apertus)
+        (layer + r"mlp\.act_fn\.(alpha_p|alpha_n|beta|eps)", r"layers.\1.mlp.act.\2"),
         (layer + r"post_attention_layernorm\.(weight|bias)", rf"layers.\1.{after_attention}.\2"),
         (layer + r"pre_feedforward_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
         (layer + r"post_feedforward_layernorm\.weight", r"layers.\1.mlp_post_norm.weight"),
@@ -565,6 +576,8 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
         (layer + r"post_mlp_layernorm\.weight", r"layers.\1.mlp_post_norm.weight"),
         (layer + r"self_attn\.([qkvo]_proj)\.(weight|bias)", r"layers.\1.attn.\2.\3"),
         (layer + r"self_attn\.([qk])_norm\.weight", r"layers.\1.attn.\2_norm.weight"),
+        (layer + r"self_attn\.query_layernorm\.weight", r"layers.\1.attn.q_norm.weight"),  # (Hunyuan's names)
+        (layer + r"self_attn\.key_layernorm\.weight", r"layers.\1.attn.k_norm.weight"),
         (layer + r"self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight", r"layers.\1.attn.\2_norm.head\3"),
         (layer + r"self_attn\.qkv_proj\.weight", r"layers.\1.attn.qkv.weight"),
         (layer + r"mlp\.gate_up_proj\.weight", r"layers.\1.mlp.gate_up.weight"),
