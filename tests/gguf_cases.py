@@ -57,6 +57,8 @@ CASES = {
     "seed_oss": dict(arch="seed_oss", tokenizer=("bpe", "llama-bpe"), head_dim=32),  # q/k/v biases
     "glm4": dict(arch="glm4", tokenizer=("bpe", "llama-bpe"), rotary=8),  # pairs interleaved, half rotated, 4 norms
     "cohere2": dict(arch="cohere2", tokenizer=("bpe", "llama-bpe"), layers=5, window=8, logit_scale=0.25),
+    "apertus": dict(arch="apertus", tokenizer=("bpe", "llama-bpe")),  # xIELU (its parameters in the metadata)
+    "hunyuan": dict(arch="hunyuan-dense", tokenizer=("bpe", "llama-bpe")),  # q/k norms after the rotary
 }
 PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel turns their q/k rows
 QUANTIZED = {"qwen2-q8_0": ("qwen2", Q.Q8_0), "gemma2-q4_1": ("gemma2", Q.Q4_1)}  # the block linears in these types
@@ -156,13 +158,15 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
 
     w = {"model.embed_tokens.weight": mat(V, C, 0.5), "model.norm.weight": gain(C)}
     olmo = s["arch"] in ("olmo2", "exaone4")  # norms after the branches only
-    if s["arch"] in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "exaone4", "seed_oss", "glm4"):
+    if s["arch"] in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "exaone4", "seed_oss", "glm4", "apertus", "hunyuan-dense"):
         w["lm_head.weight"] = mat(V, C)
     for i in range(L):
         p = f"model.layers.{i}."
-        if not olmo:
+        if s["arch"] == "apertus":  # (its norms' names)
+            w[p + "attention_layernorm.weight"], w[p + "feedforward_layernorm.weight"] = gain(C), gain(C)
+        elif not olmo:
             w[p + "input_layernorm.weight"] = gain(C)
-        if s["arch"] != "cohere2":  # (Command R: one norm before both branches)
+        if s["arch"] not in ("cohere2", "apertus"):  # (Command R: one norm before both branches)
             w[p + "post_attention_layernorm.weight"] = gain(C)
         if s["arch"] in ("gemma2", "gemma3"):
             w[p + "pre_feedforward_layernorm.weight"] = gain(C)
@@ -174,6 +178,13 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
         if s["arch"] == "phi3":
             w[p + "self_attn.qkv_proj.weight"] = np.concatenate([q, k, v])
             w[p + "mlp.gate_up_proj.weight"] = np.concatenate([mat(F, C), mat(F, C)])
+        elif s["arch"] == "apertus":  # a plain MLP through xIELU, its parameters a layer each
+            w.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                      p + "self_attn.v_proj.weight": v, p + "mlp.up_proj.weight": mat(F, C)})
+            w[p + "mlp.act_fn.alpha_p"] = rng.uniform(-0.5, 0.5, 1).astype(np.float32)
+            w[p + "mlp.act_fn.alpha_n"] = rng.uniform(-0.5, 0.5, 1).astype(np.float32)
+            w[p + "mlp.act_fn.beta"] = np.array(0.5, dtype=np.float32)
+            w[p + "mlp.act_fn.eps"] = np.array(-1e-6, dtype=np.float32)
         elif s["arch"] == "glm4":
             w.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
                       p + "self_attn.v_proj.weight": v,
@@ -187,8 +198,10 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
         if s["arch"] in ("qwen2", "seed_oss", "glm4"):
             for part, n in (("q", H), ("k", K), ("v", K)):
                 w[p + f"self_attn.{part}_proj.bias"] = (rng.standard_normal(n * D) * 0.1).astype(np.float32)
-        if s["arch"] in ("qwen3", "gemma3", "exaone4"):
+        if s["arch"] in ("qwen3", "gemma3", "exaone4", "apertus"):
             w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = gain(D), gain(D)
+        if s["arch"] == "hunyuan-dense":
+            w[p + "self_attn.query_layernorm.weight"], w[p + "self_attn.key_layernorm.weight"] = gain(D), gain(D)
         if s["arch"] == "olmo2":  # (over every head's channels at once)
             w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = gain(H * D), gain(K * D)
     return w
@@ -253,11 +266,16 @@ def gguf_tensors(case: str) -> dict[str, np.ndarray]:
             out["output_norm.weight"] = t
         elif name == "lm_head.weight":
             out["output.weight"] = t
+        elif ".act_fn." in name:  # (the converter's metadata: write() puts them there)
+            continue
         else:
             i, rest = name.split(".", 3)[2], name.split(".", 3)[3]
             post = "post_attention_norm" if arch in ("gemma2", "gemma3", "olmo2", "exaone4", "seed_oss") else "ffn_norm"
             theirs = {**LAYER_NAMES, "post_attention_layernorm.weight": f"{post}.weight",
                       "post_self_attn_layernorm.weight": "post_attention_norm.weight",
+                      "attention_layernorm.weight": "attn_norm.weight", "feedforward_layernorm.weight": "ffn_norm.weight",
+                      "self_attn.query_layernorm.weight": "attn_q_norm.weight",
+                      "self_attn.key_layernorm.weight": "attn_k_norm.weight",
                       "post_mlp_layernorm.weight": "post_ffw_norm.weight",
                       "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                       "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
@@ -289,6 +307,11 @@ def write(case: str, path: str, qtype=None) -> str:
     writer.add_rope_dimension_count(s.get("rotary", s["head_dim"]))
     if s.get("window"):
         writer.add_sliding_window(s["window"])
+    if arch == "apertus":  # xIELU's parameters as the converter writes them: a value a layer, as stored
+        w = hf_weights(case)
+        for key, add in (("alpha_n", writer.add_xielu_alpha_n), ("alpha_p", writer.add_xielu_alpha_p),
+                         ("beta", writer.add_xielu_beta), ("eps", writer.add_xielu_eps)):
+            add([float(w[f"model.layers.{i}.mlp.act_fn.{key}"].reshape(())) for i in range(s["layers"])])
     if s.get("logit_scale"):
         writer.add_logit_scale(s["logit_scale"])
     if arch == "cohere2":  # layer norms: their eps under its own key

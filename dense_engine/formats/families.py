@@ -359,8 +359,8 @@ FAMILIES = {
     "cohere2": Family(gguf="cohere2", eps=1e-5, tied=True, cohere=True, windows="pattern", window_pattern=4, window=4096,
                       nope_full=True),
     "ministral3": Family(theta=1e6, head_dim=128, windows="given", llama4_scale=True),
-    "apertus": Family(eps=1e-5, theta=12e6, qk_norm="shared", mlp="xielu"),
-    "hunyuan_v1_dense": Family(eps=1e-5, qk_norm="shared", norm_after_rope=True),
+    "apertus": Family(gguf="apertus", eps=1e-5, theta=12e6, qk_norm="shared", mlp="xielu"),
+    "hunyuan_v1_dense": Family(gguf="hunyuan-dense", eps=1e-5, qk_norm="shared", norm_after_rope=True),
     "exaone4": Family(gguf="exaone4", eps=1e-5, qk_norm="shared", pre_norms=False, post_norms=True, windows="pattern", window_pattern=4,
                       window=4096, nope_full=True),
 }

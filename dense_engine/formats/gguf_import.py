@@ -50,7 +50,7 @@ from dense_engine.system.machine import cache_dir, note, unwritable_cache
 STATE_ARCHITECTURES = ("qwen35", "lfm2")  # hybrids whose other layers keep a state (dense.py section 4)
 ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
 #                                                                   smollm3, granite, olmo2 (OLMo 2 and 3), seed_oss,
-#                                                                   exaone4, glm4, cohere2
+#                                                                   exaone4, glm4, cohere2, apertus, hunyuan-dense
 # Token texts that end a turn in common chat formats (llama.cpp recognises them the same way).
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "</s>")
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type values
@@ -328,7 +328,8 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
                        key("attention.layer_norm_rms_epsilon", 1e-5)),
         norm="layernorm" if family.cohere else "rmsnorm", parallel_residual=family.cohere,  # (one norm, both branches)
         qk_norm=(family.qk_norm if family.qk_norm != "none" else "shared") if "blk.0.attn_q_norm.weight" in tensors
-        else "none", mlp="geglu" if family.gemma else "swiglu", pre_norms=family.pre_norms,
+        else "none", qk_norm_after_rope=family.norm_after_rope, mlp="geglu" if family.gemma else family.mlp,
+        pre_norms=family.pre_norms,
         post_norms=family.post_norms, norm_gain_in_float32=family.norm_gain_in_float32,  # (Gemma's 1 + w: baked in)
         tie_word_embeddings="output.weight" not in tensors or arch in ("gemma", "gemma2", "cohere2"),
         final_softcap=float(key("final_logit_softcapping", 30.0 if family.softcaps else 0.0)) or None)
@@ -486,6 +487,13 @@ def read_gguf(path: str) -> Checkpoint:
              "predicts one token a step")
     if arch in ("gemma", "gemma2", "cohere2"):  # llama.cpp reads the head from the embedding, whatever else is there
         table.pop("lm_head.weight", None)
+    if config.mlp == "xielu":  # (Apertus) its activation's parameters, a layer each, in the metadata as stored
+        for key in ("alpha_p", "alpha_n", "beta", "eps"):
+            values = field(reader, f"xielu.{key}", path=path)
+            values = values if isinstance(values, list) else [values] * config.num_hidden_layers
+            for i, value in enumerate(values[:config.num_hidden_layers]):
+                shape = (1,) if key.startswith("alpha") else ()
+                table[f"layers.{i}.mlp.act.{key}"] = lambda value=value, shape=shape: torch.full(shape, float(value))
     if arch == "cohere2":  # layer norms without bias (zeros add nothing), one before both branches
         table["norm.bias"] = lambda C=config.hidden_size: torch.zeros(C)
         for i in range(config.num_hidden_layers):
