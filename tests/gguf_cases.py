@@ -59,6 +59,7 @@ CASES = {
     "cohere2": dict(arch="cohere2", tokenizer=("bpe", "llama-bpe"), layers=5, window=8, logit_scale=0.25),
     "apertus": dict(arch="apertus", tokenizer=("bpe", "llama-bpe")),  # xIELU (its parameters in the metadata)
     "hunyuan": dict(arch="hunyuan-dense", tokenizer=("bpe", "llama-bpe")),  # q/k norms after the rotary
+    "stablelm": dict(arch="stablelm", tokenizer=("bpe", "gpt-2"), rotary=4),  # layer norms, per-head q/k norms
 }
 PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel turns their q/k rows
 QUANTIZED = {"qwen2-q8_0": ("qwen2", Q.Q8_0), "gemma2-q4_1": ("gemma2", Q.Q4_1)}  # the block linears in these types
@@ -157,8 +158,11 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
         return (rng.uniform(-0.5, 0.5, n) if gemma else rng.uniform(0.5, 1.5, n)).astype(np.float32)
 
     w = {"model.embed_tokens.weight": mat(V, C, 0.5), "model.norm.weight": gain(C)}
+    if s["arch"] == "stablelm":
+        w["model.norm.bias"] = (rng.standard_normal(C) * 0.1).astype(np.float32)
     olmo = s["arch"] in ("olmo2", "exaone4")  # norms after the branches only
-    if s["arch"] in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "exaone4", "seed_oss", "glm4", "apertus", "hunyuan-dense"):
+    if s["arch"] in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "exaone4", "seed_oss", "glm4", "apertus", "hunyuan-dense",
+                     "stablelm"):
         w["lm_head.weight"] = mat(V, C)
     for i in range(L):
         p = f"model.layers.{i}."
@@ -195,7 +199,13 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
                       p + "mlp.up_proj.weight": mat(F, C)})
         w[p + "self_attn.o_proj.weight"] = mat(C, H * D)
         w[p + "mlp.down_proj.weight"] = mat(C, F)
-        if s["arch"] in ("qwen2", "seed_oss", "glm4"):
+        if s["arch"] == "stablelm":  # layer norms with biases; a [D] norm per head of q and of k
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                w[p + f"{norm}.bias"] = (rng.standard_normal(C) * 0.1).astype(np.float32)
+            for part, n in (("q", H), ("k", K)):
+                for h in range(n):
+                    w[p + f"self_attn.{part}_layernorm.norms.{h}.weight"] = gain(D)
+        if s["arch"] in ("qwen2", "seed_oss", "glm4", "stablelm"):
             for part, n in (("q", H), ("k", K), ("v", K)):
                 w[p + f"self_attn.{part}_proj.bias"] = (rng.standard_normal(n * D) * 0.1).astype(np.float32)
         if s["arch"] in ("qwen3", "gemma3", "exaone4", "apertus"):
@@ -264,6 +274,14 @@ def gguf_tensors(case: str) -> dict[str, np.ndarray]:
             out["token_embd.weight"] = t
         elif name == "model.norm.weight":
             out["output_norm.weight"] = t
+        elif name == "model.norm.bias":
+            out["output_norm.bias"] = t
+        elif "_layernorm.norms." in name:  # (StableLM) the converter stacks a layer's per-head norms: [heads, D]
+            i, part = name.split(".")[2], name.split(".")[4][0]
+            if name.endswith(".norms.0.weight"):
+                heads = s["heads"] if part == "q" else s["kv_heads"]
+                out[f"blk.{i}.attn_{part}_norm.weight"] = np.stack([w[f"model.layers.{i}.self_attn.{part}_layernorm"
+                                                                       f".norms.{h}.weight"] for h in range(heads)])
         elif name == "lm_head.weight":
             out["output.weight"] = t
         elif ".act_fn." in name:  # (the converter's metadata: write() puts them there)
@@ -274,6 +292,7 @@ def gguf_tensors(case: str) -> dict[str, np.ndarray]:
             theirs = {**LAYER_NAMES, "post_attention_layernorm.weight": f"{post}.weight",
                       "post_self_attn_layernorm.weight": "post_attention_norm.weight",
                       "attention_layernorm.weight": "attn_norm.weight", "feedforward_layernorm.weight": "ffn_norm.weight",
+                      "input_layernorm.bias": "attn_norm.bias", "post_attention_layernorm.bias": "ffn_norm.bias",
                       "self_attn.query_layernorm.weight": "attn_q_norm.weight",
                       "self_attn.key_layernorm.weight": "attn_k_norm.weight",
                       "post_mlp_layernorm.weight": "post_ffw_norm.weight",
@@ -314,7 +333,7 @@ def write(case: str, path: str, qtype=None) -> str:
             add([float(w[f"model.layers.{i}.mlp.act_fn.{key}"].reshape(())) for i in range(s["layers"])])
     if s.get("logit_scale"):
         writer.add_logit_scale(s["logit_scale"])
-    if arch == "cohere2":  # layer norms: their eps under its own key
+    if arch in ("cohere2", "stablelm"):  # layer norms: their eps under its own key
         writer.add_layer_norm_eps(s["eps"])
     if s.get("window") and arch == "olmo2":  # (the converter's pattern for OLMo 3: every 4th layer full)
         writer.add_sliding_window_pattern([(i + 1) % 4 != 0 for i in range(s["layers"])])

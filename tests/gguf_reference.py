@@ -79,7 +79,8 @@ def transformers_logits(case: str, ids: list[int]):
     model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
                   "gemma3": "gemma3_text", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite",
                   "olmo2": "olmo3" if s.get("window") else "olmo2", "exaone4": "exaone4", "seed_oss": "seed_oss",
-                  "glm4": "glm4", "cohere2": "cohere2", "apertus": "apertus", "hunyuan-dense": "hunyuan_v1_dense"}[arch]
+                  "glm4": "glm4", "cohere2": "cohere2", "apertus": "apertus", "hunyuan-dense": "hunyuan_v1_dense",
+                  "stablelm": "stablelm"}[arch]
     if s.get("llama3"):
         rope = {"rope_type": "llama3", "rope_theta": s["theta"], "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -120,7 +121,12 @@ def transformers_logits(case: str, ids: list[int]):
         rope["partial_rotary_factor"] = s["rotary"] / s["head_dim"]
     if arch == "apertus":
         values["hidden_act"] = "xielu"
-    if arch in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "exaone4", "seed_oss", "glm4", "apertus", "hunyuan-dense"):
+    if arch == "stablelm":  # (no rms_norm_eps: layer norms)
+        values.update(use_qkv_bias=True, qk_layernorm=True, use_parallel_residual=False, layer_norm_eps=s["eps"],
+                      partial_rotary_factor=s["rotary"] / s["head_dim"])
+        rope["partial_rotary_factor"] = s["rotary"] / s["head_dim"]
+    if arch in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "exaone4", "seed_oss", "glm4", "apertus", "hunyuan-dense",
+                "stablelm"):
         values["tie_word_embeddings"] = False
     config = transformers.AutoConfig.for_model(model_type, rope_parameters=rope, **values)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")

@@ -45,18 +45,24 @@ def folders(tmp_path_factory):
     so that its greedy tokens vary, and the fixture llama's tokenizer (512 tokens) beside them."""
     made = {}
     for i, (name, (cls, config)) in enumerate(CASES.items()):
-        torch.manual_seed(i)
-        model = getattr(transformers, cls)(config)
-        with torch.no_grad():
-            for key, p in model.named_parameters():
-                if "norm" not in key:
-                    p.normal_(0, 0.05)
         folder = tmp_path_factory.mktemp("state") / name.replace(" ", "_")
-        model.save_pretrained(folder)
+        model = save_random(cls, config, i, folder)
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(os.path.join(FIXTURES, "llama", f), folder)
         made[name] = (str(folder), model.eval())
     return made
+
+
+def save_random(cls: str, config, seed: int, folder):
+    """A transformers model of the class, its weights drawn with std 0.05 (the norms as made), saved in folder."""
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls)(config)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "norm" not in key:
+                p.normal_(0, 0.05)
+    model.save_pretrained(folder)
+    return model
 
 
 def prompt(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:

@@ -92,7 +92,7 @@ def states(tmp_path_factory):
     """Models with state layers: Qwen3.5 (value heads grouped, as transformers stores them, and tiled, as llama.cpp's
     files do; widths that int4 groups of 32 divide per value head) and LFM2."""
     import transformers
-    from test_state_layers import LFM2, QWEN, tile_value_heads
+    from test_state_layers import LFM2, QWEN, save_random, tile_value_heads
 
     root, made = tmp_path_factory.mktemp("states"), {}
     qwen = transformers.Qwen3_5TextConfig(vocab_size=512, num_hidden_layers=4,
@@ -100,13 +100,7 @@ def states(tmp_path_factory):
     for i, (case, cls, config) in enumerate((("qwen3_5", "Qwen3_5ForCausalLM", qwen),
                                              ("lfm2", "Lfm2ForCausalLM", transformers.Lfm2Config(vocab_size=512,
                                                                                                   **LFM2)))):
-        torch.manual_seed(i)
-        model = getattr(transformers, cls)(config)
-        with torch.no_grad():
-            for key, p in model.named_parameters():
-                if "norm" not in key:
-                    p.normal_(0, 0.05)
-        model.save_pretrained(root / case)
+        save_random(cls, config, i, root / case)
         made[case] = str(root / case)
     tiled = tile_value_heads(load.from_pretrained(made["qwen3_5"]))
     made["qwen3_5 tiled"] = str(root / "tiled")

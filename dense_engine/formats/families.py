@@ -352,7 +352,7 @@ FAMILIES = {
     "olmo2": Family(eps=1e-5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True),
     "olmo3": Family(gguf="olmo2", eps=1e-5, theta=5e5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True,
                     windows="pattern", window_pattern=4, window=4096, local_rope=True),
-    "stablelm": Family(eps=1e-5, derived_head_dim=True, rotary_fraction=0.25, stablelm=True),
+    "stablelm": Family(gguf="stablelm", eps=1e-5, derived_head_dim=True, rotary_fraction=0.25, stablelm=True),
     "seed_oss": Family(gguf="seed_oss", head_dim=128, attention_bias_is_qkv=True),
     "glm4": Family(gguf="glm4", eps=1.5625e-7, head_dim=128, rotary_fraction=0.5, attention_bias_is_qkv=True, post_norms=True,
                    glm=True),

@@ -50,7 +50,8 @@ from dense_engine.system.machine import cache_dir, note, unwritable_cache
 STATE_ARCHITECTURES = ("qwen35", "lfm2")  # hybrids whose other layers keep a state (dense.py section 4)
 ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
 #                                                                   smollm3, granite, olmo2 (OLMo 2 and 3), seed_oss,
-#                                                                   exaone4, glm4, cohere2, apertus, hunyuan-dense
+#                                                                   exaone4, glm4, cohere2, apertus, hunyuan-dense,
+#                                                                   stablelm
 # Token texts that end a turn in common chat formats (llama.cpp recognises them the same way).
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "</s>")
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type values
@@ -324,11 +325,12 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         nope_layers=nope,
         attn_softcap=float(key("attn_logit_softcapping", 50.0)) if family.softcaps else None,
         sliding_window=window or None, layer_types=layer_types, qkv_bias="blk.0.attn_q.bias" in tensors,
-        norm_eps=float(key("attention.layer_norm_epsilon") if family.cohere else
+        norm_eps=float(key("attention.layer_norm_epsilon") if family.cohere or family.stablelm else
                        key("attention.layer_norm_rms_epsilon", 1e-5)),
-        norm="layernorm" if family.cohere else "rmsnorm", parallel_residual=family.cohere,  # (one norm, both branches)
-        qk_norm=(family.qk_norm if family.qk_norm != "none" else "shared") if "blk.0.attn_q_norm.weight" in tensors
-        else "none", qk_norm_after_rope=family.norm_after_rope, mlp="geglu" if family.gemma else family.mlp,
+        norm="layernorm" if family.cohere or family.stablelm else "rmsnorm",
+        parallel_residual=family.cohere or family.stablelm and "blk.0.ffn_norm.weight" not in tensors,  # (one norm)
+        qk_norm=("per_channel" if family.stablelm else family.qk_norm if family.qk_norm != "none" else "shared")
+        if "blk.0.attn_q_norm.weight" in tensors else "none", qk_norm_after_rope=family.norm_after_rope, mlp="geglu" if family.gemma else family.mlp,
         pre_norms=family.pre_norms,
         post_norms=family.post_norms, norm_gain_in_float32=family.norm_gain_in_float32,  # (Gemma's 1 + w: baked in)
         tie_word_embeddings="output.weight" not in tensors or arch in ("gemma", "gemma2", "cohere2"),
@@ -459,7 +461,8 @@ def read_gguf(path: str) -> Checkpoint:
 
     skip = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}  # read into the config
     model_tensors = {"token_embd.weight": "embed_tokens.weight", "output.weight": "lm_head.weight",
-                     "token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight": "norm.weight"}
+                     "token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight": "norm.weight",
+                     "output_norm.bias": "norm.bias"}
     extra = range(config.num_hidden_layers, int(field(reader, f"{arch}.block_count", path=path)))  # qwen35's MTP
     mtp = []  # the multi-token prediction layers' tensors (blk.N.*, N in extra): skipped
     for name in tensors:
@@ -494,6 +497,10 @@ def read_gguf(path: str) -> Checkpoint:
             for i, value in enumerate(values[:config.num_hidden_layers]):
                 shape = (1,) if key.startswith("alpha") else ()
                 table[f"layers.{i}.mlp.act.{key}"] = lambda value=value, shape=shape: torch.full(shape, float(value))
+    if arch == "stablelm" and config.parallel_residual:  # (StableLM 2 12B: one norm before both branches)
+        for i in range(config.num_hidden_layers):
+            for p in ("weight", "bias"):
+                table[f"layers.{i}.mlp_norm.{p}"] = table[f"layers.{i}.attn_norm.{p}"]
     if arch == "cohere2":  # layer norms without bias (zeros add nothing), one before both branches
         table["norm.bias"] = lambda C=config.hidden_size: torch.zeros(C)
         for i in range(config.num_hidden_layers):
@@ -521,8 +528,10 @@ def layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple] | No
     if arch == "seed_oss" and kind == "post_attention_norm":  # (its norm before the MLP, as llama.cpp names it)
         return [(f"mlp_norm.{suffix}", None, None)]
     if kind not in LAYER_TENSORS or suffix not in ("weight", "bias") or (
-            suffix == "bias" and kind not in ("attn_q", "attn_k", "attn_v")):
+            suffix == "bias" and kind not in ("attn_q", "attn_k", "attn_v", "attn_norm", "ffn_norm")):
         return None
+    if kind in ("attn_q_norm", "attn_k_norm") and config.qk_norm == "per_channel":  # ([heads, D]: rows of heads)
+        return [(f"{LAYER_TENSORS[kind]}.{suffix}", None, lambda w, where: w.reshape(-1))]
     heads = {"attn_q": H, "attn_k": K}.get(kind) if arch in PERMUTED else None
     rows = unpermute(torch.arange(heads * D), heads) if heads else None
     return [(f"{LAYER_TENSORS[kind]}.{suffix}", rows, None)]
