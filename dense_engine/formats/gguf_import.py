@@ -387,7 +387,6 @@ def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfi
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv[0] if len(set(kv)) == 1 else kv,
         head_dim=head_dim, intermediate_size=int(key("feed_forward_length")), max_position_embeddings=context,
         rope_theta=float(key("rope.freq_base", 10000.0)), rotary_dim=rope_dim if rope_dim != head_dim else None,
-        rope_layout="interleaved" if family.glm or family.cohere else "half",  # (llama.cpp's "norm" rope: q/k as made)
         layer_types=types, qk_norm="shared", norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         tie_word_embeddings="output.weight" not in tensors, **values)
 
