@@ -60,6 +60,7 @@ CASES = {
     "apertus": dict(arch="apertus", tokenizer=("bpe", "llama-bpe")),  # xIELU (its parameters in the metadata)
     "hunyuan": dict(arch="hunyuan-dense", tokenizer=("bpe", "llama-bpe")),  # q/k norms after the rotary
     "stablelm": dict(arch="stablelm", tokenizer=("bpe", "gpt-2"), rotary=4),  # layer norms, per-head q/k norms
+    "gptneox": dict(arch="gptneox", tokenizer=("bpe", "gpt-2"), kv_heads=4, rotary=4),  # Pythia: biases, parallel
 }
 PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel turns their q/k rows
 QUANTIZED = {"qwen2-q8_0": ("qwen2", Q.Q8_0), "gemma2-q4_1": ("gemma2", Q.Q4_1)}  # the block linears in these types
@@ -146,6 +147,8 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
     s = spec(case)
     if s["arch"] in STATE_ARCHITECTURES:
         return state_hf_weights(case, seed)
+    if s["arch"] == "gptneox":
+        return gptneox_hf_weights(case, seed)
     V = vocab_size(case)
     rng = np.random.RandomState(seed + sum(map(ord, case)))
     C, H, K, D, F, L = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["ffn"], s["layers"]
@@ -217,6 +220,49 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
     return w
 
 
+def gptneox_hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """GPT-NeoX's own names and layout: q, k and v interleaved by head in query_key_value ([heads, 3, D] rows)."""
+    s, V = spec(case), vocab_size(case)
+    rng = np.random.RandomState(seed + sum(map(ord, case)))
+    C, F = s["hidden"], s["ffn"]
+
+    def mat(*shape, std=0.15):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    w = {"gpt_neox.embed_in.weight": mat(V, C, std=0.5), "lm_head.weight": mat(V, C),  # (transformers 5's name)
+         "gpt_neox.final_layer_norm.weight": rng.uniform(0.5, 1.5, C).astype(np.float32),
+         "gpt_neox.final_layer_norm.bias": mat(C, std=0.1)}
+    for i in range(s["layers"]):
+        p = f"gpt_neox.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            w[p + f"{norm}.weight"], w[p + f"{norm}.bias"] = rng.uniform(0.5, 1.5, C).astype(np.float32), mat(C, std=0.1)
+        for name, rows, cols in (("attention.query_key_value", 3 * C, C), ("attention.dense", C, C),
+                                 ("mlp.dense_h_to_4h", F, C), ("mlp.dense_4h_to_h", C, F)):
+            w[p + f"{name}.weight"], w[p + f"{name}.bias"] = mat(rows, cols), mat(rows, std=0.1)
+    return w
+
+
+def gptneox_gguf_tensors(case: str) -> dict[str, np.ndarray]:
+    """As the converter writes them: query_key_value's rows regrouped q | k | v."""
+    s, w = spec(case), gptneox_hf_weights(case)
+    H, C = s["heads"], s["hidden"]
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "attention.query_key_value": "attn_qkv", "attention.dense": "attn_output",
+             "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"}
+    out = {"token_embd.weight": w["gpt_neox.embed_in.weight"], "output.weight": w["lm_head.weight"],
+           "output_norm.weight": w["gpt_neox.final_layer_norm.weight"],
+           "output_norm.bias": w["gpt_neox.final_layer_norm.bias"]}
+    for name, t in w.items():
+        if not name.startswith("gpt_neox.layers."):
+            continue
+        i, rest = name.split(".")[2], name.split(".", 3)[3]
+        ours, _, kind = rest.rpartition(".")
+        if ours == "attention.query_key_value":
+            t = t.reshape(H, 3, C // H, *t.shape[1:]).swapaxes(0, 1).reshape(t.shape)
+        out[f"blk.{i}.{names[ours]}.{kind}"] = t
+    return out
+
+
 def llama3_factors(s: dict) -> np.ndarray:
     """rope_freqs: the divisor of each frequency Llama 3.1's scaling applies (factor 8, original context 32)."""
     dim = s["head_dim"]
@@ -263,6 +309,8 @@ def gguf_tensors(case: str) -> dict[str, np.ndarray]:
     """The file's tensors, named and changed as convert_hf_to_gguf.py does for the case's architecture."""
     if spec(case)["arch"] in STATE_ARCHITECTURES:
         return state_gguf_tensors(case)
+    if spec(case)["arch"] == "gptneox":
+        return gptneox_gguf_tensors(case)
     s, w = spec(case), hf_weights(case)
     arch = s["arch"]
     gemma = arch.startswith("gemma")
@@ -333,7 +381,9 @@ def write(case: str, path: str, qtype=None) -> str:
             add([float(w[f"model.layers.{i}.mlp.act_fn.{key}"].reshape(())) for i in range(s["layers"])])
     if s.get("logit_scale"):
         writer.add_logit_scale(s["logit_scale"])
-    if arch in ("cohere2", "stablelm"):  # layer norms: their eps under its own key
+    if arch == "gptneox":
+        writer.add_parallel_residual(True)
+    if arch in ("cohere2", "stablelm", "gptneox"):  # layer norms: their eps under its own key
         writer.add_layer_norm_eps(s["eps"])
     if s.get("window") and arch == "olmo2":  # (the converter's pattern for OLMo 3: every 4th layer full)
         writer.add_sliding_window_pattern([(i + 1) % 4 != 0 for i in range(s["layers"])])

@@ -80,7 +80,7 @@ def transformers_logits(case: str, ids: list[int]):
                   "gemma3": "gemma3_text", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite",
                   "olmo2": "olmo3" if s.get("window") else "olmo2", "exaone4": "exaone4", "seed_oss": "seed_oss",
                   "glm4": "glm4", "cohere2": "cohere2", "apertus": "apertus", "hunyuan-dense": "hunyuan_v1_dense",
-                  "stablelm": "stablelm"}[arch]
+                  "stablelm": "stablelm", "gptneox": "gpt_neox"}[arch]
     if s.get("llama3"):
         rope = {"rope_type": "llama3", "rope_theta": s["theta"], "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -121,6 +121,9 @@ def transformers_logits(case: str, ids: list[int]):
         rope["partial_rotary_factor"] = s["rotary"] / s["head_dim"]
     if arch == "apertus":
         values["hidden_act"] = "xielu"
+    if arch == "gptneox":  # (q, k and v interleaved by head; biases; parallel branches)
+        values.update(layer_norm_eps=s["eps"], use_parallel_residual=True, tie_word_embeddings=False)
+        rope["partial_rotary_factor"] = s["rotary"] / s["head_dim"]
     if arch == "stablelm":  # (no rms_norm_eps: layer norms)
         values.update(use_qkv_bias=True, qk_layernorm=True, use_parallel_residual=False, layer_norm_eps=s["eps"],
                       partial_rotary_factor=s["rotary"] / s["head_dim"])

@@ -325,7 +325,7 @@ def compare(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 @pytest.mark.parametrize("name", ["llama3", "llama-spm", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
                                   "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss",
-                                  "glm4", "cohere2", "apertus", "hunyuan", "stablelm"])
+                                  "glm4", "cohere2", "apertus", "hunyuan", "stablelm", "gptneox"])
 def test_every_architecture_gives_llama_cpps_logits(reference, gguf_files, name):
     assert_llama_cpps_logits(reference, gguf_files, name)
 

@@ -48,7 +48,7 @@ from dense_engine.system.errors import CheckpointError, first_line
 from dense_engine.system.machine import cache_dir, note, unwritable_cache
 
 STATE_ARCHITECTURES = ("qwen35", "lfm2")  # hybrids whose other layers keep a state (dense.py section 4)
-ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
+ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES + ("gptneox",)  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
 #                                                                   smollm3, granite, olmo2 (OLMo 2 and 3), seed_oss,
 #                                                                   exaone4, glm4, cohere2, apertus, hunyuan-dense,
 #                                                                   stablelm
@@ -337,6 +337,24 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         final_softcap=float(key("final_logit_softcapping", 30.0 if family.softcaps else 0.0)) or None)
 
 
+def read_gptneox_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
+    """GPT-NeoX (Pythia): layer norms and biases everywhere, q|k|v fused, a plain GELU MLP, a part of each head
+    rotated, the two branches in parallel unless the file says otherwise (its own reader for folders: no family)."""
+    def key(name: str, default=None):
+        return field(reader, f"{arch}.{name}", default, path)
+
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    rope_dim = int(key("rope.dimension_count", hidden // heads))
+    return make_config(
+        path, vocab_size=int(key("vocab_size", 0) or tokens_count(reader, path)), hidden_size=hidden,
+        num_hidden_layers=int(key("block_count")), num_attention_heads=heads, num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=int(key("feed_forward_length")), max_position_embeddings=int(key("context_length", 2048)),
+        rope_theta=float(key("rope.freq_base", 10000.0)), rotary_dim=rope_dim if rope_dim != hidden // heads else None,
+        norm="layernorm", norm_eps=float(key("attention.layer_norm_epsilon")), mlp="gelu", bias=True,
+        parallel_residual=bool(key("use_parallel_residual", True)), tie_word_embeddings="output.weight" not in tensors)
+
+
 def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
     """The config of a qwen35 or lfm2 file, as llama.cpp's model code reads it. qwen35: Gated DeltaNet layers (ssm.*:
     key heads = group_count, value heads = time_step_rank, Dk = state_size, Dv = inner_size / value heads) where
@@ -425,7 +443,8 @@ def read_gguf(path: str) -> Checkpoint:
                               f"{', '.join(ARCHITECTURES)})")
     tensors = {t.name: t for t in reader.tensors}
     state = arch in STATE_ARCHITECTURES
-    config = (read_state_config if state else read_config)(reader, arch, tensors, path)
+    config = (read_state_config if state else read_gptneox_config if arch == "gptneox" else read_config)(
+        reader, arch, tensors, path)
 
     def read(name: str, rows: torch.Tensor | None, change):
         def thunk() -> torch.Tensor:
@@ -517,17 +536,17 @@ def layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple] | No
     q|k|v (Phi-3's) and Phi-3's fused gate|up are split."""
     H, K, D, W = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size
     kind, _, suffix = rest.partition(".")
-    if rest == "attn_qkv.weight":
-        return [("attn.q_proj.weight", torch.arange(0, H * D), None),
-                ("attn.k_proj.weight", torch.arange(H * D, (H + K) * D), None),
-                ("attn.v_proj.weight", torch.arange((H + K) * D, (H + 2 * K) * D), None)]
+    if kind == "attn_qkv" and suffix in ("weight", "bias"):  # q | k | v (GPT-NeoX: biases too)
+        return [(f"attn.q_proj.{suffix}", torch.arange(0, H * D), None),
+                (f"attn.k_proj.{suffix}", torch.arange(H * D, (H + K) * D), None),
+                (f"attn.v_proj.{suffix}", torch.arange((H + K) * D, (H + 2 * K) * D), None)]
     if arch in ("phi3", "glm4") and rest == "ffn_up.weight":  # gate | up
         return [("mlp.gate_proj.weight", torch.arange(0, W), None),
                 ("mlp.up_proj.weight", torch.arange(W, 2 * W), None)]
     if arch == "seed_oss" and kind == "post_attention_norm":  # (its norm before the MLP, as llama.cpp names it)
         return [(f"mlp_norm.{suffix}", None, None)]
     if kind not in LAYER_TENSORS or suffix not in ("weight", "bias") or (
-            suffix == "bias" and kind not in ("attn_q", "attn_k", "attn_v", "attn_norm", "ffn_norm")):
+            suffix == "bias" and kind not in ("attn_q", "attn_k", "attn_v", "attn_norm", "ffn_norm") and not config.bias):
         return None
     if kind in ("attn_q_norm", "attn_k_norm") and config.qk_norm == "per_channel":  # ([heads, D]: rows of heads)
         return [(f"{LAYER_TENSORS[kind]}.{suffix}", None, lambda w, where: w.reshape(-1))]
