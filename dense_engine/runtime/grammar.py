@@ -10,7 +10,8 @@ are allowed exactly when the grammar is complete, so a reply that ends by itself
 
 Why llguidance (MIT): it computes a token mask from a JSON schema or a Lark grammar incrementally, in
 microseconds a token, straight from a `tokenizers` tokenizer; xgrammar (Apache-2.0) does the same with a larger
-install (its own C++ build and a dependency on transformers' tokenizer classes). Stands on vocab.py.
+install (its own C++ build and a dependency on transformers' tokenizer classes). Stands on vocab.py and
+reasoning.py (a thinking model's grammar starts after its thinking).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from dense_engine.formats.vocab import Vocabulary
+from dense_engine.runtime import reasoning
 from dense_engine.system.errors import UsageError
 
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a model cannot pad a reply with endless whitespace
@@ -182,11 +184,10 @@ class Lazy(Constraint):
         if at >= 0:
             self.waiting = False
             rest = text[at + len(self.trigger):]
-            rest = rest.lstrip() if self.opens is not None or self.trigger == "</think>" else rest
+            rest = rest.lstrip() if self.trigger == reasoning.CLOSE else rest  # (an answer's blank lines: not its own)
             if rest:
                 self.matcher.consume_tokens(self.tokenizer.tokenize_str(rest))
 
     @property
     def done(self) -> bool:
         return not self.waiting and super().done
-
