@@ -191,7 +191,8 @@ def test_a_request_joining_a_running_batch_finishes_first(server):
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, 400, "max_tokens", "at least 1"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, 400, "max_tokens", "an integer"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature", "a number"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 9}, 400, "n", "at most 8"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n", "at least 1"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "top_logprobs", "needs 'logprobs'"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
      "at most 20"),
@@ -490,6 +491,32 @@ def test_a_list_of_string_prompts_gets_one_choice_each(server):
              for p in ("the cat sat", "a dog")]
     assert sorted(c.index for c in out.choices) == [0, 1]
     assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == alone
+
+
+def test_n_choices_greedy_equal_sampled_each_its_own_and_streamed_as_whole(server):
+    """n choices a prompt: greedy ones equal the lone answer, sampled ones draw each its own tokens (a seed a choice),
+    a stream tells each choice under its index (the same texts as whole), completions order them prompt by prompt,
+    and the usage counts a prompt's tokens once."""
+    client = server.client()
+    ask = [{"role": "user", "content": "the cat sat"}]
+    lone = client.chat.completions.create(model="x", messages=ask, max_tokens=8, temperature=0)
+    greedy = client.chat.completions.create(model="x", messages=ask, max_tokens=8, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert {c.message.content for c in greedy.choices} == {lone.choices[0].message.content}
+    assert greedy.usage.prompt_tokens == lone.usage.prompt_tokens
+    assert greedy.usage.completion_tokens == 3 * lone.usage.completion_tokens
+    sampled = client.chat.completions.create(model="x", messages=ask, max_tokens=12, temperature=1.0, seed=5, n=4)
+    assert len({c.message.content for c in sampled.choices}) > 1
+    streamed = {}
+    for chunk in client.chat.completions.create(model="x", messages=ask, max_tokens=12, temperature=1.0, seed=5, n=4,
+                                                stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert streamed == {c.index: c.message.content for c in sampled.choices}
+    out = client.completions.create(model="x", prompt=["the cat sat", "a dog"], max_tokens=5, temperature=0, n=2)
+    alone = [client.completions.create(model="x", prompt=p, max_tokens=5, temperature=0).choices[0].text
+             for p in ("the cat sat", "a dog")]
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [alone[0]] * 2 + [alone[1]] * 2
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from dense_engine.system.errors import UsageError
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 # Parameters that change results and are not implemented: refused by name (400), never ignored. Parameters this
 # server does not know at all are ignored with one log line, as llama-server and vLLM do (front-ends send many).
-REFUSED = {"n": lambda v: v not in (None, 1), "functions": bool, "function_call": lambda v: v not in (None, "none"),
+REFUSED = {"functions": bool, "function_call": lambda v: v not in (None, "none"),
            "best_of": lambda v: v not in (None, 1), "suffix": lambda v: v not in (None, ""),
            "prediction": lambda v: v is not None, "audio": lambda v: v is not None,
            "modalities": lambda v: v not in (None, ["text"]),
@@ -29,7 +29,7 @@ REFUSED = {"n": lambda v: v not in (None, 1), "functions": bool, "function_call"
            "xtc_probability": lambda v: v not in (None, 0, 0.0), "top_n_sigma": lambda v: v not in (None, -1, 0)}
 IGNORED = ("model", "user", "metadata", "store", "service_tier", "guided_decoding_backend",
            "guided_whitespace_pattern")  # no effect on the text
-SHARED = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+SHARED = {"n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
           "stream_options", "logprobs", "response_format", "logit_bias", "presence_penalty", "frequency_penalty",
           "min_p", "typical_p", "repetition_penalty", "repeat_penalty", "repeat_last_n", "structured_outputs",
           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema", "dry_multiplier",
@@ -49,7 +49,8 @@ MAX_TOOLS, MAX_TOOLS_CHARS = 64, 256_000  # tools, and their JSON's characters i
 MAX_SCHEMA_DEPTH = 32  # nesting of a JSON schema (response_format, a tool's parameters)
 MAX_GRAMMAR_CHARS = 100_000  # a regex or a grammar
 MAX_MESSAGES = 4096
-MAX_PROMPTS = 64  # a completion's prompts
+MAX_PROMPTS = 64  # a completion's prompts (times n: a request's choices)
+MAX_N = 8  # choices a prompt (n)
 CHARS_PER_TOKEN = 32  # a prompt of more characters than this times the context cannot fit: refused before tokenizing
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # (json.loads pairs the valid ones into one character)
 
@@ -92,6 +93,7 @@ class Settings:
     echo: bool  # (completions) the prompt and its logprobs before the reply
     grammar: str | None  # a response_format's or a required tool call's
     calling: ToolCalling | None
+    n: int = 1  # choices a prompt: prompts holds each prompt n times in a row (choice index = prompt * n + j)
     trigger: str | None = None  # the grammar holds from this text on (grammar.Lazy): a call's opener, </think>
     thinking: bool | None = None  # (chat) the reply's reasoning told apart; True: the prompt opened it (reasoning.py)
 
@@ -148,6 +150,10 @@ def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculat
     else:
         prompts, calling = completion_prompts(body.get("prompt"), vocab, max_seq_len), None
         logprobs, echo = number(body, "logprobs", int, None, low=0, high=20), flag(body, "echo")
+    n = number(body, "n", int, 1, low=1, high=MAX_N)
+    if len(prompts) * n > MAX_PROMPTS:
+        raise BadRequest(f"{len(prompts)} prompts x n {n} choices: at most {MAX_PROMPTS} choices a request", "n")
+    prompts = [prompt for prompt in prompts for _ in range(n)]  # (each choice its own seed: make_jobs)
     if speculative:
         refuse_shaping(body, logprobs, echo)
     max_tokens = token_limit(body, prompts, "messages" if kind == "chat" else "prompt", max_seq_len, echo)
@@ -184,7 +190,7 @@ def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculat
         frequency_penalty=frequency, logit_bias=bias, seed=seed)
     return Settings(prompts=prompts, max_tokens=max_tokens, sampler=sampler, stop=stop, stream=stream,
                     include_usage=options.get("include_usage", False), logprobs=logprobs, echo=echo, grammar=shape,
-                    calling=calling, thinking=thinking, trigger=trigger)
+                    calling=calling, n=n, thinking=thinking, trigger=trigger)
 
 
 def dry_settings(body: dict) -> dict:

@@ -131,7 +131,9 @@ class Reply:
         return self.vocab.tokenizer.decode([token], skip_special_tokens=False)
 
     def usage(self) -> dict:
-        prompt, generated = sum(len(j.prompt) for j in self.jobs), sum(len(j.generated) for j in self.jobs)
+        """(n choices of a prompt count its tokens once, as OpenAI's usage does)"""
+        n = self.settings.n if self.settings is not None else 1
+        prompt, generated = sum(len(j.prompt) for j in self.jobs[::n]), sum(len(j.generated) for j in self.jobs)
         return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
     def chunk(self, choices: list, **extra) -> dict:
@@ -230,8 +232,8 @@ class ChatReply(Reply):
     obj, chunk_obj = "chat.completion", "chat.completion.chunk"
 
     def start(self) -> list[dict]:
-        return [self.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                             "logprobs": None}])]
+        return [self.chunk([{"index": job.index, "delta": {"role": "assistant", "content": ""},
+                             "finish_reason": None, "logprobs": None}]) for job in self.jobs]
 
     def choice(self, job: Request, text: str | None, reason: str | None, delta: bool, entries=(), offset=0) -> dict:
         message = {"content": text} if delta else {"role": "assistant", "content": text}
