@@ -211,9 +211,9 @@ class Int4Linear(QuantLinear):
     def stored(w, group_size=32, **_):
         return int4_quantize(w, group_size)
 
-    def codes(self) -> torch.Tensor:
-        """q in 0..15, [out, in]."""
-        pairs = self.stored_pairs()["qweight"]
+    def codes(self, pairs: torch.Tensor | None = None) -> torch.Tensor:
+        """q in 0..15, [out, in] (pairs: the stored pairs, when the caller has them)."""
+        pairs = self.stored_pairs()["qweight"] if pairs is None else pairs
         return torch.stack((pairs & 15, pairs >> 4), dim=-1).reshape(self.out_features, self.in_features)
 
     def stored_pairs(self) -> dict:
@@ -236,7 +236,7 @@ class Int4Linear(QuantLinear):
 
     def dequantize(self, dtype) -> torch.Tensor:
         stored = self.stored_pairs()
-        g = self.codes().reshape(self.out_features, -1, self.group_size).to(torch.float32)
+        g = self.codes(stored["qweight"]).reshape(self.out_features, -1, self.group_size).to(torch.float32)
         w = stored["mins"].float()[..., None] + stored["scales"].float()[..., None] * g
         return w.reshape(self.out_features, self.in_features).to(dtype)
 

@@ -217,6 +217,12 @@ def quantized_table(checkpoint, mode: str, params: dict, exact: dict | None = No
 INT4_KEYS = ("qweight", "scales", "mins")  # an int4 linear's stored tensors (its bias stays as it is)
 
 
+def int4_names(names) -> set[str]:
+    """Which of a table's names are an int4 linear's stored tensors (INT4_KEYS beside a qweight)."""
+    linears = {n.removesuffix(".qweight") for n in names if n.endswith(".qweight")}
+    return {n for n in names if n.rpartition(".")[0] in linears and n.rpartition(".")[2] in INT4_KEYS}
+
+
 def kernel_layout(stored: dict) -> str | None:
     """kernels.INT4_LAYOUT where the int4 tensors can be saved in it: every linear's rows a multiple of 16, so that a
     fused projection's layout is its parts' stacked (a group of 16 rows never spans two parts)."""
@@ -246,9 +252,8 @@ def write_variant(checkpoint, mode: str, dst: str, params: dict, progress=None, 
             progress(i + 1, len(table))
     layout = kernel_layout(stored) if mode == "int4" and params["group_size"] == 32 else None
     if layout:  # the CPU kernel's layout, which a load then maps and uses as stored (another device undoes it)
-        linears = {k.removesuffix(".qweight") for k in stored if k.endswith(".qweight")}
-        stored = {k: kernels.int4_to_kernel(key, t) if prefix in linears and key in INT4_KEYS else t
-                  for k, t in stored.items() for prefix, _, key in [k.rpartition(".")]}
+        int4 = int4_names(stored)
+        stored = {k: kernels.int4_to_kernel(k.rpartition(".")[2], t) if k in int4 else t for k, t in stored.items()}
     target = os.path.join(dst, variant_file(mode))
     atomic_write(target, lambda p: save_file(stored, p, metadata={"format": "pt", "quantization": mode}))
     config_path = os.path.join(dst, "config.json")

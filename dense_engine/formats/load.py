@@ -111,12 +111,11 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
 
 def pairs_layout(tensors: dict) -> dict:
     """A table of an int4 variant saved in the kernel's layout, each int4 linear's tensors read back as pairs."""
-    linears = {n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")}
+    int4 = convert.int4_names(tensors)
 
     def pairs(name, read):
         return lambda: kernels.int4_from_kernel(name.rpartition(".")[2], read())
-    return {n: pairs(n, read) if n.rpartition(".")[0] in linears and n.rpartition(".")[2] in convert.INT4_KEYS
-            else read for n, read in tensors.items()}
+    return {n: pairs(n, read) if n in int4 else read for n, read in tensors.items()}
 
 
 class no_init:

@@ -185,8 +185,10 @@ def slicer(name: str, config: dense.DenseConfig, shards: list[LayerShard], rank:
         return None
     i = int(m.group(1))
     s = shards[i]
-    if how in ("qkv", "values", "in_values") and config.mixer(i) == "conv":
-        return (lambda t: t if rank == 0 else torch.zeros_like(t)) if how == "in_values" else None
+    if how in ("qkv", "values", "in_values") and config.mixer(i) == "conv":  # (a short conv: whole)
+        if how != "in_values":
+            return None
+        how = "rank0"
     if how in ("qkv", "values"):
         return lambda t: delta_rows(t, config, s, how)
     if how == "rank0":
