@@ -353,7 +353,7 @@ def run(argv, console) -> int:
     if args.prompt_file is not None:
         return prompt_file(model, vocab, record, args, mode, console)
     notes = Notes(console)
-    draft = make_draft(args, model, console)
+    draft = make_draft(args, model, console, record)
     with console.status("Loading the compiled steps..." if record.compile else "Warming up...") as status:
         session = Session(model, vocab, settings(args, vocab, lambda message: notes(f"note: {message}")), record,
                           status=status.update, draft=draft, note=lambda message: notes(f"note: {message}"))

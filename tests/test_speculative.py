@@ -5,9 +5,16 @@ j in 0..k; the sampling rule's output distribution against the target's (chi-squ
 
 import pytest
 import torch
+from rich.console import Console
 
-from conftest import random_model
-from dense_engine.runtime import generate, speculative
+import chat
+import quantize
+from conftest import fixture_path, random_model
+from dense_engine.cli import flags
+from dense_engine.formats import convert, load
+from dense_engine.formats import vocab as vocab_module
+from dense_engine.runtime import caches, generate, session, speculative
+from dense_engine.runtime.steps import Steps
 from dense_engine.runtime.sampling import SamplerSettings
 
 K = 4
@@ -88,6 +95,41 @@ def test_self_draft_shares_the_embedding_and_loads_nothing(target):
     assert draft.embed_tokens is target.embed_tokens
     assert type(target.layers[0].attn.qkv_proj).__name__ == "Linear"  # the target is untouched
     assert type(draft.layers[0].attn.qkv_proj).__name__ == "Int4Linear"
+
+
+def test_draft_quant_loads_the_saved_variant_with_its_record(tmp_path, prompt, monkeypatch):
+    """--draft-quant int4 on a folder with a saved int4 variant: the draft is that variant as stored (no quantizing
+    at load), with the record a background compile loads it by; greedy output still the plain one."""
+    folder = str(tmp_path / "llama")
+    convert.convert(fixture_path("llama"), folder)
+    quantize.quantize_checkpoint(folder, "int4")
+    args = chat.parse_args(["--ckpt", folder, "--quant", "none", "--draft-quant", "int4"])
+    console = Console(quiet=True)
+    model, record = flags.load_model(folder, args, console)
+    draft = flags.make_draft(args, model, console, record)
+    assert draft.record.quant == "int4" and draft.record.path == record.path and record.quant is None
+    saved = load.from_pretrained(folder, quant="int4")
+    ids = prompt % model.config.vocab_size
+    assert draft.model.embed_tokens is not model.embed_tokens  # a load of its own, not quantized_copy's
+    assert torch.equal(draft.model(ids), saved(ids))
+    assert not torch.equal(draft.model(ids), model(ids))
+    out, stats = spec(model, ids, 24, draft)
+    assert torch.equal(out, plain(model, ids, 24)) and stats["accepted"] > 0
+    # a program's session: the draft's steps compiled in the background by its record; the worker's load of that
+    # record (background.compile_job's) has the same step keys, so what it saves is what this process loads
+    monkeypatch.setenv("DENSE_BACKGROUND_COMPILE", "1")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    chat_session = session.Session(model, vocab_module.load_vocabulary(folder, None), load=record, draft=draft)
+    assert draft.steps.background.recipe["quant"] == "int4" and chat_session.steps.background.recipe["quant"] is None
+    draft.attach(generate.Runner(model, chat_session.steps))  # (the draft's cache: the target's length)
+    worker = load.from_pretrained(draft.record.path, draft.record.device, draft.record.dtype, draft.record.quant)
+    caches.setup_cache(worker, 1, chat_session.max_seq_len, draft.record.kv_dtype)
+    assert Steps(worker).key("decode", batch=1) == draft.steps.key("decode", batch=1)
+    bare = str(tmp_path / "bare")  # no saved variant: quantized in memory, no record
+    convert.convert(fixture_path("llama"), bare)
+    args = chat.parse_args(["--ckpt", bare, "--quant", "none", "--draft-quant", "int4"])
+    model, record = flags.load_model(bare, args, console)
+    assert flags.make_draft(args, model, console, record).record is None
 
 
 def test_lookup_copies_what_followed_the_last_match():

@@ -402,7 +402,7 @@ def main(args, console, ckpt: str | None) -> int:
             quant, reason = (None, "random weights") if args.quant in ("auto", "none") else (args.quant, "--quant")
             if quant:
                 model = quantized.quantize_model(model, quant)
-            title = f"{args.shape} (random weights)"
+            title, record = f"{args.shape} (random weights)", None
         else:
             model, record = flags.load_model(ckpt, args, console)
             quant, reason = record.quant, record.reason
@@ -412,7 +412,7 @@ def main(args, console, ckpt: str | None) -> int:
                 mode = flags.prompt_mode(args, vocab, ckpt)
                 prompt_ids = flags.prompt_ids(vocab, flags.prompt_text(args, mode), mode,
                                              args.system)
-    draft = flags.make_draft(args, model, console)
+    draft = flags.make_draft(args, model, console, record)
     check_plot_path(args.plot)
     with console.status("Benchmarking...") as status:
         result = run_benchmark(model, batch=args.batch_size or 1, prompt_len=args.prompt_len, gen_len=args.gen_len,

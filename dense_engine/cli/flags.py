@@ -6,6 +6,7 @@ about this machine that change how a program answers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -146,13 +147,20 @@ def prompt_ids(vocab: Vocabulary, text: str, mode: str, system: str | None) -> l
     return vocab.encode(text, special=True)
 
 
-def make_draft(args, model, console):
-    """The speculative draft the flags ask for, or None."""
+def make_draft(args, model, console, record: load.LoadRecord | None = None):
+    """The speculative draft the flags ask for, or None. --draft-quant: the checkpoint's saved variant of that mode
+    when it has one (record.path; read as stored, as a load of it would be), else the model quantized in memory."""
     if args.lookup:
         return speculative.LookupDraft(args.lookup_ngram)
     if args.draft_quant:
         if any(isinstance(m, quantized.QuantLinear) for m in model.modules()):
             raise UsageError("--draft-quant makes a quantized copy of a full-precision model: add --quant none")
+        if record is not None and record.path and args.draft_quant in load.saved_variants(record.path):
+            # (its record: a background process compiles the draft's steps by loading it the same way)
+            draft_record = dataclasses.replace(record, quant=args.draft_quant, reason="the draft", kv_dtype="auto")
+            with console.status(f"Loading the saved {args.draft_quant} variant as the draft..."):
+                return speculative.ModelDraft(load.from_pretrained(record.path, device=model.device, dtype=model.dtype,
+                                                                   quant=args.draft_quant), draft_record)
         with console.status(f"Making the {args.draft_quant} draft..."):
             return speculative.ModelDraft(speculative.quantized_copy(model, args.draft_quant))
     if args.draft:

@@ -109,6 +109,13 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
     return model
 
 
+def saved_variants(path) -> set[str]:
+    """The quantized variants a checkpoint has saved beside its weights (quantize.py's, a conversion's exact int4)."""
+    checkpoint = path if isinstance(path, Checkpoint) else convert.read_checkpoint(path)
+    saved = checkpoint.record.get("quantization", {})
+    return {mode for mode in saved if os.path.isfile(os.path.join(checkpoint.path, convert.variant_file(mode)))}
+
+
 def pairs_layout(tensors: dict) -> dict:
     """A table of an int4 variant saved in the kernel's layout, each int4 linear's tensors read back as pairs."""
     int4 = convert.int4_names(tensors)

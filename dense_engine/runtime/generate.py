@@ -322,6 +322,7 @@ class Runner:
             args = (model, tokens, input_pos, row_start, attend)
             fn = self.steps.get("verify", logits_step, args, batch=tokens.shape[0], tokens=T, attend=attend,
                                 ragged=row_start is not None)
+            self.steps.decoded["eager" if fn is None else "compiled"] += 1
         if fn is None:  # (the slots its real tokens reach: padding at the scratch slot attends no further)
             return logits_step(model, tokens, input_pos, row_start, min(pos + T, model.max_seq_len))
         return fn(*args)

@@ -37,7 +37,7 @@ class ReplyStats:
     compile_s: float | None = None
     interrupted: bool = False
     speculation: dict | None = None  # proposed, accepted, target_steps
-    eager_steps: int = 0  # decode steps run eagerly (no compiled step, or while it compiles in the background)
+    eager_steps: int = 0  # decode (or verify) steps run eagerly (no compiled step, or while it compiles elsewhere)
     compiled_steps: int = 0
 
     def line(self) -> str:
@@ -55,13 +55,13 @@ class ReplyStats:
         return text + (" (interrupted)" if self.interrupted else "")
 
     def steps(self) -> str:
-        """Which decode steps made the tokens after the first."""
+        """Which steps made the tokens after the first (speculation: the target's verify steps)."""
         eager, compiled = self.eager_steps, self.compiled_steps
         if not eager and not compiled:
             return ""
         if not eager or not compiled:
             return " (compiled step)" if compiled else " (eager)"
-        return f" (eager for {eager} tokens, then the compiled step)"
+        return f" (eager for {eager} {'steps' if self.speculation is not None else 'tokens'}, then the compiled step)"
 
 
 def load_model(record: LoadRecord, checkpoint=None) -> dense.DenseDecoder:
@@ -114,6 +114,8 @@ class Session:
         self.max_seq_len = caches.fitting_cache(model, 1, load.max_seq_len, load.kv_dtype)
         caches.setup_cache(model, 1, self.max_seq_len, load.kv_dtype)
         self.steps = steps_for_program(model, 1, self.max_seq_len, load, status, note) if load.compile else None
+        if load.compile and getattr(draft, "record", None) is not None:  # a draft loaded from the checkpoint
+            draft.steps = steps_for_program(draft.model, 1, self.max_seq_len, draft.record, status, note)
         self.cached: list[int] = []
         self.prefilled = self.reused = 0  # prompt tokens prefilled by the replies / found in the cache, in all (/stats)
         self.compile_s: float | None = None

@@ -37,8 +37,10 @@ class ModelDraft:
     """A model that drafts: a separate small model sharing the tokenizer, or a quantized copy of the target.
     `cached` is the token sequence whose keys/values its cache holds at positions 0.. len(cached) - 1."""
 
-    def __init__(self, model: dense.DenseDecoder) -> None:
+    def __init__(self, model: dense.DenseDecoder, record=None) -> None:
         self.model = model
+        self.record = record  # how to load the draft again (load.LoadRecord), for its steps' background compiles
+        self.steps: Steps | None = None  # its compiled steps when a program gave them; else steps_for's
         self.cached: list[int] = []
         self.runner = None
         self.saved = None  # a state draft: (its tokens, its states) where its last proposal began
@@ -58,7 +60,7 @@ class ModelDraft:
         if model.max_seq_len != target.max_seq_len:
             caches.setup_cache(model, 1, target.max_seq_len)
             self.cached = []
-        steps = None if target_runner.steps is None else steps_for(model)
+        steps = None if target_runner.steps is None else self.steps or steps_for(model)
         if self.runner is None or self.runner.steps is not steps:
             self.runner = Runner(model, steps)
 

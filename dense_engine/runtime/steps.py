@@ -91,7 +91,7 @@ class Steps:
         self.base = None  # the part of the key shared by every step of this model and cache
         self.compile_s = 0.0  # seconds spent compiling (not loading) in this process
         self.loaded = self.compiled = 0
-        self.decoded = {"compiled": 0, "eager": 0}  # decode steps run each way (generate.Runner counts; stats lines)
+        self.decoded = {"compiled": 0, "eager": 0}  # decode and verify steps run each way (Runner counts; stats)
         self.eager: set[str] = set()  # kinds run eagerly here (a one-shot answer's one prefill: not worth a load)
         # Saved steps (packages) on CPU. On CUDA, steps are compiled in the process (LazyStep): a step's worth
         # there is its CUDA graph, which is recorded per process and cannot be saved; Inductor's own caches (FX graph,

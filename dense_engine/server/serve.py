@@ -70,7 +70,7 @@ class Server:
         args = self.args
         ckpt, self.vocab, model, record = load_for_serving(args, console)
         self.name = os.path.basename(os.path.normpath(ckpt))
-        draft = make_draft(args, model, console)
+        draft = make_draft(args, model, console, record)
         self.max_seq_len = caches.fitting_cache(model, args.max_batch, record.max_seq_len, record.kv_dtype)
         self.scheduler = Scheduler(model, self.vocab, args.max_batch, self.max_seq_len, record.compile, draft,
                                    args.speculate_k, reuse=args.prefix_reuse, prefill_chunk=args.prefill_chunk,
