@@ -67,7 +67,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     drafts = spec.add_mutually_exclusive_group()
     drafts.add_argument("--draft", metavar="CKPT", help="a small model with the same tokenizer drafts tokens")
     drafts.add_argument("--draft-quant", choices=("int8", "int4", "nf4"),
-                        help="a quantized copy of the model drafts (made in memory; use with --quant none)")
+                        help="a quantized copy of the model drafts (its saved variant, else made at load; "
+                        "use with --quant none)")
     drafts.add_argument("--lookup", action="store_true", help="drafts copied from earlier in the context "
                         "(prompt lookup: for edits, summaries, code)")
     spec.add_argument("--lookup-ngram", type=positive_int, default=3, help="longest n-gram prompt lookup matches")
