@@ -57,6 +57,22 @@ def test_the_store_keeps_its_bound_least_recently_used_leaf_first():
     assert tiny.add(a) == ([(0, 0)], [])
 
 
+def test_a_state_models_prefix_matches_up_to_its_last_block_holding_a_state():
+    store = PrefixStore(4 * 40 + 2 * 100, 10, block=4, state_bytes=100)  # room for 4 blocks and 2 states
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert store.add(a[:8]) == ([(0, 0), (1, 4)], []) and store.match(a, 12) == []  # no state: nothing to reuse
+    assert store.hold_state(a[:8]) == (1, []) and store.hold_state(a[:8]) == (None, [])  # (held already)
+    assert store.hold_state(a[:6]) == (None, [])  # not a whole block's end
+    assert store.add(a) == ([(2, 8)], []) and [b.id for b in store.match(a, 12)] == [0, 1]  # 2 holds no state
+    assert store.bytes == 3 * 40 + 100 and store.states == 1
+    b, c = [9, 9, 9, 9], [7, 7, 7, 7]
+    assert store.add(b) == ([(3, 0)], []) and store.hold_state(b) == (3, [])
+    assert store.bytes == 4 * 40 + 200 == store.capacity
+    assert store.add(c) == ([(4, 0)], [2])  # the least recent leaf: a's third block
+    assert store.hold_state(c) == (4, [1])  # then a's second, its state with it
+    assert store.states == 2 and store.bytes == 3 * 40 + 200 and store.match(a, 12) == []  # (block 0: no state)
+
+
 @pytest.mark.parametrize("layout", ["dense", "kernels"])
 def test_slots_taken_out_of_a_row_and_put_into_another_are_the_same_keys_and_values(layout):
     from dense_engine.cpu import kernels

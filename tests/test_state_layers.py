@@ -214,6 +214,58 @@ def test_speculative_decoding_equals_plain_greedy(models, draft):
     assert tokens == plain and stats["proposed"] > stats["accepted"] + 4
 
 
+@pytest.mark.parametrize("case", ["qwen3_5 3 linear + 1 full", "lfm2"])
+def test_the_prefix_store_reuses_a_prefix_up_to_its_last_kept_state(models, folders, monkeypatch, case):
+    """A state model's prefill stops at snapshot points (every 4 blocks, the prompt's last whole block), where the
+    store keeps the blocks and the state after them. A prompt sharing a prefix with an earlier one, on another row,
+    starts its prefill at the last snapshot within the shared prefix; its greedy reply equals a cold prefill's. With
+    room for few blocks: the same replies, the store full and within its bound, every kept block and state the
+    store's."""
+    from conftest import run_alone
+    from dense_engine.formats import vocab as vocab_module
+    from dense_engine.server import runner
+    from dense_engine.server.prefix_store import PrefixStore
+    from dense_engine.server.scheduler import Request, Scheduler, token_bytes
+
+    model = models[case]
+    vocab = vocab_module.load_vocabulary(folders[case][0], None)
+    greedy = lambda ids, n: Request(ids, n, SamplerSettings(), [], torch.Generator().manual_seed(0), lambda e: None)
+    starts, calls = [], runner.ModelCalls.call
+
+    def counting(self, name, **args):
+        if name == "prefill" and self is not cold.calls:
+            starts.append(args["start"])
+        return calls(self, name, **args)
+
+    monkeypatch.setattr(runner.ModelCalls, "call", counting)
+    shared, tails = prompt(100, 1)[0].tolist(), [prompt(20, seed)[0].tolist() for seed in (2, 3, 4)]
+    first, other = shared + tails[0], shared + tails[1]
+    third = first + tails[2]  # first's prompt again, then more (not the row's tokens: its reply is there)
+    cold = Scheduler(load.from_pretrained(folders[case][0], dtype=torch.float32), vocab, 2, 256, compile=False,
+                     reuse=False)
+    for blocks in (1000, 4):
+        scheduler = Scheduler(model, vocab, 2, 256, compile=False)
+        state = caches.states_bytes(model)
+        scheduler.store = PrefixStore(blocks * 16 * token_bytes(model) + 2 * state, token_bytes(model), block=16,
+                                      state_bytes=state)
+        starts.clear()
+        assert run_alone(scheduler, greedy(first, 6)) == run_alone(cold, greedy(first, 6))
+        assert starts == [0, 64, 112]  # (16-token blocks: snapshot points 64, 112; then the last 8 tokens)
+        starts.clear()
+        assert run_alone(scheduler, greedy(other, 6)) == run_alone(cold, greedy(other, 6))
+        if blocks == 1000:
+            assert starts[0] == 64  # the shared 100 tokens: 6 whole blocks, the last state kept after 4
+        starts.clear()
+        assert run_alone(scheduler, greedy(third, 6)) == run_alone(cold, greedy(third, 6))
+        if blocks == 1000:
+            assert starts[0] == 112  # first's prompt up to its last whole block, with its state
+        store = scheduler.store
+        assert store.bytes <= store.capacity and (blocks == 1000 or store.bytes > store.capacity - store.block_bytes
+                                                  - state)  # (full: what did not fit was not kept)
+        assert set(scheduler.calls.kept) == {b.id for b in store.index.values()}
+        assert set(scheduler.calls.states) == {b.id for b in store.index.values() if b.state}
+
+
 def test_what_a_state_cannot_do_yet_is_refused_in_one_line(models):
     with pytest.raises(ValueError, match="state layers .* cannot be kept per slot yet"):
         caches.copy_slots(models["lfm2"], 0, 0, 16)

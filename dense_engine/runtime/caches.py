@@ -251,10 +251,11 @@ def has_state(model: dense.DenseDecoder) -> bool:
 
 def kept_memories(model: dense.DenseDecoder) -> list[nn.Module]:
     """memories(), for copies and files of a row's slots; refused in one line where a layer keeps a state (a state
-    holds where it ends, not its slots: it is kept only at its own boundaries, which is not done yet)."""
+    holds where it ends, not its slots: the server's prefix store keeps it at block ends, copy_keys and row_states;
+    files do not yet)."""
     if has_state(model):
-        raise ValueError("this model's state layers (Gated DeltaNet, short conv) cannot be kept per slot yet: prefix "
-                         "reuse, --prompt-cache, /save and slot files are not available for it")
+        raise ValueError("this model's state layers (Gated DeltaNet, short conv) cannot be kept per slot yet: "
+                         "--prompt-cache, /save, slot files and the prefix store's disk are not available for it")
     return memories(model)
 
 
@@ -341,13 +342,44 @@ def fitting_cache(model: dense.DenseDecoder, batch: int = 1, asked: int | None =
 def copy_slots(model: dense.DenseDecoder, row: int, start: int, end: int) -> list[tuple[torch.Tensor, ...]]:
     """Each layer's memory of row's slots start..end-1, copied to host memory (end and start: multiples of 16 for
     the CPU cache's key blocks)."""
-    return [tuple(t.to("cpu", copy=True) for t in memory.slots(row, start, end)) for memory in kept_memories(model)]
+    kept_memories(model)  # (refused for a state model: its copies are copy_keys' and row_states')
+    return copy_keys(model, row, start, end)
 
 
 def put_slots(model: dense.DenseDecoder, row: int, start: int, layers: list[tuple[torch.Tensor, ...]]) -> None:
     """copy_slots' copies (or a file's) into row's slots from start on."""
-    for parts, memory in zip(layers, kept_memories(model)):
+    kept_memories(model)
+    put_keys(model, row, start, layers)
+
+
+def key_memories(model: dense.DenseDecoder) -> list[nn.Module]:
+    """The attention layers' memories (a state model's too), in layer order."""
+    return [m for m in memories(model) if not isinstance(m, dense.State)]
+
+
+def copy_keys(model: dense.DenseDecoder, row: int, start: int, end: int) -> list[tuple[torch.Tensor, ...]]:
+    """copy_slots of the attention layers alone: with row_states at a block's end, a state model's kept prefix."""
+    return [tuple(t.to("cpu", copy=True) for t in memory.slots(row, start, end)) for memory in key_memories(model)]
+
+
+def put_keys(model: dense.DenseDecoder, row: int, start: int, layers: list[tuple[torch.Tensor, ...]]) -> None:
+    for parts, memory in zip(layers, key_memories(model)):
         memory.put_slots(row, start, *(t.to(model.device) for t in parts))
+
+
+def row_states(model: dense.DenseDecoder, row: int) -> list[torch.Tensor]:
+    """Copies, in host memory, of row's state buffers: the state after the last token it took."""
+    return [t[row:row + 1].to("cpu", copy=True) for t in state_buffers(model)]
+
+
+def put_row_states(model: dense.DenseDecoder, row: int, saved: list[torch.Tensor]) -> None:
+    for buffer, copy in zip(state_buffers(model), saved):
+        buffer[row:row + 1].copy_(copy)
+
+
+def states_bytes(model: dense.DenseDecoder) -> int:
+    """The bytes of one row's state buffers (0: a model without state layers)."""
+    return sum(t[:1].numel() * t.element_size() for t in state_buffers(model))
 
 
 def like(model: dense.DenseDecoder, slots: int = 0) -> list[tuple[torch.Tensor, ...]]:

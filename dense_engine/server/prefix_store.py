@@ -11,7 +11,12 @@ unless they share every token before its end.
 
 This index lives with the scheduler; the blocks' tensors live with the model calls (runner.ModelCalls.keep and
 restore: under tensor parallel every rank keeps its own shards of the same blocks). The store is bounded by bytes:
-the least recently used block that no other block continues goes first."""
+the least recently used block that no other block continues goes first.
+
+A model with state layers (Gated DeltaNet, short conv) holds a state where its tokens end, not per slot: its prefill
+stops at snapshot points (every STATE_EVERY blocks, and a prompt's last whole block), where the scheduler keeps the
+row's blocks up to there and the state after them (hold_state). A prefix is then reused up to its last block that
+holds a state, never further."""
 
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from dense_engine.runtime import caches
 from dense_engine.system import machine
 
 BLOCK = 64  # tokens a block: a multiple of the CPU cache's 16-slot key blocks (caches.CPUKVCache)
+STATE_EVERY = 4  # blocks between a state model's snapshot points (a state costs as much as many blocks of keys)
 
 
 @dataclass(eq=False)
@@ -39,47 +45,54 @@ class Block:
     used: int = 0  # when it was last matched or kept (the store's clock): least recently used out first
     children: int = 0  # blocks that continue it: only a block with none may go (its chain stays whole)
     on_disk: bool = False  # written to the disk tier (DiskStore) already
+    state: bool = False  # a state model's state after its last token is kept with it
 
 
 class PrefixStore:
     """The blocks kept (index), of `block` tokens each (a multiple of 16), their bytes bounded by `capacity`;
-    `bytes_per_token`: of every layer's keys and values of one slot."""
+    `bytes_per_token`: of every attention layer's keys and values of one slot; `state_bytes`: of a state model's
+    state (0: a model without state layers)."""
 
-    def __init__(self, capacity: int, bytes_per_token: int, block: int = BLOCK) -> None:
+    def __init__(self, capacity: int, bytes_per_token: int, block: int = BLOCK, state_bytes: int = 0) -> None:
         self.capacity, self.block, self.block_bytes = capacity, block, block * bytes_per_token
+        self.state_bytes = state_bytes
         self.index: dict[tuple, Block] = {}
-        self.clock = self.next_id = self.evictions = 0
+        self.clock = self.next_id = self.evictions = self.states = 0
 
     @property
     def bytes(self) -> int:
-        return len(self.index) * self.block_bytes
+        return len(self.index) * self.block_bytes + self.states * self.state_bytes
 
     def match(self, tokens: list[int], limit: int, touch: bool = True) -> list[Block]:
         """The stored blocks holding tokens' first whole blocks, in order, within the first `limit` tokens (touch:
-        now the most recently used)."""
+        now the most recently used); a state model's chain ends at its last block holding a state."""
+        chain = self.stored(tokens, limit)
+        while self.state_bytes and chain and not chain[-1].state:
+            chain.pop()
+        if touch:
+            self.touch(chain)
+        return chain
+
+    def stored(self, tokens: list[int], limit: int) -> list[Block]:
+        """Every stored block of tokens' first whole blocks within `limit`, in order."""
         chain: list[Block] = []
         for start in range(0, limit - self.block + 1, self.block):
             block = self.index.get((chain[-1].id if chain else -1, tuple(tokens[start:start + self.block])))
             if block is None:
                 break
             chain.append(block)
-        if touch:
-            self.touch(chain)
         return chain
 
     def add(self, tokens: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
         """Keep tokens' whole blocks: returns (the new blocks to fill, (id, first slot) each; the blocks evicted to
         make room, ids). Blocks already stored are only touched; when no room can be made without evicting this
         chain's own blocks, the rest is not kept."""
-        chain = self.match(tokens, len(tokens))
+        chain = self.stored(tokens, len(tokens))
+        self.touch(chain)
         new, evicted = [], []
         for start in range(len(chain) * self.block, len(tokens) - self.block + 1, self.block):
-            while self.bytes + self.block_bytes > self.capacity:
-                victim = self.least_recent(chain)
-                if victim is None:
-                    return new, evicted
-                evicted.append(self.evict(victim))
-                self.evictions += 1
+            if not self.make_room(self.block_bytes, chain, evicted):
+                return new, evicted
             parent = chain[-1] if chain else None
             block = Block(self.next_id, (parent.id if parent else -1, tuple(tokens[start:start + self.block])), parent)
             self.next_id += 1
@@ -91,6 +104,28 @@ class PrefixStore:
             new.append((block.id, start))
         return new, evicted
 
+    def hold_state(self, tokens: list[int]) -> tuple[int | None, list[int]]:
+        """The last block of tokens (whole blocks, stored by add) holds the state after them: (its id, to fill; None
+        when it holds one already or no room can be made; the blocks evicted to make room, ids)."""
+        chain, evicted = self.stored(tokens, len(tokens)), []
+        if len(chain) * self.block != len(tokens) or not chain or chain[-1].state:
+            return None, evicted
+        if not self.make_room(self.state_bytes, chain, evicted):
+            return None, evicted
+        chain[-1].state = True
+        self.states += 1
+        return chain[-1].id, evicted
+
+    def make_room(self, size: int, keep: list[Block], evicted: list[int]) -> bool:
+        """Evict least recently used leaves outside `keep` (their ids onto `evicted`) until `size` more bytes fit."""
+        while self.bytes + size > self.capacity:
+            victim = self.least_recent(keep)
+            if victim is None:
+                return False
+            evicted.append(self.evict(victim))
+            self.evictions += 1
+        return True
+
     def least_recent(self, keep: list[Block]) -> Block | None:
         """The least recently used block that no block continues, outside `keep`."""
         protected = {id(b) for b in keep}
@@ -99,6 +134,7 @@ class PrefixStore:
 
     def evict(self, block: Block) -> int:
         del self.index[block.key]
+        self.states -= block.state
         if block.parent is not None:
             block.parent.children -= 1
         return block.id
@@ -113,6 +149,7 @@ class PrefixStore:
         """Drop every block: their ids."""
         ids = [b.id for b in self.index.values()]
         self.index.clear()
+        self.states = 0
         return ids
 
     def touch(self, blocks: list[Block]) -> None:

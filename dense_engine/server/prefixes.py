@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+from dense_engine.server.prefix_store import STATE_EVERY
+
 
 def stored(scheduler, request) -> int:
     """How many of the prompt's first tokens the store and its disk hold, in whole blocks (0: none, or echo, whose
@@ -27,9 +29,35 @@ def keep(scheduler, row: int, common: int) -> None:
     """Before row's cache is overwritten past its first `common` tokens: its whole blocks into the prefix store
     (those not there yet; the least recently used go to make room)."""
     tokens = scheduler.slots[row].tokens
-    if scheduler.store is None or len(tokens) <= common or len(tokens) < scheduler.store.block:
+    if scheduler.store is None or len(tokens) <= common or len(tokens) < scheduler.store.block \
+            or scheduler.states_kept:  # (a state model's blocks were kept as its prefill passed them: keep_state)
         return
     keep_blocks(scheduler, row, tokens)
+
+
+def snapshots(scheduler, request) -> list[int]:
+    """Where a state model's prefill of request stops to keep its state: every STATE_EVERY blocks, and the prompt's
+    last whole block (its last token is prefilled after it: its logits give the first new token); none for a model
+    without state layers, or an echo."""
+    if not scheduler.states_kept or request.echo:
+        return []
+    block, length = scheduler.store.block, len(request.prompt)
+    last = (length - 1) // block * block
+    return sorted(set(range(STATE_EVERY * block, length, STATE_EVERY * block)) | ({last} if last else set()))
+
+
+def keep_state(scheduler, row: int, request, end: int) -> None:
+    """A state model's row prefilled with request's prompt up to `end`: at a snapshot point, its blocks up to there
+    into the store, and its state (now after token end - 1) with the last of them."""
+    if end not in snapshots(scheduler, request):
+        return
+    store, tokens = scheduler.store, request.prompt[:end]
+    blocks, evicted = store.add(tokens)
+    held, more = store.hold_state(tokens)
+    if blocks or evicted or more or held is not None:
+        scheduler.calls.call("keep", row=row, blocks=blocks, size=store.block, drop=evicted + more, state=held)
+    if scheduler.metrics is not None:
+        scheduler.metrics.evictions.inc(len(evicted) + len(more))
 
 
 def keep_blocks(scheduler, row: int, tokens: list[int]) -> None:

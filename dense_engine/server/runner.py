@@ -17,6 +17,7 @@ class ModelCalls:
         self.runner = runner
         self.device = runner.model.device
         self.kept: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # block id -> each layer's (k, v[, their scales])
+        self.states: dict[int, list[torch.Tensor]] = {}  # block id -> a state model's row states after its end
         self.disk: prefix_store.DiskStore | None = None  # (one process only: no disk tier under tensor parallel)
 
     def call(self, name: str, **args):
@@ -55,19 +56,25 @@ class ModelCalls:
         return self.runner.decode(torch.tensor(tokens, device=self.device)[:, None], positions, None, sampling,
                                   with_logits, None if rows is None else torch.tensor(rows, device=self.device))
 
-    def keep(self, row: int, blocks: list[tuple[int, int]], size: int, drop: list[int]) -> None:
+    def keep(self, row: int, blocks: list[tuple[int, int]], size: int, drop: list[int], state: int | None = None
+             ) -> None:
         """Forget the blocks `drop`, then copy row's slots start..start + size of each new block (id, start) into
-        host memory."""
+        host memory (a state model: its attention layers'); state: the block whose end row's state is at now."""
         for i in drop:
             del self.kept[i]
+            self.states.pop(i, None)
         for i, start in blocks:
-            self.kept[i] = caches.copy_slots(self.runner.model, row, start, start + size)
+            self.kept[i] = caches.copy_keys(self.runner.model, row, start, start + size)
+        if state is not None:
+            self.states[state] = caches.row_states(self.runner.model, row)
 
     def restore(self, row: int, blocks: list[int], start: int) -> None:
-        """Kept blocks, in order, into row's slots from `start` on."""
+        """Kept blocks, in order, into row's slots from `start` on (a state model: and the last one's state)."""
         layers = [tuple(torch.cat(parts, dim=1) for parts in zip(*(self.kept[i][n] for i in blocks)))  # (dim 1: the
-                  for n in range(len(self.runner.model.layers))]  # slots of keys, values, scales in every layout)
-        caches.put_slots(self.runner.model, row, start, layers)
+                  for n in range(len(self.kept[blocks[0]]))]  # slots of keys, values, scales in every layout)
+        caches.put_keys(self.runner.model, row, start, layers)
+        if caches.has_state(self.runner.model):
+            caches.put_row_states(self.runner.model, row, self.states[blocks[-1]])
 
     def read_blocks(self, blocks: list[tuple[int, str, list[int]]], size: int, drop: list[int]) -> int:
         """Forget the blocks `drop`, then read blocks of `size` tokens (id, file, the tokens of the prefix it ends)

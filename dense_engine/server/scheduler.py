@@ -199,11 +199,13 @@ class Plan:
 
 def schedule(rows: list[Row], waiting: list[Request], *, drafting: bool = False, speculating: bool = False,
              reuse: bool = True, prefill_chunk: int = PREFILL_BUDGET,
-             stored: Callable[[Request], int] = lambda request: 0, whole_rows: bool = False) -> Plan:
+             stored: Callable[[Request], int] = lambda request: 0, whole_rows: bool = False,
+             snapshots: Callable[[Request], list[int]] = lambda request: []) -> Plan:
     """This turn's Plan, from the rows and the line of waiting requests (changes neither). With a draft, a request
     the sampler alone decides takes row 0 to speculate, when no other request does. stored(request): how many of its
     prompt's first tokens the prefix store holds (prefixes.stored). whole_rows: a row's cache is reused only whole
-    (a state layer holds where it ends: a prompt that goes on from all of it, or none)."""
+    (a state layer holds where it ends: a prompt that goes on from all of it, or none); snapshots(request): where a
+    state model's prefill stops to keep its state (prefixes.snapshots)."""
     plan, taken = Plan(), set()
     for request in waiting:
         free = [r for r, row in enumerate(rows) if row.request is None and r not in taken]
@@ -228,7 +230,7 @@ def schedule(rows: list[Row], waiting: list[Request], *, drafting: bool = False,
     running = sum(row.request is not None for row in rows) + len(taken)  # (a speculating row 0 among them)
     prompts = {row: request.prompt for row, request, _ in filling}
     plan.freed, plan.prefill = prefill_group(sorted(filling, key=lambda f: f[1].timing.arrived), running,
-                                             prefill_chunk)
+                                             prefill_chunk, snapshots)
     done = {row for row, _, end in plan.prefill if end == len(prompts[row])}  # (their first token comes first)
     plan.decode = sorted({r for r, row in enumerate(rows) if row.request is not None
                           and row.request.status is Status.DECODING} | done)
@@ -252,12 +254,14 @@ def pick_row(rows: list[Row], free: list[int], request: Request, reuse: bool,
     return row, shared[row]
 
 
-def prefill_group(filling: list[tuple[int, Request, int]], running: int, chunk: int
+def prefill_group(filling: list[tuple[int, Request, int]], running: int, chunk: int,
+                  snapshots: Callable[[Request], list[int]] = lambda request: []
                   ) -> tuple[list[int], list[tuple[int, int, int]]]:
     """(rows freed, chunks (row, start, end)) of the prefilling requests, oldest first: (row, request, prompt tokens
     in its cache) each. While other rows decode, at most `chunk` tokens a turn (no stream waits for a whole long
     prefill); with none decoding, every prompt whole. A cancelled request's row is freed (its cache keeps what was
-    prefilled); an echo (every position's logits) prefills alone, whole."""
+    prefilled); an echo (every position's logits) prefills alone, whole. A chunk ends at the first of
+    snapshots(request) past its start."""
     budget = chunk if chunk and len(filling) < running else None
     freed, group = [], []
     for row, request, filled in filling:
@@ -269,6 +273,7 @@ def prefill_group(filling: list[tuple[int, Request, int]], running: int, chunk: 
         if request.echo:
             return freed, group or [(row, filled, len(request.prompt))]
         end = len(request.prompt) if budget is None else min(len(request.prompt), filled + budget)
+        end = min([end] + [p for p in snapshots(request) if p > filled])
         group.append((row, filled, end))
         budget = None if budget is None else budget - (end - filled)
     return freed, group
@@ -300,11 +305,13 @@ class Scheduler:
         self.key: str | None = None  # (model_key)
         if prefix_cache_mb is None:
             prefix_cache_mb = default_capacity_mb()
-        self.whole_rows = caches.has_state(model)  # (a state is kept where it ends, not per block: no prefix store)
-        self.store = PrefixStore(prefix_cache_mb << 20, token_bytes(model), prefix_block) \
-            if reuse and prefix_cache_mb and not self.whole_rows else None
-        self.disk = None  # the store's disk tier: prefixes used more than once, kept across restarts
-        if self.store is not None and prefix_disk_mb != 0 and tp.world()[1] == 1 and machine.unwritable_cache() is None:
+        self.whole_rows = caches.has_state(model)  # (a row's state is where it ends: the row reused whole or not)
+        self.store = PrefixStore(prefix_cache_mb << 20, token_bytes(model), prefix_block, caches.states_bytes(model)) \
+            if reuse and prefix_cache_mb else None
+        self.states_kept = self.store is not None and self.whole_rows  # (at snapshot points: prefixes.keep_state)
+        self.disk = None  # the store's disk tier: prefixes used more than once, kept across restarts (no states yet)
+        if self.store is not None and prefix_disk_mb != 0 and tp.world()[1] == 1 and machine.unwritable_cache() is None \
+                and not self.whole_rows:
             self.disk = DiskStore(os.path.join(machine.cache_dir(), "prefixes"), (prefix_disk_mb or default_disk_mb())
                                   << 20, lambda: f"{self.model_key()}-{prefix_block}")
             self.calls.disk = self.disk
@@ -366,7 +373,8 @@ class Scheduler:
             line = list(self.waiting.queue)
         plan = schedule(self.slots, line, drafting=self.draft is not None, speculating=self.speculation is not None,
                         reuse=self.reuse, prefill_chunk=self.prefill_chunk,
-                        stored=lambda request: prefixes.stored(self, request), whole_rows=self.whole_rows)
+                        stored=lambda request: prefixes.stored(self, request), whole_rows=self.whole_rows,
+                        snapshots=lambda request: prefixes.snapshots(self, request))
         admit(self, plan)
         for row in plan.freed:
             self.slots[row].request = None
@@ -476,12 +484,15 @@ def prefill(scheduler: Scheduler, group: list[tuple[int, int, int]]) -> None:
             request = scheduler.slots[row].request
             scheduler.postprocess_prefill(row, end, scheduler.calls.call(
                 "prefill", row=row, prompt=request.prompt[start:end], every=request.echo, start=start))
+            prefixes.keep_state(scheduler, row, request, end)
         return
     logits = scheduler.calls.call("prefill_rows", rows=[row for row, _, _ in group],
                                   chunks=[scheduler.slots[r].request.prompt[s:e] for r, s, e in group],
                                   starts=[s for _, s, _ in group])
     for i, (row, _, end) in enumerate(group):
+        request = scheduler.slots[row].request
         scheduler.postprocess_prefill(row, end, logits[i:i + 1])
+        prefixes.keep_state(scheduler, row, request, end)
 
 
 def decode(scheduler: Scheduler, busy: list[int]) -> None:
@@ -547,8 +558,8 @@ def speculate(scheduler: Scheduler) -> None:
 
 
 def token_bytes(model: dense.DenseDecoder) -> int:
-    """Bytes of one slot's keys and values (and an int8 cache's scales) in every layer's cache."""
-    parts = [t for layer in caches.like(model, 16) for t in layer]  # (16 slots: whole key blocks)
+    """Bytes of one slot's keys and values (and an int8 cache's scales) in every attention layer's cache."""
+    parts = [t for memory in caches.key_memories(model) for t in memory.slots(0, 0, 16)]  # (whole key blocks)
     return sum(t.numel() * t.element_size() for t in parts) // 16
 
 
