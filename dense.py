@@ -15,7 +15,7 @@ reads checkpoints into these names (formats/), quantizes the linears (cpu/quanti
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,12 @@ class DenseConfig:
     qk_norm_after_rope: bool = False  # the q/k norms after the rotary instead of before (Hunyuan)
     attn_output_gate: bool = False  # attention output *= sigmoid(x W_gate^T), x the attention input (ShellElastic,
     #                                 Qwen3.5)
+    global_head_dim: int | None = None  # the full-attention layers' head size, rotated whole (Gemma 4)
+    value_norm: bool = False  # values RMS-normed per head, no gain (Gemma 4)
+    keys_are_values: bool = False  # full-attention layers' values are their keys' projection, before its norm
+    #                                (Gemma 4's attention_k_eq_v)
+    kv_shared_layers: int = 0  # the last this many layers attend over the keys and values of the last earlier layer
+    #                            of their kind, computing none (Gemma 4)
     # layers whose memory is a fixed-size state: layer_types "linear_attention" (Qwen3.5's Gated DeltaNet) | "conv"
     # (LFM2's short conv)
     linear_heads: tuple[int, int] = (16, 32)  # a Gated DeltaNet layer's (key, value) heads
@@ -83,6 +89,9 @@ class DenseConfig:
     embed_scale: float | None = None  # embeddings times this, rounded to the model's dtype (Gemma: sqrt(C), Granite)
     logits_divisor: float = 1.0  # logits / this (Granite)
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2)
+    per_layer_input: int = 0  # each layer adds a gated input of this width, from its own embedding table and the
+    #                           token's embedding (Gemma 4's per-layer embeddings); 0: none
+    layer_scalars: bool = False  # each layer's output times a learned scalar (Gemma 4)
 
     def per_layer(self, value) -> list[int]:
         return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)] * self.num_hidden_layers
@@ -110,14 +119,26 @@ class DenseConfig:
     def attention_kind(self, layer: int) -> str:
         return "full" if self.window(layer) is None else "sliding"
 
+    def head_size(self, layer: int) -> int:
+        return self.global_head_dim if self.global_head_dim and self.window(layer) is None else self.head_dim
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys and values this one reads instead of its own (kv_shared_layers), or None."""
+        first = self.num_hidden_layers - self.kv_shared_layers
+        if layer < first:
+            return None
+        return max(i for i in range(first) if self.attention_kind(i) == self.attention_kind(layer))
+
     def rope_kind(self, layer: int) -> str | None:
         """Which rotary tables a layer uses: "base", "local" (sliding layers with their own base), or None."""
         if self.nope_layers and layer in self.nope_layers:
             return None
         return "local" if self.rope_local_theta is not None and self.window(layer) else "base"
 
-    @property
-    def rope_dim(self) -> int:
+    def rope_dim(self, local: bool = False) -> int:
+        """The rotated channels of a head: the local (sliding) kind's, or the base kind's."""
+        if self.global_head_dim and not local:
+            return self.global_head_dim
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
 
@@ -131,15 +152,17 @@ class RMSNorm(nn.Module):
     float32 (Gemma). gain_shape lets a flat gain [H * D] act on per-head input [..., H, D]."""
 
     def __init__(self, dim: int, eps: float, gain_shape: tuple[int, ...] | None = None,
-                 gain_in_float32: bool = False, unit_offset: bool = False, dims: int = 1) -> None:
+                 gain_in_float32: bool = False, unit_offset: bool = False, dims: int = 1, gain: bool = True) -> None:
         super().__init__()
         self.eps, self.gain_in_float32, self.unit_offset = eps, gain_in_float32 or unit_offset, unit_offset
         self.gain_shape, self.dims = gain_shape or (dim,), tuple(range(-dims, 0))
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim)) if gain else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(self.dims, keepdim=True) + self.eps)
+        if self.weight is None:  # (Gemma 4's values: normed, no gain)
+            return h.to(x.dtype)
         gain = self.weight.view(self.gain_shape)
         if self.unit_offset:
             gain = 1.0 + gain.float()
@@ -170,9 +193,8 @@ def make_norm(config: DenseConfig, dim: int, gain_shape: tuple[int, ...] | None 
     return RMSNorm(dim, config.norm_eps, gain_shape, config.norm_gain_in_float32, config.norm_unit_offset, dims)
 
 
-def qk_norm(config: DenseConfig, heads: int) -> nn.Module:
+def qk_norm(config: DenseConfig, heads: int, D: int) -> nn.Module:
     """The norm of queries or keys [B, T, heads, D] before rotary (Identity when the family has none)."""
-    D = config.head_dim
     if config.qk_norm == "per_channel":  # within each head, a gain per (head, channel)
         return make_norm(config, heads * D, (heads, D), bias=False)
     if config.qk_norm == "shared":  # within each head, one [D] gain for all heads
@@ -192,8 +214,8 @@ def rope_frequencies(config: DenseConfig, seq_len: int, local: bool = False) -> 
     """The rotary frequencies [R/2] (float32) of a sequence of up to seq_len tokens, and the factor that scales
     cos and sin (1 unless yarn or longrope says otherwise). local: the sliding-window layers' tables (their own base,
     unscaled)."""
-    base = config.rope_local_theta if local else config.rope_theta
-    powers = base ** (torch.arange(0, config.rope_dim, 2, dtype=torch.int64).float() / config.rope_dim)  # [R/2]
+    base, R = config.rope_local_theta if local else config.rope_theta, config.rope_dim(local)
+    powers = base ** (torch.arange(0, R, 2, dtype=torch.int64).float() / R)  # [R/2]
     scaling = (None if local else config.rope_scaling) or {"rope_type": "plain"}
     kind, original = scaling["rope_type"], scaling.get("original_max_position_embeddings")
     # (dynamic: NTK-aware scaling raises the base only past the model's context, which no cache reaches)
@@ -274,6 +296,8 @@ class Step:
     row_start: torch.Tensor | None
     views: dict[str, View]
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    per_layer: torch.Tensor | None = None  # [B, T, L, P]: each layer's input (per_layer_input)
+    shared: dict = field(default_factory=dict)  # attention kind -> this call's (k, v) of the layer others read
 
 
 def make_step(model: DenseDecoder, T: int, input_pos: torch.Tensor | None = None, attend: int | None = None,
@@ -406,38 +430,55 @@ class Attention(nn.Module):
 
     def __init__(self, config: DenseConfig, layer: int) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.heads(layer), config.kv_heads(layer), config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = config.heads(layer), config.kv_heads(layer), \
+            config.head_size(layer)
         self.kind, self.rope_kind, self.rope_layout = config.attention_kind(layer), config.rope_kind(layer), \
             config.rope_layout
         self.scale, self.softcap = config.attn_scale or self.head_dim**-0.5, config.attn_softcap
         q_width, kv_width, C = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, config.hidden_size
-        self.parts = {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}  # checkpoint name: rows
+        # reads: another layer's keys and values (kv_shared_layers); keys_are_values: v is k's projection
+        self.reads, self.keys_are_values = config.kv_source(layer), config.keys_are_values and self.kind == "full"
+        self.shares = config.kv_shared_layers > 0 and self.reads is None  # (its k, v may be read by a later layer)
+        self.parts = {"q_proj": q_width}  # checkpoint name: rows
+        if self.reads is None:
+            self.parts.update({"k_proj": kv_width} if self.keys_are_values else {"k_proj": kv_width, "v_proj": kv_width})
         if config.attn_output_gate:
             self.parts["gate_proj"] = q_width
         self.qkv_proj = nn.Linear(C, sum(self.parts.values()), bias=config.bias or config.qkv_bias)
         self.o_proj = nn.Linear(q_width, C, bias=config.bias)
-        self.q_norm, self.k_norm = qk_norm(config, self.n_heads), qk_norm(config, self.n_kv_heads)
+        D = self.head_dim
+        self.q_norm, self.k_norm = qk_norm(config, self.n_heads, D), qk_norm(config, self.n_kv_heads, D)
+        self.v_norm = RMSNorm(D, config.norm_eps, gain=False) if config.value_norm else nn.Identity()
+        if self.reads is not None:  # (no keys of its own)
+            self.k_norm = self.v_norm = nn.Identity()
         self.norm_after_rope = config.qk_norm_after_rope
         self.memory: nn.Module = NoCache()
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v, *gate = self.qkv_proj(x).split(list(self.parts.values()), dim=-1)
-        q, k = q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, self.n_kv_heads, self.head_dim)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim)
-        if not self.norm_after_rope:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_kind is not None:
-            cos, sin = step.rope[self.rope_kind]
-            q, k = apply_rotary(q, cos, sin, self.rope_layout), apply_rotary(k, cos, sin, self.rope_layout)
-        if self.norm_after_rope:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
+        parts = dict(zip(self.parts, self.qkv_proj(x).split(list(self.parts.values()), dim=-1)))
+        q = self.placed(self.q_norm, parts["q_proj"].view(B, T, self.n_heads, self.head_dim), step).transpose(1, 2)
+        if self.reads is None:  # [B, heads, T, D] each
+            k = parts["k_proj"].view(B, T, self.n_kv_heads, self.head_dim)
+            v = self.v_norm(k if self.keys_are_values else parts["v_proj"].view(B, T, self.n_kv_heads, self.head_dim))
+            k, v = self.placed(self.k_norm, k, step).transpose(1, 2), v.transpose(1, 2)
+            if self.shares:
+                step.shared[self.kind] = (k, v)
+        else:  # the keys and values of the layer it reads (its memory is that layer's: written again, the same)
+            k, v = step.shared[self.kind]
         y = self.memory.attend(q, k, v, step, step.views[self.kind], self.scale, self.softcap)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        for g in gate:  # (ShellElastic's output gate)
-            y = y * torch.sigmoid(g)
+        if "gate_proj" in parts:  # (ShellElastic's and Qwen3.5's output gate)
+            y = y * torch.sigmoid(parts["gate_proj"])
         return self.o_proj(y)
+
+    def placed(self, norm: nn.Module, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """Queries or keys [B, T, heads, D] normed, then rotated to their positions (Hunyuan: the other way round)."""
+        x = x if self.norm_after_rope else norm(x)
+        if self.rope_kind is not None:
+            cos, sin = step.rope[self.rope_kind]
+            x = apply_rotary(x, cos, sin, self.rope_layout)
+        return norm(x) if self.norm_after_rope else x
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -494,7 +535,10 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | No
     if keep is not None:
         x = x * keep[..., None]
     inputs = torch.cat((window, x.transpose(1, 2)), dim=-1)  # [B, Ch, W - 1 + T]
-    out = F.conv1d(inputs, weight.to(x.dtype), groups=Ch).transpose(1, 2)
+    weight = weight.to(x.dtype)
+    # tap j of every channel times the inputs j steps later (a depthwise conv1d, written out: a one-token step is a
+    # few multiply-adds a channel, which a convolution library's setup would outweigh)
+    out = sum(inputs[..., j:j + T] * weight[:, :, j] for j in range(width + 1)).transpose(1, 2)
     if keep is None:
         return out, inputs[..., T:]
     ends = (keep * torch.arange(1, T + 1, device=x.device)).amax(-1)  # [B]: 1 + the last kept token (0: none)
@@ -668,6 +712,12 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config, layer) if config.mlp in ("swiglu", "geglu") else MLP(config, layer)
         self.attn_post_norm, self.mlp_post_norm = norm(config.post_norms), norm(config.post_norms)
         self.residual_scale = config.residual_scale
+        self.index, P = layer, config.per_layer_input
+        if P:  # Gemma 4: h + norm(proj(gelu(gate(h)) * its per-layer input))
+            self.per_layer_gate = nn.Linear(config.hidden_size, P, bias=False)
+            self.per_layer_proj = nn.Linear(P, config.hidden_size, bias=False)
+            self.per_layer_norm, self.per_layer_act = make_norm(config, config.hidden_size), nn.GELU("tanh")
+        self.layer_scalar = nn.Parameter(torch.ones(1)) if config.layer_scalars else None
 
     def scaled(self, y: torch.Tensor) -> torch.Tensor:  # (Granite; 1.0 elsewhere, no multiply in the graph)
         return y if self.residual_scale == 1.0 else y * self.residual_scale
@@ -677,7 +727,11 @@ class DecoderLayer(nn.Module):
             branches = self.attn(self.attn_norm(x), step) + self.mlp(self.mlp_norm(x))
             return x + self.scaled(self.attn_post_norm(branches))
         h = x + self.scaled(self.attn_post_norm(self.attn(self.attn_norm(x), step)))
-        return h + self.scaled(self.mlp_post_norm(self.mlp(self.mlp_norm(h))))
+        h = h + self.scaled(self.mlp_post_norm(self.mlp(self.mlp_norm(h))))
+        if step.per_layer is not None:
+            gated = self.per_layer_act(self.per_layer_gate(h)) * step.per_layer[:, :, self.index]
+            h = h + self.per_layer_norm(self.per_layer_proj(gated))
+        return h if self.layer_scalar is None else h * self.layer_scalar
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -697,6 +751,11 @@ class DenseDecoder(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        if config.per_layer_input:  # Gemma 4: a second table, every layer's input side by side, and a projection
+            LP = config.num_hidden_layers * config.per_layer_input
+            self.embed_per_layer = nn.Embedding(config.vocab_size, LP)
+            self.per_layer_projection = nn.Linear(config.hidden_size, LP, bias=False)
+            self.per_layer_norm = make_norm(config, config.per_layer_input)
         self.rope_kinds = sorted({kind for i in range(config.num_hidden_layers)
                                   if (kind := config.rope_kind(i)) is not None})
         self.attention_kinds = sorted({config.attention_kind(i) for i in range(config.num_hidden_layers)})
@@ -728,7 +787,9 @@ class DenseDecoder(nn.Module):
             layer.attn.memory = NoCache()
         for layer in self.layers:
             mixer = layer.attn
-            if isinstance(mixer, Attention):
+            if isinstance(mixer, Attention) and mixer.reads is not None:  # the keys and values of the layer it reads
+                mixer.memory = self.layers[mixer.reads].attn.memory
+            elif isinstance(mixer, Attention):
                 mixer.memory = cache_class(max_batch_size, mixer.n_kv_heads, max_seq_len, mixer.head_dim,
                                            dtype or self.dtype, self.device)
             else:  # a state: the conv's window, and Gated DeltaNet's matrices
@@ -757,9 +818,20 @@ class DenseDecoder(nn.Module):
         if self.config.embed_scale is not None:  # the scale rounded to the model's dtype first, as Gemma does
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
         step.rope = {kind: (cos.to(x.dtype), sin.to(x.dtype)) for kind, (cos, sin) in step.rope.items()}
+        if self.config.per_layer_input:
+            step.per_layer = self.per_layer_inputs(input_ids, x)
         for layer in self.layers:
             x = layer(x, step)
         return self.norm(x)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's per-layer inputs [B, T, L, P]: the token's row of the second table (times sqrt(P)) and a
+        projection of its embedding x (normed per layer), averaged (times 1/sqrt(2), as the reference)."""
+        B, T, C = x.shape
+        L, P = self.config.num_hidden_layers, self.config.per_layer_input
+        tokens = self.embed_per_layer(input_ids) * torch.tensor(P ** 0.5, dtype=x.dtype, device=x.device)
+        context = self.per_layer_norm((self.per_layer_projection(x) * C ** -0.5).view(B, T, L, P))
+        return (context + tokens.view(B, T, L, P)) * 2 ** -0.5
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head: hidden states [..., C] -> float32 logits [..., V]."""

@@ -52,6 +52,12 @@ SHAPES = {
                          llama3=dict(factor=8.0, low=1.0, high=4.0, original=8192)),
     "qwen2.5-0.5b": dict(arch="qwen2", layers=24, hidden=896, heads=14, kv_heads=2, ffn=4864, context=32768,
                          vocab=151936, theta=1e6, eps=1e-6, tied=True, bias=True),
+    # Qwen3.5: three Gated DeltaNet layers (linear: key heads, value heads, head size) and one gated attention layer
+    # (head size 256, a quarter rotary) in every four. 0.8B: its config.json; 2B: 2048 wide, the rest assumed alike
+    "qwen3.5-0.8b": dict(arch="qwen35", layers=24, hidden=1024, heads=8, kv_heads=2, head_dim=256, ffn=3584,
+                         context=262144, vocab=248320, theta=1e7, eps=1e-6, tied=True, linear=(16, 16, 128), conv=4),
+    "qwen3.5-2b": dict(arch="qwen35", layers=24, hidden=2048, heads=8, kv_heads=2, head_dim=256, ffn=6144,
+                       context=262144, vocab=248320, theta=1e7, eps=1e-6, tied=True, linear=(16, 16, 128), conv=4),
 }
 
 
@@ -224,11 +230,24 @@ def write_random(template: str, dst: str, name: str) -> None:
     writer.add_head_count_kv(shape["kv_heads"])
     writer.add_rope_freq_base(shape["theta"])
     writer.add_layer_norm_rms_eps(shape["eps"])
-    writer.add_rope_dimension_count(shape["hidden"] // shape["heads"])
+    D = shape.get("head_dim") or shape["hidden"] // shape["heads"]
+    qwen35 = shape["arch"] == "qwen35"
+    writer.add_rope_dimension_count(D // 4 if qwen35 else D)
+    if qwen35:  # the metadata llama.cpp's converter writes for Qwen3.5 (no MTP layer here)
+        k_heads, v_heads, dim = shape["linear"]
+        writer.add_key_length(D)
+        writer.add_value_length(D)
+        writer.add_ssm_conv_kernel(shape["conv"])
+        writer.add_ssm_state_size(dim)
+        writer.add_ssm_group_count(k_heads)
+        writer.add_ssm_time_step_rank(v_heads)
+        writer.add_ssm_inner_size(v_heads * dim)
+        writer.add_full_attention_interval(4)
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
     half = shape.get("half", False)  # (an 8B shape's source in float16: 16 GB on disk instead of 32)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if half else gguf.LlamaFileType.ALL_F32)
     rng = np.random.default_rng(0)
-    C, D = shape["hidden"], shape["hidden"] // shape["heads"]
+    C = shape["hidden"]
     tensors = []  # (name, shape, make): written one at a time, so an 8B shape never sits in memory whole
 
     def w(name, rows, cols):
@@ -254,6 +273,9 @@ def write_random(template: str, dst: str, name: str) -> None:
     for i in range(shape["layers"]):
         b = f"blk.{i}."
         vector(b + "attn_norm.weight", np.ones(C, dtype=np.float32))
+        if qwen35:
+            qwen35_layer(b, i % 4 == 3, shape, C, D, w, vector)
+            continue
         vector(b + "ffn_norm.weight", np.ones(C, dtype=np.float32))
         w(b + "attn_q.weight", shape["heads"] * D, C)
         w(b + "attn_k.weight", shape["kv_heads"] * D, C)
@@ -275,6 +297,39 @@ def write_random(template: str, dst: str, name: str) -> None:
         writer.write_tensor_data(make())
     writer.close()
     os.replace(dst + ".tmp", dst)
+
+
+def qwen35_layer(b: str, full: bool, shape: dict, C: int, D: int, w, vector) -> None:
+    """One qwen35 block's tensors as llama.cpp's converter names them: a gated attention layer (q rows with their
+    gate rows, q/k norms) or a Gated DeltaNet layer (the conv kernel [channels, W], ssm_a = -exp(A_log) < 0); norms
+    stored as 1 + the checkpoint's offset, here 1."""
+    import numpy as np
+
+    ones = lambda n: np.ones(n, dtype=np.float32)  # noqa: E731
+    vector(b + "post_attention_norm.weight", ones(C))
+    w(b + "ffn_gate.weight", shape["ffn"], C)
+    w(b + "ffn_up.weight", shape["ffn"], C)
+    w(b + "ffn_down.weight", C, shape["ffn"])
+    if full:
+        w(b + "attn_q.weight", 2 * shape["heads"] * D, C)
+        w(b + "attn_k.weight", shape["kv_heads"] * D, C)
+        w(b + "attn_v.weight", shape["kv_heads"] * D, C)
+        w(b + "attn_output.weight", C, shape["heads"] * D)
+        vector(b + "attn_q_norm.weight", ones(D))
+        vector(b + "attn_k_norm.weight", ones(D))
+        return
+    k_heads, v_heads, dim = shape["linear"]
+    channels = 2 * k_heads * dim + v_heads * dim
+    w(b + "attn_qkv.weight", channels, C)
+    w(b + "attn_gate.weight", v_heads * dim, C)
+    w(b + "ssm_beta.weight", v_heads, C)
+    w(b + "ssm_alpha.weight", v_heads, C)
+    vector(b + "ssm_conv1d.weight", np.random.default_rng(1).standard_normal((channels, shape["conv"]),
+                                                                             dtype=np.float32) * 0.3)
+    vector(b + "ssm_dt.bias", np.zeros(v_heads, dtype=np.float32))
+    vector(b + "ssm_a", -np.geomspace(0.02, 0.5, v_heads).astype(np.float32))
+    vector(b + "ssm_norm.weight", ones(dim))
+    w(b + "ssm_out.weight", C, v_heads * dim)
 
 
 def llama_quantize(llama_python: str, src: str, dst: str, ftype: str) -> None:
@@ -424,18 +479,20 @@ def prefill_tables(args, names: list[str], console) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-python", help="python of a virtualenv with llama-cpp-python built from source")
-    p.add_argument("--model", default="both", help="smollm2, tinyllama, llama-3.2-1b, qwen2.5-0.5b, a comma list, "
-                   "or both (smollm2 and tinyllama)")
+    p.add_argument("--model", default="both", help="smollm2, tinyllama, llama-3.2-1b, qwen2.5-0.5b, qwen3.5-0.8b, "
+                   "qwen3.5-2b, a comma list, or both (smollm2 and tinyllama)")
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--runs", type=int, default=2, help="timed generations per process (after one warm-up)")
     p.add_argument("--rounds", type=int, default=3, help="processes per engine and row, the engines alternating")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--position", type=int, help="decode after a prompt of this many tokens (raise --ctx with it)")
     p.add_argument("--prefill", metavar="N[,N]", help="prompt processing instead of decoding: prompts of N tokens "
                    "(e.g. 128,512), one new token; rows float32, 8-bit, 4-bit")
     p.add_argument("--kquants", action="store_true", help="the files people download instead: Q4_K_M, Q5_K_M, "
                    "Q6_K and Q8_0 (llama.cpp's quantizer), each loaded by both engines as they load it by default "
                    "(--quant auto here: the file's own blocks)")
+    p.add_argument("--only", metavar="P[,P]", help="only these files' rows (e.g. Q4_K_M,Q8_0 with --kquants)")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the table as a bar chart (one per model: "
                    "FILE-smollm2.png ...); needs matplotlib")
@@ -445,6 +502,10 @@ def main() -> int:
     p.add_argument("--ids", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.rows, args.precisions = (KQUANT_ROWS, KQUANT_FILES) if args.kquants else (ROWS, FLOAT_FILES)
+    if args.only:
+        only = args.only.split(",")
+        args.rows = [r for r in args.rows if r[1] in only or r[2] in only]
+        args.precisions = tuple(p for p in args.precisions if p in only)
     if args.worker:
         print(json.dumps((worker_llama if args.worker == "llama" else worker_dense)(args)))
         return 0
@@ -465,6 +526,8 @@ def main() -> int:
     for name in names:
         files = model_files(name, args.llama_python, lambda s: console.print(f"[dim]{s}[/dim]"), args.precisions)
         ids = prompt_ids(next(iter(files.values())))
+        if args.position:  # the prompt repeated to that length: decoding from there (a state's size stays, a cache's
+            ids = (ids * (args.position // len(ids) + 1))[:args.position]  # grows)
         table = Table(title=f"{name}: {len(ids)}-token prompt, {args.gen} greedy tokens, batch 1, {args.threads} "
                             f"threads, {args.rounds} alternating rounds of {args.runs} runs")
         for col in ("precision", "llama.cpp tok/s", "this engine tok/s", "ratio", "TTFT llama.cpp / this (ms)",

@@ -428,3 +428,39 @@ def test_hostile_slot_requests_get_a_4xx_in_openais_shape_and_the_server_goes_on
     finally:
         scheduler.stopping.set()
         scheduler.thread.join(timeout=10)
+
+
+def test_n_choices_share_one_prefill(monkeypatch):
+    """n choices of a prompt: the first prefills it, the others wait for it, copy its row's whole blocks and prefill
+    only the rest (from slot 48 of a 60-token prompt); greedy choices all equal the prompt prefilled alone, sampled
+    ones each follow their own noise as if prefilled alone."""
+    from dense_engine.formats import load
+    from dense_engine.formats import vocab as vocab_module
+    from dense_engine.server.scheduler import Request, Scheduler
+
+    vocab = vocab_module.load_vocabulary(LLAMA, None)
+    prompt = torch.randint(3, 500, (60,), generator=torch.Generator().manual_seed(2)).tolist()
+    cold = Scheduler(load.from_pretrained(LLAMA), vocab, 4, 128, compile=False, reuse=False)
+
+    def choices(scheduler, sampler, n=3):
+        jobs = [Request(prompt, 6, sampler, [], torch.Generator().manual_seed(i), lambda event: None, index=i)
+                for i in range(n)]
+        for job in jobs[1:]:
+            job.follows = jobs[0]
+        for job in jobs:
+            scheduler.submit(job)
+        for _ in range(100):
+            scheduler.safe_turn()
+            if all(job.finish_reason for job in jobs):
+                return [job.generated for job in jobs]
+        raise AssertionError("the choices did not finish")
+
+    prefilled = prefill_starts(monkeypatch)
+    scheduler = Scheduler(load.from_pretrained(LLAMA), vocab, 4, 128, compile=False, reuse=False)
+    greedy = choices(scheduler, SamplerSettings())
+    assert sorted(prefilled) == [0, 48, 48] and greedy == [run_alone(cold, Request(
+        prompt, 6, SamplerSettings(), [], torch.Generator(), lambda event: None)).copy()] * 3
+    sampled = SamplerSettings(temperature=1.0)
+    alone = [run_alone(cold, Request(prompt, 6, sampled, [], torch.Generator().manual_seed(i), lambda event: None))
+             for i in range(3)]
+    assert choices(scheduler, sampled) == alone and len({tuple(a) for a in alone}) > 1

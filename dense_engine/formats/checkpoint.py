@@ -165,6 +165,7 @@ ROPE_SCALINGS = {
                  "attention_factor", "truncate")),
     "longrope": (3, ("short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor")),
     "factors": (1, ("factors",)),
+    "proportional": (1, ("partial_rotary_factor", "factor")),
 }
 # The native format is the ShellElastic release's (the model this project began with): its config.json
 # leaves out what its own defaults say, and those differ from DenseConfig's Llama defaults.
@@ -239,8 +240,9 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
                 f"1..{MAX_SIZE}")
         if heads % kv:
             bad(f"layer {layer}: {heads} query heads do not divide into {kv} key/value heads")
-    if not isinstance(config.rope_dim, int) or not 0 < config.rope_dim <= config.head_dim or config.rope_dim % 2:
-        bad(f"rotary dimension {config.rope_dim} must be even and in 1..head_dim={config.head_dim}")
+    rope_dim, head = config.rope_dim(), config.global_head_dim or config.head_dim
+    if not isinstance(rope_dim, int) or not 0 < rope_dim <= head or rope_dim % 2:
+        bad(f"rotary dimension {rope_dim} must be even and in 1..head_dim={head}")
     if config.sliding_window is not None and (not isinstance(config.sliding_window, int) or config.sliding_window < 1):
         bad(f"sliding_window must be a whole number >= 1, got {config.sliding_window!r}")
     if config.layer_types is not None:
@@ -275,6 +277,6 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
         if missing:
             bad(f"rope_scaling {kind!r} needs {missing[0]!r}")
         for key in [k for k in ("short_factor", "long_factor", "factors") if k in config.rope_scaling]:
-            if len(config.rope_scaling[key]) != config.rope_dim // 2:
+            if len(config.rope_scaling[key]) != rope_dim // 2:
                 bad(f"rope_scaling {key} has {len(config.rope_scaling[key])} entries, expected rotary dimension / 2"
-                    f" = {config.rope_dim // 2}")
+                    f" = {rope_dim // 2}")

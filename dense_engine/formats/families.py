@@ -853,7 +853,96 @@ def lfm2(folder: str, raw: dict, source: str):
     return config, rename(hf_weights(folder), rules, source)
 
 
+def gemma4(folder: str, raw: dict, source: str):
+    """Gemma 4: gemma4_text, or gemma4 (the Hub's wrapper: text_config, the text model under model.language_model,
+    the vision and audio towers skipped with a note). Gemma 3's layer (post-norms, q/k norms, windows on five layers
+    of six, a local rope base) with: full layers of their own head size (global_head_dim, and per_layer_config's
+    key/value heads), rotated whole by proportional rope; values normed without gain, or the keys' projection
+    (attention_k_eq_v); the last num_kv_shared_layers layers reading the keys and values of the last earlier layer of
+    their kind (and twice as wide an MLP: use_double_wide_mlp); per-layer embeddings; a learned scalar per layer;
+    plain gains in float32; attention scaled by 1. Experts are refused."""
+    wrapped = raw["model_type"] == "gemma4"
+    text = dict((raw.get("text_config") or {}) if wrapped else raw)
+    cfg = ConfigReader(text, source)
+    if cfg.get("enable_moe_block") or cfg.get("num_experts"):
+        cfg.refuse("enable_moe_block", "a mixture of experts; this engine runs dense models only")
+    hidden, heads, layers = int(cfg.need("hidden_size")), int(cfg.need("num_attention_heads")), \
+        int(cfg.need("num_hidden_layers"))
+    types = cfg.need("layer_types")
+    head_dim, kv = int(cfg.get("head_dim", 256)), int(cfg.get("num_key_value_heads", heads))
+    full = [i for i, kind in enumerate(types) if kind == "full_attention"]
+    per_layer = {int(i): dict(v) for i, v in (cfg.get("per_layer_config") or {}).items()}
+    kv_heads = [int(per_layer.get(i, {}).pop("num_key_value_heads", kv)) for i in range(layers)]
+    global_dims = {int(per_layer.get(i, {}).pop("head_dim", head_dim)) for i in full}
+    if any(per_layer.values()) or any(i not in full for i in per_layer if "head_dim" in per_layer[i]) or \
+            len(global_dims) > 1:
+        cfg.refuse("per_layer_config", "only a head size and key/value heads shared by the full layers")
+    rope = cfg.get("rope_parameters") or {}
+    global_rope, local_rope = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+    if local_rope.pop("rope_type", "default") != "default" or global_rope.get("rope_type") not in (
+            "proportional", "default", None) or set(local_rope) - {"rope_theta"}:
+        cfg.refuse("rope_parameters", "proportional rope on the full layers, default on the sliding ones")
+    proportional = global_rope.get("rope_type") == "proportional"
+    shared = int(cfg.get("num_kv_shared_layers", 0))
+    widths = [int(cfg.need("intermediate_size")) * (2 if cfg.get("use_double_wide_mlp") and i >= layers - shared
+                                                     else 1) for i in range(layers)]
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        cfg.refuse("hidden_activation", "Gemma's MLP is gelu_pytorch_tanh")
+    for key in ("attention_bias", "use_bidirectional_attention"):
+        if cfg.get(key):
+            cfg.refuse(key, "Gemma 4's text decoder has neither")
+    P = int(cfg.get("hidden_size_per_layer_input", 0) or 0)
+    per_layer_vocab = int(cfg.get("vocab_size_per_layer_input", cfg.need("vocab_size")))
+    if P and per_layer_vocab != int(cfg.need("vocab_size")):
+        cfg.refuse("vocab_size_per_layer_input", "a per-layer table of the vocabulary's size")
+    for key in ("top_k_experts", "moe_intermediate_size", "final_logit_softcapping"):
+        cfg.get(key)
+    config = make_config(
+        source, vocab_size=int(cfg.need("vocab_size")), hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        global_head_dim=global_dims.pop() if full else None, intermediate_size=widths,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
+        rope_theta=float(global_rope.get("rope_theta", 1e6)),
+        rope_scaling={"rope_type": "proportional", "partial_rotary_factor": float(global_rope.get(
+            "partial_rotary_factor", 1.0)), **({"factor": global_rope["factor"]} if "factor" in global_rope else {})}
+        if proportional else None,
+        rope_local_theta=float(local_rope.get("rope_theta", 1e4)), attn_scale=1.0,
+        sliding_window=int(cfg.need("sliding_window")), layer_types=types, qk_norm="shared", value_norm=True,
+        keys_are_values=bool(cfg.get("attention_k_eq_v", False)), kv_shared_layers=shared,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), norm_gain_in_float32=True, mlp="geglu", post_norms=True,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))),
+        embed_scale=hidden ** 0.5, final_softcap=cfg.get("final_logit_softcapping"), per_layer_input=P,
+        layer_scalars=True)
+    cfg.check_unread()
+    weights = hf_weights(folder)
+    towers = sorted({name.split(".")[1] for name in weights if name.startswith("model.") and name.split(".")[1] in (
+        "vision_tower", "audio_tower", "embed_vision", "embed_audio")})
+    if towers:
+        machine.note(f"{source}: {', '.join(towers)} not loaded: this engine reads text")
+    top = r"model\.language_model\." if wrapped else r"model\."
+    layer = top + r"layers\.(\d+)\."
+    readers = "|".join(str(i) for i in range(layers) if config.kv_source(i) is not None) or "-"
+    rules = [(r"model\.(vision_tower|audio_tower|embed_vision|embed_audio)\..*", None),
+             (top + rf"layers\.({readers})\.self_attn\.(k_proj|v_proj|k_norm)\.weight", None),  # (unused: read)
+             (top + r"embed_tokens\.weight", "embed_tokens.weight"), (top + r"norm\.weight", "norm.weight"),
+             (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight"),
+             (top + r"embed_tokens_per_layer\.weight", "embed_per_layer.weight"),
+             (top + r"per_layer_model_projection\.weight", "per_layer_projection.weight"),
+             (top + r"per_layer_projection_norm\.weight", "per_layer_norm.weight"),
+             (layer + r"input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
+             (layer + r"post_attention_layernorm\.weight", r"layers.\1.attn_post_norm.weight"),
+             (layer + r"pre_feedforward_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
+             (layer + r"post_feedforward_layernorm\.weight", r"layers.\1.mlp_post_norm.weight"),
+             (layer + r"self_attn\.([qkvo]_proj|[qk]_norm)\.weight", r"layers.\1.attn.\2.weight"),
+             (layer + r"mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.weight"),
+             (layer + r"per_layer_input_gate\.weight", r"layers.\1.per_layer_gate.weight"),
+             (layer + r"per_layer_projection\.weight", r"layers.\1.per_layer_proj.weight"),
+             (layer + r"post_per_layer_input_norm\.weight", r"layers.\1.per_layer_norm.weight"),
+             (layer + r"layer_scalar", r"layers.\1.layer_scalar")]
+    return config, rename(weights, rules, source)
+
+
 # Hugging Face folders by config.json's model_type: (folder, raw config, config path) -> (DenseConfig, table)
 HF_FAMILIES = {"openelm": openelm, "gpt_neox": gpt_neox, "qwen3_5": qwen3_5, "qwen3_5_text": qwen3_5, "lfm2": lfm2,
-               "mistral3": mistral3,
+               "mistral3": mistral3, "gemma4": gemma4, "gemma4_text": gemma4,
                **{kind: hf_decoder for kind in FAMILIES}}

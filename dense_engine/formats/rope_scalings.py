@@ -43,7 +43,7 @@ def yarn_mscale(scale, m=1.0):
 
 def yarn_rope(config, scaling, powers, original, seq_len):
     """Frequencies blended between interpolated (slow ones) and extrapolated (fast ones) by a linear ramp."""
-    dim, base = config.rope_dim, config.rope_theta
+    dim, base = config.rope_dim(), config.rope_theta
     factor = scaling.get("factor") or config.max_position_embeddings / original
     attention = scaling.get("attention_factor")
     if attention is None:
@@ -63,4 +63,13 @@ def yarn_rope(config, scaling, powers, original, seq_len):
     return inv_freq, float(attention)
 
 
-dense.ROPE_SCALINGS.update({"factors": factors_rope, "llama3": llama3_rope, "longrope": longrope, "yarn": yarn_rope})
+def proportional_rope(config, scaling, powers, original, seq_len):
+    """Gemma 4's full layers: the first partial_rotary_factor of the pairs turn as plain rope over the whole head,
+    the rest not at all (frequency 0), the head rotated whole."""
+    turned = int(scaling["partial_rotary_factor"] * len(powers))
+    inv_freq = 1.0 / powers / scaling.get("factor", 1.0)
+    return torch.where(torch.arange(len(powers)) < turned, inv_freq, torch.zeros(())), 1.0
+
+
+dense.ROPE_SCALINGS.update({"factors": factors_rope, "llama3": llama3_rope, "longrope": longrope, "yarn": yarn_rope,
+                            "proportional": proportional_rope})

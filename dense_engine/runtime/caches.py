@@ -236,7 +236,7 @@ def cache_for(model: dense.DenseDecoder, kv_dtype: str = "auto") -> tuple[type, 
 
 def memories(model: dense.DenseDecoder) -> list[nn.Module]:
     """Each layer's memory, in layer order."""
-    return [layer.attn.memory for layer in model.layers]
+    return list(dict.fromkeys(layer.attn.memory for layer in model.layers))  # (once: a layer may read another's)
 
 
 def kv_memory(model: dense.DenseDecoder) -> nn.Module | None:
@@ -288,7 +288,8 @@ def cache_bytes(model: dense.DenseDecoder, batch: int, seq_len: int, dtype: torc
     dtype = dtype or model.dtype
     if dtype == torch.int8 and not issubclass(cache_class, ScaledSlots):
         cache_class = Int8KVCache
-    return sum(cache_class.bytes_for(batch, layer.attn.n_kv_heads, seq_len, layer.attn.head_dim, dtype)
+    return sum(0 if isinstance(layer.attn, dense.Attention) and layer.attn.reads is not None else  # (another's)
+               cache_class.bytes_for(batch, layer.attn.n_kv_heads, seq_len, layer.attn.head_dim, dtype)
                if isinstance(layer.attn, dense.Attention) else state_bytes(layer.attn, batch, model.dtype)
                for layer in model.layers)
 

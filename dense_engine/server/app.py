@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from dense_engine.runtime import grammar, reasoning
+from dense_engine.runtime import caches, grammar, reasoning
 from dense_engine.server import anthropic_messages, infill, ollama_api, openai_responses, slots
 from dense_engine.server.protocol import BadRequest, Settings, decode_body, parse_request
 from dense_engine.server.responses import ChatReply, ClientEvents, CompletionReply
@@ -60,11 +60,17 @@ def make_jobs(settings: Settings, server, sink) -> list[Request]:
     vocab, model = server.vocab, server.scheduler.model
     V = model.config.vocab_size
     sampler = settings.sampler
-    return [Request(prompt, settings.max_tokens, sampler, settings.stop,
+    jobs = [Request(prompt, settings.max_tokens, sampler, settings.stop,
                     torch.Generator(model.device).manual_seed((sampler.seed + i) % 2**63), sink, index=i,
                     logprobs=settings.logprobs, echo=settings.echo,
                     shaping=Shaping(constraint(settings, vocab, V), sampler.dry_for(vocab)))
             for i, prompt in enumerate(settings.prompts)]
+    # n choices of a prompt (consecutive): the later ones copy the first one's prefill (not an echo's, whose logprobs
+    # need every position; not a state model's, whose state is where its row ends)
+    if settings.n > 1 and not settings.echo and not caches.has_state(model):
+        for i, job in enumerate(jobs):
+            job.follows = jobs[i - i % settings.n] if i % settings.n else None
+    return jobs
 
 
 def constraint(settings: Settings, vocab, V: int):

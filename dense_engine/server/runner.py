@@ -76,6 +76,10 @@ class ModelCalls:
         if caches.has_state(self.runner.model):
             caches.put_row_states(self.runner.model, row, self.states[blocks[-1]])
 
+    def copy_row(self, source: int, row: int, end: int) -> None:
+        """Row `source`'s keys and values at slots 0..end-1 (a multiple of 16) into row `row`."""
+        caches.put_keys(self.runner.model, row, 0, caches.copy_keys(self.runner.model, source, 0, end))
+
     def read_blocks(self, blocks: list[tuple[int, str, list[int]]], size: int, drop: list[int]) -> int:
         """Forget the blocks `drop`, then read blocks of `size` tokens (id, file, the tokens of the prefix it ends)
         from the disk, in order, until one is missing or not whole: how many were read."""

@@ -98,6 +98,9 @@ class Request:
     generator: torch.Generator
     sink: Callable[[Event], None]
     index: int = 0  # its choice's index (a completion request may carry several prompts)
+    follows: Request | None = None  # the first of n choices of its prompt: prefilled once, in that one's row, whose
+    #                                 cache this one's row copies (Scheduler.share_prefills)
+    row: int = -1  # the cache row it was given
     logprobs: int | None = None  # the alternatives to report per token (0: only the chosen one); None: no logprobs
     echo: bool = False  # (completions) the prompt's own logprobs too
     status: Status = Status.WAITING
@@ -225,8 +228,8 @@ def schedule(rows: list[Row], waiting: list[Request], *, drafting: bool = False,
     plan.round = plan.round or speculating
     starts = {row: max(common, stored(request)) for row, request, common in plan.admit}
     filling = [(r, row.request, len(row.tokens)) for r, row in enumerate(rows)
-               if row.request is not None and row.request.status is Status.PREFILLING]
-    filling += [(row, request, starts[row]) for row, request, _ in plan.admit]
+               if row.request is not None and row.request.status is Status.PREFILLING and not waits(row.request)]
+    filling += [(row, request, starts[row]) for row, request, _ in plan.admit if not waits(request)]
     running = sum(row.request is not None for row in rows) + len(taken)  # (a speculating row 0 among them)
     prompts = {row: request.prompt for row, request, _ in filling}
     plan.freed, plan.prefill = prefill_group(sorted(filling, key=lambda f: f[1].timing.arrived), running,
@@ -235,6 +238,12 @@ def schedule(rows: list[Row], waiting: list[Request], *, drafting: bool = False,
     plan.decode = sorted({r for r, row in enumerate(rows) if row.request is not None
                           and row.request.status is Status.DECODING} | done)
     return plan
+
+
+def waits(request: Request) -> bool:
+    """Whether a choice waits for the first choice of its prompt to finish prefilling it (n > 1)."""
+    leader = request.follows
+    return leader is not None and leader.status in (Status.WAITING, Status.PREFILLING) and not leader.cancelled
 
 
 def pick_row(rows: list[Row], free: list[int], request: Request, reuse: bool,
@@ -369,6 +378,7 @@ class Scheduler:
                 done.set_result(function())
             except Exception as e:  # (the asker is told)
                 done.set_exception(e)
+        self.share_prefills()
         with self.waiting.mutex:  # (the line as it is now: only this thread takes from it)
             line = list(self.waiting.queue)
         plan = schedule(self.slots, line, drafting=self.draft is not None, speculating=self.speculation is not None,
@@ -390,6 +400,20 @@ class Scheduler:
                 self.waiting.put(self.waiting.get(timeout=0.1))
             except queue.Empty:
                 pass
+
+    def share_prefills(self) -> None:
+        """Rows whose request is a later choice of a prompt the first choice has prefilled: that row's keys and values
+        copied in, whole blocks of 16 slots up to the prompt's last token (prefilled here: its logits start this
+        choice), when that row still holds them; else the choice prefills its prompt itself."""
+        for row, slot in enumerate(self.slots):
+            request = slot.request
+            if request is None or request.follows is None or request.status is not Status.PREFILLING or waits(request):
+                continue
+            source, end = request.follows.row, (len(request.prompt) - 1) // 16 * 16
+            if len(slot.tokens) < end and source >= 0 and self.slots[source].tokens[:end] == request.prompt[:end]:
+                self.calls.call("copy_row", source=source, row=row, end=end)
+                slot.tokens = request.prompt[:end]
+            request.follows = None  # (done: it prefills the rest)
 
     def fail(self, e: Exception) -> None:
         message = f"internal error: {type(e).__name__}: {first_line(e)}"
@@ -464,7 +488,7 @@ def admit(scheduler: Scheduler, plan: Plan) -> None:
         prefixes.keep(scheduler, row, common)
         stored = prefixes.restore(scheduler, row, request, common)
         scheduler.admitted += 1
-        slot.request, slot.used = request, scheduler.admitted
+        slot.request, slot.used, request.row = request, scheduler.admitted, row
         slot.tokens = request.prompt[:stored] if stored > common else slot.tokens[:common]
         prefixes.persist(scheduler, row)
         if scheduler.metrics is not None and max(common, stored):

@@ -1,0 +1,110 @@
+"""Gemma 4 (dense.py's per-layer embeddings, keys and values read from an earlier layer, full layers of their own
+head size with proportional rope, values normed or made from the keys, a learned scalar per layer) against
+transformers' own model: tiny random checkpoints, float32 logits without a cache within 1e-4, greedy tokens through
+the cache equal; the cache holds only the layers that write it."""
+
+import os
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from conftest import FIXTURES
+from dense_engine.formats import load
+from dense_engine.runtime import caches, generate
+
+TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, global_head_dim=32, sliding_window=6, max_position_embeddings=256, eos_token_id=2)
+SIX = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+       "full_attention"]
+CASES = {  # name: (transformers class, config)
+    # per-layer embeddings, the last two layers reading layers 2 and 3's keys and values (twice as wide MLPs)
+    "per-layer embeddings, shared keys and values": ("Gemma4ForCausalLM", transformers.Gemma4TextConfig(
+        **TEXT, num_hidden_layers=6, layer_types=SIX, hidden_size_per_layer_input=8, vocab_size_per_layer_input=512,
+        num_kv_shared_layers=2, use_double_wide_mlp=True)),
+    # the full layers' values are their keys' projection, one key/value head there; a final soft-cap
+    "k = v, final soft-cap": ("Gemma4ForCausalLM", transformers.Gemma4TextConfig(
+        **TEXT, num_hidden_layers=6, layer_types=SIX, hidden_size_per_layer_input=0, attention_k_eq_v=True,
+        num_global_key_value_heads=1, final_logit_softcapping=5.0)),
+    # the Hub's layout: the text model under model.language_model, a vision tower beside it
+    "wrapper": ("Gemma4ForConditionalGeneration", transformers.Gemma4Config(
+        text_config=dict(**TEXT, num_hidden_layers=4, layer_types=SIX[1:3] * 2, hidden_size_per_layer_input=8,
+                         vocab_size_per_layer_input=512),
+        vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=16), audio_config=None)),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """{case: (folder, the transformers model)}: weights drawn with std 0.05 (norms as made, layer scalars about 1),
+    the fixture llama's tokenizer beside them."""
+    made = {}
+    for i, (name, (cls, config)) in enumerate(CASES.items()):
+        folder = tmp_path_factory.mktemp("gemma4") / f"case{i}"
+        torch.manual_seed(i)
+        model = getattr(transformers, cls)(config)
+        with torch.no_grad():
+            for key, p in model.named_parameters():
+                if "norm" not in key:
+                    p.normal_(0, 0.05)
+            for key, b in model.named_buffers():
+                if key.endswith("layer_scalar"):
+                    b.uniform_(0.5, 1.5)
+        model.save_pretrained(folder)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(FIXTURES, "llama", f), folder)
+        made[name] = (str(folder), model.eval())
+    return made
+
+
+def ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 512, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_and_greedy_tokens_equal_transformers(folders, case):
+    folder, reference = folders[case]
+    model = load.from_pretrained(folder, dtype=torch.float32)
+    prompt = ids(20)  # (past the window of 6: the sliding layers see only their window)
+    with torch.no_grad():
+        want = reference(prompt).logits
+    got = model(prompt)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max(), (got - want).abs().max()
+    with torch.no_grad():
+        greedy = reference.generate(prompt, max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    assert torch.equal(generate.generate(model, prompt, 16), greedy)
+
+
+def test_the_cache_holds_only_the_layers_that_write_it(folders):
+    folder, _ = folders["per-layer embeddings, shared keys and values"]
+    model = load.from_pretrained(folder, dtype=torch.float32)
+    caches.setup_cache(model, 2, 64)
+    readers = [i for i, layer in enumerate(model.layers) if layer.attn.reads is not None]
+    assert readers == [4, 5] and [model.layers[i].attn.reads for i in readers] == [3, 2]
+    assert all(model.layers[i].attn.memory is model.layers[model.layers[i].attn.reads].attn.memory for i in readers)
+    assert len(caches.memories(model)) == 4
+    writers = [layer.attn for layer in model.layers[:4]]  # (the full layers' heads are twice as wide)
+    held = sum(caches.KVCache.bytes_for(2, a.n_kv_heads, 64, a.head_dim, torch.float32) for a in writers)
+    assert caches.cache_bytes(model, 2, 64, torch.float32, caches.KVCache) == held
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_equals_eager(folders):
+    folder, _ = folders["per-layer embeddings, shared keys and values"]
+    model = load.from_pretrained(folder, dtype=torch.float32)
+    prompt = ids(9, 3)
+    assert torch.equal(generate.generate(model, prompt, 20, compile=True), generate.generate(model, prompt, 20))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "nf4"])
+def test_quantized_layers_compute_what_their_weights_say(folders, mode):
+    """Quantized at load (the per-layer embeddings' gates and projections too): the logits of a plain float model
+    holding each quantized layer's dequantized weight, up to the activations' rounding (as tests/test_quantize.py)."""
+    from test_quantize import quantized_reference, rel_err
+
+    folder, _ = folders["per-layer embeddings, shared keys and values"]
+    model = load.from_pretrained(folder, dtype=torch.float32, quant=mode)
+    prompt = ids(12, 5)
+    assert rel_err(model(prompt), quantized_reference(model)(prompt)) < 5e-2
