@@ -13,6 +13,7 @@ import transformers
 from conftest import FIXTURES
 from dense_engine.formats import load
 from dense_engine.runtime import caches, generate
+from test_state_layers import save_random
 
 TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, global_head_dim=32, sliding_window=6, max_position_embeddings=256, eos_token_id=2)
@@ -43,12 +44,8 @@ def folders(tmp_path_factory):
     made = {}
     for i, (name, (cls, config)) in enumerate(CASES.items()):
         folder = tmp_path_factory.mktemp("gemma4") / f"case{i}"
-        torch.manual_seed(i)
-        model = getattr(transformers, cls)(config)
-        with torch.no_grad():
-            for key, p in model.named_parameters():
-                if "norm" not in key:
-                    p.normal_(0, 0.05)
+        model = save_random(cls, config, i, folder)
+        with torch.no_grad():  # (saved again with them)
             for key, b in model.named_buffers():
                 if key.endswith("layer_scalar"):
                     b.uniform_(0.5, 1.5)
