@@ -105,3 +105,25 @@ def test_quantized_layers_compute_what_their_weights_say(folders, mode):
     model = load.from_pretrained(folder, dtype=torch.float32, quant=mode)
     prompt = ids(12, 5)
     assert rel_err(model(prompt), quantized_reference(model)(prompt)) < 5e-2
+
+
+def test_what_is_not_done_is_refused_in_one_line(folders, tmp_path):
+    """Gemma 4's experts (26B-A4B) and a per-layer table of another size: one line naming the key; tensor parallel:
+    one line before any weight is read."""
+    import json
+
+    from dense_engine.runtime import tp
+    from dense_engine.system.errors import CheckpointError
+
+    folder, _ = folders["per-layer embeddings, shared keys and values"]
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    for key, value, words in (("enable_moe_block", True, "mixture of experts"),
+                              ("vocab_size_per_layer_input", 256, "per-layer table")):
+        changed = tmp_path / key
+        shutil.copytree(folder, changed)
+        (changed / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(CheckpointError, match=f"{key} .*{words}") as e:
+            load.from_pretrained(str(changed))
+        assert "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match="Gemma 4's per-layer embeddings.* not split across ranks"):
+        tp.plan(load.from_pretrained(folder).config, 0, 2)
