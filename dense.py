@@ -446,11 +446,10 @@ class Attention(nn.Module):
             self.parts["gate_proj"] = q_width
         self.qkv_proj = nn.Linear(C, sum(self.parts.values()), bias=config.bias or config.qkv_bias)
         self.o_proj = nn.Linear(q_width, C, bias=config.bias)
-        D = self.head_dim
-        self.q_norm, self.k_norm = qk_norm(config, self.n_heads, D), qk_norm(config, self.n_kv_heads, D)
-        self.v_norm = RMSNorm(D, config.norm_eps, gain=False) if config.value_norm else nn.Identity()
-        if self.reads is not None:  # (no keys of its own)
-            self.k_norm = self.v_norm = nn.Identity()
+        D, own_keys = self.head_dim, self.reads is None
+        self.q_norm = qk_norm(config, self.n_heads, D)
+        self.k_norm = qk_norm(config, self.n_kv_heads, D) if own_keys else nn.Identity()
+        self.v_norm = RMSNorm(D, config.norm_eps, gain=False) if config.value_norm and own_keys else nn.Identity()
         self.norm_after_rope = config.qk_norm_after_rope
         self.memory: nn.Module = NoCache()
 
