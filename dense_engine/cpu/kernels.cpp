@@ -1005,7 +1005,7 @@ inline __m512 softcap16(__m512 x, float cap) {
                                                                                        _mm512_set1_epi32(INT32_MIN))));
 }
 
-constexpr int CHUNK = 8;   // x 16 slots scored at a time: GROUP x CHUNK accumulators
+constexpr int CHUNK = 8;   // x 16 slots scored at a time by up to 3 queries: 3 x CHUNK accumulators
 
 // 16 cached values as float32, from a float32, bfloat16 or float16 cache
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
@@ -1072,9 +1072,10 @@ void attend_queries(const float* const* q, const int64_t* start, const int64_t* 
   buffer.resize(N * stride);
   float* scores = buffer.data();
   auto key_scales = [&](int64_t b) { return scales.k ? scales.k + b * 16 : nullptr; };
+  constexpr int U = N == 4 ? 6 : CHUNK;  // blocks a pass: N x U accumulators (of 32 registers)
   int64_t blk = first;
-  for (; blk + CHUNK <= last + 1; blk += CHUNK)  // CHUNK blocks at a time: N x CHUNK accumulators
-    score_blocks<N, CHUNK>(q, kt + blk * D * 16, key_scales(blk), D, scale, softcap, scores + blk * 16 - base, stride);
+  for (; blk + U <= last + 1; blk += U)
+    score_blocks<N, U>(q, kt + blk * D * 16, key_scales(blk), D, scale, softcap, scores + blk * 16 - base, stride);
   for (; blk <= last; ++blk)
     score_blocks<N, 1>(q, kt + blk * D * 16, key_scales(blk), D, scale, softcap, scores + blk * 16 - base, stride);
   for (int i = 0; i < N; ++i) {  // e^(s - max) over the query's own slots in this part; zero elsewhere

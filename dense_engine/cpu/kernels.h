@@ -598,7 +598,7 @@ void check_blocks(const at::Tensor& w, int64_t type, int64_t K, const char* op) 
 
 // ---- attention over the cache (kernels.cpp says how) ----------------------------------------------------------------
 
-constexpr int GROUP = 3;   // queries scored together (GQA: the query heads of one key/value head), K and V read once
+constexpr int GROUP = 4;   // queries scored together (GQA: the query heads of one key/value head), K and V read once
 constexpr int64_t SPLIT = 512;  // a query's slots are cut into parts of this many (a part's results combined after)
 
 struct Partial {  // one query's softmax over part of its slots: max score, sum of e^(s - max), sum of e^(s - max) v
@@ -638,8 +638,9 @@ template <typename T>
 void attend_part(const float* const* q, const int64_t* start, const int64_t* end, int n, int64_t lo, int64_t hi,
                  const T* kt, const T* vv, Scales scales, int64_t D, float scale, float softcap, Partial* out,
                  std::vector<float>& buffer) {
-  static_assert(GROUP == 3, "one case per query count");
-  if (n == 3) attend_queries<3>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
+  static_assert(GROUP == 4, "one case per query count");
+  if (n == 4) attend_queries<4>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
+  else if (n == 3) attend_queries<3>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
   else if (n == 2) attend_queries<2>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
   else attend_queries<1>(q, start, end, lo, hi, kt, vv, scales, D, scale, softcap, out, buffer);
 }
@@ -739,9 +740,10 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor
     });
     return;
   }
-  if (items >= 2 * at::get_num_threads()) {  // many queries (a long prefill): runs of RUN items of one thread, the
-    // parts outermost, so one part's keys and values stay in the thread's cache while the run's queries read them
-    constexpr int64_t RUN = 32;
+  constexpr int64_t RUN = 32;
+  if (items >= RUN * at::get_num_threads()) {  // many queries (a long prefill): runs of RUN items of one thread,
+    // the parts outermost, so one part's keys and values stay in the thread's cache while the run's queries read
+    // them (a run a thread at least: fewer items, as a decode step's, share out their parts below)
     at::parallel_for(0, (items + RUN - 1) / RUN, 1, [&](int64_t r0, int64_t r1) {
       thread_local std::vector<float> buffer;
       thread_local std::vector<Partial> mine;

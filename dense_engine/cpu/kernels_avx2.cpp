@@ -988,9 +988,10 @@ void attend_queries(const float* const* q, const int64_t* start, const int64_t* 
   float* scores = buffer.data();
   int64_t blk = first;
   auto key_scales = [&](int64_t b) { return scales.k ? scales.k + b * 16 : nullptr; };
-  for (; blk + 1 <= last; blk += 2)  // two blocks at a time: N x 4 accumulators (12 of 16 registers)
-    score_blocks<N, 2>(q, kt + blk * D * 16, key_scales(blk), D, scale, softcap, scores + blk * 16 - base, stride);
-  if (blk == last)
+  if (N < 4)  // two blocks at a time: N x 4 accumulators (12 of 16 registers); four queries take one
+    for (; blk + 1 <= last; blk += 2)
+      score_blocks<N, 2>(q, kt + blk * D * 16, key_scales(blk), D, scale, softcap, scores + blk * 16 - base, stride);
+  for (; blk <= last; ++blk)
     score_blocks<N, 1>(q, kt + blk * D * 16, key_scales(blk), D, scale, softcap, scores + blk * 16 - base, stride);
   for (int i = 0; i < N; ++i) {  // e^(s - max) over the query's own slots in this part; zero elsewhere
     float* s = scores + i * stride;
@@ -1023,7 +1024,7 @@ void attend_queries(const float* const* q, const int64_t* start, const int64_t* 
     out[i].sum = hsum(vsum);
     scale_weights(s, a, b, base, scales.v);
   }
-  constexpr int C = N == 3 ? 2 : 4;  // registers of values a pass: N x C accumulators, C values, one weight
+  constexpr int C = N >= 3 ? 2 : 4;  // registers of values a pass: N x C accumulators, C values, one weight
   for (int64_t c0 = 0; c0 < (D + 7) / 8; c0 += C)
     if ((c0 + C) * 8 <= D) weigh_values<N, C, true>(scores, stride, base, lo, hi, vv, D, c0, out);
     else weigh_values<N, C, false>(scores, stride, base, lo, hi, vv, D, c0, out);
