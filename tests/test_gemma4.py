@@ -127,3 +127,63 @@ def test_what_is_not_done_is_refused_in_one_line(folders, tmp_path):
         assert "\n" not in str(e.value)
     with pytest.raises(CheckpointError, match="Gemma 4's per-layer embeddings.* not split across ranks"):
         tp.plan(load.from_pretrained(folder).config, 0, 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GGUF files of Gemma 4 as llama.cpp's converter writes them (tests/fixtures/gemma4_gguf, made by
+# tests/gemma4_gguf_reference.py), against llama.cpp's logits and token ids on the same file
+
+GGUF = os.path.join(FIXTURES, "gemma4_gguf", "gemma4.gguf")
+
+
+@pytest.fixture(scope="module")
+def gguf_reference():
+    import json
+
+    with open(os.path.join(FIXTURES, "gemma4_gguf", "reference.json")) as f:
+        return json.load(f)
+
+
+def test_a_gguf_gives_llama_cpps_logits(gguf_reference):
+    """Sliding layers of head size 16 and full ones of 32 (one key/value head, keys as values, partial rotation by
+    rope_freqs), per-layer embeddings, two layers reading earlier ones' keys and values with MLPs twice as wide, layer
+    scalars, a final soft-cap: llama.cpp's logits (a float32 cache) within 1e-3 of their largest, the same argmax."""
+    model = load.from_pretrained(GGUF, dtype=torch.float32)
+    config = model.config
+    assert config.layer_types[3] == "full_attention" and config.global_head_dim == 32 and config.keys_are_values
+    assert config.kv_shared_layers == 2 and config.per_layer_input == 8 and config.final_softcap == pytest.approx(0.05)
+    with torch.no_grad():
+        got = model(torch.tensor([gguf_reference["ids"]]))[0]
+    want = torch.tensor(gguf_reference["logits"])
+    assert (got - want).abs().max() < 1e-3 * want.abs().max(), (got - want).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    prompt = torch.tensor([gguf_reference["ids"][:9]])  # through the cache: the plain path's argmax loop
+    plain = prompt
+    for _ in range(12):
+        plain = torch.cat([plain, model(plain)[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(generate.generate(model, prompt, 12), plain)
+
+
+def test_a_gguf_tokenizes_as_llama_cpp(gguf_reference):
+    from dense_engine.formats import gguf_import
+
+    tokenizer = gguf_import.build_tokenizer(gguf_import.open_gguf(GGUF), GGUF)
+    for text, want in zip(gguf_reference["texts"], gguf_reference["tokens"]):
+        assert tokenizer.encode(text, add_special_tokens=False).ids == want, text
+
+
+def test_a_gguf_whose_shared_layers_llama_cpp_reads_elsewhere_is_refused(tmp_path):
+    """llama.cpp's code has the shared layers read layer first - 2 (sliding) or first - 1 (full): a file where that is
+    not the last earlier layer of the kind (transformers' rule) is refused in one line, not run either way."""
+    import gguf
+    from test_gguf import rewrite
+
+    from dense_engine.system.errors import CheckpointError
+
+    key = "gemma4.attention.sliding_window_pattern"
+    path = rewrite(GGUF, str(tmp_path / "x.gguf"), drop=(key,))
+    writer_value = [True, True, False, True, True, False]
+    path = rewrite(path, str(tmp_path / "y.gguf"), add={key: (writer_value, gguf.GGUFValueType.ARRAY)})
+    with pytest.raises(CheckpointError, match="shared_kv_layers 2: llama.cpp has layer 4 read layer 2's") as e:
+        load.from_pretrained(path)
+    assert "y.gguf" in str(e.value) and "\n" not in str(e.value)

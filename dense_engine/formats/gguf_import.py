@@ -1,6 +1,6 @@
 """gguf_import.py: llama.cpp's GGUF files as native checkpoints, and their tokenizers, read as llama.cpp reads them.
 
-Architectures: llama (Llama 1/2/3.x, SmolLM2, TinyLlama), qwen2, qwen3, gemma, gemma2, gemma3, phi3, and the hybrids
+Architectures: llama (Llama 1/2/3.x, SmolLM2, TinyLlama), qwen2, qwen3, gemma, gemma2, gemma3, gemma4, phi3, and the hybrids
 whose other layers keep a state (dense.py section 4): qwen35 (Qwen3.5 / 3.6), lfm2 (LFM2). What llama.cpp's
 converter (convert_hf_to_gguf.py) did that an importer must undo or honour, and what llama.cpp's model code decides
 beyond the file (llama-model.cpp, src/models/*.cpp), each where it is read below:
@@ -16,6 +16,13 @@ beyond the file (llama-model.cpp, src/models/*.cpp), each where it is read below
     head's query rows, then its output-gate rows; every norm but ssm_norm with its 1 + w baked in (used as stored);
     MTP layers after the model's (nextn_predict_layers) skipped with a note.
   * lfm2: short-conv layers where attention.head_count_kv is 0; the final norm is token_embd_norm.
+  * gemma4: Gemma 3's layer with Gemma 4's switches (dense.py): the sliding and full layers' own head sizes
+    (key_length_swa, key_length) and key/value heads (head_count_kv per layer), the full layers' partial rotation as
+    `rope_freqs` factors (1 on the rotated pairs, 1e30 on the rest: proportional rope), per-layer embeddings
+    (per_layer_*), a learned scale per layer (layer_output_scale), the last shared_kv_layers layers reading keys and
+    values where llama.cpp's code points them (which must be the last earlier layer of their kind), no attn_v on the
+    full layers when their values are their keys; norms stored as multiplied (no + 1). Tokenizer "gemma4": BPE over
+    the text with spaces as "▁", split only at newlines, byte fallback.
 
 The file's metadata and tensor table are parsed here (GGUFFile, over a memory map: gguf's reader takes seconds on a
 large vocabulary); weights are dequantized with the `gguf` package's own dequantizer (F32, F16, BF16, Q8_0, Q4_0,
@@ -48,12 +55,13 @@ from dense_engine.system.errors import CheckpointError, first_line
 from dense_engine.system.machine import cache_dir, note, unwritable_cache
 
 STATE_ARCHITECTURES = ("qwen35", "lfm2")  # hybrids whose other layers keep a state (dense.py section 4)
-ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES + ("gptneox",)  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
+ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES + ("gptneox", "gemma4")  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
 #                                                                   smollm3, granite, olmo2 (OLMo 2 and 3), seed_oss,
 #                                                                   exaone4, glm4, cohere2, apertus, hunyuan-dense,
 #                                                                   stablelm
 # Token texts that end a turn in common chat formats (llama.cpp recognises them the same way).
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "</s>")
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<turn|>", "<|end|>",
+               "</s>")
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type values
 # Per-layer GGUF tensors -> native names (q|k|v and Phi-3's gate|up are split where they are read)
 LAYER_TENSORS = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "post_attention_norm": "attn_post_norm",
@@ -68,6 +76,10 @@ ATTENTION_TENSORS = {"attn_norm.weight": "attn_norm.weight", "attn_q.weight": "a
                      "attn_output.weight": "attn.o_proj.weight", "attn_q_norm.weight": "attn.q_norm.weight",
                      "attn_k_norm.weight": "attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
                      "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+# gemma4: per-layer GGUF tensors -> native names (its norms stored as the model multiplies them: no + 1)
+GEMMA4_TENSORS = {**{f"{k}.weight": f"{v}.weight" for k, v in LAYER_TENSORS.items()},
+                  "inp_gate.weight": "per_layer_gate.weight", "proj.weight": "per_layer_proj.weight",
+                  "post_norm.weight": "per_layer_norm.weight", "layer_output_scale.weight": "layer_scalar"}
 STATE_LAYER_TENSORS = {
     "qwen35": {**ATTENTION_TENSORS, "post_attention_norm.weight": "mlp_norm.weight",  # (the MLP's input norm)
                "attn_qkv.weight": "attn.in_proj_qkv.weight", "attn_gate.weight": "attn.in_proj_z.weight",
@@ -409,6 +421,63 @@ def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfi
         tie_word_embeddings="output.weight" not in tensors, **values)
 
 
+def read_gemma4_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
+    """Gemma 4's config as llama.cpp reads it (the module's docstring says what is where), the switches the Hugging
+    Face family sets (families.gemma4): attention scaled by 1, values normed, tanh-GELU gates, post-norms."""
+    def key(name: str, default=None):
+        return field(reader, f"{arch}.{name}", default, path)
+
+    def per_layer(name: str, default=None) -> list[int]:
+        value = key(name, default)
+        return [int(n) for n in value] if isinstance(value, list) else [int(value)] * layers
+
+    if int(key("expert_count", 0)):
+        raise CheckpointError(f"{path}: GGUF metadata {arch}.expert_count {key('expert_count')}: a mixture of experts; "
+                              "this engine runs dense models only")
+    hidden, heads, layers = int(key("embedding_length")), int(key("attention.head_count")), int(key("block_count"))
+    sliding = key("attention.sliding_window_pattern")
+    if not isinstance(sliding, list) or len(sliding) < layers:
+        raise CheckpointError(f"{path}: GGUF metadata {arch}.attention.sliding_window_pattern: a flag a layer expected")
+    types = ["sliding_attention" if flag else "full_attention" for flag in sliding[:layers]]
+    head_dim, global_dim = int(key("attention.key_length_swa")), int(key("attention.key_length"))
+    for name, want in (("attention.value_length_swa", head_dim), ("attention.value_length", global_dim),
+                       ("rope.dimension_count_swa", head_dim), ("rope.dimension_count", global_dim)):
+        if int(key(name, want)) != want:
+            raise CheckpointError(f"{path}: GGUF metadata {arch}.{name} {key(name)}: {want} expected (the layer's "
+                                  "head size)")
+    partial = 1.0  # the full layers rotate the pairs whose rope_freqs factor is 1; a factor of 1e30 stops a pair
+    if "rope_freqs.weight" in tensors:
+        factors = dequantized(tensors["rope_freqs.weight"], path)
+        turned = int((factors == 1).sum())
+        if len(factors) != global_dim // 2 or not (factors[:turned] == 1).all() or not (factors[turned:] > 1e20).all():
+            raise CheckpointError(f"{path}: tensor 'rope_freqs.weight': factors of 1 then 1e30 expected (Gemma 4's "
+                                  "partial rotation)")
+        partial = 2 * turned / global_dim
+    shared = int(key("attention.shared_kv_layers", 0))
+    first = layers - shared
+    config = make_config(
+        path, vocab_size=int(key("vocab_size", 0) or tokens_count(reader, path)), hidden_size=hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=per_layer("attention.head_count_kv"),
+        head_dim=head_dim, global_head_dim=global_dim if "full_attention" in types else None,
+        intermediate_size=per_layer("feed_forward_length"), max_position_embeddings=int(key("context_length", 131072)),
+        rope_theta=float(key("rope.freq_base", 1e6)),
+        rope_scaling={"rope_type": "proportional", "partial_rotary_factor": partial},
+        rope_local_theta=float(key("rope.freq_base_swa", 1e4)), attn_scale=1.0,
+        sliding_window=int(key("attention.sliding_window")), layer_types=types, qk_norm="shared", value_norm=True,
+        keys_are_values=any(kind == "full_attention" and f"blk.{i}.attn_v.weight" not in tensors
+                            for i, kind in enumerate(types[:first])),
+        kv_shared_layers=shared, norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        norm_gain_in_float32=True, mlp="geglu", post_norms=True, tie_word_embeddings="output.weight" not in tensors,
+        embed_scale=hidden ** 0.5, final_softcap=float(key("final_logit_softcapping", 0.0)) or None,
+        per_layer_input=int(key("embedding_length_per_layer_input", 0)), layer_scalars=True)
+    for i in range(first, layers):  # llama.cpp's code reads layer first - 2 (sliding) or first - 1 (full)
+        source = first - 2 if types[i] == "sliding_attention" else first - 1
+        if config.kv_source(i) != source:
+            raise CheckpointError(f"{path}: GGUF metadata {arch}.attention.shared_kv_layers {shared}: llama.cpp has "
+                                  f"layer {i} read layer {source}'s keys, not the last earlier {types[i]} layer's")
+    return config
+
+
 def rope_scaling(reader, arch: str, tensors: dict, path: str, context: int, rope_dim: int) -> dict | None:
     """Llama 3.x's rope_freqs tensor, Phi-3's LongRoPE factor tensors, or a linear rope.scaling.factor."""
     def key(name: str, default=None):
@@ -443,8 +512,8 @@ def read_gguf(path: str) -> Checkpoint:
                               f"{', '.join(ARCHITECTURES)})")
     tensors = {t.name: t for t in reader.tensors}
     state = arch in STATE_ARCHITECTURES
-    config = (read_state_config if state else read_gptneox_config if arch == "gptneox" else read_config)(
-        reader, arch, tensors, path)
+    config = {"gptneox": read_gptneox_config, "gemma4": read_gemma4_config}.get(
+        arch, read_state_config if state else read_config)(reader, arch, tensors, path)
 
     def read(name: str, rows: torch.Tensor | None, change):
         def thunk() -> torch.Tensor:
@@ -480,7 +549,9 @@ def read_gguf(path: str) -> Checkpoint:
     skip = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}  # read into the config
     model_tensors = {"token_embd.weight": "embed_tokens.weight", "output.weight": "lm_head.weight",
                      "token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight": "norm.weight",
-                     "output_norm.bias": "norm.bias"}
+                     "output_norm.bias": "norm.bias", "per_layer_token_embd.weight": "embed_per_layer.weight",
+                     "per_layer_model_proj.weight": "per_layer_projection.weight",
+                     "per_layer_proj_norm.weight": "per_layer_norm.weight"}
     extra = range(config.num_hidden_layers, int(field(reader, f"{arch}.block_count", path=path)))  # qwen35's MTP
     mtp = []  # the multi-token prediction layers' tensors (blk.N.*, N in extra): skipped
     for name in tensors:
@@ -496,7 +567,9 @@ def read_gguf(path: str) -> Checkpoint:
             mtp.append(name)
             continue
         parts = None
-        if int(layer) < config.num_hidden_layers:
+        if int(layer) < config.num_hidden_layers and arch == "gemma4":
+            parts = [(GEMMA4_TENSORS[rest], None, None)] if rest in GEMMA4_TENSORS else None
+        elif int(layer) < config.num_hidden_layers:
             parts = (state_layer_tensors if state else layer_tensors)(arch, config, rest)
         if parts is None:
             raise CheckpointError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
@@ -671,7 +744,7 @@ def build_tokenizer(reader, path: str):
 
 
 def _build_tokenizer(reader, path: str):
-    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     kind = field(reader, "tokenizer.ggml.model", path=path)
     tokens = field(reader, "tokenizer.ggml.tokens", path=path)
@@ -683,9 +756,16 @@ def _build_tokenizer(reader, path: str):
         tokenizer.decoder = decoders.ByteLevel()
     elif kind == "llama":
         tokenizer = sentencepiece_tokenizer(reader, tokens, types, path)
+    elif kind == "gemma4":  # BPE on the text itself: spaces as "▁", split only at newlines, <0xXX> byte fallback
+        merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges", path=path)]
+        tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                                         byte_fallback=True))
+        tokenizer.normalizer = normalizers.Replace(" ", "▁")
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+        tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     else:
-        raise CheckpointError(f"{path}: GGUF metadata tokenizer.ggml.model {kind!r} is not supported ('gpt2' BPE "
-                              "or 'llama' SentencePiece)")
+        raise CheckpointError(f"{path}: GGUF metadata tokenizer.ggml.model {kind!r} is not supported ('gpt2' BPE, "
+                              "'llama' SentencePiece or 'gemma4' BPE)")
     # control tokens (and user-defined ones) are matched whole, before the model sees the text, as llama.cpp does
     tokenizer.add_tokens([AddedToken(t, special=ty == CONTROL, normalized=False)
                           for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)])
