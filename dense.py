@@ -65,12 +65,16 @@ class DenseConfig:
     kv_shared_layers: int = 0  # the last this many layers attend over the keys and values of the last earlier layer
     #                            of their kind, computing none (Gemma 4)
     # layers whose memory is a fixed-size state: layer_types "linear_attention" (Qwen3.5's Gated DeltaNet) | "conv"
-    # (LFM2's short conv)
+    # (LFM2's short conv) | "mamba" (Mamba2: Granite 4.0 H)
     linear_heads: tuple[int, int] = (16, 32)  # a Gated DeltaNet layer's (key, value) heads
     linear_head_dims: tuple[int, int] = (128, 128)  # its (key, value) channels per head
     linear_tiled_values: bool = False  # value head j reads key head j % key_heads (llama.cpp's qwen35 files);
     #                                    False: j // (value_heads / key_heads) (transformers)
     conv_kernel: int = 4  # the causal depthwise conv's width (Qwen3.5's linear_conv_kernel_dim, LFM2's conv_L_cache)
+    mamba_heads: tuple[int, int, int, int] = (0, 64, 1, 128)  # a Mamba2 layer's (heads, channels per head, groups
+    #                                                            of B and C, state size N)
+    mamba_biases: tuple[bool, bool] = (False, True)  # biases on its projections, on its conv
+    time_step_limit: tuple[float, float] = (0.0, math.inf)  # its dt clamped to this range (prompts' chunked form)
     # the block
     norm: str = "rmsnorm"  # "layernorm" (with bias: GPT-NeoX, StableLM)
     norm_eps: float = 1e-5
@@ -112,9 +116,9 @@ class DenseConfig:
         return self.sliding_window if sliding else None
 
     def mixer(self, layer: int) -> str:
-        """What mixes a layer's tokens: "attention", "delta" (Gated DeltaNet) or "conv" (LFM2's short conv)."""
+        """What mixes a layer's tokens: "attention", "delta" (Gated DeltaNet), "conv" (LFM2's short conv) or "mamba"."""
         kind = self.layer_types[layer] if self.layer_types else None
-        return {"linear_attention": "delta", "conv": "conv"}.get(kind, "attention")
+        return {"linear_attention": "delta", "conv": "conv", "mamba": "mamba"}.get(kind, "attention")
 
     def attention_kind(self, layer: int) -> str:
         return "full" if self.window(layer) is None else "sliding"
@@ -652,7 +656,80 @@ class ShortConv(nn.Module):
         return self.out_proj(c * y)
 
 
-MIXERS = {"attention": Attention, "delta": GatedDeltaNet, "conv": ShortConv}
+def ssd_step(x, dt, A, B, C, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba2's recurrence for one token, as it is defined: x [Bt, H, 1, P], dt [Bt, H, 1], A [H] (< 0), B and C
+    [Bt, H, 1, N], state [Bt, H, P, N] float32. The state decays by e^(dt A), takes dt x B^T, and C reads it."""
+    state = state * (dt * A[:, None]).exp()[..., None] + (dt[..., None] * x)[..., 0, :, None] * B
+    return (state @ C[:, :, 0, :, None]).transpose(-1, -2), state
+
+
+def ssd_chunks(x, dt, A, B, C, state, size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same recurrence over T tokens, a chunk of `size` at a time (shapes as ssd_step's with T tokens). Why it
+    equals T ssd_steps: within a chunk, with s_i = dt_1 A + ... + dt_i A, the state after token i is e^(s_i) S_0 +
+    sum_{j<=i} e^(s_i - s_j) dt_j x_j B_j^T, so y_i = e^(s_i) S_0 C_i + sum_{j<=i} e^(s_i - s_j) (C_i . B_j) dt_j
+    x_j: attention whose scores decay with distance, plus what the state brought in (the same sums, regrouped)."""
+    T = x.shape[2]
+    pad = -T % size  # padded tokens: dt 0, no decay and no write: the state passes through
+    x, B, C = (F.pad(t, (0, 0, 0, pad)).unflatten(2, (-1, size)) for t in (x, B, C))  # [Bt, H, N, size, D]
+    dt = F.pad(dt, (0, pad)).unflatten(2, (-1, size))  # [Bt, H, N, size]
+    s = (dt * A[:, None, None]).cumsum(-1)
+    later = torch.ones(size, size, dtype=torch.bool, device=x.device).triu(1)
+    decay = (s[..., :, None] - s[..., None, :]).masked_fill(later, -math.inf).exp()  # e^(s_i - s_j), j <= i
+    scores, written = (C @ B.transpose(-1, -2)) * decay, x * dt[..., None]  # dt_j x_j
+    outs = []
+    for c in range(x.shape[2]):
+        outs.append(scores[:, :, c] @ written[:, :, c] + s[:, :, c, :, None].exp() * (C[:, :, c] @ state.mT))
+        to_end = (s[:, :, c, -1:] - s[:, :, c]).exp()[..., None]  # e^(s_C - s_j)  [Bt, H, size, 1]
+        state = s[:, :, c, -1, None, None].exp() * state + (written[:, :, c] * to_end).mT @ B[:, :, c]
+    return torch.cat(outs, dim=2)[:, :, :T], state
+
+
+class Mamba2(nn.Module):
+    """Mamba2's selective state space layer (state space duality). One projection gives z (the output gate), x with
+    B and C (through a causal conv and silu) and a time step per head, dt = softplus(dt + dt_bias); each head keeps
+    a [P, N] state that decays by e^(dt A), A = -exp(A_log), and takes dt x B^T; C reads it, D x is added, then an
+    RMSNorm by groups of silu(z)-gated channels and out_proj. A group's B and C serve heads / groups heads."""
+
+    def __init__(self, config: DenseConfig, layer: int) -> None:
+        super().__init__()
+        (self.heads, self.head_dim, self.groups, self.state_size), (bias, conv_bias) = config.mamba_heads, \
+            config.mamba_biases
+        inner, self.limit = self.heads * self.head_dim, config.time_step_limit
+        self.sizes = [inner, inner + 2 * self.groups * self.state_size, self.heads]  # z, x|B|C, dt
+        self.in_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=bias)
+        self.conv_weight = nn.Parameter(torch.zeros(self.sizes[1], 1, config.conv_kernel))
+        self.conv_bias = nn.Parameter(torch.zeros(self.sizes[1])) if conv_bias else None
+        self.dt_bias, self.A_log, self.D = (nn.Parameter(torch.ones(self.heads)) for _ in range(3))
+        self.norm = RMSNorm(inner, config.norm_eps, gain_shape=(self.groups, inner // self.groups))
+        self.out_proj = nn.Linear(inner, config.hidden_size, bias=bias)
+        self.memory: nn.Module = NoCache()
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        Bt, T, _ = x.shape
+        z, xbc, dt = self.in_proj(x).split(self.sizes, dim=-1)
+        window, state, keep = self.memory.read(step, Bt) if step.input_pos is not None else (None, None, None)
+        xbc, window = causal_conv(xbc, self.conv_weight, window, keep)
+        xbc = F.silu(xbc if self.conv_bias is None else xbc + self.conv_bias)
+        xs, B, C = xbc.float().split([self.heads * self.head_dim] + [self.groups * self.state_size] * 2, dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())  # [Bt, T, H]
+        dt = dt.clamp(*self.limit) if T > 1 else dt  # (transformers clamps a prompt's, not a decode step's)
+        if keep is not None:
+            dt = dt * keep[..., None]
+
+        def groups(t: torch.Tensor) -> torch.Tensor:  # [Bt, T, G * N] -> [Bt, H, T, N]
+            return t.view(Bt, T, self.groups, -1).transpose(1, 2).repeat_interleave(self.heads // self.groups, 1)
+
+        xs = xs.view(Bt, T, self.heads, self.head_dim).transpose(1, 2)  # [Bt, H, T, P]
+        state = state if state is not None else xs.new_zeros(Bt, self.heads, self.head_dim, self.state_size)
+        rule = ssd_step if T == 1 else ssd_chunks
+        y, state = rule(xs, dt.transpose(1, 2), -self.A_log.float().exp(), groups(B), groups(C), state)
+        if keep is not None:
+            self.memory.write(step, window, state)
+        y = (y + self.D.float()[:, None, None] * xs).transpose(1, 2).reshape(Bt, T, -1) * F.silu(z.float())
+        return self.out_proj(self.norm(y.view(Bt, T, self.groups, -1)).view(Bt, T, -1).to(x.dtype))
+
+
+MIXERS = {"attention": Attention, "delta": GatedDeltaNet, "conv": ShortConv, "mamba": Mamba2}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -791,8 +868,9 @@ class DenseDecoder(nn.Module):
             elif isinstance(mixer, Attention):
                 mixer.memory = cache_class(max_batch_size, mixer.n_kv_heads, max_seq_len, mixer.head_dim,
                                            dtype or self.dtype, self.device)
-            else:  # a state: the conv's window, and Gated DeltaNet's matrices
-                heads = (mixer.v_heads, mixer.k_dim, mixer.v_dim) if isinstance(mixer, GatedDeltaNet) else None
+            else:  # a state: the conv's window, and Gated DeltaNet's or Mamba2's matrices
+                heads = (mixer.v_heads, mixer.k_dim, mixer.v_dim) if isinstance(mixer, GatedDeltaNet) else (
+                    mixer.heads, mixer.head_dim, mixer.state_size) if isinstance(mixer, Mamba2) else None
                 mixer.memory = State(max_batch_size, max_seq_len, mixer.conv_weight.shape[0],
                                      mixer.conv_weight.shape[-1], heads, self.dtype, self.device)
         slots = torch.arange(max_seq_len + 1, device=self.device)

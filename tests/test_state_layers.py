@@ -1,4 +1,5 @@
-"""Layers whose memory is a state (dense.py section 4): Qwen3.5's Gated DeltaNet and LFM2's short conv. Tiny random
+"""Layers whose memory is a state (dense.py section 4): Qwen3.5's Gated DeltaNet, LFM2's short conv and Granite 4.0
+H's Mamba2. Tiny random
 models made with transformers are the oracle; each cached path (chunks with padding, rows, left-padded batches, a
 conversation's next turn, the compiled step) is checked against the plain pass."""
 
@@ -36,7 +37,16 @@ CASES = {  # name: (transformers class, its config)
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64,
                            patch_size=4, spatial_merge_size=2, temporal_patch_size=2))),
     "lfm2": ("Lfm2ForCausalLM", transformers.Lfm2Config(vocab_size=512, **LFM2)),
+    # Mamba2 layers (8 heads of 16 channels, B and C in 2 groups of 16) around one attention layer without rope,
+    # Granite's four multipliers, the dense form (no experts)
+    "granite 4.0 h": ("GraniteMoeHybridForCausalLM", transformers.GraniteMoeHybridConfig(
+        vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+        layer_types=["mamba", "mamba", "attention", "mamba"], num_local_experts=0, shared_intermediate_size=96,
+        mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=16, mamba_expand=2,
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0,
+        position_embedding_type="nope", max_position_embeddings=512, eos_token_id=2)),
 }
+STATEFUL = ["qwen3_5 3 linear + 1 full", "lfm2", "granite 4.0 h"]
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +112,20 @@ def test_an_lfm2_ffn_width_is_read_as_transformers_reads_it(tmp_path, adjust):
     assert (model(ids) - want).abs().max() < 1e-4
 
 
+def test_mamba2s_chunked_form_equals_its_recurrence_a_token_at_a_time():
+    torch.manual_seed(1)
+    B, H, T, P, N = 2, 3, 45, 5, 4
+    x, Bm, Cm = (torch.randn(B, H, T, d, dtype=torch.float64) for d in (P, N, N))
+    dt, A = torch.rand(B, H, T, dtype=torch.float64), -torch.rand(H, dtype=torch.float64) * 2
+    state = torch.randn(B, H, P, N, dtype=torch.float64)
+    outs, one = [], state
+    for t in range(T):
+        out, one = dense.ssd_step(x[:, :, t:t + 1], dt[:, :, t:t + 1], A, Bm[:, :, t:t + 1], Cm[:, :, t:t + 1], one)
+        outs.append(out)
+    chunked, last = dense.ssd_chunks(x, dt, A, Bm, Cm, state, size=16)  # (chunks of 16, 16 and 13 + padding)
+    assert torch.allclose(chunked, torch.cat(outs, dim=2), atol=1e-10) and torch.allclose(last, one, atol=1e-10)
+
+
 def test_the_chunked_rule_equals_the_rule_a_token_at_a_time():
     torch.manual_seed(0)
     B, H, T, Dk, Dv = 2, 3, 45, 8, 5
@@ -121,10 +145,10 @@ def test_the_chunked_rule_equals_the_rule_a_token_at_a_time():
 @pytest.fixture(scope="module")
 def models(folders):
     return {name: load.from_pretrained(folders[name][0], dtype=torch.float32)
-            for name in ("qwen3_5 3 linear + 1 full", "lfm2")}
+            for name in STATEFUL}
 
 
-@pytest.mark.parametrize("case", ["qwen3_5 3 linear + 1 full", "lfm2"])
+@pytest.mark.parametrize("case", STATEFUL)
 def test_cached_steps_equal_the_plain_pass(models, case):
     """A prompt in chunks whose padding goes to the scratch slot, then decode steps, on row 1 of 3 while rows 0 and
     2 hold other sequences: the plain pass's logits."""
@@ -150,7 +174,7 @@ def test_cached_steps_equal_the_plain_pass(models, case):
     assert (again[[0, 2], 0] - whole[[0, 2]]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("case", ["qwen3_5 3 linear + 1 full", "lfm2"])
+@pytest.mark.parametrize("case", STATEFUL)
 def test_a_left_padded_batch_equals_each_prompt_alone(models, case):
     model = models[case]
     prompts = [prompt(9, seed=3)[0], prompt(30, seed=4)[0], prompt(17, seed=5)[0]]
@@ -189,20 +213,22 @@ def test_a_conversation_that_changes_its_past_starts_the_state_again(models, fol
     assert not os.path.exists(tmp_path / "talk.cache")
 
 
-def test_the_compiled_decode_step_equals_eager(models):
-    model = models["qwen3_5 3 linear + 1 full"]
+@pytest.mark.parametrize("case", ["qwen3_5 3 linear + 1 full", "granite 4.0 h"])
+def test_the_compiled_decode_step_equals_eager(models, case):
+    model = models[case]
     ids = prompt(21, seed=9)
     eager = generate.generate(model, ids, 16)
     assert torch.equal(generate.generate(model, ids, 16, compile=True), eager)
 
 
-@pytest.mark.parametrize("draft", ["lookup", "int4"])
-def test_speculative_decoding_equals_plain_greedy(models, draft):
+@pytest.mark.parametrize("case, draft", [("qwen3_5 3 linear + 1 full", "lookup"), ("qwen3_5 3 linear + 1 full", "int4"),
+                                         ("granite 4.0 h", "int4")])
+def test_speculative_decoding_equals_plain_greedy(models, case, draft):
     """A rejected draft token went into the target's state (and the draft's): each round starts again from the
     state it began with, fed only the accepted tokens. Drafts that are partly rejected, so that path runs."""
     from dense_engine.runtime import speculative
 
-    model = models["qwen3_5 3 linear + 1 full"]
+    model = models[case]
     ids = prompt(30, seed=11)
     ids = torch.cat([ids, ids[:, :12], ids[:, 5:20]], 1)  # (repeats: prompt lookup finds drafts)
     plain = generate.generate(model, ids, 40)[0, ids.shape[1]:].tolist()
@@ -214,7 +240,7 @@ def test_speculative_decoding_equals_plain_greedy(models, draft):
     assert tokens == plain and stats["proposed"] > stats["accepted"] + 4
 
 
-@pytest.mark.parametrize("case", ["qwen3_5 3 linear + 1 full", "lfm2"])
+@pytest.mark.parametrize("case", STATEFUL)
 def test_the_prefix_store_reuses_a_prefix_up_to_its_last_kept_state(models, folders, monkeypatch, case):
     """A state model's prefill stops at snapshot points (every 4 blocks, the prompt's last whole block), where the
     store keeps the blocks and the state after them. A prompt sharing a prefix with an earlier one, on another row,
@@ -378,3 +404,31 @@ def test_a_chat_template_saved_apart_is_read_and_rendered_as_transformers_does(f
         messages, tokenize=False, add_generation_prompt=True)
     vocab = load_vocabulary(str(folder), None)
     assert "<think>" in want and vocab.render(messages) == want
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "nf4"])
+def test_a_quantized_mamba2_model_computes_what_its_weights_say(folders, mode):
+    """Quantized at load (the Mamba2 projections too): the logits of a plain float model holding each quantized
+    layer's dequantized weight, up to the activations' rounding (as tests/test_quantize.py)."""
+    from test_quantize import quantized_reference, rel_err
+
+    model = load.from_pretrained(folders["granite 4.0 h"][0], dtype=torch.float32, quant=mode)
+    assert not isinstance(model.layers[0].attn.in_proj, torch.nn.Linear)
+    ids = prompt(40, seed=12)
+    assert rel_err(model(ids), quantized_reference(model)(ids)) < 5e-2
+
+
+def test_granite_4_h_with_experts_or_across_ranks_is_refused_in_one_line(folders, tmp_path):
+    from dense_engine.runtime import tp
+    from dense_engine.system.errors import CheckpointError
+
+    folder = folders["granite 4.0 h"][0]
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    changed = tmp_path / "experts"
+    shutil.copytree(folder, changed)
+    (changed / "config.json").write_text(json.dumps({**config, "num_local_experts": 4}))
+    with pytest.raises(CheckpointError, match="num_local_experts.* mixture of experts") as e:
+        load.from_pretrained(str(changed))
+    assert "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match="Mamba2 layers are not split across ranks"):
+        tp.plan(load.from_pretrained(folder).config, 0, 2)

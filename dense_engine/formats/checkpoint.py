@@ -246,7 +246,7 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
     if config.sliding_window is not None and (not isinstance(config.sliding_window, int) or config.sliding_window < 1):
         bad(f"sliding_window must be a whole number >= 1, got {config.sliding_window!r}")
     if config.layer_types is not None:
-        kinds = ("full_attention", "sliding_attention", "linear_attention", "conv")
+        kinds = ("full_attention", "sliding_attention", "linear_attention", "conv", "mamba")
         if len(config.layer_types) != config.num_hidden_layers or not set(config.layer_types) <= set(kinds):
             bad(f"layer_types must list {config.num_hidden_layers} of {' / '.join(map(repr, kinds))}")
         if "linear_attention" in config.layer_types:
@@ -254,6 +254,11 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
             if not all(isinstance(n, int) and 0 < n <= MAX_SIZE for n in (k_heads, v_heads, *dims)) or v_heads % k_heads:
                 bad(f"linear_heads {config.linear_heads} and linear_head_dims {config.linear_head_dims} must be "
                     "positive, the value heads a multiple of the key heads")
+        if "mamba" in config.layer_types:
+            heads, dim, groups, state = config.mamba_heads
+            if not all(isinstance(n, int) and 0 < n <= MAX_SIZE for n in config.mamba_heads) or heads % groups:
+                bad(f"mamba_heads {config.mamba_heads} (heads, channels per head, groups, state size) must be "
+                    "positive, the heads a multiple of the groups")
         if not isinstance(config.conv_kernel, int) or not 1 < config.conv_kernel <= 64:
             bad(f"conv_kernel must be a whole number in 2..64, got {config.conv_kernel!r}")
         if "sliding_attention" in config.layer_types and config.sliding_window is None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -626,7 +627,10 @@ def mistral3(folder: str, raw: dict, source: str):
 
 
 def refuse_moe(raw: dict, source: str) -> None:
-    """Mixtures of experts are not dense models: one line, before anything is read."""
+    """Mixtures of experts are not dense models: one line, before anything is read. Granite 4.0 H's dense releases
+    keep the experts' keys with num_local_experts 0: no expert is used, the model is dense."""
+    if raw.get("model_type") == "granitemoehybrid" and not raw.get("num_local_experts"):
+        return
     key = next((k for k in MOE_KEYS if raw.get(k)), None)
     kind = raw.get("model_type", "")
     if key or "moe" in str(kind) or kind in ("mixtral", "dbrx", "deepseek_v2", "deepseek_v3", "jamba"):
@@ -853,6 +857,70 @@ def lfm2(folder: str, raw: dict, source: str):
     return config, rename(hf_weights(folder), rules, source)
 
 
+def granite_hybrid(folder: str, raw: dict, source: str):
+    """Granite 4.0 H (granitemoehybrid without experts: num_local_experts 0): Mamba2 layers with a few attention
+    layers between them, Granite's multipliers (embedding, residual, attention scale, logits divisor), no position
+    embedding unless position_embedding_type is "rope", the MLP's gate|up rows fused in input_linear."""
+    cfg = ConfigReader(raw, source)
+    if int(cfg.get("num_local_experts", 0) or 0):
+        cfg.refuse("num_local_experts", "a mixture of experts; this engine runs dense models only")
+    for key in ("num_experts_per_tok", "router_aux_loss_coef", "intermediate_size", "mamba_chunk_size"):
+        cfg.get(key)  # (the experts' settings, with no experts; the chunk a prompt is scanned in: the same sums)
+    hidden, heads = int(cfg.need("hidden_size")), int(cfg.need("num_attention_heads"))
+    layers = int(cfg.need("num_hidden_layers"))
+    kinds = {"mamba": "mamba", "linear_attention": "mamba", "attention": "full_attention",
+             "full_attention": "full_attention"}
+    given = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * layers
+    if len(given) != layers or not set(given) <= set(kinds):
+        cfg.refuse("layer_types", f"{layers} of 'mamba' / 'attention'")
+    m_heads, expand = int(cfg.get("mamba_n_heads", 128)), int(cfg.get("mamba_expand", 2))
+    m_dim = cfg.get("mamba_d_head", "auto")
+    m_dim = expand * hidden // m_heads if m_dim == "auto" else int(m_dim)
+    if m_heads * m_dim != expand * hidden:
+        cfg.refuse("mamba_d_head", f"mamba_n_heads x mamba_d_head must be mamba_expand x hidden_size ({expand * hidden})")
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    theta, scaling, rotary, _ = hf_rope(cfg, 1e4, head_dim)
+    rope = cfg.get("position_embedding_type") == "rope"
+    if rope and scaling is not None:
+        cfg.refuse("rope_parameters", "only default rope for this family")
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        cfg.refuse("hidden_act", "only silu for this family")
+    if cfg.get("attention_bias", False):
+        cfg.refuse("attention_bias", "Granite 4.0 H releases have no attention biases")
+    config = make_config(
+        source, vocab_size=int(cfg.need("vocab_size")), hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads", heads)), head_dim=head_dim,
+        intermediate_size=int(cfg.need("shared_intermediate_size")),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)), rope_theta=theta,
+        rotary_dim=rotary, nope_layers=None if rope else list(range(layers)), layer_types=[kinds[k] for k in given],
+        mamba_heads=(m_heads, m_dim, int(cfg.get("mamba_n_groups", 1)), int(cfg.get("mamba_d_state", 256))),
+        mamba_biases=(bool(cfg.get("mamba_proj_bias", False)), bool(cfg.get("mamba_conv_bias", True))),
+        time_step_limit=tuple(float(t["__float__"] if isinstance(t, dict) else t)  # (transformers: infinity as
+                              for t in cfg.get("time_step_limit", (0.0, math.inf))),  # {"__float__": "Infinity"})
+        conv_kernel=int(cfg.get("mamba_d_conv", 4)), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        embed_scale=float(cfg.get("embedding_multiplier", 1.0)), residual_scale=float(cfg.get("residual_multiplier", 1.0)),
+        attn_scale=float(cfg.get("attention_multiplier", 1.0)), logits_divisor=float(cfg.get("logits_scaling", 1.0)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+    cfg.check_unread()
+    layer = r"model\.layers\.(\d+)\."
+    rules = [(r"model\.embed_tokens\.weight", "embed_tokens.weight"), (r"model\.norm\.weight", "norm.weight"),
+             (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight"),
+             (layer + r"input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
+             (layer + r"post_attention_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
+             (layer + r"self_attn\.([qkvo]_proj)\.(weight|bias)", r"layers.\1.attn.\2.\3"),
+             (layer + r"mamba\.(in_proj|out_proj)\.(weight|bias)", r"layers.\1.attn.\2.\3"),
+             (layer + r"mamba\.conv1d\.(weight|bias)", r"layers.\1.attn.conv_\2"),
+             (layer + r"mamba\.(A_log|D|dt_bias|norm\.weight)", r"layers.\1.attn.\2"),
+             (layer + r"shared_mlp\.input_linear\.weight", r"layers.\1.mlp.gate_up.weight"),
+             (layer + r"shared_mlp\.output_linear\.weight", r"layers.\1.mlp.down_proj.weight")]
+    table = rename(hf_weights(folder), rules, source)
+    W = config.intermediate_size
+    for i in range(layers):  # rows: gate | up
+        m = f"layers.{i}.mlp."
+        split_rows(table, m + "gate_up.weight", {m + "gate_proj.weight": (0, W), m + "up_proj.weight": (W, 2 * W)})
+    return config, table
+
+
 def gemma4(folder: str, raw: dict, source: str):
     """Gemma 4: gemma4_text, or gemma4 (the Hub's wrapper: text_config, the text model under model.language_model,
     the vision and audio towers skipped with a note). Gemma 3's layer (post-norms, q/k norms, windows on five layers
@@ -944,5 +1012,5 @@ def gemma4(folder: str, raw: dict, source: str):
 
 # Hugging Face folders by config.json's model_type: (folder, raw config, config path) -> (DenseConfig, table)
 HF_FAMILIES = {"openelm": openelm, "gpt_neox": gpt_neox, "qwen3_5": qwen3_5, "qwen3_5_text": qwen3_5, "lfm2": lfm2,
-               "mistral3": mistral3, "gemma4": gemma4, "gemma4_text": gemma4,
+               "mistral3": mistral3, "gemma4": gemma4, "gemma4_text": gemma4, "granitemoehybrid": granite_hybrid,
                **{kind: hf_decoder for kind in FAMILIES}}

@@ -254,7 +254,7 @@ def kept_memories(model: dense.DenseDecoder) -> list[nn.Module]:
     holds where it ends, not its slots: the server's prefix store keeps it at block ends, copy_keys and row_states;
     files do not yet)."""
     if has_state(model):
-        raise ValueError("this model's state layers (Gated DeltaNet, short conv) cannot be kept per slot yet: "
+        raise ValueError("this model's state layers (Gated DeltaNet, short conv, Mamba2) cannot be kept per slot yet: "
                          "--prompt-cache, /save, slot files and the prefix store's disk are not available for it")
     return memories(model)
 
@@ -277,7 +277,8 @@ def restore_states(model: dense.DenseDecoder, saved: list[torch.Tensor]) -> None
 def state_bytes(mixer: nn.Module, batch: int, dtype: torch.dtype) -> int:
     """The bytes of a state layer's memory: the conv window in the model's dtype, and float32 matrices."""
     channels, width = mixer.conv_weight.shape[0], mixer.conv_weight.shape[-1]
-    matrices = mixer.v_heads * mixer.k_dim * mixer.v_dim * 4 if isinstance(mixer, dense.GatedDeltaNet) else 0
+    matrices = mixer.v_heads * mixer.k_dim * mixer.v_dim * 4 if isinstance(mixer, dense.GatedDeltaNet) else \
+        mixer.heads * mixer.head_dim * mixer.state_size * 4 if isinstance(mixer, dense.Mamba2) else 0
     return batch * (channels * (width - 1) * dtype.itemsize + matrices)
 
 
