@@ -485,10 +485,10 @@ class Attention(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 4. Layers whose memory is a state: Gated DeltaNet (Qwen3.5) and the short conv (LFM2). An attention layer's memory
-# grows by a key and a value a token; these keep a fixed-size state instead: the last W - 1 inputs of a causal
-# depthwise conv and (Gated DeltaNet) a [Dk, Dv] matrix per head that every token rewrites. A decode step reads and
-# writes the same shapes at every position: one fixed-shape graph, however long the conversation.
+# 4. Layers whose memory is a state: Gated DeltaNet (Qwen3.5), the short conv (LFM2) and Mamba2 (Granite 4.0 H). An
+# attention layer's memory grows by a key and a value a token; these keep a fixed-size state instead: the last W - 1
+# inputs of a causal depthwise conv and (Gated DeltaNet, Mamba2) a matrix per head that every token rewrites. A
+# decode step reads and writes the same shapes at every position: one fixed-shape graph, however long the conversation.
 
 
 class State(nn.Module):
