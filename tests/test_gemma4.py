@@ -130,17 +130,17 @@ def test_what_is_not_done_is_refused_in_one_line(folders, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# GGUF files of Gemma 4 as llama.cpp's converter writes them (tests/fixtures/gemma4_gguf, made by
-# tests/gemma4_gguf_reference.py), against llama.cpp's logits and token ids on the same file
+# GGUF files of Gemma 4 as llama.cpp's converter writes them (tests/fixtures/converted_gguf, made by
+# tests/converted_gguf_reference.py), against llama.cpp's logits and token ids on the same file
 
-GGUF = os.path.join(FIXTURES, "gemma4_gguf", "gemma4.gguf")
+GGUF = os.path.join(FIXTURES, "converted_gguf", "gemma4.gguf")
 
 
 @pytest.fixture(scope="module")
 def gguf_reference():
     import json
 
-    with open(os.path.join(FIXTURES, "gemma4_gguf", "reference.json")) as f:
+    with open(os.path.join(FIXTURES, "converted_gguf", "gemma4.json")) as f:
         return json.load(f)
 
 

@@ -432,3 +432,32 @@ def test_granite_4_h_with_experts_or_across_ranks_is_refused_in_one_line(folders
     assert "\n" not in str(e.value)
     with pytest.raises(CheckpointError, match="Mamba2 layers are not split across ranks"):
         tp.plan(load.from_pretrained(folder).config, 0, 2)
+
+
+def test_a_granite_4_h_gguf_gives_llama_cpps_logits_and_ids():
+    """granitehybrid as llama.cpp's converter writes it (tests/fixtures/converted_gguf, tests/converted_gguf_reference.py):
+    Mamba2 layers where head_count_kv is 0 (ssm_a = -exp(A_log), ssm_d and ssm_norm reshaped, squeezed conv kernels),
+    an attention layer with llama's turned q/k rows and no rope, Granite's four scales: llama.cpp's logits (a float32
+    cache) within 1e-3 of their largest, the same argmax, and its token ids; through the cache, the plain path's
+    argmax loop."""
+    from dense_engine.formats import gguf_import
+
+    path = os.path.join(FIXTURES, "converted_gguf", "granitehybrid.gguf")
+    with open(os.path.join(FIXTURES, "converted_gguf", "granitehybrid.json")) as f:
+        reference = json.load(f)
+    model = load.from_pretrained(path, dtype=torch.float32)
+    assert model.config.layer_types == ["mamba", "mamba", "full_attention", "mamba"]
+    assert model.config.mamba_heads == (8, 16, 2, 16) and model.config.nope_layers == [0, 1, 2, 3]
+    with torch.no_grad():
+        got = model(torch.tensor([reference["ids"]]))[0]
+    want = torch.tensor(reference["logits"])
+    assert (got - want).abs().max() < 1e-3 * want.abs().max(), (got - want).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    ids = torch.tensor([reference["ids"][:9]])
+    plain = ids
+    for _ in range(12):
+        plain = torch.cat([plain, model(plain)[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(generate.generate(model, ids, 12), plain)
+    tokenizer = gguf_import.build_tokenizer(gguf_import.open_gguf(path), path)
+    for text, tokens in zip(reference["texts"], reference["tokens"]):
+        assert tokenizer.encode(text, add_special_tokens=False).ids == tokens, text

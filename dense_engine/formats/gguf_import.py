@@ -16,6 +16,10 @@ beyond the file (llama-model.cpp, src/models/*.cpp), each where it is read below
     head's query rows, then its output-gate rows; every norm but ssm_norm with its 1 + w baked in (used as stored);
     MTP layers after the model's (nextn_predict_layers) skipped with a note.
   * lfm2: short-conv layers where attention.head_count_kv is 0; the final norm is token_embd_norm.
+  * granitehybrid (Granite 4.0 H): Mamba2 layers where attention.head_count_kv is 0 (ssm.time_step_rank heads,
+    ssm.group_count groups of ssm.state_size; ssm_a = -exp(A_log), ssm_d and ssm_norm reshaped, the conv kernels
+    squeezed), attention layers with llama's permuted q/k rows and no rope unless rope.scaling.finetuned (which
+    llama.cpp takes as true when absent), Granite's four scales.
   * gemma4: Gemma 3's layer with Gemma 4's switches (dense.py): the sliding and full layers' own head sizes
     (key_length_swa, key_length) and key/value heads (head_count_kv per layer), the full layers' partial rotation as
     `rope_freqs` factors (1 on the rotated pairs, 1e30 on the rest: proportional rope), per-layer embeddings
@@ -54,7 +58,7 @@ from dense_engine.formats.checkpoint import Checkpoint, atomic_write, make_confi
 from dense_engine.system.errors import CheckpointError, first_line
 from dense_engine.system.machine import cache_dir, note, unwritable_cache
 
-STATE_ARCHITECTURES = ("qwen35", "lfm2")  # hybrids whose other layers keep a state (dense.py section 4)
+STATE_ARCHITECTURES = ("qwen35", "lfm2", "granitehybrid")  # hybrids whose other layers keep a state (dense.py section 4)
 ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES + ("gptneox", "gemma4")  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
 #                                                                   smollm3, granite, olmo2 (OLMo 2 and 3), seed_oss,
 #                                                                   exaone4, glm4, cohere2, apertus, hunyuan-dense,
@@ -88,7 +92,11 @@ STATE_LAYER_TENSORS = {
                "ssm_norm.weight": "attn.norm.weight", "ssm_out.weight": "attn.out_proj.weight"},
     "lfm2": {**ATTENTION_TENSORS, "ffn_norm.weight": "mlp_norm.weight",
              "shortconv.conv.weight": "attn.conv_weight", "shortconv.in_proj.weight": "attn.in_proj.weight",
-             "shortconv.out_proj.weight": "attn.out_proj.weight"}}
+             "shortconv.out_proj.weight": "attn.out_proj.weight"},
+    "granitehybrid": {**ATTENTION_TENSORS, "ffn_norm.weight": "mlp_norm.weight", "ssm_in.weight": "attn.in_proj.weight",
+                      "ssm_conv1d.weight": "attn.conv_weight", "ssm_conv1d.bias": "attn.conv_bias",
+                      "ssm_dt.bias": "attn.dt_bias", "ssm_a": "attn.A_log", "ssm_d": "attn.D",
+                      "ssm_norm.weight": "attn.norm.weight", "ssm_out.weight": "attn.out_proj.weight"}}
 
 
 def open_gguf(path: str) -> "GGUFFile":
@@ -368,12 +376,13 @@ def read_gptneox_config(reader, arch: str, tensors: dict, path: str) -> DenseCon
 
 
 def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
-    """The config of a qwen35 or lfm2 file, as llama.cpp's model code reads it. qwen35: Gated DeltaNet layers (ssm.*:
+    """The config of a qwen35, lfm2 or granitehybrid file, as llama.cpp's model code reads it. qwen35: Gated DeltaNet layers (ssm.*:
     key heads = group_count, value heads = time_step_rank, Dk = state_size, Dv = inner_size / value heads) where
     attention.recurrent_layers marks them (or all but every full_attention_interval-th), full-attention layers with
     an output gate, partial rotary (rope.dimension_sections: text has one position in every section, plain rope),
     norms with their 1 + w baked in, and nextn_predict_layers MTP layers counted in block_count (skipped). lfm2:
-    short-conv layers where attention.head_count_kv is 0, conv width shortconv.l_cache."""
+    short-conv layers where attention.head_count_kv is 0, conv width shortconv.l_cache. granitehybrid: Mamba2 layers
+    where it is 0 (the module's docstring says the rest)."""
     def key(name: str, default=None):
         return field(reader, f"{arch}.{name}", default, path)
 
@@ -395,7 +404,21 @@ def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfi
     kv = [int(n) for n in kv] if isinstance(kv, list) else [int(kv)] * layers  # (per layer: 0 for a state layer)
     if arch == "lfm2":
         types = ["conv" if n == 0 else "full_attention" for n in kv[:layers]]
-        values = dict(conv_kernel=int(key("shortconv.l_cache")))
+        values = dict(conv_kernel=int(key("shortconv.l_cache")), qk_norm="shared")
+    elif arch == "granitehybrid":
+        types = ["mamba" if n == 0 else "full_attention" for n in kv[:layers]]
+        m_heads, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
+        if not 0 < m_heads or inner % m_heads:
+            raise CheckpointError(f"{path}: GGUF metadata {arch}.ssm.inner_size {inner} is not a whole number of "
+                                  f"{arch}.ssm.time_step_rank {m_heads} heads")
+        first = next((i for i, kind in enumerate(types) if kind == "mamba"), 0)
+        rope = bool(key("rope.scaling.finetuned", True))  # (llama.cpp's rule: rope unless the file says otherwise)
+        values = dict(mamba_heads=(m_heads, inner // m_heads, int(key("ssm.group_count")), int(key("ssm.state_size"))),
+                      mamba_biases=(False, f"blk.{first}.ssm_conv1d.bias" in tensors),
+                      conv_kernel=int(key("ssm.conv_kernel")), nope_layers=None if rope else list(range(layers)),
+                      embed_scale=float(key("embedding_scale", 1.0)), residual_scale=float(key("residual_scale", 1.0)),
+                      attn_scale=float(key("attention.scale", 0.0)) or None,
+                      logits_divisor=float(key("logit_scale", 1.0)), qk_norm="none")
     else:
         interval = int(key("full_attention_interval", 4))
         flags = key("attention.recurrent_layers", []) or [(i + 1) % interval != 0 for i in range(layers)]
@@ -408,7 +431,7 @@ def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfi
         # (value heads in the converter's tiled order: value head j reads key head j % key heads)
         values = dict(linear_heads=(k_heads, v_heads), linear_head_dims=(int(key("ssm.state_size")), inner // v_heads),
                       linear_tiled_values=k_heads != v_heads, conv_kernel=int(key("ssm.conv_kernel")),
-                      attn_output_gate=True, norm_gain_in_float32=True)  # (the gains 1 + w, in float32 as llama.cpp)
+                      attn_output_gate=True, norm_gain_in_float32=True, qk_norm="shared")  # (the gains 1 + w, in float32 as llama.cpp)
     if len(types) != layers or len(kv) < layers:
         raise CheckpointError(f"{path}: GGUF metadata {arch}: {len(types)} layer kinds for {layers} layers")
     kv = [n or max(kv) or heads for n in kv[:layers]]  # (a state layer has no key/value heads: any count builds it)
@@ -417,7 +440,7 @@ def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfi
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv[0] if len(set(kv)) == 1 else kv,
         head_dim=head_dim, intermediate_size=int(key("feed_forward_length")), max_position_embeddings=context,
         rope_theta=float(key("rope.freq_base", 10000.0)), rotary_dim=rope_dim if rope_dim != head_dim else None,
-        layer_types=types, qk_norm="shared", norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        layer_types=types, norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         tie_word_embeddings="output.weight" not in tensors, **values)
 
 
@@ -640,6 +663,12 @@ def state_layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple
         return [(native, None, conv_kernel)]
     if native == "attn.A_log":
         return [(native, None, a_log)]
+    if native in ("attn.D", "attn.norm.weight") and arch == "granitehybrid":  # ([heads, 1], [groups, channels])
+        return [(native, None, lambda w, where: w.reshape(-1))]
+    if arch == "granitehybrid" and native in ("attn.q_proj.weight", "attn.k_proj.weight"):  # llama's turned rows
+        heads = config.num_attention_heads if native == "attn.q_proj.weight" else config.kv_heads(config.layer_types.index(
+            "full_attention"))
+        return [(native, unpermute(torch.arange(heads * config.head_dim), heads), None)]
     if arch == "qwen35" and native == "attn.q_proj.weight":  # [H * 2D, C]: per head D query rows, then D gate rows
         H, D = config.num_attention_heads, config.head_dim
         rows = torch.arange(H * 2 * D).view(H, 2, D)
@@ -653,10 +682,11 @@ def conv_kernel(w: torch.Tensor, where: str) -> torch.Tensor:
 
 
 def a_log(w: torch.Tensor, where: str) -> torch.Tensor:
-    """qwen35's ssm_a [value heads] holds -exp(A_log): A_log = log(-ssm_a) (the model computes -exp(A_log) again)."""
+    """ssm_a [heads] (granitehybrid: [heads, 1]) holds -exp(A_log): A_log = log(-ssm_a) (the model computes -exp(A_log)
+    again)."""
     if not (w < 0).all():
         raise CheckpointError(f"{where} holds values >= 0, not -exp(A_log)")
-    return torch.log(-w.double()).float()
+    return torch.log(-w.double()).float().reshape(-1)
 
 
 @dataclass

@@ -1,0 +1,129 @@
+"""Makes tests/fixtures/converted_gguf/: tiny random models written by llama.cpp's own converter (NAME.gguf), and
+llama.cpp's logits and token ids on them (NAME.json; run once, where llama-cpp-python and its sdist's converter are
+at hand):
+
+    python tests/converted_gguf_reference.py --llama-python VENV/bin/python --llama-src SDIST/vendor/llama.cpp
+
+gemma4 (transformers' Gemma4ForCausalLM): six layers, sliding ones of head size 16 and full ones (layers 3 and 5)
+of 32 with one key/value head and their keys as values (attention_k_eq_v), per-layer embeddings of 8, the last two
+layers reading layers 2 and 3's keys and values with MLPs twice as wide, a final soft-cap of 0.05 (small enough to
+bend these logits), layer scalars 0.5 + 0.1 i; weights of std 0.05. The fixture llama's tokenizer, made BPE with byte
+fallback as the converter's Gemma 4 vocabulary reader requires.
+
+granitehybrid (GraniteMoeHybridForCausalLM, tests/test_state_layers.py's "granite 4.0 h"): Mamba2 layers (A_log,
+dt_bias and D drawn in [-1, 1]) around one attention layer without rope, Granite's multipliers; num_experts_per_tok 0
+and intermediate_size the MLP's (else the converter writes an expert count and an FFN width llama.cpp then refuses),
+layer_types as the Hub's configs name them; the fixture llama's tokenizer, its pre-tokenizer named "gpt-2" for the
+converter (which knows the Hub's tokenizers by hash). Converted with --outtype f16."""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "fixtures", "converted_gguf")
+IDS = [1, 5, 17, 33, 100, 7, 250, 3, 64, 90, 11, 400, 12, 8, 77, 301, 2, 45, 9, 500]
+TEXTS = ["Hello,world!", "a\n\nb", "<|im_start|>user"]
+LLAMA = r'''
+import json, sys
+from llama_cpp import Llama
+path, ids, texts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+llm = Llama(model_path=path, logits_all=True, n_ctx=64, n_threads=2, verbose=False, type_k=0, type_v=0)
+llm.eval(ids)
+tokens = [llm.tokenize(t.encode(), add_bos=False, special=True) for t in texts]
+print(json.dumps({"logits": [list(map(float, row)) for row in llm.scores[:len(ids)]], "tokens": tokens}))
+'''
+
+
+def make_gemma4(folder: str) -> None:
+    import torch
+    import transformers
+
+    kinds = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
+    config = transformers.Gemma4TextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=32, sliding_window=6, max_position_embeddings=256, eos_token_id=2,
+        num_hidden_layers=6, layer_types=kinds, hidden_size_per_layer_input=8, vocab_size_per_layer_input=512,
+        num_kv_shared_layers=2, use_double_wide_mlp=True, final_logit_softcapping=0.05, attention_k_eq_v=True)
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+        for i, layer in enumerate(model.model.layers):
+            layer.layer_scalar.fill_(0.5 + 0.1 * i)
+    model.save_pretrained(folder)
+    shutil.copy(os.path.join(HERE, "fixtures", "llama", "tokenizer_config.json"), folder)
+    with open(os.path.join(HERE, "fixtures", "llama", "tokenizer.json")) as f:
+        tokenizer = json.load(f)
+    tokenizer["model"]["byte_fallback"] = True
+    tokenizer["decoder"] = {"type": "Sequence", "decoders": [tokenizer["decoder"]]}
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        json.dump(tokenizer, f, ensure_ascii=False)
+
+
+def make_granitehybrid(folder: str) -> None:
+    import torch
+    import transformers
+
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+        layer_types=["mamba", "mamba", "attention", "mamba"], num_local_experts=0, num_experts_per_tok=0,
+        intermediate_size=96, shared_intermediate_size=96, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+        mamba_d_head=16, mamba_expand=2, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+        logits_scaling=3.0, position_embedding_type="nope", max_position_embeddings=512, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.GraniteMoeHybridForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias", ".D")):
+                p.uniform_(-1, 1)
+            else:
+                p.normal_(0, 0.05)
+    model.save_pretrained(folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        saved = json.load(f)
+    saved["layer_types"] = ["mamba", "mamba", "attention", "mamba"]  # (transformers writes its own names back)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(saved, f)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(HERE, "fixtures", "llama", name), folder)
+
+
+CONVERT = r'''
+import runpy, sys
+source = sys.argv.pop(1)
+sys.path[0:0] = [source, source + "/gguf-py"]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"  # (the fixture's byte-level BPE: GPT-2's split)
+sys.argv[0] = source + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+CASES = {"gemma4": make_gemma4, "granitehybrid": make_granitehybrid}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--llama-python", required=True, help="a python with llama-cpp-python installed")
+    p.add_argument("--llama-src", required=True, help="llama.cpp's source (convert_hf_to_gguf.py, gguf-py/)")
+    args = p.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    for name, make in CASES.items():
+        path = os.path.join(OUT, f"{name}.gguf")
+        with tempfile.TemporaryDirectory() as folder:
+            make(folder)
+            subprocess.run([sys.executable, "-c", CONVERT, args.llama_src, folder, "--outtype", "f16", "--outfile",
+                            path], check=True, capture_output=True)
+        result = subprocess.run([args.llama_python, "-c", LLAMA, path, json.dumps(IDS), json.dumps(TEXTS)],
+                                capture_output=True, text=True, check=True)
+        with open(os.path.join(OUT, f"{name}.json"), "w") as f:
+            json.dump({"ids": IDS, "texts": TEXTS, **json.loads(result.stdout)}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
