@@ -82,7 +82,8 @@ class DenseConfig:
     #                                     to the compute dtype first, then the gain (Llama)
     norm_unit_offset: bool = False  # RMSNorm's gain is 1 + weight (Gemma stores offsets from 1)
     mlp: str = "swiglu"  # down(silu(gate(x)) * up(x)) | "geglu": tanh-GELU instead of silu (Gemma) |
-    #                      "gelu": down(gelu(up(x))), exact GELU (GPT-NeoX) | "xielu": down(xielu(up(x))) (Apertus)
+    #                      "gelu": down(gelu(up(x))), exact GELU (GPT-NeoX) | "xielu", "relu2": down(act(up(x))) with
+    #                      Apertus' xIELU or Nemotron-H's squared ReLU
     bias: bool = False  # biases on every linear of the blocks (GPT-NeoX)
     parallel_residual: bool = False  # x + attn(n1(x)) + mlp(n2(x)) (GPT-NeoX, StableLM 2)
     pre_norms: bool = True  # norm each branch's input (every family but OLMo 2)
@@ -782,11 +783,12 @@ class DecoderLayer(nn.Module):
         def norm(present: bool) -> nn.Module:
             return make_norm(config, config.hidden_size) if present else nn.Identity()
 
-        self.parallel = config.parallel_residual
-        self.attn_norm, self.mlp_norm = norm(config.pre_norms), norm(config.pre_norms)
+        self.parallel, has_mlp = config.parallel_residual, config.ffn_width(layer) > 0
+        self.attn_norm, self.mlp_norm = norm(config.pre_norms), norm(config.pre_norms and has_mlp)
         self.attn = MIXERS[config.mixer(layer)](config, layer)  # (attention, or a layer whose memory is a state)
-        self.mlp = GatedMLP(config, layer) if config.mlp in ("swiglu", "geglu") else MLP(config, layer)
-        self.attn_post_norm, self.mlp_post_norm = norm(config.post_norms), norm(config.post_norms)
+        self.mlp = None if not has_mlp else GatedMLP(config, layer) if config.mlp in ("swiglu", "geglu") else \
+            MLP(config, layer)  # (an FFN width of 0: no MLP, as Nemotron-H's blocks that only mix)
+        self.attn_post_norm, self.mlp_post_norm = norm(config.post_norms), norm(config.post_norms and has_mlp)
         self.residual_scale = config.residual_scale
         self.index, P = layer, config.per_layer_input
         if P:  # Gemma 4: h + norm(proj(gelu(gate(h)) * its per-layer input))
@@ -803,7 +805,8 @@ class DecoderLayer(nn.Module):
             branches = self.attn(self.attn_norm(x), step) + self.mlp(self.mlp_norm(x))
             return x + self.scaled(self.attn_post_norm(branches))
         h = x + self.scaled(self.attn_post_norm(self.attn(self.attn_norm(x), step)))
-        h = h + self.scaled(self.mlp_post_norm(self.mlp(self.mlp_norm(h))))
+        if self.mlp is not None:
+            h = h + self.scaled(self.mlp_post_norm(self.mlp(self.mlp_norm(h))))
         if step.per_layer is not None:
             gated = self.per_layer_act(self.per_layer_gate(h)) * step.per_layer[:, :, self.index]
             h = h + self.per_layer_norm(self.per_layer_proj(gated))

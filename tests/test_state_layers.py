@@ -45,8 +45,14 @@ CASES = {  # name: (transformers class, its config)
         mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=16, mamba_expand=2,
         embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0,
         position_embedding_type="nope", max_position_embeddings=512, eos_token_id=2)),
+    # blocks of Mamba2, attention without rope, squared-ReLU MLPs: (M -) (* -) (M) (M -) as this engine's layers
+    "nemotron-h": ("NemotronHForCausalLM", transformers.NemotronHConfig(
+        vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mamba", "mlp"], intermediate_size=96,
+        mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, max_position_embeddings=512,
+        eos_token_id=2)),
 }
-STATEFUL = ["qwen3_5 3 linear + 1 full", "lfm2", "granite 4.0 h"]
+STATEFUL = ["qwen3_5 3 linear + 1 full", "lfm2", "granite 4.0 h", "nemotron-h"]
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +246,7 @@ def test_speculative_decoding_equals_plain_greedy(models, case, draft):
     assert tokens == plain and stats["proposed"] > stats["accepted"] + 4
 
 
-@pytest.mark.parametrize("case", STATEFUL)
+@pytest.mark.parametrize("case", STATEFUL[:3])
 def test_the_prefix_store_reuses_a_prefix_up_to_its_last_kept_state(models, folders, monkeypatch, case):
     """A state model's prefill stops at snapshot points (every 4 blocks, the prompt's last whole block), where the
     store keeps the blocks and the state after them. A prompt sharing a prefix with an earlier one, on another row,
@@ -461,3 +467,26 @@ def test_a_granite_4_h_gguf_gives_llama_cpps_logits_and_ids():
     tokenizer = gguf_import.build_tokenizer(gguf_import.open_gguf(path), path)
     for text, tokens in zip(reference["texts"], reference["tokens"]):
         assert tokenizer.encode(text, add_special_tokens=False).ids == tokens, text
+
+
+def test_nemotron_h_blocks_become_layers_and_what_is_not_dense_is_refused(models, folders, tmp_path):
+    """Each mixing block and the MLP block after it are one layer (no MLP where none follows); experts (a moe block),
+    an MLP block after another, or tensor parallel: one line."""
+    from dense_engine.runtime import tp
+    from dense_engine.system.errors import CheckpointError
+
+    model = models["nemotron-h"]
+    assert [layer.mlp is not None for layer in model.layers] == [True, True, False, True]
+    assert model.config.layer_types == ["mamba", "full_attention", "mamba", "mamba"]
+    folder = folders["nemotron-h"][0]
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    for blocks, words in ((["mamba", "moe", "attention", "mlp"], "moe blocks is a mixture of experts"),
+                          (["mamba", "mlp", "mlp", "attention"], "an mlp block after each")):
+        changed = tmp_path / blocks[1]
+        shutil.copytree(folder, changed)
+        (changed / "config.json").write_text(json.dumps({**config, "layers_block_type": blocks}))
+        with pytest.raises(CheckpointError, match=words) as e:
+            load.from_pretrained(str(changed))
+        assert "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match="Mamba2 layers are not split across ranks"):
+        tp.plan(model.config, 0, 2)

@@ -1,5 +1,5 @@
-"""The activations with learned parameters of their own that some families' MLPs use (dense.py runs GELU, SiLU and
-tanh-GELU): Apertus' xIELU. Importing this module adds them to dense.ACTIVATIONS (checkpoint.py does, so every loader
+"""The activations some families' MLPs use beyond dense.py's GELU, SiLU and tanh-GELU: Apertus' xIELU (with learned
+parameters of its own), Nemotron-H's squared ReLU. Importing this module adds them to dense.ACTIVATIONS (checkpoint.py does, so every loader
 has them)."""
 
 import torch
@@ -26,4 +26,11 @@ class XIELU(nn.Module):
         return torch.where(x > 0, alpha_p * x * x, negative) + self.beta * x
 
 
-dense.ACTIVATIONS.update({"xielu": XIELU})
+class ReLU2(nn.Module):
+    """relu(x)^2 (Nemotron-H's MLP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x).square()
+
+
+dense.ACTIVATIONS.update({"xielu": XIELU, "relu2": ReLU2})

@@ -210,7 +210,7 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
 
     choices = {"rope_precision": ("bfloat16", "float32"), "rope_layout": ("half", "interleaved"),
                "norm": ("rmsnorm", "layernorm"), "qk_norm": ("none", "per_channel", "shared", "whole"),
-               "mlp": ("swiglu", "geglu", "gelu", "xielu")}
+               "mlp": ("swiglu", "geglu", "gelu", "xielu", "relu2")}
     for name, allowed in choices.items():
         if getattr(config, name) not in allowed:
             bad(f"{name} must be one of {', '.join(allowed)}, got {getattr(config, name)!r}")
@@ -235,9 +235,9 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
             bad(f"{name} must be a positive number, got {value!r}")
     for layer in range(config.num_hidden_layers):
         heads, kv, width = config.heads(layer), config.kv_heads(layer), config.ffn_width(layer)
-        if not (0 < heads <= MAX_SIZE and 0 < kv <= MAX_SIZE and 0 < width <= MAX_SIZE):
-            bad(f"layer {layer}: heads ({heads}), key/value heads ({kv}) and FFN width ({width}) must be in "
-                f"1..{MAX_SIZE}")
+        if not (0 < heads <= MAX_SIZE and 0 < kv <= MAX_SIZE and 0 <= width <= MAX_SIZE):
+            bad(f"layer {layer}: heads ({heads}) and key/value heads ({kv}) must be in 1..{MAX_SIZE}, the FFN width "
+                f"({width}) in 0..{MAX_SIZE} (0: no MLP)")
         if heads % kv:
             bad(f"layer {layer}: {heads} query heads do not divide into {kv} key/value heads")
     rope_dim, head = config.rope_dim(), config.global_head_dim or config.head_dim

@@ -631,6 +631,12 @@ def refuse_moe(raw: dict, source: str) -> None:
     keep the experts' keys with num_local_experts 0: no expert is used, the model is dense."""
     if raw.get("model_type") == "granitemoehybrid" and not raw.get("num_local_experts"):
         return
+    if raw.get("model_type") == "nemotron_h":  # (its config keeps experts' keys whatever its blocks are: read those)
+        blocks = raw.get("layers_block_type") or raw.get("layer_types") or list(raw.get("hybrid_override_pattern", ""))
+        if "moe" in blocks or "E" in blocks:
+            raise CheckpointError(f"{source}: model_type 'nemotron_h' with moe blocks is a mixture of experts; this "
+                                  "engine runs dense models only")
+        return
     key = next((k for k in MOE_KEYS if raw.get(k)), None)
     kind = raw.get("model_type", "")
     if key or "moe" in str(kind) or kind in ("mixtral", "dbrx", "deepseek_v2", "deepseek_v3", "jamba"):
@@ -921,6 +927,81 @@ def granite_hybrid(folder: str, raw: dict, source: str):
     return config, table
 
 
+def nemotron_h(folder: str, raw: dict, source: str):
+    """Nemotron-H / Nemotron Nano 2: a pattern of blocks, each a norm and one of Mamba2 (M), attention without rope (*)
+    or a squared-ReLU MLP (-), its output added to the residual. A mixing block and the MLP block after it are one
+    layer here (an FFN width of 0 where none follows); an MLP block after another is refused."""
+    cfg = ConfigReader(raw, source)
+    names = {"M": "mamba", "*": "attention", "-": "mlp", "mamba": "mamba", "linear_attention": "mamba",
+             "attention": "attention", "full_attention": "attention", "mlp": "mlp"}
+    given = cfg.get("layers_block_type") or cfg.get("layer_types") or list(cfg.get("hybrid_override_pattern", ""))
+    if not given or not set(given) <= set(names):
+        cfg.refuse("layers_block_type", "mamba, attention and mlp blocks")
+    kinds, widths = [], []
+    for block in (names[b] for b in given):
+        if block == "mlp" and (not kinds or widths[-1]):
+            cfg.refuse("layers_block_type", "an mlp block after each mamba or attention block at most")
+        if block == "mlp":
+            widths[-1] = int(cfg.need("intermediate_size"))
+        else:
+            kinds.append("mamba" if block == "mamba" else "full_attention")
+            widths.append(0)
+    for key, allowed in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if cfg.get(key, allowed) != allowed:
+            cfg.refuse(key, f"{allowed} in Nemotron-H")
+    for key in ("mlp_bias", "attention_bias", "mamba_proj_bias", "sliding_window", "num_nextn_predict_layers"):
+        if cfg.get(key):
+            cfg.refuse(key, "not in Nemotron-H's dense releases")
+    for key in ("n_routed_experts", "n_shared_experts", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+                "num_experts_per_tok", "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob",
+                "mtp_layers_block_type", "moe_latent_size", "moe_shared_expert_overlap", "time_step_min",
+                "time_step_max", "time_step_floor", "chunk_size", "expand", "use_mamba_kernels", "residual_in_fp32",
+                "rescale_prenorm_residual", "num_logits_to_keep", "mamba_ssm_cache_dtype", "hidden_dropout",
+                "output_router_logits"):
+        cfg.get(key)  # (experts with no moe block, the MTP's blocks with none, initialization, kernels: unused)
+    hidden, heads, layers = int(cfg.need("hidden_size")), int(cfg.need("num_attention_heads")), len(kinds)
+    m_heads, m_dim = int(cfg.need("mamba_num_heads")), int(cfg.need("mamba_head_dim"))
+    config = make_config(
+        source, vocab_size=int(cfg.need("vocab_size")), hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=int(cfg.get("head_dim") or hidden // heads), intermediate_size=widths,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), nope_layers=list(range(layers)),
+        layer_types=kinds, mlp="relu2",
+        mamba_heads=(m_heads, m_dim, int(cfg.get("n_groups", 8)), int(cfg.get("ssm_state_size", 128))),
+        mamba_biases=(bool(cfg.get("use_bias", False)), bool(cfg.get("use_conv_bias", True))),
+        time_step_limit=tuple(float(t["__float__"] if isinstance(t, dict) else t)
+                              for t in cfg.get("time_step_limit", (0.0, math.inf))),
+        conv_kernel=int(cfg.get("conv_kernel", 4)), norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        norm_gain_in_float32=True, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+    cfg.check_unread()
+    layer_of, layer = [], -1  # our layer of each block: a mixing block starts one
+    for block in given:
+        layer += names[block] != "mlp"
+        layer_of.append(layer)
+    table = {}
+    for name, thunk in hf_weights(folder).items():
+        match = re.fullmatch(r"(?:model|backbone)\.layers\.(\d+)\.(.*)", name)
+        if match is None:
+            table[name] = thunk
+            continue
+        block, rest = int(match.group(1)), match.group(2)
+        if block >= len(given):
+            raise CheckpointError(f"{source}: unexpected tensor {name!r}")
+        kind = "mlp" if names[given[block]] == "mlp" else "mixer"
+        table[f"layer{layer_of[block]}.{kind}.{rest}"] = thunk
+    rules = [(r"(?:model|backbone)\.embeddings\.weight", "embed_tokens.weight"),
+             (r"(?:model|backbone)\.norm_f\.weight", "norm.weight"),
+             (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight"),
+             (r"layer(\d+)\.mixer\.norm\.weight", r"layers.\1.attn_norm.weight"),
+             (r"layer(\d+)\.mlp\.norm\.weight", r"layers.\1.mlp_norm.weight"),
+             (r"layer(\d+)\.mixer\.mixer\.([qkvo]_proj)\.weight", r"layers.\1.attn.\2.weight"),
+             (r"layer(\d+)\.mixer\.mixer\.(in_proj|out_proj)\.(weight|bias)", r"layers.\1.attn.\2.\3"),
+             (r"layer(\d+)\.mixer\.mixer\.conv1d\.(weight|bias)", r"layers.\1.attn.conv_\2"),
+             (r"layer(\d+)\.mixer\.mixer\.(A_log|D|dt_bias|norm\.weight)", r"layers.\1.attn.\2"),
+             (r"layer(\d+)\.mlp\.mixer\.(up_proj|down_proj)\.weight", r"layers.\1.mlp.\2.weight")]
+    return config, rename(table, rules, source)
+
+
 def gemma4(folder: str, raw: dict, source: str):
     """Gemma 4: gemma4_text, or gemma4 (the Hub's wrapper: text_config, the text model under model.language_model,
     the vision and audio towers skipped with a note). Gemma 3's layer (post-norms, q/k norms, windows on five layers
@@ -1013,4 +1094,5 @@ def gemma4(folder: str, raw: dict, source: str):
 # Hugging Face folders by config.json's model_type: (folder, raw config, config path) -> (DenseConfig, table)
 HF_FAMILIES = {"openelm": openelm, "gpt_neox": gpt_neox, "qwen3_5": qwen3_5, "qwen3_5_text": qwen3_5, "lfm2": lfm2,
                "mistral3": mistral3, "gemma4": gemma4, "gemma4_text": gemma4, "granitemoehybrid": granite_hybrid,
+               "nemotron_h": nemotron_h,
                **{kind: hf_decoder for kind in FAMILIES}}
