@@ -14,7 +14,12 @@ granitehybrid (GraniteMoeHybridForCausalLM, tests/test_state_layers.py's "granit
 dt_bias and D drawn in [-1, 1]) around one attention layer without rope, Granite's multipliers; num_experts_per_tok 0
 and intermediate_size the MLP's (else the converter writes an expert count and an FFN width llama.cpp then refuses),
 layer_types as the Hub's configs name them; the fixture llama's tokenizer, its pre-tokenizer named "gpt-2" for the
-converter (which knows the Hub's tokenizers by hash). Converted with --outtype f16."""
+converter (which knows the Hub's tokenizers by hash).
+
+nemotron_h (NemotronHForCausalLM, tests/test_state_layers.py's "nemotron-h"): blocks M - * - M M -, its config.json as
+the Hub's dense releases write it (hybrid_override_pattern, num_hidden_layers, no experts' keys), read by the
+converter as written (with transformers 5.25 installed, the converter's AutoConfig fills in the experts' defaults and
+writes nemotron_h_moe). Each converted with --outtype f16."""
 
 import argparse
 import json
@@ -94,16 +99,54 @@ def make_granitehybrid(folder: str) -> None:
         shutil.copy(os.path.join(HERE, "fixtures", "llama", name), folder)
 
 
+def make_nemotron_h(folder: str) -> None:
+    import torch
+    import transformers
+
+    config = transformers.NemotronHConfig(
+        vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mamba", "mlp"], intermediate_size=96,
+        mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, max_position_embeddings=512,
+        eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias", ".D")):
+                p.uniform_(-1, 1)
+            else:
+                p.normal_(0, 0.05)
+    model.save_pretrained(folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        saved = json.load(f)
+    saved = {k: v for k, v in saved.items() if k not in ("layers_block_type", "mtp_layers_block_type", "n_group") and
+             not any(w in k for w in ("expert", "moe", "routed", "topk"))}
+    saved.update(hybrid_override_pattern="M-*-MM-", num_hidden_layers=7)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(saved, f)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(HERE, "fixtures", "llama", name), folder)
+
+
 CONVERT = r'''
 import runpy, sys
 source = sys.argv.pop(1)
 sys.path[0:0] = [source, source + "/gguf-py"]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"  # (the fixture's byte-level BPE: GPT-2's split)
+
+
+class AsWritten:  # config.json as the folder has it, not transformers' defaults added
+    @staticmethod
+    def from_pretrained(*args, **kwargs):
+        raise ValueError("read config.json as written")
+
+
+base.AutoConfig = AsWritten
 sys.argv[0] = source + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
-CASES = {"gemma4": make_gemma4, "granitehybrid": make_granitehybrid}
+CASES = {"gemma4": make_gemma4, "granitehybrid": make_granitehybrid, "nemotron_h": make_nemotron_h}
 
 
 def main() -> int:

@@ -440,19 +440,23 @@ def test_granite_4_h_with_experts_or_across_ranks_is_refused_in_one_line(folders
         tp.plan(load.from_pretrained(folder).config, 0, 2)
 
 
-def test_a_granite_4_h_gguf_gives_llama_cpps_logits_and_ids():
-    """granitehybrid as llama.cpp's converter writes it (tests/fixtures/converted_gguf, tests/converted_gguf_reference.py):
-    Mamba2 layers where head_count_kv is 0 (ssm_a = -exp(A_log), ssm_d and ssm_norm reshaped, squeezed conv kernels),
-    an attention layer with llama's turned q/k rows and no rope, Granite's four scales: llama.cpp's logits (a float32
+@pytest.mark.parametrize("arch, kinds, widths", [
+    ("granitehybrid", ["mamba", "mamba", "full_attention", "mamba"], 96),
+    ("nemotron_h", ["mamba", "full_attention", "mamba", "mamba"], [96, 96, 0, 96])])
+def test_a_mamba2_hybrid_gguf_gives_llama_cpps_logits_and_ids(arch, kinds, widths):
+    """granitehybrid (Granite 4.0 H) and nemotron_h as llama.cpp's converter writes them (tests/fixtures/converted_gguf,
+    tests/converted_gguf_reference.py): Mamba2 layers where head_count_kv is 0 (ssm_a = -exp(A_log), ssm_d and ssm_norm
+    reshaped, squeezed conv kernels), attention with llama's turned q/k rows and no rope; Granite's four scales;
+    Nemotron-H's blocks grouped into layers (its MLP blocks' norms the layers' mlp_norm): llama.cpp's logits (a float32
     cache) within 1e-3 of their largest, the same argmax, and its token ids; through the cache, the plain path's
     argmax loop."""
     from dense_engine.formats import gguf_import
 
-    path = os.path.join(FIXTURES, "converted_gguf", "granitehybrid.gguf")
-    with open(os.path.join(FIXTURES, "converted_gguf", "granitehybrid.json")) as f:
+    path = os.path.join(FIXTURES, "converted_gguf", f"{arch}.gguf")
+    with open(os.path.join(FIXTURES, "converted_gguf", f"{arch}.json")) as f:
         reference = json.load(f)
     model = load.from_pretrained(path, dtype=torch.float32)
-    assert model.config.layer_types == ["mamba", "mamba", "full_attention", "mamba"]
+    assert model.config.layer_types == kinds and model.config.intermediate_size == widths
     assert model.config.mamba_heads == (8, 16, 2, 16) and model.config.nope_layers == [0, 1, 2, 3]
     with torch.no_grad():
         got = model(torch.tensor([reference["ids"]]))[0]

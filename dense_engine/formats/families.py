@@ -935,8 +935,8 @@ def nemotron_h(folder: str, raw: dict, source: str):
     names = {"M": "mamba", "*": "attention", "-": "mlp", "mamba": "mamba", "linear_attention": "mamba",
              "attention": "attention", "full_attention": "attention", "mlp": "mlp"}
     given = cfg.get("layers_block_type") or cfg.get("layer_types") or list(cfg.get("hybrid_override_pattern", ""))
-    if not given or not set(given) <= set(names):
-        cfg.refuse("layers_block_type", "mamba, attention and mlp blocks")
+    if not given or not set(given) <= set(names) or int(cfg.get("num_hidden_layers", len(given))) != len(given):
+        cfg.refuse("layers_block_type", "mamba, attention and mlp blocks, num_hidden_layers of them")
     kinds, widths = [], []
     for block in (names[b] for b in given):
         if block == "mlp" and (not kinds or widths[-1]):

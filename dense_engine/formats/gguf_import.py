@@ -20,6 +20,9 @@ beyond the file (llama-model.cpp, src/models/*.cpp), each where it is read below
     ssm.group_count groups of ssm.state_size; ssm_a = -exp(A_log), ssm_d and ssm_norm reshaped, the conv kernels
     squeezed), attention layers with llama's permuted q/k rows and no rope unless rope.scaling.finetuned (which
     llama.cpp takes as true when absent), Granite's four scales.
+  * nemotron_h (Nemotron-H): granitehybrid's tensors in blocks of one kind each (attention where head_count_kv is
+    not 0, a squared-ReLU MLP where feed_forward_length is not, else Mamba2), grouped into this engine's layers as
+    its folders are (families.nemotron_h).
   * gemma4: Gemma 3's layer with Gemma 4's switches (dense.py): the sliding and full layers' own head sizes
     (key_length_swa, key_length) and key/value heads (head_count_kv per layer), the full layers' partial rotation as
     `rope_freqs` factors (1 on the rotated pairs, 1e30 on the rest: proportional rope), per-layer embeddings
@@ -58,7 +61,7 @@ from dense_engine.formats.checkpoint import Checkpoint, atomic_write, make_confi
 from dense_engine.system.errors import CheckpointError, first_line
 from dense_engine.system.machine import cache_dir, note, unwritable_cache
 
-STATE_ARCHITECTURES = ("qwen35", "lfm2", "granitehybrid")  # hybrids whose other layers keep a state (dense.py section 4)
+STATE_ARCHITECTURES = ("qwen35", "lfm2", "granitehybrid", "nemotron_h")  # hybrids whose other layers keep a state (dense.py section 4)
 ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES + ("gptneox", "gemma4")  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
 #                                                                   smollm3, granite, olmo2 (OLMo 2 and 3), seed_oss,
 #                                                                   exaone4, glm4, cohere2, apertus, hunyuan-dense,
@@ -97,6 +100,7 @@ STATE_LAYER_TENSORS = {
                       "ssm_conv1d.weight": "attn.conv_weight", "ssm_conv1d.bias": "attn.conv_bias",
                       "ssm_dt.bias": "attn.dt_bias", "ssm_a": "attn.A_log", "ssm_d": "attn.D",
                       "ssm_norm.weight": "attn.norm.weight", "ssm_out.weight": "attn.out_proj.weight"}}
+STATE_LAYER_TENSORS["nemotron_h"] = STATE_LAYER_TENSORS["granitehybrid"]  # (its blocks grouped into layers first)
 
 
 def open_gguf(path: str) -> "GGUFFile":
@@ -407,18 +411,12 @@ def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfi
         values = dict(conv_kernel=int(key("shortconv.l_cache")), qk_norm="shared")
     elif arch == "granitehybrid":
         types = ["mamba" if n == 0 else "full_attention" for n in kv[:layers]]
-        m_heads, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
-        if not 0 < m_heads or inner % m_heads:
-            raise CheckpointError(f"{path}: GGUF metadata {arch}.ssm.inner_size {inner} is not a whole number of "
-                                  f"{arch}.ssm.time_step_rank {m_heads} heads")
-        first = next((i for i, kind in enumerate(types) if kind == "mamba"), 0)
-        rope = bool(key("rope.scaling.finetuned", True))  # (llama.cpp's rule: rope unless the file says otherwise)
-        values = dict(mamba_heads=(m_heads, inner // m_heads, int(key("ssm.group_count")), int(key("ssm.state_size"))),
-                      mamba_biases=(False, f"blk.{first}.ssm_conv1d.bias" in tensors),
-                      conv_kernel=int(key("ssm.conv_kernel")), nope_layers=None if rope else list(range(layers)),
+        values = dict(mamba_values(reader, arch, tensors, path, types.index("mamba") if "mamba" in types else 0),
+                      nope_layers=None if key("rope.scaling.finetuned", True) else list(range(layers)),
                       embed_scale=float(key("embedding_scale", 1.0)), residual_scale=float(key("residual_scale", 1.0)),
                       attn_scale=float(key("attention.scale", 0.0)) or None,
-                      logits_divisor=float(key("logit_scale", 1.0)), qk_norm="none")
+                      logits_divisor=float(key("logit_scale", 1.0)), qk_norm="none")  # (llama.cpp: rope unless the
+    #                                                                               file says otherwise)
     else:
         interval = int(key("full_attention_interval", 4))
         flags = key("attention.recurrent_layers", []) or [(i + 1) % interval != 0 for i in range(layers)]
@@ -501,6 +499,67 @@ def read_gemma4_config(reader, arch: str, tensors: dict, path: str) -> DenseConf
     return config
 
 
+def mamba_values(reader, arch: str, tensors: dict, path: str, block: int) -> dict:
+    """A Mamba2 layer's config values from ssm.* (heads = time_step_rank, channels = inner_size / heads, groups,
+    state size, conv width; the conv's bias as block `block` has it)."""
+    heads, inner = int(field(reader, f"{arch}.ssm.time_step_rank", path=path)), int(
+        field(reader, f"{arch}.ssm.inner_size", path=path))
+    if not 0 < heads or inner % heads:
+        raise CheckpointError(f"{path}: GGUF metadata {arch}.ssm.inner_size {inner} is not a whole number of "
+                              f"{arch}.ssm.time_step_rank {heads} heads")
+    return dict(mamba_heads=(heads, inner // heads, int(field(reader, f"{arch}.ssm.group_count", path=path)),
+                             int(field(reader, f"{arch}.ssm.state_size", path=path))),
+                mamba_biases=(False, f"blk.{block}.ssm_conv1d.bias" in tensors),
+                conv_kernel=int(field(reader, f"{arch}.ssm.conv_kernel", path=path)))
+
+
+def nemotron_blocks(reader, arch: str, path: str) -> list[tuple[int, str]]:
+    """Each block's layer in this engine and its kind ("attention", "mamba", "mlp"): a mixing block starts a layer,
+    an MLP block joins the one before it."""
+    blocks = int(field(reader, f"{arch}.block_count", path=path))
+    listed = lambda name: [int(n) for n in field(reader, f"{arch}.{name}", path=path)]
+    kv, ff = listed("attention.head_count_kv"), listed("feed_forward_length")
+    if len(kv) < blocks or len(ff) < blocks:
+        raise CheckpointError(f"{path}: GGUF metadata {arch}.attention.head_count_kv and feed_forward_length must "
+                              "list every block")
+    out, layer = [], -1
+    for i in range(blocks):
+        kind = "attention" if kv[i] else "mlp" if ff[i] else "mamba"
+        if kind == "mlp" and (not out or out[-1][1] == "mlp"):
+            raise CheckpointError(f"{path}: block {i} is an MLP block after no mixing block: not supported")
+        layer += kind != "mlp"
+        out.append((layer, kind))
+    return out
+
+
+def read_nemotron_h_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
+    """Nemotron-H as llama.cpp reads it: nemotron_blocks' layers, attention without rope, squared-ReLU MLPs."""
+    def key(name: str, default=None):
+        return field(reader, f"{arch}.{name}", default, path)
+
+    blocks = nemotron_blocks(reader, arch, path)
+    layers = blocks[-1][0] + 1
+    kinds, widths, kv = ["mamba"] * layers, [0] * layers, [1] * layers
+    ff = [int(n) for n in key("feed_forward_length")]
+    for i, (layer, kind) in enumerate(blocks):
+        if kind == "attention":
+            kinds[layer], kv[layer] = "full_attention", int(key("attention.head_count_kv")[i])
+        elif kind == "mlp":
+            widths[layer] = ff[i]
+    kv = [n if kinds[i] == "full_attention" else max(kv) for i, n in enumerate(kv)]  # (a Mamba2 layer: any count)
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    first = next((i for i, (_, kind) in enumerate(blocks) if kind == "mamba"), 0)
+    return make_config(
+        path, vocab_size=int(key("vocab_size", 0) or tokens_count(reader, path)), hidden_size=hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv[0] if len(set(kv)) == 1 else kv,
+        head_dim=int(key("attention.key_length", hidden // heads)), intermediate_size=widths,
+        max_position_embeddings=int(key("context_length", 4096)), layer_types=kinds, mlp="relu2",
+        nope_layers=None if key("rope.scaling.finetuned", True) else list(range(layers)),
+        norm_eps=float(key("attention.layer_norm_epsilon", key("attention.layer_norm_rms_epsilon", 1e-5))),
+        norm_gain_in_float32=True, tie_word_embeddings="output.weight" not in tensors,
+        **mamba_values(reader, arch, tensors, path, first))
+
+
 def rope_scaling(reader, arch: str, tensors: dict, path: str, context: int, rope_dim: int) -> dict | None:
     """Llama 3.x's rope_freqs tensor, Phi-3's LongRoPE factor tensors, or a linear rope.scaling.factor."""
     def key(name: str, default=None):
@@ -535,8 +594,9 @@ def read_gguf(path: str) -> Checkpoint:
                               f"{', '.join(ARCHITECTURES)})")
     tensors = {t.name: t for t in reader.tensors}
     state = arch in STATE_ARCHITECTURES
-    config = {"gptneox": read_gptneox_config, "gemma4": read_gemma4_config}.get(
+    config = {"gptneox": read_gptneox_config, "gemma4": read_gemma4_config, "nemotron_h": read_nemotron_h_config}.get(
         arch, read_state_config if state else read_config)(reader, arch, tensors, path)
+    grouped = nemotron_blocks(reader, arch, path) if arch == "nemotron_h" else None  # [(its layer here, kind)]
 
     def read(name: str, rows: torch.Tensor | None, change):
         def thunk() -> torch.Tensor:
@@ -575,7 +635,8 @@ def read_gguf(path: str) -> Checkpoint:
                      "output_norm.bias": "norm.bias", "per_layer_token_embd.weight": "embed_per_layer.weight",
                      "per_layer_model_proj.weight": "per_layer_projection.weight",
                      "per_layer_proj_norm.weight": "per_layer_norm.weight"}
-    extra = range(config.num_hidden_layers, int(field(reader, f"{arch}.block_count", path=path)))  # qwen35's MTP
+    extra = range(config.num_hidden_layers, int(field(reader, f"{arch}.block_count", path=path))) if grouped is None \
+        else range(0)  # qwen35's MTP
     mtp = []  # the multi-token prediction layers' tensors (blk.N.*, N in extra): skipped
     for name in tensors:
         if name in skip:
@@ -589,6 +650,9 @@ def read_gguf(path: str) -> Checkpoint:
         if int(layer) in extra:
             mtp.append(name)
             continue
+        if grouped is not None and int(layer) < len(grouped):  # (an MLP block's norm is its layer's mlp_norm)
+            at, kind = grouped[int(layer)]
+            layer, rest = str(at), "ffn_norm.weight" if kind == "mlp" and rest == "attn_norm.weight" else rest
         parts = None
         if int(layer) < config.num_hidden_layers and arch == "gemma4":
             parts = [(GEMMA4_TENSORS[rest], None, None)] if rest in GEMMA4_TENSORS else None
@@ -663,9 +727,9 @@ def state_layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple
         return [(native, None, conv_kernel)]
     if native == "attn.A_log":
         return [(native, None, a_log)]
-    if native in ("attn.D", "attn.norm.weight") and arch == "granitehybrid":  # ([heads, 1], [groups, channels])
+    if native in ("attn.D", "attn.norm.weight") and arch in ("granitehybrid", "nemotron_h"):  # ([heads, 1], [groups, channels])
         return [(native, None, lambda w, where: w.reshape(-1))]
-    if arch == "granitehybrid" and native in ("attn.q_proj.weight", "attn.k_proj.weight"):  # llama's turned rows
+    if arch in ("granitehybrid", "nemotron_h") and native in ("attn.q_proj.weight", "attn.k_proj.weight"):  # llama's turned rows
         heads = config.num_attention_heads if native == "attn.q_proj.weight" else config.kv_heads(config.layer_types.index(
             "full_attention"))
         return [(native, unpermute(torch.arange(heads * config.head_dim), heads), None)]
