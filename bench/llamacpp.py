@@ -58,6 +58,11 @@ SHAPES = {
                          context=262144, vocab=248320, theta=1e7, eps=1e-6, tied=True, linear=(16, 16, 128), conv=4),
     "qwen3.5-2b": dict(arch="qwen35", layers=24, hidden=2048, heads=8, kv_heads=2, head_dim=256, ffn=6144,
                        context=262144, vocab=248320, theta=1e7, eps=1e-6, tied=True, linear=(16, 16, 128), conv=4),
+    # Granite 4.0 H: Mamba2 layers (mamba: heads, channels per head, groups, state size) with an attention layer
+    # without rope as every tenth; a 1B-class shape, assumed (its config.json was not at hand): 1536 wide, 40 layers
+    "granite-4.0-h-1b": dict(arch="granitehybrid", layers=40, hidden=1536, heads=12, kv_heads=4, ffn=4096,
+                             context=131072, vocab=100352, theta=1e4, eps=1e-5, tied=True, mamba=(48, 64, 1, 128),
+                             conv=4),
 }
 
 
@@ -227,11 +232,26 @@ def write_random(template: str, dst: str, name: str) -> None:
     writer.add_embedding_length(shape["hidden"])
     writer.add_feed_forward_length(shape["ffn"])
     writer.add_head_count(shape["heads"])
-    writer.add_head_count_kv(shape["kv_heads"])
+    if shape["arch"] != "granitehybrid":
+        writer.add_head_count_kv(shape["kv_heads"])
     writer.add_rope_freq_base(shape["theta"])
     writer.add_layer_norm_rms_eps(shape["eps"])
     D = shape.get("head_dim") or shape["hidden"] // shape["heads"]
-    qwen35 = shape["arch"] == "qwen35"
+    qwen35, granite = shape["arch"] == "qwen35", shape["arch"] == "granitehybrid"
+    attention = [not granite or i % 10 == 9 for i in range(shape["layers"])]
+    if granite:  # the metadata llama.cpp's converter writes for Granite 4.0 H: head_count_kv 0 on a Mamba2 layer
+        heads, dim, groups, state = shape["mamba"]
+        writer.add_head_count_kv([shape["kv_heads"] if a else 0 for a in attention])
+        writer.add_ssm_conv_kernel(shape["conv"])
+        writer.add_ssm_state_size(state)
+        writer.add_ssm_group_count(groups)
+        writer.add_ssm_time_step_rank(heads)
+        writer.add_ssm_inner_size(heads * dim)
+        writer.add_rope_scaling_finetuned(False)  # (no rope)
+        writer.add_embedding_scale(12.0)
+        writer.add_residual_scale(0.22)
+        writer.add_attention_scale(1 / 64)
+        writer.add_logit_scale(6.0)
     writer.add_rope_dimension_count(D // 4 if qwen35 else D)
     if qwen35:  # the metadata llama.cpp's converter writes for Qwen3.5 (no MTP layer here)
         k_heads, v_heads, dim = shape["linear"]
@@ -275,6 +295,10 @@ def write_random(template: str, dst: str, name: str) -> None:
         vector(b + "attn_norm.weight", np.ones(C, dtype=np.float32))
         if qwen35:
             qwen35_layer(b, i % 4 == 3, shape, C, D, w, vector)
+            continue
+        if granite and not attention[i]:
+            vector(b + "ffn_norm.weight", np.ones(C, dtype=np.float32))
+            mamba_layer(b, shape, C, w, vector)
             continue
         vector(b + "ffn_norm.weight", np.ones(C, dtype=np.float32))
         w(b + "attn_q.weight", shape["heads"] * D, C)
@@ -330,6 +354,27 @@ def qwen35_layer(b: str, full: bool, shape: dict, C: int, D: int, w, vector) -> 
     vector(b + "ssm_a", -np.geomspace(0.02, 0.5, v_heads).astype(np.float32))
     vector(b + "ssm_norm.weight", ones(dim))
     w(b + "ssm_out.weight", C, v_heads * dim)
+
+
+def mamba_layer(b: str, shape: dict, C: int, w, vector) -> None:
+    """A granitehybrid Mamba2 block's tensors as llama.cpp's converter names them (ssm_in: z | x B C | dt rows; the conv
+    kernel [channels, W]; ssm_a = -exp(A_log) and ssm_d [heads, 1]; ssm_norm [groups, channels]), and its MLP."""
+    import numpy as np
+
+    heads, dim, groups, state = shape["mamba"]
+    inner, channels = heads * dim, heads * dim + 2 * groups * state
+    w(b + "ssm_in.weight", inner + channels + heads, C)
+    vector(b + "ssm_conv1d.weight", np.random.default_rng(1).standard_normal((channels, shape["conv"]),
+                                                                             dtype=np.float32) * 0.3)
+    vector(b + "ssm_conv1d.bias", np.zeros(channels, dtype=np.float32))
+    vector(b + "ssm_dt.bias", np.zeros(heads, dtype=np.float32))
+    vector(b + "ssm_a", -np.geomspace(0.02, 0.5, heads).astype(np.float32)[:, None])
+    vector(b + "ssm_d", np.ones((heads, 1), dtype=np.float32))
+    vector(b + "ssm_norm.weight", np.ones((groups, inner // groups), dtype=np.float32))
+    w(b + "ssm_out.weight", C, inner)
+    w(b + "ffn_gate.weight", shape["ffn"], C)
+    w(b + "ffn_up.weight", shape["ffn"], C)
+    w(b + "ffn_down.weight", C, shape["ffn"])
 
 
 def llama_quantize(llama_python: str, src: str, dst: str, ftype: str) -> None:
@@ -480,7 +525,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-python", help="python of a virtualenv with llama-cpp-python built from source")
     p.add_argument("--model", default="both", help="smollm2, tinyllama, llama-3.2-1b, qwen2.5-0.5b, qwen3.5-0.8b, "
-                   "qwen3.5-2b, a comma list, or both (smollm2 and tinyllama)")
+                   "qwen3.5-2b, granite-4.0-h-1b, a comma list, or both (smollm2 and tinyllama)")
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--runs", type=int, default=2, help="timed generations per process (after one warm-up)")
     p.add_argument("--rounds", type=int, default=3, help="processes per engine and row, the engines alternating")
