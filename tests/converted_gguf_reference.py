@@ -71,18 +71,12 @@ def make_gemma4(folder: str) -> None:
         json.dump(tokenizer, f, ensure_ascii=False)
 
 
-def make_granitehybrid(folder: str) -> None:
+def save_mamba2_hybrid(model, folder: str, config_as_the_hub_writes) -> None:
+    """model's weights drawn (A_log, dt_bias and D in [-1, 1], the rest N(0, 0.05)) and saved with its config.json
+    rewritten as the Hub's releases write it, and the fixture llama's tokenizer."""
     import torch
-    import transformers
 
-    config = transformers.GraniteMoeHybridConfig(
-        vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
-        layer_types=["mamba", "mamba", "attention", "mamba"], num_local_experts=0, num_experts_per_tok=0,
-        intermediate_size=96, shared_intermediate_size=96, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
-        mamba_d_head=16, mamba_expand=2, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
-        logits_scaling=3.0, position_embedding_type="nope", max_position_embeddings=512, eos_token_id=2)
     torch.manual_seed(0)
-    model = transformers.GraniteMoeHybridForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("A_log", "dt_bias", ".D")):
@@ -91,16 +85,29 @@ def make_granitehybrid(folder: str) -> None:
                 p.normal_(0, 0.05)
     model.save_pretrained(folder)
     with open(os.path.join(folder, "config.json")) as f:
-        saved = json.load(f)
-    saved["layer_types"] = ["mamba", "mamba", "attention", "mamba"]  # (transformers writes its own names back)
+        saved = config_as_the_hub_writes(json.load(f))
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(saved, f)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(HERE, "fixtures", "llama", name), folder)
 
 
+def make_granitehybrid(folder: str) -> None:
+    import transformers
+
+    kinds = ["mamba", "mamba", "attention", "mamba"]
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+        layer_types=kinds, num_local_experts=0, num_experts_per_tok=0, intermediate_size=96,
+        shared_intermediate_size=96, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=16,
+        mamba_expand=2, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+        logits_scaling=3.0, position_embedding_type="nope", max_position_embeddings=512, eos_token_id=2)
+    # (transformers writes its own names of the layer kinds back)
+    save_mamba2_hybrid(transformers.GraniteMoeHybridForCausalLM(config).eval(), folder,
+                       lambda saved: {**saved, "layer_types": kinds})
+
+
 def make_nemotron_h(folder: str) -> None:
-    import torch
     import transformers
 
     config = transformers.NemotronHConfig(
@@ -108,24 +115,13 @@ def make_nemotron_h(folder: str) -> None:
         layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mamba", "mlp"], intermediate_size=96,
         mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, max_position_embeddings=512,
         eos_token_id=2)
-    torch.manual_seed(0)
-    model = transformers.NemotronHForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias", ".D")):
-                p.uniform_(-1, 1)
-            else:
-                p.normal_(0, 0.05)
-    model.save_pretrained(folder)
-    with open(os.path.join(folder, "config.json")) as f:
-        saved = json.load(f)
-    saved = {k: v for k, v in saved.items() if k not in ("layers_block_type", "mtp_layers_block_type", "n_group") and
-             not any(w in k for w in ("expert", "moe", "routed", "topk"))}
-    saved.update(hybrid_override_pattern="M-*-MM-", num_hidden_layers=7)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(saved, f)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(HERE, "fixtures", "llama", name), folder)
+
+    def as_the_hub_writes(saved: dict) -> dict:  # a pattern string, no experts' keys
+        saved = {k: v for k, v in saved.items() if k not in ("layers_block_type", "mtp_layers_block_type", "n_group")
+                 and not any(w in k for w in ("expert", "moe", "routed", "topk"))}
+        return {**saved, "hybrid_override_pattern": "M-*-MM-", "num_hidden_layers": 7}
+
+    save_mamba2_hybrid(transformers.NemotronHForCausalLM(config).eval(), folder, as_the_hub_writes)
 
 
 CONVERT = r'''
