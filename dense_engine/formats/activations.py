@@ -1,6 +1,6 @@
 """The activations some families' MLPs use beyond dense.py's GELU, SiLU and tanh-GELU: Apertus' xIELU (with learned
-parameters of its own), Nemotron-H's squared ReLU. Importing this module adds them to dense.ACTIVATIONS (checkpoint.py does, so every loader
-has them)."""
+parameters of its own), Nemotron-H's squared ReLU. Importing this module adds them to dense.ACTIVATIONS (checkpoint.py
+does, so every loader has them)."""
 
 import torch
 import torch.nn.functional as F

@@ -883,7 +883,8 @@ def granite_hybrid(folder: str, raw: dict, source: str):
     m_dim = cfg.get("mamba_d_head", "auto")
     m_dim = expand * hidden // m_heads if m_dim == "auto" else int(m_dim)
     if m_heads * m_dim != expand * hidden:
-        cfg.refuse("mamba_d_head", f"mamba_n_heads x mamba_d_head must be mamba_expand x hidden_size ({expand * hidden})")
+        cfg.refuse("mamba_d_head", f"mamba_n_heads x mamba_d_head must be mamba_expand x hidden_size "
+                                   f"({expand * hidden})")
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     theta, scaling, rotary, _ = hf_rope(cfg, 1e4, head_dim)
     rope = cfg.get("position_embedding_type") == "rope"
@@ -904,7 +905,8 @@ def granite_hybrid(folder: str, raw: dict, source: str):
         time_step_limit=tuple(float(t["__float__"] if isinstance(t, dict) else t)  # (transformers: infinity as
                               for t in cfg.get("time_step_limit", (0.0, math.inf))),  # {"__float__": "Infinity"})
         conv_kernel=int(cfg.get("mamba_d_conv", 4)), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        embed_scale=float(cfg.get("embedding_multiplier", 1.0)), residual_scale=float(cfg.get("residual_multiplier", 1.0)),
+        embed_scale=float(cfg.get("embedding_multiplier", 1.0)),
+        residual_scale=float(cfg.get("residual_multiplier", 1.0)),
         attn_scale=float(cfg.get("attention_multiplier", 1.0)), logits_divisor=float(cfg.get("logits_scaling", 1.0)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
     cfg.check_unread()

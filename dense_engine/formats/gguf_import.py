@@ -1,7 +1,8 @@
 """gguf_import.py: llama.cpp's GGUF files as native checkpoints, and their tokenizers, read as llama.cpp reads them.
 
-Architectures: llama (Llama 1/2/3.x, SmolLM2, TinyLlama), qwen2, qwen3, gemma, gemma2, gemma3, gemma4, phi3, and the hybrids
-whose other layers keep a state (dense.py section 4): qwen35 (Qwen3.5 / 3.6), lfm2 (LFM2). What llama.cpp's
+Architectures: llama (Llama 1/2/3.x, SmolLM2, TinyLlama), qwen2, qwen3, gemma, gemma2, gemma3, gemma4, phi3, and the
+hybrids whose other layers keep a state (dense.py section 4): qwen35 (Qwen3.5 / 3.6), lfm2 (LFM2), granitehybrid
+(Granite 4.0 H), nemotron_h (Nemotron-H). What llama.cpp's
 converter (convert_hf_to_gguf.py) did that an importer must undo or honour, and what llama.cpp's model code decides
 beyond the file (llama-model.cpp, src/models/*.cpp), each where it is read below:
   * llama: q and k rows permuted so rotary can turn adjacent pairs (2i, 2i+1); undone here, back to rotate-half
@@ -61,8 +62,9 @@ from dense_engine.formats.checkpoint import Checkpoint, atomic_write, make_confi
 from dense_engine.system.errors import CheckpointError, first_line
 from dense_engine.system.machine import cache_dir, note, unwritable_cache
 
-STATE_ARCHITECTURES = ("qwen35", "lfm2", "granitehybrid", "nemotron_h")  # hybrids whose other layers keep a state (dense.py section 4)
-ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES + ("gptneox", "gemma4")  # llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3,
+STATE_ARCHITECTURES = ("qwen35", "lfm2", "granitehybrid", "nemotron_h")  # hybrids with state layers (dense.py 4)
+ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES + ("gptneox", "gemma4")  # llama, qwen2, qwen3, gemma,
+#                                                                   gemma2, gemma3, phi3,
 #                                                                   smollm3, granite, olmo2 (OLMo 2 and 3), seed_oss,
 #                                                                   exaone4, glm4, cohere2, apertus, hunyuan-dense,
 #                                                                   stablelm
@@ -380,13 +382,13 @@ def read_gptneox_config(reader, arch: str, tensors: dict, path: str) -> DenseCon
 
 
 def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
-    """The config of a qwen35, lfm2 or granitehybrid file, as llama.cpp's model code reads it. qwen35: Gated DeltaNet layers (ssm.*:
-    key heads = group_count, value heads = time_step_rank, Dk = state_size, Dv = inner_size / value heads) where
-    attention.recurrent_layers marks them (or all but every full_attention_interval-th), full-attention layers with
-    an output gate, partial rotary (rope.dimension_sections: text has one position in every section, plain rope),
-    norms with their 1 + w baked in, and nextn_predict_layers MTP layers counted in block_count (skipped). lfm2:
-    short-conv layers where attention.head_count_kv is 0, conv width shortconv.l_cache. granitehybrid: Mamba2 layers
-    where it is 0 (the module's docstring says the rest)."""
+    """The config of a qwen35, lfm2 or granitehybrid file, as llama.cpp's model code reads it. qwen35: Gated
+    DeltaNet layers (ssm.*: key heads = group_count, value heads = time_step_rank, Dk = state_size, Dv = inner_size /
+    value heads) where attention.recurrent_layers marks them (or all but every full_attention_interval-th),
+    full-attention layers with an output gate, partial rotary (rope.dimension_sections: text has one position in
+    every section, plain rope), norms with their 1 + w baked in, and nextn_predict_layers MTP layers counted in
+    block_count (skipped). lfm2: short-conv layers where attention.head_count_kv is 0, conv width shortconv.l_cache.
+    granitehybrid: Mamba2 layers where it is 0 (the module's docstring says the rest)."""
     def key(name: str, default=None):
         return field(reader, f"{arch}.{name}", default, path)
 
@@ -429,7 +431,8 @@ def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfi
         # (value heads in the converter's tiled order: value head j reads key head j % key heads)
         values = dict(linear_heads=(k_heads, v_heads), linear_head_dims=(int(key("ssm.state_size")), inner // v_heads),
                       linear_tiled_values=k_heads != v_heads, conv_kernel=int(key("ssm.conv_kernel")),
-                      attn_output_gate=True, norm_gain_in_float32=True, qk_norm="shared")  # (the gains 1 + w, in float32 as llama.cpp)
+                      attn_output_gate=True, norm_gain_in_float32=True, qk_norm="shared")  # (the gains 1 + w, in
+    #                                                                                      float32 as llama.cpp)
     if len(types) != layers or len(kv) < layers:
         raise CheckpointError(f"{path}: GGUF metadata {arch}: {len(types)} layer kinds for {layers} layers")
     kv = [n or max(kv) or heads for n in kv[:layers]]  # (a state layer has no key/value heads: any count builds it)
@@ -727,11 +730,12 @@ def state_layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple
         return [(native, None, conv_kernel)]
     if native == "attn.A_log":
         return [(native, None, a_log)]
-    if native in ("attn.D", "attn.norm.weight") and arch in ("granitehybrid", "nemotron_h"):  # ([heads, 1], [groups, channels])
+    mamba = arch in ("granitehybrid", "nemotron_h")
+    if mamba and native in ("attn.D", "attn.norm.weight"):  # ([heads, 1], [groups, channels])
         return [(native, None, lambda w, where: w.reshape(-1))]
-    if arch in ("granitehybrid", "nemotron_h") and native in ("attn.q_proj.weight", "attn.k_proj.weight"):  # llama's turned rows
-        heads = config.num_attention_heads if native == "attn.q_proj.weight" else config.kv_heads(config.layer_types.index(
-            "full_attention"))
+    if mamba and native in ("attn.q_proj.weight", "attn.k_proj.weight"):  # llama's turned rows
+        attention = config.layer_types.index("full_attention")
+        heads = config.heads(attention) if native == "attn.q_proj.weight" else config.kv_heads(attention)
         return [(native, unpermute(torch.arange(heads * config.head_dim), heads), None)]
     if arch == "qwen35" and native == "attn.q_proj.weight":  # [H * 2D, C]: per head D query rows, then D gate rows
         H, D = config.num_attention_heads, config.head_dim
