@@ -863,6 +863,12 @@ def lfm2(folder: str, raw: dict, source: str):
     return config, rename(hf_weights(folder), rules, source)
 
 
+def time_step_limit(cfg: ConfigReader) -> tuple[float, float]:
+    """A Mamba2 config's dt range (transformers 5 writes infinity as {"__float__": "Infinity"})."""
+    limit = cfg.get("time_step_limit", (0.0, math.inf))
+    return tuple(float(t["__float__"] if isinstance(t, dict) else t) for t in limit)
+
+
 def granite_hybrid(folder: str, raw: dict, source: str):
     """Granite 4.0 H (granitemoehybrid without experts: num_local_experts 0): Mamba2 layers with a few attention
     layers between them, Granite's multipliers (embedding, residual, attention scale, logits divisor), no position
@@ -902,8 +908,7 @@ def granite_hybrid(folder: str, raw: dict, source: str):
         rotary_dim=rotary, nope_layers=None if rope else list(range(layers)), layer_types=[kinds[k] for k in given],
         mamba_heads=(m_heads, m_dim, int(cfg.get("mamba_n_groups", 1)), int(cfg.get("mamba_d_state", 256))),
         mamba_biases=(bool(cfg.get("mamba_proj_bias", False)), bool(cfg.get("mamba_conv_bias", True))),
-        time_step_limit=tuple(float(t["__float__"] if isinstance(t, dict) else t)  # (transformers: infinity as
-                              for t in cfg.get("time_step_limit", (0.0, math.inf))),  # {"__float__": "Infinity"})
+        time_step_limit=time_step_limit(cfg),
         conv_kernel=int(cfg.get("mamba_d_conv", 4)), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         embed_scale=float(cfg.get("embedding_multiplier", 1.0)),
         residual_scale=float(cfg.get("residual_multiplier", 1.0)),
@@ -971,8 +976,7 @@ def nemotron_h(folder: str, raw: dict, source: str):
         layer_types=kinds, mlp="relu2",
         mamba_heads=(m_heads, m_dim, int(cfg.get("n_groups", 8)), int(cfg.get("ssm_state_size", 128))),
         mamba_biases=(bool(cfg.get("use_bias", False)), bool(cfg.get("use_conv_bias", True))),
-        time_step_limit=tuple(float(t["__float__"] if isinstance(t, dict) else t)
-                              for t in cfg.get("time_step_limit", (0.0, math.inf))),
+        time_step_limit=time_step_limit(cfg),
         conv_kernel=int(cfg.get("conv_kernel", 4)), norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
         norm_gain_in_float32=True, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
     cfg.check_unread()
