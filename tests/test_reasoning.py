@@ -280,7 +280,7 @@ def test_a_thinking_models_grammar_holds_after_its_thinking_or_from_the_first_to
     think = vocab.tokenizer.token_to_id("<think>")
 
     def lazy():
-        return grammar.Lazy(g, grammar.tokenizer_for(vocab, V), V, reasoning.CLOSE, opens=think)
+        return grammar.Lazy(g, grammar.tokenizer_for(vocab, V), V, reasoning.THINK.close, opens=think)
 
     thinker = lazy()
     assert all(walk(thinker, vocab, "<think>\nIt is Paris, surely.\n</think>"))  # the thinking: free
@@ -289,7 +289,7 @@ def test_a_thinking_models_grammar_holds_after_its_thinking_or_from_the_first_to
     direct = lazy()  # no thinking: the grammar from the first token (but <think> may open one)
     assert bool(direct.bias("cpu")[think] == 0) and not walk(lazy(), vocab, "Hello")[0]
     assert all(walk(direct, vocab, '{"capital":"Rome"}')) and direct.matcher.is_accepting()
-    opened = grammar.Lazy(g, grammar.tokenizer_for(vocab, V), V, reasoning.CLOSE)  # (the prompt opened it)
+    opened = grammar.Lazy(g, grammar.tokenizer_for(vocab, V), V, reasoning.THINK.close)  # (the prompt opened it)
     assert all(walk(opened, vocab, 'It is Paris.</think>{"capital":"Paris"}'))
 
 
@@ -301,11 +301,11 @@ def test_settings_make_the_grammar_lazy_where_the_model_may_write_text_or_think_
     auto = protocol.parse_request(body, "chat", vocab, 512)
     assert auto.trigger == "<tool_call>" and isinstance(app.constraint(auto, vocab, vocab.size), grammar_lazy())
     required = protocol.parse_request({**body, "tool_choice": "required"}, "chat", vocab, 512)
-    assert required.trigger == reasoning.CLOSE and required.thinking is False
+    assert required.trigger == reasoning.THINK.close and required.thinking is False
     assert app.constraint(required, vocab, vocab.size).opens == vocab.tokenizer.token_to_id("<think>")
     shaped = protocol.parse_request({"messages": ASK, "response_format": {"type": "json_object"},
                                      "chat_template_kwargs": {"think_in_prompt": True}}, "chat", vocab, 512)
-    assert shaped.trigger == reasoning.CLOSE and shaped.thinking is True
+    assert shaped.trigger == reasoning.THINK.close and shaped.thinking is True
     assert app.constraint(shaped, vocab, vocab.size).opens is None
     plain = load_vocabulary(fixture_path("llama"), None)  # (no thinking, no tools: a grammar from the first token)
     fixed = protocol.parse_request({"messages": ASK, "response_format": {"type": "json_object"}}, "chat", plain, 512)

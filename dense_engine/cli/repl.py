@@ -240,9 +240,9 @@ def turn(session: Session, vocab: Vocabulary, talk: Conversation, line: str | No
     else:
         talk.last_line = line
         ids = vocab.encode(line, special=True)[: session.max_seq_len - 1]
-    thinking = reasoning.opened(vocab.decode(ids)) if talk.mode == "chat" and reasoning.thinks(vocab.chat_template) \
-        else None
-    view = terminal.ReplyView(console, markdown, thinking)
+    pair = reasoning.markers(vocab.chat_template) if talk.mode == "chat" else None
+    thinking = reasoning.opened(vocab.decode(ids), pair) if pair is not None else None
+    view = terminal.ReplyView(console, markdown, thinking, pair or reasoning.THINK)
     with notes.held():  # (after the reply and its status line)
         try:
             reply, stats = session.reply(ids, view.write)
@@ -251,7 +251,7 @@ def turn(session: Session, vocab: Vocabulary, talk: Conversation, line: str | No
             raise
         view.finish(stats.line())
     if talk.mode == "chat":  # (the answer: templates drop an earlier turn's thinking)
-        answer = vocab.decode(reply) if thinking is None else reasoning.split(vocab.decode(reply), thinking)[1]
+        answer = vocab.decode(reply) if thinking is None else reasoning.split(vocab.decode(reply), thinking, pair)[1]
         talk.messages = talk.messages + [{"role": "assistant", "content": answer}]
 
 

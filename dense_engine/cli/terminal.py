@@ -167,10 +167,11 @@ class ReplyView:
     None: a thinking model's reply, True when the prompt opened the thinking): the reasoning is kept apart
     (reasoning.py) and shown dimmed, folded to one line, after the answer."""
 
-    def __init__(self, console, markdown: bool, thinking: bool | None = None) -> None:
+    def __init__(self, console, markdown: bool, thinking: bool | None = None,
+                 pair: reasoning.Markers = reasoning.THINK) -> None:
         self.console, self.markdown = console, markdown
         self.text, self.pieces, self.start = "", 0, time.perf_counter()
-        self.thoughts = reasoning.ThinkStream(thinking) if thinking is not None else None
+        self.thoughts = reasoning.ThinkStream(thinking, pair) if thinking is not None else None
         self.thought = ""
         self.live = None
         if markdown:

@@ -140,6 +140,7 @@ def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
         tokenizer = Tokenizer.from_str(extra["tokenizer.json"]) if path is None else Tokenizer.from_file(path)
     except Exception as e:
         raise UsageError(f"{path}: not a readable tokenizer.json ({first_line(e)})") from None
+    tokenizer = with_markers_shown(tokenizer)
 
     def side(name: str) -> dict:
         if name in extra:
@@ -165,7 +166,27 @@ def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
         vocab.stop_ids.update([ids] if isinstance(ids, int) else (ids or []))
     if vocab.eos_token and tokenizer.token_to_id(vocab.eos_token) is not None:
         vocab.stop_ids.add(tokenizer.token_to_id(vocab.eos_token))
+    awaits = tokenizer.token_to_id("<|tool_response>")  # (Gemma 4's template writes it after a call: the turn ends)
+    if awaits is not None and "<|tool_call>call:" in (vocab.chat_template or ""):
+        vocab.stop_ids.add(awaits)
     return vocab
+
+
+SHOWN = ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>')  # Gemma 4's markers in a reply
+
+
+def with_markers_shown(tokenizer):
+    """The tokenizer with Gemma 4's reply markers decoded as text. Its tokenizer.json calls them special, and a
+    decode skips special tokens, yet the thinking and the tool calls are read from them (reasoning.py, tools.py);
+    llama.cpp's converter writes them as user-defined tokens for the same reason."""
+    from tokenizers import Tokenizer
+
+    if not any(t.special and t.content in SHOWN for t in tokenizer.get_added_tokens_decoder().values()):
+        return tokenizer
+    spec = json.loads(tokenizer.to_str())
+    for token in spec["added_tokens"]:
+        token["special"] = token["special"] and token["content"] not in SHOWN
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def token_text(value) -> str | None:

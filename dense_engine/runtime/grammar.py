@@ -184,7 +184,7 @@ class Lazy(Constraint):
         if at >= 0:
             self.waiting = False
             rest = text[at + len(self.trigger):]
-            rest = rest.lstrip() if self.trigger == reasoning.CLOSE else rest  # (an answer's blank lines: not its own)
+            rest = rest.lstrip() if self.trigger in reasoning.CLOSES else rest  # (an answer's blank lines: not its own)
             if rest:
                 self.matcher.consume_tokens(self.tokenizer.tokenize_str(rest))
 

@@ -1,23 +1,41 @@
-"""reasoning.py: a thinking model's reply told apart: its reasoning (between the template's markers, <think> and
-</think>) and its answer. Qwen3, Qwen3.5, SmolLM3 and DeepSeek-R1's distills write the markers; a template may open
-the thinking in the prompt itself (the reply then starts inside it and only closes it). The server's APIs tell the
-reasoning in their own fields (server/responses.py); chat.py shows it dimmed. Standard library only.
+"""reasoning.py: a thinking model's reply told apart: its reasoning (between the template's markers) and its answer.
+Qwen3, Qwen3.5, SmolLM3 and DeepSeek-R1's distills write <think> ... </think>; Gemma 4 writes a thought channel,
+<|channel>thought ... <channel|>. A template may open the thinking in the prompt itself (the reply then starts inside
+it and only closes it), or close an empty one there (thinking switched off). The server's APIs tell the reasoning in
+their own fields (server/responses.py); chat.py shows it dimmed. Standard library only.
 """
 
 from __future__ import annotations
 
-OPEN, CLOSE = "<think>", "</think>"
+from typing import NamedTuple
+
+
+class Markers(NamedTuple):
+    """What opens and closes a thinking in a reply; token: the one token a reply opens it with (a grammar that holds
+    after the thinking lets it through first: grammar.Lazy)."""
+    open: str
+    close: str
+    token: str
+
+
+THINK = Markers("<think>", "</think>", "<think>")
+CHANNEL = Markers("<|channel>thought", "<channel|>", "<|channel>")  # Gemma 4
+CLOSES = (THINK.close, CHANNEL.close)
+
+
+def markers(template: str | None) -> Markers | None:
+    """The markers a chat template writes (its model thinks before it answers), or None."""
+    return next((m for m in (CHANNEL, THINK) if template and m.open in template and m.close in template), None)
 
 
 def thinks(template: str | None) -> bool:
-    """Whether a chat template writes the thinking markers (its model thinks before it answers)."""
-    return bool(template) and OPEN in template and CLOSE in template
+    return markers(template) is not None
 
 
-def opened(prompt: str) -> bool:
-    """Whether the rendered prompt leaves a thinking open (ends with <think>, whitespace aside): the reply starts
+def opened(prompt: str, pair: Markers = THINK) -> bool:
+    """Whether the rendered prompt leaves a thinking open (ends with its opener, whitespace aside): the reply starts
     inside it."""
-    return prompt.rstrip().endswith(OPEN)
+    return prompt.rstrip().endswith(pair.open)
 
 
 class ThinkStream:
@@ -26,17 +44,18 @@ class ThinkStream:
     not start with the blank lines after </think>); text that could still be a marker is held back, a few characters
     at most."""
 
-    def __init__(self, thinking: bool = False) -> None:
+    def __init__(self, thinking: bool = False, pair: Markers = THINK) -> None:
         self.thinking, self.answered, self.fresh, self.held = thinking, False, True, ""
+        self.open, self.close = pair.open, pair.close
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         self.held += text
         out = []
         while True:
-            marker = CLOSE if self.thinking else None if self.answered else OPEN
+            marker = self.close if self.thinking else None if self.answered else self.open
             at = self.held.find(marker) if marker else -1
-            before = self.held[:at] if at >= 0 else self.held[:len(self.held) - partial(self.held, OPEN)]
-            if marker == OPEN and before.strip():
+            before = self.held[:at] if at >= 0 else self.held[:len(self.held) - partial(self.held, self.open)]
+            if marker == self.open and before.strip():
                 marker, at = None, -1  # an answer came first: it does not think
             if at < 0:
                 keep = partial(self.held, marker) if marker else 0
@@ -72,8 +91,8 @@ def partial(text: str, marker: str) -> int:
     return 0
 
 
-def split(text: str, thinking: bool = False) -> tuple[str, str]:
+def split(text: str, thinking: bool = False, pair: Markers = THINK) -> tuple[str, str]:
     """(reasoning, answer) of a whole reply."""
-    stream = ThinkStream(thinking)
+    stream = ThinkStream(thinking, pair)
     parts = stream.feed(text) + stream.finish()
     return ("".join(t for kind, t in parts if kind == "thinking"), "".join(t for kind, t in parts if kind == "text"))

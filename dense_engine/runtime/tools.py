@@ -2,11 +2,12 @@
 read into tool calls as it is written (CallStream), and the grammar that makes a reply a call when the request
 requires one.
 
-Three reply formats, picked from what the chat template writes:
+Four reply formats, picked from what the chat template writes:
   hermes   <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>   (Qwen2.5/3, Hermes, SmolLM3, Granite;
                                                                           and the generic rendering below)
   llama3   {"name": ..., "parameters": {...}}                             (Llama 3.1-3.3's JSON tool calls)
   mistral  [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]           (Mistral)
+  gemma4   <|tool_call>call:NAME{city:<|"|>Oslo<|"|>,days:3}<tool_call|>  (Gemma 4: its own value syntax)
 A template that does not render tools gets them in a system message that asks for the hermes format, and tool
 results as user messages in <tool_response> tags. Stands on grammar.py.
 """
@@ -24,6 +25,8 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 
 def reply_format(template: str | None) -> str:
     template = template or ""
+    if GEMMA_CALL in template:
+        return "gemma4"
     if "[TOOL_CALLS]" in template:
         return "mistral"
     if "<tool_call>" in template or "tools" not in template:
@@ -78,11 +81,14 @@ def load(text: str):
         return None
 
 
-def call_grammar(tools: list[dict], only: str | None, fmt: str, parallel: bool, opened: bool = False) -> str:
+def call_grammar(tools: list[dict], only: str | None, fmt: str, parallel: bool, opened: bool = False,
+                 token_id=lambda text: None) -> str:
     """The grammar of a reply that is a call (of `only`, or of any tool), valid against its parameters' schema;
     more than one when parallel. opened: of what follows the call's opener (OPENERS: the trigger of a lazy grammar,
-    grammar.Lazy, when the model may answer in text instead)."""
+    grammar.Lazy, when the model may answer in text instead). token_id: the vocabulary's id of a marker's token."""
     functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
+    if fmt == "gemma4":
+        return gemma_grammar(functions, parallel, opened, token_id)
     key = "parameters" if fmt == "llama3" else "arguments"
     choices = [{"type": "object", "properties": {"name": {"const": f["name"]},
                                                  key: grammar.closed_objects(f.get("parameters") or {"type": "object"})},
@@ -101,13 +107,97 @@ def call_grammar(tools: list[dict], only: str | None, fmt: str, parallel: bool, 
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Gemma 4's calls: call:NAME{key:value,...} between <|tool_call> and <tool_call|>; a value is a string between <|"|>
+# quotes (nothing escaped), a {key:value} object with bare keys, a [list], or JSON's numbers, true, false and null.
+
+GEMMA_CALL, GEMMA_CLOSE, GEMMA_QUOTE = "<|tool_call>call:", "<tool_call|>", '<|"|>'
+GEMMA_SCALAR = re.compile(r"\s*(true|false|null|-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)")
+GEMMA_KEY = re.compile(r"\s*([^:{}\[\],<\s]+)\s*:")
+GEMMA_HEAD = re.compile(r"\s*call:([^{]*)\{")
+
+
+def gemma_value(text: str):
+    """A value written in Gemma 4's syntax, as Python's; ValueError if it is not one."""
+    value, at = gemma_read(text, 0)
+    if text[at:].strip():
+        raise ValueError(f"text after the value: {text[at:at + 20]!r}")
+    return value
+
+
+def gemma_read(text: str, at: int):
+    """(the value that starts at `at`, where it ends)."""
+    at = len(text) - len(text[at:].lstrip())
+    if text.startswith(GEMMA_QUOTE, at):
+        end = text.find(GEMMA_QUOTE, at + len(GEMMA_QUOTE))
+        if end < 0:
+            raise ValueError("a string not closed")
+        return text[at + len(GEMMA_QUOTE):end], end + len(GEMMA_QUOTE)
+    if text.startswith(("{", "["), at):
+        closing, out = ("}", {}) if text[at] == "{" else ("]", [])
+        at += 1
+        while True:
+            rest = text[at:].lstrip()
+            if rest.startswith(closing) and not out:
+                return out, len(text) - len(rest) + 1
+            if isinstance(out, dict):
+                key = GEMMA_KEY.match(text, at)
+                quoted = not key and rest.startswith(GEMMA_QUOTE)
+                if quoted:
+                    name, at = gemma_read(text, at)
+                    key = re.compile(r"\s*:").match(text, at)
+                if key is None:
+                    raise ValueError(f"no key at {text[at:at + 20]!r}")
+                out[name if quoted else key.group(1)], at = gemma_read(text, key.end())
+            else:
+                value, at = gemma_read(text, at)
+                out.append(value)
+            rest = text[at:].lstrip()
+            at = len(text) - len(rest) + 1
+            if rest.startswith(closing):
+                return out, at
+            if not rest.startswith(","):
+                raise ValueError(f"expected ',' or '{closing}' at {rest[:20]!r}")
+    scalar = GEMMA_SCALAR.match(text, at)
+    if scalar is None:
+        raise ValueError(f"no value at {text[at:at + 20]!r}")
+    return json.loads(scalar.group(1)), scalar.end()
+
+
+def gemma_grammar(functions: list[dict], parallel: bool, opened: bool, token_id) -> str:
+    """call_grammar's for gemma4: each function's name, then an object whose top-level keys are its parameters'
+    (any of Gemma's values: its syntax has no schema to check them against), then the closer. Markers that are one
+    token in the vocabulary are that token (<[id]>): the tokenizer holds them apart from text."""
+    def mark(text: str) -> str:
+        i = token_id(text)
+        return f"<[{i}]>" if i is not None else json.dumps(text)
+
+    rules = []
+    for i, f in enumerate(functions):
+        keys = list((f.get("parameters") or {}).get("properties") or {})
+        key = " | ".join(json.dumps(k) for k in keys) if keys else "KEY"
+        rules += [f'call{i}: "call:" {json.dumps(f["name"])} "{{" (pair{i} ("," pair{i})*)? "}}"',
+                  f'pair{i}: ({key}) ":" value']
+    body = "(" + " | ".join(f"call{i}" for i in range(len(functions))) + ") " + mark(GEMMA_CLOSE)
+    one = mark(OPENERS["gemma4"]) + " " + body
+    first = body if opened else one
+    rules += [f"start: {first} ({one})*" if parallel else f"start: {first}",
+              'value: string | object | list | NUMBER | "true" | "false" | "null"',
+              f"string: {mark(GEMMA_QUOTE)} /[^\\xff]*/ {mark(GEMMA_QUOTE)}",  # (a marker token's bytes start 0xFF)
+              'object: "{" (KEY ":" value ("," KEY ":" value)*)? "}"',
+              'list: "[" (value ("," value)*)? "]"',
+              r"KEY: /[^:{}\[\],<\s\xff]+/",
+              r"NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/"]
+    return grammar.llguidance().LLMatcher.grammar_from_lark("\n".join(rules))
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Tool calls read as the model writes them: a stream of text pieces in, ("text", s) / ("call", i, name) /
 # ("arguments", i, piece) / ("end", i, name) out. A call's name is told as soon as it is written, its arguments
 # piece by piece as they come (the JSON value as the model writes it), and no call text reaches the content. Text that could still
 # open a call (a partial "<tool_call>", a llama3 reply's first "{") is held back, at most that many characters.
 
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
-OPENERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3": None}
+OPENERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3": None, "gemma4": "<|tool_call>"}
 HERMES_CLOSE = "</tool_call>"
 MAX_HEAD = 512  # characters after an opener with no {"name": "...", "arguments": yet: it is text after all
 
@@ -212,6 +302,8 @@ class CallStream:
             self.buf, self.state = self.opener + self.buf, "plain"
 
     def step_head(self, out, final) -> None:
+        if self.fmt == "gemma4":
+            return self.gemma_call(out, final)
         m = HEAD.match(self.buf)
         if m:
             name = json.loads('"' + m.group(1) + '"')
@@ -240,12 +332,39 @@ class CallStream:
             self.buf = self.buf[len(body) + len(HERMES_CLOSE):] if closed else ""
             self.state = "between"
             return
+        self.as_text(out)
+
+    def as_text(self, out) -> None:
+        """What followed the opener is no call: the opener is text, and so is the rest of the reply unless calls
+        come between text (hermes, gemma4; then look for the next opener)."""
         opened = "" if self.fmt == "llama3" else self.opener + ("[" if self.fmt == "mistral" else "")
         self.buf = opened + self.buf
-        self.state = "plain" if self.fmt != "hermes" or self.calls else "text"
-        if self.state == "text":  # (this opener is text: look for the next one after it)
+        self.state = "plain" if self.fmt not in ("hermes", "gemma4") or self.calls else "text"
+        if self.state == "text":
             out.append(("text", self.buf[:len(self.opener)]))
             self.buf = self.buf[len(self.opener):]
+
+    def gemma_call(self, out, final) -> None:
+        """(gemma4) call:NAME{...} up to <tool_call|>, read whole; its arguments told as JSON."""
+        head, at = GEMMA_HEAD.match(self.buf), self.buf.find(GEMMA_CLOSE)
+        start = self.buf.lstrip()[:len("call:")]
+        if not "call:".startswith(start) or head and head.group(1) not in self.names or \
+                head is None and (at >= 0 or len(self.buf) > MAX_HEAD):
+            return self.as_text(out)
+        if at < 0 and not final:
+            return
+        try:
+            arguments = gemma_value(self.buf[head.end() - 1:at if at >= 0 else len(self.buf)]) if head else None
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            return self.as_text(out)
+        self.calls += 1
+        if self.told():
+            out += [("call", self.calls - 1, head.group(1)),
+                    ("arguments", self.calls - 1, json.dumps(arguments, ensure_ascii=False)),
+                    ("end", self.calls - 1, head.group(1))]
+        self.buf, self.state = self.buf[at + len(GEMMA_CLOSE):] if at >= 0 else "", "between"
 
     def step_arguments(self, out, final) -> None:
         """The arguments' JSON value, told as it comes, up to its end (an object, list, string or number)."""
@@ -277,7 +396,7 @@ class CallStream:
         if not s:  # (whitespace after a call is no content)
             self.buf = "" if final else self.buf
             return
-        if self.fmt == "hermes":
+        if self.fmt in ("hermes", "gemma4"):
             if s.startswith(self.opener):
                 self.buf, self.state = s[len(self.opener):], "head"
             elif s and not self.opener.startswith(s) or final:

@@ -80,10 +80,9 @@ def constraint(settings: Settings, vocab, V: int):
     if not settings.grammar:
         return None
     tokenizer = grammar.tokenizer_for(vocab, V)
-    opens = None
-    if settings.trigger == reasoning.CLOSE and not settings.thinking:
-        opens = vocab.tokenizer.token_to_id(reasoning.OPEN)
-    if settings.trigger is None or settings.trigger == reasoning.CLOSE and not settings.thinking and opens is None:
+    after_thinking = settings.trigger in reasoning.CLOSES and not settings.thinking
+    opens = vocab.tokenizer.token_to_id(reasoning.markers(vocab.chat_template).token) if after_thinking else None
+    if settings.trigger is None or after_thinking and opens is None:
         return grammar.Constraint(settings.grammar, tokenizer, V)
     return grammar.Lazy(settings.grammar, tokenizer, V, settings.trigger, opens)
 

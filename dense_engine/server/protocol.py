@@ -169,7 +169,7 @@ def parse_request(body, kind: str, vocab: Vocabulary, max_seq_len: int, speculat
     if shape is None and calling is not None and calling.lazy is not None:  # the model may call: from the opener on
         shape, trigger = calling.lazy, tools.OPENERS[calling.format]
     elif shape is not None and thinking is not None:  # a thinking model's grammar holds after its thinking
-        trigger = reasoning.CLOSE
+        trigger = reasoning.markers(vocab.chat_template).close
     bias = logit_bias(body.get("logit_bias"), vocab.size)
     presence = number(body, "presence_penalty", float, 0.0, low=-2, high=2)
     frequency = number(body, "frequency_penalty", float, 0.0, low=-2, high=2)
@@ -249,7 +249,8 @@ def chat_prompt(body: dict, vocab: Vocabulary, max_seq_len: int) -> tuple[list[i
         text = vocab.render(messages, render_tools, template_options(body))
     except UsageError as e:
         raise BadRequest(str(e), "messages") from None
-    thinking = reasoning.opened(text) if reasoning.thinks(vocab.chat_template) else None
+    pair = reasoning.markers(vocab.chat_template)
+    thinking = reasoning.opened(text, pair) if pair is not None else None
     return vocab.encode(text, special=False), calling, thinking
 
 
@@ -353,9 +354,9 @@ def tool_calling(body: dict, vocab: Vocabulary) -> ToolCalling | None:
     forced = lazy = None
     try:
         if choice == "required" or only:
-            forced = tools.call_grammar(given, only, fmt, parallel and not only)
+            forced = tools.call_grammar(given, only, fmt, parallel and not only, token_id=vocab.tokenizer.token_to_id)
         elif tools.OPENERS[fmt] is not None:  # (llama3's call is a whole reply: no opener to wait for)
-            lazy = tools.call_grammar(given, None, fmt, parallel, opened=True)
+            lazy = tools.call_grammar(given, None, fmt, parallel, opened=True, token_id=vocab.tokenizer.token_to_id)
     except UsageError as e:
         raise BadRequest(str(e), "tool_choice", status=500, kind="server_error") from None
     return ToolCalling(given, names, fmt, parallel, forced, lazy)

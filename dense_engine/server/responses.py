@@ -40,7 +40,9 @@ class ClientEvents:
         self.jobs, self.vocab, self.calling = jobs, vocab, calling
         self.open = len(jobs)  # choices not done (0 after an error: nothing more is told)
         self.echoed = set()
-        self.thoughts = {job.index: reasoning.ThinkStream(thinking) for job in jobs} if thinking is not None else {}
+        pair = reasoning.markers(vocab.chat_template)
+        self.thoughts = {job.index: reasoning.ThinkStream(thinking, pair) for job in jobs} if thinking is not None \
+            else {}
         self.streams = {job.index: tools.CallStream(calling.format, calling.names, calling.parallel)
                         for job in jobs} if calling is not None else {}
         self.pending = {job.index: [] for job in jobs}  # logprob entries of text a stream holds back
