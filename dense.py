@@ -909,7 +909,7 @@ class DenseDecoder(nn.Module):
         projection of its embedding x (normed per layer), averaged (times 1/sqrt(2), as the reference)."""
         B, T, C = x.shape
         L, P = self.config.num_hidden_layers, self.config.per_layer_input
-        tokens = self.embed_per_layer(input_ids) * torch.tensor(P ** 0.5, dtype=x.dtype, device=x.device)
+        tokens = self.embed_per_layer(input_ids).to(x.dtype) * torch.tensor(P ** 0.5, dtype=x.dtype, device=x.device)
         context = self.per_layer_norm((self.per_layer_projection(x) * C ** -0.5).view(B, T, L, P))
         return (context + tokens.view(B, T, L, P)) * 2 ** -0.5
 

@@ -19,7 +19,13 @@ converter (which knows the Hub's tokenizers by hash).
 nemotron_h (NemotronHForCausalLM, tests/test_state_layers.py's "nemotron-h"): blocks M - * - M M -, its config.json as
 the Hub's dense releases write it (hybrid_override_pattern, num_hidden_layers, no experts' keys), read by the
 converter as written (with transformers 5.25 installed, the converter's AutoConfig fills in the experts' defaults and
-writes nemotron_h_moe). Each converted with --outtype f16."""
+writes nemotron_h_moe).
+
+mistral3 (Ministral3ForCausalLM): two layers, yarn (factor 16 over an original context of 64, mscale and
+mscale_all_dim 1, Ministral 3's llama_4_scaling_beta 0.1: 1 within the original context), untied; weights of std 0.2,
+queries' and keys' 0.4 (scores sharp enough that yarn shows: its cos and sin 10% larger move the logits 1%).
+
+Each converted with --outtype f16."""
 
 import argparse
 import json
@@ -124,6 +130,26 @@ def make_nemotron_h(folder: str) -> None:
     save_mamba2_hybrid(transformers.NemotronHForCausalLM(config).eval(), folder, as_the_hub_writes)
 
 
+def make_mistral3(folder: str) -> None:
+    import torch
+    import transformers
+
+    rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
+    config = transformers.Ministral3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rope_parameters=rope, eos_token_id=2,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Ministral3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # (queries and keys large enough that the rotation shows)
+            p.normal_(0, 0.4 if name.endswith(("q_proj.weight", "k_proj.weight")) else 0.2)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(HERE, "fixtures", "llama", name), folder)
+
+
 CONVERT = r'''
 import runpy, sys
 source = sys.argv.pop(1)
@@ -142,16 +168,20 @@ base.AutoConfig = AsWritten
 sys.argv[0] = source + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
-CASES = {"gemma4": make_gemma4, "granitehybrid": make_granitehybrid, "nemotron_h": make_nemotron_h}
+CASES = {"gemma4": make_gemma4, "granitehybrid": make_granitehybrid, "nemotron_h": make_nemotron_h,
+         "mistral3": make_mistral3}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--llama-python", required=True, help="a python with llama-cpp-python installed")
     p.add_argument("--llama-src", required=True, help="llama.cpp's source (convert_hf_to_gguf.py, gguf-py/)")
+    p.add_argument("--only", choices=list(CASES), help="make this case's files alone")
     args = p.parse_args()
     os.makedirs(OUT, exist_ok=True)
     for name, make in CASES.items():
+        if args.only not in (None, name):
+            continue
         path = os.path.join(OUT, f"{name}.gguf")
         with tempfile.TemporaryDirectory() as folder:
             make(folder)

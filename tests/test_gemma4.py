@@ -3,6 +3,7 @@ head size with proportional rope, values normed or made from the keys, a learned
 transformers' own model: tiny random checkpoints, float32 logits without a cache within 1e-4, greedy tokens through
 the cache equal; the cache holds only the layers that write it."""
 
+import copy
 import os
 import shutil
 
@@ -72,6 +73,23 @@ def test_logits_and_greedy_tokens_equal_transformers(folders, case):
     with torch.no_grad():
         greedy = reference.generate(prompt, max_new_tokens=16, do_sample=False, min_new_tokens=16)
     assert torch.equal(generate.generate(model, prompt, 16), greedy)
+
+
+def test_a_bfloat16_per_layer_table_stays_bfloat16_and_reads_the_same(folders, tmp_path):
+    """The per-layer table is only looked up: a float32 load keeps it as stored (half the memory), its rows widened as
+    they are read: logits as transformers' float32 model of the same bfloat16 folder."""
+    _, reference = folders["per-layer embeddings, shared keys and values"]
+    copy.deepcopy(reference).to(torch.bfloat16).save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(FIXTURES, "llama", f), tmp_path)
+    model = load.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert model.embed_per_layer.weight.dtype == torch.bfloat16 and model.embed_tokens.weight.dtype == torch.float32
+    widened = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    prompt = ids(20)
+    with torch.no_grad():
+        want = widened(prompt).logits
+    got = model(prompt)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max(), (got - want).abs().max()
 
 
 def test_the_cache_holds_only_the_layers_that_write_it(folders):

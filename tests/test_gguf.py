@@ -660,3 +660,25 @@ def test_what_a_hybrid_gguf_cannot_be_is_one_line(state_files, tmp_path, source,
     with pytest.raises(checkpoint.CheckpointError) as error:
         load.from_pretrained(path)
     assert message in str(error.value) and "x.gguf" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_ministral3_gguf_gives_llama_cpps_logits_and_ids():
+    """mistral3 as llama.cpp's converter writes Ministral 3 (tests/fixtures/converted_gguf, made by
+    tests/converted_gguf_reference.py): llama's turned q/k rows, yarn from the file's keys (factor 16 over 64 tokens,
+    cos and sin scaled by mscale over mscale_all_dim), the context cut at the original 64 where llama.cpp starts
+    scaling the queries: llama.cpp's logits (a float32 cache) within 1e-3 of their largest, the same argmax, its ids."""
+    from conftest import FIXTURES
+    from dense_engine.formats.vocab import load_vocabulary
+
+    path = os.path.join(FIXTURES, "converted_gguf", "mistral3.gguf")
+    with open(os.path.join(FIXTURES, "converted_gguf", "mistral3.json")) as f:
+        reference = json.load(f)
+    model = load.from_pretrained(path, dtype=torch.float32)
+    assert model.config.max_position_embeddings == 64 and model.config.rope_scaling["rope_type"] == "yarn"
+    with torch.no_grad():
+        got = model(torch.tensor([reference["ids"]]))[0]
+    want = torch.tensor(reference["logits"])
+    assert (got - want).abs().max() < 1e-3 * want.abs().max(), (got - want).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    vocab = load_vocabulary(path, None)
+    assert [vocab.encode(t, special=False) for t in reference["texts"]] == reference["tokens"]

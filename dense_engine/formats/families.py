@@ -359,7 +359,7 @@ FAMILIES = {
                    glm=True),
     "cohere2": Family(gguf="cohere2", eps=1e-5, tied=True, cohere=True, windows="pattern", window_pattern=4, window=4096,
                       nope_full=True),
-    "ministral3": Family(theta=1e6, head_dim=128, windows="given", llama4_scale=True),
+    "ministral3": Family(gguf="mistral3", theta=1e6, head_dim=128, windows="given", llama4_scale=True),
     "apertus": Family(gguf="apertus", eps=1e-5, theta=12e6, qk_norm="shared", mlp="xielu"),
     "hunyuan_v1_dense": Family(gguf="hunyuan-dense", eps=1e-5, qk_norm="shared", norm_after_rope=True),
     "exaone4": Family(gguf="exaone4", eps=1e-5, qk_norm="shared", pre_norms=False, post_norms=True, windows="pattern", window_pattern=4,
@@ -562,6 +562,10 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
     post_attention_layernorm is the attention's post-norm (Llama's is the MLP's pre-norm), OLMo 2 has post-norms
     only, Phi-3 fuses q|k|v and gate|up, StableLM keeps one layer norm per head for q and k."""
     after_attention = "attn_post_norm" if family.post_norms and not family.glm else "mlp_norm"
+    weights = hf_weights(folder)
+    headless = prefix == "model." and not any(name.startswith("model.") for name in weights)
+    if headless:  # the decoder alone, its tensors at the top (an embedding model's: Qwen3-Embedding)
+        prefix = ""
     top = re.escape(prefix)
     layer = top + r"layers\.(\d+)\."
     rules = [
@@ -586,7 +590,9 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
     if prefix != "model.":  # a wrapper's image model: not read (its reader says so); its head beside the text model
         rules += [(r"(?:model\.)?(vision_tower|multi_modal_projector)\..*", None),
                   (r"language_model\.lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight")]
-    table = rename(hf_weights(folder), rules, source)
+    table = rename(weights, rules, source)
+    if headless and "lm_head.weight" not in table and not config.tie_word_embeddings:
+        table["lm_head.weight"] = table["embed_tokens.weight"]  # (no head to read: an embedding model uses none)
     H, K, D, W = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size
     for i in range(config.num_hidden_layers):
         a, m = f"layers.{i}.attn.", f"layers.{i}.mlp."

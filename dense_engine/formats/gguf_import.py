@@ -57,7 +57,7 @@ import torch
 
 from dense import DenseConfig
 from dense_engine.cpu import quantized
-from dense_engine.formats import families
+from dense_engine.formats import families, rope_scalings
 from dense_engine.formats.checkpoint import Checkpoint, atomic_write, make_config
 from dense_engine.system.errors import CheckpointError, first_line
 from dense_engine.system.machine import cache_dir, note, unwritable_cache
@@ -320,6 +320,11 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
                               f"{head_dim} for llama")
     context = int(key("context_length", 2048))
     scaling = rope_scaling(reader, arch, tensors, path, context, rope_dim)
+    original = (scaling or {}).get("original_max_position_embeddings", context)
+    if float(key("attention.temperature_scale", 0.0)) and original < context:  # (llama.cpp: 1 up to the original)
+        note(f"{path}: the context is {original} tokens (past them Ministral 3 scales its queries, which this engine "
+             "does not do yet)")
+        context = original
     window = int(key("attention.sliding_window", 4096 if family.softcaps else 0)) if family.window_pattern else 0
     if arch == "exaone4":  # llama.cpp slides only the 32B's layers (64 of them), by 4096 unless the file says
         window = int(key("attention.sliding_window", 4096)) if layers == 64 else 0
@@ -583,8 +588,18 @@ def rope_scaling(reader, arch: str, tensors: dict, path: str, context: int, rope
         return None
     if kind in ("", "linear"):
         return {"rope_type": "linear", "factor": factor}
-    raise CheckpointError(f"{path}: GGUF metadata {arch}.rope.scaling.type {kind!r} is not supported (linear, and "
-                          "the factor tensors of Llama 3 and Phi-3)")
+    if kind == "yarn":  # (Ministral 3) the cos and sin scaled as llama.cpp scales them: mscale 1 over mscale_all_dim
+        if float(key("rope.scaling.yarn_ext_factor", 1.0)) != 1.0:
+            raise CheckpointError(f"{path}: GGUF metadata {arch}.rope.scaling.yarn_ext_factor "
+                                  f"{key('rope.scaling.yarn_ext_factor')}: only 1 (yarn's whole ramp) is supported")
+        log_mul = float(key("rope.scaling.yarn_log_multiplier", 0.0))
+        mscale = rope_scalings.yarn_mscale(factor) / (rope_scalings.yarn_mscale(factor, log_mul) if log_mul else 1.0)
+        return {"rope_type": "yarn", "factor": factor, "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)),
+                "original_max_position_embeddings": int(key("rope.scaling.original_context_length", context)),
+                "attention_factor": mscale * float(key("rope.scaling.attn_factor", 1.0))}
+    raise CheckpointError(f"{path}: GGUF metadata {arch}.rope.scaling.type {kind!r} is not supported (linear, yarn, "
+                          "and the factor tensors of Llama 3 and Phi-3)")
 
 
 def read_gguf(path: str) -> Checkpoint:
@@ -690,7 +705,8 @@ def read_gguf(path: str) -> Checkpoint:
     return Checkpoint(path, config, table, source_types=types, exact_int4=exact, blocks=blocks)
 
 
-PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel turns their q/k rows for its rotary's pairs
+# the converter's LlamaModel turns their q/k rows for its rotary's pairs
+PERMUTED = ("llama", "smollm3", "granite", "mistral3")
 
 
 def layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple] | None:

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from dense_engine.runtime import caches, grammar, reasoning
-from dense_engine.server import anthropic_messages, infill, ollama_api, openai_responses, slots
+from dense_engine.server import anthropic_messages, embeddings, infill, ollama_api, openai_responses, slots
 from dense_engine.server.protocol import BadRequest, Settings, decode_body, parse_request
 from dense_engine.server.responses import ChatReply, ClientEvents, CompletionReply
 from dense_engine.server.scheduler import Request, Shaping
@@ -101,7 +101,8 @@ def make_app(server):
               Route("/api/tags", ollama_tags), Route("/api/ps", ollama_tags), Route("/api/version", ollama_version),
               Route("/api/show", ollama_show, methods=["POST"]),
               Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
-              Route("/slots/{id}", slot_files, methods=["POST"])]
+              Route("/slots/{id}", slot_files, methods=["POST"]),
+              *(Route(path, pooled, methods=["POST"]) for path in embeddings.ROUTES)]
     app = Starlette(routes=routes, exception_handlers={BadRequest: bad_request, HTTPException: http_error,
                                                         Exception: crash})
     app.state.server = server
@@ -138,6 +139,9 @@ async def completion(request):
     from starlette.responses import StreamingResponse
 
     api, server, body = APIS[request.url.path], state(request), await ready_json(request)
+    if server.scheduler is None:
+        raise BadRequest(f"this server {'reranks' if server.embedder.pooling is None else 'embeds'} (--embedding, "
+                         f"--rerank): it generates no text", status=501)
     refuse_if_full(server, 1)  # (before the work of parsing it)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -187,6 +191,11 @@ def renamed(e: BadRequest, fields: dict) -> BadRequest:
         if param is not None and re.match(rf"{re.escape(ours)}($|\[|\.)", param):
             param = theirs
     return BadRequest(message, param, e.status, e.kind, e.code)
+
+
+async def pooled(request):
+    """An embedding or a ranking (embeddings.py)."""
+    return json_response(await embeddings.ROUTES[request.url.path](request, await ready_json(request)))
 
 
 async def anthropic_count_tokens(request):

@@ -6,7 +6,8 @@
 Endpoints: GET /health (200 when the model is ready, 503 before), GET /v1/models, POST /v1/chat/completions and
 POST /v1/completions (OpenAI's formats; "stream": true sends server-sent events), POST /tokenize and /detokenize
 (llama-server's shapes), POST /slots/{id}?action=save|restore|erase (llama-server's slot files, --slot-save-path),
-GET /metrics (Prometheus).
+GET /metrics (Prometheus). Started with --embedding (or on a folder with sentence-transformers' modules.json) or
+--rerank, it serves embeddings or rankings instead of text (embeddings.py).
 
 The rooms, each a module of this folder: protocol.py (a request body -> checked Settings, or an API's error),
 scheduler.py (the records and the turn: admit -> prefill -> decode -> deliver), runner.py (the model calls by name,
@@ -45,10 +46,13 @@ import torch
 
 from dense_engine.cli.flags import add_model_flags, check_environment, load_model, make_draft, parse_flags, positive_int
 from dense_engine.formats.default_model import default_checkpoint
+from dense_engine.formats.pooling import Pooling, read_pooling
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
 from dense_engine.runtime import caches, generate, tp
+from dense_engine.runtime.embedding import Reranker
 from dense_engine.runtime.sampling import Defaults, SamplerSettings, describe
 from dense_engine.server.app import make_app
+from dense_engine.server.embeddings import Embedder
 from dense_engine.server.metrics import Metrics
 from dense_engine.server.scheduler import PREFILL_BUDGET, Request, Scheduler
 from dense_engine.system.errors import CheckpointError, UsageError, first_line, run_program
@@ -60,6 +64,7 @@ class Server:
     def __init__(self, args) -> None:
         self.args, self.ready, self.error = args, threading.Event(), None
         self.scheduler: Scheduler | None = None
+        self.embedder: Embedder | None = None  # (a server that embeds or reranks: no scheduler)
         self.vocab: Vocabulary | None = None
         self.max_seq_len = 0
         self.name = "dense"
@@ -70,6 +75,11 @@ class Server:
         args = self.args
         ckpt, self.vocab, model, record = load_for_serving(args, console)
         self.name = os.path.basename(os.path.normpath(ckpt))
+        self.embedder = pooling_for(args, ckpt, self.vocab, model, record)
+        if self.embedder is not None:
+            self.max_seq_len = self.embedder.max_tokens
+            self.ready.set()
+            return
         draft = make_draft(args, model, console, record)
         self.max_seq_len = caches.fitting_cache(model, args.max_batch, record.max_seq_len, record.kv_dtype)
         self.scheduler = Scheduler(model, self.vocab, args.max_batch, self.max_seq_len, record.compile, draft,
@@ -81,6 +91,26 @@ class Server:
         self.metrics.watch(self.scheduler)
         self.scheduler.thread.start()
         self.ready.set()
+
+
+def pooling_for(args, ckpt: str, vocab: Vocabulary, model, record) -> Embedder | None:
+    """What a server that embeds or reranks holds (None: it generates): --rerank, a Qwen3-Reranker-style model
+    scoring pairs by its "yes" and "no" tokens; --embedding or a folder with sentence-transformers' modules.json, its
+    pooling (a plain decoder: its last token's hidden state, normalized, as vLLM pools one)."""
+    pooling = read_pooling(ckpt) if os.path.isdir(ckpt) else None
+    context = record.max_seq_len or model.config.max_position_embeddings  # (no cache: a text's tokens at most)
+    if args.rerank:
+        reranker = Reranker.of(vocab)
+        if reranker is None:
+            raise UsageError(f"--rerank: {ckpt}'s vocabulary has no 'yes' and 'no' tokens (a reranker in "
+                             "Qwen3-Reranker's format answers with them)")
+        return Embedder(model, vocab, None, reranker, context)
+    if not args.embedding and pooling is None:
+        return None
+    if pooling is None:
+        print("note: no modules.json: embeddings are the last token's final hidden state, normalized",
+              file=sys.stderr, flush=True)
+    return Embedder(model, vocab, pooling or Pooling("lasttoken", normalize=True), None, context)
 
 
 def load_for_serving(args, console, rank0: bool = True) -> tuple:
@@ -149,6 +179,11 @@ def parse_args(argv):
                    help="the largest request body (default 16 MiB); a larger one is answered 413 before it is read")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait for a row (default 64); more are answered 503 with Retry-After")
+    p.add_argument("--embedding", action="store_true",
+                   help="serve embeddings (/v1/embeddings, /api/embed, /embedding) instead of text; on by itself for "
+                        "a folder with sentence-transformers' modules.json")
+    p.add_argument("--rerank", action="store_true",
+                   help="serve /v1/rerank (and /rerank) with a Qwen3-Reranker-style model instead of text")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                    help="let pages from ORIGIN call the server from a browser (CORS; repeat it for more, '*' for any)")
     args = parse_flags(p, argv)
@@ -161,6 +196,10 @@ def parse_args(argv):
             raise UsageError(f"--{flag.replace('_', '-')} must be 0 or more, got {getattr(args, flag)}")
     if args.max_queue < 0:
         raise UsageError(f"--max-queue must be 0 or more, got {args.max_queue}")
+    if args.embedding and args.rerank:
+        raise UsageError("--embedding and --rerank: a server does one of them")
+    if tp.world()[1] > 1 and (args.embedding or args.rerank):
+        raise UsageError("--embedding and --rerank are not served under torchrun (tensor parallel)")
     if tp.world()[1] > 1 and (args.draft or args.draft_quant or args.lookup):
         raise UsageError("speculative decoding is not served under torchrun (tensor parallel): drop --draft, "
                          "--draft-quant and --lookup")
@@ -200,8 +239,10 @@ def serve(args, console) -> int:
     def loading():
         try:
             server.load(console)
-            print(f"serving {server.name} on http://{args.host}:{args.port} (batch {len(server.scheduler.rows)},"
-                  f" context {server.max_seq_len})", file=sys.stderr, flush=True)
+            doing = f"batch {len(server.scheduler.rows)}" if server.scheduler else "reranking" if \
+                server.embedder.reranker else "embeddings"
+            print(f"serving {server.name} on http://{args.host}:{args.port} ({doing}, context {server.max_seq_len})",
+                  file=sys.stderr, flush=True)
         except (UsageError, CheckpointError, ValueError, OSError) as e:
             server.error = first_line(e, None)
             sys.stderr.write(f"error: {server.error}\n")
