@@ -25,6 +25,9 @@ mistral3 (Ministral3ForCausalLM): two layers, yarn (factor 16 over an original c
 mscale_all_dim 1, Ministral 3's llama_4_scaling_beta 0.1: 1 within the original context), untied; weights of std 0.2,
 queries' and keys' 0.4 (scores sharp enough that yarn shows: its cos and sin 10% larger move the logits 1%).
 
+command-r (CohereForCausalLM, Command R v1): two layers, layer norms without bias (gains in [0.5, 1.5]) before the
+parallel attention and MLP, interleaved rope, a logit scale of 0.3, tied; weights of std 0.2, queries' and keys' 0.4.
+
 Each converted with --outtype f16."""
 
 import argparse
@@ -150,6 +153,25 @@ def make_mistral3(folder: str) -> None:
         shutil.copy(os.path.join(HERE, "fixtures", "llama", name), folder)
 
 
+def make_command_r(folder: str) -> None:
+    import torch
+    import transformers
+
+    config = transformers.CohereConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, logit_scale=0.3, eos_token_id=2, pad_token_id=0,
+        bos_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.CohereForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.4 if name.endswith(("q_proj.weight",
+                                                                                             "k_proj.weight")) else 0.2)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(HERE, "fixtures", "llama", name), folder)
+
+
 CONVERT = r'''
 import runpy, sys
 source = sys.argv.pop(1)
@@ -169,7 +191,7 @@ sys.argv[0] = source + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 CASES = {"gemma4": make_gemma4, "granitehybrid": make_granitehybrid, "nemotron_h": make_nemotron_h,
-         "mistral3": make_mistral3}
+         "mistral3": make_mistral3, "command-r": make_command_r}
 
 
 def main() -> int:

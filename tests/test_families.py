@@ -68,6 +68,7 @@ CASES = {
     "stablelm": ("stablelm", dict(qk_layernorm=True, use_qkv_bias=True), {"qk_norm": "none"}),
     "seed_oss": ("seed_oss", dict(head_dim=16), {"qkv_bias": False}),
     "glm4": ("glm4", dict(head_dim=16), {"rope_layout": "half"}),
+    "cohere": ("cohere", dict(logit_scale=0.3), {"parallel_residual": False}),
     "cohere2": ("cohere2", dict(head_dim=16, sliding_window=8, logit_scale=0.3), {"parallel_residual": False}),
     "ministral3": ("ministral3", dict(head_dim=16, rope_parameters={
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 96, "beta_fast": 32.0,
@@ -324,3 +325,13 @@ def test_the_mistral3_image_text_folder_is_its_text_model(tmp_path, capsys):
     assert "vision tower" in capsys.readouterr().err
     assert model.config.max_position_embeddings == 96
     assert rel_err(model(IDS), reference(hf)) <= 1e-4
+
+
+def test_command_r_plus_per_head_qk_norms_are_refused(tmp_path):
+    write_checkpoint("cohere", str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        raw = json.load(f)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({**raw, "use_qk_norm": True}, f)
+    with pytest.raises(checkpoint.CheckpointError, match="use_qk_norm True is not supported .Command R.'s per-head"):
+        from_pretrained(str(tmp_path))

@@ -14,11 +14,11 @@ dense.py and checkpoint.py; convert.py dispatches to these by what a path holds.
 | OpenELM                      | Hugging Face folder, model_type "openelm"                                |
 | GPT-NeoX                     | Hugging Face folder, model_type "gpt_neox"                               |
 | GPT-NeoX original            | global_step*/layer_NN-model_0R-model_states.pt + configs/*.yml           |
-| the FAMILIES table (18)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
+| the FAMILIES table (21)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
 |                              | gemma2, gemma3_text, phi3, smollm3, granite, olmo2, olmo3, stablelm,     |
-|                              | seed_oss, glm4, cohere2, exaone4, ministral3 (also inside mistral3, the  |
-|                              | image-text wrapper); GGUF files                                         |
-|                              | of llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3 (gguf_import.py)     |
+|                              | seed_oss, glm4, cohere, cohere2, exaone4, apertus, hunyuan_v1_dense,     |
+|                              | ministral3 (also inside mistral3, the image-text wrapper); GGUF files    |
+|                              | of each row's `gguf` architecture (gguf_import.py)                       |
 """
 
 from __future__ import annotations
@@ -357,6 +357,7 @@ FAMILIES = {
     "seed_oss": Family(gguf="seed_oss", head_dim=128, attention_bias_is_qkv=True),
     "glm4": Family(gguf="glm4", eps=1.5625e-7, head_dim=128, rotary_fraction=0.5, attention_bias_is_qkv=True, post_norms=True,
                    glm=True),
+    "cohere": Family(gguf="command-r", eps=1e-5, theta=5e5, tied=True, cohere=True, windows="none"),
     "cohere2": Family(gguf="cohere2", eps=1e-5, tied=True, cohere=True, windows="pattern", window_pattern=4, window=4096,
                       nope_full=True),
     "ministral3": Family(gguf="mistral3", theta=1e6, head_dim=128, windows="given", llama4_scale=True),
@@ -500,6 +501,8 @@ def hf_decoder(folder: str, raw: dict, source: str, prefix: str = "model."):
             cfg.refuse("hidden_activation", "Gemma's MLP is gelu_pytorch_tanh")
     elif act != family.mlp and (family.mlp == "xielu" or act not in ("silu", "swish")):
         cfg.refuse("hidden_act", f"only {'xielu' if family.mlp == 'xielu' else 'silu'} for this family")
+    if family.cohere and cfg.get("use_qk_norm"):
+        cfg.refuse("use_qk_norm", "Command R+'s per-head q/k layer norms are not supported")
     window = cfg.get("sliding_window", family.window)
     if family.windows == "flag" and not cfg.get("use_sliding_window", False):
         window = None  # a window in the config is off unless use_sliding_window says so

@@ -309,6 +309,9 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         raise CheckpointError(f"{path}: GGUF metadata {arch}.expert_count {key('expert_count')}: a mixture of experts; "
                               "this engine runs dense models only")
     family = families.BY_GGUF[arch][1]
+    if arch == "command-r" and "blk.0.attn_q_norm.weight" in tensors:
+        raise CheckpointError(f"{path}: tensor 'blk.0.attn_q_norm.weight': Command R+'s per-head q/k layer norms are "
+                              "not supported")
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     layers = int(key("block_count"))
     head_dim = int(key("attention.key_length", hidden // max(heads, 1)))
@@ -364,7 +367,7 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         if "blk.0.attn_q_norm.weight" in tensors else "none", qk_norm_after_rope=family.norm_after_rope, mlp="geglu" if family.gemma else family.mlp,
         pre_norms=family.pre_norms,
         post_norms=family.post_norms, norm_gain_in_float32=family.norm_gain_in_float32,  # (Gemma's 1 + w: baked in)
-        tie_word_embeddings="output.weight" not in tensors or arch in ("gemma", "gemma2", "cohere2"),
+        tie_word_embeddings="output.weight" not in tensors or arch in ("gemma", "gemma2", "cohere2", "command-r"),
         final_softcap=float(key("final_logit_softcapping", 30.0 if family.softcaps else 0.0)) or None)
 
 
@@ -684,7 +687,8 @@ def read_gguf(path: str) -> Checkpoint:
         layers = ", ".join(f"blk.{n}.*" for n in sorted({int(name.split(".")[1]) for name in mtp}))
         note(f"{path}: the multi-token prediction layer ({layers}: {len(mtp)} tensors) is not loaded: this engine "
              "predicts one token a step")
-    if arch in ("gemma", "gemma2", "cohere2"):  # llama.cpp reads the head from the embedding, whatever else is there
+    if arch in ("gemma", "gemma2", "cohere2", "command-r"):  # llama.cpp reads the head from the embedding, whatever
+        # else is there
         table.pop("lm_head.weight", None)
     if config.mlp == "xielu":  # (Apertus) its activation's parameters, a layer each, in the metadata as stored
         for key in ("alpha_p", "alpha_n", "beta", "eps"):
@@ -697,7 +701,7 @@ def read_gguf(path: str) -> Checkpoint:
         for i in range(config.num_hidden_layers):
             for p in ("weight", "bias"):
                 table[f"layers.{i}.mlp_norm.{p}"] = table[f"layers.{i}.attn_norm.{p}"]
-    if arch == "cohere2":  # layer norms without bias (zeros add nothing), one before both branches
+    if arch in ("cohere2", "command-r"):  # layer norms without bias (zeros add nothing), one before both branches
         table["norm.bias"] = lambda C=config.hidden_size: torch.zeros(C)
         for i in range(config.num_hidden_layers):
             table[f"layers.{i}.attn_norm.bias"] = table[f"layers.{i}.mlp_norm.bias"] = table["norm.bias"]
