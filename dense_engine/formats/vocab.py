@@ -4,6 +4,7 @@ stop tokens, and the incremental detokenizer that streams replies. Stands on che
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import threading
@@ -107,6 +108,7 @@ class Vocabulary:
             env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
             env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda form: datetime.datetime.now().strftime(form)  # (as transformers)
             self._compiled = (self.chat_template, env.from_string(self.chat_template))
         return self._compiled[1]
 
@@ -172,13 +174,15 @@ def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
     return vocab
 
 
-SHOWN = ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>')  # Gemma 4's markers in a reply
+# the markers of a reply's thinking and calls: Gemma 4's, Mistral's
+SHOWN = ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "[THINK]", "[/THINK]", "[TOOL_CALLS]",
+         "[ARGS]", "[CALL_ID]")
 
 
 def with_markers_shown(tokenizer):
-    """The tokenizer with Gemma 4's reply markers decoded as text. Its tokenizer.json calls them special, and a
-    decode skips special tokens, yet the thinking and the tool calls are read from them (reasoning.py, tools.py);
-    llama.cpp's converter writes them as user-defined tokens for the same reason."""
+    """The tokenizer with the markers of a reply's thinking and tool calls decoded as text. Gemma 4's and Mistral's
+    tokenizer.json call them special, and a decode skips special tokens, yet the thinking and the calls are read
+    from them (reasoning.py, tools.py); llama.cpp keeps them in the text for the same reason."""
     from tokenizers import Tokenizer
 
     if not any(t.special and t.content in SHOWN for t in tokenizer.get_added_tokens_decoder().values()):

@@ -1,6 +1,6 @@
 """reasoning.py: a thinking model's reply told apart: its reasoning (between the template's markers) and its answer.
 Qwen3, Qwen3.5, SmolLM3 and DeepSeek-R1's distills write <think> ... </think>; Gemma 4 writes a thought channel,
-<|channel>thought ... <channel|>. A template may open the thinking in the prompt itself (the reply then starts inside
+<|channel>thought ... <channel|>; Ministral 3's reasoning models and Magistral [THINK] ... [/THINK]. A template may open the thinking in the prompt itself (the reply then starts inside
 it and only closes it), or close an empty one there (thinking switched off). The server's APIs tell the reasoning in
 their own fields (server/responses.py); chat.py shows it dimmed. Standard library only.
 """
@@ -20,12 +20,14 @@ class Markers(NamedTuple):
 
 THINK = Markers("<think>", "</think>", "<think>")
 CHANNEL = Markers("<|channel>thought", "<channel|>", "<|channel>")  # Gemma 4
-CLOSES = (THINK.close, CHANNEL.close)
+BRACKETS = Markers("[THINK]", "[/THINK]", "[THINK]")  # Ministral 3 Reasoning, Magistral
+CLOSES = (THINK.close, CHANNEL.close, BRACKETS.close)
 
 
 def markers(template: str | None) -> Markers | None:
     """The markers a chat template writes (its model thinks before it answers), or None."""
-    return next((m for m in (CHANNEL, THINK) if template and m.open in template and m.close in template), None)
+    return next((m for m in (CHANNEL, BRACKETS, THINK) if template and m.open in template and m.close in template),
+                None)
 
 
 def thinks(template: str | None) -> bool:

@@ -2,11 +2,12 @@
 read into tool calls as it is written (CallStream), and the grammar that makes a reply a call when the request
 requires one.
 
-Four reply formats, picked from what the chat template writes:
+Five reply formats, picked from what the chat template writes:
   hermes   <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>   (Qwen2.5/3, Hermes, SmolLM3, Granite;
                                                                           and the generic rendering below)
   llama3   {"name": ..., "parameters": {...}}                             (Llama 3.1-3.3's JSON tool calls)
-  mistral  [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]           (Mistral)
+  mistral  [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]           (Mistral 7B v0.3, Nemo)
+  mistral_args  [TOOL_CALLS]NAME[ARGS]{...}, a [CALL_ID]id before [ARGS]  (Ministral 3, Devstral; Mistral Small 3.2)
   gemma4   <|tool_call>call:NAME{city:<|"|>Oslo<|"|>,days:3}<tool_call|>  (Gemma 4: its own value syntax)
 A template that does not render tools gets them in a system message that asks for the hermes format, and tool
 results as user messages in <tool_response> tags. Stands on grammar.py.
@@ -14,6 +15,7 @@ results as user messages in <tool_response> tags. Stands on grammar.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -21,12 +23,15 @@ from dataclasses import dataclass
 from dense_engine.runtime import grammar
 
 JSON_OPTIONS = {"whitespace_flexible": False}
+SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # (json.dumps' default)
 
 
 def reply_format(template: str | None) -> str:
     template = template or ""
     if GEMMA_CALL in template:
         return "gemma4"
+    if "[TOOL_CALLS]" in template and "[ARGS]" in template:
+        return "mistral_args"
     if "[TOOL_CALLS]" in template:
         return "mistral"
     if "<tool_call>" in template or "tools" not in template:
@@ -42,6 +47,10 @@ def template_messages(messages: list[dict], tools: list[dict], template: str | N
                  for c in m.get("tool_calls") or []]
         return {**m, "tool_calls": calls, "content": m.get("content") or ""} if calls else m
 
+    if template and "[CALL_ID]" in template:  # (Mistral Small 3.2's template takes only ids of 9 letters and digits)
+        messages = [{**m, **({"tool_call_id": nine(m["tool_call_id"])} if m.get("tool_call_id") else {}),
+                     **({"tool_calls": [{**c, "id": nine(c.get("id") or "")} for c in m["tool_calls"]]}
+                        if m.get("tool_calls") else {})} for m in messages]
     if template and "tools" in template:
         return [with_objects(m) for m in messages], tools or None
     described = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
@@ -62,6 +71,11 @@ def template_messages(messages: list[dict], tools: list[dict], template: str | N
     if out and out[0]["role"] == "system":
         return [{"role": "system", "content": out[0]["content"] + "\n\n" + system}] + out[1:], None
     return [{"role": "system", "content": system}] + out, None
+
+
+def nine(call_id: str) -> str:
+    """A call's id as 9 letters and digits (the same for the same id: a call and its result stay paired)."""
+    return call_id if len(call_id) == 9 and call_id.isalnum() else hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
 def arguments_object(arguments):
@@ -89,6 +103,16 @@ def call_grammar(tools: list[dict], only: str | None, fmt: str, parallel: bool, 
     functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     if fmt == "gemma4":
         return gemma_grammar(functions, parallel, opened, token_id)
+    mark = marker(token_id)
+    if fmt == "mistral_args":  # each call: its opener, the name, [ARGS], the arguments' JSON
+        schemas = [{"x-guidance": SPACED, **grammar.closed_objects(f.get("parameters") or {"type": "object"})}
+                   for f in functions]
+        calls = [f'call{i}: {json.dumps(f["name"])} ({mark("[CALL_ID]")} /[A-Za-z0-9]{{9}}/)? {mark("[ARGS]")} '
+                 f'%json {json.dumps(schema)}' for i, (f, schema) in enumerate(zip(functions, schemas))]
+        one = "(" + " | ".join(f"call{i}" for i in range(len(functions))) + ")"
+        first = one if opened else f"{mark('[TOOL_CALLS]')} {one}"
+        start = f"start: {first} ({mark('[TOOL_CALLS]')} {one})*" if parallel else f"start: {first}"
+        return grammar.llguidance().LLMatcher.grammar_from_lark("\n".join([start] + calls))
     key = "parameters" if fmt == "llama3" else "arguments"
     choices = [{"type": "object", "properties": {"name": {"const": f["name"]},
                                                  key: grammar.closed_objects(f.get("parameters") or {"type": "object"})},
@@ -163,14 +187,19 @@ def gemma_read(text: str, at: int):
     return json.loads(scalar.group(1)), scalar.end()
 
 
-def gemma_grammar(functions: list[dict], parallel: bool, opened: bool, token_id) -> str:
-    """call_grammar's for gemma4: each function's name, then an object whose top-level keys are its parameters'
-    (any of Gemma's values: its syntax has no schema to check them against), then the closer. Markers that are one
-    token in the vocabulary are that token (<[id]>): the tokenizer holds them apart from text."""
+def marker(token_id):
+    """A marker in a grammar: the one token it is in the vocabulary (<[id]>: the tokenizer holds such tokens apart
+    from text), else its text."""
     def mark(text: str) -> str:
         i = token_id(text)
         return f"<[{i}]>" if i is not None else json.dumps(text)
+    return mark
 
+
+def gemma_grammar(functions: list[dict], parallel: bool, opened: bool, token_id) -> str:
+    """call_grammar's for gemma4: each function's name, then an object whose top-level keys are its parameters'
+    (any of Gemma's values: its syntax has no schema to check them against), then the closer."""
+    mark = marker(token_id)
     rules = []
     for i, f in enumerate(functions):
         keys = list((f.get("parameters") or {}).get("properties") or {})
@@ -197,7 +226,9 @@ def gemma_grammar(functions: list[dict], parallel: bool, opened: bool, token_id)
 # open a call (a partial "<tool_call>", a llama3 reply's first "{") is held back, at most that many characters.
 
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
-OPENERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3": None, "gemma4": "<|tool_call>"}
+OPENERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3": None, "gemma4": "<|tool_call>",
+           "mistral_args": "[TOOL_CALLS]"}
+MISTRAL_HEAD = re.compile(r"\s*([^\[\]\s{]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")  # NAME([CALL_ID]id)[ARGS]
 HERMES_CLOSE = "</tool_call>"
 MAX_HEAD = 512  # characters after an opener with no {"name": "...", "arguments": yet: it is text after all
 
@@ -304,6 +335,8 @@ class CallStream:
     def step_head(self, out, final) -> None:
         if self.fmt == "gemma4":
             return self.gemma_call(out, final)
+        if self.fmt == "mistral_args":
+            return self.mistral_head(out, final)
         m = HEAD.match(self.buf)
         if m:
             name = json.loads('"' + m.group(1) + '"')
@@ -339,10 +372,24 @@ class CallStream:
         come between text (hermes, gemma4; then look for the next opener)."""
         opened = "" if self.fmt == "llama3" else self.opener + ("[" if self.fmt == "mistral" else "")
         self.buf = opened + self.buf
-        self.state = "plain" if self.fmt not in ("hermes", "gemma4") or self.calls else "text"
+        self.state = "plain" if self.fmt not in ("hermes", "gemma4", "mistral_args") or self.calls else "text"
         if self.state == "text":
             out.append(("text", self.buf[:len(self.opener)]))
             self.buf = self.buf[len(self.opener):]
+
+    def mistral_head(self, out, final) -> None:
+        """(mistral_args) NAME, maybe [CALL_ID]id, then [ARGS]: the call told, its JSON arguments next."""
+        head = MISTRAL_HEAD.match(self.buf)
+        if head is None and ("[ARGS]" in self.buf or final or len(self.buf) > MAX_HEAD) or \
+                head is not None and head.group(1) not in self.names:
+            return self.as_text(out)
+        if head is None:
+            return
+        self.calls += 1
+        self.name = head.group(1)
+        if self.told():
+            out.append(("call", self.calls - 1, self.name))
+        self.buf, self.state, self.value = self.buf[head.end():], "arguments", None
 
     def gemma_call(self, out, final) -> None:
         """(gemma4) call:NAME{...} up to <tool_call|>, read whole; its arguments told as JSON."""
@@ -379,7 +426,7 @@ class CallStream:
         if self.told():
             out.append(("arguments", self.calls - 1, piece))
         if end is not None:
-            self.state = "tail"
+            self.state = "between" if self.fmt == "mistral_args" else "tail"  # (nothing closes its call)
             if self.told():
                 out.append(("end", self.calls - 1, self.name))
 
@@ -396,7 +443,7 @@ class CallStream:
         if not s:  # (whitespace after a call is no content)
             self.buf = "" if final else self.buf
             return
-        if self.fmt in ("hermes", "gemma4"):
+        if self.fmt in ("hermes", "gemma4", "mistral_args"):
             if s.startswith(self.opener):
                 self.buf, self.state = s[len(self.opener):], "head"
             elif s and not self.opener.startswith(s) or final:
