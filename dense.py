@@ -94,6 +94,7 @@ class DenseConfig:
     embed_scale: float | None = None  # embeddings times this, rounded to the model's dtype (Gemma: sqrt(C), Granite)
     logits_divisor: float = 1.0  # logits / this (Granite)
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2)
+    output_vocab_size: int | None = None  # a head of the first ids only (Apertus 1.5): the others never come out
     per_layer_input: int = 0  # each layer adds a gated input of this width, from its own embedding table and the
     #                           token's embedding (Gemma 4's per-layer embeddings); 0: none
     layer_scalars: bool = False  # each layer's output times a learned scalar (Gemma 4)
@@ -827,7 +828,7 @@ class DenseDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config, config.hidden_size)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.output_vocab_size or config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         if config.per_layer_input:  # Gemma 4: a second table, every layer's input side by side, and a projection
@@ -920,6 +921,9 @@ class DenseDecoder(nn.Module):
             logits = logits / self.config.logits_divisor
         if self.config.final_softcap is not None:
             logits = torch.tanh(logits / self.config.final_softcap) * self.config.final_softcap
+        if logits.shape[-1] < self.config.vocab_size:  # a pruned head (Apertus 1.5): the ids past it never come
+            # out; -1e30, not -inf, so that a sampler's entropy stays a number
+            logits = F.pad(logits, (0, self.config.vocab_size - logits.shape[-1]), value=-1e30)
         return logits
 
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,

@@ -335,3 +335,29 @@ def test_command_r_plus_per_head_qk_norms_are_refused(tmp_path):
         json.dump({**raw, "use_qk_norm": True}, f)
     with pytest.raises(checkpoint.CheckpointError, match="use_qk_norm True is not supported .Command R.'s per-head"):
         from_pretrained(str(tmp_path))
+
+
+def test_apertus_1p5s_pruned_head_gives_the_first_ids_only(tmp_path):
+    """Apertus 1.5's text model (apertus1p5_text): Apertus with an LM head pruned to output_vocab_size rows (the
+    multimodal ids cut): its logits equal transformers' over those ids, the ids past them never come out."""
+    rope = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 32,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    config = transformers.AutoConfig.for_model("apertus1p5_text", **{**BASE, "head_dim": 16, "rope_parameters": rope,
+                                                                   "output_vocab_size": 400})
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name and name.endswith("weight") else p.normal_(0, 0.15)
+    hf.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(FIXTURES, "llama", name), tmp_path)
+    model = from_pretrained(str(tmp_path))
+    assert model.lm_head.weight.shape[0] == 400 and model.config.vocab_size == 512
+    got, want = model(IDS), reference(hf)
+    assert rel_err(got[..., :400], want) <= 1e-4 and bool((got[..., 400:] == -1e30).all())
+    prompt = IDS[:1, :12]
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        greedy = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 12:]
+    assert generate.generate(model, prompt, 12)[0, 12:].tolist() == greedy.tolist()

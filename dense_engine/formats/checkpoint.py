@@ -218,6 +218,11 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_SIZE:
             bad(f"{name} must be an integer in 1..{MAX_SIZE}, got {value!r}")
+    rows = config.output_vocab_size
+    if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or not 0 < rows <= config.vocab_size):
+        bad(f"output_vocab_size must be an integer in 1..vocab_size ({config.vocab_size}), got {rows!r}")
+    if rows is not None and rows < config.vocab_size and config.tie_word_embeddings:
+        bad(f"output_vocab_size {rows} with tie_word_embeddings: a pruned head is its own tensor")
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, name)
         values = value if isinstance(value, (list, tuple)) else [value]

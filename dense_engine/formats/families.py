@@ -362,6 +362,7 @@ FAMILIES = {
                       nope_full=True),
     "ministral3": Family(gguf="mistral3", theta=1e6, head_dim=128, windows="given", llama4_scale=True),
     "apertus": Family(gguf="apertus", eps=1e-5, theta=12e6, qk_norm="shared", mlp="xielu"),
+    "apertus1p5_text": Family(eps=1e-5, theta=12e6, qk_norm="shared", mlp="xielu"),  # (its head may be pruned)
     "hunyuan_v1_dense": Family(gguf="hunyuan-dense", eps=1e-5, qk_norm="shared", norm_after_rope=True),
     "exaone4": Family(gguf="exaone4", eps=1e-5, qk_norm="shared", pre_norms=False, post_norms=True, windows="pattern", window_pattern=4,
                       window=4096, nope_full=True),
@@ -553,7 +554,8 @@ def hf_decoder(folder: str, raw: dict, source: str, prefix: str = "model."):
         embed_scale=hidden ** 0.5 if family.gemma else granite.get("embedding_multiplier"),
         logits_divisor=(1 / float(cfg.get("logit_scale", 0.0625)) if family.cohere
                         else granite.get("logits_scaling", 1.0)),
-        final_softcap=cfg.get("final_logit_softcapping") if family.softcaps else None)
+        final_softcap=cfg.get("final_logit_softcapping") if family.softcaps else None,
+        output_vocab_size=cfg.get("output_vocab_size"))
     for key in ("max_window_layers", "use_sliding_window"):
         cfg.get(key)  # read above where they apply; without a window they change nothing
     cfg.check_unread()
