@@ -70,6 +70,9 @@ class DenseConfig:
     linear_head_dims: tuple[int, int] = (128, 128)  # its (key, value) channels per head
     linear_tiled_values: bool = False  # value head j reads key head j % key_heads (llama.cpp's qwen35 files);
     #                                    False: j // (value_heads / key_heads) (transformers)
+    linear_beta_scale: float = 1.0  # beta = scale * sigmoid(b); 2 lets the delta rule's eigenvalues go negative
+    #                                 (OLMo hybrid)
+    linear_norm_eps: float | None = None  # its output norm's eps (None: norm_eps; OLMo hybrid: 1e-5)
     conv_kernel: int = 4  # the causal depthwise conv's width (Qwen3.5's linear_conv_kernel_dim, LFM2's conv_L_cache)
     mamba_heads: tuple[int, int, int, int] = (0, 64, 1, 128)  # a Mamba2 layer's (heads, channels per head, groups
     #                                                            of B and C, state size N)
@@ -86,8 +89,9 @@ class DenseConfig:
     #                      Apertus' xIELU or Nemotron-H's squared ReLU
     bias: bool = False  # biases on every linear of the blocks (GPT-NeoX)
     parallel_residual: bool = False  # x + attn(n1(x)) + mlp(n2(x)) (GPT-NeoX, StableLM 2)
-    pre_norms: bool = True  # norm each branch's input (every family but OLMo 2)
-    post_norms: bool = False  # norm each branch's output before the residual add (Gemma 2/3, OLMo 2)
+    pre_norms: bool | list[bool] = True  # norm each branch's input (every family but OLMo 2); a list: per layer
+    post_norms: bool | list[bool] = False  # norm each branch's output before the residual add (Gemma 2/3, OLMo 2;
+    #                                        OLMo hybrid: its attention layers only)
     residual_scale: float = 1.0  # each branch's output times this before the residual add (Granite)
     # embeddings and head
     tie_word_embeddings: bool = False
@@ -603,7 +607,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj = nn.Linear(config.hidden_size, sum(self.parts.values()), bias=False)
         self.conv_weight = nn.Parameter(torch.zeros(2 * keys + values, 1, config.conv_kernel))
         self.dt_bias, self.A_log = nn.Parameter(torch.ones(self.v_heads)), nn.Parameter(torch.zeros(self.v_heads))
-        self.norm = RMSNorm(self.v_dim, config.norm_eps)
+        self.norm = RMSNorm(self.v_dim, config.linear_norm_eps or config.norm_eps)
+        self.beta_scale = config.linear_beta_scale
         self.out_proj = nn.Linear(values, config.hidden_size, bias=False)
         self.memory: nn.Module = NoCache()
 
@@ -614,6 +619,7 @@ class GatedDeltaNet(nn.Module):
         qkv, window = causal_conv(qkv, self.conv_weight, window, keep)
         q, k, v = F.silu(qkv).float().split([self.k_heads * self.k_dim] * 2 + [self.v_heads * self.v_dim], dim=-1)
         beta = torch.sigmoid(b).float()  # [B, T, Hv]
+        beta = beta if self.beta_scale == 1.0 else beta * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if keep is not None:
             beta, g = beta * keep[..., None], g * keep[..., None]
@@ -785,11 +791,12 @@ class DecoderLayer(nn.Module):
             return make_norm(config, config.hidden_size) if present else nn.Identity()
 
         self.parallel, has_mlp = config.parallel_residual, config.ffn_width(layer) > 0
-        self.attn_norm, self.mlp_norm = norm(config.pre_norms), norm(config.pre_norms and has_mlp)
+        pre, post = config.per_layer(config.pre_norms)[layer], config.per_layer(config.post_norms)[layer]
+        self.attn_norm, self.mlp_norm = norm(pre), norm(pre and has_mlp)
         self.attn = MIXERS[config.mixer(layer)](config, layer)  # (attention, or a layer whose memory is a state)
         self.mlp = None if not has_mlp else GatedMLP(config, layer) if config.mlp in ("swiglu", "geglu") else \
             MLP(config, layer)  # (an FFN width of 0: no MLP, as Nemotron-H's blocks that only mix)
-        self.attn_post_norm, self.mlp_post_norm = norm(config.post_norms), norm(config.post_norms and has_mlp)
+        self.attn_post_norm, self.mlp_post_norm = norm(post), norm(post and has_mlp)
         self.residual_scale = config.residual_scale
         self.index, P = layer, config.per_layer_input
         if P:  # Gemma 4: h + norm(proj(gelu(gate(h)) * its per-layer input))

@@ -51,8 +51,14 @@ CASES = {  # name: (transformers class, its config)
         layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mamba", "mlp"], intermediate_size=96,
         mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, max_position_embeddings=512,
         eos_token_id=2)),
+    # Gated DeltaNet layers with their own q, k, v, g, a, b projections, beta doubled (negative eigenvalues), Llama's
+    # pre-norms, around one attention layer of OLMo 3's (post-norms only, q/k norms over the whole projection)
+    "olmo hybrid": ("OlmoHybridForCausalLM", transformers.OlmoHybridConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=4, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=16, max_position_embeddings=512, eos_token_id=2, pad_token_id=0)),
 }
-STATEFUL = ["qwen3_5 3 linear + 1 full", "lfm2", "granite 4.0 h", "nemotron-h"]
+STATEFUL = ["qwen3_5 3 linear + 1 full", "lfm2", "granite 4.0 h", "nemotron-h", "olmo hybrid"]
 
 
 @pytest.fixture(scope="module")

@@ -271,6 +271,10 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
     if config.nope_layers is not None and not all(isinstance(i, int) and 0 <= i < config.num_hidden_layers
                                                   for i in config.nope_layers):
         bad(f"nope_layers must list layer indices in 0..{config.num_hidden_layers - 1}")
+    for name in ("pre_norms", "post_norms"):
+        value = getattr(config, name)
+        if isinstance(value, (list, tuple)) and len(value) != config.num_hidden_layers:
+            bad(f"{name} has {len(value)} entries, expected num_hidden_layers={config.num_hidden_layers}")
     if config.parallel_residual and (config.post_norms or not config.pre_norms):
         bad("parallel_residual has no post-norm form")
     if config.qkv_bias and config.attn_output_gate:
