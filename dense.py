@@ -58,6 +58,7 @@ class DenseConfig:
     qk_norm_after_rope: bool = False  # the q/k norms after the rotary instead of before (Hunyuan)
     attn_output_gate: bool = False  # attention output *= sigmoid(x W_gate^T), x the attention input (ShellElastic,
     #                                 Qwen3.5)
+    attn_head_gate: bool = False  # the same with one gate per head (LFM3)
     global_head_dim: int | None = None  # the full-attention layers' head size, rotated whole (Gemma 4)
     value_norm: bool = False  # values RMS-normed per head, no gain (Gemma 4)
     keys_are_values: bool = False  # full-attention layers' values are their keys' projection, before its norm
@@ -452,8 +453,8 @@ class Attention(nn.Module):
         self.parts = {"q_proj": q_width}  # checkpoint name: rows
         if self.reads is None:
             self.parts.update({"k_proj": kv_width} if self.keys_are_values else {"k_proj": kv_width, "v_proj": kv_width})
-        if config.attn_output_gate:
-            self.parts["gate_proj"] = q_width
+        if config.attn_output_gate or config.attn_head_gate:  # a gate per channel, or one per head (LFM3)
+            self.parts["gate_proj"] = q_width if config.attn_output_gate else self.n_heads
         self.qkv_proj = nn.Linear(C, sum(self.parts.values()), bias=config.bias or config.qkv_bias)
         self.o_proj = nn.Linear(q_width, C, bias=config.bias)
         D, own_keys = self.head_dim, self.reads is None
@@ -477,8 +478,10 @@ class Attention(nn.Module):
             k, v = step.shared[self.kind]
         y = self.memory.attend(q, k, v, step, step.views[self.kind], self.scale, self.softcap)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        if "gate_proj" in parts:  # (ShellElastic's and Qwen3.5's output gate)
-            y = y * torch.sigmoid(parts["gate_proj"])
+        if "gate_proj" in parts:  # (ShellElastic's and Qwen3.5's output gate; LFM3's, a head each)
+            gate = torch.sigmoid(parts["gate_proj"])  # [B, T, H * D] or [B, T, H]
+            y = y * gate if gate.shape[-1] == y.shape[-1] else (y.view(B, T, self.n_heads, -1) * gate[..., None]).view(
+                B, T, -1)
         return self.o_proj(y)
 
     def placed(self, norm: nn.Module, x: torch.Tensor, step: Step) -> torch.Tensor:

@@ -57,8 +57,14 @@ CASES = {  # name: (transformers class, its config)
         vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
         num_hidden_layers=4, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8,
         linear_value_head_dim=16, max_position_embeddings=512, eos_token_id=2, pad_token_id=0)),
+    # LFM2's short convs (a window of 7) between a full layer (proportional rope on half of each head) and a sliding
+    # one (a window of 8), a sigmoid gate per head, norms before and after each branch
+    "lfm3": ("Lfm3ForCausalLM", transformers.Lfm3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_hidden_layers=6, sliding_window=8, max_position_embeddings=512, pad_token_id=0,
+        eos_token_id=2, bos_token_id=1)),
 }
-STATEFUL = ["qwen3_5 3 linear + 1 full", "lfm2", "granite 4.0 h", "nemotron-h", "olmo hybrid"]
+STATEFUL = ["qwen3_5 3 linear + 1 full", "lfm2", "granite 4.0 h", "nemotron-h", "olmo hybrid", "lfm3"]
 
 
 @pytest.fixture(scope="module")

@@ -277,6 +277,8 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
             bad(f"{name} has {len(value)} entries, expected num_hidden_layers={config.num_hidden_layers}")
     if config.parallel_residual and (config.post_norms or not config.pre_norms):
         bad("parallel_residual has no post-norm form")
+    if config.attn_output_gate and config.attn_head_gate:
+        bad("attn_output_gate and attn_head_gate: one gate or the other")
     if config.qkv_bias and config.attn_output_gate:
         bad("qkv_bias with attn_output_gate is not a known layout")
     if config.rope_scaling is not None:

@@ -413,6 +413,6 @@ def num_parameters(config: dense.DenseConfig) -> int:
     C, total = config.hidden_size, config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
     for layer in range(config.num_hidden_layers):
         q, kv, w = config.heads(layer) * config.head_dim, config.kv_heads(layer) * config.head_dim, config.ffn_width(layer)
-        total += C * (q + 2 * kv) + q * C + (C * q if config.attn_output_gate else 0)
+        total += C * (q + 2 * kv) + q * C + (C * q if config.attn_output_gate else 0)  # (LFM3's head gate: small)
         total += C * w * (2 if config.mlp == "gelu" else 3) + 4 * C
     return total + 2 * C
