@@ -141,7 +141,8 @@ def test_bad_requests_are_each_apis_errors(embedding_folder):
     set_pooling(embedding_folder, "mean", True)
     http, _ = serve(embedding_folder)
     for body, param in (({"input": []}, "input"), ({"input": [1, "a"]}, "input"), ({"input": [""]}, "input"),
-                        ({"input": "a", "dimensions": 65}, "dimensions"), ({"input": "a", "dimensions": 0}, "dimensions"),
+                        ({"input": "a", "dimensions": 65}, "dimensions"),
+                        ({"input": "a", "dimensions": 0}, "dimensions"),
                         ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
                         ({"input": "a", "prompt_name": "passage"}, "prompt_name"),
                         ({"input": [[1, 99999]]}, "input"), ({"input": "x " * 300, "model": "m"}, None)):
@@ -241,7 +242,8 @@ def test_what_a_server_does_is_decided_by_its_flags_and_folder(embedding_folder,
     assert embeds.pooling.kind == "mean" and embeds.pooling.normalize and embeds.max_tokens == 256
     assert decided(reranker_folder) is None  # (a plain decoder generates)
     plain = decided(reranker_folder, "--embedding")
-    assert plain.pooling.kind == "lasttoken" and plain.pooling.normalize and "no modules.json" in capsys.readouterr().err
+    assert plain.pooling.kind == "lasttoken" and plain.pooling.normalize
+    assert "no modules.json" in capsys.readouterr().err
     assert decided(reranker_folder, "--rerank").reranker.yes == load_vocabulary(
         str(reranker_folder), None).tokenizer.token_to_id("yes")
     with pytest.raises(UsageError, match="--rerank: .* no 'yes' and 'no' tokens"):

@@ -14,7 +14,7 @@ from conftest import fixture_path
 from dense_engine.formats.vocab import load_vocabulary
 from dense_engine.runtime import reasoning, tools
 from test_apis import anthropic_client, ollama_client, openai_client
-from test_apis import app_client as scripted_app
+from test_reasoning import app_client  # (test_apis' scripted app, its model's vocabulary the vocabulary's size)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MARKERS = ["<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>", "<|tool>", "<tool|>", "<|tool_call>",
@@ -42,12 +42,6 @@ def vocab(tmp_path_factory):
     shutil.copy(os.path.join(HERE, "fixtures", "templates", "gemma4.jinja"), folder / "chat_template.jinja")
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "<turn|>"}))
     return load_vocabulary(str(folder), None)
-
-
-def app_client(vocab, text):
-    http, scheduler = scripted_app(vocab, text)
-    scheduler.model.config.vocab_size = vocab.size
-    return http, scheduler
 
 
 def test_the_markers_stay_in_the_text_and_a_call_ends_the_turn(vocab):

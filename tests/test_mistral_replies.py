@@ -14,7 +14,7 @@ from conftest import fixture_path
 from dense_engine.formats.vocab import load_vocabulary
 from dense_engine.runtime import reasoning, tools
 from test_apis import anthropic_client, ollama_client, openai_client
-from test_apis import app_client as scripted_app
+from test_reasoning import app_client  # (test_apis' scripted app, its model's vocabulary the vocabulary's size)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MARKERS = ["[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
@@ -53,12 +53,6 @@ def small(tmp_path_factory):
     return folder_vocab(tmp_path_factory, "mistral-small-3.2.jinja")
 
 
-def app_client(vocab, text):
-    http, scheduler = scripted_app(vocab, text)
-    scheduler.model.config.vocab_size = vocab.size
-    return http, scheduler
-
-
 def test_the_formats_are_read_from_the_templates_and_the_markers_stay_in_the_text(ministral, small):
     assert tools.reply_format(ministral.chat_template) == tools.reply_format(small.chat_template) == "mistral_args"
     assert reasoning.markers(ministral.chat_template) == reasoning.BRACKETS
@@ -84,7 +78,8 @@ def test_the_reasoning_and_a_call_after_it(ministral, stream):
         arguments, thought = message.tool_calls[0].function.arguments, message.model_extra["reasoning_content"]
     assert json.loads(arguments) == {"city": "Oslo", "days": 3} and thought == THOUGHT
     prompt = ministral.tokenizer.decode(scheduler.jobs[-1].prompt, skip_special_tokens=False)
-    assert prompt.startswith("<s>[SYSTEM_PROMPT]# HOW YOU SHOULD THINK") and '[AVAILABLE_TOOLS][{"type": "function"' in prompt
+    assert prompt.startswith("<s>[SYSTEM_PROMPT]# HOW YOU SHOULD THINK")
+    assert '[AVAILABLE_TOOLS][{"type": "function"' in prompt
 
 
 def test_calls_after_text_two_at_once_a_call_id_and_what_is_not_a_call(ministral, small):

@@ -913,21 +913,28 @@ def lfm2(folder: str, raw: dict, source: str):
                           conv_kernel=int(cfg.get("conv_L_cache", 3)), norm_eps=float(cfg.get("norm_eps", 1e-5)),
                           tie_word_embeddings=bool(cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))))
     cfg.check_unread()
-    layer = r"model\.layers\.(\d+)\."
-    rules = [(r"model\.embed_tokens\.weight", "embed_tokens.weight"),
-             (r"model\.embedding_norm\.weight", "norm.weight"),
-             (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight"),
-             (layer + r"operator_norm\.weight", r"layers.\1.attn_norm.weight"),
-             (layer + r"ffn_norm\.weight", r"layers.\1.mlp_norm.weight"),
-             (layer + r"self_attn\.([qkv]_proj)\.weight", r"layers.\1.attn.\2.weight"),
-             (layer + r"self_attn\.out_proj\.weight", r"layers.\1.attn.o_proj.weight"),
-             (layer + r"self_attn\.([qk])_layernorm\.weight", r"layers.\1.attn.\2_norm.weight"),
-             (layer + r"conv\.(in_proj|out_proj)\.weight", r"layers.\1.attn.\2.weight"),
-             (layer + r"conv\.conv\.weight", r"layers.\1.attn.conv_weight"),
-             (layer + r"feed_forward\.w1\.weight", r"layers.\1.mlp.gate_proj.weight"),
-             (layer + r"feed_forward\.w3\.weight", r"layers.\1.mlp.up_proj.weight"),
-             (layer + r"feed_forward\.w2\.weight", r"layers.\1.mlp.down_proj.weight")]
-    return config, rename(hf_weights(folder), rules, source)
+    return config, rename(hf_weights(folder), liquid_rules(config) + [
+        (LIQUID_LAYER + r"self_attn\.([qkv]_proj)\.weight", r"layers.\1.attn.\2.weight"),
+        (LIQUID_LAYER + r"self_attn\.out_proj\.weight", r"layers.\1.attn.o_proj.weight"),
+        (LIQUID_LAYER + r"self_attn\.([qk])_layernorm\.weight", r"layers.\1.attn.\2_norm.weight")], source)
+
+
+LIQUID_LAYER = r"model\.layers\.(\d+)\."
+
+
+def liquid_rules(config: DenseConfig) -> list:
+    """The names LFM2 and LFM3 share: embedding_norm the final norm, operator_norm and ffn_norm the branches'
+    pre-norms, conv.* the short conv, feed_forward.w1 / w3 / w2 the SwiGLU's gate, up and down."""
+    layer = LIQUID_LAYER
+    return [(r"model\.embed_tokens\.weight", "embed_tokens.weight"), (r"model\.embedding_norm\.weight", "norm.weight"),
+            (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight"),
+            (layer + r"operator_norm\.weight", r"layers.\1.attn_norm.weight"),
+            (layer + r"ffn_norm\.weight", r"layers.\1.mlp_norm.weight"),
+            (layer + r"conv\.(in_proj|out_proj)\.weight", r"layers.\1.attn.\2.weight"),
+            (layer + r"conv\.conv\.weight", r"layers.\1.attn.conv_weight"),
+            (layer + r"feed_forward\.w1\.weight", r"layers.\1.mlp.gate_proj.weight"),
+            (layer + r"feed_forward\.w3\.weight", r"layers.\1.mlp.up_proj.weight"),
+            (layer + r"feed_forward\.w2\.weight", r"layers.\1.mlp.down_proj.weight")]
 
 
 def lfm3(folder: str, raw: dict, source: str):
@@ -963,22 +970,11 @@ def lfm3(folder: str, raw: dict, source: str):
     if cfg.get("attention_bias", False):
         cfg.refuse("attention_bias", "LFM3 has no biases")
     cfg.check_unread()
-    layer = r"model\.layers\.(\d+)\."
-    rules = [(r"model\.embed_tokens\.weight", "embed_tokens.weight"),
-             (r"model\.embedding_norm\.weight", "norm.weight"),
-             (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight"),
-             (layer + r"operator_norm\.weight", r"layers.\1.attn_norm.weight"),
-             (layer + r"post_operator_norm\.weight", r"layers.\1.attn_post_norm.weight"),
-             (layer + r"ffn_norm\.weight", r"layers.\1.mlp_norm.weight"),
-             (layer + r"post_ffn_norm\.weight", r"layers.\1.mlp_post_norm.weight"),
-             (layer + r"self_attn\.([qkvo]_proj|[qk]_norm|gate_proj)\.weight", r"layers.\1.attn.\2.weight"),
-             (layer + r"self_attn\.g_proj\.weight", r"layers.\1.attn.gate_proj.weight"),
-             (layer + r"conv\.(in_proj|out_proj)\.weight", r"layers.\1.attn.\2.weight"),
-             (layer + r"conv\.conv\.weight", r"layers.\1.attn.conv_weight"),
-             (layer + r"feed_forward\.w1\.weight", r"layers.\1.mlp.gate_proj.weight"),
-             (layer + r"feed_forward\.w3\.weight", r"layers.\1.mlp.up_proj.weight"),
-             (layer + r"feed_forward\.w2\.weight", r"layers.\1.mlp.down_proj.weight")]
-    return config, rename(hf_weights(folder), rules, source)
+    return config, rename(hf_weights(folder), liquid_rules(config) + [
+        (LIQUID_LAYER + r"post_operator_norm\.weight", r"layers.\1.attn_post_norm.weight"),
+        (LIQUID_LAYER + r"post_ffn_norm\.weight", r"layers.\1.mlp_post_norm.weight"),
+        (LIQUID_LAYER + r"self_attn\.([qkvo]_proj|[qk]_norm|gate_proj)\.weight", r"layers.\1.attn.\2.weight"),
+        (LIQUID_LAYER + r"self_attn\.g_proj\.weight", r"layers.\1.attn.gate_proj.weight")], source)
 
 
 def time_step_limit(cfg: ConfigReader) -> tuple[float, float]:

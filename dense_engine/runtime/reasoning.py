@@ -1,7 +1,8 @@
 """reasoning.py: a thinking model's reply told apart: its reasoning (between the template's markers) and its answer.
 Qwen3, Qwen3.5, SmolLM3 and DeepSeek-R1's distills write <think> ... </think>; Gemma 4 writes a thought channel,
-<|channel>thought ... <channel|>; Ministral 3's reasoning models and Magistral [THINK] ... [/THINK]. A template may open the thinking in the prompt itself (the reply then starts inside
-it and only closes it), or close an empty one there (thinking switched off). The server's APIs tell the reasoning in
+<|channel>thought ... <channel|>; Ministral 3's reasoning models and Magistral [THINK] ... [/THINK]. A template
+may open the thinking in the prompt itself (the reply then starts inside it and only closes it), or close an empty
+one there (thinking switched off). The server's APIs tell the reasoning in
 their own fields (server/responses.py); chat.py shows it dimmed. Standard library only.
 """
 
