@@ -250,3 +250,26 @@ def test_what_a_server_does_is_decided_by_its_flags_and_folder(embedding_folder,
         decided(embedding_folder, "--rerank")
     with pytest.raises(UsageError, match="--embedding and --rerank"):
         parse_args(["--embedding", "--rerank"])
+
+
+def test_a_gguf_files_pooling_type_makes_it_an_embedding_model(tmp_path):
+    """{arch}.pooling_type, as llama.cpp reads it: mean or last, normalized (llama-server's embeddings), against the
+    plain pass pooled by hand; none: a generator; rank (a classifier head) refused in one line."""
+    import torch.nn.functional as F
+
+    from conftest import FIXTURES
+    from test_gguf import U32, rewrite
+
+    source = os.path.join(FIXTURES, "converted_gguf", "mistral3.gguf")
+    assert read_pooling(source) is None
+    for kind, pool in ((1, lambda h: h.mean(0)), (3, lambda h: h[-1])):
+        path = rewrite(source, str(tmp_path / f"{kind}.gguf"), add={"mistral3.pooling_type": (kind, U32)})
+        vocab, model = load_vocabulary(path, None), load.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            want = [F.normalize(pool(model.hidden_states(torch.tensor([vocab.encode(t, special=True)]))[0]), dim=-1)
+                    for t in TEXTS[:2]]
+        vectors, _ = Embedder(model, vocab, read_pooling(path), None, 64).vectors({"input": TEXTS[:2]}, "input")
+        close(vectors, torch.stack(want).numpy())
+    path = rewrite(source, str(tmp_path / "rank.gguf"), add={"mistral3.pooling_type": (4, U32)})
+    with pytest.raises(CheckpointError, match="mistral3.pooling_type 4: .*rank"):
+        read_pooling(path)

@@ -2,7 +2,7 @@
 saves it: modules.json lists the modules in order (the decoder, then 1_Pooling/config.json's pooling, then
 optionally 2_Normalize); sentence_bert_config.json caps a text's tokens; config_sentence_transformers.json names the
 prompts put before a text (Qwen3-Embedding's "query": an instruction). A module this engine does not run (a Dense
-projection, ...) is refused in one line. Standard library only.
+projection, ...) is refused in one line. A GGUF file says its pooling in `{arch}.pooling_type`, as llama.cpp reads it.
 """
 
 from __future__ import annotations
@@ -28,8 +28,13 @@ class Pooling:
     default_prompt: str | None = None  # the name of the prompt used when a request names none
 
 
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "lasttoken"}  # llama.cpp's pooling_type (0: none; 4: rank, a classifier)
+
+
 def read_pooling(folder: str) -> Pooling | None:
-    """The folder's pooling, or None when it is not an embedding model's (no modules.json)."""
+    """The folder's (or GGUF file's) pooling, or None when it is not an embedding model's (no modules.json)."""
+    if folder.endswith(".gguf") and os.path.isfile(folder):
+        return gguf_pooling(folder)
     path = os.path.join(folder, "modules.json")
     if not os.path.isdir(folder) or not os.path.isfile(path):
         return None
@@ -62,3 +67,18 @@ def read_pooling(folder: str) -> Pooling | None:
                               "one of its prompts")
     return Pooling(KINDS[on[0]], kinds[2:] == ["normalize"], int(max_tokens) if max_tokens else None, prompts,
                    default)
+
+
+def gguf_pooling(path: str) -> Pooling | None:
+    """A GGUF file's {arch}.pooling_type (None where absent or none), normalized as llama-server's embeddings are."""
+    from dense_engine.formats import gguf_import
+
+    reader = gguf_import.open_gguf(path)
+    arch = gguf_import.field(reader, "general.architecture", path=path)
+    kind = gguf_import.field(reader, f"{arch}.pooling_type", 0, path)
+    if not kind:
+        return None
+    if kind not in GGUF_POOLING:
+        raise CheckpointError(f"{path}: GGUF metadata {arch}.pooling_type {kind}: mean (1), cls (2) and last (3) are "
+                              "supported (rank, 4, a classifier head, is not)")
+    return Pooling(GGUF_POOLING[kind], normalize=True)

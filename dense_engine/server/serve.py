@@ -95,9 +95,10 @@ class Server:
 
 def pooling_for(args, ckpt: str, vocab: Vocabulary, model, record) -> Embedder | None:
     """What a server that embeds or reranks holds (None: it generates): --rerank, a Qwen3-Reranker-style model
-    scoring pairs by its "yes" and "no" tokens; --embedding or a folder with sentence-transformers' modules.json, its
-    pooling (a plain decoder: its last token's hidden state, normalized, as vLLM pools one)."""
-    pooling = read_pooling(ckpt) if os.path.isdir(ckpt) else None
+    scoring pairs by its "yes" and "no" tokens; --embedding, a folder with sentence-transformers' modules.json or a
+    GGUF file with a pooling_type: its pooling (a plain decoder: its last token's hidden state, normalized, as vLLM
+    pools one)."""
+    pooling = read_pooling(ckpt)
     context = record.max_seq_len or model.config.max_position_embeddings  # (no cache: a text's tokens at most)
     if args.rerank:
         reranker = Reranker.of(vocab)
