@@ -53,8 +53,16 @@ def tiny_qwen3(folder, head: bool, seed: int = 0, vocab_size: int = 512) -> None
 
 @pytest.fixture(scope="module")
 def embedding_folder(tmp_path_factory):
+    """Qwen3-Embedding's layout: the decoder alone, a tokenizer that ends every text with <|endoftext|> (the token
+    last-token pooling reads; a text cut at max_seq_length keeps it), sentence-transformers' modules."""
+    from tokenizers import Tokenizer, processors
+
     folder = tmp_path_factory.mktemp("qwen3_embedding")
     tiny_qwen3(folder, head=False)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", tokenizer.token_to_id("<|endoftext|>"))])
+    tokenizer.save(str(folder / "tokenizer.json"))
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": config.get("eos_token")}))
     (folder / "modules.json").write_text(json.dumps(MODULES))
@@ -140,7 +148,7 @@ def test_a_named_prompt_dimensions_and_ollamas_routes(embedding_folder):
 def test_bad_requests_are_each_apis_errors(embedding_folder):
     set_pooling(embedding_folder, "mean", True)
     http, _ = serve(embedding_folder)
-    for body, param in (({"input": []}, "input"), ({"input": [1, "a"]}, "input"), ({"input": [""]}, "input"),
+    for body, param in (({"input": []}, "input"), ({"input": [1, "a"]}, "input"), ({"input": [[]]}, "input"),
                         ({"input": "a", "dimensions": 65}, "dimensions"),
                         ({"input": "a", "dimensions": 0}, "dimensions"),
                         ({"input": "a", "encoding_format": "int8"}, "encoding_format"),

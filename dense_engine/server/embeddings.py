@@ -31,6 +31,12 @@ class Embedder:
                  max_tokens: int) -> None:
         self.model, self.vocab, self.pooling, self.reranker = model, vocab, pooling, reranker
         embedding.plain_linears(model)
+        self.cutting = None  # the tokenizer cutting texts at max_seq_length, its special tokens kept (as
+        if pooling is not None and pooling.max_tokens:  # sentence-transformers cuts: Qwen3-Embedding's final EOS)
+            from tokenizers import Tokenizer
+
+            self.cutting = Tokenizer.from_str(vocab.tokenizer.to_str())
+            self.cutting.enable_truncation(pooling.max_tokens)
         self.max_tokens = max_tokens
         self.lock = threading.Lock()
 
@@ -38,6 +44,7 @@ class Embedder:
         """Each input's ids (a text, tokenized with the tokenizer's own special tokens as sentence-transformers
         does, or ids as given); a text past the folder's max_seq_length is cut there, past the context refused."""
         vocab, cap = self.vocab, self.pooling.max_tokens if self.pooling and self.pooling.max_tokens else None
+        tokenizer = self.cutting if cut and self.cutting is not None else vocab.tokenizer
         single = isinstance(inputs, str) or isinstance(inputs, list) and inputs and all(
             isinstance(t, int) and not isinstance(t, bool) for t in inputs)
         items = [inputs] if single else inputs
@@ -47,12 +54,12 @@ class Embedder:
             raise BadRequest(f"'{name}' must be a text, a list of up to {MAX_INPUTS} texts, or token ids", name)
         out = []
         for n, item in enumerate(items):
-            ids = vocab.encode(prompt + item, special=True) if isinstance(item, str) else item
+            ids = tokenizer.encode(prompt + item, add_special_tokens=True).ids if isinstance(item, str) else \
+                item[:cap] if cap and cut else item
             if not ids:
                 raise BadRequest(f"'{name}' {n} is empty", name)
             if any(not 0 <= i < vocab.size for i in ids):
                 raise BadRequest(f"'{name}' {n}: token ids must be in 0..{vocab.size - 1}", name)
-            ids = ids[:cap] if cap and cut else ids
             if len(ids) > self.max_tokens:
                 raise BadRequest(f"'{name}' {n} has {len(ids)} tokens; at most {self.max_tokens}", name)
             out.append(ids)
