@@ -59,6 +59,8 @@ class DenseConfig:
     attn_output_gate: bool = False  # attention output *= sigmoid(x W_gate^T), x the attention input (ShellElastic,
     #                                 Qwen3.5)
     attn_head_gate: bool = False  # the same with one gate per head (LFM3)
+    attn_sinks: bool = False  # a learned logit per head beside the keys' in each softmax: attention may go nowhere
+    #                           (Granite SWA)
     global_head_dim: int | None = None  # the full-attention layers' head size, rotated whole (Gemma 4)
     value_norm: bool = False  # values RMS-normed per head, no gain (Gemma 4)
     keys_are_values: bool = False  # full-attention layers' values are their keys' projection, before its norm
@@ -350,12 +352,13 @@ def make_step(model: DenseDecoder, T: int, input_pos: torch.Tensor | None = None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-              softcap: float | None = None) -> torch.Tensor:
+              softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v for q [B, H, T, D] over k, v [B, K, A, D]; mask [T, A] or [B, 1, T, A] (True: seen),
-    None: causal with A == T. Grouped-query heads share K/V without copies."""
+    None: causal with A == T. Grouped-query heads share K/V without copies. sinks [H]: one more logit per head in
+    the softmax, with no value (what the sink takes goes nowhere)."""
     B, H, T, D = q.shape
     K, A = k.shape[1], k.shape[2]
-    if mask is None and softcap is None:  # a causal pass: SDPA's flash kernels take grouped heads as they are
+    if mask is None and softcap is None and sinks is None:  # a causal pass: SDPA's flash kernels take grouped heads
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=K != H)
     if mask is None:
         mask = torch.ones(T, A, dtype=torch.bool, device=q.device).tril()
@@ -365,12 +368,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     G = H // K
     q = q.reshape(B, K, G * T, D)
     mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], G, T, A).reshape(*mask.shape[:-2], G * T, A)
-    if softcap is None:
+    if softcap is None and sinks is None:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    else:  # SDPA cannot soft-cap its scores (Gemma 2): written out, softmax in float32
-        scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    else:  # SDPA cannot soft-cap its scores (Gemma 2) or take a sink: written out, softmax in float32
+        scores = (q @ k.transpose(-1, -2)) * scale
+        scores = scores if softcap is None else torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~mask, -math.inf)
-        y = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v
+        if sinks is not None:  # query head k * G + g's sink beside its row's scores, dropped after the softmax
+            sink = sinks.float().view(K, G, 1, 1).expand(K, G, T, 1).reshape(K, G * T, 1).to(scores.dtype)
+            scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+        probs = scores.softmax(dim=-1, dtype=torch.float32)
+        y = (probs if sinks is None else probs[..., :-1]).to(q.dtype) @ v
     return y.reshape(B, H, T, D)
 
 
@@ -389,8 +397,9 @@ class NoCache(nn.Module):
     """A layer's memory before setup_cache: a plain pass attends over its own keys and values (a state layer starts
     from an empty state) and keeps nothing."""
 
-    def attend(self, q, k, v, step: Step, view: View, scale: float, softcap: float | None) -> torch.Tensor:
-        return attention(q, k, v, view.mask, scale, softcap)
+    def attend(self, q, k, v, step: Step, view: View, scale: float, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return attention(q, k, v, view.mask, scale, softcap, sinks)
 
 
 class KVCache(NoCache):
@@ -404,15 +413,16 @@ class KVCache(NoCache):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def attend(self, q, k, v, step: Step, view: View, scale: float, softcap: float | None) -> torch.Tensor:
+    def attend(self, q, k, v, step: Step, view: View, scale: float, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write this step's k, v [B, K, T, D] (a plain pass writes nothing); attend q [B, H, T, D] over what the view
         shows -> [B, H, T, D]."""
         if step.input_pos is not None:
             self.write(step, k, v)
         if view.own_keys:
-            return attention(q, k, v, view.mask, scale, softcap)
+            return attention(q, k, v, view.mask, scale, softcap, sinks)
         keys, values = self.read(step, view, q.shape[0])
-        return attention(q, keys.to(q.dtype), values.to(q.dtype), view.mask, scale, softcap)
+        return attention(q, keys.to(q.dtype), values.to(q.dtype), view.mask, scale, softcap, sinks)
 
     def write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, K, T, D] into the step's slots, in place."""
@@ -462,6 +472,7 @@ class Attention(nn.Module):
         self.k_norm = qk_norm(config, self.n_kv_heads, D) if own_keys else nn.Identity()
         self.v_norm = RMSNorm(D, config.norm_eps, gain=False) if config.value_norm and own_keys else nn.Identity()
         self.norm_after_rope = config.qk_norm_after_rope
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if config.attn_sinks else None
         self.memory: nn.Module = NoCache()
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
@@ -476,7 +487,7 @@ class Attention(nn.Module):
                 step.shared[self.kind] = (k, v)
         else:  # the keys and values of the layer it reads (its memory is that layer's: written again, the same)
             k, v = step.shared[self.kind]
-        y = self.memory.attend(q, k, v, step, step.views[self.kind], self.scale, self.softcap)
+        y = self.memory.attend(q, k, v, step, step.views[self.kind], self.scale, self.softcap, self.sinks)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         if "gate_proj" in parts:  # (ShellElastic's and Qwen3.5's output gate; LFM3's, a head each)
             gate = torch.sigmoid(parts["gate_proj"])  # [B, T, H * D] or [B, T, H]

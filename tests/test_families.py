@@ -69,6 +69,10 @@ CASES = {
     "seed_oss": ("seed_oss", dict(head_dim=16), {"qkv_bias": False}),
     "glm4": ("glm4", dict(head_dim=16), {"rope_layout": "half"}),
     "cohere": ("cohere", dict(logit_scale=0.3), {"parallel_residual": False}),
+    # layer 0 full (base 1e4), then sliding layers: one without rope, two of base 5e5; learned sinks
+    "granite_swa": ("granite_swa", dict(head_dim=16, sliding_window=8, layer_rope_theta=[1e4, 0, 5e5, 5e5],
+                                        embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
+                                        logits_scaling=4.0), {"attn_sinks": False}),
     "cohere2": ("cohere2", dict(head_dim=16, sliding_window=8, logit_scale=0.3), {"parallel_residual": False}),
     "ministral3": ("ministral3", dict(head_dim=16, rope_parameters={
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 96, "beta_fast": 32.0,
@@ -85,7 +89,7 @@ CASES = {
                 {"qk_norm_after_rope": False}),  # (q/k norms after the rotary; the base stretched by alpha)
 }
 FAMILIES = ["llama3", "qwen2-window", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "smollm3", "granite",
-            "olmo2", "stablelm", "glm4", "cohere2"]  # one case per family for the fast paths (OLMo 3, Seed-OSS, EXAONE 4
+            "olmo2", "stablelm", "glm4", "cohere2", "granite_swa"]  # one case per family for the fast paths (OLMo 3, Seed-OSS, EXAONE 4
 #   and Ministral 3 combine switches these cases run: Gemma 3's windows and local rope, Qwen2's biases, SmolLM3's
 #   layers without rope, yarn)
 IDS = torch.randint(3, 512, (2, 48), generator=torch.Generator().manual_seed(1))

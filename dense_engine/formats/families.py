@@ -324,6 +324,8 @@ class Family:
     nope: bool = False  # some layers have no rope, and those slide (SmolLM3)
     nope_full: bool = False  # with a window, the full layers have no rope (EXAONE 4)
     multipliers: bool = False  # Granite's embedding, attention, residual and logits multipliers
+    layer_thetas: bool = False  # layer_rope_theta: a rope base per layer, 0 for none; learned attention sinks
+    #                             (Granite SWA)
     stablelm: bool = False  # layer norms, per-head q/k layer norms, parallel blocks, qkv biases by flag
     llama4_scale: bool = False  # rope_parameters' llama_4_scaling_beta scales queries past the original context
     cohere: bool = False  # layer norms without bias, one before both branches in parallel, logits times logit_scale,
@@ -350,6 +352,7 @@ FAMILIES = {
     "phi3": Family(gguf="phi3", eps=1e-5, derived_head_dim=True, windows="given"),
     "smollm3": Family(gguf="smollm3", tied=True, theta=2e6, windows="flag", nope=True),
     "granite": Family(gguf="granite", multipliers=True),
+    "granite_swa": Family(multipliers=True, windows="given", window=128, layer_thetas=True),
     "olmo2": Family(eps=1e-5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True),
     "olmo3": Family(gguf="olmo2", eps=1e-5, theta=5e5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True,
                     windows="pattern", window_pattern=4, window=4096, local_rope=True),
@@ -514,7 +517,11 @@ def hf_decoder(folder: str, raw: dict, source: str, prefix: str = "model."):
         interval = int(cfg.get("no_rope_layer_interval", 4))
         flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
         nope = [i for i, use_rope in enumerate(flags) if not use_rope]
+    if family.layer_thetas and not cfg.get("layer_types"):  # (transformers' default: every fourth layer full)
+        cfg.raw["layer_types"] = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers)]
     types = hf_layer_types(cfg, family, layers, window, nope)
+    if family.layer_thetas:
+        nope, theta, local_theta = layer_thetas(cfg, layers, types, theta)
     if family.nope_full and types:
         nope = [i for i, kind in enumerate(types) if kind == "full_attention"]
     attn_bias = bool(cfg.get("attention_bias", family.attention_bias_is_qkv))
@@ -555,11 +562,27 @@ def hf_decoder(folder: str, raw: dict, source: str, prefix: str = "model."):
         logits_divisor=(1 / float(cfg.get("logit_scale", 0.0625)) if family.cohere
                         else granite.get("logits_scaling", 1.0)),
         final_softcap=cfg.get("final_logit_softcapping") if family.softcaps else None,
-        output_vocab_size=cfg.get("output_vocab_size"))
+        output_vocab_size=cfg.get("output_vocab_size"), attn_sinks=family.layer_thetas)
     for key in ("max_window_layers", "use_sliding_window"):
         cfg.get(key)  # read above where they apply; without a window they change nothing
     cfg.check_unread()
     return config, hf_decoder_tensors(folder, family, config, source, prefix)
+
+
+def layer_thetas(cfg: ConfigReader, layers: int, types: list[str] | None, theta: float):
+    """(layers without rope, the full layers' base, the sliding layers' base or None) of Granite SWA's
+    layer_rope_theta: a base per layer, 0 where none; one base for each kind of layer."""
+    thetas = [float(t) for t in cfg.get("layer_rope_theta") or [theta] * layers]
+    kinds = types or ["full_attention"] * layers
+    if len(thetas) != layers:
+        cfg.refuse("layer_rope_theta", f"one base per layer ({layers})")
+    full = {t for t, kind in zip(thetas, kinds) if t and kind == "full_attention"}
+    sliding = {t for t, kind in zip(thetas, kinds) if t and kind == "sliding_attention"}
+    if len(full) > 1 or len(sliding) > 1:
+        cfg.refuse("layer_rope_theta", "one base for the full layers and one for the sliding ones")
+    base = full.pop() if full else sliding.pop() if sliding else theta
+    local = sliding.pop() if sliding else None
+    return [i for i, t in enumerate(thetas) if not t] or None, base, local if local != base else None
 
 
 def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source: str, prefix: str = "model.") -> dict:
@@ -590,6 +613,7 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
         (layer + r"self_attn\.key_layernorm\.weight", r"layers.\1.attn.k_norm.weight"),
         (layer + r"self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight", r"layers.\1.attn.\2_norm.head\3"),
         (layer + r"self_attn\.qkv_proj\.weight", r"layers.\1.attn.qkv.weight"),
+        (layer + r"self_attn\.sinks", r"layers.\1.attn.sinks"),  # (Granite SWA)
         (layer + r"mlp\.gate_up_proj\.weight", r"layers.\1.mlp.gate_up.weight"),
         (layer + r"mlp\.(gate|up|down)_proj\.(weight|bias)", r"layers.\1.mlp.\2_proj.\3")]
     if prefix != "model.":  # a wrapper's image model: not read (its reader says so); its head beside the text model

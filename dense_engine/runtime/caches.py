@@ -159,7 +159,10 @@ class CPUKVCache(KVCache):
         self.k[row, :, start // 16:start // 16 + k.shape[1]].copy_(k)
         self.v[row, :, start:start + v.shape[1]].copy_(v)
 
-    def attend(self, q, k, v, step: dense.Step, view: dense.View, scale: float, softcap: float | None):
+    def attend(self, q, k, v, step: dense.Step, view: dense.View, scale: float, softcap: float | None,
+               sinks: torch.Tensor | None = None):
+        if sinks is not None:  # (cache_for gives a model with sinks dense.py's layout: the kernel takes none)
+            raise ValueError("attention sinks need dense.py's cache layout")
         if step.input_pos is None:  # a plain pass: dense.py's attention on this call's own k, v
             return super().attend(q, k, v, step, view, scale, softcap)
         # Every cached step, a decode or a prefill of any length, from slot 0 or after earlier tokens, alone or
@@ -227,7 +230,8 @@ def cache_for(model: dense.DenseDecoder, kv_dtype: str = "auto") -> tuple[type, 
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     named = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(kv_dtype)
-    if model.device.type == "cpu" and model.dtype == torch.float32 and kernels.available():
+    sinks = any(getattr(layer.attn, "sinks", None) is not None for layer in model.layers)  # (the kernel has none)
+    if model.device.type == "cpu" and model.dtype == torch.float32 and kernels.available() and not sinks:
         return (CPUInt8KVCache, torch.int8) if kv_dtype == "int8" else (CPUKVCache, named)
     if kv_dtype == "int8":
         return Int8KVCache, torch.int8

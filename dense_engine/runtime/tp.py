@@ -113,6 +113,8 @@ def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
     if (config.per_layer_input or config.kv_shared_layers or config.global_head_dim) and size > 1:
         raise CheckpointError("Gemma 4's per-layer embeddings, shared keys and values and per-layer head sizes are "
                               "not split across ranks yet")
+    if config.attn_sinks and size > 1:
+        raise CheckpointError("its attention sinks (Granite SWA) are not split across ranks yet")
     if config.attn_head_gate and size > 1:
         raise CheckpointError("its attention's gate per head (LFM3) is not split across ranks yet")
     if config.layer_types and "mamba" in config.layer_types and size > 1:
