@@ -534,9 +534,9 @@ def test_a_block_tensor_whose_rows_are_not_whole_blocks_is_one_line(tmp_path, to
 
 
 @pytest.mark.parametrize("source, change, message", [
-    ("qwen2", {"add": {"qwen2.rope.scaling.type": ("yarn", S), "qwen2.rope.scaling.factor": (4.0,
-                                                                                              gguf.GGUFValueType.FLOAT32)}},
-     "qwen2.rope.scaling.type 'yarn' is not supported"),
+    ("qwen2", {"add": {"qwen2.rope.scaling.type": ("yarn", S), "qwen2.rope.scaling.factor": (
+        4.0, gguf.GGUFValueType.FLOAT32), "qwen2.rope.scaling.yarn_ext_factor": (0.5, gguf.GGUFValueType.FLOAT32)}},
+     "qwen2.rope.scaling.yarn_ext_factor 0.5: only 1 (yarn's whole ramp) is supported"),
     ("qwen2", {"add": {"qwen2.expert_count": (8, gguf.GGUFValueType.UINT32)}}, "qwen2.expert_count"),
     ("qwen2", {"drop": ("tokenizer.ggml.pre",), "add": {"tokenizer.ggml.pre": ("chatglm-bpe", S)}},
      "tokenizer.ggml.pre 'chatglm-bpe' is not supported"),
