@@ -31,8 +31,9 @@ class Embedder:
                  max_tokens: int) -> None:
         self.model, self.vocab, self.pooling, self.reranker = model, vocab, pooling, reranker
         embedding.plain_linears(model)
-        self.cutting = None  # the tokenizer cutting texts at max_seq_length, its special tokens kept (as
-        if pooling is not None and pooling.max_tokens:  # sentence-transformers cuts: Qwen3-Embedding's final EOS)
+        self.cutting = None  # cuts a text at max_seq_length keeping its special tokens, as sentence-transformers
+        # does (Qwen3-Embedding's final EOS is the token its pooling reads)
+        if pooling is not None and pooling.max_tokens:
             from tokenizers import Tokenizer
 
             self.cutting = Tokenizer.from_str(vocab.tokenizer.to_str())
