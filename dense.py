@@ -68,7 +68,7 @@ class DenseConfig:
     kv_shared_layers: int = 0  # the last this many layers attend over the keys and values of the last earlier layer
     #                            of their kind, computing none (Gemma 4)
     # layers whose memory is a fixed-size state: layer_types "linear_attention" (Qwen3.5's Gated DeltaNet) | "conv"
-    # (LFM2's short conv) | "mamba" (Mamba2: Granite 4.0 H)
+    # (LFM2's short conv) | "mamba" (Mamba2: Granite 4.0 H) | "hybrid" (attention and Mamba2 side by side: Falcon-H1)
     linear_heads: tuple[int, int] = (16, 32)  # a Gated DeltaNet layer's (key, value) heads
     linear_head_dims: tuple[int, int] = (128, 128)  # its (key, value) channels per head
     linear_tiled_values: bool = False  # value head j reads key head j % key_heads (llama.cpp's qwen35 files);
@@ -80,6 +80,7 @@ class DenseConfig:
     mamba_heads: tuple[int, int, int, int] = (0, 64, 1, 128)  # a Mamba2 layer's (heads, channels per head, groups
     #                                                            of B and C, state size N)
     mamba_biases: tuple[bool, bool] = (False, True)  # biases on its projections, on its conv
+    mamba_norm: bool = True  # its gated RMSNorm before out_proj; False: y * silu(z) goes straight in (Falcon-H1)
     time_step_limit: tuple[float, float] = (0.0, math.inf)  # its dt clamped to this range (prompts' chunked form)
     # the block
     norm: str = "rmsnorm"  # "layernorm" (with bias: GPT-NeoX, StableLM)
@@ -125,9 +126,11 @@ class DenseConfig:
         return self.sliding_window if sliding else None
 
     def mixer(self, layer: int) -> str:
-        """What mixes a layer's tokens: "attention", "delta" (Gated DeltaNet), "conv" (LFM2's short conv) or "mamba"."""
+        """What mixes a layer's tokens: "attention", "delta" (Gated DeltaNet), "conv" (LFM2's short conv), "mamba" or
+        "hybrid" (attention and Mamba2, summed)."""
         kind = self.layer_types[layer] if self.layer_types else None
-        return {"linear_attention": "delta", "conv": "conv", "mamba": "mamba"}.get(kind, "attention")
+        kinds = {"linear_attention": "delta", "conv": "conv", "mamba": "mamba", "hybrid": "hybrid"}
+        return kinds.get(kind, "attention")
 
     def attention_kind(self, layer: int) -> str:
         return "full" if self.window(layer) is None else "sliding"
@@ -722,7 +725,8 @@ class Mamba2(nn.Module):
         self.conv_weight = nn.Parameter(torch.zeros(self.sizes[1], 1, config.conv_kernel))
         self.conv_bias = nn.Parameter(torch.zeros(self.sizes[1])) if conv_bias else None
         self.dt_bias, self.A_log, self.D = (nn.Parameter(torch.ones(self.heads)) for _ in range(3))
-        self.norm = RMSNorm(inner, config.norm_eps, gain_shape=(self.groups, inner // self.groups))
+        self.norm = RMSNorm(inner, config.norm_eps, gain_shape=(self.groups, inner // self.groups)) \
+            if config.mamba_norm else nn.Identity()
         self.out_proj = nn.Linear(inner, config.hidden_size, bias=bias)
         self.memory: nn.Module = NoCache()
 
@@ -751,7 +755,20 @@ class Mamba2(nn.Module):
         return self.out_proj(self.norm(y.view(Bt, T, self.groups, -1)).view(Bt, T, -1).to(x.dtype))
 
 
-MIXERS = {"attention": Attention, "delta": GatedDeltaNet, "conv": ShortConv, "mamba": Mamba2}
+class Hybrid(nn.Module):
+    """Falcon-H1's mixer: attention and Mamba2 read the same input, their outputs summed. Two memories in one layer:
+    a KV cache (self.attention's) and a state (self.mamba's). (Falcon-H1's multipliers are folded into the weights
+    when a checkpoint is read, as llama.cpp's converter folds them.)"""
+
+    def __init__(self, config: DenseConfig, layer: int) -> None:
+        super().__init__()
+        self.mamba, self.attention = Mamba2(config, layer), Attention(config, layer)
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        return self.mamba(x, step) + self.attention(x, step)
+
+
+MIXERS = {"attention": Attention, "delta": GatedDeltaNet, "conv": ShortConv, "mamba": Mamba2, "hybrid": Hybrid}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -884,10 +901,9 @@ class DenseDecoder(nn.Module):
                              "(the model's context)")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
-        for layer in self.layers:  # free the old memory before allocating the new one
-            layer.attn.memory = NoCache()
-        for layer in self.layers:
-            mixer = layer.attn
+        for mixer in self.mixers():  # free the old memory before allocating the new one
+            mixer.memory = NoCache()
+        for mixer in self.mixers():
             if isinstance(mixer, Attention) and mixer.reads is not None:  # the keys and values of the layer it reads
                 mixer.memory = self.layers[mixer.reads].attn.memory
             elif isinstance(mixer, Attention):
@@ -903,6 +919,11 @@ class DenseDecoder(nn.Module):
         self.rotary = nn.ModuleDict({kind: Rotary(self.config, slots, max_seq_len, kind == "local")
                                      for kind in self.rope_kinds})
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+
+    def mixers(self) -> list[nn.Module]:
+        """The modules that keep a memory, in layer order: each layer's mixer, or both halves of a Hybrid."""
+        return [m for layer in self.layers for m in
+                ((layer.attn.mamba, layer.attn.attention) if isinstance(layer.attn, Hybrid) else (layer.attn,))]
 
     def hidden_states(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None, attend: int | None = None,
                       row_start: torch.Tensor | None = None, rows: torch.Tensor | None = None,

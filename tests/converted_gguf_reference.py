@@ -21,6 +21,10 @@ the Hub's dense releases write it (hybrid_override_pattern, num_hidden_layers, n
 converter as written (with transformers 5.25 installed, the converter's AutoConfig fills in the experts' defaults and
 writes nemotron_h_moe).
 
+falcon-h1 (FalconH1ForCausalLM, tests/test_state_layers.py's "falcon-h1 normed"): attention and Mamba2 in each of
+three layers, every muP multiplier away from 1 (the converter folds them into the weights), the SSM's output normed by
+groups after its gate; weights as granitehybrid's.
+
 mistral3 (Ministral3ForCausalLM): two layers, yarn (factor 16 over an original context of 64, mscale and
 mscale_all_dim 1, Ministral 3's llama_4_scaling_beta 0.1: 1 within the original context), untied; weights of std 0.2,
 queries' and keys' 0.4 (scores sharp enough that yarn shows: its cos and sin 10% larger move the logits 1%).
@@ -133,6 +137,19 @@ def make_nemotron_h(folder: str) -> None:
     save_mamba2_hybrid(transformers.NemotronHForCausalLM(config).eval(), folder, as_the_hub_writes)
 
 
+def make_falcon_h1(folder: str) -> None:
+    import transformers
+
+    config = transformers.FalconH1Config(
+        vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=3, intermediate_size=96, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
+        mamba_n_groups=2, mamba_d_state=16, max_position_embeddings=512, eos_token_id=2, embedding_multiplier=2.0,
+        lm_head_multiplier=0.5, key_multiplier=0.7, attention_in_multiplier=1.3, attention_out_multiplier=0.8,
+        ssm_in_multiplier=1.2, ssm_out_multiplier=0.9, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.6],
+        mlp_multipliers=[1.1, 0.7], mamba_rms_norm=True, mamba_norm_before_gate=False)
+    save_mamba2_hybrid(transformers.FalconH1ForCausalLM(config).eval(), folder, lambda saved: saved)
+
+
 def make_mistral3(folder: str) -> None:
     import torch
     import transformers
@@ -191,7 +208,7 @@ sys.argv[0] = source + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 CASES = {"gemma4": make_gemma4, "granitehybrid": make_granitehybrid, "nemotron_h": make_nemotron_h,
-         "mistral3": make_mistral3, "command-r": make_command_r}
+         "mistral3": make_mistral3, "command-r": make_command_r, "falcon-h1": make_falcon_h1}
 
 
 def main() -> int:

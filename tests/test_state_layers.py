@@ -27,6 +27,12 @@ QWEN = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key
 LFM2 = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=512, layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
             num_hidden_layers=5, eos_token_id=2)
+FALCON_H1 = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 num_hidden_layers=3, intermediate_size=96, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
+                 mamba_n_groups=2, mamba_d_state=16, max_position_embeddings=512, eos_token_id=2,
+                 embedding_multiplier=2.0, lm_head_multiplier=0.5, key_multiplier=0.7, attention_in_multiplier=1.3,
+                 attention_out_multiplier=0.8, ssm_in_multiplier=1.2, ssm_out_multiplier=0.9,
+                 ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.6], mlp_multipliers=[1.1, 0.7])
 CASES = {  # name: (transformers class, its config)
     "qwen3_5 3 linear + 1 full": ("Qwen3_5ForCausalLM", transformers.Qwen3_5TextConfig(
         vocab_size=512, num_hidden_layers=4, **QWEN)),
@@ -63,8 +69,13 @@ CASES = {  # name: (transformers class, its config)
         vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, num_hidden_layers=6, sliding_window=8, max_position_embeddings=512, pad_token_id=0,
         eos_token_id=2, bos_token_id=1)),
+    # attention and Mamba2 side by side in each layer (8 heads of 16 channels, 2 groups of B and C), every one of
+    # Falcon-H1's muP multipliers away from 1; its releases' two SSM outputs: silu(z)-gated, or then normed by groups
+    "falcon-h1": ("FalconH1ForCausalLM", transformers.FalconH1Config(**FALCON_H1)),
+    "falcon-h1 normed": ("FalconH1ForCausalLM", transformers.FalconH1Config(
+        **FALCON_H1, mamba_rms_norm=True, mamba_norm_before_gate=False)),
 }
-STATEFUL = ["qwen3_5 3 linear + 1 full", "lfm2", "granite 4.0 h", "nemotron-h", "olmo hybrid", "lfm3"]
+STATEFUL = ["qwen3_5 3 linear + 1 full", "lfm2", "granite 4.0 h", "nemotron-h", "olmo hybrid", "lfm3", "falcon-h1"]
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +242,7 @@ def test_a_conversation_that_changes_its_past_starts_the_state_again(models, fol
     assert not os.path.exists(tmp_path / "talk.cache")
 
 
-@pytest.mark.parametrize("case", ["qwen3_5 3 linear + 1 full", "granite 4.0 h"])
+@pytest.mark.parametrize("case", ["qwen3_5 3 linear + 1 full", "granite 4.0 h", "falcon-h1"])
 def test_the_compiled_decode_step_equals_eager(models, case):
     model = models[case]
     ids = prompt(21, seed=9)
@@ -240,7 +251,7 @@ def test_the_compiled_decode_step_equals_eager(models, case):
 
 
 @pytest.mark.parametrize("case, draft", [("qwen3_5 3 linear + 1 full", "lookup"), ("qwen3_5 3 linear + 1 full", "int4"),
-                                         ("granite 4.0 h", "int4")])
+                                         ("granite 4.0 h", "int4"), ("falcon-h1", "int4")])
 def test_speculative_decoding_equals_plain_greedy(models, case, draft):
     """A rejected draft token went into the target's state (and the draft's): each round starts again from the
     state it began with, fed only the accepted tokens. Drafts that are partly rejected, so that path runs."""
@@ -258,7 +269,7 @@ def test_speculative_decoding_equals_plain_greedy(models, case, draft):
     assert tokens == plain and stats["proposed"] > stats["accepted"] + 4
 
 
-@pytest.mark.parametrize("case", STATEFUL[:3])
+@pytest.mark.parametrize("case", STATEFUL[:3] + ["falcon-h1"])  # (Falcon-H1: a state and keys in each layer)
 def test_the_prefix_store_reuses_a_prefix_up_to_its_last_kept_state(models, folders, monkeypatch, case):
     """A state model's prefill stops at snapshot points (every 4 blocks, the prompt's last whole block), where the
     store keeps the blocks and the state after them. A prompt sharing a prefix with an earlier one, on another row,
@@ -452,16 +463,34 @@ def test_granite_4_h_with_experts_or_across_ranks_is_refused_in_one_line(folders
         tp.plan(load.from_pretrained(folder).config, 0, 2)
 
 
+def test_falcon_h1_as_its_reference_does_not_run_it_or_across_ranks_is_refused_in_one_line(folders, tmp_path):
+    from dense_engine.runtime import tp
+    from dense_engine.system.errors import CheckpointError
+
+    folder = folders["falcon-h1 normed"][0]
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    changed = tmp_path / "before"
+    shutil.copytree(folder, changed)
+    (changed / "config.json").write_text(json.dumps({**config, "mamba_norm_before_gate": True}))
+    with pytest.raises(CheckpointError, match=r"mamba_norm_before_gate True is not supported .*after the silu\(z\) gate") as e:
+        load.from_pretrained(str(changed))
+    assert "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match="Mamba2 layers are not split across ranks"):
+        tp.plan(load.from_pretrained(folder).config, 0, 2)
+
+
 @pytest.mark.parametrize("arch, kinds, widths", [
     ("granitehybrid", ["mamba", "mamba", "full_attention", "mamba"], 96),
-    ("nemotron_h", ["mamba", "full_attention", "mamba", "mamba"], [96, 96, 0, 96])])
+    ("nemotron_h", ["mamba", "full_attention", "mamba", "mamba"], [96, 96, 0, 96]),
+    ("falcon-h1", ["hybrid"] * 3, 96)])
 def test_a_mamba2_hybrid_gguf_gives_llama_cpps_logits_and_ids(arch, kinds, widths):
-    """granitehybrid (Granite 4.0 H) and nemotron_h as llama.cpp's converter writes them (tests/fixtures/converted_gguf,
-    tests/converted_gguf_reference.py): Mamba2 layers where head_count_kv is 0 (ssm_a = -exp(A_log), ssm_d and ssm_norm
-    reshaped, squeezed conv kernels), attention with llama's turned q/k rows and no rope; Granite's four scales;
-    Nemotron-H's blocks grouped into layers (its MLP blocks' norms the layers' mlp_norm): llama.cpp's logits (a float32
-    cache) within 1e-3 of their largest, the same argmax, and its token ids; through the cache, the plain path's
-    argmax loop."""
+    """granitehybrid (Granite 4.0 H), nemotron_h and falcon-h1 as llama.cpp's converter writes them
+    (tests/fixtures/converted_gguf, tests/converted_gguf_reference.py): Mamba2 layers where head_count_kv is 0 (ssm_a =
+    -exp(A_log), ssm_d and ssm_norm reshaped, squeezed conv kernels), attention with llama's turned q/k rows and no
+    rope; Granite's four scales; Nemotron-H's blocks grouped into layers (its MLP blocks' norms the layers' mlp_norm);
+    Falcon-H1's attention (with rope) and Mamba2 in every layer, its multipliers folded by the converter: llama.cpp's
+    logits (a float32 cache) within 1e-3 of their largest, the same argmax, and its token ids; through the cache,
+    the plain path's argmax loop."""
     from dense_engine.formats import gguf_import
 
     path = os.path.join(FIXTURES, "converted_gguf", f"{arch}.gguf")
@@ -469,7 +498,8 @@ def test_a_mamba2_hybrid_gguf_gives_llama_cpps_logits_and_ids(arch, kinds, width
         reference = json.load(f)
     model = load.from_pretrained(path, dtype=torch.float32)
     assert model.config.layer_types == kinds and model.config.intermediate_size == widths
-    assert model.config.mamba_heads == (8, 16, 2, 16) and model.config.nope_layers == [0, 1, 2, 3]
+    assert model.config.mamba_heads == (8, 16, 2, 16)
+    assert model.config.nope_layers == (None if arch == "falcon-h1" else [0, 1, 2, 3])
     with torch.no_grad():
         got = model(torch.tensor([reference["ids"]]))[0]
     want = torch.tensor(reference["logits"])

@@ -40,6 +40,7 @@ class Checkpoint:
     source_types: dict[str, str] = field(default_factory=dict)  # native weight name -> GGUF tensor type
     exact_int4: dict[str, Callable[[], dict]] = field(default_factory=dict)  # block linear name -> its int4 tensors
     blocks: dict = field(default_factory=dict)  # native weight name -> gguf_import.Blocks (GGUF types with kernels)
+    scheme: object = None  # a folder that came quantized: its prequantized.Scheme
 
     @property
     def native(self) -> bool:
@@ -251,7 +252,7 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
     if config.sliding_window is not None and (not isinstance(config.sliding_window, int) or config.sliding_window < 1):
         bad(f"sliding_window must be a whole number >= 1, got {config.sliding_window!r}")
     if config.layer_types is not None:
-        kinds = ("full_attention", "sliding_attention", "linear_attention", "conv", "mamba")
+        kinds = ("full_attention", "sliding_attention", "linear_attention", "conv", "mamba", "hybrid")
         if len(config.layer_types) != config.num_hidden_layers or not set(config.layer_types) <= set(kinds):
             bad(f"layer_types must list {config.num_hidden_layers} of {' / '.join(map(repr, kinds))}")
         if "linear_attention" in config.layer_types:
@@ -259,7 +260,7 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
             if not all(isinstance(n, int) and 0 < n <= MAX_SIZE for n in (k_heads, v_heads, *dims)) or v_heads % k_heads:
                 bad(f"linear_heads {config.linear_heads} and linear_head_dims {config.linear_head_dims} must be "
                     "positive, the value heads a multiple of the key heads")
-        if "mamba" in config.layer_types:
+        if {"mamba", "hybrid"} & set(config.layer_types):
             heads, dim, groups, state = config.mamba_heads
             if not all(isinstance(n, int) and 0 < n <= MAX_SIZE for n in config.mamba_heads) or heads % groups:
                 bad(f"mamba_heads {config.mamba_heads} (heads, channels per head, groups, state size) must be "

@@ -23,7 +23,7 @@ import torch
 
 from dense import DenseConfig
 from dense_engine.cpu import kernels, quantized
-from dense_engine.formats import families, gguf_import
+from dense_engine.formats import families, gguf_import, prequantized
 from dense_engine.formats.checkpoint import (Checkpoint, atomic_write, config_from_dict, locked, open_safetensors,
                                              read_json, torch_dtype)
 from dense_engine.system.errors import CheckpointError, run_program
@@ -68,9 +68,11 @@ def read_foreign(path: str) -> Checkpoint:
         declared = torch_dtype(raw.get("torch_dtype") or raw.get("dtype"))
         model_type = raw.get("model_type")
         families.refuse_moe(raw, config_file)
+        scheme = prequantized.read_scheme(raw, config_file)  # (hf_weights reads its tensors so)
+        raw = {key: value for key, value in raw.items() if key != "quantization_config"}
         if model_type in families.HF_FAMILIES:
             config, table = families.HF_FAMILIES[model_type](path, raw, config_file)
-            return Checkpoint(path, config, table, declared)
+            return Checkpoint(path, config, table, declared, scheme=scheme)
         if model_type is None and "dim" in raw:  # a Sprout state dict beside its config.json
             weights = [os.path.join(path, n) for n in ("model.safetensors", "model.pt", "ckpt.pt", "pytorch_model.bin")]
             weights = [w for w in weights if os.path.isfile(w)]

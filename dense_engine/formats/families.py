@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from dense import DenseConfig
+from dense_engine.formats import prequantized
 from dense_engine.formats.checkpoint import Checkpoint, eager, load_pickle, make_config, open_safetensors, read_json
 from dense_engine.system import machine
 from dense_engine.system.errors import CheckpointError, first_line
@@ -45,6 +46,11 @@ SKIPPED_BUFFERS = re.compile(r".*\.(rotary_emb\.inv_freq|attention\.bias|attenti
 
 
 def hf_weights(folder: str) -> dict:
+    """{name: thunk} over a Hugging Face folder's tensors; a quantized folder's linears dequantized (prequantized.py)."""
+    return prequantized.dequantized_weights(stored_weights(folder), folder)
+
+
+def stored_weights(folder: str) -> dict:
     """{name: thunk} over a Hugging Face folder: model.safetensors, a sharded safetensors index, or
     pytorch_model.bin (and its index) when there are no safetensors."""
     for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
@@ -1072,6 +1078,83 @@ def granite_hybrid(folder: str, raw: dict, source: str):
     return config, table
 
 
+def falcon_h1(folder: str, raw: dict, source: str):
+    """Falcon-H1: in every layer attention and Mamba2 read the same normed input, their outputs summed (dense.Hybrid),
+    then a SwiGLU MLP. Its muP multipliers are folded into the weights they scale, as llama.cpp's converter folds
+    them: attention's input into q, k and v (key_multiplier into k too), its output into o_proj; the SSM's input and
+    ssm_multipliers (z, x, B, C, dt) into in_proj's rows, its output into out_proj; mlp_multipliers into gate and
+    down. The embedding's and the head's stay switches (a tied table is both)."""
+    cfg = ConfigReader(raw, source)
+    hidden, heads, layers = int(cfg.need("hidden_size")), int(cfg.need("num_attention_heads")), \
+        int(cfg.need("num_hidden_layers"))
+    m_heads, m_groups, m_state = int(cfg.need("mamba_n_heads")), int(cfg.get("mamba_n_groups", 1)), \
+        int(cfg.get("mamba_d_state", 256))
+    inner = int(cfg.get("mamba_d_ssm") or int(cfg.get("mamba_expand", 2)) * hidden)
+    m_dim = cfg.get("mamba_d_head", "auto")
+    m_dim = inner // m_heads if m_dim == "auto" else int(m_dim)
+    if m_heads * m_dim != inner:
+        cfg.refuse("mamba_d_head", f"mamba_n_heads x mamba_d_head must be the SSM's width ({inner})")
+    for key in ("attention_bias", "mlp_bias", "mamba_proj_bias", "projectors_bias"):
+        if cfg.get(key, False):
+            cfg.refuse(key, "Falcon-H1's releases have no such biases")
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        cfg.refuse("hidden_act", "only silu for this family")
+    rms_norm, before_gate = bool(cfg.get("mamba_rms_norm", False)), bool(cfg.get("mamba_norm_before_gate", True))
+    if rms_norm and before_gate:
+        cfg.refuse("mamba_norm_before_gate", "with mamba_rms_norm, only the norm after the silu(z) gate (false), as "
+                                             "llama.cpp runs it")
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    theta, scaling, rotary, _ = hf_rope(cfg, 1e4, head_dim)
+    if scaling is not None:
+        cfg.refuse("rope_parameters", "only default rope for this family")
+    for key in ("mamba_chunk_size", "num_logits_to_keep", "mamba_expand"):
+        cfg.get(key)  # (the chunk a prompt is scanned in: the same sums)
+    def number(key: str) -> float:
+        value = cfg.get(key)
+        return 1.0 if value is None else float(value)
+
+    m = {key: number(key) for key in ("attention_in_multiplier", "attention_out_multiplier", "key_multiplier",
+                                      "ssm_in_multiplier", "ssm_out_multiplier")}
+    ssm = [float(v) for v in cfg.get("ssm_multipliers") or [1.0] * 5]
+    gate_m, down_m = (float(v) for v in cfg.get("mlp_multipliers") or [1.0, 1.0])
+    config = make_config(
+        source, vocab_size=int(cfg.need("vocab_size")), hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim, intermediate_size=int(cfg.need("intermediate_size")),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)), rope_theta=theta, rotary_dim=rotary,
+        layer_types=["hybrid"] * layers, mamba_heads=(m_heads, m_dim, m_groups, m_state),
+        mamba_biases=(False, bool(cfg.get("mamba_conv_bias", True))), mamba_norm=rms_norm,
+        time_step_limit=time_step_limit(cfg), conv_kernel=int(cfg.get("mamba_d_conv", 4)),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), embed_scale=number("embedding_multiplier"),
+        logits_divisor=1.0 / number("lm_head_multiplier"),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+    cfg.check_unread()
+    layer = r"model\.layers\.(\d+)\."
+    rules = [(r"model\.embed_tokens\.weight", "embed_tokens.weight"),
+             (r"model\.final_layernorm\.weight", "norm.weight"),
+             (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight"),
+             (layer + r"input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
+             (layer + r"pre_ff_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
+             (layer + r"self_attn\.([qkvo]_proj)\.weight", r"layers.\1.attn.attention.\2.weight"),
+             (layer + r"mamba\.(in_proj|out_proj)\.weight", r"layers.\1.attn.mamba.\2.weight"),
+             (layer + r"mamba\.conv1d\.(weight|bias)", r"layers.\1.attn.mamba.conv_\2"),
+             (layer + r"mamba\.(A_log|D|dt_bias|norm\.weight)", r"layers.\1.attn.mamba.\2"),
+             (layer + r"feed_forward\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.weight")]
+    table = rename(hf_weights(folder), rules, source)
+    widths = [inner, inner, m_groups * m_state, m_groups * m_state, m_heads]  # in_proj's rows: z, x, B, C, dt
+    rows = torch.cat([torch.full((w,), v) for w, v in zip(widths, ssm)]) * m["ssm_in_multiplier"]
+    scales = {"attention.q_proj": m["attention_in_multiplier"], "attention.v_proj": m["attention_in_multiplier"],
+              "attention.k_proj": m["attention_in_multiplier"] * m["key_multiplier"],
+              "attention.o_proj": m["attention_out_multiplier"], "mamba.out_proj": m["ssm_out_multiplier"],
+              "mamba.in_proj": rows[:, None]}
+    for i in range(layers):
+        for name, scale in [*((f"layers.{i}.attn.{n}.weight", v) for n, v in scales.items()),
+                            (f"layers.{i}.mlp.gate_proj.weight", gate_m), (f"layers.{i}.mlp.down_proj.weight", down_m)]:
+            if name in table:
+                table[name] = lambda read=table[name], scale=scale: read().float() * scale
+    return config, table
+
+
 def nemotron_h(folder: str, raw: dict, source: str):
     """Nemotron-H / Nemotron Nano 2: a pattern of blocks, each a norm and one of Mamba2 (M), attention without rope (*)
     or a squared-ReLU MLP (-), its output added to the residual. A mixing block and the MLP block after it are one
@@ -1239,5 +1322,5 @@ def gemma4(folder: str, raw: dict, source: str):
 HF_FAMILIES = {"openelm": openelm, "gpt_neox": gpt_neox, "qwen3_5": qwen3_5, "qwen3_5_text": qwen3_5, "lfm2": lfm2,
                "mistral3": mistral3, "olmo_hybrid": olmo_hybrid, "lfm3": lfm3,
                "gemma4": gemma4, "gemma4_text": gemma4, "granitemoehybrid": granite_hybrid,
-               "nemotron_h": nemotron_h,
+               "nemotron_h": nemotron_h, "falcon_h1": falcon_h1,
                **{kind: hf_decoder for kind in FAMILIES}}

@@ -2,7 +2,7 @@
 
 Architectures: llama (Llama 1/2/3.x, SmolLM2, TinyLlama), qwen2, qwen3, gemma, gemma2, gemma3, gemma4, phi3, and the
 hybrids whose other layers keep a state (dense.py section 4): qwen35 (Qwen3.5 / 3.6), lfm2 (LFM2), granitehybrid
-(Granite 4.0 H), nemotron_h (Nemotron-H). What llama.cpp's
+(Granite 4.0 H), nemotron_h (Nemotron-H), falcon-h1 (Falcon-H1). What llama.cpp's
 converter (convert_hf_to_gguf.py) did that an importer must undo or honour, and what llama.cpp's model code decides
 beyond the file (llama-model.cpp, src/models/*.cpp), each where it is read below:
   * llama: q and k rows permuted so rotary can turn adjacent pairs (2i, 2i+1); undone here, back to rotate-half
@@ -24,6 +24,8 @@ beyond the file (llama-model.cpp, src/models/*.cpp), each where it is read below
   * nemotron_h (Nemotron-H): granitehybrid's tensors in blocks of one kind each (attention where head_count_kv is
     not 0, a squared-ReLU MLP where feed_forward_length is not, else Mamba2), grouped into this engine's layers as
     its folders are (families.nemotron_h).
+  * falcon-h1 (Falcon-H1): attention and Mamba2 in every layer (granitehybrid's tensors side by side, q/k rows as
+    stored), its muP multipliers already folded into the weights by the converter; ssm_norm where the model has it.
   * gemma4: Gemma 3's layer with Gemma 4's switches (dense.py): the sliding and full layers' own head sizes
     (key_length_swa, key_length) and key/value heads (head_count_kv per layer), the full layers' partial rotation as
     `rope_freqs` factors (1 on the rotated pairs, 1e30 on the rest: proportional rope), per-layer embeddings
@@ -62,7 +64,7 @@ from dense_engine.formats.checkpoint import Checkpoint, atomic_write, make_confi
 from dense_engine.system.errors import CheckpointError, first_line
 from dense_engine.system.machine import cache_dir, note, unwritable_cache
 
-STATE_ARCHITECTURES = ("qwen35", "lfm2", "granitehybrid", "nemotron_h")  # hybrids with state layers (dense.py 4)
+STATE_ARCHITECTURES = ("qwen35", "lfm2", "granitehybrid", "nemotron_h", "falcon-h1")  # hybrids with state layers (dense.py 4)
 ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES + ("gptneox", "gemma4")  # llama, qwen2, qwen3, gemma,
 #                                                                   gemma2, gemma3, phi3,
 #                                                                   smollm3, granite, olmo2 (OLMo 2 and 3), seed_oss,
@@ -103,6 +105,14 @@ STATE_LAYER_TENSORS = {
                       "ssm_dt.bias": "attn.dt_bias", "ssm_a": "attn.A_log", "ssm_d": "attn.D",
                       "ssm_norm.weight": "attn.norm.weight", "ssm_out.weight": "attn.out_proj.weight"}}
 STATE_LAYER_TENSORS["nemotron_h"] = STATE_LAYER_TENSORS["granitehybrid"]  # (its blocks grouped into layers first)
+# falcon-h1: both mixers in every layer (dense.Hybrid), its MLP's norm named without ".weight"
+STATE_LAYER_TENSORS["falcon-h1"] = {
+    "attn_norm.weight": "attn_norm.weight", "ffn_norm": "mlp_norm.weight",
+    **{k: v.replace("attn.", "attn.attention.") for k, v in ATTENTION_TENSORS.items() if k.startswith("attn_")
+       and k != "attn_norm.weight"},
+    **{k: v for k, v in ATTENTION_TENSORS.items() if k.startswith("ffn_")},
+    **{k: v.replace("attn.", "attn.mamba.") for k, v in STATE_LAYER_TENSORS["granitehybrid"].items()
+       if k.startswith("ssm_")}}
 
 
 def open_gguf(path: str) -> "GGUFFile":
@@ -419,6 +429,9 @@ def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfi
     if arch == "lfm2":
         types = ["conv" if n == 0 else "full_attention" for n in kv[:layers]]
         values = dict(conv_kernel=int(key("shortconv.l_cache")), qk_norm="shared")
+    elif arch == "falcon-h1":  # (its multipliers folded into the weights by the converter)
+        types = ["hybrid"] * layers
+        values = dict(mamba_values(reader, arch, tensors, path, 0), mamba_norm="blk.0.ssm_norm.weight" in tensors)
     elif arch == "granitehybrid":
         types = ["mamba" if n == 0 else "full_attention" for n in kv[:layers]]
         values = dict(mamba_values(reader, arch, tensors, path, types.index("mamba") if "mamba" in types else 0),
@@ -746,12 +759,13 @@ def state_layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple
     native = STATE_LAYER_TENSORS[arch].get(rest)
     if native is None:
         return None
-    if native == "attn.conv_weight":
+    if native.endswith("conv_weight"):
         return [(native, None, conv_kernel)]
-    if native == "attn.A_log":
+    if native.endswith("A_log"):
         return [(native, None, a_log)]
-    mamba = arch in ("granitehybrid", "nemotron_h")
-    if mamba and native in ("attn.D", "attn.norm.weight"):  # ([heads, 1], [groups, channels])
+    mamba = arch in ("granitehybrid", "nemotron_h", "falcon-h1")
+    if mamba and native in ("attn.D", "attn.norm.weight", "attn.mamba.D", "attn.mamba.norm.weight"):  # ([heads, 1],
+        # [groups, channels])
         return [(native, None, lambda w, where: w.reshape(-1))]
     if mamba and native in ("attn.q_proj.weight", "attn.k_proj.weight"):  # llama's turned rows
         attention = config.layer_types.index("full_attention")

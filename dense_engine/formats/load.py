@@ -154,6 +154,8 @@ def auto_mode(checkpoint, device="cpu") -> tuple[str | None, str]:
     if checkpoint.source_types:  # a .gguf file itself
         types = {kind for name, kind in checkpoint.source_types.items() if quantized.BLOCK_LINEAR.fullmatch(name[:-7])}
     saved = checkpoint.record.get("quantization", {})
+    if checkpoint.scheme is not None and checkpoint.scheme.mode:
+        return checkpoint.scheme.mode, checkpoint.scheme.reason()
     exact = "int4" in saved or bool(checkpoint.exact_int4)
     if types and set(types) <= set(quantized.EXACT_INT4_TYPES) and exact:
         held = "exactly" if torch.device(device).type != "cuda" else "(on CUDA with bfloat16 scales)"
@@ -176,6 +178,8 @@ def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> 
     saved = checkpoint.record.get("quantization", {})
     if quant == "auto":
         quant = auto_mode(checkpoint, device)[0] or "none"
+    if quant is None and checkpoint.scheme is not None and checkpoint.scheme.mode:  # (a folder that came quantized)
+        quant = checkpoint.scheme.mode
     if quant is None:
         quant = next(iter(saved)) if not checkpoint.tensors and len(saved) == 1 else "none"
     if quant == "none":

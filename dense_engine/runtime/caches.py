@@ -3,7 +3,8 @@ needs; here are the variants a load may ask for and their layout on each device 
 (cache_bytes), their copies to host memory and back (copy_slots, put_slots: a server's kept prefixes, /save), and
 their files (write, read: the prefix store's disk tier, llama-server's slot files, chat.py's --prompt-cache).
 
-A layer's memory is a module on layer.attn.memory (memories(model) lists them) with
+A layer's memory is a module on its mixer's .memory (model.mixers(): a Falcon-H1 layer has two; memories(model)
+lists them) with
   attend(q, k, v, step, view, scale, softcap)   its part of a forward call (dense.py's NoCache and KVCache);
   slots(row, start, end) -> tuple of tensors   what it holds of row's slots start..end-1, each tensor's dim 1 its
                                                slots (or blocks of them): copies of these travel and are saved;
@@ -230,7 +231,7 @@ def cache_for(model: dense.DenseDecoder, kv_dtype: str = "auto") -> tuple[type, 
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     named = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(kv_dtype)
-    sinks = any(getattr(layer.attn, "sinks", None) is not None for layer in model.layers)  # (the kernel has none)
+    sinks = any(getattr(m, "sinks", None) is not None for m in model.mixers())  # (the kernel has none)
     if model.device.type == "cpu" and model.dtype == torch.float32 and kernels.available() and not sinks:
         return (CPUInt8KVCache, torch.int8) if kv_dtype == "int8" else (CPUKVCache, named)
     if kv_dtype == "int8":
@@ -240,7 +241,7 @@ def cache_for(model: dense.DenseDecoder, kv_dtype: str = "auto") -> tuple[type, 
 
 def memories(model: dense.DenseDecoder) -> list[nn.Module]:
     """Each layer's memory, in layer order."""
-    return list(dict.fromkeys(layer.attn.memory for layer in model.layers))  # (once: a layer may read another's)
+    return list(dict.fromkeys(m.memory for m in model.mixers()))  # (once: a layer may read another's)
 
 
 def kv_memory(model: dense.DenseDecoder) -> nn.Module | None:
@@ -250,7 +251,7 @@ def kv_memory(model: dense.DenseDecoder) -> nn.Module | None:
 
 def has_state(model: dense.DenseDecoder) -> bool:
     """Whether some layer's memory is a fixed-size state (dense.py section 4) rather than keys and values."""
-    return any(not isinstance(layer.attn, dense.Attention) for layer in model.layers)
+    return any(not isinstance(m, dense.Attention) for m in model.mixers())
 
 
 def kept_memories(model: dense.DenseDecoder) -> list[nn.Module]:
@@ -293,10 +294,10 @@ def cache_bytes(model: dense.DenseDecoder, batch: int, seq_len: int, dtype: torc
     dtype = dtype or model.dtype
     if dtype == torch.int8 and not issubclass(cache_class, ScaledSlots):
         cache_class = Int8KVCache
-    return sum(0 if isinstance(layer.attn, dense.Attention) and layer.attn.reads is not None else  # (another's)
-               cache_class.bytes_for(batch, layer.attn.n_kv_heads, seq_len, layer.attn.head_dim, dtype)
-               if isinstance(layer.attn, dense.Attention) else state_bytes(layer.attn, batch, model.dtype)
-               for layer in model.layers)
+    return sum(0 if isinstance(m, dense.Attention) and m.reads is not None else  # (another's)
+               cache_class.bytes_for(batch, m.n_kv_heads, seq_len, m.head_dim, dtype)
+               if isinstance(m, dense.Attention) else state_bytes(m, batch, model.dtype)
+               for m in model.mixers())
 
 
 def setup_cache(model: dense.DenseDecoder, batch: int, seq_len: int, kv_dtype: str | None = "auto") -> None:
@@ -308,8 +309,8 @@ def setup_cache(model: dense.DenseDecoder, batch: int, seq_len: int, kv_dtype: s
         cache_class, dtype = type(now), now.v.dtype
     else:
         cache_class, dtype = cache_for(model, kv_dtype or "auto")
-    for layer in model.layers:  # (the old cache's memory counts as available)
-        layer.attn.memory = dense.NoCache()
+    for mixer in model.mixers():  # (the old cache's memory counts as available)
+        mixer.memory = dense.NoCache()
     need, have = cache_bytes(model, batch, seq_len, dtype, cache_class), machine.available_memory(model.device)
     if need > have:
         raise ValueError(f"a KV cache of {seq_len} tokens x batch {batch} needs {need / 2**30:.1f} GiB; "

@@ -146,8 +146,8 @@ def quantized_copy(model: dense.DenseDecoder, mode: str) -> dense.DenseDecoder:
     finally:
         model.embed_tokens = embedding
     draft.embed_tokens = embedding
-    for layer in draft.layers:
-        layer.attn.memory = dense.NoCache()
+    for mixer in draft.mixers():
+        mixer.memory = dense.NoCache()
     draft.max_batch_size = draft.max_seq_len = 0
     return quantized.quantize_model(draft, mode)
 

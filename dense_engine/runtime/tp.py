@@ -117,7 +117,7 @@ def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
         raise CheckpointError("its attention sinks (Granite SWA) are not split across ranks yet")
     if config.attn_head_gate and size > 1:
         raise CheckpointError("its attention's gate per head (LFM3) is not split across ranks yet")
-    if config.layer_types and "mamba" in config.layer_types and size > 1:
+    if config.layer_types and {"mamba", "hybrid"} & set(config.layer_types) and size > 1:
         raise CheckpointError("its Mamba2 layers are not split across ranks yet")
     shards = []
     for i in range(config.num_hidden_layers):

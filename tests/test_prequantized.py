@@ -1,0 +1,259 @@
+"""Checkpoints that come quantized (dense_engine/formats/prequantized.py), each made by its own tool where that tool
+runs on a CPU: bitsandbytes through transformers (nf4, fp4, int8), compressed-tensors' own compressor, GPTQ and AWQ
+packed as their libraries pack (tests/prequantized_makers_gptq.py). The oracle: the format's own model where it runs
+here, else a float32 transformers model holding the weights the format's own decompression gives."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from conftest import FIXTURES
+from dense_engine.formats import load
+from dense_engine.system.errors import CheckpointError
+
+LLAMA = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, tie_word_embeddings=False)
+
+
+def random_llama(folder, seed: int = 0) -> transformers.LlamaForCausalLM:
+    """A tiny random Llama (weights of std 0.05, the norms as made) saved in folder with the fixture's tokenizer."""
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.05)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(FIXTURES, "llama", name), folder)
+    return model
+
+
+def with_weights(model: transformers.LlamaForCausalLM, weights: dict) -> transformers.LlamaForCausalLM:
+    """model with each named linear's weight replaced (float32), the oracle for a format's dequantized numbers."""
+    with torch.no_grad():
+        for name, w in weights.items():
+            model.get_submodule(name).weight.copy_(w.float())
+    return model
+
+
+def ids(n: int = 40) -> torch.Tensor:
+    return torch.randint(3, 512, (1, n), generator=torch.Generator().manual_seed(0))
+
+
+def logits_error(folder: str, reference, quant=None) -> float:
+    model = load.from_pretrained(folder, dtype=torch.float32, quant=quant)
+    with torch.no_grad():
+        return float((model(ids()) - reference(input_ids=ids()).logits.float()).abs().max())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bitsandbytes
+
+
+@pytest.fixture(scope="module")
+def bnb_folders(tmp_path_factory):
+    """{kind: folder} saved by transformers with bitsandbytes on the CPU (nf4, fp4, int8), from one random Llama."""
+    base = tmp_path_factory.mktemp("bnb_base")
+    random_llama(base)
+    made = {}
+    for kind in ("nf4", "fp4", "int8"):
+        config = transformers.BitsAndBytesConfig(load_in_4bit=kind != "int8", load_in_8bit=kind == "int8",
+                                                 bnb_4bit_quant_type="fp4" if kind == "fp4" else "nf4",
+                                                 bnb_4bit_compute_dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(base, quantization_config=config, device_map="cpu")
+        made[kind] = str(tmp_path_factory.mktemp(f"bnb_{kind}"))
+        model.save_pretrained(made[kind])
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(base, name), made[kind])
+    return str(base), made
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+def test_bitsandbytes_4bit_folders_give_bitsandbytes_own_logits(bnb_folders, kind):
+    """transformers runs a 4-bit folder by dequantizing each weight with bitsandbytes (float32 compute): the engine's
+    dequantized weights give its logits; nf4 loads as quantized.py's nf4 by default, its codes and absmax the stored
+    ones bit for bit (its kernel's activations in 8 bits: the quantized tolerance), fp4 dequantized."""
+    folder = bnb_folders[1][kind]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, device_map="cpu").eval()
+    assert logits_error(folder, reference, quant="none") < 1e-5
+    model = load.from_pretrained(folder, dtype=torch.float32)
+    stored = load_file(os.path.join(folder, "model.safetensors"))
+    qkv = model.layers[0].attn.qkv_proj
+    if kind == "nf4":
+        q = stored["model.layers.0.self_attn.q_proj.weight"]
+        assert torch.equal(qkv.weight[:q.shape[0]], q)
+        assert torch.equal(qkv.absmax[:q.shape[0] * 2 // 64], stored["model.layers.0.self_attn.q_proj.weight.absmax"])
+        assert logits_error(folder, reference) < 2e-2 * float(reference(input_ids=ids()).logits.abs().max())
+    else:
+        assert isinstance(qkv, torch.nn.Linear)
+
+
+def test_a_bitsandbytes_int8_folder_is_the_int8_path_with_its_stored_codes(bnb_folders):
+    """An int8 folder's rows times SCB / 127 are the weights (LLM.int8's outlier split is its matmul, not its
+    numbers): the logits of a float32 model holding them; loaded as quantized.py's int8, whose codes are the stored
+    ones."""
+    base, made = bnb_folders
+    stored = load_file(os.path.join(made["int8"], "model.safetensors"))
+    weights = {name[:-len(".SCB")]: stored[name[:-len(".SCB")] + ".weight"].float() * stored[name][:, None] / 127
+               for name in stored if name.endswith(".SCB")}
+    assert len(weights) == 14
+    reference = with_weights(transformers.LlamaForCausalLM.from_pretrained(base).eval(), weights)
+    assert logits_error(made["int8"], reference, quant="none") < 1e-5
+    model = load.from_pretrained(made["int8"], dtype=torch.float32)
+    q = stored["model.layers.1.mlp.down_proj.weight"]
+    assert torch.equal(model.layers[1].mlp.down_proj.weight, q)
+    assert logits_error(made["int8"], reference) < 2e-2 * float(reference(input_ids=ids()).logits.abs().max())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compressed-tensors
+
+
+@pytest.mark.parametrize("preset", ["W4A16", "W4A16_ASYM", "W4A16_G32", "W4A16_CHANNEL", "W8A16", "W8A16_CHANNEL",
+                                    "FP8", "FP8_DYNAMIC", "FP8_BLOCK"])
+def test_compressed_tensors_folders_give_their_decompressed_models_logits(tmp_path, preset):
+    """Folders written by compressed-tensors' own compressor (pack-quantized int4 / int8 by group, channel, with zero
+    points; float-quantized FP8 by tensor, channel, 128 x 128 block): each linear's weight is what the library's
+    decompression gives, to the bit, and the logits are those of a float32 model holding those weights."""
+    from prequantized_makers_ct import make_compressed_tensors
+
+    weights = make_compressed_tensors(str(tmp_path), preset, seed=1)
+    reference = with_weights(transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval(), weights)
+    base = load_file(os.path.join(tmp_path, "model.safetensors"))
+    with torch.no_grad():
+        for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+            reference.get_parameter(name).copy_(base[name])
+        for i in range(2):
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                name = f"model.layers.{i}.{norm}.weight"
+                reference.get_parameter(name).copy_(base[name])
+    from dense_engine.formats import families
+
+    table = families.hf_weights(str(tmp_path))
+    assert all(torch.equal(table[name + ".weight"](), w) for name, w in weights.items())
+    assert logits_error(str(tmp_path), reference) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fine-grained FP8
+
+
+def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] as Qwen3-FP8 stores it: e4m3 values and a float32 scale per 128 x 128 block (weight_scale_inv,
+    the multiplier back: amax / 448)."""
+    out, inp = w.shape
+    padded = torch.nn.functional.pad(w, (0, -inp % 128, 0, -out % 128))
+    blocks = padded.reshape(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128)
+    scale = blocks.abs().amax(dim=(1, 3)) / 448
+    q = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:out, :inp].to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def test_a_fine_grained_fp8_folder_runs_its_blocks_scales(tmp_path):
+    """Qwen3-FP8's layout: e4m3 weights and weight_scale_inv per 128 x 128 block (k and v's 64 rows a part block):
+    the logits of a float32 model holding e4m3 x scale; transformers' own reading of the folder (its CPU fallback
+    dequantizes to bfloat16) gives the same weights to bfloat16's rounding. A missing scale is refused in one line."""
+    base = random_llama(tmp_path / "base")
+    stored, weights = {}, {}
+    for name, t in load_file(os.path.join(tmp_path / "base", "model.safetensors")).items():
+        if name.endswith("proj.weight"):
+            q, scale = fp8_blocks(t)
+            stored[name], stored[name + "_scale_inv"] = q, scale
+            weights[name[:-len(".weight")]] = q.float() * scale.repeat_interleave(128, 0)[:t.shape[0]] \
+                .repeat_interleave(128, 1)[:, :t.shape[1]]
+        else:
+            stored[name] = t
+    folder = tmp_path / "fp8"
+    shutil.copytree(tmp_path / "base", folder)
+    save_file(stored, os.path.join(folder, "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert logits_error(str(folder), with_weights(base, weights)) < 1e-5
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, device_map="cpu")
+    mine = load.from_pretrained(str(folder), dtype=torch.float32)
+    w = theirs.model.layers[1].mlp.down_proj.weight.float()
+    assert (mine.layers[1].mlp.down_proj.weight - w).abs().max() <= w.abs().max() * 2 ** -8
+    del stored["model.layers.1.mlp.up_proj.weight_scale_inv"]
+    save_file(stored, os.path.join(folder, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight_scale_inv is missing") as e:
+        load.from_pretrained(str(folder))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"quant_method": "hqq"}, r"quant_method 'hqq' is not supported"),
+    ({"quant_method": "gptq", "bits": 3}, r"bits 3 is not supported"),
+    ({"quant_method": "awq", "version": "exllama"}, r"version 'exllama' is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "sparse-24-bitmask"}, r"format 'sparse-24-bitmask'")])
+def test_a_scheme_this_engine_does_not_read_is_refused_in_one_line(tmp_path, change, field):
+    random_llama(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": change}))
+    with pytest.raises(CheckpointError, match=r"config\.json: quantization_config\." + field) as e:
+        load.from_pretrained(str(tmp_path))
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPTQ and AWQ
+
+
+def packed_folder(tmp_path, pack, config: dict) -> tuple[str, transformers.LlamaForCausalLM]:
+    """A random Llama's linears packed by pack(weight) -> (tensors, the weight they mean), saved with config as
+    quantization_config (as GPTQModel / AutoAWQ save them: float16 scales, no weight); and the float32 oracle holding
+    the weights the tensors mean."""
+    base = random_llama(tmp_path / "base")
+    stored, weights = {}, {}
+    for name, t in load_file(os.path.join(tmp_path / "base", "model.safetensors")).items():
+        if name.endswith("proj.weight"):
+            tensors, weights[name[:-len(".weight")]] = pack(t)
+            stored.update({f"{name[:-len('.weight')]}.{k}": v.contiguous() for k, v in tensors.items()})
+        else:
+            stored[name] = t
+    folder = tmp_path / "packed"
+    shutil.copytree(tmp_path / "base", folder)
+    save_file(stored, os.path.join(folder, "model.safetensors"))
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
+    return str(folder), with_weights(base, weights)
+
+
+@pytest.mark.parametrize("bits, group, sym, desc_act, version", [
+    (4, 128, True, False, 1), (4, 32, False, True, 1), (4, 64, False, False, 2), (8, -1, True, False, 1),
+    (8, 32, False, True, 2)])
+def test_gptq_folders_give_the_logits_of_the_weights_they_mean(tmp_path, bits, group, sym, desc_act, version):
+    """GPTQ 4 / 8 bits, symmetric and not, by group or channel, act-order (g_idx not in order), v1 (zero points stored
+    minus one) and v2: the logits of a float32 model holding the weights the tensors mean."""
+    from prequantized_makers_gptq import gptq_config, pack_gptq
+
+    folder, reference = packed_folder(tmp_path, lambda w: pack_gptq(w, bits, group, sym, desc_act, version),
+                                      gptq_config(bits, group, sym, desc_act, version))
+    assert logits_error(folder, reference) < 1e-5
+
+
+def test_a_gptq_v1_zero_point_of_zero_is_read_as_gptqmodel_reads_it(tmp_path):
+    """v1 stores zero - 1 by subtracting from whole words: a zero point of 0 borrows from its neighbour. Read back
+    word by word (as GPTQModel's loader adds the ones back), every zero point is right; a group whose weights are all
+    positive has zero point 0."""
+    from prequantized_makers_gptq import gptq_config, pack_gptq
+
+    folder, reference = packed_folder(tmp_path, lambda w: pack_gptq(w.abs(), 4, 32, False, False, 1),
+                                      gptq_config(4, 32, False, False, 1))
+    assert logits_error(folder, reference) < 1e-5
+
+
+@pytest.mark.parametrize("group", [128, 64])
+def test_awq_folders_give_the_logits_of_the_weights_they_mean(tmp_path, group):
+    """AWQ gemm 4-bit (eight codes a word in the order 0, 2, 4, 6, 1, 3, 5, 7, zero points so too)."""
+    from prequantized_makers_gptq import awq_config, pack_awq
+
+    folder, reference = packed_folder(tmp_path, lambda w: pack_awq(w, group), awq_config(group))
+    assert logits_error(folder, reference) < 1e-5
