@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 
 from dense_engine.formats import load as loading
+from dense_engine.formats import lora as adapters
 from dense_engine.formats import preread
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.load import LoadRecord
@@ -109,19 +110,21 @@ class LLM:
 
 def load(path: str | None = None, quant: str = "auto", device: str | None = None, dtype: torch.dtype | None = None,
          tokenizer: str | None = None, max_seq_len: int | None = None, compile: bool = True,
-         kv_dtype: str = "auto") -> LLM:
+         kv_dtype: str = "auto", lora: list = ()) -> LLM:
     """A checkpoint (a folder or file any loader reads: Hugging Face, GGUF, native; None: the default model) ready
     to answer. quant: "auto" (as chat.py: a GGUF's own blocks, int4 for Q4_0/Q4_1, else as stored), "none", "int8",
     "int4", "nf4", "llm.int8", "gguf". device: default cuda when there is one, else cpu; dtype: default bfloat16 on
     cuda, float32 elsewhere. max_seq_len: the cache (default the model's context, or what fits a quarter of the free
     memory). compile: compiled steps, saved for later processes (the first time on a machine they compile in the
     background while it answers eagerly). kv_dtype: the cache's numbers, as chat.py's --kv-dtype ("auto",
-    "float32", "float16", "bfloat16", "int8")."""
+    "float32", "float16", "bfloat16", "int8"). lora: PEFT LoRA adapter folders merged into the weights, each a path,
+    "DIR:SCALE" or (path, scale), as chat.py's --lora (with full-precision weights)."""
     from rich.console import Console
 
     path = path or default_checkpoint(Console(stderr=True, soft_wrap=True))
     vocab = load_vocabulary(path, tokenizer)
-    record, checkpoint = loading.plan(path, quant, device, dtype, kv_dtype, max_seq_len, compile)
+    pairs = [adapters.parse(a) if isinstance(a, str) else (a[0], a[1]) for a in lora]
+    record, checkpoint = loading.plan(path, quant, device, dtype, kv_dtype, max_seq_len, compile, pairs)
     preread.start_for(record)  # a GGUF's blocks into huge pages (a decode step streams them faster)
     try:
         model = load_model(record, checkpoint)

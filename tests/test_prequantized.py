@@ -236,7 +236,7 @@ def test_gptq_folders_give_the_logits_of_the_weights_they_mean(tmp_path, bits, g
 
     folder, reference = packed_folder(tmp_path, lambda w: pack_gptq(w, bits, group, sym, desc_act, version),
                                       gptq_config(bits, group, sym, desc_act, version))
-    assert logits_error(folder, reference) < 1e-5
+    assert logits_error(folder, reference, quant="none") < 1e-5
 
 
 def test_a_gptq_v1_zero_point_of_zero_is_read_as_gptqmodel_reads_it(tmp_path):
@@ -247,7 +247,7 @@ def test_a_gptq_v1_zero_point_of_zero_is_read_as_gptqmodel_reads_it(tmp_path):
 
     folder, reference = packed_folder(tmp_path, lambda w: pack_gptq(w.abs(), 4, 32, False, False, 1),
                                       gptq_config(4, 32, False, False, 1))
-    assert logits_error(folder, reference) < 1e-5
+    assert logits_error(folder, reference, quant="none") < 1e-5
 
 
 @pytest.mark.parametrize("group", [128, 64])
@@ -256,4 +256,39 @@ def test_awq_folders_give_the_logits_of_the_weights_they_mean(tmp_path, group):
     from prequantized_makers_gptq import awq_config, pack_awq
 
     folder, reference = packed_folder(tmp_path, lambda w: pack_awq(w, group), awq_config(group))
-    assert logits_error(folder, reference) < 1e-5
+    assert logits_error(folder, reference, quant="none") < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["gptq 4 bits g128", "gptq 4 bits per channel", "awq g64"])
+def test_4bit_gptq_and_awq_load_as_int4_holding_their_numbers_to_the_bit(tmp_path, kind):
+    """GPTQ (in order: no act-order) and AWQ 4-bit with zero points are the int4 tile's scale and minimum: --quant
+    auto loads them as int4-g32 (min = -scale * zero, in float32: exact), each weight dequantized equal to the
+    format's to the bit, and the model's logits those of a float model holding its layers' weights (the int4 kernel's
+    x near float32's precision; the head int8, as in every 4-bit mode). Act-order loads as float, with a note."""
+    from prequantized_makers_gptq import awq_config, gptq_config, pack_gptq, pack_awq
+    from test_quantize import quantized_reference, rel_err
+
+    pack, config = {"gptq 4 bits g128": (lambda w: pack_gptq(w, 4, 128, False, False, 1),
+                                         gptq_config(4, 128, False, False, 1)),
+                    "gptq 4 bits per channel": (lambda w: pack_gptq(w, 4, -1, True, False, 2),
+                                                gptq_config(4, -1, True, False, 2)),
+                    "awq g64": (lambda w: pack_awq(w, 64), awq_config(64))}[kind]
+    folder, reference = packed_folder(tmp_path, pack, config)
+    record, checkpoint = load.plan(folder)
+    assert record.quant == "int4" and "holds exactly" in record.reason and len(checkpoint.exact_int4) == 14
+    model = load.from_pretrained(checkpoint, dtype=torch.float32, quant="int4")
+    layer = model.layers[1].mlp.gate_up_proj
+    want = torch.cat([reference.model.layers[1].mlp.gate_proj.weight, reference.model.layers[1].mlp.up_proj.weight])
+    assert type(layer).__name__ == "Int4Linear" and torch.equal(layer.dequantize(torch.float32), want)
+    with torch.no_grad():
+        assert rel_err(model(ids()), quantized_reference(model)(ids())) < 1e-3
+
+
+def test_act_order_gptq_loads_as_float_with_a_note(tmp_path, capsys):
+    from prequantized_makers_gptq import gptq_config, pack_gptq
+
+    folder, _ = packed_folder(tmp_path, lambda w: pack_gptq(w, 4, 32, False, True, 1), gptq_config(4, 32, False,
+                                                                                                    True, 1))
+    record, checkpoint = load.plan(folder)
+    assert record.quant is None and not checkpoint.exact_int4
+    assert "gptq weights (14 linears) dequantized as they load" in capsys.readouterr().err

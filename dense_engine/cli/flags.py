@@ -13,7 +13,7 @@ import sys
 import torch
 
 from dense_engine.cpu import quantized
-from dense_engine.formats import load, preread
+from dense_engine.formats import load, lora, preread
 from dense_engine.formats.checkpoint import torch_dtype
 from dense_engine.formats.vocab import Vocabulary
 from dense_engine.runtime import caches, session, speculative, tp
@@ -55,6 +55,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="weight quantization (a variant saved by quantize.py, else made at load time); auto: int4 "
                         "for weights from a Q4_0/Q4_1 GGUF (held exactly), a GGUF's own blocks for its other types "
                         "(gguf: Q4_K, Q5_K, Q6_K, Q8_0, ...), else as stored; none: full precision")
+    p.add_argument("--lora", action="append", metavar="DIR[:SCALE]",
+                   help="a PEFT LoRA adapter merged into the weights (times SCALE, default 1; several allowed; "
+                        "with full-precision weights)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compiled prefill and decode steps, saved in the cache folder for later runs (default: on)")
     p.add_argument("--kv-dtype", choices=load.KV_DTYPES, default="auto",
@@ -105,7 +108,7 @@ def parse_flags(p: argparse.ArgumentParser, argv):
 def load_model(ckpt: str, args, console) -> tuple:
     """(the model, its LoadRecord) as the flags ask: what was loaded and why is the record's `weights`."""
     record, checkpoint = load.plan(ckpt, args.quant, args.device, args.dtype, args.kv_dtype, args.max_seq_len,
-                                   args.compile)
+                                   args.compile, [lora.parse(spec) for spec in args.lora or ()])
     if getattr(args, "prompt", None) is None or getattr(args, "bench", False):  # (a one-shot's stay in the file's pages)
         preread.start_for(record)  # the blocks into huge pages, for a run that decodes long
     try:

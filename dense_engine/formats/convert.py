@@ -23,7 +23,7 @@ import torch
 
 from dense import DenseConfig
 from dense_engine.cpu import kernels, quantized
-from dense_engine.formats import families, gguf_import, prequantized
+from dense_engine.formats import families, gguf_import, lora, prequantized
 from dense_engine.formats.checkpoint import (Checkpoint, atomic_write, config_from_dict, locked, open_safetensors,
                                              read_json, torch_dtype)
 from dense_engine.system.errors import CheckpointError, run_program
@@ -31,11 +31,17 @@ from dense_engine.system.errors import CheckpointError, run_program
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
 
-def read_checkpoint(path) -> Checkpoint:
-    """Any supported checkpoint, native or foreign, as a Checkpoint."""
+def read_checkpoint(path, lora_adapters: tuple = ()) -> Checkpoint:
+    """Any supported checkpoint, native or foreign, as a Checkpoint; lora_adapters (lora.Adapter) merged into a
+    Hugging Face folder's weights."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or folder")
+    with lora.applying(tuple(lora_adapters), path):
+        return read_any(path)
+
+
+def read_any(path: str) -> Checkpoint:
     config_file = os.path.join(path, "config.json")
     if os.path.isdir(path) and os.path.isfile(config_file):
         raw = read_json(config_file)
@@ -72,7 +78,8 @@ def read_foreign(path: str) -> Checkpoint:
         raw = {key: value for key, value in raw.items() if key != "quantization_config"}
         if model_type in families.HF_FAMILIES:
             config, table = families.HF_FAMILIES[model_type](path, raw, config_file)
-            return Checkpoint(path, config, table, declared, scheme=scheme)
+            exact, scheme = prequantized.exact_int4(table, scheme)
+            return Checkpoint(path, config, table, declared, exact_int4=exact, scheme=scheme)
         if model_type is None and "dim" in raw:  # a Sprout state dict beside its config.json
             weights = [os.path.join(path, n) for n in ("model.safetensors", "model.pt", "ckpt.pt", "pytorch_model.bin")]
             weights = [w for w in weights if os.path.isfile(w)]

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from dense import DenseConfig
-from dense_engine.formats import prequantized
+from dense_engine.formats import lora, prequantized
 from dense_engine.formats.checkpoint import Checkpoint, eager, load_pickle, make_config, open_safetensors, read_json
 from dense_engine.system import machine
 from dense_engine.system.errors import CheckpointError, first_line
@@ -46,8 +46,9 @@ SKIPPED_BUFFERS = re.compile(r".*\.(rotary_emb\.inv_freq|attention\.bias|attenti
 
 
 def hf_weights(folder: str) -> dict:
-    """{name: thunk} over a Hugging Face folder's tensors; a quantized folder's linears dequantized (prequantized.py)."""
-    return prequantized.dequantized_weights(stored_weights(folder), folder)
+    """{name: thunk} over a Hugging Face folder's tensors; a quantized folder's linears dequantized (prequantized.py),
+    the LoRA adapters of this load merged (lora.py)."""
+    return lora.merged(prequantized.dequantized_weights(stored_weights(folder), folder), folder)
 
 
 def stored_weights(folder: str) -> dict:

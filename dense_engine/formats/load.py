@@ -26,6 +26,7 @@ from torch import nn
 import dense
 from dense_engine.cpu import kernels, quantized
 from dense_engine.formats import convert, preread
+from dense_engine.formats import lora as adapters
 from dense_engine.system import machine
 from dense_engine.formats.checkpoint import Checkpoint
 from dense_engine.system.errors import CheckpointError, UsageError
@@ -47,6 +48,7 @@ class LoadRecord:
     kv_dtype: str = "auto"  # the cache's numbers: one of KV_DTYPES
     max_seq_len: int | None = None  # the cache's length; None: the model's context, or what fits (fitting_cache)
     compile: bool = True  # compiled steps, saved for later processes
+    lora: tuple[tuple[str, float], ...] = ()  # LoRA adapters merged into the weights: (folder, scale) each
 
     @property
     def weights(self) -> str:
@@ -62,34 +64,48 @@ def default_dtype(device, declared: torch.dtype | None = None) -> torch.dtype:
 
 
 def plan(path: str, quant: str = "auto", device=None, dtype: torch.dtype | None = None, kv_dtype: str = "auto",
-         max_seq_len: int | None = None, compile: bool = True) -> tuple[LoadRecord, Checkpoint]:
+         max_seq_len: int | None = None, compile: bool = True, lora: tuple = ()) -> tuple[LoadRecord, Checkpoint]:
     """The record of a load and the checkpoint it reads (read once, here; from_pretrained takes it): "auto" resolved
-    to what auto_mode picks, with its reason; device default cuda when there is one, else cpu; dtype default_dtype's."""
+    to what auto_mode picks, with its reason; device default cuda when there is one, else cpu; dtype default_dtype's.
+    lora: (adapter folder, scale) pairs merged into a full-precision load's weights."""
     if kv_dtype not in KV_DTYPES:
         raise UsageError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    checkpoint = convert.read_checkpoint(path)
+    lora = tuple((os.path.abspath(p), float(s)) for p, s in lora)
+    checkpoint = read_with_adapters(path, lora)
     device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if quant == "auto":
         mode, reason = auto_mode(checkpoint, device)
     else:
         mode, reason = (None if quant == "none" else quant), f"--quant {quant}"
+    if lora and mode is not None:
+        raise UsageError(f"--lora with {mode} weights is not supported yet (an adapter is merged into full-precision "
+                         "weights: --quant none)")
     record = LoadRecord(checkpoint.path, mode, reason, dtype or default_dtype(device), device, kv_dtype, max_seq_len,
-                        compile)
+                        compile, lora)
     return record, checkpoint
 
 
+def read_with_adapters(path, lora: tuple) -> Checkpoint:
+    """The checkpoint at path, the LoRA adapters lora names ((folder, scale) pairs) merged into its weights."""
+    return convert.read_checkpoint(path, tuple(adapters.read_adapter(p, s) for p, s in lora))
+
+
 def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant: str | None = None,
-                    shard: Callable | None = None) -> dense.DenseDecoder:
+                    shard: Callable | None = None, lora: tuple = ()) -> dense.DenseDecoder:
     """A checkpoint folder or file (or the Checkpoint plan() read) as a DenseDecoder. dtype=None: default_dtype's
     (the checkpoint's declared dtype on the CPU).
     quant=None loads what is stored (the full-precision weights, or the only quantized variant of a folder that has no
     other); "int8" | "int4" | "nf4" | "llm.int8" loads that variant (saved by quantize.py, else quantized tensor by
     tensor as it loads); "auto" picks what auto_mode says; "none" forces full precision. shard: tensor parallel's
-    hook (tp.py), (checkpoint, tensors, mode) -> one rank's config and tensor slices."""
-    checkpoint = path if isinstance(path, Checkpoint) else convert.read_checkpoint(path)
+    hook (tp.py), (checkpoint, tensors, mode) -> one rank's config and tensor slices. lora: (adapter folder, scale)
+    pairs merged into the weights (lora.py)."""
+    checkpoint = path if isinstance(path, Checkpoint) else read_with_adapters(path, lora)
     device = torch.device(device)
     dtype = dtype or default_dtype(device, checkpoint.dtype)
     mode, params, tensors = select(checkpoint, quant, device=device)
+    if lora and mode is not None:
+        raise UsageError(f"--lora with {mode} weights is not supported yet (an adapter is merged into full-precision "
+                         "weights: --quant none)")
     config = checkpoint.config
     if shard is not None and mode == "gguf":  # tensor parallel cuts float or int8/int4 weights, not GGUF blocks
         mode, tensors = None, checkpoint.tensors

@@ -9,6 +9,7 @@ act-order groups (g_idx), AWQ's eight codes a word in the order 0, 2, 4, 6, 1, 3
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -55,7 +56,9 @@ def read_scheme(raw: dict, source: str) -> Scheme | None:
             refuse("bits", bits, "GPTQ with 4 or 8 bits")
         if form not in ("gptq", "gptq_v2"):
             refuse("checkpoint_format", form, "gptq or gptq_v2")
-        return Scheme("gptq", bits, int(q.get("group_size", 128)), form == "gptq", source=source)
+        group = int(q.get("group_size", 128))
+        exact = bits == 4 and not q.get("desc_act") and (group % 32 == 0 or group == -1)
+        return Scheme("gptq", bits, group, form == "gptq", source=source, mode="int4" if exact else None)
     if method == "awq":
         bits, version = int(q.get("bits", q.get("w_bit", 4))), str(q.get("version", "gemm")).lower()
         if bits != 4:
@@ -64,7 +67,8 @@ def read_scheme(raw: dict, source: str) -> Scheme | None:
             refuse("version", version, "AWQ's gemm layout")
         if not q.get("zero_point", True):
             refuse("zero_point", False, "AWQ with zero points")
-        return Scheme("awq", 4, int(q.get("group_size", q.get("q_group_size", 128))), source=source)
+        group = int(q.get("group_size", q.get("q_group_size", 128)))
+        return Scheme("awq", 4, group, source=source, mode="int4" if group % 32 == 0 or group == -1 else None)
     if method == "fp8":
         if q.get("fmt", "e4m3") != "e4m3":
             refuse("fmt", q.get("fmt"), "e4m3")
@@ -96,6 +100,17 @@ def read_scheme(raw: dict, source: str) -> Scheme | None:
     refuse("quant_method", method, "gptq, awq, compressed-tensors, fp8 or bitsandbytes")
 
 
+def exact_int4(table: dict, scheme: Scheme | None) -> tuple[dict, Scheme | None]:
+    """({native linear name: thunk of its int4 tensors}, the scheme) for a family's table whose GPTQ / AWQ weights
+    int4-g32 holds exactly (Checkpoint.exact_int4); a scheme whose linears the family changed on the way (split,
+    scaled) loads as float instead."""
+    if scheme is None or scheme.mode != "int4":
+        return {}, scheme
+    exact = {name.removesuffix(".weight"): thunk.int4 for name, thunk in table.items()
+             if isinstance(thunk, Dequantized)}
+    return exact, scheme if exact else dataclasses.replace(scheme, mode=None)
+
+
 def dequantized_weights(table: dict, folder: str) -> dict:
     """{name: thunk} of a folder's tensors, each quantized linear's stored tensors replaced by its float32 weight
     (name.weight); as it was where the folder is not quantized."""
@@ -103,7 +118,7 @@ def dequantized_weights(table: dict, folder: str) -> dict:
     scheme = read_scheme(read_json(config), config) if os.path.isfile(config) else None
     if scheme is None:
         return table
-    read = {"gptq": gptq_weight, "awq": awq_weight, "fp8": fp8_weight, "bitsandbytes": bnb_weight,
+    read = {"gptq": gptq_codes, "awq": awq_codes, "fp8": fp8_weight, "bitsandbytes": bnb_weight,
             "compressed-tensors": compressed_weight}[scheme.method]
     marks = {"gptq": ".qweight", "awq": ".qweight", "fp8": ".weight_scale_inv", "bitsandbytes": ".weight",
              "compressed-tensors": ".weight_scale"}
@@ -115,7 +130,7 @@ def dequantized_weights(table: dict, folder: str) -> dict:
            if not any(name.startswith(p + ".") for p in linears)}
     for prefix in sorted(linears):
         parts = {name[len(prefix) + 1:]: thunk for name, thunk in table.items() if name.startswith(prefix + ".")}
-        out[prefix + ".weight"] = lambda read=read, parts=parts, prefix=prefix: read(parts, scheme, prefix)
+        out[prefix + ".weight"] = Dequantized(read, parts, scheme, prefix)
         if "bias" in parts:
             out[prefix + ".bias"] = parts["bias"]
     if scheme.mode is None:
@@ -153,10 +168,50 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return ((packed[:, :, None] >> shifts[None, None, :]) & mask).flatten(1, 2)  # [R, C] -> [R, C * per]
 
 
-def gptq_weight(parts: dict, scheme: Scheme, prefix: str) -> torch.Tensor:
+@dataclass
+class Codes:
+    """A linear's codes with zero points: q [in, out] (0 .. 2^bits - 1), zeros and scales [groups, out], each input
+    channel's group [in]. W[o, i] = scales[g_i, o] * (q[i, o] - zeros[g_i, o])."""
+    q: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    groups: torch.Tensor
+
+    def weight(self) -> torch.Tensor:
+        g = self.groups
+        return (self.scales.float()[g] * (self.q - self.zeros[g]).float()).t().contiguous()
+
+    def int4(self) -> dict:
+        """Int4Linear's tensors ([out, in / 2] pairs, scales and mins [out, in / 32]) holding these numbers exactly:
+        each 32 inputs in one group, min = -scale * zero in float32 (a float16 scale times a 4-bit integer: exact),
+        so min + scale * q is W, to the bit."""
+        starts = self.groups[::32]
+        if self.q.shape[0] % 32 or not torch.equal(self.groups, starts.repeat_interleave(32)):
+            raise CheckpointError("int4: the groups of these codes are not whole 32s of inputs in order")
+        codes = self.q.t().to(torch.uint8)  # [out, in]
+        scales = self.scales.float()[starts].t().contiguous()  # [out, in / 32]
+        return {"qweight": codes[:, 0::2] | (codes[:, 1::2] << 4), "scales": scales,
+                "mins": -(scales * self.zeros[starts].t().float())}
+
+
+class Dequantized:
+    """A quantized linear's weight thunk: called, its float32 weight; int4(), for GPTQ and AWQ, its int4-g32 tensors
+    (Codes.int4), which convert.exact_variant uses as they are."""
+
+    def __init__(self, read, parts: dict, scheme: Scheme, prefix: str) -> None:
+        self.read, self.parts, self.scheme, self.prefix = read, parts, scheme, prefix
+
+    def __call__(self) -> torch.Tensor:
+        made = self.read(self.parts, self.scheme, self.prefix)
+        return made.weight() if isinstance(made, Codes) else made
+
+    def int4(self) -> dict:
+        return self.read(self.parts, self.scheme, self.prefix).int4()
+
+
+def gptq_codes(parts: dict, scheme: Scheme, prefix: str) -> Codes:
     """GPTQ: qweight [in * bits / 32, out] packs input rows; qzeros [groups, out * bits / 32] packs columns (v1: each
-    the zero point minus one); scales [groups, out]; g_idx [in] each input channel's group (act-order: not in order).
-    W[o, i] = scales[g_i, o] * (q[i, o] - zero[g_i, o])."""
+    the zero point minus one); scales [groups, out]; g_idx [in] each input channel's group (act-order: not in order)."""
     qweight, qzeros, scales = needed(parts, ("qweight", "qzeros", "scales"), scheme, prefix)
     bits = scheme.bits
     codes = unpack(qweight, bits, 0)  # [in, out]
@@ -172,21 +227,20 @@ def gptq_weight(parts: dict, scheme: Scheme, prefix: str) -> torch.Tensor:
     if groups.shape != (rows,) or int(groups.max()) >= scales.shape[0]:
         raise CheckpointError(f"{scheme.source}: {prefix}.g_idx does not give each of {rows} input channels one of "
                               f"its {scales.shape[0]} groups")
-    return (scales.float()[groups] * (codes - zeros[groups]).float()).t().contiguous()
+    return Codes(codes, zeros, scales, groups)
 
 
-def awq_weight(parts: dict, scheme: Scheme, prefix: str) -> torch.Tensor:
+def awq_codes(parts: dict, scheme: Scheme, prefix: str) -> Codes:
     """AWQ (gemm): qweight [in, out / 8] and qzeros [in / group, out / 8] pack eight columns a word in AWQ_ORDER;
-    scales [in / group, out]. W[o, i] = scales[i // group, o] * (q[i, o] - zero[i // group, o])."""
+    scales [in / group, out]."""
     qweight, qzeros, scales = needed(parts, ("qweight", "qzeros", "scales"), scheme, prefix)
     out = qweight.shape[1] * 8
     order = torch.tensor(AWQ_ORDER).argsort()  # slot of each column within its eight
-    columns = (torch.arange(out) // 8 * 8)[:, None] + order.repeat(out // 8)[:, None]  # [out, 1] the slot to read
-    codes = unpack(qweight, 4, 1)[:, columns[:, 0]]  # [in, out]
-    zeros = unpack(qzeros, 4, 1)[:, columns[:, 0]]  # [groups, out]
+    columns = torch.arange(out) // 8 * 8 + order.repeat(out // 8)  # [out]: the slot that holds each column
+    codes = unpack(qweight, 4, 1)[:, columns]  # [in, out]
+    zeros = unpack(qzeros, 4, 1)[:, columns]  # [groups, out]
     group = scheme.group if scheme.group > 0 else codes.shape[0]
-    groups = torch.arange(codes.shape[0]) // group
-    return (scales.float()[groups] * (codes - zeros[groups]).float()).t().contiguous()
+    return Codes(codes, zeros, scales, torch.arange(codes.shape[0]) // group)
 
 
 def fp8_weight(parts: dict, scheme: Scheme, prefix: str) -> torch.Tensor:

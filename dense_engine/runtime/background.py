@@ -102,11 +102,12 @@ def compile_job(job: dict, loaded: dict) -> None:
         return
     start = time.perf_counter()
     record = LoadRecord(**{f.name: job[f.name] for f in dataclasses.fields(LoadRecord)} | {
-        "dtype": getattr(torch, job["dtype"])})
+        "dtype": getattr(torch, job["dtype"]), "lora": tuple(map(tuple, job["lora"]))})
     recipe = (record, job["batch"], job["seq_len"])
     if recipe not in loaded:
         loaded.clear()  # (one model in memory at a time)
-        loaded[recipe] = load.from_pretrained(record.path, record.device, record.dtype, record.quant or "none")
+        loaded[recipe] = load.from_pretrained(record.path, record.device, record.dtype, record.quant or "none",
+                                              lora=record.lora)
         caches.setup_cache(loaded[recipe], job["batch"], job["seq_len"], record.kv_dtype)
     model = loaded[recipe]
     steps = Steps(model, folder=job["folder"])

@@ -68,6 +68,8 @@ def load_model(record: LoadRecord, checkpoint=None) -> dense.DenseDecoder:
     """The model a load record describes (checkpoint: the one load.plan read, so it is not read again); under
     torchrun, this rank's shard."""
     loader = tp.from_pretrained if tp.world()[1] > 1 else loading.from_pretrained
+    if checkpoint is None and record.lora:  # (the background compiler's load: the same adapters merged)
+        checkpoint = loading.read_with_adapters(record.path, record.lora)
     return loader(checkpoint or record.path, device=record.device, dtype=record.dtype, quant=record.quant or "none")
 
 

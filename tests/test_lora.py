@@ -1,0 +1,138 @@
+"""LoRA adapters (dense_engine/formats/lora.py) merged into a folder's weights as they load, against PEFT's own model
+on the same weights: unmerged (PEFT's base plus its low-rank term) and merged (merge_and_unload)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import peft
+import pytest
+import torch
+import transformers
+
+from conftest import ROOT
+from dense_engine.formats import load
+from dense_engine.runtime import generate
+from dense_engine.system.errors import CheckpointError, UsageError
+from test_prequantized import ids, random_llama
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def save_adapter(base: str, folder, seed: int, **config) -> peft.PeftModel:
+    """A PEFT LoRA adapter of base (B drawn with std 0.05: PEFT starts B at zero, a no-op), saved in folder."""
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(base),
+                                peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": TARGETS, **config}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora_base")
+    random_llama(folder, seed=3)
+    return str(folder)
+
+
+def engine_logits(base: str, lora, **kw) -> torch.Tensor:
+    model = load.from_pretrained(base, dtype=torch.float32, lora=lora, **kw)
+    with torch.no_grad():
+        return model(ids())
+
+
+@pytest.mark.parametrize("config", [{}, {"use_rslora": True}, {"rank_pattern": {"down_proj": 2},
+                                                                 "alpha_pattern": {"q_proj": 16},
+                                                                 "target_modules": ["q_proj", "v_proj", "down_proj"]}])
+def test_an_adapter_gives_peft_models_logits_and_tokens(base, tmp_path, config):
+    """PEFT's model (the base and its low-rank term, unmerged) and its merge_and_unload: the engine's merged weights
+    give both one's logits within 1e-5 and its greedy tokens; rsLoRA's alpha / sqrt(r), a rank and alpha per module,
+    a subset of the targets, honored."""
+    reference = save_adapter(base, tmp_path / "adapter", seed=1, **config)
+    with torch.no_grad():
+        want = reference(input_ids=ids()).logits
+        plain = transformers.LlamaForCausalLM.from_pretrained(base)(input_ids=ids()).logits
+        tokens = reference.generate(input_ids=ids()[:, :12], max_new_tokens=16, do_sample=False,
+                                    eos_token_id=None)[0, 12:].tolist()
+    got = engine_logits(base, [(tmp_path / "adapter", 1.0)])
+    assert (got - want).abs().max() < 1e-5 and (want - plain).abs().max() > 0.1  # (the adapter changes the model)
+    with torch.no_grad():
+        merged = reference.merge_and_unload()(input_ids=ids()).logits
+    assert (got - merged).abs().max() < 1e-5
+    model = load.from_pretrained(base, dtype=torch.float32, lora=[(tmp_path / "adapter", 1.0)])
+    assert generate.generate(model, ids()[:, :12], 16)[0, 12:].tolist() == tokens
+
+
+def test_a_scale_and_two_adapters_are_peft_s_scaled_and_stacked_adapters(base, tmp_path):
+    """DIR:SCALE multiplies an adapter's term (PEFT's scaling times SCALE); two adapters add both terms (PEFT: the
+    first merged into the base, the second on top)."""
+    first = save_adapter(base, tmp_path / "a", seed=1)
+    save_adapter(base, tmp_path / "b", seed=2, r=8, lora_alpha=4, target_modules=["q_proj", "up_proj"])
+    for module in first.modules():
+        if hasattr(module, "scaling") and isinstance(module.scaling, dict) and "default" in module.scaling:
+            module.scaling["default"] *= 0.5
+    with torch.no_grad():
+        want = first(input_ids=ids()).logits
+    assert (engine_logits(base, [(tmp_path / "a", 0.5)]) - want).abs().max() < 1e-5
+    stacked = peft.PeftModel.from_pretrained(
+        peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(base),
+                                       tmp_path / "a").merge_and_unload(), tmp_path / "b").eval()
+    with torch.no_grad():
+        want = stacked(input_ids=ids()).logits
+    assert (engine_logits(base, [(tmp_path / "a", 1.0), (tmp_path / "b", 1.0)]) - want).abs().max() < 1e-5
+
+
+def test_an_adapter_that_does_not_fit_or_cannot_be_merged_is_refused_in_one_line(base, tmp_path):
+    save_adapter(base, tmp_path / "adapter", seed=1)
+    other = tmp_path / "other"  # a base of another width: the adapter's B @ A is not its weights' shape
+    torch.manual_seed(0)
+    wide = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256))
+    wide.save_pretrained(other)
+    cases = [(str(other), [(tmp_path / "adapter", 1.0)], {}, CheckpointError, r"q_proj\.weight is \[64, 64\] in "
+              r"the model, the adapter's B @ A \[128, 128\]"),
+             (base, [(tmp_path / "adapter", 1.0)], {"quant": "int4"}, UsageError, r"--lora with int4 weights"),
+             (base, [(tmp_path / "nothing", 1.0)], {}, UsageError, r"no adapter_config\.json")]
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    for key, value in (("use_dora", True), ("modules_to_save", ["lm_head"]), ("bias", "all")):
+        changed = tmp_path / key
+        shutil.copytree(tmp_path / "adapter", changed)
+        (changed / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+        cases.append((base, [(changed, 1.0)], {}, CheckpointError, rf"adapter_config\.json: {key} .* is not "
+                      "supported"))
+    for folder, lora, kw, error, message in cases:
+        with pytest.raises(error, match=message) as e:
+            load.from_pretrained(folder, lora=lora, **kw)
+        assert "\n" not in str(e.value)
+    gguf = os.path.join(ROOT, "tests", "fixtures", "converted_gguf", "command-r.gguf")
+    with pytest.raises(UsageError, match="not one"):
+        load.from_pretrained(gguf, lora=[(tmp_path / "adapter", 1.0)])
+
+
+@pytest.mark.slow
+def test_chat_py_answers_with_an_adapter_as_the_api_does(base, tmp_path):
+    """chat.py --lora DIR:SCALE (a one-shot, background compiles on as users run it): the greedy text of
+    dense_engine.load(..., lora=[...]); without the flag, another text."""
+    import dense_engine
+
+    save_adapter(base, tmp_path / "adapter", seed=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert os.path.isfile(os.path.join(base, name))
+    llm = dense_engine.load(base, lora=[f"{tmp_path / 'adapter'}:0.8"], compile=False)
+    want = llm.generate("the cat sat on", max_new_tokens=12, temperature=0.0, chat=False)
+
+    def chat(*flags):
+        result = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", base, "--complete",
+                                 "--prompt", "the cat sat on", "--max-new-tokens", "12", "--temperature", "0",
+                                 *flags], capture_output=True, text=True, cwd=ROOT)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.rstrip("\n")
+
+    assert chat("--lora", f"{tmp_path / 'adapter'}:0.8") == want != chat()
