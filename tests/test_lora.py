@@ -98,7 +98,6 @@ def test_an_adapter_that_does_not_fit_or_cannot_be_merged_is_refused_in_one_line
     wide.save_pretrained(other)
     cases = [(str(other), [(tmp_path / "adapter", 1.0)], {}, CheckpointError, r"q_proj\.weight is \[64, 64\] in "
               r"the model, the adapter's B @ A \[128, 128\]"),
-             (base, [(tmp_path / "adapter", 1.0)], {"quant": "int4"}, UsageError, r"--lora with int4 weights"),
              (base, [(tmp_path / "nothing", 1.0)], {}, UsageError, r"no adapter_config\.json")]
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     for key, value in (("use_dora", True), ("modules_to_save", ["lm_head"]), ("bias", "all")):
@@ -112,7 +111,7 @@ def test_an_adapter_that_does_not_fit_or_cannot_be_merged_is_refused_in_one_line
             load.from_pretrained(folder, lora=lora, **kw)
         assert "\n" not in str(e.value)
     gguf = os.path.join(ROOT, "tests", "fixtures", "converted_gguf", "command-r.gguf")
-    with pytest.raises(UsageError, match="not one"):
+    with pytest.raises(UsageError, match="is neither"):
         load.from_pretrained(gguf, lora=[(tmp_path / "adapter", 1.0)])
 
 
@@ -136,3 +135,89 @@ def test_chat_py_answers_with_an_adapter_as_the_api_does(base, tmp_path):
         return result.stdout.rstrip("\n")
 
     assert chat("--lora", f"{tmp_path / 'adapter'}:0.8") == want != chat()
+
+
+def dequantized_peft_model(model, base: str, adapter) -> peft.PeftModel:
+    """PEFT's model of the adapter on a transformers Llama holding the engine's quantized layers' dequantized weights
+    (q | k | v and gate | up split back by rows): the oracle of an adapter beside quantized weights."""
+    reference = transformers.LlamaForCausalLM.from_pretrained(base)
+
+    def weight(layer) -> torch.Tensor:  # (a LowRank's base, or the layer)
+        return getattr(layer, "base", layer).dequantize(torch.float32)
+
+    with torch.no_grad():
+        for layer, theirs in zip(model.layers, reference.model.layers):
+            q, k, v = weight(layer.attn.qkv_proj).split([128, 64, 64])
+            gate, up = weight(layer.mlp.gate_up_proj).split([256, 256])
+            weights = {"self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v, "mlp.gate_proj": gate,
+                       "mlp.up_proj": up, "self_attn.o_proj": weight(layer.attn.o_proj),
+                       "mlp.down_proj": weight(layer.mlp.down_proj)}
+            for name, w in weights.items():
+                theirs.get_submodule(name).weight.copy_(w)
+        reference.lm_head.weight.copy_(model.lm_head.dequantize(torch.float32))
+    return peft.PeftModel.from_pretrained(reference, adapter).eval()
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "nf4"])
+def test_an_adapter_beside_quantized_weights_keeps_the_base_as_stored(base, tmp_path, mode):
+    """A quantized load keeps the base quantized as without the adapter (the same stored tensors) and adds the
+    adapter's term unmerged beside each layer (lora.LowRank: q, k and v's terms side by side in the fused layer):
+    PEFT's logits on the dequantized base within the kernels' precision (x in 8-bit digits for int8 / nf4); the
+    compiled step's tokens those of the eager one."""
+    from test_quantize import rel_err
+
+    save_adapter(base, tmp_path / "adapter", seed=1, rank_pattern={"down_proj": 2},
+                 target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    model = load.from_pretrained(base, dtype=torch.float32, quant=mode, lora=[(tmp_path / "adapter", 1.0)])
+    plain = load.from_pretrained(base, dtype=torch.float32, quant=mode)
+    assert type(model.layers[0].attn.qkv_proj).__name__ == "LowRank"
+    assert torch.equal(model.layers[0].attn.qkv_proj.base.dequantize(torch.float32),
+                       plain.layers[0].attn.qkv_proj.dequantize(torch.float32))
+    reference = dequantized_peft_model(model, base, tmp_path / "adapter")
+    with torch.no_grad():
+        got, want = model(ids()), reference(input_ids=ids()).logits
+        assert rel_err(got, want) < 1e-3 and rel_err(plain(ids()), want) > 1e-2
+    eager = generate.generate(model, ids()[:, :12], 12)
+    assert torch.equal(generate.generate(model, ids()[:, :12], 12, compile=True), eager)
+
+
+def test_an_adapter_on_a_weight_the_family_splits_merges_only(tmp_path):
+    """Phi-3's q | k | v is one tensor in its folder, split as it loads: an adapter on it merges into full-precision
+    weights (PEFT's logits), and beside quantized weights it is refused in one line."""
+    torch.manual_seed(0)
+    phi = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0))
+    phi.save_pretrained(tmp_path / "phi")
+    adapter = peft.get_peft_model(phi, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["qkv_proj"]))
+    with torch.no_grad():
+        for name, p in adapter.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    adapter.save_pretrained(tmp_path / "adapter")
+    with torch.no_grad():
+        want = adapter.eval()(input_ids=ids()).logits
+    assert (engine_logits(str(tmp_path / "phi"), [(tmp_path / "adapter", 1.0)]) - want).abs().max() < 1e-5
+    with pytest.raises(UsageError, match="--lora with int8 weights: this family changes some adapted weights") as e:
+        load.plan(str(tmp_path / "phi"), quant="int8", lora=[(tmp_path / "adapter", 1.0)])
+    assert "\n" not in str(e.value)
+
+
+def test_an_adapter_on_a_gptq_folder_keeps_its_int4_numbers(tmp_path):
+    """A GPTQ folder (4 bits, in order) with an adapter: int4-g32 holding the stored numbers to the bit, the adapter
+    beside it; PEFT's logits on the dequantized base within the int4 kernel's precision."""
+    from prequantized_makers_gptq import gptq_config, pack_gptq
+    from test_prequantized import packed_folder
+    from test_quantize import rel_err
+
+    folder, reference = packed_folder(tmp_path, lambda w: pack_gptq(w, 4, 128, False, False, 1),
+                                      gptq_config(4, 128, False, False, 1))
+    save_adapter(str(tmp_path / "base"), tmp_path / "adapter", seed=1)
+    record, checkpoint = load.plan(folder, lora=[(tmp_path / "adapter", 1.0)])
+    assert record.quant == "int4" and len(checkpoint.exact_int4) == 14
+    model = load.from_pretrained(checkpoint, dtype=torch.float32, quant=record.quant)
+    assert torch.equal(model.layers[0].attn.qkv_proj.base.dequantize(torch.float32)[:128],
+                       reference.model.layers[0].self_attn.q_proj.weight)
+    with torch.no_grad():
+        want = dequantized_peft_model(model, str(tmp_path / "base"), tmp_path / "adapter")(input_ids=ids()).logits
+        assert rel_err(model(ids()), want) < 1e-3

@@ -41,6 +41,7 @@ class Checkpoint:
     exact_int4: dict[str, Callable[[], dict]] = field(default_factory=dict)  # block linear name -> its int4 tensors
     blocks: dict = field(default_factory=dict)  # native weight name -> gguf_import.Blocks (GGUF types with kernels)
     scheme: object = None  # a folder that came quantized: its prequantized.Scheme
+    adapters: tuple = ()  # the LoRA adapters (lora.Adapter) on its weights (lora.Merged thunks in tensors)
 
     @property
     def native(self) -> bool:

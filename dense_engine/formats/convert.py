@@ -38,7 +38,8 @@ def read_checkpoint(path, lora_adapters: tuple = ()) -> Checkpoint:
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or folder")
     with lora.applying(tuple(lora_adapters), path):
-        return read_any(path)
+        checkpoint = read_any(path)
+    return dataclasses.replace(checkpoint, adapters=tuple(lora_adapters)) if lora_adapters else checkpoint
 
 
 def read_any(path: str) -> Checkpoint:
@@ -51,6 +52,7 @@ def read_any(path: str) -> Checkpoint:
             if not os.path.isfile(weights) and not raw.get("quantization"):
                 raise CheckpointError(f"{path}: no model.safetensors beside config.json")
             tensors = open_safetensors(weights) if os.path.isfile(weights) else {}
+            tensors = lora.merged(tensors, path, lora.native_name) if tensors else tensors
             return Checkpoint(path, config, tensors, torch_dtype(raw.get("torch_dtype")), raw)
     return read_foreign(path)
 

@@ -15,6 +15,7 @@ through its `shard` hook.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -77,9 +78,8 @@ def plan(path: str, quant: str = "auto", device=None, dtype: torch.dtype | None 
         mode, reason = auto_mode(checkpoint, device)
     else:
         mode, reason = (None if quant == "none" else quant), f"--quant {quant}"
-    if lora and mode is not None:
-        raise UsageError(f"--lora with {mode} weights is not supported yet (an adapter is merged into full-precision "
-                         "weights: --quant none)")
+    if lora and mode is not None:  # (an adapter beside quantized weights: the family must keep the weight as it is)
+        adapters.check_unmerged(checkpoint.tensors, checkpoint.adapters, mode)
     record = LoadRecord(checkpoint.path, mode, reason, dtype or default_dtype(device), device, kv_dtype, max_seq_len,
                         compile, lora)
     return record, checkpoint
@@ -103,9 +103,6 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
     device = torch.device(device)
     dtype = dtype or default_dtype(device, checkpoint.dtype)
     mode, params, tensors = select(checkpoint, quant, device=device)
-    if lora and mode is not None:
-        raise UsageError(f"--lora with {mode} weights is not supported yet (an adapter is merged into full-precision "
-                         "weights: --quant none)")
     config = checkpoint.config
     if shard is not None and mode == "gguf":  # tensor parallel cuts float or int8/int4 weights, not GGUF blocks
         mode, tensors = None, checkpoint.tensors
@@ -121,6 +118,8 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
         tensors = load_blocks(model, checkpoint, tensors, device, dtype)
     quantized.swap_linears(model, None if mode == "gguf" else mode, params)  # the rest: quantized, or kernels.Linear
     load_tensors(model, tensors, device, dtype, source=checkpoint.path)
+    if checkpoint.adapters and mode is not None:  # beside the quantized weights, unmerged (lora.py)
+        adapters.attach(model, checkpoint.tensors, fused_parts)
     kernels.place_weights(model)  # huge pages for the weights a decode step streams (CPU)
     return model
 
@@ -209,6 +208,9 @@ def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> 
                                   f"({', '.join(quantized.GGUF_TYPES)})")
         return "gguf", {}, checkpoint.tensors
     quantized.check_mode(quant)
+    if checkpoint.adapters:  # the weights quantized as stored; their adapters stay apart (lora.attach)
+        adapters.check_unmerged(checkpoint.tensors, checkpoint.adapters, quant)
+        checkpoint = dataclasses.replace(checkpoint, tensors=adapters.unmerged(checkpoint.tensors))
     record = saved.get(quant, {})
     params = {"group_size": record.get("group_size") or 32}
     if record.get("head") in quantized.GGUF_TYPES:  # the head in its GGUF's own blocks (convert.exact_variant)

@@ -1,8 +1,10 @@
-"""lora.py: LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors) merged into a Hugging Face
-folder's weights as they load: W + scale * (alpha / r) * B @ A for each target linear (alpha / sqrt(r) with
-use_rslora; rank_pattern and alpha_pattern per module), before the family maps the names, so every family's own
-changes (fused, split, folded) apply to the merged weight. `read_checkpoint(path, lora=...)` reads the adapters and
-families.hf_weights merges them (PENDING: the adapters of the checkpoint being read). What an adapter would change
+"""lora.py: LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors) on a Hugging Face folder's
+weights: W + scale * (alpha / r) * B @ A for each target linear (alpha / sqrt(r) with use_rslora; rank_pattern and
+alpha_pattern per module). `read_checkpoint(path, lora_adapters)` reads the adapters and families.hf_weights wraps each
+target weight's thunk in a Merged (PENDING: the adapters of the checkpoint being read), before the family maps the
+names, so every family's own changes (fused, split, folded) apply to the merged weight: a full-precision load merges
+them. A quantized load keeps the base as stored (Merged.base) and adds the adapters as an unmerged low-rank term
+(LowRank, attach), where the family kept the weight as it is. What an adapter would change
 that is not a linear's weight (DoRA, biases, modules_to_save, embeddings), and an adapter whose tensors do not fit the
 base (another model's), are refused in one line.
 """
@@ -16,6 +18,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from dense_engine.formats.checkpoint import open_safetensors, read_json
 from dense_engine.system.errors import CheckpointError, UsageError
@@ -113,28 +117,125 @@ def applying(adapters: tuple[Adapter, ...], path: str):
     finally:
         PENDING.reset(token)
     if adapters and not pending.merged:
-        raise UsageError(f"--lora: adapters are merged into a Hugging Face folder's weights; {path} is not one")
+        raise UsageError(f"--lora: adapters apply to a Hugging Face folder's or a native folder's weights; {path} is "
+                         "neither")
 
 
-def merged(table: dict, source: str) -> dict:
-    """table {name: thunk} with ADAPTERS' deltas added to their base weights (float32, then the load's dtype); an
-    adapter naming a weight the table lacks, or of another shape, is refused in one line."""
+@dataclass(frozen=True)
+class Delta:
+    """One adapter's term on one weight: factor * B @ A (A [r, in], B [out, r] thunks)."""
+    a: object
+    b: object
+    factor: float
+    path: str
+
+    def read(self, name: str, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, factor * B) in float32, refused in one line where B @ A is not the weight's shape."""
+        a, b = self.a().float(), self.b().float()
+        if a.shape[0] != b.shape[1] or (b.shape[0], a.shape[1]) != tuple(shape):
+            raise CheckpointError(f"--lora {self.path}: {name} is {list(shape)} in the model, the adapter's B @ A "
+                                  f"[{b.shape[0]}, {a.shape[1]}] (an adapter of another model?)")
+        return a, b * self.factor
+
+
+class Merged:
+    """A target weight's thunk: called, the base weight plus its adapters' terms (float32); base: the weight as
+    stored; deltas: the terms."""
+
+    def __init__(self, base, deltas: tuple[Delta, ...], name: str) -> None:
+        self.base, self.deltas, self.name = base, deltas, name
+
+    def __call__(self) -> torch.Tensor:
+        w = self.base().float()
+        for delta in self.deltas:
+            a, b = delta.read(self.name, tuple(w.shape))
+            w = w + b @ a
+        return w
+
+
+# a Llama-layout adapter's names as a native folder names its weights (the default model's: read from a GGUF, its
+# q and k rows back in Hugging Face's order)
+NATIVE_NAMES = [(r"(?:model\.)?layers\.(\d+)\.self_attn\.([qkvo]_proj)\.weight", r"layers.\1.attn.\2.weight"),
+                (r"(?:model\.)?layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight", r"layers.\1.mlp.\2.weight")]
+
+
+def native_name(name: str) -> str:
+    for pattern, native in NATIVE_NAMES:
+        if re.fullmatch(pattern, name):
+            return re.sub(pattern, native, name)
+    return name
+
+
+def merged(table: dict, source: str, names=lambda name: name) -> dict:
+    """table {name: thunk} with PENDING's adapters on their target weights (Merged), an adapter's names as
+    names(name) gives them; an adapter naming a weight the table lacks is refused in one line."""
     out, pending = dict(table), PENDING.get()
     pending.merged = True
     for adapter in pending.adapters:
-        missing = [name for name in adapter.deltas if name not in out]
+        deltas = {names(name): delta for name, delta in adapter.deltas.items()}
+        missing = [name for name in deltas if name not in out]
         if missing:
             raise CheckpointError(f"--lora {adapter.path}: {missing[0]} is not a weight of {source} (an adapter of "
                                   "another model?)")
-        for name, (a, b, factor) in adapter.deltas.items():
-            out[name] = lambda base=out[name], a=a, b=b, factor=factor, name=name, path=adapter.path: add(
-                base(), a(), b(), factor, name, path)
+        for name, (a, b, factor) in deltas.items():
+            before = out[name]
+            base, deltas = (before.base, before.deltas) if isinstance(before, Merged) else (before, ())
+            out[name] = Merged(base, (*deltas, Delta(a, b, factor, adapter.path)), name)
     return out
 
 
-def add(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, factor: float, name: str, path: str) -> torch.Tensor:
-    """w + factor * b @ a, in float32 (w [out, in], a [r, in], b [out, r])."""
-    if a.shape[0] != b.shape[1] or (b.shape[0], a.shape[1]) != tuple(w.shape):
-        raise CheckpointError(f"--lora {path}: {name} is {list(w.shape)} in the model, the adapter's B @ A "
-                              f"[{b.shape[0]}, {a.shape[1]}] (an adapter of another model?)")
-    return w.float() + factor * (b.float() @ a.float())
+def unmerged(table: dict) -> dict:
+    """table with each Merged weight back to its base (a quantized load: the adapters go to attach)."""
+    return {name: thunk.base if isinstance(thunk, Merged) else thunk for name, thunk in table.items()}
+
+
+def check_unmerged(table: dict, adapters: tuple, mode: str) -> None:
+    """Refuse in one line an adapter a quantized load cannot keep apart: one on a weight the family changes as it
+    loads (split from a fused tensor, scaled), which only merges."""
+    kept = sum(len(t.deltas) for t in table.values() if isinstance(t, Merged))
+    wanted = sum(len(a.deltas) for a in adapters)
+    if kept != wanted:
+        raise UsageError(f"--lora with {mode} weights: this family changes some adapted weights as they load (the "
+                         "adapter merges into full-precision weights only: --quant none)")
+
+
+class LowRank(nn.Module):
+    """A linear with adapters beside it: base(x) + (x A^T) B^T, A [R, in] and B [out, R] the adapters' terms on its
+    parts side by side (B holds each part's rows of its own terms, zeros elsewhere; the factors folded in)."""
+
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor) -> None:
+        super().__init__()
+        self.base = base
+        self.register_buffer("lora_a", a)
+        self.register_buffer("lora_b", b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + F.linear(F.linear(x, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype))
+
+
+def attach(model: nn.Module, table: dict, parts_of) -> None:
+    """Put each Merged weight's adapters beside its (quantized) layer as a LowRank term. parts_of(module name) ->
+    {weight prefix: rows} of a fused layer's parts (load.fused_parts)."""
+    terms = {name.removesuffix(".weight"): t for name, t in table.items() if isinstance(t, Merged)}
+    for module_name, module in list(model.named_modules()):
+        parts = parts_of(model, module_name) if hasattr(module, "in_features") else {}
+        if not any(p in terms for p in parts):
+            continue
+        total = module.out_features
+        a_rows, b_blocks, start = [], [], 0
+        for prefix, rows in parts.items():
+            rows = rows or total  # (a layer of one part: all its rows)
+            for delta in terms[prefix].deltas if prefix in terms else ():
+                a, b = delta.read(prefix + ".weight", (rows, module.in_features))
+                a_rows.append(a)
+                b_blocks.append((start, b))
+            start += rows
+        b = torch.zeros(total, sum(a.shape[0] for a in a_rows))
+        column = 0
+        for (row, block), a in zip(b_blocks, a_rows):
+            b[row:row + block.shape[0], column:column + a.shape[0]] = block
+            column += a.shape[0]
+        parent, _, leaf = module_name.rpartition(".")
+        device = next(module.buffers(), next(module.parameters(), torch.empty(0))).device
+        setattr(model.get_submodule(parent) if parent else model, leaf,
+                LowRank(module, torch.cat(a_rows).to(device), b.to(device)))

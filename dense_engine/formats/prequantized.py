@@ -106,7 +106,8 @@ def exact_int4(table: dict, scheme: Scheme | None) -> tuple[dict, Scheme | None]
     scaled) loads as float instead."""
     if scheme is None or scheme.mode != "int4":
         return {}, scheme
-    exact = {name.removesuffix(".weight"): thunk.int4 for name, thunk in table.items()
+    stored = {name: getattr(thunk, "base", thunk) for name, thunk in table.items()}  # (under a LoRA's lora.Merged)
+    exact = {name.removesuffix(".weight"): thunk.int4 for name, thunk in stored.items()
              if isinstance(thunk, Dequantized)}
     return exact, scheme if exact else dataclasses.replace(scheme, mode=None)
 
