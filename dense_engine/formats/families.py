@@ -1014,6 +1014,14 @@ def time_step_limit(cfg: ConfigReader) -> tuple[float, float]:
     return tuple(float(t["__float__"] if isinstance(t, dict) else t) for t in limit)
 
 
+def mamba_rules(layer: str, into: str) -> list:
+    """The names of a Hugging Face Mamba2 mixer's tensors (under `layer`, its `mamba.`) as this engine's Mamba2 under
+    layers.N.`into`."""
+    return [(layer + r"mamba\.(in_proj|out_proj)\.(weight|bias)", rf"layers.\1.{into}\2.\3"),
+            (layer + r"mamba\.conv1d\.(weight|bias)", rf"layers.\1.{into}conv_\2"),
+            (layer + r"mamba\.(A_log|D|dt_bias|norm\.weight)", rf"layers.\1.{into}\2")]
+
+
 def granite_hybrid(folder: str, raw: dict, source: str):
     """Granite 4.0 H (granitemoehybrid without experts: num_local_experts 0): Mamba2 layers with a few attention
     layers between them, Granite's multipliers (embedding, residual, attention scale, logits divisor), no position
@@ -1066,9 +1074,7 @@ def granite_hybrid(folder: str, raw: dict, source: str):
              (layer + r"input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
              (layer + r"post_attention_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
              (layer + r"self_attn\.([qkvo]_proj)\.(weight|bias)", r"layers.\1.attn.\2.\3"),
-             (layer + r"mamba\.(in_proj|out_proj)\.(weight|bias)", r"layers.\1.attn.\2.\3"),
-             (layer + r"mamba\.conv1d\.(weight|bias)", r"layers.\1.attn.conv_\2"),
-             (layer + r"mamba\.(A_log|D|dt_bias|norm\.weight)", r"layers.\1.attn.\2"),
+             *mamba_rules(layer, "attn."),
              (layer + r"shared_mlp\.input_linear\.weight", r"layers.\1.mlp.gate_up.weight"),
              (layer + r"shared_mlp\.output_linear\.weight", r"layers.\1.mlp.down_proj.weight")]
     table = rename(hf_weights(folder), rules, source)
@@ -1137,9 +1143,7 @@ def falcon_h1(folder: str, raw: dict, source: str):
              (layer + r"input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
              (layer + r"pre_ff_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
              (layer + r"self_attn\.([qkvo]_proj)\.weight", r"layers.\1.attn.attention.\2.weight"),
-             (layer + r"mamba\.(in_proj|out_proj)\.weight", r"layers.\1.attn.mamba.\2.weight"),
-             (layer + r"mamba\.conv1d\.(weight|bias)", r"layers.\1.attn.mamba.conv_\2"),
-             (layer + r"mamba\.(A_log|D|dt_bias|norm\.weight)", r"layers.\1.attn.mamba.\2"),
+             *mamba_rules(layer, "attn.mamba."),
              (layer + r"feed_forward\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.weight")]
     table = rename(hf_weights(folder), rules, source)
     widths = [inner, inner, m_groups * m_state, m_groups * m_state, m_heads]  # in_proj's rows: z, x, B, C, dt

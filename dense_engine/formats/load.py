@@ -103,6 +103,9 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
     device = torch.device(device)
     dtype = dtype or default_dtype(device, checkpoint.dtype)
     mode, params, tensors = select(checkpoint, quant, device=device)
+    if shard is not None and checkpoint.adapters and mode is not None:
+        raise UsageError("--lora beside quantized weights is not split across ranks yet (full-precision weights "
+                         "take it merged: --quant none)")
     config = checkpoint.config
     if shard is not None and mode == "gguf":  # tensor parallel cuts float or int8/int4 weights, not GGUF blocks
         mode, tensors = None, checkpoint.tensors
