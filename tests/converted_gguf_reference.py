@@ -32,7 +32,13 @@ queries' and keys' 0.4 (scores sharp enough that yarn shows: its cos and sin 10%
 command-r (CohereForCausalLM, Command R v1): two layers, layer norms without bias (gains in [0.5, 1.5]) before the
 parallel attention and MLP, interleaved rope, a logit scale of 0.3, tied; weights of std 0.2, queries' and keys' 0.4.
 
-Each converted with --outtype f16."""
+Each converted with --outtype f16.
+
+lora (--only lora): a tiny random Llama (LlamaForCausalLM: two layers, 64 wide, weights of std 0.05) converted with
+--outtype f16 (lora-base.gguf) and q8_0 (lora-base-q8_0.gguf), a PEFT LoRA adapter of it (rank 4, alpha 8, on q, k,
+v, o, gate, up, down; B of std 0.05) saved as PEFT saves it (lora-peft/) and converted by llama.cpp's
+convert_lora_to_gguf.py (lora-adapter.gguf, f32), and llama.cpp's logits on each base with the adapter (lora.json:
+logits, logits_q8_0)."""
 
 import argparse
 import json
@@ -211,13 +217,71 @@ CASES = {"gemma4": make_gemma4, "granitehybrid": make_granitehybrid, "nemotron_h
          "mistral3": make_mistral3, "command-r": make_command_r, "falcon-h1": make_falcon_h1}
 
 
+LLAMA_LORA = r'''
+import json, sys
+from llama_cpp import Llama
+path, lora, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+llm = Llama(model_path=path, lora_path=lora, logits_all=True, n_ctx=64, n_threads=2, verbose=False, type_k=0,
+            type_v=0)
+llm.eval(ids)
+print(json.dumps({"logits": [list(map(float, row)) for row in llm.scores[:len(ids)]]}))
+'''
+CONVERT_LORA = CONVERT.replace("convert_hf_to_gguf.py", "convert_lora_to_gguf.py")
+
+
+def make_lora(args) -> None:
+    import peft
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.05)
+    peft_folder = os.path.join(OUT, "lora-peft")
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(HERE, "fixtures", "llama", name), folder)
+        bases = {"logits": os.path.join(OUT, "lora-base.gguf"), "logits_q8_0": os.path.join(OUT, "lora-base-q8_0.gguf")}
+        adapter = os.path.join(OUT, "lora-adapter.gguf")
+        for kind, base in bases.items():
+            subprocess.run([sys.executable, "-c", CONVERT, args.llama_src, folder, "--outtype",
+                            "q8_0" if kind.endswith("q8_0") else "f16", "--outfile", base], check=True,
+                           capture_output=True)
+        lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        with torch.no_grad():
+            for name, p in lora.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+        lora.save_pretrained(peft_folder)
+        os.remove(os.path.join(peft_folder, "README.md"))
+        subprocess.run([sys.executable, "-c", CONVERT_LORA, args.llama_src, peft_folder, "--base", folder,
+                        "--outtype", "f32", "--outfile", adapter], check=True, capture_output=True)
+    logits = {}
+    for kind, base in bases.items():
+        result = subprocess.run([args.llama_python, "-c", LLAMA_LORA, base, adapter, json.dumps(IDS)],
+                                capture_output=True, text=True, check=True)
+        logits[kind] = json.loads(result.stdout)["logits"]
+    with open(os.path.join(OUT, "lora.json"), "w") as f:
+        json.dump({"ids": IDS, **logits}, f)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--llama-python", required=True, help="a python with llama-cpp-python installed")
     p.add_argument("--llama-src", required=True, help="llama.cpp's source (convert_hf_to_gguf.py, gguf-py/)")
-    p.add_argument("--only", choices=list(CASES), help="make this case's files alone")
+    p.add_argument("--only", choices=[*CASES, "lora"], help="make this case's files alone")
     args = p.parse_args()
     os.makedirs(OUT, exist_ok=True)
+    if args.only in (None, "lora"):
+        make_lora(args)
     for name, make in CASES.items():
         if args.only not in (None, name):
             continue

@@ -52,7 +52,7 @@ def read_any(path: str) -> Checkpoint:
             if not os.path.isfile(weights) and not raw.get("quantization"):
                 raise CheckpointError(f"{path}: no model.safetensors beside config.json")
             tensors = open_safetensors(weights) if os.path.isfile(weights) else {}
-            tensors = lora.merged(tensors, path, lora.native_name) if tensors else tensors
+            tensors = lora.merged(tensors, path, lora.native_names) if tensors else tensors
             return Checkpoint(path, config, tensors, torch_dtype(raw.get("torch_dtype")), raw)
     return read_foreign(path)
 

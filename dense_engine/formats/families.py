@@ -48,7 +48,13 @@ SKIPPED_BUFFERS = re.compile(r".*\.(rotary_emb\.inv_freq|attention\.bias|attenti
 def hf_weights(folder: str) -> dict:
     """{name: thunk} over a Hugging Face folder's tensors; a quantized folder's linears dequantized (prequantized.py),
     the LoRA adapters of this load merged (lora.py)."""
-    return lora.merged(prequantized.dequantized_weights(stored_weights(folder), folder), folder)
+    return lora.merged(prequantized.dequantized_weights(stored_weights(folder), folder), folder, hf_lora_names)
+
+
+def hf_lora_names(adapter, name: str) -> list[tuple[str, None]]:
+    if adapter.names != "peft":
+        raise CheckpointError(f"--lora {adapter.path}: a llama.cpp adapter applies to a GGUF base of its architecture")
+    return [(name, None)]
 
 
 def stored_weights(folder: str) -> dict:

@@ -59,7 +59,7 @@ import torch
 
 from dense import DenseConfig
 from dense_engine.cpu import quantized
-from dense_engine.formats import families, rope_scalings
+from dense_engine.formats import families, lora, rope_scalings
 from dense_engine.formats.checkpoint import Checkpoint, atomic_write, make_config
 from dense_engine.system.errors import CheckpointError, first_line
 from dense_engine.system.machine import cache_dir, note, unwritable_cache
@@ -719,7 +719,49 @@ def read_gguf(path: str) -> Checkpoint:
         for i in range(config.num_hidden_layers):
             table[f"layers.{i}.attn_norm.bias"] = table[f"layers.{i}.mlp_norm.bias"] = table["norm.bias"]
             table[f"layers.{i}.mlp_norm.weight"] = table[f"layers.{i}.attn_norm.weight"]
+    def lora_names(adapter, name: str) -> list[tuple[str, torch.Tensor | None]]:
+        """A LoRA adapter's name as this table names the weight, and B's rows in its order: a llama.cpp adapter's
+        GGUF names (turned q/k rows and fused tensors undone as for the base's), a Hugging Face one's as a Llama-layout
+        native folder's (the base's rows here are in Hugging Face's order)."""
+        if adapter.names == "peft":
+            return lora.native_names(adapter, name)
+        if adapter.names != arch:
+            raise CheckpointError(f"--lora {adapter.path}: an adapter of architecture {adapter.names!r}, the base "
+                                  f"{path} is {arch!r}")
+        prefix, layer, rest = (name.split(".", 2) + ["", ""])[:3]
+        parts = (state_layer_tensors if state else layer_tensors)(arch, config, rest) if prefix == "blk" else None
+        if not parts or not layer.isdigit() or any(change is not None for _, _, change in parts):
+            raise CheckpointError(f"--lora {adapter.path}: {name} is not an adapted weight this engine reads")
+        return [(f"layers.{layer}.{native}", rows) for native, rows, _ in parts]
+
+    table = lora.merged(table, path, lora_names)
     return Checkpoint(path, config, table, source_types=types, exact_int4=exact, blocks=blocks)
+
+
+def read_lora(path: str, scale: float) -> lora.Adapter:
+    """llama.cpp's LoRA file (convert_lora_to_gguf.py's): NAME.lora_a [r, in] and NAME.lora_b [out, r] for each
+    adapted tensor NAME of the base's GGUF names, adapter.lora.alpha (scale alpha / r, as llama.cpp; none: 1)."""
+    reader = open_gguf(path)
+    kind = (field(reader, "general.type", "", path), field(reader, "adapter.type", "", path))
+    if kind != ("adapter", "lora"):
+        raise CheckpointError(f"{path}: general.type / adapter.type {'/'.join(kind)!r}: not a LoRA adapter file")
+    alpha = float(field(reader, "adapter.lora.alpha", 0.0, path))
+    tensors = {t.name: t for t in reader.tensors}
+    deltas = {}
+    for name in tensors:
+        if not name.endswith((".lora_a", ".lora_b")):
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} (lora_a / lora_b tensors alone)")
+        if name.endswith(".lora_b"):
+            continue
+        base = name.removesuffix(".lora_a")
+        if base + ".lora_b" not in tensors:
+            raise CheckpointError(f"{path}: {base}.lora_b is missing beside its lora_a")
+        a, b = (lambda t=tensors[base + part]: dequantized(t, path) for part in (".lora_a", ".lora_b"))
+        rank = int(shape_of(tensors[name])[0])
+        deltas[base] = (a, b, scale * (alpha / rank if alpha else 1.0))
+    if not deltas:
+        raise CheckpointError(f"{path}: no lora_a / lora_b tensors")
+    return lora.Adapter(path, deltas, field(reader, "general.architecture", "", path))
 
 
 # the converter's LlamaModel turns their q/k rows for its rotary's pairs

@@ -26,7 +26,7 @@ from torch import nn
 
 import dense
 from dense_engine.cpu import kernels, quantized
-from dense_engine.formats import convert, preread
+from dense_engine.formats import convert, gguf_import, preread
 from dense_engine.formats import lora as adapters
 from dense_engine.system import machine
 from dense_engine.formats.checkpoint import Checkpoint
@@ -87,7 +87,10 @@ def plan(path: str, quant: str = "auto", device=None, dtype: torch.dtype | None 
 
 def read_with_adapters(path, lora: tuple) -> Checkpoint:
     """The checkpoint at path, the LoRA adapters lora names ((folder, scale) pairs) merged into its weights."""
-    return convert.read_checkpoint(path, tuple(adapters.read_adapter(p, s) for p, s in lora))
+    def read(adapter: str, scale: float):  # (a llama.cpp adapter file, or a PEFT folder)
+        return gguf_import.read_lora(adapter, scale) if adapter.endswith(".gguf") and os.path.isfile(adapter) else \
+            adapters.read_adapter(adapter, scale)
+    return convert.read_checkpoint(path, tuple(read(os.fspath(p), float(s)) for p, s in lora))
 
 
 def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant: str | None = None,
@@ -205,15 +208,15 @@ def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> 
             raise CheckpointError(f"{checkpoint.path}: holds only quantized variants ({', '.join(saved)}), no "
                                   "full-precision weights")
         return None, {}, checkpoint.tensors
+    if checkpoint.adapters:  # the weights quantized as stored; their adapters stay apart (lora.attach)
+        adapters.check_unmerged(checkpoint.tensors, checkpoint.adapters, quant)
+        checkpoint = dataclasses.replace(checkpoint, tensors=adapters.unmerged(checkpoint.tensors))
     if quant == "gguf":
         if not checkpoint.blocks:
             raise CheckpointError(f"--quant gguf: {checkpoint.path} is not a GGUF file with quantized blocks "
                                   f"({', '.join(quantized.GGUF_TYPES)})")
         return "gguf", {}, checkpoint.tensors
     quantized.check_mode(quant)
-    if checkpoint.adapters:  # the weights quantized as stored; their adapters stay apart (lora.attach)
-        adapters.check_unmerged(checkpoint.tensors, checkpoint.adapters, quant)
-        checkpoint = dataclasses.replace(checkpoint, tensors=adapters.unmerged(checkpoint.tensors))
     record = saved.get(quant, {})
     params = {"group_size": record.get("group_size") or 32}
     if record.get("head") in quantized.GGUF_TYPES:  # the head in its GGUF's own blocks (convert.exact_variant)

@@ -27,9 +27,11 @@ from dense_engine.system.errors import CheckpointError, UsageError
 
 @dataclass(frozen=True)
 class Adapter:
-    """One adapter as read: {base weight name: (A [r, in], B [out, r] thunks, its scale)} and where it came from."""
+    """One adapter as read: {base weight name: (A [r, in], B [out, r] thunks, its scale)} and where it came from;
+    names: "peft" (Hugging Face's module names) or the GGUF architecture of a llama.cpp adapter (its tensor names)."""
     path: str
     deltas: dict = field(default_factory=dict)
+    names: str = "peft"
 
 
 @dataclass
@@ -52,7 +54,8 @@ def parse(spec: str) -> tuple[str, float]:
 
 
 def read_adapter(path: str, scale: float = 1.0) -> Adapter:
-    """A PEFT adapter folder as an Adapter, its deltas scaled by `scale` (--lora DIR:SCALE) times alpha / r."""
+    """A PEFT adapter folder as an Adapter, its deltas scaled by `scale` (--lora DIR:SCALE) times alpha / r.
+    (llama.cpp's GGUF adapter files: gguf_import.read_lora.)"""
     config_file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_file):
         raise UsageError(f"--lora {path}: no adapter_config.json (a PEFT LoRA adapter folder)")
@@ -117,8 +120,8 @@ def applying(adapters: tuple[Adapter, ...], path: str):
     finally:
         PENDING.reset(token)
     if adapters and not pending.merged:
-        raise UsageError(f"--lora: adapters apply to a Hugging Face folder's or a native folder's weights; {path} is "
-                         "neither")
+        raise UsageError(f"--lora: adapters apply to a Hugging Face folder's, a native folder's or a GGUF file's "
+                         f"weights; {path} is none of them")
 
 
 @dataclass(frozen=True)
@@ -128,10 +131,12 @@ class Delta:
     b: object
     factor: float
     path: str
+    rows: torch.Tensor | None = None  # B's rows in the weight's order (a GGUF file's turned q/k rows), None: as is
 
     def read(self, name: str, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, factor * B) in float32, refused in one line where B @ A is not the weight's shape."""
         a, b = self.a().float(), self.b().float()
+        b = b if self.rows is None else b[self.rows]
         if a.shape[0] != b.shape[1] or (b.shape[0], a.shape[1]) != tuple(shape):
             raise CheckpointError(f"--lora {self.path}: {name} is {list(shape)} in the model, the adapter's B @ A "
                                   f"[{b.shape[0]}, {a.shape[1]}] (an adapter of another model?)")
@@ -159,28 +164,33 @@ NATIVE_NAMES = [(r"(?:model\.)?layers\.(\d+)\.self_attn\.([qkvo]_proj)\.weight",
                 (r"(?:model\.)?layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight", r"layers.\1.mlp.\2.weight")]
 
 
-def native_name(name: str) -> str:
+def native_names(adapter: Adapter, name: str) -> list[tuple[str, None]]:
+    """A Hugging Face adapter's name as a native folder (or a GGUF file read as one) names the weight."""
+    if adapter.names != "peft":
+        raise UsageError(f"--lora {adapter.path}: a llama.cpp adapter applies to a GGUF base of its architecture")
     for pattern, native in NATIVE_NAMES:
         if re.fullmatch(pattern, name):
-            return re.sub(pattern, native, name)
-    return name
+            return [(re.sub(pattern, native, name), None)]
+    return [(name, None)]
 
 
-def merged(table: dict, source: str, names=lambda name: name) -> dict:
-    """table {name: thunk} with PENDING's adapters on their target weights (Merged), an adapter's names as
-    names(name) gives them; an adapter naming a weight the table lacks is refused in one line."""
+def merged(table: dict, source: str, names=lambda adapter, name: [(name, None)]) -> dict:
+    """table {name: thunk} with PENDING's adapters on their target weights (Merged); names(adapter, name) -> [(the
+    table's name, B's rows or None)] for each adapted name (a fused tensor of the adapter's: several); an adapter
+    naming a weight the table lacks is refused in one line."""
     out, pending = dict(table), PENDING.get()
     pending.merged = True
     for adapter in pending.adapters:
-        deltas = {names(name): delta for name, delta in adapter.deltas.items()}
-        missing = [name for name in deltas if name not in out]
-        if missing:
-            raise CheckpointError(f"--lora {adapter.path}: {missing[0]} is not a weight of {source} (an adapter of "
-                                  "another model?)")
-        for name, (a, b, factor) in deltas.items():
+        targets = [(target, rows, delta) for name, delta in adapter.deltas.items()
+                   for target, rows in names(adapter, name)]
+        missing = [target for target, _, _ in targets if target not in out]
+        if missing or not targets:
+            raise CheckpointError(f"--lora {adapter.path}: {missing[0] if missing else 'its tensors'} is not a weight "
+                                  f"of {source} (an adapter of another model?)")
+        for name, rows, (a, b, factor) in targets:
             before = out[name]
             base, deltas = (before.base, before.deltas) if isinstance(before, Merged) else (before, ())
-            out[name] = Merged(base, (*deltas, Delta(a, b, factor, adapter.path)), name)
+            out[name] = Merged(base, (*deltas, Delta(a, b, factor, adapter.path, rows)), name)
     return out
 
 
