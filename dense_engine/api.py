@@ -117,8 +117,9 @@ def load(path: str | None = None, quant: str = "auto", device: str | None = None
     cuda, float32 elsewhere. max_seq_len: the cache (default the model's context, or what fits a quarter of the free
     memory). compile: compiled steps, saved for later processes (the first time on a machine they compile in the
     background while it answers eagerly). kv_dtype: the cache's numbers, as chat.py's --kv-dtype ("auto",
-    "float32", "float16", "bfloat16", "int8"). lora: PEFT LoRA adapter folders merged into the weights, each a path,
-    "DIR:SCALE" or (path, scale), as chat.py's --lora (with full-precision weights)."""
+    "float32", "float16", "bfloat16", "int8"). lora: LoRA adapters (PEFT folders, llama.cpp's GGUF adapter files),
+    each a path, "PATH:SCALE" or (path, scale), as chat.py's --lora: merged into full-precision weights, beside
+    quantized ones."""
     from rich.console import Console
 
     path = path or default_checkpoint(Console(stderr=True, soft_wrap=True))

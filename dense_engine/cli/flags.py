@@ -55,9 +55,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="weight quantization (a variant saved by quantize.py, else made at load time); auto: int4 "
                         "for weights from a Q4_0/Q4_1 GGUF (held exactly), a GGUF's own blocks for its other types "
                         "(gguf: Q4_K, Q5_K, Q6_K, Q8_0, ...), else as stored; none: full precision")
-    p.add_argument("--lora", action="append", metavar="DIR[:SCALE]",
-                   help="a PEFT LoRA adapter merged into the weights (times SCALE, default 1; several allowed; "
-                        "with full-precision weights)")
+    p.add_argument("--lora", action="append", metavar="PATH[:SCALE]",
+                   help="a LoRA adapter (a PEFT folder, or llama.cpp's .gguf adapter file) times SCALE (default 1): "
+                        "merged into full-precision weights, beside quantized ones; several allowed")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compiled prefill and decode steps, saved in the cache folder for later runs (default: on)")
     p.add_argument("--kv-dtype", choices=load.KV_DTYPES, default="auto",

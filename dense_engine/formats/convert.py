@@ -32,8 +32,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 
 def read_checkpoint(path, lora_adapters: tuple = ()) -> Checkpoint:
-    """Any supported checkpoint, native or foreign, as a Checkpoint; lora_adapters (lora.Adapter) merged into a
-    Hugging Face folder's weights."""
+    """Any supported checkpoint, native or foreign, as a Checkpoint; lora_adapters (lora.Adapter) on its weights
+    (lora.Merged thunks)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or folder")

@@ -49,7 +49,8 @@ class LoadRecord:
     kv_dtype: str = "auto"  # the cache's numbers: one of KV_DTYPES
     max_seq_len: int | None = None  # the cache's length; None: the model's context, or what fits (fitting_cache)
     compile: bool = True  # compiled steps, saved for later processes
-    lora: tuple[tuple[str, float], ...] = ()  # LoRA adapters merged into the weights: (folder, scale) each
+    lora: tuple[tuple[str, float], ...] = ()  # LoRA adapters (folder or file, scale): merged into full-precision
+    #                                          weights, beside quantized ones (lora.py)
 
     @property
     def weights(self) -> str:
@@ -68,7 +69,7 @@ def plan(path: str, quant: str = "auto", device=None, dtype: torch.dtype | None 
          max_seq_len: int | None = None, compile: bool = True, lora: tuple = ()) -> tuple[LoadRecord, Checkpoint]:
     """The record of a load and the checkpoint it reads (read once, here; from_pretrained takes it): "auto" resolved
     to what auto_mode picks, with its reason; device default cuda when there is one, else cpu; dtype default_dtype's.
-    lora: (adapter folder, scale) pairs merged into a full-precision load's weights."""
+    lora: (adapter folder or file, scale) pairs (lora.py: merged, or beside quantized weights)."""
     if kv_dtype not in KV_DTYPES:
         raise UsageError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     lora = tuple((os.path.abspath(p), float(s)) for p, s in lora)
@@ -86,7 +87,7 @@ def plan(path: str, quant: str = "auto", device=None, dtype: torch.dtype | None 
 
 
 def read_with_adapters(path, lora: tuple) -> Checkpoint:
-    """The checkpoint at path, the LoRA adapters lora names ((folder, scale) pairs) merged into its weights."""
+    """The checkpoint at path with the LoRA adapters `lora` names ((folder or file, scale) pairs) on its weights."""
     def read(adapter: str, scale: float):  # (a llama.cpp adapter file, or a PEFT folder)
         return gguf_import.read_lora(adapter, scale) if adapter.endswith(".gguf") and os.path.isfile(adapter) else \
             adapters.read_adapter(adapter, scale)
@@ -100,8 +101,8 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
     quant=None loads what is stored (the full-precision weights, or the only quantized variant of a folder that has no
     other); "int8" | "int4" | "nf4" | "llm.int8" loads that variant (saved by quantize.py, else quantized tensor by
     tensor as it loads); "auto" picks what auto_mode says; "none" forces full precision. shard: tensor parallel's
-    hook (tp.py), (checkpoint, tensors, mode) -> one rank's config and tensor slices. lora: (adapter folder, scale)
-    pairs merged into the weights (lora.py)."""
+    hook (tp.py), (checkpoint, tensors, mode) -> one rank's config and tensor slices. lora: (adapter folder or file,
+    scale) pairs, merged into full-precision weights, beside quantized ones (lora.py)."""
     checkpoint = path if isinstance(path, Checkpoint) else read_with_adapters(path, lora)
     device = torch.device(device)
     dtype = dtype or default_dtype(device, checkpoint.dtype)
