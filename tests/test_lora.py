@@ -260,3 +260,16 @@ def test_a_llama_cpp_adapter_on_a_folder_is_refused_in_one_line(base):
     with pytest.raises(CheckpointError, match="a llama.cpp adapter applies to a GGUF base") as e:
         load.from_pretrained(base, lora=[(os.path.join(GGUF, "lora-adapter.gguf"), 1.0)])
     assert "\n" not in str(e.value)
+
+
+def test_lora_flags_read_a_scale_and_refuse_an_adapter_picked_by_name(base, tmp_path):
+    """--lora PATH[:SCALE]: a suffix that is not a number is the path's; vLLM's NAME=DIR (per request) is refused in
+    one line saying what applies an adapter to every request."""
+    from dense_engine.formats import lora
+
+    save_adapter(base, tmp_path / "adapter", seed=1)
+    assert lora.parse(f"{tmp_path / 'adapter'}:0.5") == (str(tmp_path / "adapter"), 0.5)
+    assert lora.parse("/x:y") == ("/x:y", 1.0)
+    with pytest.raises(UsageError, match=r"sql=.*: adapters picked per request by name are not served yet") as e:
+        lora.parse(f"sql={tmp_path / 'adapter'}")
+    assert "\n" not in str(e.value)

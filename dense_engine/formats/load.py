@@ -55,7 +55,9 @@ class LoadRecord:
     @property
     def weights(self) -> str:
         """What was loaded and why, as the programs' first line says it."""
-        return f"{self.quant or 'full precision'} ({self.reason})"
+        adapters = "" if not self.lora else \
+            f", {len(self.lora)} LoRA adapter{'s' if len(self.lora) > 1 else ''} {'beside' if self.quant else 'merged'}"
+        return f"{self.quant or 'full precision'} ({self.reason}){adapters}"
 
 
 def default_dtype(device, declared: torch.dtype | None = None) -> torch.dtype:

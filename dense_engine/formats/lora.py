@@ -45,7 +45,12 @@ PENDING: ContextVar[Pending] = ContextVar("pending", default=Pending())
 
 
 def parse(spec: str) -> tuple[str, float]:
-    """--lora's DIR[:SCALE] -> (DIR, SCALE); a suffix that is not a number is part of the path."""
+    """--lora's DIR[:SCALE] -> (DIR, SCALE); a suffix that is not a number is part of the path. vLLM's NAME=DIR (an
+    adapter a request picks by name) is refused in one line."""
+    name, equals, folder = spec.partition("=")
+    if equals and name and not os.path.exists(spec) and os.path.exists(parse(folder)[0]):
+        raise UsageError(f"--lora {spec}: adapters picked per request by name are not served yet; --lora "
+                         f"{folder} applies the adapter to every request")
     path, _, scale = spec.rpartition(":")
     try:
         return (path, float(scale)) if path else (spec, 1.0)
