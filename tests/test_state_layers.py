@@ -3,6 +3,7 @@ H's Mamba2. Tiny random
 models made with transformers are the oracle; each cached path (chunks with padding, rows, left-padded batches, a
 conversation's next turn, the compiled step) is checked against the plain pass."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -459,11 +460,13 @@ def test_granite_4_h_with_experts_or_across_ranks_is_refused_in_one_line(folders
     with pytest.raises(CheckpointError, match="num_local_experts.* mixture of experts") as e:
         load.from_pretrained(str(changed))
     assert "\n" not in str(e.value)
-    with pytest.raises(CheckpointError, match="Mamba2 layers are not split across ranks"):
-        tp.plan(load.from_pretrained(folder).config, 0, 2)
+    config = load.from_pretrained(folder).config  # (its heads in 2 groups split over 2 ranks; 1 group normed: not)
+    assert [s.mamba_groups for s in tp.plan(config, 1, 2)] == [(1, 2), (1, 2), (0, 0), (1, 2)]  # (layer 2: attention)
+    with pytest.raises(CheckpointError, match=r"Mamba2 heads' 1 groups of B and C \(normed by groups\) do not divide"):
+        tp.plan(dataclasses.replace(config, mamba_heads=(8, 16, 1, 16)), 0, 2)
 
 
-def test_falcon_h1_as_its_reference_does_not_run_it_or_across_ranks_is_refused_in_one_line(folders, tmp_path):
+def test_falcon_h1_as_its_reference_does_not_run_it_is_refused_in_one_line(folders, tmp_path):
     from dense_engine.runtime import tp
     from dense_engine.system.errors import CheckpointError
 
@@ -475,8 +478,9 @@ def test_falcon_h1_as_its_reference_does_not_run_it_or_across_ranks_is_refused_i
     with pytest.raises(CheckpointError, match=r"mamba_norm_before_gate True is not supported .*after the silu\(z\) gate") as e:
         load.from_pretrained(str(changed))
     assert "\n" not in str(e.value)
-    with pytest.raises(CheckpointError, match="Mamba2 layers are not split across ranks"):
-        tp.plan(load.from_pretrained(folder).config, 0, 2)
+    config = load.from_pretrained(folder).config  # (one group without a norm: each rank reads it whole)
+    assert [s.mamba_groups for s in tp.plan(dataclasses.replace(config, mamba_heads=(8, 16, 1, 16), mamba_norm=False),
+                                            1, 2)] == [(0, 1)] * 3
 
 
 @pytest.mark.parametrize("arch, kinds, widths", [
@@ -534,5 +538,4 @@ def test_nemotron_h_blocks_become_layers_and_what_is_not_dense_is_refused(models
         with pytest.raises(CheckpointError, match=words) as e:
             load.from_pretrained(str(changed))
         assert "\n" not in str(e.value)
-    with pytest.raises(CheckpointError, match="Mamba2 layers are not split across ranks"):
-        tp.plan(model.config, 0, 2)
+    assert [s.mamba_heads for s in tp.plan(model.config, 0, 2)] == [(0, 4), (0, 0), (0, 4), (0, 4)]  # (8 heads, 2 ranks)

@@ -1,6 +1,7 @@
 """Tensor parallel (tp.py) on CPU with gloo, two processes, against the single-process model: logits within 1e-5 and
 the same greedy tokens for five layouts (eager; compiled for one), the GPT-NeoX original release read shard-per-rank,
-int8/int4 shards, state layers (Qwen3.5, LFM2), each rank's weight bytes, and chat.py under torchrun."""
+int8/int4 shards, state layers (Qwen3.5, LFM2, Mamba2: Granite 4.0 H, Falcon-H1), each rank's weight bytes, and
+chat.py under torchrun."""
 
 import os
 import subprocess
@@ -102,6 +103,14 @@ def states(tmp_path_factory):
                                                                                                   **LFM2)))):
         save_random(cls, config, i, root / case)
         made[case] = str(root / case)
+    from test_state_layers import CASES, FALCON_H1  # Mamba2: heads and their groups split (Granite 4.0 H, Falcon-H1's
+    # attention and Mamba2 in one layer), or one group each rank reads whole (Falcon-H1 without its norm)
+    mamba = {"granite 4.0 h": CASES["granite 4.0 h"], "falcon-h1": CASES["falcon-h1"],
+             "falcon-h1 one group": ("FalconH1ForCausalLM", transformers.FalconH1Config(**{**FALCON_H1,
+                                                                                         "mamba_n_groups": 1}))}
+    for i, (case, (cls, config)) in enumerate(mamba.items()):
+        save_random(cls, config, 10 + i, root / case.replace(" ", "_"))
+        made[case] = str(root / case.replace(" ", "_"))
     tiled = tile_value_heads(load.from_pretrained(made["qwen3_5"]))
     made["qwen3_5 tiled"] = str(root / "tiled")
     convert.write_native(made["qwen3_5 tiled"], tiled.config,
@@ -115,8 +124,9 @@ def test_two_ranks_equal_one_process(tmp_path, bigger, families, states):
     jobs += [(case, path, None, False) for case, path in families.items()]
     jobs += [("bigger", bigger, None, False), ("int8", bigger, "int8", False), ("int4", bigger, "int4", False)]
     # state layers: a Gated DeltaNet layer's key heads and the value heads reading them go to one rank
-    jobs += [(case, path, None, case == "qwen3_5") for case, path in states.items()]
-    jobs += [("qwen3_5 int4", states["qwen3_5"], "int4", False), ("lfm2 int8", states["lfm2"], "int8", False)]
+    jobs += [(case, path, None, case in ("qwen3_5", "falcon-h1")) for case, path in states.items()]
+    jobs += [("qwen3_5 int4", states["qwen3_5"], "int4", False), ("lfm2 int8", states["lfm2"], "int8", False),
+             ("granite 4.0 h int8", states["granite 4.0 h"], "int8", False)]
     ranks = run_two(tmp_path, jobs)
     for name, path, quant, compile in jobs:
         model, logits, greedy = single(path, quant)

@@ -102,6 +102,8 @@ class LayerShard:
     ffn: tuple[int, int]  # FFN columns
     key_heads: tuple[int, int] = (0, 0)  # a Gated DeltaNet layer's key heads [start, stop)
     value_heads: tuple[int, ...] = ()  # and the value heads they serve, in the rank's order
+    mamba_heads: tuple[int, int] = (0, 0)  # a Mamba2 mixer's heads [start, stop)
+    mamba_groups: tuple[int, int] = (0, 0)  # and the groups of B and C they read (shared by ranks where G < ranks)
 
 
 def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
@@ -117,8 +119,6 @@ def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
         raise CheckpointError("its attention sinks (Granite SWA) are not split across ranks yet")
     if config.attn_head_gate and size > 1:
         raise CheckpointError("its attention's gate per head (LFM3) is not split across ranks yet")
-    if config.layer_types and {"mamba", "hybrid"} & set(config.layer_types) and size > 1:
-        raise CheckpointError("its Mamba2 layers are not split across ranks yet")
     shards = []
     for i in range(config.num_hidden_layers):
         H, K, W = config.heads(i), config.kv_heads(i), config.ffn_width(i)
@@ -137,9 +137,25 @@ def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
             group = H // K
             kv = (rank * h // group, rank * h // group + 1)
         w = W // size
+        mamba = mamba_heads(config, rank, size, i) if config.mixer(i) in ("mamba", "hybrid") else ((0, 0), (0, 0))
         shards.append(LayerShard((rank * h, rank * h + h), kv, (rank * w, rank * w + w),
-                                 *(delta_heads(config, rank, size, i) if config.mixer(i) == "delta" else ())))
+                                 *(delta_heads(config, rank, size, i) if config.mixer(i) == "delta" else
+                                   ((0, 0), ())), *mamba))
     return shards
+
+
+def mamba_heads(config: dense.DenseConfig, rank: int, size: int, layer: int) -> tuple[tuple[int, int], tuple]:
+    """A Mamba2 mixer's heads for this rank, a run, and the groups of B and C they read: split with the heads, or
+    read whole by each rank whose heads share them (fewer groups than ranks), where no norm spans a group."""
+    H, _, G, _ = config.mamba_heads
+    if H % size:
+        raise CheckpointError(f"layer {layer}: {H} Mamba2 heads do not divide over {size} ranks")
+    if G % size and (size % G or config.mamba_norm):
+        raise CheckpointError(f"layer {layer}: its Mamba2 heads' {G} groups of B and C (normed by groups) do not "
+                              f"divide over {size} ranks")
+    h, per_group = H // size, H // G
+    heads = (rank * h, rank * h + h)
+    return heads, (heads[0] // per_group, (heads[1] - 1) // per_group + 1)
 
 
 def delta_heads(config: dense.DenseConfig, rank: int, size: int, layer: int) -> tuple[tuple[int, int], tuple]:
@@ -160,27 +176,39 @@ def shard_config(config: dense.DenseConfig, shards: list[LayerShard]) -> dense.D
     """The config of one rank's model: per-layer head counts and FFN widths of its slice."""
     delta = next((s for s in shards if s.value_heads), None)  # (every Gated DeltaNet layer has the same heads)
     linear_heads = (delta.key_heads[1] - delta.key_heads[0], len(delta.value_heads)) if delta else config.linear_heads
+    mamba = next((s for s in shards if s.mamba_heads[1]), None)  # (and every Mamba2 mixer)
+    _, P, _, N = config.mamba_heads
+    mamba_heads = (mamba.mamba_heads[1] - mamba.mamba_heads[0], P, mamba.mamba_groups[1] - mamba.mamba_groups[0],
+                   N) if mamba else config.mamba_heads
     return dataclasses.replace(config, num_attention_heads=[s.heads[1] - s.heads[0] for s in shards],
                                num_key_value_heads=[s.kv_heads[1] - s.kv_heads[0] for s in shards],
-                               intermediate_size=[s.ffn[1] - s.ffn[0] for s in shards], linear_heads=linear_heads)
+                               intermediate_size=[s.ffn[1] - s.ffn[0] for s in shards], linear_heads=linear_heads,
+                               mamba_heads=mamba_heads)
 
 
 # Which slice of a checkpoint tensor a rank reads: (pattern, how). "heads"/"kv_heads"/"ffn": rows of those units;
 # "in_heads"/"in_ffn": columns; "rank0": whole on rank 0, zeros elsewhere (a bias added after the partial sums).
 # A Gated DeltaNet layer: "qkv" rows of its key heads' q and k and its value heads' v (the conv's channels too),
 # "values" rows of its value heads, "in_values" their columns (a short conv's: whole, and out_proj rank 0's).
+MAMBA = r"layers\.(\d+)\.attn\.(?:mamba\.)?"  # (a Mamba2 mixer's, or a Falcon-H1 layer's Mamba2 half's)
 RULES = [
+    (MAMBA + r"in_proj\.(weight|bias|qweight|scales|mins|absmax)", "mamba_in"),
+    (MAMBA + r"conv_(weight|bias)", "mamba_conv"),
+    (MAMBA + r"(A_log|D|dt_bias)", "mamba_heads"),
+    (MAMBA + r"norm\.weight", "mamba_groups"),
+    (MAMBA + r"out_proj\.(weight|qweight|scales|mins)", "mamba_out"),
+    (MAMBA + r"out_proj\.bias", "mamba_bias"),
     (r"layers\.(\d+)\.attn\.(in_proj_qkv\.(weight|qweight|scales|mins|absmax)|conv_weight)", "qkv"),
     (r"layers\.(\d+)\.attn\.(in_proj_[zab]\.(weight|qweight|scales|mins|absmax)|A_log|dt_bias)", "values"),
     (r"layers\.(\d+)\.attn\.out_proj\.(weight|qweight|scales|mins)", "in_values"),
-    (r"layers\.(\d+)\.attn\.(q_proj|gate_proj)\.(weight|bias|qweight|scales|mins|absmax)", "heads"),
-    (r"layers\.(\d+)\.attn\.(k_proj|v_proj)\.(weight|bias|qweight|scales|mins|absmax)", "kv_heads"),
+    (r"layers\.(\d+)\.attn\.(?:attention\.)?(q_proj|gate_proj)\.(weight|bias|qweight|scales|mins|absmax)", "heads"),
+    (r"layers\.(\d+)\.attn\.(?:attention\.)?(k_proj|v_proj)\.(weight|bias|qweight|scales|mins|absmax)", "kv_heads"),
     (r"layers\.(\d+)\.attn\.q_norm\.weight", "norm_heads"),
     (r"layers\.(\d+)\.attn\.k_norm\.weight", "norm_kv_heads"),
-    (r"layers\.(\d+)\.attn\.o_proj\.(weight|qweight|scales|mins)", "in_heads"),
+    (r"layers\.(\d+)\.attn\.(?:attention\.)?o_proj\.(weight|qweight|scales|mins)", "in_heads"),
     (r"layers\.(\d+)\.mlp\.(gate_proj|up_proj)\.(weight|bias|qweight|scales|mins|absmax)", "ffn"),
     (r"layers\.(\d+)\.mlp\.down_proj\.(weight|qweight|scales|mins)", "in_ffn"),
-    (r"layers\.(\d+)\.(attn\.o_proj|mlp\.down_proj)\.bias", "rank0"),
+    (r"layers\.(\d+)\.(attn\.(?:attention\.)?o_proj|mlp\.down_proj)\.bias", "rank0"),
 ]
 
 
@@ -188,12 +216,17 @@ def slicer(name: str, config: dense.DenseConfig, shards: list[LayerShard], rank:
     """A function cutting this rank's part out of checkpoint tensor `name` (None: the rank keeps it whole)."""
     for pattern, how in RULES:
         m = re.fullmatch(pattern, name)
-        if m:
-            break
+        if m and not (how.startswith("mamba") and config.mixer(int(m.group(1))) not in ("mamba", "hybrid")):
+            break  # (LFM2's short conv and Gated DeltaNet name an in_proj, out_proj or conv too: their own rules)
     else:
         return None
     i = int(m.group(1))
     s = shards[i]
+    if how.startswith("mamba"):
+        if how == "mamba_out" and mode == "nf4":
+            raise CheckpointError(f"{name}: nf4 weights cannot be split by input columns; use int8 or int4 with "
+                                  "tensor parallel")
+        return lambda t: mamba_part(t, config, s, how, name, rank)
     if how in ("qkv", "values", "in_values") and config.mixer(i) == "conv":  # (a short conv: whole)
         if how != "in_values":
             return None
@@ -244,6 +277,38 @@ def delta_rows(t: torch.Tensor, config: dense.DenseConfig, s: LayerShard, how: s
     a, b = s.key_heads
     return torch.cat([q[a * Dk * f:b * Dk * f], k[a * Dk * f:b * Dk * f],
                       *(v[j * Dv * f:(j + 1) * Dv * f] for j in s.value_heads)])
+
+
+def mamba_part(t: torch.Tensor, config: dense.DenseConfig, s: LayerShard, how: str, name: str,
+               rank: int) -> torch.Tensor:
+    """A Mamba2 tensor's part for this rank: in_proj's rows z | x | B | C | dt (heads' z, x and dt rows, its groups'
+    B and C), the conv's channels x | B | C, a value per head, the norm's groups, out_proj's columns of its heads
+    (a bias: rank 0's). Rows counted in stored rows (a quantized layout may hold several a weight row)."""
+    H, P, G, N = config.mamba_heads
+    (a, b), (ga, gb) = s.mamba_heads, s.mamba_groups
+    if how == "mamba_bias":
+        return t if rank == 0 else torch.zeros_like(t)
+    if how == "mamba_heads":
+        return t[a:b]
+    if how == "mamba_groups":  # [G, inner / G]
+        return t.reshape(G, -1)[ga:gb].reshape(-1, *t.shape[1:]) if t.dim() == 1 else t[ga:gb]
+    if how == "mamba_out":
+        if t.ndim < 2:  # int8's per-row scales: whole
+            return t
+        width = t.shape[1]  # (weight: H * P columns; int4's qweight, scales and mins fewer, the same share a head)
+        if width * (b - a) % H or width * a % H:
+            raise CheckpointError(f"{name}: int4 groups of {H * P // width} inputs do not divide a rank's "
+                                  f"{(b - a) * P} inputs; quantize with a smaller --group-size")
+        return t.narrow(1, a * width // H, (b - a) * width // H).contiguous()
+    sizes = ([H * P] if how == "mamba_in" else []) + [H * P, G * N, G * N] + ([H] if how == "mamba_in" else [])
+    f = t.shape[0] // sum(sizes)
+    parts = t.split([n * f for n in sizes])
+    z, parts = (parts[0], parts[1:]) if how == "mamba_in" else (None, parts)
+    x, B, C = parts[:3]
+    keep = [x[a * P * f:b * P * f], B[ga * N * f:gb * N * f], C[ga * N * f:gb * N * f]]
+    if how == "mamba_in":
+        keep = [z[a * P * f:b * P * f], *keep, parts[3][a * f:b * f]]
+    return torch.cat(keep)
 
 
 def value_columns(t: torch.Tensor, config: dense.DenseConfig, s: LayerShard, name: str) -> torch.Tensor:
