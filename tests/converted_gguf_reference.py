@@ -25,6 +25,11 @@ falcon-h1 (FalconH1ForCausalLM, tests/test_state_layers.py's "falcon-h1 normed")
 three layers, every muP multiplier away from 1 (the converter folds them into the weights), the SSM's output normed by
 groups after its gate; weights as granitehybrid's.
 
+granite_swa (transformers' granite_swa): four layers, the first full and the rest sliding (a window of 8), layer 1
+without rope and the others of one base (llama.cpp reads one base), learned sinks, Granite's four multipliers; its
+config.json as llama.cpp's converter reads it (the architecture named GraniteSWAForCausalLM, no_rope_layers: 1 where
+a layer rotates); weights of std 0.15, gains in [0.5, 1.5].
+
 mistral3 (Ministral3ForCausalLM): two layers, yarn (factor 16 over an original context of 64, mscale and
 mscale_all_dim 1, Ministral 3's llama_4_scaling_beta 0.1: 1 within the original context), untied; weights of std 0.2,
 queries' and keys' 0.4 (scores sharp enough that yarn shows: its cos and sin 10% larger move the logits 1%).
@@ -156,6 +161,32 @@ def make_falcon_h1(folder: str) -> None:
     save_mamba2_hybrid(transformers.FalconH1ForCausalLM(config).eval(), folder, lambda saved: saved)
 
 
+def make_granite_swa(folder: str) -> None:
+    import torch
+    import transformers
+
+    thetas = [1e4, 0.0, 1e4, 1e4]
+    config = transformers.AutoConfig.for_model(
+        "granite_swa", vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=8,
+        layer_rope_theta=thetas, embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
+        logits_scaling=4.0, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.15)
+    model.save_pretrained(folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        saved = json.load(f)
+    saved.update(architectures=["GraniteSWAForCausalLM"], no_rope_layers=[int(t > 0) for t in thetas],
+                 rope_theta=1e4)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(saved, f)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(HERE, "fixtures", "llama", name), folder)
+
+
 def make_mistral3(folder: str) -> None:
     import torch
     import transformers
@@ -214,7 +245,8 @@ sys.argv[0] = source + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 CASES = {"gemma4": make_gemma4, "granitehybrid": make_granitehybrid, "nemotron_h": make_nemotron_h,
-         "mistral3": make_mistral3, "command-r": make_command_r, "falcon-h1": make_falcon_h1}
+         "mistral3": make_mistral3, "command-r": make_command_r, "falcon-h1": make_falcon_h1,
+         "granite_swa": make_granite_swa}
 
 
 LLAMA_LORA = r'''

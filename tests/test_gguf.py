@@ -666,14 +666,18 @@ def test_what_a_hybrid_gguf_cannot_be_is_one_line(state_files, tmp_path, source,
     ("mistral3", 64, "yarn", "half", 1e-3),
     # (llama.cpp's f16 matmuls round their inputs to f16: 1.6e-3 here from transformers' logits on the same weights,
     # which this engine's are within 1e-6 of)
-    ("command-r", 256, None, "interleaved", 2e-3)])
+    ("command-r", 256, None, "interleaved", 2e-3),
+    # (llama.cpp's f16 rounding again: 1.8e-3 from transformers' logits on the same weights)
+    ("granite_swa", 256, None, "half", 2e-3)])
 def test_a_converted_gguf_gives_llama_cpps_logits_and_ids(arch, context, scaling, layout, within):
     """Files as llama.cpp's converter writes them (tests/fixtures/converted_gguf, made by
     tests/converted_gguf_reference.py). mistral3 (Ministral 3): llama's turned q/k rows, yarn from the file's keys
     (factor 16 over 64 tokens, cos and sin scaled by mscale over mscale_all_dim), the context cut at the original 64
     where llama.cpp starts scaling the queries. command-r (Command R v1): layer norms without bias before the parallel
-    branches, interleaved rope, the logit scale, the head read from the embedding. llama.cpp's logits (a float32
-    cache) within `within` of their largest, the same argmax, its token ids."""
+    branches, interleaved rope, the logit scale, the head read from the embedding. granite_swa (Granite SWA): its
+    sliding layers as the file's pattern says (a window of 8 in 20 tokens), a layer without rope (rope_pattern),
+    learned sinks, Granite's four scales. llama.cpp's logits (a float32 cache) within `within` of their largest, the
+    same argmax, its token ids."""
     from conftest import FIXTURES
     from dense_engine.formats.vocab import load_vocabulary
 
@@ -683,6 +687,9 @@ def test_a_converted_gguf_gives_llama_cpps_logits_and_ids(arch, context, scaling
     model = load.from_pretrained(path, dtype=torch.float32)
     assert model.config.max_position_embeddings == context and model.config.rope_layout == layout
     assert (model.config.rope_scaling or {}).get("rope_type") == scaling
+    if arch == "granite_swa":
+        assert model.config.nope_layers == [1] and model.config.attn_sinks and model.config.layer_types == [
+            "full_attention"] + ["sliding_attention"] * 3
     with torch.no_grad():
         got = model(torch.tensor([reference["ids"]]))[0]
     want = torch.tensor(reference["logits"])

@@ -365,7 +365,8 @@ FAMILIES = {
     "phi3": Family(gguf="phi3", eps=1e-5, derived_head_dim=True, windows="given"),
     "smollm3": Family(gguf="smollm3", tied=True, theta=2e6, windows="flag", nope=True),
     "granite": Family(gguf="granite", multipliers=True),
-    "granite_swa": Family(multipliers=True, windows="given", window=128, layer_thetas=True),
+    "granite_swa": Family(gguf="granite_swa", multipliers=True, windows="given", window=128, layer_thetas=True,
+                          window_pattern=4),  # (a GGUF file gives its pattern: attention.sliding_window_pattern)
     "olmo2": Family(eps=1e-5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True),
     "olmo3": Family(gguf="olmo2", eps=1e-5, theta=5e5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True,
                     windows="pattern", window_pattern=4, window=4096, local_rope=True),

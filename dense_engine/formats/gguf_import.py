@@ -69,7 +69,7 @@ ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES + ("gptneox", "gem
 #                                                                   gemma2, gemma3, phi3,
 #                                                                   smollm3, granite, olmo2 (OLMo 2 and 3), seed_oss,
 #                                                                   exaone4, glm4, cohere2, apertus, hunyuan-dense,
-#                                                                   stablelm
+#                                                                   stablelm, granite_swa
 # Token texts that end a turn in common chat formats (llama.cpp recognises them the same way).
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<turn|>", "<|end|>",
                "</s>")
@@ -347,6 +347,9 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         flags = pattern if isinstance(pattern, list) else [il % pattern < pattern - 1 for il in range(layers)]
         layer_types = ["sliding_attention" if f else "full_attention" for f in flags]
     nope = [i for i in range(layers) if (i + 1) % 4 == 0] if family.nope else None  # (llama.cpp: every 4th)
+    rotates = key("attention.rope_pattern", [])  # (Granite SWA: False where a layer has no rope)
+    if rotates:
+        nope = [i for i, r in enumerate(rotates[:layers]) if not r] or None
     if family.nope_full and layer_types:  # (EXAONE 4: the full layers have no rope)
         nope = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
     big = layers == {"gemma2": 46, "gemma3": 62}.get(arch)  # llama.cpp's 27B: the query scale of hidden / heads
@@ -378,7 +381,8 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         pre_norms=family.pre_norms,
         post_norms=family.post_norms, norm_gain_in_float32=family.norm_gain_in_float32,  # (Gemma's 1 + w: baked in)
         tie_word_embeddings="output.weight" not in tensors or arch in ("gemma", "gemma2", "cohere2", "command-r"),
-        final_softcap=float(key("final_logit_softcapping", 30.0 if family.softcaps else 0.0)) or None)
+        final_softcap=float(key("final_logit_softcapping", 30.0 if family.softcaps else 0.0)) or None,
+        attn_sinks="blk.0.attn_sinks.weight" in tensors)
 
 
 def read_gptneox_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
@@ -765,7 +769,7 @@ def read_lora(path: str, scale: float) -> lora.Adapter:
 
 
 # the converter's LlamaModel turns their q/k rows for its rotary's pairs
-PERMUTED = ("llama", "smollm3", "granite", "mistral3")
+PERMUTED = ("llama", "smollm3", "granite", "granite_swa", "mistral3")
 
 
 def layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple] | None:
@@ -781,6 +785,8 @@ def layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple] | No
     if arch in ("phi3", "glm4") and rest == "ffn_up.weight":  # gate | up
         return [("mlp.gate_proj.weight", torch.arange(0, W), None),
                 ("mlp.up_proj.weight", torch.arange(W, 2 * W), None)]
+    if rest == "attn_sinks.weight":  # (Granite SWA: a logit per head)
+        return [("attn.sinks", None, None)]
     if arch == "seed_oss" and kind == "post_attention_norm":  # (its norm before the MLP, as llama.cpp names it)
         return [(f"mlp_norm.{suffix}", None, None)]
     if kind not in LAYER_TENSORS or suffix not in ("weight", "bias") or (
