@@ -104,8 +104,14 @@ def states(tmp_path_factory):
         save_random(cls, config, i, root / case)
         made[case] = str(root / case)
     from test_state_layers import CASES, FALCON_H1  # Mamba2: heads and their groups split (Granite 4.0 H, Falcon-H1's
-    # attention and Mamba2 in one layer), or one group each rank reads whole (Falcon-H1 without its norm)
+    # attention and Mamba2 in one layer), or one group each rank reads whole (Falcon-H1 without its norm; Granite 4.0
+    # H's normed: tp.SpreadNorm)
     mamba = {"granite 4.0 h": CASES["granite 4.0 h"], "falcon-h1": CASES["falcon-h1"],
+             "granite 4.0 h one group": ("GraniteMoeHybridForCausalLM", transformers.GraniteMoeHybridConfig(
+                 vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                 layer_types=["mamba", "attention", "mamba"], num_local_experts=0, shared_intermediate_size=96,
+                 mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16, mamba_d_head=16, mamba_expand=2,
+                 position_embedding_type="nope", max_position_embeddings=512, eos_token_id=2)),
              "falcon-h1 one group": ("FalconH1ForCausalLM", transformers.FalconH1Config(**{**FALCON_H1,
                                                                                          "mamba_n_groups": 1}))}
     for i, (case, (cls, config)) in enumerate(mamba.items()):

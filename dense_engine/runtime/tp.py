@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import dense
 from dense_engine.formats import families, load
@@ -146,11 +147,12 @@ def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
 
 def mamba_heads(config: dense.DenseConfig, rank: int, size: int, layer: int) -> tuple[tuple[int, int], tuple]:
     """A Mamba2 mixer's heads for this rank, a run, and the groups of B and C they read: split with the heads, or
-    read whole by each rank whose heads share them (fewer groups than ranks), where no norm spans a group."""
+    read whole by each rank whose heads share them (fewer groups than ranks), where no norm spans a group or the one
+    group spans every rank (SpreadNorm)."""
     H, _, G, _ = config.mamba_heads
     if H % size:
         raise CheckpointError(f"layer {layer}: {H} Mamba2 heads do not divide over {size} ranks")
-    if G % size and (size % G or config.mamba_norm):
+    if G % size and (size % G or config.mamba_norm) and G != 1:  # (one group normed: SpreadNorm sums its squares)
         raise CheckpointError(f"layer {layer}: its Mamba2 heads' {G} groups of B and C (normed by groups) do not "
                               f"divide over {size} ranks")
     h, per_group = H // size, H // G
@@ -195,7 +197,7 @@ RULES = [
     (MAMBA + r"in_proj\.(weight|bias|qweight|scales|mins|absmax)", "mamba_in"),
     (MAMBA + r"conv_(weight|bias)", "mamba_conv"),
     (MAMBA + r"(A_log|D|dt_bias)", "mamba_heads"),
-    (MAMBA + r"norm\.weight", "mamba_groups"),
+    (MAMBA + r"norm\.weight", "mamba_norm"),
     (MAMBA + r"out_proj\.(weight|qweight|scales|mins)", "mamba_out"),
     (MAMBA + r"out_proj\.bias", "mamba_bias"),
     (r"layers\.(\d+)\.attn\.(in_proj_qkv\.(weight|qweight|scales|mins|absmax)|conv_weight)", "qkv"),
@@ -282,16 +284,16 @@ def delta_rows(t: torch.Tensor, config: dense.DenseConfig, s: LayerShard, how: s
 def mamba_part(t: torch.Tensor, config: dense.DenseConfig, s: LayerShard, how: str, name: str,
                rank: int) -> torch.Tensor:
     """A Mamba2 tensor's part for this rank: in_proj's rows z | x | B | C | dt (heads' z, x and dt rows, its groups'
-    B and C), the conv's channels x | B | C, a value per head, the norm's groups, out_proj's columns of its heads
-    (a bias: rank 0's). Rows counted in stored rows (a quantized layout may hold several a weight row)."""
+    B and C), the conv's channels x | B | C, a value per head, the norm's gains of its heads' channels, out_proj's
+    columns of its heads (a bias: rank 0's). Rows counted in stored rows (a layout may hold several a weight row)."""
     H, P, G, N = config.mamba_heads
     (a, b), (ga, gb) = s.mamba_heads, s.mamba_groups
     if how == "mamba_bias":
         return t if rank == 0 else torch.zeros_like(t)
     if how == "mamba_heads":
         return t[a:b]
-    if how == "mamba_groups":  # [G, inner / G]
-        return t.reshape(G, -1)[ga:gb].reshape(-1, *t.shape[1:]) if t.dim() == 1 else t[ga:gb]
+    if how == "mamba_norm":  # [inner]: the gains of its heads' channels (its groups', or its share of the one)
+        return t[a * P:b * P]
     if how == "mamba_out":
         if t.ndim < 2:  # int8's per-row scales: whole
             return t
@@ -329,7 +331,7 @@ def shard(rank: int, size: int) -> Callable:
     thunks that read only its slices (memory-mapped tensors: only the pages of those slices are read)."""
 
     def hook(checkpoint, tensors: dict, mode: str | None):
-        config = checkpoint.config
+        config = hook.config = checkpoint.config  # (from_pretrained reads the whole model's config after)
         try:
             shards, problem = plan(config, rank, size), None
         except CheckpointError as e:
@@ -361,10 +363,36 @@ def all_reduce(y: torch.Tensor) -> torch.Tensor:
 def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant: str | None = None):
     """This rank's shard of the checkpoint at path (every process of the group calls it)."""
     rank, size = world()
-    model = load.from_pretrained(path, device=device, dtype=dtype, quant=quant, shard=shard(rank, size))
+    hook = shard(rank, size)
+    model = load.from_pretrained(path, device=device, dtype=dtype, quant=quant, shard=hook)
     if size > 1:
         add_reduces(model)
+        spread_norms(model, hook.config, size)
     return model
+
+
+class SpreadNorm(nn.Module):
+    """Mamba2's gated RMSNorm over one group whose channels every rank holds a share of (its heads'): the mean square
+    is each rank's sum of squares, summed over ranks, over the group's whole width."""
+
+    def __init__(self, norm: nn.Module, width: int) -> None:
+        super().__init__()
+        self.weight, self.eps, self.width = norm.weight, norm.eps, width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., 1, this rank's channels of the group]
+        h = x.float()
+        h = h * torch.rsqrt(all_reduce(h.pow(2).sum(-1, keepdim=True)) / self.width + self.eps)
+        return h.to(x.dtype) * self.weight.view(x.shape[-2:])
+
+
+def spread_norms(model, config: dense.DenseConfig, size: int) -> None:
+    """Put a SpreadNorm where a model's one group of Mamba2 channels (normed) is spread over the ranks."""
+    H, P, G, _ = config.mamba_heads
+    if G != 1 or size == 1 or not config.mamba_norm:
+        return
+    for mixer in model.mixers():
+        if isinstance(mixer, dense.Mamba2):
+            mixer.norm = SpreadNorm(mixer.norm, H * P)
 
 
 def add_reduces(model) -> None:
