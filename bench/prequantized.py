@@ -15,17 +15,14 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from dense_engine.formats import load
-from dense_engine.runtime import caches, generate
-from dense_engine.runtime.steps import Steps
+from lora import decode_rate  # (bench/lora.py's: the compiled step over the model's context as the cache)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -101,21 +98,6 @@ def make_folders(root: str, layers: int) -> dict[str, str]:
     return folders
 
 
-def decode_rate(model, runs: int, max_new: int) -> float:
-    caches.setup_cache(model, 1, 2048)
-    steps = Steps(model)
-    ids = torch.arange(3, 31)[None]  # (a 28-token prompt)
-    rates = []
-    for run in range(runs + 1):  # (the first: load or compile the steps)
-        start, count = None, 0
-        for _ in generate.generate_tokens(model, ids, max_new, steps=steps):
-            count += 1
-            start = start or time.perf_counter()
-        if run:
-            rates.append((count - 1) / (time.perf_counter() - start))
-    return statistics.median(rates)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=16)
@@ -130,7 +112,7 @@ def main() -> int:
         for kind, quant in (("float", "int4"), ("gptq", "auto"), ("awq", "auto")):
             record, checkpoint = load.plan(folders[kind], quant, "cpu")
             model = load.from_pretrained(checkpoint, dtype=torch.float32, quant=record.quant)
-            rate = decode_rate(model, args.runs, args.max_new)
+            rate = decode_rate(model, list(range(3, 31)), args.max_new, args.runs)  # (a 28-token prompt)
             reference = reference or rate
             print(f"{kind:8} {record.weights[:40]:40} {rate:7.1f} {rate / reference:7.2f}x", flush=True)
             del model, checkpoint
