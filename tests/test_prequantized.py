@@ -42,6 +42,26 @@ def with_weights(model: transformers.LlamaForCausalLM, weights: dict) -> transfo
     return model
 
 
+def packed_folder(tmp_path, pack, config: dict) -> tuple[str, transformers.LlamaForCausalLM]:
+    """A random Llama's linears packed by pack(weight) -> (tensors, the weight they mean), saved beside the rest with
+    config as quantization_config (each tensor under the linear's name, as GPTQModel, AutoAWQ and Qwen3-FP8's folders
+    hold them); and the float32 oracle holding the weights the tensors mean."""
+    base = random_llama(tmp_path / "base")
+    stored, weights = {}, {}
+    for name, t in load_file(os.path.join(tmp_path / "base", "model.safetensors")).items():
+        if name.endswith("proj.weight"):
+            tensors, weights[name[:-len(".weight")]] = pack(t)
+            stored.update({f"{name[:-len('.weight')]}.{k}": v.contiguous() for k, v in tensors.items()})
+        else:
+            stored[name] = t
+    folder = tmp_path / "packed"
+    shutil.copytree(tmp_path / "base", folder)
+    save_file(stored, os.path.join(folder, "model.safetensors"))
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
+    return str(folder), with_weights(base, weights)
+
+
 def ids(n: int = 40) -> torch.Tensor:
     return torch.randint(3, 512, (1, n), generator=torch.Generator().manual_seed(0))
 
@@ -144,47 +164,34 @@ def test_compressed_tensors_folders_give_their_decompressed_models_logits(tmp_pa
 # fine-grained FP8
 
 
-def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_blocks(w: torch.Tensor) -> tuple[dict, torch.Tensor]:
     """w [out, in] as Qwen3-FP8 stores it: e4m3 values and a float32 scale per 128 x 128 block (weight_scale_inv,
-    the multiplier back: amax / 448)."""
+    the multiplier back: amax / 448); and the weight they mean."""
     out, inp = w.shape
     padded = torch.nn.functional.pad(w, (0, -inp % 128, 0, -out % 128))
     blocks = padded.reshape(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128)
     scale = blocks.abs().amax(dim=(1, 3)) / 448
     q = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:out, :inp].to(torch.float8_e4m3fn)
-    return q, scale
+    meant = q.float() * scale.repeat_interleave(128, 0)[:out].repeat_interleave(128, 1)[:, :inp]
+    return {"weight": q, "weight_scale_inv": scale}, meant
 
 
 def test_a_fine_grained_fp8_folder_runs_its_blocks_scales(tmp_path):
     """Qwen3-FP8's layout: e4m3 weights and weight_scale_inv per 128 x 128 block (k and v's 64 rows a part block):
     the logits of a float32 model holding e4m3 x scale; transformers' own reading of the folder (its CPU fallback
     dequantizes to bfloat16) gives the same weights to bfloat16's rounding. A missing scale is refused in one line."""
-    base = random_llama(tmp_path / "base")
-    stored, weights = {}, {}
-    for name, t in load_file(os.path.join(tmp_path / "base", "model.safetensors")).items():
-        if name.endswith("proj.weight"):
-            q, scale = fp8_blocks(t)
-            stored[name], stored[name + "_scale_inv"] = q, scale
-            weights[name[:-len(".weight")]] = q.float() * scale.repeat_interleave(128, 0)[:t.shape[0]] \
-                .repeat_interleave(128, 1)[:, :t.shape[1]]
-        else:
-            stored[name] = t
-    folder = tmp_path / "fp8"
-    shutil.copytree(tmp_path / "base", folder)
-    save_file(stored, os.path.join(folder, "model.safetensors"))
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                     "weight_block_size": [128, 128]}
-    (folder / "config.json").write_text(json.dumps(config))
-    assert logits_error(str(folder), with_weights(base, weights)) < 1e-5
+    folder, reference = packed_folder(tmp_path, fp8_blocks, {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                                             "quant_method": "fp8", "weight_block_size": [128, 128]})
+    assert logits_error(folder, reference) < 1e-5
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, device_map="cpu")
-    mine = load.from_pretrained(str(folder), dtype=torch.float32)
+    mine = load.from_pretrained(folder, dtype=torch.float32)
     w = theirs.model.layers[1].mlp.down_proj.weight.float()
     assert (mine.layers[1].mlp.down_proj.weight - w).abs().max() <= w.abs().max() * 2 ** -8
+    stored = load_file(os.path.join(folder, "model.safetensors"))
     del stored["model.layers.1.mlp.up_proj.weight_scale_inv"]
     save_file(stored, os.path.join(folder, "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight_scale_inv is missing") as e:
-        load.from_pretrained(str(folder))
+        load.from_pretrained(folder)
     assert "\n" not in str(e.value)
 
 
@@ -204,26 +211,6 @@ def test_a_scheme_this_engine_does_not_read_is_refused_in_one_line(tmp_path, cha
 
 # ---------------------------------------------------------------------------------------------------------------
 # GPTQ and AWQ
-
-
-def packed_folder(tmp_path, pack, config: dict) -> tuple[str, transformers.LlamaForCausalLM]:
-    """A random Llama's linears packed by pack(weight) -> (tensors, the weight they mean), saved with config as
-    quantization_config (as GPTQModel / AutoAWQ save them: float16 scales, no weight); and the float32 oracle holding
-    the weights the tensors mean."""
-    base = random_llama(tmp_path / "base")
-    stored, weights = {}, {}
-    for name, t in load_file(os.path.join(tmp_path / "base", "model.safetensors")).items():
-        if name.endswith("proj.weight"):
-            tensors, weights[name[:-len(".weight")]] = pack(t)
-            stored.update({f"{name[:-len('.weight')]}.{k}": v.contiguous() for k, v in tensors.items()})
-        else:
-            stored[name] = t
-    folder = tmp_path / "packed"
-    shutil.copytree(tmp_path / "base", folder)
-    save_file(stored, os.path.join(folder, "model.safetensors"))
-    raw = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
-    return str(folder), with_weights(base, weights)
 
 
 @pytest.mark.parametrize("bits, group, sym, desc_act, version", [
