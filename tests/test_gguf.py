@@ -595,11 +595,31 @@ def test_a_hybrid_gguf_is_the_model_its_hugging_face_folder_is(state_files, tmp_
         assert (got - want).abs().max() <= 1e-4, case
 
 
-def test_the_mtp_layer_is_skipped_with_one_note(state_files, capsys):
-    checkpoint = gguf_import.read_gguf(state_files["qwen35"][0])
-    notes = capsys.readouterr().err.splitlines()
-    assert len(notes) == 1 and "multi-token prediction layer (blk.4.*" in notes[0] and "qwen35.gguf" in notes[0]
+def test_the_mtp_layer_is_the_draft_its_hugging_face_folder_holds(state_files, tmp_path):
+    """blk.4 (nextn.* and a full-attention layer after the model's 4) is the folder's mtp.*: the same draft
+    (--draft mtp), its norms' 1 + w baked in the file and added by the folder's model."""
+    from safetensors.numpy import save_file
+
+    from dense_engine.formats import convert
+    from dense_engine.runtime import generate, speculative
+
+    checkpoint = convert.read_checkpoint(state_files["qwen35"][0])
     assert checkpoint.config.num_hidden_layers == 4 and not any(n.startswith("layers.4.") for n in checkpoint.tensors)
+    assert "fc.weight" in checkpoint.mtp and "layers.0.attn.gate_proj.weight" in checkpoint.mtp
+    folder = tmp_path / "qwen35"
+    gguf_cases.state_hf_config("qwen35").save_pretrained(folder)
+    save_file(gguf_cases.hf_weights("qwen35"), str(folder / "model.safetensors"))
+    ids = gguf_cases.input_ids("qwen35")
+    drafts = []
+    for source in (str(folder), state_files["qwen35"][0]):
+        model = load.from_pretrained(source, dtype=torch.float32)
+        draft = speculative.mtp_draft(model, convert.read_checkpoint(source), None)
+        model.setup_cache(1, 64)
+        draft.attach(generate.Runner(model, None))
+        with torch.no_grad():
+            hidden = generate.Runner(model, None).prefill_hidden(torch.tensor([ids]), 0)[0]
+            drafts.append(model.logits(draft.run(ids[1:], hidden[:-1], 0)))
+    assert (drafts[0] - drafts[1]).abs().max() <= 1e-4
     assert checkpoint.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     assert checkpoint.config.linear_tiled_values and checkpoint.config.rotary_dim == 8
 

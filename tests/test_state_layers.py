@@ -540,3 +540,136 @@ def test_nemotron_h_blocks_become_layers_and_what_is_not_dense_is_refused(models
             load.from_pretrained(str(changed))
         assert "\n" not in str(e.value)
     assert [s.mamba_heads for s in tp.plan(model.config, 0, 2)] == [(0, 4), (0, 0), (0, 4), (0, 4)]  # (8 heads, 2 ranks)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Qwen3.5's multi-token prediction layer as a draft (--draft mtp)
+
+
+class ReferenceMTP(torch.nn.Module):
+    """Qwen3.5's MTP module as vLLM runs it (transformers does not), built of transformers' own Qwen3.5 layer and
+    norms: fc(cat(norm(embedding of t_{i+1}), norm(h_i))), a full-attention layer, a norm; h_i the model's last
+    hidden state (after its norm). Its state dict is the checkpoint's mtp.* tensors."""
+
+    def __init__(self, config) -> None:
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+        super().__init__()
+        C, eps = config.hidden_size, config.rms_norm_eps
+        self.fc = torch.nn.Linear(2 * C, C, bias=False)
+        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = qwen.Qwen3_5RMSNorm(C, eps), qwen.Qwen3_5RMSNorm(C, eps)
+        full = config.layer_types.index("full_attention")
+        self.layers = torch.nn.ModuleList([qwen.Qwen3_5DecoderLayer(config, full)])
+        self.norm = qwen.Qwen3_5RMSNorm(C, eps)
+
+    def forward(self, model, ids: torch.Tensor) -> torch.Tensor:
+        """The logits [T - 1, V] at positions 0..T-2 of ids [1, T]: each the draft for the token two ahead."""
+        hidden = model.model(ids).last_hidden_state[:, :-1]
+        embedded = model.model.embed_tokens(ids[:, 1:])
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], -1))
+        T = x.shape[1]
+        rope = model.model.rotary_emb(x, torch.arange(T)[None])
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        for layer in self.layers:
+            x = layer(x, position_embeddings=rope, attention_mask=mask)
+        return model.lm_head(self.norm(x))[0]
+
+
+@pytest.fixture(scope="module")
+def mtp_folder(folders, tmp_path_factory):
+    """The 3 + 1 Qwen3.5 model with an MTP layer trained (on the model's own greedy continuation of one prompt) to
+    predict the token two ahead, saved as Qwen3.5's checkpoints hold it (mtp.*): its drafts are often right, and only
+    if the hidden states and tokens reach it at the right positions."""
+    from safetensors.torch import load_file, save_file
+
+    folder, model = folders["qwen3_5 3 linear + 1 full"]
+    made = tmp_path_factory.mktemp("mtp") / "qwen3_5_mtp"
+    shutil.copytree(folder, made)
+    torch.manual_seed(0)
+    mtp = ReferenceMTP(model.config)
+    with torch.no_grad():
+        text = model.generate(prompt(24, seed=21), max_new_tokens=96, do_sample=False)
+    optimizer = torch.optim.Adam(mtp.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss = torch.nn.functional.cross_entropy(mtp(model, text)[:-1], text[0, 2:])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    weights = load_file(os.path.join(made, "model.safetensors"))
+    weights.update({f"mtp.{k}": v.detach().contiguous() for k, v in mtp.state_dict().items()})
+    save_file(weights, os.path.join(made, "model.safetensors"), metadata={"format": "pt"})
+    return str(made), mtp.eval(), text
+
+
+def test_the_mtp_draft_gives_its_reference_logits(mtp_folder, folders):
+    """The engine's MTP layer (speculative.MultiTokenPredictor, through MTPDraft's own calls: the target's hidden
+    states, then the predictor's cached slots) against the reference built of transformers' layer: 1e-4."""
+    from dense_engine.formats import convert
+    from dense_engine.runtime import speculative
+
+    folder, reference, text = mtp_folder
+    hf_model = folders["qwen3_5 3 linear + 1 full"][1]
+    model = load.from_pretrained(folder, dtype=torch.float32)
+    draft = speculative.mtp_draft(model, convert.read_checkpoint(folder), None)
+    model.setup_cache(1, 256)
+    draft.attach(generate.Runner(model, None))
+    ids = text[:, :60]
+    with torch.no_grad():
+        want = reference(hf_model, ids)
+        hidden = generate.Runner(model, None).prefill_hidden(ids, 0)[0]
+        got = model.logits(draft.run(ids[0, 1:].tolist(), hidden[:-1], 0))
+        halves = torch.cat([model.logits(draft.run(ids[0, 1:31].tolist(), hidden[:30], 0)),  # cached: in two calls
+                            model.logits(draft.run(ids[0, 31:].tolist(), hidden[30:-1], 30))])
+    assert (got - want).abs().max() <= 1e-4 and (halves - want).abs().max() <= 1e-4
+    draft.reset()  # a round as generate_rounds runs it: the hidden states before the current token, then proposals
+    draft.observe(hidden[:-1], 0)
+    sampling = generate.Sampling.of(SamplerSettings(temperature=0.7), None)
+    tokens, q = draft.propose(ids[0].tolist(), 3, sampling)
+    assert len(tokens) == 3 and q.shape == (3, 512) and draft.fed == 59
+    assert (q[0] - torch.softmax(want[-1] / 0.7, -1)).abs().max() <= 1e-5 and q[0, tokens[0]] > 0
+    assert (want.argmax(-1)[:-1] == text[0, 2:60]).float().mean() > 0.8  # (trained: its drafts are worth checking)
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_speculation_with_the_mtp_draft_equals_plain_greedy(mtp_folder, quant):
+    """--draft mtp: the target's exact greedy tokens, most drafts accepted (a draft from a misplaced hidden state or
+    token would be refused: the layer learned these positions' next-but-one tokens); the rejected ones went into the
+    target's state and were taken back. int8: the target and the predictor quantized alike (its greedy tokens leave
+    the float model's after a few: the drafts, learned on those, are mostly refused; the output stays exact)."""
+    from dense_engine.cpu import quantized
+    from dense_engine.formats import convert
+    from dense_engine.runtime import speculative
+
+    folder, _, text = mtp_folder
+    model = load.from_pretrained(folder, dtype=torch.float32, quant=quant)
+    draft = speculative.mtp_draft(model, convert.read_checkpoint(folder), quant)
+    ids = text[:, :24]
+    plain = generate.generate(model, ids, 80)[0, 24:].tolist()
+    stats = {}
+    tokens = [t for step in speculative.generate_rounds(model, ids, 80, draft, speculate_k=3, stats=stats)
+              for t in step]
+    assert tokens == plain and stats["proposed"] > stats["accepted"]
+    if quant is None:
+        assert stats["accepted"] > 0.5 * stats["proposed"]
+    else:
+        assert isinstance(draft.predictor.layers[0].attn.qkv_proj, quantized.QuantLinear)
+
+
+def test_chat_drafts_with_the_mtp_layers_as_it_answers_without_and_refuses_a_folder_without_them(mtp_folder,
+                                                                                                  folders):
+    folder = mtp_folder[0]
+    run = lambda ckpt, *a: subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", ckpt, *a],
+                                          capture_output=True, text=True, cwd=ROOT,
+                                          env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    ids = tok.encode("the cat sat").ids
+    want = generate.generate(load.from_pretrained(folder, dtype=torch.float32), torch.tensor([ids]), 24)
+    done = run(folder, "--draft", "mtp", "--prompt", "the cat sat", "--complete", "--max-new-tokens", "24",
+               "--temperature", "0")
+    assert done.returncode == 0 and done.stdout == tok.decode(want[0, len(ids):].tolist(), skip_special_tokens=True), \
+        done.stderr
+    refused = run(folders["qwen3_5 3 linear + 1 full"][0], "--draft", "mtp", "--prompt", "hi")
+    assert refused.returncode != 0 and "no multi-token prediction layers" in refused.stderr
+    assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1

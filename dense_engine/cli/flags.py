@@ -68,7 +68,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="KV cache length (default: the model's context; smaller is faster)")
     spec = p.add_argument_group("speculative decoding (the same output as without, in fewer target steps)")
     drafts = spec.add_mutually_exclusive_group()
-    drafts.add_argument("--draft", metavar="CKPT", help="a small model with the same tokenizer drafts tokens")
+    drafts.add_argument("--draft", metavar="CKPT", help="a small model with the same tokenizer drafts tokens; mtp: "
+                        "the checkpoint's own multi-token prediction layers (Qwen3.5's)")
     drafts.add_argument("--draft-quant", choices=("int8", "int4", "nf4"),
                         help="a quantized copy of the model drafts (its saved variant, else made at load; "
                         "use with --quant none)")
@@ -167,6 +168,11 @@ def make_draft(args, model, console, record: load.LoadRecord | None = None):
                                                                    quant=args.draft_quant), draft_record)
         with console.status(f"Making the {args.draft_quant} draft..."):
             return speculative.ModelDraft(speculative.quantized_copy(model, args.draft_quant))
+    if args.draft == "mtp":
+        if record is None or not record.path:
+            raise UsageError("--draft mtp reads the checkpoint's multi-token prediction layers: give --ckpt")
+        with console.status("Loading the multi-token prediction layers as the draft..."):
+            return speculative.mtp_draft(model, load.read_with_adapters(record.path, record.lora), record.quant)
     if args.draft:
         if not os.path.exists(args.draft):
             raise UsageError(f"--draft {args.draft}: no such file or folder")

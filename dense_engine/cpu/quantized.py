@@ -471,7 +471,8 @@ def layer_modes(model: DenseDecoder, mode: str, head: str | None = None) -> dict
     """{model linear name: mode} for the layers a mode quantizes: block linears in the mode, the head in int8 (head:
     a GGUF type, the head in the file's own blocks, GGUFHead)."""
     chosen = {name: mode for name, m in model.named_modules() if isinstance(m, nn.Linear) and MODEL_LINEAR.fullmatch(name)}
-    chosen["lm_head"] = "gguf" if head else head_mode(mode)
+    if model.lm_head is not None:  # (an MTP draft's predictor has none: the target's serves)
+        chosen["lm_head"] = "gguf" if head else head_mode(mode)
     return chosen
 
 

@@ -42,6 +42,8 @@ class Checkpoint:
     blocks: dict = field(default_factory=dict)  # native weight name -> gguf_import.Blocks (GGUF types with kernels)
     scheme: object = None  # a folder that came quantized: its prequantized.Scheme
     adapters: tuple = ()  # the LoRA adapters (lora.Adapter) on its weights (lora.Merged thunks in tensors)
+    mtp: dict = field(default_factory=dict)  # its multi-token prediction layers (Qwen3.5's mtp.*, a GGUF's nextn
+    #                                          block): {name in speculative.MultiTokenPredictor: thunk}, a draft's
 
     @property
     def native(self) -> bool:

@@ -38,8 +38,22 @@ def read_checkpoint(path, lora_adapters: tuple = ()) -> Checkpoint:
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or folder")
     with lora.applying(tuple(lora_adapters), path):
-        checkpoint = read_any(path)
+        checkpoint = mtp_apart(read_any(path))
     return dataclasses.replace(checkpoint, adapters=tuple(lora_adapters)) if lora_adapters else checkpoint
+
+
+def mtp_apart(checkpoint: Checkpoint) -> Checkpoint:
+    """The multi-token prediction layers' tensors (mtp.*, as families and gguf_import name them) moved out of the
+    model's into Checkpoint.mtp: the model does not hold them; a draft does (speculative.mtp_draft)."""
+    if not any(name.startswith("mtp.") for name in checkpoint.tensors):
+        return checkpoint
+
+    def model_only(table: dict) -> dict:
+        return {name: value for name, value in table.items() if not name.startswith("mtp.")}
+    mtp = {name[len("mtp."):]: thunk for name, thunk in checkpoint.tensors.items() if name.startswith("mtp.")}
+    return dataclasses.replace(checkpoint, tensors=model_only(checkpoint.tensors), blocks=model_only(checkpoint.blocks),
+                               source_types=model_only(checkpoint.source_types),
+                               exact_int4=model_only(checkpoint.exact_int4), mtp=mtp)
 
 
 def read_any(path: str) -> Checkpoint:

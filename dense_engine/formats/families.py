@@ -854,22 +854,25 @@ def qwen3_5(folder: str, raw: dict, source: str):
     weights = hf_weights(folder)
     if any(name.startswith("model.visual.") for name in weights):
         machine.note(f"{source}: the vision tower (model.visual.*) is not loaded: this engine reads text")
-    if any(name.startswith("mtp.") for name in weights):
-        machine.note(f"{source}: the multi-token prediction layers (mtp.*) are not used yet (a draft: --draft-quant "
-                     "or --lookup speculate)")
-    rules = [(r"model\.visual\..*", None), (r"mtp\..*", None),
+    # the multi-token prediction layers (mtp.*: a draft, --draft mtp) under mtp., as speculative.MultiTokenPredictor
+    # names them: its layers are full-attention layers named as the model's
+    rules = [(r"model\.visual\..*", None), (r"mtp\.fc\.weight", "mtp.fc.weight"),
+             (r"mtp\.pre_fc_norm_(embedding|hidden)\.weight", r"mtp.norm_\1.weight"),
+             (r"mtp\.norm\.weight", "mtp.norm.weight"),
              (prefix + r"embed_tokens\.weight", "embed_tokens.weight"), (prefix + r"norm\.weight", "norm.weight"),
-             (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight"),
-             (layer + r"input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
-             (layer + r"post_attention_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
-             (layer + r"self_attn\.([qkvo]_proj|[qk]_norm)\.weight", r"layers.\1.attn.\2.weight"),
-             (layer + r"linear_attn\.(in_proj_\w+|out_proj|norm)\.weight", r"layers.\1.attn.\2.weight"),
-             (layer + r"linear_attn\.conv1d\.weight", r"layers.\1.attn.conv_weight"),
-             (layer + r"linear_attn\.(A_log|dt_bias)", r"layers.\1.attn.\2"),
-             (layer + r"mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.weight")]
+             (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight")]
+    for at, to in ((layer, "layers."), (r"mtp\.layers\.(\d+)\.", "mtp.layers.")):
+        rules += [(at + r"input_layernorm\.weight", to + r"\1.attn_norm.weight"),
+                  (at + r"post_attention_layernorm\.weight", to + r"\1.mlp_norm.weight"),
+                  (at + r"self_attn\.([qkvo]_proj|[qk]_norm)\.weight", to + r"\1.attn.\2.weight"),
+                  (at + r"linear_attn\.(in_proj_\w+|out_proj|norm)\.weight", to + r"\1.attn.\2.weight"),
+                  (at + r"linear_attn\.conv1d\.weight", to + r"\1.attn.conv_weight"),
+                  (at + r"linear_attn\.(A_log|dt_bias)", to + r"\1.attn.\2"),
+                  (at + r"mlp\.(gate|up|down)_proj\.weight", to + r"\1.mlp.\2_proj.weight")]
     table = rename(weights, rules, source)
-    for i in (i for i, kind in enumerate(types) if kind == "full_attention"):
-        a = f"layers.{i}.attn."
+    mtp_layers = sorted({int(n.split(".")[2]) for n in table if n.startswith("mtp.layers.")})
+    for a in [f"layers.{i}.attn." for i, kind in enumerate(types) if kind == "full_attention"] + \
+            [f"mtp.layers.{j}.attn." for j in mtp_layers]:
         split_rows(table, a + "q_proj.weight", {a + "q_proj.weight": 0, a + "gate_proj.weight": 1},
                    view=(config.num_attention_heads, 2, config.head_dim))
     return config, table

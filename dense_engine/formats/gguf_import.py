@@ -15,7 +15,7 @@ beyond the file (llama-model.cpp, src/models/*.cpp), each where it is read below
   * qwen35: Gated DeltaNet layers (ssm.* metadata; ssm_a = -exp(A_log), taken back to A_log; conv kernels [C, W];
     value heads reordered to tiled, kept so: linear_tiled_values) and full-attention layers whose attn_q holds each
     head's query rows, then its output-gate rows; every norm but ssm_norm with its 1 + w baked in (used as stored);
-    MTP layers after the model's (nextn_predict_layers) skipped with a note.
+    MTP layers after the model's (nextn_predict_layers: nextn.* and a full-attention layer) read as a draft's.
   * lfm2: short-conv layers where attention.head_count_kv is 0; the final norm is token_embd_norm.
   * granitehybrid (Granite 4.0 H): Mamba2 layers where attention.head_count_kv is 0 (ssm.time_step_rank heads,
     ssm.group_count groups of ssm.state_size; ssm_a = -exp(A_log), ssm_d and ssm_norm reshaped, the conv kernels
@@ -409,7 +409,8 @@ def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfi
     value heads) where attention.recurrent_layers marks them (or all but every full_attention_interval-th),
     full-attention layers with an output gate, partial rotary (rope.dimension_sections: text has one position in
     every section, plain rope), norms with their 1 + w baked in, and nextn_predict_layers MTP layers counted in
-    block_count (skipped). lfm2: short-conv layers where attention.head_count_kv is 0, conv width shortconv.l_cache.
+    block_count (a draft's: Checkpoint.mtp). lfm2: short-conv layers where attention.head_count_kv is 0, conv width
+    shortconv.l_cache.
     granitehybrid: Mamba2 layers where it is 0 (the module's docstring says the rest)."""
     def key(name: str, default=None):
         return field(reader, f"{arch}.{name}", default, path)
@@ -675,7 +676,8 @@ def read_gguf(path: str) -> Checkpoint:
                      "per_layer_proj_norm.weight": "per_layer_norm.weight"}
     extra = range(config.num_hidden_layers, int(field(reader, f"{arch}.block_count", path=path))) if grouped is None \
         else range(0)  # qwen35's MTP
-    mtp = []  # the multi-token prediction layers' tensors (blk.N.*, N in extra): skipped
+    nextn = {"nextn.eh_proj.weight": "fc.weight", "nextn.enorm.weight": "norm_embedding.weight",
+             "nextn.hnorm.weight": "norm_hidden.weight", "nextn.shared_head_norm.weight": "norm.weight"}
     for name in tensors:
         if name in skip:
             continue
@@ -685,8 +687,14 @@ def read_gguf(path: str) -> Checkpoint:
         prefix, layer, rest = (name.split(".", 2) + ["", ""])[:3]
         if prefix != "blk" or not layer.isdigit():
             raise CheckpointError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
-        if int(layer) in extra:
-            mtp.append(name)
+        if int(layer) in extra:  # qwen35's multi-token prediction layer: a full-attention layer (mtp.layers.J.*) and
+            # nextn.* (mtp.*, as speculative.MultiTokenPredictor names them; convert.mtp_apart takes them apart)
+            at = int(layer) - config.num_hidden_layers
+            parts = [(nextn[rest], None, None)] if rest in nextn else state_layer_tensors(arch, config, rest)
+            if parts is None:
+                raise CheckpointError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
+            for native, rows, change in parts:
+                add(f"mtp.{native}" if rest in nextn else f"mtp.layers.{at}.{native}", name, rows, change)
             continue
         if grouped is not None and int(layer) < len(grouped):  # (an MLP block's norm is its layer's mlp_norm)
             at, kind = grouped[int(layer)]
@@ -700,10 +708,6 @@ def read_gguf(path: str) -> Checkpoint:
             raise CheckpointError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
         for native, rows, change in parts:
             add(f"layers.{layer}.{native}", name, rows, change)
-    if mtp:
-        layers = ", ".join(f"blk.{n}.*" for n in sorted({int(name.split(".")[1]) for name in mtp}))
-        note(f"{path}: the multi-token prediction layer ({layers}: {len(mtp)} tensors) is not loaded: this engine "
-             "predicts one token a step")
     if arch in ("gemma", "gemma2", "cohere2", "command-r"):  # llama.cpp reads the head from the embedding, whatever
         # else is there
         table.pop("lm_head.weight", None)

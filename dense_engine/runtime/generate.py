@@ -198,8 +198,10 @@ def prefill_step(model, tokens, input_pos, row_start, attend: int, last, rows=No
 
 
 def logits_step(model, tokens, input_pos, row_start, attend: int):
-    """tokens [B, T] at slots input_pos [T] -> float32 logits [B, T, V] (speculative decoding's verify step)."""
-    return model(tokens, input_pos, attend=attend, row_start=row_start)
+    """tokens [B, T] at slots input_pos [T] -> float32 logits [B, T, V] and the hidden states [B, T, C] they come from
+    (speculative decoding's verify step: an MTP draft goes on from the hidden states)."""
+    hidden = model.hidden_states(tokens, input_pos, attend, row_start)
+    return model.logits(hidden), hidden
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -309,9 +311,16 @@ class Runner:
         return tuple(t.clone() for t in out) if with_logits else out.clone()
 
     @torch.no_grad()
-    def logits(self, tokens: torch.Tensor, pos: int, row_start=None, real: int | None = None) -> torch.Tensor:
+    def prefill_hidden(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """prefill's writes, eagerly, returning the hidden states of every token [B, T, C] (an MTP draft reads them)."""
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        return self.model.hidden_states(tokens, positions, causal=start == 0)
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor, pos: int, row_start=None, real: int | None = None, hidden: bool = False):
         """Logits [B, T, V] of tokens [B, T] at slots pos.. (the verify step of speculative decoding); real: only the
-        first `real` tokens count, the rest (a fixed width's padding) go to the scratch slot and change no state."""
+        first `real` tokens count, the rest (a fixed width's padding) go to the scratch slot and change no state.
+        hidden: (logits, the hidden states [B, T, C])."""
         model, T = self.model, tokens.shape[1]
         input_pos = torch.arange(pos, pos + T, device=tokens.device)
         input_pos = torch.where(input_pos < pos + (T if real is None else real), input_pos, model.max_seq_len).clamp(
@@ -324,8 +333,10 @@ class Runner:
                                 ragged=row_start is not None)
             self.steps.decoded["eager" if fn is None else "compiled"] += 1
         if fn is None:  # (the slots its real tokens reach: padding at the scratch slot attends no further)
-            return logits_step(model, tokens, input_pos, row_start, min(pos + T, model.max_seq_len))
-        return fn(*args)
+            out = logits_step(model, tokens, input_pos, row_start, min(pos + T, model.max_seq_len))
+        else:
+            out = fn(*args)
+        return out if hidden else out[0]
 
 
 def as_batch(prompts, device) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:

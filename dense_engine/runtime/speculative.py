@@ -9,6 +9,7 @@ fixed shape, compiled once) and keeps the longest prefix it agrees with, plus on
     draft = speculative.ModelDraft(small_model)                   # a separate small model, same tokenizer
     draft = speculative.ModelDraft(speculative.quantized_copy(target, "int4"))   # self-speculation
     draft = speculative.LookupDraft(max_ngram=3)                   # prompt lookup: copies from the context
+    draft = speculative.mtp_draft(target, checkpoint, mode)        # the checkpoint's MTP layers (Qwen3.5)
     out = speculative.generate(target, ids, 128, draft, speculate_k=4)    # as generate.generate, with a draft
 
 Greedy: a draft token is kept when it is the target's argmax, so the output is plain greedy decoding's, token for
@@ -22,6 +23,7 @@ Stands on generate.py (its Runner runs the target's and the draft's steps) and q
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 
@@ -31,6 +33,7 @@ from dense_engine.runtime import caches
 from dense_engine.runtime.generate import Runner, Sampling, collect, prepare, sample
 from dense_engine.runtime.sampling import SamplerSettings, mask_vocab, probabilities
 from dense_engine.runtime.steps import Steps, steps_for
+from dense_engine.system.errors import UsageError
 
 
 class ModelDraft:
@@ -136,6 +139,115 @@ class LookupDraft:
         return [], None  # no match: nothing to check, a plain decode step is cheaper
 
 
+class MultiTokenPredictor(dense.DenseDecoder):
+    """Qwen3.5's multi-token prediction layers (mtp.*), trained to predict the token after next. At position i it
+    reads the target's final hidden state h_i (after the target's last norm) and the embedding of the next token
+    t_{i+1}, each normed; fc mixes the two [2C -> C]; then full-attention layers with a KV cache of their own, and a
+    norm: a hidden state whose logits (the target's head) are the draft for t_{i+2}, and which stands in for the
+    target's hidden state at the next draft step. The model's own layer code: a DenseDecoder without a table or a
+    head (the target's serve)."""
+
+    def __init__(self, config: dense.DenseConfig, layers: int) -> None:
+        C = config.hidden_size
+        super().__init__(dataclasses.replace(config, num_hidden_layers=layers, layer_types=["full_attention"] * layers,
+                                             vocab_size=1, tie_word_embeddings=False))
+        self.embed_tokens = self.lm_head = None
+        self.fc = torch.nn.Linear(2 * C, C, bias=False)
+        self.norm_embedding = dense.make_norm(config, C)
+        self.norm_hidden = dense.make_norm(config, C)
+
+    def predict(self, embedded: torch.Tensor, hidden: torch.Tensor, input_pos: torch.Tensor, attend: int
+                ) -> torch.Tensor:
+        """embedded [B, T, C] (the target's embedding of t_{i+1}) and hidden [B, T, C] (h_i), at slots input_pos [T]
+        (i) -> hidden states [B, T, C] after the norm."""
+        step = dense.make_step(self, embedded.shape[1], input_pos, attend)
+        x = self.fc(torch.cat([self.norm_embedding(embedded), self.norm_hidden(hidden)], dim=-1))
+        step.rope = {kind: (cos.to(x.dtype), sin.to(x.dtype)) for kind, (cos, sin) in step.rope.items()}
+        for layer in self.layers:
+            x = layer(x, step)
+        return self.norm(x)
+
+
+def mtp_draft(target: dense.DenseDecoder, checkpoint, mode: str | None) -> MTPDraft:
+    """The draft of `--draft mtp`: the checkpoint's multi-token prediction layers (Checkpoint.mtp) beside the target,
+    in the target's dtype; quantized as the target when it is int8, int4 or nf4 (a GGUF file's: float)."""
+    from dense_engine.formats import load  # (the loader: below this floor, read only here)
+    if not checkpoint.mtp:
+        raise UsageError(f"--draft mtp: {checkpoint.path} has no multi-token prediction layers (Qwen3.5's mtp.*, "
+                         "a GGUF file's nextn block)")
+    layers = len({name.split(".")[1] for name in checkpoint.mtp if name.startswith("layers.")})
+    with torch.device("meta"), load.no_init():
+        predictor = MultiTokenPredictor(checkpoint.config, layers)
+    quantized.swap_linears(predictor, None, {})
+    load.load_tensors(predictor, checkpoint.mtp, target.device, target.dtype, source=f"{checkpoint.path} (mtp)")
+    if mode in ("int8", "int4", "nf4"):
+        quantized.quantize_model(predictor, mode)
+    return MTPDraft(predictor, target)
+
+
+class MTPDraft:
+    """The target's own multi-token prediction layers draft (MultiTokenPredictor). A draft at position P (the current
+    token's) needs the target's hidden states at every position before it: generate_rounds hands them over
+    (observe) after the prefill and after each verify step (the kept positions only). The predictor's cache slot j
+    holds the entry of (h_j, t_{j+1}); its draft steps write slots P.. with its own hidden states, which the next
+    round's entries of the target's overwrite before any later position reads them."""
+
+    needs_hidden = True
+
+    def __init__(self, predictor: MultiTokenPredictor, target: dense.DenseDecoder) -> None:
+        self.predictor, self.target = predictor, target
+        self.fed = 0  # slots 0..fed-1 hold entries of the target's hidden states
+        self.hidden: torch.Tensor | None = None  # [N, C]: the target's hidden states at positions fed.., not fed yet
+
+    def reset(self) -> None:
+        self.fed, self.hidden = 0, None
+
+    def attach(self, target_runner) -> None:
+        if self.predictor.max_seq_len != target_runner.model.max_seq_len:
+            caches.setup_cache(self.predictor, 1, target_runner.model.max_seq_len)
+            self.reset()
+
+    def observe(self, hidden: torch.Tensor, start: int) -> None:
+        """The target's hidden states [T, C] at positions start..start + T - 1. Positions before start it was never
+        given (a conversation the target's cache held before this draft saw it) keep older entries: worse drafts,
+        never a different output (the target checks every one)."""
+        if self.hidden is not None and self.fed <= start <= self.fed + len(self.hidden):
+            hidden = torch.cat([self.hidden[: start - self.fed], hidden])
+        else:
+            self.fed = start
+        self.hidden = hidden
+
+    def run(self, tokens: list[int], hidden: torch.Tensor, start: int) -> torch.Tensor:
+        """The predictor's hidden states [T, C] for tokens t_{j+1} and hidden states h_j [T, C] at slots start.."""
+        device, T = self.target.device, len(tokens)
+        embedded = self.target.embed_tokens(torch.tensor([tokens], device=device))
+        if self.target.config.embed_scale is not None:
+            embedded = embedded * self.target.config.embed_scale
+        slots = torch.arange(start, start + T, device=device)
+        return self.predictor.predict(embedded.to(hidden.dtype), hidden[None], slots, start + T)[0]
+
+    @torch.no_grad()
+    def propose(self, context: list[int], k: int, sampling) -> tuple[list[int], torch.Tensor | None]:
+        P = len(context) - 1  # the current token's position: the target's hidden states are known before it
+        if self.hidden is None or self.fed + len(self.hidden) != P:  # (a plain step ran: no hidden state of it)
+            return [], None
+        h = self.run(context[self.fed + 1:], self.hidden, self.fed)[-1:]  # entries of slots fed..P-1 -> [1, C]
+        self.fed, self.hidden = P, self.hidden[:0]
+        tokens, dists = [], []
+        for i in range(k):
+            logits = self.target.logits(h)  # [1, V]
+            if sampling.temperature == 0:
+                tokens.append(int(mask_vocab(logits, sampling.vocab_limit).argmax()))
+            else:
+                q = probabilities(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.vocab_limit,
+                                  sampling.min_p, sampling.typical_p)[0]
+                tokens.append(int(torch.multinomial(q, 1)))
+                dists.append(q)
+            if i + 1 < k:
+                h = self.run(tokens[-1:], h, P + i)
+        return tokens, torch.stack(dists) if dists else None
+
+
 def quantized_copy(model: dense.DenseDecoder, mode: str) -> dense.DenseDecoder:
     """Self-speculation's draft: the target's weights quantized in memory (no second read from disk); the embedding
     table is shared, not copied."""
@@ -220,7 +332,14 @@ def generate_rounds(model: dense.DenseDecoder, prompts, max_new_tokens: int, dra
     stats = stats if stats is not None else {}
     stats.update(proposed=0, accepted=0, target_steps=0)
     stateful = caches.has_state(model)
-    token = sample(runner.prefill(ids, start_pos, None), sampling)
+    with_hidden = getattr(draft, "needs_hidden", False)  # (an MTP draft goes on from the target's hidden states)
+    if with_hidden:
+        hidden = runner.prefill_hidden(ids, start_pos)  # [1, T, C]
+        draft.observe(hidden[0], start_pos)
+        first = model.logits(hidden[:, -1])
+    else:
+        first = runner.prefill(ids, start_pos, None)
+    token = sample(first, sampling)
     produced = 1
     yield [int(token)]
     context.append(int(token))
@@ -235,8 +354,11 @@ def generate_rounds(model: dense.DenseDecoder, prompts, max_new_tokens: int, dra
             proposal = proposal + [proposal[-1]] * (k - n)  # the verify step has a fixed width: k + 1
             block = torch.tensor([[context[-1]] + proposal], device=device)
             saved = caches.saved_states(model) if stateful else None
-            target_logits = runner.logits(block, pos, real=n + 1)[0, : n + 1].float()
-            new, accepted = accept(target_logits, proposal[:n], None if q is None else q[:n], sampling)
+            target_logits, hidden = runner.logits(block, pos, real=n + 1, hidden=True)
+            new, accepted = accept(target_logits[0, : n + 1].float(), proposal[:n], None if q is None else q[:n],
+                                   sampling)
+            if with_hidden:  # the positions kept: the current token's and the accepted drafts'
+                draft.observe(hidden[0, : accepted + 1], pos)
             if stateful and accepted < n:  # the rejected drafts went into the state: from its start again, with
                 caches.restore_states(model, saved)  # the accepted ones only (the same fixed-width step)
                 runner.logits(block, pos, real=accepted + 1)
