@@ -37,7 +37,11 @@ queries' and keys' 0.4 (scores sharp enough that yarn shows: its cos and sin 10%
 command-r (CohereForCausalLM, Command R v1): two layers, layer norms without bias (gains in [0.5, 1.5]) before the
 parallel attention and MLP, interleaved rope, a logit scale of 0.3, tied; weights of std 0.2, queries' and keys' 0.4.
 
-Each converted with --outtype f16.
+gemma4-q8_0: gemma4 with per-layer embeddings of 16 (the table's rows whole Q8_0 blocks), converted with --outtype
+q8_0: the per-layer table in Q8_0 blocks, as a quantized file holds it (llama.cpp's quantizer gives it the token
+embedding's type).
+
+Each other one converted with --outtype f16.
 
 lora (--only lora): a tiny random Llama (LlamaForCausalLM: two layers, 64 wide, weights of std 0.05) converted with
 --outtype f16 (lora-base.gguf) and q8_0 (lora-base-q8_0.gguf), a PEFT LoRA adapter of it (rank 4, alpha 8, on q, k,
@@ -68,7 +72,7 @@ print(json.dumps({"logits": [list(map(float, row)) for row in llm.scores[:len(id
 '''
 
 
-def make_gemma4(folder: str) -> None:
+def make_gemma4(folder: str, per_layer: int = 8) -> None:
     import torch
     import transformers
 
@@ -76,7 +80,7 @@ def make_gemma4(folder: str) -> None:
     config = transformers.Gemma4TextConfig(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, global_head_dim=32, sliding_window=6, max_position_embeddings=256, eos_token_id=2,
-        num_hidden_layers=6, layer_types=kinds, hidden_size_per_layer_input=8, vocab_size_per_layer_input=512,
+        num_hidden_layers=6, layer_types=kinds, hidden_size_per_layer_input=per_layer, vocab_size_per_layer_input=512,
         num_kv_shared_layers=2, use_double_wide_mlp=True, final_logit_softcapping=0.05, attention_k_eq_v=True)
     torch.manual_seed(0)
     model = transformers.Gemma4ForCausalLM(config).eval()
@@ -246,7 +250,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 CASES = {"gemma4": make_gemma4, "granitehybrid": make_granitehybrid, "nemotron_h": make_nemotron_h,
          "mistral3": make_mistral3, "command-r": make_command_r, "falcon-h1": make_falcon_h1,
-         "granite_swa": make_granite_swa}
+         "granite_swa": make_granite_swa, "gemma4-q8_0": lambda folder: make_gemma4(folder, per_layer=16)}
+OUTTYPES = {"gemma4-q8_0": "q8_0"}  # (else f16)
 
 
 LLAMA_LORA = r'''
@@ -320,8 +325,8 @@ def main() -> int:
         path = os.path.join(OUT, f"{name}.gguf")
         with tempfile.TemporaryDirectory() as folder:
             make(folder)
-            subprocess.run([sys.executable, "-c", CONVERT, args.llama_src, folder, "--outtype", "f16", "--outfile",
-                            path], check=True, capture_output=True)
+            subprocess.run([sys.executable, "-c", CONVERT, args.llama_src, folder, "--outtype",
+                            OUTTYPES.get(name, "f16"), "--outfile", path], check=True, capture_output=True)
         result = subprocess.run([args.llama_python, "-c", LLAMA, path, json.dumps(IDS), json.dumps(TEXTS)],
                                 capture_output=True, text=True, check=True)
         with open(os.path.join(OUT, f"{name}.json"), "w") as f:

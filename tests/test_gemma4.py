@@ -182,6 +182,36 @@ def test_a_gguf_gives_llama_cpps_logits(gguf_reference):
     assert torch.equal(generate.generate(model, prompt, 12), plain)
 
 
+def test_a_quantized_gguf_keeps_its_per_layer_table_as_stored_blocks():
+    """--outtype q8_0 (per-layer embeddings of 16 a layer: whole Q8_0 blocks a row): the per-layer table stays the
+    file's blocks, a row dequantized as it is looked up (at Gemma 4 E2B's shape the table is 2.3B numbers, 9.4 GB in
+    float32); the same logits as that table in float32 beside the same blocks, and llama.cpp's within 3e-2 of their
+    largest, 95% of their argmax (both engines round activations to 8 bits for Q8_0 matmuls, each its own way:
+    llama.cpp's logits are 1.8e-2 from the file's float32 values here, ours 2.3e-2; the final soft-cap of 0.05 leaves
+    logits of 0.04)."""
+    import json
+
+    from dense_engine.cpu import quantized
+    from dense_engine.formats import gguf_import
+
+    path = os.path.join(FIXTURES, "converted_gguf", "gemma4-q8_0.gguf")
+    with open(path.replace(".gguf", ".json")) as f:
+        reference = json.load(f)
+    model = load.from_pretrained(path, dtype=torch.float32, quant="auto")  # (the programs' default)
+    assert isinstance(model.embed_per_layer, quantized.GGUFEmbedding) and model.embed_per_layer.kind == "Q8_0"
+    table = gguf_import.read_gguf(path).tensors["embed_per_layer.weight"]()  # [512, 96] float32, gguf's values
+    ids = torch.tensor([reference["ids"]])
+    with torch.no_grad():
+        assert torch.equal(model.embed_per_layer(ids[0]), table[ids[0]])
+        got = model(ids)[0]
+        floats = copy.copy(model)
+        floats.embed_per_layer = torch.nn.Embedding.from_pretrained(table)
+        assert torch.equal(floats(ids)[0], got)
+    want = torch.tensor(reference["logits"])
+    assert (got - want).abs().max() < 3e-2 * want.abs().max(), (got - want).abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).sum() >= 0.95 * len(want)
+
+
 def test_a_gguf_tokenizes_as_llama_cpp(gguf_reference):
     from dense_engine.formats import gguf_import
 

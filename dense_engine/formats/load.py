@@ -240,7 +240,8 @@ def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> 
 
 def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dtype) -> dict:
     """Put GGUF block layers (quantized.GGUFLinear, GGUFEmbedding) in a meta-device model where the file's tensors
-    are blocks with a kernel; returns the tensors still to load. The blocks are the file's bytes as they are stored
+    are blocks with a kernel (the tables too: the token table and Gemma 4's per-layer one, rows dequantized as they are
+    looked up); returns the tensors still to load. The blocks are the file's bytes as they are stored
     (nothing converted): views of the memory-mapped file, or, for a run that decodes long on the CPU, of one mapping
     of huge pages they were read into (read_runs). Parts of a fused projection that lie one after another in the file,
     of one type, are one buffer, and a tensor two parts share (qwen35's per-head query and gate rows) is read once;
@@ -248,7 +249,8 @@ def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dt
     order. A tied head multiplies the embedding's own blocks."""
     blocks = checkpoint.blocks
     linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
-    sources = {"embed_tokens": ["embed_tokens.weight"]}  # module -> the checkpoint weights it is stacked from
+    tables = ["embed_tokens"] + (["embed_per_layer"] if model.config.per_layer_input else [])  # (rows looked up)
+    sources = {name: [f"{name}.weight"] for name in tables}  # module -> the checkpoint weights it is stacked from
     for name in linears:
         parts = [f"{prefix}.weight" for prefix in fused_parts(model, name)]
         sources[name] = ["embed_tokens.weight"] if name == "lm_head" and "lm_head.weight" not in tensors else parts
@@ -274,7 +276,7 @@ def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dt
         views = [(first.kind, buffers[first.path, first.offset]) for first, _ in runs[module_name]]
         parent, _, attr = module_name.rpartition(".")
         old = model.get_submodule(module_name)
-        if module_name == "embed_tokens":
+        if module_name in tables:
             new = quantized.GGUFEmbedding(old.num_embeddings, old.embedding_dim, views[0][0], views[0][1], dtype)
         else:
             new = quantized.GGUFLinear(old.in_features, old.out_features, old.bias is not None, parts=views,
