@@ -124,8 +124,23 @@ def states(tmp_path_factory):
     return made
 
 
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    """Gemma 4 (test_gemma4.py's cases): per-layer embeddings with the last two layers reading earlier layers' keys
+    and values; full layers of their own head size whose one key/value head (replicated on both ranks) gives keys as
+    values, a final soft-cap."""
+    from test_gemma4 import CASES
+    from test_state_layers import save_random
+
+    root, made = tmp_path_factory.mktemp("gemma4"), {}
+    for i, case in enumerate(("per-layer embeddings, shared keys and values", "k = v, final soft-cap")):
+        save_random(*CASES[case], 20 + i, root / f"case{i}")
+        made[f"gemma4 {case}"] = str(root / f"case{i}")
+    return made
+
+
 @pytest.mark.slow
-def test_two_ranks_equal_one_process(tmp_path, bigger, families, states):
+def test_two_ranks_equal_one_process(tmp_path, bigger, families, states, gemma4):
     jobs = [(layout, fixture_path(layout), None, layout != "neox_original") for layout in LAYOUTS]
     jobs += [(case, path, None, False) for case, path in families.items()]
     jobs += [("bigger", bigger, None, False), ("int8", bigger, "int8", False), ("int4", bigger, "int4", False)]
@@ -133,6 +148,7 @@ def test_two_ranks_equal_one_process(tmp_path, bigger, families, states):
     jobs += [(case, path, None, case in ("qwen3_5", "falcon-h1")) for case, path in states.items()]
     jobs += [("qwen3_5 int4", states["qwen3_5"], "int4", False), ("lfm2 int8", states["lfm2"], "int8", False),
              ("granite 4.0 h int8", states["granite 4.0 h"], "int8", False)]
+    jobs += [(case, path, None, i == 0) for i, (case, path) in enumerate(gemma4.items())]
     ranks = run_two(tmp_path, jobs)
     for name, path, quant, compile in jobs:
         model, logits, greedy = single(path, quant)

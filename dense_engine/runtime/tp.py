@@ -16,7 +16,9 @@ A rank's shard, per block (rank r of N):
       v rows and conv channels, z, a, b, decays, states; out_proj by their columns); LFM2's short conv: whole on
       every rank, its out_proj rank 0's alone (the others' zeros add nothing).
   embedding, norms, output head: replicated (whole logits on every rank, no gather; every rank samples the same token
-      from the same logits with the same seed).
+      from the same logits with the same seed). Gemma 4's per-layer inputs (their table, projections and norms) act
+      on the residual stream every rank holds whole: replicated; a layer that reads an earlier layer's keys and values
+      reads that layer's shard, the same heads.
 dense.py knows none of this: a shard is an ordinary DenseDecoder whose config has H/N heads and W/N FFN width per
 layer, loaded through the loader's one hook (`shard=` in load.from_pretrained), and tp.py adds the all-reduces to the built
 model as hooks (a functional collective, so a compiled step stays one graph). Stands on dense.py, families.py and load.py.
@@ -113,9 +115,6 @@ def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
     if config.qk_norm == "whole" and size > 1:
         raise CheckpointError("its q/k norms are taken over every head's channels at once (OLMo 2): they cannot be "
                               "split across ranks")
-    if (config.per_layer_input or config.kv_shared_layers or config.global_head_dim) and size > 1:
-        raise CheckpointError("Gemma 4's per-layer embeddings, shared keys and values and per-layer head sizes are "
-                              "not split across ranks yet")
     if config.attn_sinks and size > 1:
         raise CheckpointError("its attention sinks (Granite SWA) are not split across ranks yet")
     if config.attn_head_gate and size > 1:
@@ -252,7 +251,7 @@ def slicer(name: str, config: dense.DenseConfig, shards: list[LayerShard], rank:
                      "in_ffn": (config.ffn_width(i), s.ffn)}[how]
     if not how.startswith("in_"):  # rows (every stored layout is row-major per output row)
         return lambda t: t.narrow(0, a * t.shape[0] // units, (b - a) * t.shape[0] // units)
-    inputs = config.heads(i) * config.head_dim if how == "in_heads" else config.ffn_width(i)
+    inputs = config.heads(i) * config.head_size(i) if how == "in_heads" else config.ffn_width(i)
 
     def columns(t: torch.Tensor) -> torch.Tensor:  # weight [N, K], qweight [N, K/2], int4 scales/mins [N, K/group]
         if t.ndim < 2:  # int8's per-row scales: every rank needs them whole
