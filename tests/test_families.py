@@ -365,3 +365,35 @@ def test_apertus_1p5s_pruned_head_gives_the_first_ids_only(tmp_path):
     with torch.no_grad():
         greedy = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 12:]
     assert generate.generate(model, prompt, 12)[0, 12:].tolist() == greedy.tolist()
+
+
+def test_apertus_1p5s_image_text_folder_is_its_text_model(tmp_path, capsys):
+    """The Hub's Apertus 1.5 folder (apertus1p5: the text model under model.language_model, the head beside it,
+    pruned; vision and audio tokenizers that turn images and sounds into ids of the one vocabulary): the text model
+    read, the tokenizers skipped with one note; transformers' logits of a text prompt, its greedy tokens."""
+    text = {**BASE, "head_dim": 16, "output_vocab_size": 384, "max_position_embeddings": 256,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    config = transformers.Apertus1p5Config(
+        text_config=text, image_token_offset=384, audio_token_offset=448, image_token_id=300, audio_token_id=301,
+        vision_config=dict(codebook_size=64, embed_dim=8, latent_channels=32, base_channels=32,
+                           channel_multiplier=[1, 1], num_res_blocks=1, attn_resolutions=[], resolution=16),
+        audio_config=dict(model_type="wavtokenizer_encoder", codebook_size=64))
+    torch.manual_seed(0)
+    hf = transformers.Apertus1p5ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.startswith(("model.language_model.", "lm_head.")):
+                p.uniform_(0.5, 1.5) if "norm" in name and name.endswith("weight") else p.normal_(0, 0.15)
+    hf.save_pretrained(tmp_path)
+    capsys.readouterr()
+    model = from_pretrained(str(tmp_path))
+    notes = capsys.readouterr().err.strip().splitlines()
+    assert len(notes) == 1 and "the vision tokenizer and the audio tokenizer are not loaded" in notes[0]
+    assert model.lm_head.weight.shape[0] == 384 and model.config.vocab_size == 512
+    got, want = model(IDS), reference(hf)
+    assert rel_err(got[..., :384], want) <= 1e-4 and bool((got[..., 384:] == -1e30).all())
+    prompt = IDS[:1, :12]
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        greedy = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 12:]
+    assert generate.generate(model, prompt, 12)[0, 12:].tolist() == greedy.tolist()

@@ -17,8 +17,9 @@ dense.py and checkpoint.py; convert.py dispatches to these by what a path holds.
 | the FAMILIES table (21)      | Hugging Face folder, model_type llama, mistral, qwen2, qwen3, gemma,     |
 |                              | gemma2, gemma3_text, phi3, smollm3, granite, olmo2, olmo3, stablelm,     |
 |                              | seed_oss, glm4, cohere, cohere2, exaone4, apertus, hunyuan_v1_dense,     |
-|                              | ministral3 (also inside mistral3, the image-text wrapper); GGUF files    |
-|                              | of each row's `gguf` architecture (gguf_import.py)                       |
+|                              | ministral3 (also inside mistral3, the image-text wrapper), apertus1p5_  |
+|                              | text (also inside apertus1p5); GGUF files of each row's `gguf`          |
+|                              | architecture (gguf_import.py)                                            |
 """
 
 from __future__ import annotations
@@ -631,7 +632,7 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
         (layer + r"mlp\.gate_up_proj\.weight", r"layers.\1.mlp.gate_up.weight"),
         (layer + r"mlp\.(gate|up|down)_proj\.(weight|bias)", r"layers.\1.mlp.\2_proj.\3")]
     if prefix != "model.":  # a wrapper's image model: not read (its reader says so); its head beside the text model
-        rules += [(r"(?:model\.)?(vision_tower|multi_modal_projector)\..*", None),
+        rules += [(r"(?:model\.)?(vision_tower|multi_modal_projector|vision_tokenizer|audio_tokenizer)\..*", None),
                   (r"language_model\.lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight")]
     table = rename(weights, rules, source)
     if headless and "lm_head.weight" not in table and not config.tie_word_embeddings:
@@ -658,21 +659,29 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
     return table
 
 
-def mistral3(folder: str, raw: dict, source: str):
-    """Mistral 3's image-text folder (Ministral 3, Mistral Small 3.1 / 3.2): the text model (text_config, a family of
-    FAMILIES) under model.language_model, read as that family's folder; the vision tower and its projector are skipped
-    with a note."""
+def image_text(folder: str, raw: dict, source: str):
+    """An image-text folder whose text model (text_config, a family of FAMILIES) is under model.language_model, read
+    as that family's folder; the rest is skipped with a note. Mistral 3 (Ministral 3, Mistral Small 3.1 / 3.2): a
+    vision tower and its projector. Apertus 1.5: its vision and audio tokenizers (images and sounds become token ids
+    of the one vocabulary, which the text model reads as any other)."""
     text = dict(raw.get("text_config") or {})
     if text.get("model_type") not in FAMILIES:
         raise CheckpointError(f"{source}: text_config model_type {text.get('model_type')!r} is not supported")
     if "tie_word_embeddings" in raw:  # (the wrapper's own says whether transformers ties the head)
         text["tie_word_embeddings"] = raw["tie_word_embeddings"]
     names = list(hf_weights(folder))
-    if any(name.startswith(("model.vision_tower.", "vision_tower.")) for name in names):
-        machine.note(f"{source}: the vision tower is not loaded: this engine reads text")
+    skipped = [words for part, words in IMAGE_TEXT_PARTS.items()
+               if any(name.startswith((f"model.{part}.", f"{part}.")) for name in names)]
+    if skipped:
+        machine.note(f"{source}: {' and '.join(skipped)} {'is' if len(skipped) == 1 else 'are'} not loaded: this "
+                     "engine reads text")
     # (the Hub's files: language_model.model.*; transformers 5's own: model.language_model.*)
     legacy = any(name.startswith("language_model.model.") for name in names)
     return hf_decoder(folder, text, source, prefix="language_model.model." if legacy else "model.language_model.")
+
+
+IMAGE_TEXT_PARTS = {"vision_tower": "the vision tower", "vision_tokenizer": "the vision tokenizer",
+                    "audio_tokenizer": "the audio tokenizer"}  # (and a vision tower's multi_modal_projector)
 
 
 def refuse_moe(raw: dict, source: str) -> None:
@@ -1335,7 +1344,7 @@ def gemma4(folder: str, raw: dict, source: str):
 
 # Hugging Face folders by config.json's model_type: (folder, raw config, config path) -> (DenseConfig, table)
 HF_FAMILIES = {"openelm": openelm, "gpt_neox": gpt_neox, "qwen3_5": qwen3_5, "qwen3_5_text": qwen3_5, "lfm2": lfm2,
-               "mistral3": mistral3, "olmo_hybrid": olmo_hybrid, "lfm3": lfm3,
+               "mistral3": image_text, "apertus1p5": image_text, "olmo_hybrid": olmo_hybrid, "lfm3": lfm3,
                "gemma4": gemma4, "gemma4_text": gemma4, "granitemoehybrid": granite_hybrid,
                "nemotron_h": nemotron_h, "falcon_h1": falcon_h1,
                **{kind: hf_decoder for kind in FAMILIES}}
