@@ -63,6 +63,20 @@ SHAPES = {
     "granite-4.0-h-1b": dict(arch="granitehybrid", layers=40, hidden=1536, heads=12, kv_heads=4, ffn=4096,
                              context=131072, vocab=100352, theta=1e4, eps=1e-5, tied=True, mamba=(48, 64, 1, 128),
                              conv=4),
+    # EXAONE 4.0 1.2B, assumed (its config.json was not at hand): OLMo 2's norms (after each branch only) with q/k
+    # norms shared by the heads, every layer full attention with rope (the 32B alone slides)
+    "exaone-4.0-1.2b": dict(arch="exaone4", layers=30, hidden=2048, heads=32, kv_heads=8, ffn=4096, context=65536,
+                            vocab=102400, theta=1e6, eps=1e-5, tied=True, post_norms=True, qk_norm=True),
+    # Gemma 4's small models, assumed (their config.json was not at hand): sliding layers (head size 256, a window of
+    # 512) with a full layer every `full` (head size 512, a quarter of it rotated: proportional rope), per-layer
+    # embeddings of 256 a layer (the table: vocab x layers x 256), the last kv_shared layers reading earlier layers'
+    # keys and values with MLPs twice as wide; a tied head, a final soft-cap of 30
+    "gemma-4-e2b": dict(arch="gemma4", layers=35, hidden=1536, heads=8, kv_heads=1, head_dim=256, global_head_dim=512,
+                        ffn=6144, context=131072, vocab=262144, theta=1e6, theta_swa=1e4, eps=1e-6, tied=True,
+                        per_layer=256, kv_shared=20, window=512, full=5, half=True),
+    "gemma-4-e4b": dict(arch="gemma4", layers=42, hidden=2560, heads=8, kv_heads=2, head_dim=256, global_head_dim=512,
+                        ffn=10240, context=131072, vocab=262144, theta=1e6, theta_swa=1e4, eps=1e-6, tied=True,
+                        per_layer=256, kv_shared=18, window=512, full=6, half=True),
 }
 
 
@@ -230,7 +244,8 @@ def write_random(template: str, dst: str, name: str) -> None:
     writer.add_block_count(shape["layers"])
     writer.add_context_length(shape["context"])
     writer.add_embedding_length(shape["hidden"])
-    writer.add_feed_forward_length(shape["ffn"])
+    if shape["arch"] != "gemma4":  # (gemma4: a width a layer)
+        writer.add_feed_forward_length(shape["ffn"])
     writer.add_head_count(shape["heads"])
     if shape["arch"] != "granitehybrid":
         writer.add_head_count_kv(shape["kv_heads"])
@@ -252,7 +267,9 @@ def write_random(template: str, dst: str, name: str) -> None:
         writer.add_residual_scale(0.22)
         writer.add_attention_scale(1 / 64)
         writer.add_logit_scale(6.0)
-    writer.add_rope_dimension_count(D // 4 if qwen35 else D)
+    if shape["arch"] == "gemma4":
+        gemma4_metadata(writer, shape)
+    writer.add_rope_dimension_count(D // 4 if qwen35 else shape.get("global_head_dim") or D)
     if qwen35:  # the metadata llama.cpp's converter writes for Qwen3.5 (no MTP layer here)
         k_heads, v_heads, dim = shape["linear"]
         writer.add_key_length(D)
@@ -290,9 +307,12 @@ def write_random(template: str, dst: str, name: str) -> None:
             factors.append(1.0 if wavelen < r["original"] / r["high"] else r["factor"] if wavelen > r["original"] /
                            r["low"] else 1 / ((1 - smooth) / r["factor"] + smooth))
         vector("rope_freqs.weight", np.array(factors, dtype=np.float32))
-    for i in range(shape["layers"]):
-        b = f"blk.{i}."
-        vector(b + "attn_norm.weight", np.ones(C, dtype=np.float32))
+    if shape["arch"] == "gemma4":
+        gemma4_tensors(shape, C, w, vector)
+    for i in range(0 if shape["arch"] != "gemma4" else shape["layers"], shape["layers"]):
+        b = f"blk.{i}."  # (EXAONE 4: a norm after each branch, none before)
+        vector(b + ("post_attention_norm" if shape.get("post_norms") else "attn_norm") + ".weight",
+               np.ones(C, dtype=np.float32))
         if qwen35:
             qwen35_layer(b, i % 4 == 3, shape, C, D, w, vector)
             continue
@@ -300,7 +320,11 @@ def write_random(template: str, dst: str, name: str) -> None:
             vector(b + "ffn_norm.weight", np.ones(C, dtype=np.float32))
             mamba_layer(b, shape, C, w, vector)
             continue
-        vector(b + "ffn_norm.weight", np.ones(C, dtype=np.float32))
+        vector(b + ("post_ffw_norm" if shape.get("post_norms") else "ffn_norm") + ".weight",
+               np.ones(C, dtype=np.float32))
+        if shape.get("qk_norm"):
+            vector(b + "attn_q_norm.weight", np.ones(D, dtype=np.float32))
+            vector(b + "attn_k_norm.weight", np.ones(D, dtype=np.float32))
         w(b + "attn_q.weight", shape["heads"] * D, C)
         w(b + "attn_k.weight", shape["kv_heads"] * D, C)
         w(b + "attn_v.weight", shape["kv_heads"] * D, C)
@@ -321,6 +345,65 @@ def write_random(template: str, dst: str, name: str) -> None:
         writer.write_tensor_data(make())
     writer.close()
     os.replace(dst + ".tmp", dst)
+
+
+def gemma4_layers(shape: dict) -> tuple[list[bool], list[int]]:
+    """Which layers are full (every shape["full"]-th, the last one too), and each layer's FFN width (twice as wide
+    where it reads an earlier layer's keys and values)."""
+    L, shared = shape["layers"], shape["layers"] - shape["kv_shared"]
+    return [(i + 1) % shape["full"] == 0 for i in range(L)], [shape["ffn"] * (2 if i >= shared else 1) for i in range(L)]
+
+
+def gemma4_metadata(writer, shape: dict) -> None:
+    """The gemma4 keys llama.cpp's converter writes (tests/fixtures/converted_gguf/gemma4.gguf: one it wrote)."""
+    import gguf
+
+    U32, F32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+    full, widths = gemma4_layers(shape)
+    writer.add_feed_forward_length(widths)
+    writer.add_key_length(shape["global_head_dim"])
+    writer.add_value_length(shape["global_head_dim"])
+    writer.add_key_value("gemma4.attention.key_length_swa", shape["head_dim"], U32)
+    writer.add_key_value("gemma4.attention.value_length_swa", shape["head_dim"], U32)
+    writer.add_key_value("gemma4.rope.dimension_count_swa", shape["head_dim"], U32)
+    writer.add_key_value("gemma4.rope.freq_base_swa", shape["theta_swa"], F32)
+    writer.add_key_value("gemma4.final_logit_softcapping", 30.0, F32)
+    writer.add_key_value("gemma4.attention.sliding_window", shape["window"], U32)
+    writer.add_key_value("gemma4.attention.shared_kv_layers", shape["kv_shared"], U32)
+    writer.add_key_value("gemma4.embedding_length_per_layer_input", shape["per_layer"], U32)
+    writer.add_key_value("gemma4.attention.sliding_window_pattern", [not f for f in full], gguf.GGUFValueType.ARRAY,
+                         sub_type=gguf.GGUFValueType.BOOL)
+
+
+def gemma4_tensors(shape: dict, C: int, w, vector) -> None:
+    """The per-layer table and its projection, proportional rope's factors (1 on the rotated quarter of a full
+    layer's pairs, 1e30 on the rest), and each layer's tensors as the converter names them; norms and layer scales
+    stored as the model multiplies them (1)."""
+    import numpy as np
+
+    full, widths = gemma4_layers(shape)
+    L, P, G, D = shape["layers"], shape["per_layer"], shape["global_head_dim"], shape["head_dim"]
+    vector("rope_freqs.weight", np.array([1.0] * (G // 8) + [1e30] * (G // 2 - G // 8), dtype=np.float32))
+    w("per_layer_token_embd.weight", shape["vocab"], L * P)
+    w("per_layer_model_proj.weight", L * P, C)
+    vector("per_layer_proj_norm.weight", np.ones(P, dtype=np.float32))
+    for i in range(L):
+        b, d = f"blk.{i}.", G if full[i] else D
+        for norm in ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm", "post_norm"):
+            vector(b + norm + ".weight", np.ones(C, dtype=np.float32))
+        vector(b + "layer_output_scale.weight", np.ones(1, dtype=np.float32))
+        w(b + "attn_q.weight", shape["heads"] * d, C)
+        vector(b + "attn_q_norm.weight", np.ones(d, dtype=np.float32))
+        if i < L - shape["kv_shared"]:  # (the shared layers have no keys and values of their own)
+            w(b + "attn_k.weight", shape["kv_heads"] * d, C)
+            w(b + "attn_v.weight", shape["kv_heads"] * d, C)
+            vector(b + "attn_k_norm.weight", np.ones(d, dtype=np.float32))
+        w(b + "attn_output.weight", C, shape["heads"] * d)
+        w(b + "inp_gate.weight", P, C)
+        w(b + "proj.weight", C, P)
+        w(b + "ffn_gate.weight", widths[i], C)
+        w(b + "ffn_up.weight", widths[i], C)
+        w(b + "ffn_down.weight", C, widths[i])
 
 
 def qwen35_layer(b: str, full: bool, shape: dict, C: int, D: int, w, vector) -> None:
@@ -525,7 +608,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-python", help="python of a virtualenv with llama-cpp-python built from source")
     p.add_argument("--model", default="both", help="smollm2, tinyllama, llama-3.2-1b, qwen2.5-0.5b, qwen3.5-0.8b, "
-                   "qwen3.5-2b, granite-4.0-h-1b, a comma list, or both (smollm2 and tinyllama)")
+                   "qwen3.5-2b, granite-4.0-h-1b, exaone-4.0-1.2b, gemma-4-e2b, gemma-4-e4b, a comma list, or both "
+                   "(smollm2 and tinyllama)")
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--runs", type=int, default=2, help="timed generations per process (after one warm-up)")
     p.add_argument("--rounds", type=int, default=3, help="processes per engine and row, the engines alternating")
