@@ -348,7 +348,7 @@ def reference_attention(q, k, v, visible, scale, softcap):
     (1, 9, 3, 18, 64, 4096, 420, 0, 0.0, False), (1, 6, 2, 32, 64, 600, 500, 100, 0.0, False),
     (1, 9, 3, 7, 48, 300, 37, 0, 5.0, False),
     (1, 8, 2, 1, 256, 4096, 3000, 0, 0.0, False), (2, 8, 2, 3, 32, 600, 330, 0, 2.0, False),
-    (1, 14, 2, 2, 64, 300, 200, 50, 0.0, False)])
+    (1, 14, 2, 2, 64, 300, 200, 50, 0.0, False), (1, 8, 1, 2, 512, 600, 530, 0, 0.0, False)])  # (Gemma 4: 512)
 def test_attention_kernel_equals_the_reference_over_the_visible_slots(dtype, B, H, K, T, D, S, P, window, softcap,
                                                                      per_row):
     """kernels.cpp's attention against float64 attention over exactly the slots each query may see: its row's own

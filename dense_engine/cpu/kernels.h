@@ -603,7 +603,7 @@ constexpr int64_t SPLIT = 512;  // a query's slots are cut into parts of this ma
 
 struct Partial {  // one query's softmax over part of its slots: max score, sum of e^(s - max), sum of e^(s - max) v
   float max, sum;
-  float acc[256];
+  float acc[512];  // (a head of up to 512 channels: Gemma 4's full layers)
 };
 
 inline float as_float(float v) { return v; }
@@ -781,7 +781,7 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_t, const at::Tens
   const bool per_row = pos.dim() == 2;
   const int64_t D = q.size(3), S1 = v.size(2);
   TORCH_CHECK(k_t.dim() == 5 && k_t.size(2) * 16 >= S1 && k_t.size(3) == D && k_t.size(4) == 16 && v.size(3) == D &&
-              D <= 256 && q.size(1) % k_t.size(1) == 0 && pos.size(-1) == q.size(2) && (!per_row || pos.size(0) == q.size(0)) &&
+              D <= 512 && q.size(1) % k_t.size(1) == 0 && pos.size(-1) == q.size(2) && (!per_row || pos.size(0) == q.size(0)) &&
               (rows.numel() == 0 || rows.numel() == q.size(0)) && k_t.stride(2) == D * 16 &&
               k_t.stride(3) == 16 && k_t.stride(4) == 1 && v.stride(3) == 1 && v.stride(2) == D,
               "attention: bad shapes");
