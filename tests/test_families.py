@@ -341,6 +341,18 @@ def test_command_r_plus_per_head_qk_norms_are_refused(tmp_path):
         from_pretrained(str(tmp_path))
 
 
+def assert_a_pruned_head_as_transformers(model, hf, rows: int) -> None:
+    """A head of `rows` ids out of 512: transformers' logits over them, -1e30 past them, its greedy tokens."""
+    assert model.lm_head.weight.shape[0] == rows and model.config.vocab_size == 512
+    got, want = model(IDS), reference(hf)
+    assert rel_err(got[..., :rows], want) <= 1e-4 and bool((got[..., rows:] == -1e30).all())
+    prompt = IDS[:1, :12]
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        greedy = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 12:]
+    assert generate.generate(model, prompt, 12)[0, 12:].tolist() == greedy.tolist()
+
+
 def test_apertus_1p5s_pruned_head_gives_the_first_ids_only(tmp_path):
     """Apertus 1.5's text model (apertus1p5_text): Apertus with an LM head pruned to output_vocab_size rows (the
     multimodal ids cut): its logits equal transformers' over those ids, the ids past them never come out."""
@@ -357,14 +369,7 @@ def test_apertus_1p5s_pruned_head_gives_the_first_ids_only(tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(FIXTURES, "llama", name), tmp_path)
     model = from_pretrained(str(tmp_path))
-    assert model.lm_head.weight.shape[0] == 400 and model.config.vocab_size == 512
-    got, want = model(IDS), reference(hf)
-    assert rel_err(got[..., :400], want) <= 1e-4 and bool((got[..., 400:] == -1e30).all())
-    prompt = IDS[:1, :12]
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        greedy = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 12:]
-    assert generate.generate(model, prompt, 12)[0, 12:].tolist() == greedy.tolist()
+    assert_a_pruned_head_as_transformers(model, hf, 400)
 
 
 def test_apertus_1p5s_image_text_folder_is_its_text_model(tmp_path, capsys):
@@ -389,11 +394,4 @@ def test_apertus_1p5s_image_text_folder_is_its_text_model(tmp_path, capsys):
     model = from_pretrained(str(tmp_path))
     notes = capsys.readouterr().err.strip().splitlines()
     assert len(notes) == 1 and "the vision tokenizer and the audio tokenizer are not loaded" in notes[0]
-    assert model.lm_head.weight.shape[0] == 384 and model.config.vocab_size == 512
-    got, want = model(IDS), reference(hf)
-    assert rel_err(got[..., :384], want) <= 1e-4 and bool((got[..., 384:] == -1e30).all())
-    prompt = IDS[:1, :12]
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        greedy = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 12:]
-    assert generate.generate(model, prompt, 12)[0, 12:].tolist() == greedy.tolist()
+    assert_a_pruned_head_as_transformers(model, hf, 384)
