@@ -630,6 +630,20 @@ def test_the_mtp_draft_gives_its_reference_logits(mtp_folder, folders):
     assert (want.argmax(-1)[:-1] == text[0, 2:60]).float().mean() > 0.8  # (trained: its drafts are worth checking)
 
 
+def test_mtp_layers_saved_under_model_are_read_the_same(mtp_folder, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from dense_engine.formats import convert
+
+    folder = mtp_folder[0]
+    shutil.copytree(folder, tmp_path / "m")
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    save_file({("model." + k if k.startswith("mtp.") else k): v for k, v in weights.items()},
+              str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    want, got = convert.read_checkpoint(folder).mtp, convert.read_checkpoint(str(tmp_path / "m")).mtp
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k](), want[k]()) for k in want)
+
+
 @pytest.mark.parametrize("quant", [None, "int8"])
 def test_speculation_with_the_mtp_draft_equals_plain_greedy(mtp_folder, quant):
     """--draft mtp: the target's exact greedy tokens, most drafts accepted (a draft from a misplaced hidden state or

@@ -865,12 +865,13 @@ def qwen3_5(folder: str, raw: dict, source: str):
         machine.note(f"{source}: the vision tower (model.visual.*) is not loaded: this engine reads text")
     # the multi-token prediction layers (mtp.*: a draft, --draft mtp) under mtp., as speculative.MultiTokenPredictor
     # names them: its layers are full-attention layers named as the model's
-    rules = [(r"model\.visual\..*", None), (r"mtp\.fc\.weight", "mtp.fc.weight"),
-             (r"mtp\.pre_fc_norm_(embedding|hidden)\.weight", r"mtp.norm_\1.weight"),
-             (r"mtp\.norm\.weight", "mtp.norm.weight"),
+    mtp = r"(?:model\.)?mtp\."  # (at the top, or under model. as some releases save it)
+    rules = [(r"model\.visual\..*", None), (mtp + r"fc\.weight", "mtp.fc.weight"),
+             (mtp + r"pre_fc_norm_(embedding|hidden)\.weight", r"mtp.norm_\1.weight"),
+             (mtp + r"norm\.weight", "mtp.norm.weight"),
              (prefix + r"embed_tokens\.weight", "embed_tokens.weight"), (prefix + r"norm\.weight", "norm.weight"),
              (r"lm_head\.weight", None if config.tie_word_embeddings else "lm_head.weight")]
-    for at, to in ((layer, "layers."), (r"mtp\.layers\.(\d+)\.", "mtp.layers.")):
+    for at, to in ((layer, "layers."), (mtp + r"layers\.(\d+)\.", "mtp.layers.")):
         rules += [(at + r"input_layernorm\.weight", to + r"\1.attn_norm.weight"),
                   (at + r"post_attention_layernorm\.weight", to + r"\1.mlp_norm.weight"),
                   (at + r"self_attn\.([qkvo]_proj|[qk]_norm)\.weight", to + r"\1.attn.\2.weight"),
