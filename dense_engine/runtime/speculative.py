@@ -220,9 +220,7 @@ class MTPDraft:
     def run(self, tokens: list[int], hidden: torch.Tensor, start: int) -> torch.Tensor:
         """The predictor's hidden states [T, C] for tokens t_{j+1} and hidden states h_j [T, C] at slots start.."""
         device, T = self.target.device, len(tokens)
-        embedded = self.target.embed_tokens(torch.tensor([tokens], device=device))
-        if self.target.config.embed_scale is not None:
-            embedded = embedded * self.target.config.embed_scale
+        embedded = self.target.embed_tokens(torch.tensor([tokens], device=device))  # (Qwen3.5: no embedding scale)
         slots = torch.arange(start, start + T, device=device)
         return self.predictor.predict(embedded.to(hidden.dtype), hidden[None], slots, start + T)[0]
 
