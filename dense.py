@@ -905,7 +905,8 @@ class DenseDecoder(nn.Module):
             mixer.memory = NoCache()
         for mixer in self.mixers():
             if isinstance(mixer, Attention) and mixer.reads is not None:  # the keys and values of the layer it reads
-                mixer.memory = self.layers[mixer.reads].attn.memory
+                del mixer.memory  # (held as a plain attribute, not a submodule: the cache's tensors are named once,
+                object.__setattr__(mixer, "memory", self.layers[mixer.reads].attn.memory)  # as torch.export needs)
             elif isinstance(mixer, Attention):
                 mixer.memory = cache_class(max_batch_size, mixer.n_kv_heads, max_seq_len, mixer.head_dim,
                                            dtype or self.dtype, self.device)

@@ -46,6 +46,23 @@ def _fresh_dynamo():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _steps_compile(monkeypatch):
+    """A step that cannot be compiled runs eagerly for a user, with one note. In a test, "compiled equals eager" would
+    then compare eager with itself: the test fails instead, naming the step."""
+    from dense_engine.runtime import steps
+
+    compile_now = steps.Steps.compile_now
+
+    def compiled_or_fail(self, path, kind, *args, **kwargs):
+        compiled = compile_now(self, path, kind, *args, **kwargs)
+        if compiled is None:
+            pytest.fail(f"the {kind} step could not be compiled (it would have run eagerly)")
+        return compiled
+
+    monkeypatch.setattr(steps.Steps, "compile_now", compiled_or_fail)
+
+
 def run_alone(scheduler, request) -> list[int]:
     """A server scheduler's turns, driven by hand, until the request (submitted alone) ends: its generated ids."""
     scheduler.submit(request)
