@@ -31,6 +31,7 @@ from dense_engine.cli.flags import (add_model_flags, check_environment, load_mod
 from dense_engine.cli.repl import SETTINGS, ctrl_c_as_key, interactive
 from dense_engine.cli import terminal
 from dense_engine.cli.terminal import Notes
+from dense_engine.formats import lora
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
 from dense_engine.runtime import caches, generate, grammar, reasoning, tp
@@ -115,6 +116,7 @@ def parse_args(argv):
         value = getattr(args, name.replace("-", "_"))
         if value is not None and not valid(value):
             raise UsageError(f"--{name} must be {expected}, got {value}")
+    lora.unnamed(tuple(lora.entry(spec) for spec in args.lora or ()), "chat.py")
     return args
 
 

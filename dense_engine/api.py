@@ -124,8 +124,9 @@ def load(path: str | None = None, quant: str = "auto", device: str | None = None
 
     path = path or default_checkpoint(Console(stderr=True, soft_wrap=True))
     vocab = load_vocabulary(path, tokenizer)
-    pairs = [adapters.parse(a) if isinstance(a, str) else (a[0], a[1]) for a in lora]
-    record, checkpoint = loading.plan(path, quant, device, dtype, kv_dtype, max_seq_len, compile, pairs)
+    entries = tuple(adapters.entry(a) for a in lora)
+    adapters.unnamed(entries, "dense_engine.load")
+    record, checkpoint = loading.plan(path, quant, device, dtype, kv_dtype, max_seq_len, compile, entries)
     preread.start_for(record)  # a GGUF's blocks into huge pages (a decode step streams them faster)
     try:
         model = load_model(record, checkpoint)

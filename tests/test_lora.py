@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import peft
 import pytest
@@ -262,14 +263,91 @@ def test_a_llama_cpp_adapter_on_a_folder_is_refused_in_one_line(base):
     assert "\n" not in str(e.value)
 
 
-def test_lora_flags_read_a_scale_and_refuse_an_adapter_picked_by_name(base, tmp_path):
-    """--lora PATH[:SCALE]: a suffix that is not a number is the path's; vLLM's NAME=DIR (per request) is refused in
-    one line saying what applies an adapter to every request."""
+def test_lora_flags_read_a_scale_and_a_name(base, tmp_path):
+    """--lora [NAME=]PATH[:SCALE]: a suffix that is not a number is the path's, and so is a NAME= of a path that
+    exists; a name only serve.py serves (per request): chat.py refuses it in one line saying what applies an adapter
+    to every answer."""
     from dense_engine.formats import lora
 
     save_adapter(base, tmp_path / "adapter", seed=1)
-    assert lora.parse(f"{tmp_path / 'adapter'}:0.5") == (str(tmp_path / "adapter"), 0.5)
-    assert lora.parse("/x:y") == ("/x:y", 1.0)
-    with pytest.raises(UsageError, match=r"sql=.*: adapters picked per request by name are not served yet") as e:
-        lora.parse(f"sql={tmp_path / 'adapter'}")
-    assert "\n" not in str(e.value)
+    assert lora.parse(f"{tmp_path / 'adapter'}:0.5") == (str(tmp_path / "adapter"), 0.5, "")
+    assert lora.parse("/x:y") == ("/x:y", 1.0, "")
+    assert lora.parse(f"sql={tmp_path / 'adapter'}:0.5") == (str(tmp_path / "adapter"), 0.5, "sql")
+    os.makedirs(tmp_path / "a=b")
+    assert lora.parse(str(tmp_path / "a=b")) == (str(tmp_path / "a=b"), 1.0, "")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", base, "--prompt", "hi",
+                             "--lora", f"sql={tmp_path / 'adapter'}"], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode != 0 and result.stderr.count("\n") == 1
+    assert "has no requests to pick an adapter by name (serve.py serves them)" in result.stderr
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_adapters_by_name_switch_per_row_as_each_alone(base, tmp_path, quant):
+    """Adapters loaded by name stay beside the weights; rows of one batch with another adapter each (one at half
+    its scale, one with none) give the logits of the base with that adapter alone: merged (full precision, 1e-5)
+    or beside the same int8 weights (equal)."""
+    from dense_engine.formats import lora
+
+    save_adapter(base, tmp_path / "a", seed=1)
+    save_adapter(base, tmp_path / "b", seed=2)
+    served = load.from_pretrained(base, dtype=torch.float32, quant=quant,
+                                  lora=[(str(tmp_path / "a"), 1.0, "a"), (str(tmp_path / "b"), 0.5, "b")])
+    assert len(lora.switches(served)) == 4 * 2  # (qkv, o, gate-up, down of 2 layers: their weights unmerged)
+    lora.size_switch(served, 3)
+    lora.switch(served, [(1.0, 0.0), (), (0.0, 0.5)])
+    with torch.no_grad():
+        got = served(torch.cat([ids()] * 3))
+        for b, adapters in enumerate([[(str(tmp_path / "a"), 1.0)], [], [(str(tmp_path / "b"), 0.5)]]):
+            want = engine_logits(base, adapters, quant=quant)[0]
+            assert (got[b] - want).abs().max() <= (1e-5 * want.abs().max() if quant is None else 0)
+    assert (engine_logits(base, [(str(tmp_path / "a"), 1.0)])[0] - got[1]).abs().max() > 0.1
+
+
+@pytest.mark.slow
+def test_a_server_serves_adapters_by_name_side_by_side_as_each_alone(base, tmp_path):
+    """serve.py --lora sql=DIR --lora chat=DIR:0.5, through the openai client: a request naming an adapter as its
+    model (vLLM's way), or picking it by llama-server's `lora` field, gets the greedy text of the base with that
+    adapter merged (dense_engine.load); side by side with the others in one batch, each its text alone; no adapter,
+    the base's. /v1/models and /lora-adapters list them; a bad `lora` is a 400 naming it."""
+    import dense_engine
+    from test_serve import Server
+
+    openai = pytest.importorskip("openai")
+
+    save_adapter(base, tmp_path / "a", seed=1)
+    save_adapter(base, tmp_path / "b", seed=2)
+    prompt = "the cat sat on"
+    want = {name: dense_engine.load(base, lora=adapters, compile=False).generate(
+        prompt, max_new_tokens=12, temperature=0.0, chat=False)
+        for name, adapters in [("sql", [str(tmp_path / "a")]), ("chat", [f"{tmp_path / 'b'}:0.5"]), ("base", [])]}
+    assert len(set(want.values())) == 3
+    server = Server("--max-batch", "4", "--lora", f"sql={tmp_path / 'a'}", "--lora", f"chat={tmp_path / 'b'}:0.5",
+                    ckpt=base)
+    try:
+        client = server.client()
+
+        def complete(model, **extra):
+            return client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+                                             extra_body=extra or None).choices[0].text
+
+        alone = {name: complete(name) for name in ("sql", "chat", "base")}
+        assert alone == want
+        together = {}
+        workers = [threading.Thread(target=lambda name=name: together.update({name: complete(name)}))
+                   for name in [*alone] * 2]  # (six requests, four rows: a batch of every adapter, then more)
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert together == want
+        assert complete("base", lora=[{"id": 1, "scale": 0.5}]) == want["chat"]
+        assert complete("sql", lora=[]) == want["base"]  # (the field says which: none)
+        assert [m.id for m in client.models.list().data] == [os.path.basename(base), "sql", "chat"]
+        status, listed = server.get("/lora-adapters")
+        assert status == 200 and [(a["id"], a["name"], a["scale"]) for a in json.loads(listed)] == [
+            (0, "sql", 1.0), (1, "chat", 0.5)]
+        with pytest.raises(openai.BadRequestError, match=r"lora\[0\]\.id must be the id of an adapter") as e:
+            complete("base", lora=[{"id": 2}])
+        assert e.value.body["param"] == "lora[0].id"
+    finally:
+        assert server.stop() == 0

@@ -55,9 +55,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="weight quantization (a variant saved by quantize.py, else made at load time); auto: int4 "
                         "for weights from a Q4_0/Q4_1 GGUF (held exactly), a GGUF's own blocks for its other types "
                         "(gguf: Q4_K, Q5_K, Q6_K, Q8_0, ...), else as stored; none: full precision")
-    p.add_argument("--lora", action="append", metavar="PATH[:SCALE]",
+    p.add_argument("--lora", action="append", metavar="[NAME=]PATH[:SCALE]",
                    help="a LoRA adapter (a PEFT folder, or llama.cpp's .gguf adapter file) times SCALE (default 1): "
-                        "merged into full-precision weights, beside quantized ones; several allowed")
+                        "merged into full-precision weights, beside quantized ones; several allowed. serve.py: "
+                        "NAME= serves it beside the weights, for the requests that name it (their model, or "
+                        "llama-server's lora field)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compiled prefill and decode steps, saved in the cache folder for later runs (default: on)")
     p.add_argument("--kv-dtype", choices=load.KV_DTYPES, default="auto",
@@ -109,7 +111,7 @@ def parse_flags(p: argparse.ArgumentParser, argv):
 def load_model(ckpt: str, args, console) -> tuple:
     """(the model, its LoadRecord) as the flags ask: what was loaded and why is the record's `weights`."""
     record, checkpoint = load.plan(ckpt, args.quant, args.device, args.dtype, args.kv_dtype, args.max_seq_len,
-                                   args.compile, [lora.parse(spec) for spec in args.lora or ()])
+                                   args.compile, [lora.entry(spec) for spec in args.lora or ()])
     if getattr(args, "prompt", None) is None or getattr(args, "bench", False):  # (a one-shot's stay in the file's pages)
         preread.start_for(record)  # the blocks into huge pages, for a run that decodes long
     try:

@@ -49,14 +49,17 @@ class LoadRecord:
     kv_dtype: str = "auto"  # the cache's numbers: one of KV_DTYPES
     max_seq_len: int | None = None  # the cache's length; None: the model's context, or what fits (fitting_cache)
     compile: bool = True  # compiled steps, saved for later processes
-    lora: tuple[tuple[str, float], ...] = ()  # LoRA adapters (folder or file, scale): merged into full-precision
-    #                                          weights, beside quantized ones (lora.py)
+    lora: tuple[tuple[str, float, str], ...] = ()  # LoRA adapters (folder or file, scale, name): merged into
+    #   full-precision weights, beside quantized ones; a named one beside any, on for the rows that pick it (lora.py)
 
     @property
     def weights(self) -> str:
         """What was loaded and why, as the programs' first line says it."""
-        adapters = "" if not self.lora else \
-            f", {len(self.lora)} LoRA adapter{'s' if len(self.lora) > 1 else ''} {'beside' if self.quant else 'merged'}"
+        every = [e for e in self.lora if not e[2]]
+        named = [e[2] for e in self.lora if e[2]]
+        adapters = "" if not every else \
+            f", {len(every)} LoRA adapter{'s' if len(every) > 1 else ''} {'beside' if self.quant else 'merged'}"
+        adapters += f", LoRA adapters by name: {', '.join(named)}" if named else ""
         return f"{self.quant or 'full precision'} ({self.reason}){adapters}"
 
 
@@ -71,17 +74,18 @@ def plan(path: str, quant: str = "auto", device=None, dtype: torch.dtype | None 
          max_seq_len: int | None = None, compile: bool = True, lora: tuple = ()) -> tuple[LoadRecord, Checkpoint]:
     """The record of a load and the checkpoint it reads (read once, here; from_pretrained takes it): "auto" resolved
     to what auto_mode picks, with its reason; device default cuda when there is one, else cpu; dtype default_dtype's.
-    lora: (adapter folder or file, scale) pairs (lora.py: merged, or beside quantized weights)."""
+    lora: adapters as lora.entry takes them ((folder or file, scale[, name])): merged, or beside quantized weights;
+    a named one beside any weights (lora.py)."""
     if kv_dtype not in KV_DTYPES:
         raise UsageError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    lora = tuple((os.path.abspath(p), float(s)) for p, s in lora)
+    lora = tuple(adapters.entry(a) for a in lora)
     checkpoint = read_with_adapters(path, lora)
     device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if quant == "auto":
         mode, reason = auto_mode(checkpoint, device)
     else:
         mode, reason = (None if quant == "none" else quant), f"--quant {quant}"
-    if lora and mode is not None:  # (an adapter beside quantized weights: the family must keep the weight as it is)
+    if lora:  # (an adapter beside the weights: the family must keep the weight as it is)
         adapters.check_unmerged(checkpoint.tensors, checkpoint.adapters, mode)
     record = LoadRecord(checkpoint.path, mode, reason, dtype or default_dtype(device), device, kv_dtype, max_seq_len,
                         compile, lora)
@@ -89,11 +93,13 @@ def plan(path: str, quant: str = "auto", device=None, dtype: torch.dtype | None 
 
 
 def read_with_adapters(path, lora: tuple) -> Checkpoint:
-    """The checkpoint at path with the LoRA adapters `lora` names ((folder or file, scale) pairs) on its weights."""
-    def read(adapter: str, scale: float):  # (a llama.cpp adapter file, or a PEFT folder)
-        return gguf_import.read_lora(adapter, scale) if adapter.endswith(".gguf") and os.path.isfile(adapter) else \
+    """The checkpoint at path with the LoRA adapters `lora` names (lora.entry's) on its weights."""
+    def read(adapter: str, scale: float, name: str):  # (a llama.cpp adapter file, or a PEFT folder)
+        got = gguf_import.read_lora(adapter, scale) if adapter.endswith(".gguf") and os.path.isfile(adapter) else \
             adapters.read_adapter(adapter, scale)
-    return convert.read_checkpoint(path, tuple(read(os.fspath(p), float(s)) for p, s in lora))
+        return dataclasses.replace(got, name=name)
+    # (a named adapter is read at scale 1: its scale is the rows' to set, the flag's by default: lora.switch)
+    return convert.read_checkpoint(path, tuple(read(p, 1.0 if n else s, n) for p, s, n in map(adapters.entry, lora)))
 
 
 def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant: str | None = None,
@@ -104,14 +110,15 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
     other); "int8" | "int4" | "nf4" | "llm.int8" loads that variant (saved by quantize.py, else quantized tensor by
     tensor as it loads); "auto" picks what auto_mode says; "none" forces full precision. shard: tensor parallel's
     hook (tp.py), (checkpoint, tensors, mode) -> one rank's config and tensor slices. lora: (adapter folder or file,
-    scale) pairs, merged into full-precision weights, beside quantized ones (lora.py)."""
+    scale[, name]), merged into full-precision weights, beside quantized ones, a named one beside any (lora.py)."""
     checkpoint = path if isinstance(path, Checkpoint) else read_with_adapters(path, lora)
     device = torch.device(device)
     dtype = dtype or default_dtype(device, checkpoint.dtype)
     mode, params, tensors = select(checkpoint, quant, device=device)
-    if shard is not None and checkpoint.adapters and mode is not None:
-        raise UsageError("--lora beside quantized weights is not split across ranks yet (full-precision weights "
-                         "take it merged: --quant none)")
+    served = tuple(a.name for a in checkpoint.adapters if a.name)
+    if shard is not None and checkpoint.adapters and (mode is not None or served):
+        raise UsageError("--lora beside the weights (quantized ones, or an adapter by name) is not split across "
+                         "ranks yet (full-precision weights take an unnamed adapter merged: --quant none)")
     config = checkpoint.config
     if shard is not None and mode == "gguf":  # tensor parallel cuts float or int8/int4 weights, not GGUF blocks
         mode, tensors = None, checkpoint.tensors
@@ -127,8 +134,8 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
         tensors = load_blocks(model, checkpoint, tensors, device, dtype)
     quantized.swap_linears(model, None if mode == "gguf" else mode, params)  # the rest: quantized, or kernels.Linear
     load_tensors(model, tensors, device, dtype, source=checkpoint.path)
-    if checkpoint.adapters and mode is not None:  # beside the quantized weights, unmerged (lora.py)
-        adapters.attach(model, checkpoint.tensors, fused_parts)
+    if checkpoint.adapters and (mode is not None or served):  # beside the weights, unmerged (lora.py)
+        adapters.attach(model, checkpoint.tensors, fused_parts, served, merged=mode is None)
     kernels.place_weights(model)  # huge pages for the weights a decode step streams (CPU)
     return model
 

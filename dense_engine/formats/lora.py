@@ -4,7 +4,10 @@ alpha_pattern per module). `read_checkpoint(path, lora_adapters)` reads the adap
 target weight's thunk in a Merged (PENDING: the adapters of the checkpoint being read), before the family maps the
 names, so every family's own changes (fused, split, folded) apply to the merged weight: a full-precision load merges
 them. A quantized load keeps the base as stored (Merged.base) and adds the adapters as an unmerged low-rank term
-(LowRank, attach), where the family kept the weight as it is. What an adapter would change
+(LowRank, attach), where the family kept the weight as it is. A named adapter (serve.py's --lora NAME=DIR) is never
+merged: it stays beside the weights, full-precision or quantized, switched on per cache row (switch: a request picks
+it by its model name or llama-server's `lora` field, and rows with other adapters run in the same batch). What an
+adapter would change
 that is not a linear's weight (DoRA, biases, modules_to_save, embeddings), and an adapter whose tensors do not fit the
 base (another model's), are refused in one line.
 """
@@ -28,10 +31,12 @@ from dense_engine.system.errors import CheckpointError, UsageError
 @dataclass(frozen=True)
 class Adapter:
     """One adapter as read: {base weight name: (A [r, in], B [out, r] thunks, its scale)} and where it came from;
-    names: "peft" (Hugging Face's module names) or the GGUF architecture of a llama.cpp adapter (its tensor names)."""
+    names: "peft" (Hugging Face's module names) or the GGUF architecture of a llama.cpp adapter (its tensor names);
+    name: "" (merged, or on for every row) or the name requests pick it by (beside the weights, per row)."""
     path: str
     deltas: dict = field(default_factory=dict)
     names: str = "peft"
+    name: str = ""
 
 
 @dataclass
@@ -44,18 +49,35 @@ class Pending:
 PENDING: ContextVar[Pending] = ContextVar("pending", default=Pending())
 
 
-def parse(spec: str) -> tuple[str, float]:
-    """--lora's DIR[:SCALE] -> (DIR, SCALE); a suffix that is not a number is part of the path. vLLM's NAME=DIR (an
-    adapter a request picks by name) is refused in one line."""
-    name, equals, folder = spec.partition("=")
-    if equals and name and not os.path.exists(spec) and os.path.exists(parse(folder)[0]):
-        raise UsageError(f"--lora {spec}: adapters picked per request by name are not served yet; --lora "
-                         f"{folder} applies the adapter to every request")
-    path, _, scale = spec.rpartition(":")
+def parse(spec: str) -> tuple[str, float, str]:
+    """--lora's [NAME=]DIR[:SCALE] -> (DIR, SCALE, NAME or ""); a suffix that is not a number is part of the path,
+    and so is a NAME= where the whole spec is a path that exists. NAME: vLLM's --lora-modules name, which requests
+    pick the adapter by (serve.py)."""
+    name, equals, rest = spec.partition("=")
+    if not equals or not name or os.path.exists(spec):
+        name, rest = "", spec
+    elif not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:/-]*", name):
+        raise UsageError(f"--lora {spec}: the name {name!r} is not a model name (letters, digits, . _ : / -)")
+    path, _, scale = rest.rpartition(":")
     try:
-        return (path, float(scale)) if path else (spec, 1.0)
+        return (path, float(scale), name) if path else (rest, 1.0, name)
     except ValueError:
-        return spec, 1.0
+        return rest, 1.0, name
+
+
+def entry(adapter) -> tuple[str, float, str]:
+    """An adapter as a load takes it: "[NAME=]PATH[:SCALE]", (path, scale) or (path, scale, name) -> (the absolute
+    path, scale, name)."""
+    path, scale, name = parse(adapter) if isinstance(adapter, str) else (*adapter, "")[:3]
+    return os.path.abspath(os.fspath(path)), float(scale), name
+
+
+def unnamed(lora: tuple, where: str) -> None:
+    """Refuse in one line a named adapter where no request picks one (chat.py, dense_engine.load)."""
+    for path, _, name in lora:
+        if name:
+            raise UsageError(f"--lora {name}={path}: {where} has no requests to pick an adapter by name (serve.py "
+                             f"serves them); --lora {path} applies it to every answer")
 
 
 def read_adapter(path: str, scale: float = 1.0) -> Adapter:
@@ -137,6 +159,7 @@ class Delta:
     factor: float
     path: str
     rows: torch.Tensor | None = None  # B's rows in the weight's order (a GGUF file's turned q/k rows), None: as is
+    name: str = ""  # the adapter's name ("": merged, or on for every row)
 
     def read(self, name: str, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, factor * B) in float32, refused in one line where B @ A is not the weight's shape."""
@@ -149,15 +172,15 @@ class Delta:
 
 
 class Merged:
-    """A target weight's thunk: called, the base weight plus its adapters' terms (float32); base: the weight as
-    stored; deltas: the terms."""
+    """A target weight's thunk: called, the base weight plus its unnamed adapters' terms (float32; a named one stays
+    beside it: attach); base: the weight as stored; deltas: the terms."""
 
     def __init__(self, base, deltas: tuple[Delta, ...], name: str) -> None:
         self.base, self.deltas, self.name = base, deltas, name
 
     def __call__(self) -> torch.Tensor:
         w = self.base().float()
-        for delta in self.deltas:
+        for delta in (d for d in self.deltas if not d.name):
             a, b = delta.read(self.name, tuple(w.shape))
             w = w + b @ a
         return w
@@ -195,7 +218,7 @@ def merged(table: dict, source: str, names=lambda adapter, name: [(name, None)])
         for name, rows, (a, b, factor) in targets:
             before = out[name]
             base, deltas = (before.base, before.deltas) if isinstance(before, Merged) else (before, ())
-            out[name] = Merged(base, (*deltas, Delta(a, b, factor, adapter.path, rows)), name)
+            out[name] = Merged(base, (*deltas, Delta(a, b, factor, adapter.path, rows, adapter.name)), name)
     return out
 
 
@@ -204,46 +227,93 @@ def unmerged(table: dict) -> dict:
     return {name: thunk.base if isinstance(thunk, Merged) else thunk for name, thunk in table.items()}
 
 
-def check_unmerged(table: dict, adapters: tuple, mode: str) -> None:
-    """Refuse in one line an adapter a quantized load cannot keep apart: one on a weight the family changes as it
-    loads (split from a fused tensor, scaled), which only merges."""
-    kept = sum(len(t.deltas) for t in table.values() if isinstance(t, Merged))
-    wanted = sum(len(a.deltas) for a in adapters)
-    if kept != wanted:
-        raise UsageError(f"--lora with {mode} weights: this family changes some adapted weights as they load (the "
-                         "adapter merges into full-precision weights only: --quant none)")
+def check_unmerged(table: dict, adapters: tuple, mode: str | None) -> None:
+    """Refuse in one line an adapter a load cannot keep apart (every adapter beside quantized weights, a named one
+    beside any): one on a weight the family changes as it loads (split from a fused tensor, scaled), which only
+    merges."""
+    apart = [a for a in adapters if mode is not None or a.name]
+    kept = sum(d.name == a.name and d.path == a.path for t in table.values() if isinstance(t, Merged)
+               for d in t.deltas for a in apart)
+    if kept != sum(len(a.deltas) for a in apart):
+        raise UsageError(f"--lora with {mode or 'full-precision'} weights: this family changes some adapted weights "
+                         "as they load (the adapter merges into full-precision weights only: --quant none, without "
+                         "a name)")
 
 
 class LowRank(nn.Module):
     """A linear with adapters beside it: base(x) + (x A^T) B^T, A [R, in] and B [out, R] the adapters' terms on its
-    parts side by side (B holds each part's rows of its own terms, zeros elsewhere; the factors folded in)."""
+    parts side by side (B holds each part's rows of its own terms, zeros elsewhere; the factors folded in).
+    With named adapters, columns [R] says whose each of the R columns is (0: an adapter on for every row; i: the
+    i-th named one), and row b of the input scales them by scales[b] [1 + named] (switch: the model's one tensor,
+    a request's choice per cache row; scales[b, 0] is 1)."""
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor) -> None:
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, columns: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None) -> None:
         super().__init__()
         self.base = base
         self.register_buffer("lora_a", a)
         self.register_buffer("lora_b", b)
+        self.register_buffer("columns", columns, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + F.linear(F.linear(x, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype))
+        low = F.linear(x, self.lora_a.to(x.dtype))  # [B, T, R]
+        if self.columns is not None:  # each row's adapters on, at their scales; the others' columns zero
+            low = low * self.scales[:x.shape[0]].index_select(1, self.columns).to(x.dtype)[:, None, :]
+        return self.base(x) + F.linear(low, self.lora_b.to(x.dtype))
 
 
-def attach(model: nn.Module, table: dict, parts_of) -> None:
-    """Put each Merged weight's adapters beside its (quantized) layer as a LowRank term. parts_of(module name) ->
-    {weight prefix: rows} of a fused layer's parts (load.fused_parts)."""
-    terms = {name.removesuffix(".weight"): t for name, t in table.items() if isinstance(t, Merged)}
+def switches(model: nn.Module) -> list[LowRank]:
+    """The model's linears with named adapters beside them."""
+    return [m for m in model.modules() if isinstance(m, LowRank) and m.columns is not None]
+
+
+def size_switch(model: nn.Module, rows: int) -> None:
+    """The scales of named adapters for `rows` cache rows (every row: none on), one tensor the linears share."""
+    held = switches(model)
+    if held:
+        scales = torch.zeros(rows, held[0].scales.shape[1], device=held[0].scales.device)
+        scales[:, 0] = 1
+        for m in held:
+            m.scales = scales
+
+
+def switch(model: nn.Module, rows: list[tuple[float, ...]]) -> None:
+    """The next call's rows: row b of its input with the named adapters at the scales rows[b] (one per named
+    adapter; () or zeros: none)."""
+    held = switches(model)
+    if not held:
+        return
+    scales = held[0].scales
+    values = torch.zeros(len(rows), scales.shape[1] - 1)
+    for b, row in enumerate(rows):
+        values[b, :len(row)] = torch.tensor(row, dtype=torch.float32) if row else 0
+    scales[:len(rows), 1:].copy_(values)
+
+
+def attach(model: nn.Module, table: dict, parts_of, served: tuple[str, ...] = (), merged: bool = False) -> None:
+    """Put each Merged weight's adapters beside its (quantized) layer as a LowRank term; merged: the unnamed ones are
+    in the weights already (a full-precision load), only the named go beside. served: the named adapters' names, in
+    the order switch() takes their scales. parts_of(module name) -> {weight prefix: rows} of a fused layer's parts
+    (load.fused_parts)."""
+    terms = {name.removesuffix(".weight"): t for name, t in table.items() if isinstance(t, Merged)
+             and any(d.name or not merged for d in t.deltas)}
+    scales = torch.ones(1, 1 + len(served)) if served else None
     for module_name, module in list(model.named_modules()):
         parts = parts_of(model, module_name) if hasattr(module, "in_features") else {}
         if not any(p in terms for p in parts):
             continue
         total = module.out_features
-        a_rows, b_blocks, start = [], [], 0
+        a_rows, b_blocks, columns, start = [], [], [], 0
         for prefix, rows in parts.items():
             rows = rows or total  # (a layer of one part: all its rows)
             for delta in terms[prefix].deltas if prefix in terms else ():
+                if merged and not delta.name:
+                    continue
                 a, b = delta.read(prefix + ".weight", (rows, module.in_features))
                 a_rows.append(a)
                 b_blocks.append((start, b))
+                columns += [served.index(delta.name) + 1 if delta.name else 0] * a.shape[0]
             start += rows
         b = torch.zeros(total, sum(a.shape[0] for a in a_rows))
         column = 0
@@ -253,4 +323,8 @@ def attach(model: nn.Module, table: dict, parts_of) -> None:
         parent, _, leaf = module_name.rpartition(".")
         device = next(module.buffers(), next(module.parameters(), torch.empty(0))).device
         setattr(model.get_submodule(parent) if parent else model, leaf,
-                LowRank(module, torch.cat(a_rows).to(device), b.to(device)))
+                LowRank(module, torch.cat(a_rows).to(device), b.to(device),
+                        torch.tensor(columns, device=device) if served else None,
+                        scales.to(device) if served else None))
+    if served:
+        size_switch(model, 1)  # (one tensor for all: caches.setup_cache sizes it for the cache's rows)

@@ -28,6 +28,7 @@ from torch import nn
 
 import dense
 from dense_engine.cpu import kernels
+from dense_engine.formats import lora
 from dense_engine.formats.load import KV_DTYPES
 from dense_engine.system import machine
 
@@ -316,6 +317,7 @@ def setup_cache(model: dense.DenseDecoder, batch: int, seq_len: int, kv_dtype: s
         raise ValueError(f"a KV cache of {seq_len} tokens x batch {batch} needs {need / 2**30:.1f} GiB; "
                          f"{model.device.type} has {have / 2**30:.1f} GiB available (a smaller max_seq_len fits)")
     model.setup_cache(batch, seq_len, dtype, cache_class=cache_class)
+    lora.size_switch(model, batch)  # (named adapters: their scales, a row each)
 
 
 def fitting_cache(model: dense.DenseDecoder, batch: int = 1, asked: int | None = None, kv_dtype: str = "auto") -> int:

@@ -6,6 +6,7 @@ Errors are the APIs' own bodies (BadRequest) with their status; a bug of ours is
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import sys
 import time
@@ -55,15 +56,16 @@ def error_body(path: str, e: BadRequest) -> dict:
     return e.body()
 
 
-def make_jobs(settings: Settings, server, sink) -> list[Request]:
-    """A scheduler Request per prompt of the settings, each with its own seeded noise; their events go to sink."""
+def make_jobs(settings: Settings, server, sink, adapters: tuple[float, ...] = ()) -> list[Request]:
+    """A scheduler Request per prompt of the settings, each with its own seeded noise; their events go to sink.
+    adapters: the scales of the LoRA adapters served by name (picked_adapters)."""
     vocab, model = server.vocab, server.scheduler.model
     V = model.config.vocab_size
     sampler = settings.sampler
     jobs = [Request(prompt, settings.max_tokens, sampler, settings.stop,
                     torch.Generator(model.device).manual_seed((sampler.seed + i) % 2**63), sink, index=i,
                     logprobs=settings.logprobs, echo=settings.echo,
-                    shaping=Shaping(constraint(settings, vocab, V), sampler.dry_for(vocab)))
+                    shaping=Shaping(constraint(settings, vocab, V), sampler.dry_for(vocab)), adapters=adapters)
             for i, prompt in enumerate(settings.prompts)]
     # n choices of a prompt (consecutive): the later ones copy the first one's prefill (not an echo's, whose logprobs
     # need every position; not a state model's, whose state is where its row ends)
@@ -95,6 +97,7 @@ def make_app(server):
     from starlette.routing import Route
 
     routes = [Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
+              Route("/lora-adapters", lora_adapters),
               *(Route(path, completion, methods=["POST"]) for path in APIS),
               Route("/v1/messages/count_tokens", anthropic_count_tokens, methods=["POST"]),
               Route("/v1/responses/{id}", openai_responses_get, methods=["GET", "DELETE"]),
@@ -129,8 +132,41 @@ async def health(request):
 
 
 async def models(request):
-    return json_response({"object": "list", "data": [{"id": state(request).name, "object": "model",
-                                                      "created": int(time.time()), "owned_by": "dense-engine"}]})
+    """The model, and each LoRA adapter served by name as a model of its own (vLLM's list: `parent` the base)."""
+    server, now = state(request), int(time.time())
+    base = {"id": server.name, "object": "model", "created": now, "owned_by": "dense-engine"}
+    return json_response({"object": "list", "data": [base] + [{**base, "id": name, "parent": server.name}
+                                                              for name, _, _ in server.adapters]})
+
+
+async def lora_adapters(request):
+    """llama-server's GET /lora-adapters: the adapters a request's `lora` field picks by id, with their scales."""
+    return json_response([{"id": i, "name": name, "path": path, "scale": scale}
+                          for i, (name, path, scale) in enumerate(state(request).adapters)])
+
+
+def picked_adapters(server, body: dict) -> tuple[float, ...]:
+    """The scales of the LoRA adapters served by name (--lora NAME=DIR) that a request picks, () for none: its
+    `model` naming one (at its flag's scale; another name is the base model, as any client's name), then
+    llama-server's `lora` field, [{"id": i, "scale": s}] by GET /lora-adapters' ids (the adapters it leaves out: 0)."""
+    served = server.adapters
+    scales = [scale if name == body.get("model") else 0.0 for name, _, scale in served]
+    if "lora" in body:
+        picks = body["lora"]
+        if not isinstance(picks, list) or len(picks) > len(served) or not all(
+                isinstance(p, dict) and set(p) <= {"id", "scale"} and "id" in p for p in picks):
+            raise BadRequest(f"'lora' must be a list of {{\"id\": ..., \"scale\": ...}} objects, one per adapter "
+                             f"at most ({len(served)} served by name: GET /lora-adapters)", "lora")
+        scales = [0.0] * len(served)
+        for i, pick in enumerate(picks):
+            at, scale = pick["id"], pick.get("scale", 1.0)
+            if type(at) is not int or not 0 <= at < len(served):
+                raise BadRequest(f"lora[{i}].id must be the id of an adapter served by name (0..{len(served) - 1}), "
+                                 f"got {at!r}", f"lora[{i}].id")
+            if type(scale) not in (int, float) or not math.isfinite(scale):
+                raise BadRequest(f"lora[{i}].scale must be a number, got {scale!r}", f"lora[{i}].scale")
+            scales[at] = float(scale)
+    return tuple(scales) if any(scales) else ()
 
 
 async def completion(request):
@@ -172,14 +208,15 @@ async def completion(request):
 
 def parse_jobs(server, api: API, body: dict, sink) -> tuple[Settings | None, list[Request], dict]:
     """The request translated and parsed, and its jobs; (None, [], the answer) for one that needs no model."""
-    kind, body, meta = api.translate(body, server)
+    adapters = picked_adapters(server, body)
+    kind, body, meta = api.translate({k: v for k, v in body.items() if k != "lora"}, server)
     if kind is None:
         return None, [], body
     try:
         settings = parse_request(body, kind, server.vocab, server.max_seq_len, server.scheduler.draft is not None)
     except BadRequest as e:
         raise renamed(e, meta.get("fields", {})) from None
-    return settings, make_jobs(settings, server, sink), meta
+    return settings, make_jobs(settings, server, sink, adapters), meta
 
 
 def renamed(e: BadRequest, fields: dict) -> BadRequest:

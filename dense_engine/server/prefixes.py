@@ -1,6 +1,8 @@
 """What the scheduler's rows keep for later requests: a row's cache keeps the tokens of its last request, and the
 prefix store (prefix_store.py) and its disk keep whole blocks of what rows held before they were overwritten. These
-functions run on the scheduler's thread, over its rows, store, disk and model calls (scheduler.py)."""
+functions run on the scheduler's thread, over its rows, store, disk and model calls (scheduler.py). The store keys
+blocks by their tokens alone: it keeps and gives the prefixes of requests without LoRA adapters (a row with an adapter
+is reused by the same adapter's next request only: pick_row)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ def stored(scheduler, request) -> int:
     """How many of the prompt's first tokens the store and its disk hold, in whole blocks (0: none, or echo, whose
     logprobs need every prompt position computed); nothing is read or touched (schedule() plans with it)."""
     store, disk = scheduler.store, scheduler.disk
-    if store is None or request.echo:
+    if store is None or request.echo or request.adapters:
         return 0
     limit, size = len(request.prompt) - 1, store.block  # (the last token is prefilled: its logits give the first)
     have = len(store.match(request.prompt, limit, touch=False))
@@ -30,7 +32,7 @@ def keep(scheduler, row: int, common: int) -> None:
     (those not there yet; the least recently used go to make room)."""
     tokens = scheduler.slots[row].tokens
     if scheduler.store is None or len(tokens) <= common or len(tokens) < scheduler.store.block \
-            or scheduler.states_kept:  # (a state model's blocks were kept as its prefill passed them: keep_state)
+            or scheduler.states_kept or scheduler.slots[row].adapters:  # (a state model's blocks were kept as its prefill passed them: keep_state)
         return
     keep_blocks(scheduler, row, tokens)
 
@@ -49,7 +51,7 @@ def snapshots(scheduler, request) -> list[int]:
 def keep_state(scheduler, row: int, request, end: int) -> None:
     """A state model's row prefilled with request's prompt up to `end`: at a snapshot point, its blocks up to there
     into the store, and its state (now after token end - 1) with the last of them."""
-    if end not in snapshots(scheduler, request):
+    if end not in snapshots(scheduler, request) or request.adapters:
         return
     store, tokens = scheduler.store, request.prompt[:end]
     blocks, evicted = store.add(tokens)
@@ -75,7 +77,7 @@ def persist(scheduler, row: int) -> None:
     those not there yet (the writer's thread writes them)."""
     store, disk = scheduler.store, scheduler.disk
     tokens, size = scheduler.slots[row].tokens, store.block if store else 0
-    if disk is None or len(tokens) < size or disk.folder is None:
+    if disk is None or len(tokens) < size or disk.folder is None or scheduler.slots[row].adapters:
         return
     keep_blocks(scheduler, row, tokens)
     chain = store.match(tokens, len(tokens))
@@ -92,7 +94,7 @@ def restore(scheduler, row: int, request, common: int) -> int:
     """How many of the prompt's first tokens row holds once the prefix store's longest match is copied in (when it
     is longer than the `common` ones the row holds already); 0 when the store has nothing longer."""
     store, disk = scheduler.store, scheduler.disk
-    if store is None or request.echo:
+    if store is None or request.echo or request.adapters:
         return 0
     limit = len(request.prompt) - 1  # (the last token is prefilled: its logits give the first new token)
     chain = store.match(request.prompt, limit)

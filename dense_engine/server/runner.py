@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from dense_engine.formats import lora
 from dense_engine.runtime import caches, generate, tp
 from dense_engine.server import prefix_store
 
@@ -19,6 +20,7 @@ class ModelCalls:
         self.kept: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # block id -> each layer's (k, v[, their scales])
         self.states: dict[int, list[torch.Tensor]] = {}  # block id -> a state model's row states after its end
         self.disk: prefix_store.DiskStore | None = None  # (one process only: no disk tier under tensor parallel)
+        self.switched = bool(lora.switches(runner.model))  # (LoRA adapters served by name)
 
     def call(self, name: str, **args):
         """Make the call `name` (a method below) here and, under tensor parallel, on every other rank."""
@@ -39,22 +41,33 @@ class ModelCalls:
                 return
             getattr(self, name)(**args)
 
-    def prefill(self, row: int, prompt: list[int], every: bool, start: int) -> torch.Tensor:
+    def prefill(self, row: int, prompt: list[int], every: bool, start: int, adapters: list = ((),)
+                ) -> torch.Tensor:
         """A prompt (or a chunk of it) into cache row `row` from slot `start`: the last token's logits [1, V] (every:
-        each token's, [1, T, V])."""
+        each token's, [1, T, V]). adapters: [the row's adapters' scales] (Request.adapters)."""
+        self.switch(adapters)
         return self.runner.prefill(torch.tensor([prompt], device=self.device), start, None,
                                    rows=torch.tensor([row], device=self.device), every=every)
 
-    def prefill_rows(self, rows: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+    def prefill_rows(self, rows: list[int], chunks: list[list[int]], starts: list[int], adapters: list = ()
+                     ) -> torch.Tensor:
         """Several rows' chunks in one pass: each chunk's last logits [B, V]."""
+        self.switch(adapters)
         return self.runner.prefill_rows(chunks, starts, torch.tensor(rows, device=self.device))
 
     def decode(self, tokens: list[int], positions: list[int], sampling: generate.Sampling, with_logits: bool,
-               rows: list[int] | None = None):
+               rows: list[int] | None = None, adapters: list = ()):
         """One step of cache rows `rows` (None: 0..B-1), token b at positions[b]: the next tokens [B, 1] (and the
         logits [B, V])."""
+        self.switch(adapters)
         return self.runner.decode(torch.tensor(tokens, device=self.device)[:, None], positions, None, sampling,
                                   with_logits, None if rows is None else torch.tensor(rows, device=self.device))
+
+    def switch(self, adapters: list[tuple[float, ...]]) -> None:
+        """The next call's rows with their LoRA adapters served by name (lora.switch): adapters[b] for row b of its
+        input, () or missing: none."""
+        if self.switched:
+            lora.switch(self.runner.model, list(adapters) + [()] * (self.runner.model.max_batch_size - len(adapters)))
 
     def keep(self, row: int, blocks: list[tuple[int, int]], size: int, drop: list[int], state: int | None = None
              ) -> None:

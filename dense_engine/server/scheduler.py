@@ -111,6 +111,7 @@ class Request:
     shaping: Shaping = field(default_factory=Shaping)
     output: Output = None
     timing: Timing = field(default_factory=Timing)
+    adapters: tuple[float, ...] = ()  # the scale of each LoRA adapter served by name (lora.switch); (): none
 
     def __post_init__(self, stop) -> None:
         self.output = Output(list(stop))
@@ -183,6 +184,7 @@ class Row:
     position: int = 0
     last: int = 0
     used: int = 0  # when a request last took it (the scheduler's count of admissions): least recently used first
+    adapters: tuple[float, ...] = ()  # the adapters its cache was computed with (Request.adapters)
 
 
 @dataclass
@@ -254,7 +256,8 @@ def pick_row(rows: list[Row], free: list[int], request: Request, reuse: bool,
     prefix counts only when it is all the row holds."""
     if not reuse or request.echo:  # (echo's logprobs need every prompt position computed)
         return free[0], 0
-    shared = {r: common_prefix(rows[r].tokens, request.prompt, whole_rows) for r in free}
+    shared = {r: common_prefix(rows[r].tokens, request.prompt, whole_rows) if rows[r].adapters == request.adapters
+              else 0 for r in free}  # (keys and values computed with other adapters are other numbers)
     best = max(free, key=lambda r: (shared[r], -r))
     if shared[best] and shared[best] >= REUSE_SHARE * len(rows[best].tokens):
         return best, shared[best]
@@ -488,7 +491,7 @@ def admit(scheduler: Scheduler, plan: Plan) -> None:
         prefixes.keep(scheduler, row, common)
         stored = prefixes.restore(scheduler, row, request, common)
         scheduler.admitted += 1
-        slot.request, slot.used, request.row = request, scheduler.admitted, row
+        slot.request, slot.used, slot.adapters, request.row = request, scheduler.admitted, request.adapters, row
         slot.tokens = request.prompt[:stored] if stored > common else slot.tokens[:common]
         prefixes.persist(scheduler, row)
         if scheduler.metrics is not None and max(common, stored):
@@ -507,12 +510,14 @@ def prefill(scheduler: Scheduler, group: list[tuple[int, int, int]]) -> None:
         for row, start, end in group:
             request = scheduler.slots[row].request
             scheduler.postprocess_prefill(row, end, scheduler.calls.call(
-                "prefill", row=row, prompt=request.prompt[start:end], every=request.echo, start=start))
+                "prefill", row=row, prompt=request.prompt[start:end], every=request.echo, start=start,
+                adapters=[request.adapters]))
             prefixes.keep_state(scheduler, row, request, end)
         return
     logits = scheduler.calls.call("prefill_rows", rows=[row for row, _, _ in group],
                                   chunks=[scheduler.slots[r].request.prompt[s:e] for r, s, e in group],
-                                  starts=[s for _, s, _ in group])
+                                  starts=[s for _, s, _ in group],
+                                  adapters=[scheduler.slots[r].request.adapters for r, _, _ in group])
     for i, (row, _, end) in enumerate(group):
         request = scheduler.slots[row].request
         scheduler.postprocess_prefill(row, end, logits[i:i + 1])
@@ -530,7 +535,8 @@ def decode(scheduler: Scheduler, busy: list[int]) -> None:
     positions = [scheduler.slots[r].position if r in busy else scheduler.max_seq_len for r in stepped]
     with_logits = any(r is not None and r.logprobs is not None for r in rows)
     out = scheduler.calls.call("decode", tokens=tokens, positions=positions, sampling=sampling(scheduler, rows),
-                               with_logits=with_logits, rows=busy if lone else None)
+                               with_logits=with_logits, rows=busy if lone else None,
+                               adapters=[r.adapters if r is not None else () for r in rows])
     out, logits = out if with_logits else (out, None)
     at = [stepped.index(r) for r in busy]
     out = out[:, 0].tolist()

@@ -6,7 +6,8 @@
 Endpoints: GET /health (200 when the model is ready, 503 before), GET /v1/models, POST /v1/chat/completions and
 POST /v1/completions (OpenAI's formats; "stream": true sends server-sent events), POST /tokenize and /detokenize
 (llama-server's shapes), POST /slots/{id}?action=save|restore|erase (llama-server's slot files, --slot-save-path),
-GET /metrics (Prometheus). Started with --embedding (or on a folder with sentence-transformers' modules.json) or
+GET /metrics (Prometheus), GET /lora-adapters (llama-server's: the adapters served by name, --lora NAME=DIR, which a
+request picks by its model name or `lora` field). Started with --embedding (or on a folder with sentence-transformers' modules.json) or
 --rerank, it serves embeddings or rankings instead of text (embeddings.py).
 
 The rooms, each a module of this folder: protocol.py (a request body -> checked Settings, or an API's error),
@@ -45,6 +46,7 @@ if os.path.basename(sys.argv[0]) == "dense-serve":
 import torch
 
 from dense_engine.cli.flags import add_model_flags, check_environment, load_model, make_draft, parse_flags, positive_int
+from dense_engine.formats import lora
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.pooling import Pooling, read_pooling
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
@@ -68,6 +70,7 @@ class Server:
         self.vocab: Vocabulary | None = None
         self.max_seq_len = 0
         self.name = "dense"
+        self.adapters: list[tuple[str, str, float]] = []  # LoRA adapters served by name: (name, path, scale)
         self.metrics = Metrics()
 
     def load(self, console) -> None:
@@ -75,6 +78,7 @@ class Server:
         args = self.args
         ckpt, self.vocab, model, record = load_for_serving(args, console)
         self.name = os.path.basename(os.path.normpath(ckpt))
+        self.adapters = [(name, path, scale) for path, scale, name in record.lora if name]
         self.embedder = pooling_for(args, ckpt, self.vocab, model, record)
         if self.embedder is not None:
             self.max_seq_len = self.embedder.max_tokens
@@ -201,6 +205,12 @@ def parse_args(argv):
         raise UsageError("--embedding and --rerank: a server does one of them")
     if tp.world()[1] > 1 and (args.embedding or args.rerank):
         raise UsageError("--embedding and --rerank are not served under torchrun (tensor parallel)")
+    named = [lora.entry(spec)[2] for spec in args.lora or ()]
+    if any(named) and (args.draft or args.draft_quant or args.lookup):
+        raise UsageError("--lora NAME=DIR: speculative decoding with adapters picked per request is not served; drop "
+                         "--draft, --draft-quant and --lookup")
+    if len(set(n for n in named if n)) < sum(bool(n) for n in named):
+        raise UsageError(f"--lora: two adapters named {next(n for n in named if n and named.count(n) > 1)!r}")
     if tp.world()[1] > 1 and (args.draft or args.draft_quant or args.lookup):
         raise UsageError("speculative decoding is not served under torchrun (tensor parallel): drop --draft, "
                          "--draft-quant and --lookup")

@@ -72,6 +72,9 @@ def idle(scheduler, row: int) -> None:
 def save(scheduler, row: int, path: str) -> dict:
     """The row's tokens and their keys and values into the file (a temporary file, then renamed)."""
     idle(scheduler, row)
+    if scheduler.slots[row].adapters:
+        raise ValueError(f"slot {row} holds keys and values of a LoRA adapter's request; a slot file keeps the "
+                         "base model's")
     start, tokens = time.perf_counter(), list(scheduler.slots[row].tokens)
     layers = scheduler.calls.row_slots(row, caches.whole_slots(len(tokens)))
     written = caches.write(path, tokens, layers, {"model": scheduler.model_key()})
@@ -91,12 +94,12 @@ def restore(scheduler, row: int, path: str) -> dict:
     except (ValueError, OSError) as e:
         raise ValueError(f"slot file {name!r}: {caches.first_words(e)}") from None
     scheduler.calls.put_row(row, layers)
-    scheduler.slots[row].tokens = tokens
+    scheduler.slots[row].tokens, scheduler.slots[row].adapters = tokens, ()
     return {"id_slot": row, "filename": name, "n_restored": len(tokens), "n_read": os.path.getsize(path),
             "timings": {"restore_ms": (time.perf_counter() - start) * 1000}}
 
 
 def erase(scheduler, row: int) -> int:
     idle(scheduler, row)
-    erased, scheduler.slots[row].tokens = len(scheduler.slots[row].tokens), []
+    erased, scheduler.slots[row].tokens, scheduler.slots[row].adapters = len(scheduler.slots[row].tokens), [], ()
     return erased
