@@ -490,6 +490,8 @@ def model_files(name: str, llama_python: str, log, precisions=FLOAT_FILES) -> di
             if not os.path.isfile(files[p]):
                 log(f"writing {files[p]}")
                 write_float_gguf(smollm2, files[p], p)
+    elif all(os.path.isfile(files[p]) for p in precisions if p != "F32") and not os.path.isfile(files["F32"]):
+        return {p: files[p] for p in precisions}  # (the source deleted to save disk: its quantized files kept)
     elif not os.path.isfile(files["F32"]) or not padded_as_now(files["F32"]):
         log(f"writing {files['F32']} (random weights)")
         write_random(smollm2, files["F32"], name)

@@ -4,8 +4,9 @@
 
 Writes a random PEFT adapter (rank --rank on q, k, v, o, gate, up and down of every layer, B drawn with std 0.02)
 and times greedy decoding through the compiled step (chat.py's default cache): int4 weights alone and with the
-adapter beside them (unmerged: lora.LowRank), and full-precision weights alone and with the adapter merged in. The
-median of --runs each, after a warm-up run (the steps loaded or compiled).
+adapter beside them (unmerged: lora.LowRank), and full-precision weights alone, with the adapter merged in, and with
+it served by name (serve.py's --lora NAME=DIR: beside the weights, switched on for the row). The median of --runs
+each, after a warm-up run (the steps loaded or compiled).
 """
 
 import argparse
@@ -21,7 +22,7 @@ from safetensors.torch import save_file
 
 import chat
 from dense_engine.cli import flags
-from dense_engine.formats import default_model
+from dense_engine.formats import default_model, lora
 from dense_engine.formats import vocab as vocab_module
 from dense_engine.runtime import caches, generate
 from dense_engine.runtime.steps import Steps
@@ -55,6 +56,7 @@ def write_adapter(folder: str, model, rank: int) -> None:
 
 def decode_rate(model, ids: list[int], max_new: int, runs: int) -> float:
     caches.setup_cache(model, 1, model.config.max_position_embeddings)
+    lora.switch(model, [(1.0,)])  # (an adapter served by name: on for the row, as a request naming it)
     steps = Steps(model)
     rates = []
     for run in range(runs + 1):  # (the first: load or compile the steps)
@@ -85,14 +87,18 @@ def main() -> int:
         print(f"{'weights':10} {'adapter':10} {'tok/s':>7} {'vs alone':>8}")
         for quant in ("int4", "none"):
             alone = None
-            for lora in ([], ["--lora", adapter]):
-                chat_args = chat.parse_args(["--ckpt", ckpt, "--quant", quant, *lora])
+            for adapters in ([], [adapter], [f"by-name={adapter}"] if quant == "none" else None):
+                if adapters is None:
+                    continue
+                chat_args = chat.parse_args(["--ckpt", ckpt, "--quant", quant])
+                chat_args.lora = adapters  # (a name: as serve.py takes it)
                 model, record = flags.load_model(ckpt, chat_args, console)
                 if not os.path.exists(os.path.join(adapter, "adapter_config.json")):
                     write_adapter(adapter, model, args.rank)
                 rate = decode_rate(model, ids, args.max_new, args.runs)
                 alone = alone or rate
-                kind = "-" if not lora else "unmerged" if quant != "none" else "merged"
+                kind = "-" if not adapters else "by name" if "=" in adapters[0] else \
+                    "unmerged" if quant != "none" else "merged"
                 print(f"{quant:10} {kind:10} {rate:7.1f} {rate / alone:7.2f}x", flush=True)
     return 0
 
