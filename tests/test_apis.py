@@ -68,7 +68,8 @@ def app_client(vocab, text, delay=0.0, reason="stop", api_key=None):
     from dense_engine.server import app
     from dense_engine.server.metrics import Metrics
 
-    server = types.SimpleNamespace(vocab=vocab, max_seq_len=4096, name="llama", error=None, ready=threading.Event(),
+    server = types.SimpleNamespace(adapters=[], vocab=vocab, max_seq_len=4096, name="llama", error=None,
+                                   ready=threading.Event(),
                                    metrics=Metrics(), scheduler=ScriptedScheduler(vocab, text, delay, reason),
                                    args=types.SimpleNamespace(api_key=api_key, max_queue=64, cors_origin=None,
                                                               quant="none", ckpt="llama"))

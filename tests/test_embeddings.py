@@ -93,7 +93,8 @@ def serve(folder, reranker: bool = False):
     model = load.from_pretrained(str(folder), dtype=torch.float32, quant="none")
     embedder = Embedder(model, vocab, None if reranker else read_pooling(str(folder)),
                         Reranker.of(vocab) if reranker else None, 256)
-    server = types.SimpleNamespace(vocab=vocab, max_seq_len=256, name="tiny", error=None, ready=threading.Event(),
+    server = types.SimpleNamespace(adapters=[], vocab=vocab, max_seq_len=256, name="tiny", error=None,
+                                   ready=threading.Event(),
                                    metrics=Metrics(), scheduler=None, embedder=embedder,
                                    args=types.SimpleNamespace(api_key=None, max_queue=64, cors_origin=None))
     server.ready.set()

@@ -37,7 +37,7 @@ def client():
     from dense_engine.server import app
     from dense_engine.server.metrics import Metrics
 
-    server = types.SimpleNamespace(vocab=load_vocabulary(fixture_path("llama"), None), max_seq_len=256,
+    server = types.SimpleNamespace(adapters=[], vocab=load_vocabulary(fixture_path("llama"), None), max_seq_len=256,
                                    name="llama", scheduler=AnsweringScheduler(), error=None, ready=threading.Event(),
                                    metrics=Metrics(),
                                    args=types.SimpleNamespace(api_key=None, max_queue=64, cors_origin=None,

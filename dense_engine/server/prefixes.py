@@ -32,8 +32,8 @@ def keep(scheduler, row: int, common: int) -> None:
     (those not there yet; the least recently used go to make room)."""
     tokens = scheduler.slots[row].tokens
     if scheduler.store is None or len(tokens) <= common or len(tokens) < scheduler.store.block \
-            or scheduler.states_kept or scheduler.slots[row].adapters:  # (a state model's blocks were kept as its prefill passed them: keep_state)
-        return
+            or scheduler.states_kept or scheduler.slots[row].adapters:
+        return  # (a state model's blocks were kept as its prefill passed them, keep_state; an adapter's: not kept)
     keep_blocks(scheduler, row, tokens)
 
 

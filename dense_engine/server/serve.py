@@ -7,8 +7,8 @@ Endpoints: GET /health (200 when the model is ready, 503 before), GET /v1/models
 POST /v1/completions (OpenAI's formats; "stream": true sends server-sent events), POST /tokenize and /detokenize
 (llama-server's shapes), POST /slots/{id}?action=save|restore|erase (llama-server's slot files, --slot-save-path),
 GET /metrics (Prometheus), GET /lora-adapters (llama-server's: the adapters served by name, --lora NAME=DIR, which a
-request picks by its model name or `lora` field). Started with --embedding (or on a folder with sentence-transformers' modules.json) or
---rerank, it serves embeddings or rankings instead of text (embeddings.py).
+request picks by its model name or `lora` field). Started with --embedding (or on a folder with sentence-transformers'
+modules.json) or --rerank, it serves embeddings or rankings instead of text (embeddings.py).
 
 The rooms, each a module of this folder: protocol.py (a request body -> checked Settings, or an API's error),
 scheduler.py (the records and the turn: admit -> prefill -> decode -> deliver), runner.py (the model calls by name,
