@@ -12,6 +12,7 @@ own tensors. A damaged or foreign file is rebuilt, with a notice. Stands on dens
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -234,7 +235,9 @@ def package(fn: Callable, args: tuple, dynamic: dict | None, path: str) -> None:
 
 
 def export_and_compile(fn: Callable, args: tuple, tensors: list, shapes, path: str) -> None:
-    with torch.no_grad(), warnings.catch_warnings():
+    import torch._inductor.compile_fx as compile_fx
+
+    with torch.no_grad(), warnings.catch_warnings(), uncopied_buffers(compile_fx):
         warnings.simplefilter("ignore", FutureWarning)  # (PyTorch's own deprecations inside export, not the user's)
         exported = torch.export.export(Exported(fn, args), (tensors,), dynamic_shapes=shapes, strict=False)
         # The constants stay out of the package: PackagedStep binds the model's tensors, whatever their size. The
@@ -242,6 +245,22 @@ def export_and_compile(fn: Callable, args: tuple, tensors: list, shapes, path: s
         torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs={
             "aot_inductor.package_constants_in_so": False, "aot_inductor.package_constants_on_disk_format": None,
             "aot_inductor.compile_wrapper_opt_level": "O0"})
+
+
+@contextlib.contextmanager
+def uncopied_buffers(compile_fx):
+    """Inductor copies each of the model's buffers before an ahead-of-time compile (their values as they were, should
+    the graph write them, for constants packed into the library); quantized weights are buffers, so that was the whole
+    model again in memory while a step compiled. The package holds no constants (PackagedStep binds the model's own):
+    the copies are not read, and are not made."""
+    clone = getattr(compile_fx, "clone_preserve_strides", None)
+    if clone is not None:
+        compile_fx.clone_preserve_strides = lambda tensor: tensor
+    try:
+        yield
+    finally:
+        if clone is not None:
+            compile_fx.clone_preserve_strides = clone
 
 
 class PackagedStep:
