@@ -101,8 +101,8 @@ def vocab():
 
 def server_state(vocab):
     model = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=512), device=torch.device("cpu"))
-    return types.SimpleNamespace(vocab=vocab, scheduler=types.SimpleNamespace(model=model), max_seq_len=4096,
-                                 name="llama")
+    return types.SimpleNamespace(adapters=[], vocab=vocab, scheduler=types.SimpleNamespace(model=model),
+                                 max_seq_len=4096, name="llama")
 
 
 @pytest.mark.parametrize("name, stream, usage", VARIANTS)
