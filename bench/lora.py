@@ -56,7 +56,7 @@ def write_adapter(folder: str, model, rank: int) -> None:
 
 def decode_rate(model, ids: list[int], max_new: int, runs: int) -> float:
     caches.setup_cache(model, 1, model.config.max_position_embeddings)
-    lora.switch(model, [(1.0,)])  # (an adapter served by name: on for the row, as a request naming it)
+    lora.switch(lora.switches(model), [(1.0,)])  # (an adapter served by name: on for the row, as a request naming it)
     steps = Steps(model)
     rates = []
     for run in range(runs + 1):  # (the first: load or compile the steps)

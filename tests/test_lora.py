@@ -294,7 +294,7 @@ def test_adapters_by_name_switch_per_row_as_each_alone(base, tmp_path, quant):
                                   lora=[(str(tmp_path / "a"), 1.0, "a"), (str(tmp_path / "b"), 0.5, "b")])
     assert len(lora.switches(served)) == 4 * 2  # (qkv, o, gate-up, down of 2 layers: their weights unmerged)
     lora.size_switch(served, 3)
-    lora.switch(served, [(1.0, 0.0), (), (0.0, 0.5)])
+    lora.switch(lora.switches(served), [(1.0, 0.0), (), (0.0, 0.5)])
     with torch.no_grad():
         got = served(torch.cat([ids()] * 3))
         for b, adapters in enumerate([[(str(tmp_path / "a"), 1.0)], [], [(str(tmp_path / "b"), 0.5)]]):

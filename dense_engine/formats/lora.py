@@ -268,27 +268,30 @@ def switches(model: nn.Module) -> list[LowRank]:
     return [m for m in model.modules() if isinstance(m, LowRank) and m.columns is not None]
 
 
+def switched_off(rows: int, named: int, device) -> torch.Tensor:
+    """Scales [rows, 1 + named] with every row's named adapters off (column 0, the unnamed ones': 1)."""
+    scales = torch.zeros(rows, 1 + named, device=device)
+    scales[:, 0] = 1
+    return scales
+
+
 def size_switch(model: nn.Module, rows: int) -> None:
     """The scales of named adapters for `rows` cache rows (every row: none on), one tensor the linears share."""
     held = switches(model)
     if held:
-        scales = torch.zeros(rows, held[0].scales.shape[1], device=held[0].scales.device)
-        scales[:, 0] = 1
+        scales = switched_off(rows, held[0].scales.shape[1] - 1, held[0].scales.device)
         for m in held:
             m.scales = scales
 
 
-def switch(model: nn.Module, rows: list[tuple[float, ...]]) -> None:
-    """The next call's rows: row b of its input with the named adapters at the scales rows[b] (one per named
-    adapter; () or zeros: none)."""
-    held = switches(model)
+def switch(held: list[LowRank], rows: list[tuple[float, ...]]) -> None:
+    """The next call's rows, held: switches(model) (their one scales tensor, as the cache sized it): row b of the
+    call's input with the named adapters at the scales rows[b] (one per named adapter; (): none)."""
     if not held:
         return
     scales = held[0].scales
-    values = torch.zeros(len(rows), scales.shape[1] - 1)
-    for b, row in enumerate(rows):
-        values[b, :len(row)] = torch.tensor(row, dtype=torch.float32) if row else 0
-    scales[:len(rows), 1:].copy_(values)
+    named = scales.shape[1] - 1
+    scales[:len(rows), 1:].copy_(torch.tensor([list(row) or [0.0] * named for row in rows], dtype=torch.float32))
 
 
 def attach(model: nn.Module, table: dict, parts_of, served: tuple[str, ...] = (), merged: bool = False) -> None:
@@ -298,7 +301,7 @@ def attach(model: nn.Module, table: dict, parts_of, served: tuple[str, ...] = ()
     (load.fused_parts)."""
     terms = {name.removesuffix(".weight"): t for name, t in table.items() if isinstance(t, Merged)
              and any(d.name or not merged for d in t.deltas)}
-    scales = torch.ones(1, 1 + len(served)) if served else None
+    scales = None  # (one tensor for all named adapters' linears: caches.setup_cache sizes it for the cache's rows)
     for module_name, module in list(model.named_modules()):
         parts = parts_of(model, module_name) if hasattr(module, "in_features") else {}
         if not any(p in terms for p in parts):
@@ -322,9 +325,8 @@ def attach(model: nn.Module, table: dict, parts_of, served: tuple[str, ...] = ()
             column += a.shape[0]
         parent, _, leaf = module_name.rpartition(".")
         device = next(module.buffers(), next(module.parameters(), torch.empty(0))).device
+        if served and scales is None:
+            scales = switched_off(1, len(served), device)
         setattr(model.get_submodule(parent) if parent else model, leaf,
                 LowRank(module, torch.cat(a_rows).to(device), b.to(device),
-                        torch.tensor(columns, device=device) if served else None,
-                        scales.to(device) if served else None))
-    if served:
-        size_switch(model, 1)  # (one tensor for all: caches.setup_cache sizes it for the cache's rows)
+                        torch.tensor(columns, device=device) if served else None, scales))

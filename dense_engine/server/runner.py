@@ -20,7 +20,7 @@ class ModelCalls:
         self.kept: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # block id -> each layer's (k, v[, their scales])
         self.states: dict[int, list[torch.Tensor]] = {}  # block id -> a state model's row states after its end
         self.disk: prefix_store.DiskStore | None = None  # (one process only: no disk tier under tensor parallel)
-        self.switched = bool(lora.switches(runner.model))  # (LoRA adapters served by name)
+        self.switches = lora.switches(runner.model)  # the linears with LoRA adapters served by name
 
     def call(self, name: str, **args):
         """Make the call `name` (a method below) here and, under tensor parallel, on every other rank."""
@@ -66,8 +66,8 @@ class ModelCalls:
     def switch(self, adapters: list[tuple[float, ...]]) -> None:
         """The next call's rows with their LoRA adapters served by name (lora.switch): adapters[b] for row b of its
         input, () or missing: none."""
-        if self.switched:
-            lora.switch(self.runner.model, list(adapters) + [()] * (self.runner.model.max_batch_size - len(adapters)))
+        if self.switches:
+            lora.switch(self.switches, list(adapters) + [()] * (self.runner.model.max_batch_size - len(adapters)))
 
     def keep(self, row: int, blocks: list[tuple[int, int]], size: int, drop: list[int], state: int | None = None
              ) -> None:

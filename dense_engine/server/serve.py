@@ -205,12 +205,13 @@ def parse_args(argv):
         raise UsageError("--embedding and --rerank: a server does one of them")
     if tp.world()[1] > 1 and (args.embedding or args.rerank):
         raise UsageError("--embedding and --rerank are not served under torchrun (tensor parallel)")
-    named = [lora.entry(spec)[2] for spec in args.lora or ()]
-    if any(named) and (args.draft or args.draft_quant or args.lookup):
+    named = [name for _, _, name in map(lora.entry, args.lora or ()) if name]
+    if named and (args.draft or args.draft_quant or args.lookup):
         raise UsageError("--lora NAME=DIR: speculative decoding with adapters picked per request is not served; drop "
                          "--draft, --draft-quant and --lookup")
-    if len(set(n for n in named if n)) < sum(bool(n) for n in named):
-        raise UsageError(f"--lora: two adapters named {next(n for n in named if n and named.count(n) > 1)!r}")
+    twice = sorted({name for name in named if named.count(name) > 1})
+    if twice:
+        raise UsageError(f"--lora: two adapters named {twice[0]!r}")
     if tp.world()[1] > 1 and (args.draft or args.draft_quant or args.lookup):
         raise UsageError("speculative decoding is not served under torchrun (tensor parallel): drop --draft, "
                          "--draft-quant and --lookup")
