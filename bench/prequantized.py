@@ -1,4 +1,5 @@
-"""prequantized.py: a 4-bit GPTQ and an AWQ folder's decode against the same weights as int4-g32 made by the engine.
+"""prequantized.py: a 4-bit GPTQ and an AWQ folder's decode against the same weights as int4-g32 made by the engine;
+a fine-grained FP8 folder's as stored (fp8) and dequantized (float32).
 
     python bench/prequantized.py [--layers 16] [--runs 3] [--max-new 64]
 
@@ -7,8 +8,8 @@ key-value heads of 64, MLP 8192, a 128,256-token vocabulary, tied; float32), the
 group 128, zero points, v1) and as AWQ (gemm, group 128) the way their libraries save them
 (min/max to nearest: the storage is what counts), and the float folder's dequantized GPTQ weights; then times greedy decoding
 through the compiled step (the model's 2,048-token context as the cache): the GPTQ and AWQ folders as `--quant auto` loads them (int4-g32
-holding their numbers), and the float folder of the GPTQ weights with `--quant int4` (quantized by the engine at
-load, as quantize.py would). The median of --runs each, after a warm-up run.
+holding their numbers), the float folder of the GPTQ weights with `--quant int4` (quantized by the engine at
+load, as quantize.py would), and an FP8 folder (Qwen3-FP8's 128 x 128 blocks) as fp8 and as float32 (--quant none). The median of --runs each, after a warm-up run.
 """
 
 import argparse
@@ -64,6 +65,18 @@ def pack_awq(w: torch.Tensor, group: int = 128) -> tuple[dict, torch.Tensor]:
     return tensors, (scales.float().repeat_interleave(group, 1) * (q - zeros.repeat_interleave(group, 1)))
 
 
+def pack_fp8(w: torch.Tensor, block: int = 128) -> tuple[dict, torch.Tensor]:
+    """Fine-grained FP8 tensors (Qwen3-FP8's layout: e4m3 values, weight_scale_inv per 128 x 128 block) and the weight
+    they mean."""
+    from dense_engine.cpu.quantized import FP8_MAX
+
+    blocks = w.float().unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [out / b, b, in / b, b]
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).flatten(2).flatten(0, 1).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale_inv": scale}, q.float() * scale.repeat_interleave(block, 0).repeat_interleave(
+        block, 1)
+
+
 def make_folders(root: str, layers: int) -> dict[str, str]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -78,7 +91,10 @@ def make_folders(root: str, layers: int) -> dict[str, str]:
     for kind, pack, quantization in (("gptq", pack_gptq, {"quant_method": "gptq", "bits": 4, "group_size": 128,
                                                           "desc_act": False, "sym": False, "checkpoint_format": "gptq"}),
                                      ("awq", pack_awq, {"quant_method": "awq", "bits": 4, "group_size": 128,
-                                                        "zero_point": True, "version": "gemm"})):
+                                                        "zero_point": True, "version": "gemm"}),
+                                     ("fp8", pack_fp8, {"quant_method": "fp8", "fmt": "e4m3",
+                                                        "activation_scheme": "dynamic",
+                                                        "weight_block_size": [128, 128]})):
         packed, weights = {}, {}
         for name, t in stored.items():
             if name.endswith("proj.weight"):
@@ -109,7 +125,7 @@ def main() -> int:
         print(f"# Llama-3.2-1B's shape, {args.layers} layers; torch threads {torch.get_num_threads()}")
         print(f"{'folder':8} {'loaded as':40} {'tok/s':>7} {'vs int4':>8}")
         reference = None
-        for kind, quant in (("float", "int4"), ("gptq", "auto"), ("awq", "auto")):
+        for kind, quant in (("float", "int4"), ("gptq", "auto"), ("awq", "auto"), ("fp8", "fp8"), ("fp8", "none")):
             record, checkpoint = load.plan(folders[kind], quant, "cpu")
             model = load.from_pretrained(checkpoint, dtype=torch.float32, quant=record.quant)
             rate = decode_rate(model, list(range(3, 31)), args.max_new, args.runs)  # (a 28-token prompt)

@@ -216,7 +216,7 @@ def test_an_adapter_on_a_gptq_folder_keeps_its_int4_numbers(tmp_path):
                                       gptq_config(4, 128, False, False, 1))
     save_adapter(str(tmp_path / "base"), tmp_path / "adapter", seed=1)
     record, checkpoint = load.plan(folder, lora=[(tmp_path / "adapter", 1.0)])
-    assert record.quant == "int4" and len(checkpoint.exact_int4) == 14
+    assert record.quant == "int4" and len(checkpoint.exact) == 14
     model = load.from_pretrained(checkpoint, dtype=torch.float32, quant=record.quant)
     assert torch.equal(model.layers[0].attn.qkv_proj.base.dequantize(torch.float32)[:128],
                        reference.model.layers[0].self_attn.q_proj.weight)

@@ -178,21 +178,80 @@ def fp8_blocks(w: torch.Tensor) -> tuple[dict, torch.Tensor]:
 
 def test_a_fine_grained_fp8_folder_runs_its_blocks_scales(tmp_path):
     """Qwen3-FP8's layout: e4m3 weights and weight_scale_inv per 128 x 128 block (k and v's 64 rows a part block):
-    the logits of a float32 model holding e4m3 x scale; transformers' own reading of the folder (its CPU fallback
-    dequantizes to bfloat16) gives the same weights to bfloat16's rounding. A missing scale is refused in one line."""
+    the logits of a float32 model holding e4m3 x scale, loaded as float (the CPU's auto) and as fp8 (a GPU's auto:
+    the stored values and each block's scale on its rows, Float8Linear); transformers' own reading of the folder (its
+    CPU fallback dequantizes to bfloat16) gives the same weights to bfloat16's rounding. A saved fp8 variant keeps the
+    stored values. A missing scale is refused in one line."""
+    import quantize
+    from dense_engine.cpu.quantized import Float8Linear
+
     folder, reference = packed_folder(tmp_path, fp8_blocks, {"activation_scheme": "dynamic", "fmt": "e4m3",
                                                              "quant_method": "fp8", "weight_block_size": [128, 128]})
-    assert logits_error(folder, reference) < 1e-5
+    record, checkpoint = load.plan(folder)
+    assert record.quant is None and "dequantized to float" in record.reason
+    assert load.auto_mode(checkpoint, "cuda")[0] == "fp8" and len(checkpoint.exact) == 14
+    assert logits_error(folder, reference, quant="auto") < 1e-5
+    assert logits_error(folder, reference, quant="fp8") < 1e-5
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, device_map="cpu")
-    mine = load.from_pretrained(folder, dtype=torch.float32)
-    w = theirs.model.layers[1].mlp.down_proj.weight.float()
-    assert (mine.layers[1].mlp.down_proj.weight - w).abs().max() <= w.abs().max() * 2 ** -8
+    mine = load.from_pretrained(folder, dtype=torch.float32, quant="fp8")
+    layer, w = mine.layers[1].mlp.down_proj, theirs.model.layers[1].mlp.down_proj.weight.float()
+    stored = load_file(os.path.join(folder, "model.safetensors"))
+    assert isinstance(layer, Float8Linear) and torch.equal(layer.weight, stored["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(layer.dequantize(torch.float32), reference.model.layers[1].mlp.down_proj.weight)
+    assert (layer.dequantize(torch.float32) - w).abs().max() <= w.abs().max() * 2 ** -8
+    qkv = mine.layers[0].attn.qkv_proj.dequantize(torch.float32)  # (k and v: 64 rows of a 128-row block each)
+    attn = reference.model.layers[0].self_attn
+    assert torch.equal(qkv, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    quantize.quantize_checkpoint(folder, "fp8", out=str(tmp_path / "saved"))
+    saved = load.from_pretrained(str(tmp_path / "saved"), dtype=torch.float32, quant="fp8")
+    assert torch.equal(saved.layers[1].mlp.down_proj.weight, layer.weight)
+    with torch.no_grad():
+        assert torch.equal(saved(ids()), mine(ids()))
     stored = load_file(os.path.join(folder, "model.safetensors"))
     del stored["model.layers.1.mlp.up_proj.weight_scale_inv"]
     save_file(stored, os.path.join(folder, "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight_scale_inv is missing") as e:
         load.from_pretrained(folder)
     assert "\n" not in str(e.value)
+
+
+def fake_fp8_rows(module, args):
+    """A linear's input with each row quantized to e4m3 and back (max|row| / 448): FP8-dynamic's activations."""
+    x = args[0].float()
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448
+    return ((x / scale).to(torch.float8_e4m3fn).float() * scale,)
+
+
+def test_fp8_dynamic_folders_run_their_scaled_matmul_as_its_arithmetic_means(tmp_path):
+    """compressed-tensors' FP8-dynamic (e4m3 weights, a scale per channel, activations quantized per token on the fly)
+    as fp8: Float8Linear's torch._scaled_mm path (a GPU's with compute capability 8.9+; run here on the CPU's reference
+    kernel) gives the logits of a float32 model holding the dequantized weights whose linears take their inputs
+    quantized to e4m3 per row; its weight-only path (every other device) the plain float model's."""
+    from prequantized_makers_ct import make_compressed_tensors
+    from dense_engine.cpu.quantized import Float8Linear
+
+    weights = make_compressed_tensors(str(tmp_path), "FP8_DYNAMIC", seed=2)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    reference = with_weights(transformers.LlamaForCausalLM(reference.config).eval(), weights)
+    base = load_file(os.path.join(tmp_path, "model.safetensors"))
+    with torch.no_grad():
+        for name in [n for n in base if "proj" not in n]:
+            reference.get_parameter(name).copy_(base[name])
+    model = load.from_pretrained(str(tmp_path), dtype=torch.float32, quant="fp8")
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    assert len(layers) == 8 and all(m.scales.shape[1] == 1 and not m.scaled_mm for m in layers)  # (not on a CPU)
+    with torch.no_grad():
+        want = reference(input_ids=ids()).logits
+        assert float((model(ids()) - want).abs().max()) < 1e-5
+        for m in layers:
+            m.scaled_mm = True
+        got = model(ids())
+        for name, m in reference.named_modules():
+            if name.endswith("proj"):
+                m.register_forward_pre_hook(fake_fp8_rows)
+        quantized_rows = reference(input_ids=ids()).logits
+    assert float((got - quantized_rows).abs().max()) < 1e-4 * float(quantized_rows.abs().max())
+    assert float((got - want).abs().max()) > 1e-3  # (the activations' quantization shows)
 
 
 @pytest.mark.parametrize("change, field", [
@@ -262,7 +321,7 @@ def test_4bit_gptq_and_awq_load_as_int4_holding_their_numbers_to_the_bit(tmp_pat
                     "awq g64": (lambda w: pack_awq(w, 64), awq_config(64))}[kind]
     folder, reference = packed_folder(tmp_path, pack, config)
     record, checkpoint = load.plan(folder)
-    assert record.quant == "int4" and "holds exactly" in record.reason and len(checkpoint.exact_int4) == 14
+    assert record.quant == "int4" and "holds exactly" in record.reason and len(checkpoint.exact) == 14
     model = load.from_pretrained(checkpoint, dtype=torch.float32, quant="int4")
     layer = model.layers[1].mlp.gate_up_proj
     want = torch.cat([reference.model.layers[1].mlp.gate_proj.weight, reference.model.layers[1].mlp.up_proj.weight])
@@ -277,5 +336,5 @@ def test_act_order_gptq_loads_as_float_with_a_note(tmp_path, capsys):
     folder, _ = packed_folder(tmp_path, lambda w: pack_gptq(w, 4, 32, False, True, 1), gptq_config(4, 32, False,
                                                                                                     True, 1))
     record, checkpoint = load.plan(folder)
-    assert record.quant is None and not checkpoint.exact_int4
+    assert record.quant is None and not checkpoint.exact
     assert "gptq weights (14 linears) dequantized as they load" in capsys.readouterr().err

@@ -143,7 +143,8 @@ def gemma4(tmp_path_factory):
 def test_two_ranks_equal_one_process(tmp_path, bigger, families, states, gemma4):
     jobs = [(layout, fixture_path(layout), None, layout != "neox_original") for layout in LAYOUTS]
     jobs += [(case, path, None, False) for case, path in families.items()]
-    jobs += [("bigger", bigger, None, False), ("int8", bigger, "int8", False), ("int4", bigger, "int4", False)]
+    jobs += [("bigger", bigger, None, False), ("int8", bigger, "int8", False), ("int4", bigger, "int4", False),
+             ("fp8", bigger, "fp8", False)]
     # state layers: a Gated DeltaNet layer's key heads and the value heads reading them go to one rank
     jobs += [(case, path, None, case in ("qwen3_5", "falcon-h1")) for case, path in states.items()]
     jobs += [("qwen3_5 int4", states["qwen3_5"], "int4", False), ("lfm2 int8", states["lfm2"], "int8", False),

@@ -51,10 +51,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer.json (or its folder) when the checkpoint has none")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: bfloat16 on cuda, else float32")
-    p.add_argument("--quant", choices=("auto", "none", "int8", "int4", "nf4", "llm.int8", "gguf"), default="auto",
+    p.add_argument("--quant", choices=("auto", "none", "int8", "int4", "nf4", "llm.int8", "fp8", "gguf"), default="auto",
                    help="weight quantization (a variant saved by quantize.py, else made at load time); auto: int4 "
                         "for weights from a Q4_0/Q4_1 GGUF (held exactly), a GGUF's own blocks for its other types "
-                        "(gguf: Q4_K, Q5_K, Q6_K, Q8_0, ...), else as stored; none: full precision")
+                        "(gguf: Q4_K, Q5_K, Q6_K, Q8_0, ...), an FP8 folder's float8 weights on a GPU (float on "
+                        "the CPU), else as stored; none: full precision")
     p.add_argument("--lora", action="append", metavar="[NAME=]PATH[:SCALE]",
                    help="a LoRA adapter (a PEFT folder, or llama.cpp's .gguf adapter file) times SCALE (default 1): "
                         "merged into full-precision weights, beside quantized ones; several allowed. serve.py: "

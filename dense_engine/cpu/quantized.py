@@ -2,7 +2,7 @@
 their stored tensors. Stands on dense.py and kernels.py (whose CPU kernels the layers call).
 
 Which layers: every linear of the decoder blocks; the output head in int8 for the 4-bit modes (it is the most
-sensitive layer) and in the mode itself for int8; the embedding table stays in the model's dtype (gguf: every tensor,
+sensitive layer), in the mode itself for int8, in float for fp8 (as FP8 checkpoints keep it); the embedding table stays in the model's dtype (gguf: every tensor,
 embedding and head included, in the file's own type; int4 made from a GGUF's Q4_0/Q4_1 blocks: the head in the
 file's own blocks too, GGUFHead, and the embedding's float32 values are the file's exactly).
 
@@ -13,6 +13,7 @@ file's own blocks too, GGUFHead, and the embedding's float32 values are the file
 | nf4      | weight uint8 [out*in/2, 1], absmax [out*in/64]      | absmax * NF4[q] (bitsandbytes) |
 |          | --double-quant: absmax_q uint8, absmax_scales, ...  | absmax 8-bit, blocks of 256    |
 | llm.int8 | as int8 (bitsandbytes' CB and SCB / 127)            | bitsandbytes Linear8bitLt      |
+| fp8      | weight float8 e4m3 [out, in], scales [out, in/b]    | scale[o, i/b] * q (b: block)   |
 | gguf     | a GGUF file's rows of blocks, as stored (not saved) | gguf's dequantizer's value     |
 
 int4's grid is llama.cpp's Q4_1 grid (min + scale * q per group): a checkpoint converted from a Q4_0 or Q4_1 GGUF
@@ -38,7 +39,7 @@ from dense import DenseDecoder
 from dense_engine.cpu import kernels
 from dense_engine.system.errors import CheckpointError
 
-MODES = ("int8", "int4", "nf4", "llm.int8")  # (and "gguf" at load time: a GGUF file's own blocks, below)
+MODES = ("int8", "int4", "nf4", "llm.int8", "fp8")  # (and "gguf" at load time: a GGUF file's own blocks, below)
 # bitsandbytes' NF4 code (float32), in increasing order.
 NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
                     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
@@ -51,7 +52,8 @@ BLOCK_LINEAR = re.compile(r"layers\.\d+\.(attn\.(q|k|v|gate|o|in|out)_proj|attn\
                           r"mlp\.(gate|up|down)_proj)")
 MODEL_LINEAR = re.compile(r"layers\.\d+\.(attn\.(qkv|o|in|out)_proj|mlp\.(gate_up|up|down)_proj)")
 EXACT_INT4_TYPES = ("Q4_0", "Q4_1")  # GGUF tensor types whose blocks int4-g32 holds exactly
-BYTES_PER_WEIGHT = {"int8": 1.0, "llm.int8": 1.0, "int4": 0.65, "nf4": 0.6, "gguf": 1.07}  # stored, scales included (about)
+BYTES_PER_WEIGHT = {"int8": 1.0, "llm.int8": 1.0, "int4": 0.65, "nf4": 0.6, "gguf": 1.07,
+                    "fp8": 1.0}  # stored, scales included (about)
 
 
 def import_bitsandbytes():
@@ -125,6 +127,18 @@ def double_quant_absmax(absmax_q, absmax_scales, absmax_code, absmax_offset) -> 
 
 
 DOUBLE_QUANT = ("absmax_q", "absmax_scales", "absmax_code", "absmax_offset")
+FP8_MAX = 448.0  # the largest float8 e4m3fn value
+
+
+def fp8_quantize(w: torch.Tensor, block: int = 0) -> dict:
+    """Symmetric, per output row and `block` inputs (0: the whole row): q = w / s in float8 e4m3, s = max|w| / 448
+    (the scale each value is multiplied by back, as FP8 checkpoints store it)."""
+    out, inp = w.shape
+    cols = block or inp
+    g = F.pad(w.float(), (0, -inp % cols)).reshape(out, -1, cols)
+    scales = g.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX  # [out, groups]
+    q = (g / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).reshape(out, -1)[:, :inp]
+    return {"weight": q.to(torch.float8_e4m3fn), "scales": scales}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -270,7 +284,7 @@ class NF4Linear(QuantLinear):
 
     def dequantize(self, dtype) -> torch.Tensor:
         packed = self.weight.reshape(-1)
-        q = torch.stack((packed >> 4, packed & 15), dim=-1).reshape(-1, 64).long()
+        q = torch.stack((packed >> 4, packed & 15), dim=-1).reshape(-1, 64).int()  # (int32 indices: no int64 copy)
         w = self.code[q] * self.absmax[:, None]
         return w.reshape(self.out_features, self.in_features).to(dtype)
 
@@ -305,7 +319,61 @@ class LLMInt8Linear(Int8Linear):
         return self.layer(x)
 
 
-LINEARS = {"int8": Int8Linear, "int4": Int4Linear, "nf4": NF4Linear, "llm.int8": LLMInt8Linear}  # (+ "gguf" below)
+class Float8Linear(QuantLinear):
+    """float8 e4m3 weights with a float32 scale per output row and `fp8_block` inputs (0: one per row), as FP8
+    checkpoints store them (Qwen3-FP8's 128 x 128 blocks: each block's scale on each of its rows). Where the device
+    multiplies float8 (CUDA compute capability 8.9+) and the scale is one per row, torch._scaled_mm multiplies them as
+    FP8-dynamic means: each activation row quantized to e4m3 on the fly (scale max|x| / 448), float32 accumulation.
+    Elsewhere the weight is dequantized into the matmul (compiled on a GPU: converted as it is read, one byte a weight)."""
+    keep_dtype = ("weight", "scales")  # (float8 is a floating dtype: without this a load would cast it)
+
+    def __init__(self, in_features, out_features, bias, fp8_block=0, **_) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.fp8_block = fp8_block
+        groups = -(-in_features // fp8_block) if fp8_block else 1
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("scales", torch.ones(out_features, groups))
+        self.scaled_mm = False
+
+    @staticmethod
+    def stored(w, fp8_block=0, **_):
+        return fp8_quantize(w, fp8_block)
+
+    def finish_loading(self) -> None:
+        self.scaled_mm = self.scales.shape[1] == 1 and scaled_mm_ready(self.weight.device) and \
+            self.in_features % 16 == 0 and self.out_features % 16 == 0  # (_scaled_mm's shapes)
+
+    def dequantize(self, dtype) -> torch.Tensor:
+        scales = self.scales.repeat_interleave(self.fp8_block or self.in_features, dim=1)[:, :self.in_features]
+        return (self.weight.float() * scales).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scaled_mm:
+            return self.add_bias(fp8_matmul(x, self.weight, self.scales))
+        if self.fp8_block:
+            return self.add_bias(F.linear(x, self.dequantize(x.dtype)))
+        y = F.linear(x, self.weight.to(x.dtype)) * self.scales.reshape(-1)  # (one scale a row: after the product)
+        return self.add_bias(y.to(x.dtype))
+
+
+def scaled_mm_ready(device: torch.device) -> bool:
+    """Whether torch._scaled_mm multiplies float8 on this device at speed (the CPU's runs, but as a slow reference)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ (weight [out, in] e4m3 * scales [out, 1]).T with each row of x quantized to e4m3 (per-token
+    dynamic scales, max|x_row| / 448): torch._scaled_mm, whose rowwise scales give float32 sums of the products."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    x_scales = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX  # [rows, 1]
+    q = (rows / x_scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype  # (CUDA's rowwise kernel writes bfloat16 only)
+    y = torch._scaled_mm(q, weight.t(), scale_a=x_scales, scale_b=scales.reshape(1, -1), out_dtype=out_dtype)
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+LINEARS = {"int8": Int8Linear, "int4": Int4Linear, "nf4": NF4Linear, "llm.int8": LLMInt8Linear,
+           "fp8": Float8Linear}  # (+ "gguf" below)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -463,13 +531,14 @@ def check_mode(mode: str) -> None:
         raise CheckpointError(f"unknown quantization mode {mode!r} (choose from {', '.join(MODES)})")
 
 
-def head_mode(mode: str) -> str:
-    return "int8" if mode in ("int4", "nf4") else mode
+def head_mode(mode: str) -> str | None:
+    """The head's mode: int8 beside 4-bit weights, the float weights beside fp8 (as FP8 checkpoints keep it)."""
+    return {"int4": "int8", "nf4": "int8", "fp8": None}.get(mode, mode)
 
 
 def layer_modes(model: DenseDecoder, mode: str, head: str | None = None) -> dict[str, str]:
-    """{model linear name: mode} for the layers a mode quantizes: block linears in the mode, the head in int8 (head:
-    a GGUF type, the head in the file's own blocks, GGUFHead)."""
+    """{model linear name: mode} for the layers a mode quantizes: block linears in the mode, the head in head_mode's
+    (None: float; head: a GGUF type, the head in the file's own blocks, GGUFHead)."""
     chosen = {name: mode for name, m in model.named_modules() if isinstance(m, nn.Linear) and MODEL_LINEAR.fullmatch(name)}
     if model.lm_head is not None:  # (an MTP draft's predictor has none: the target's serves)
         chosen["lm_head"] = "gguf" if head else head_mode(mode)
@@ -499,7 +568,7 @@ def quantize_model(model: DenseDecoder, mode: str, group_size: int = 32, double_
     quantized whole: every layout is row-major, so that equals quantizing its parts and stacking them."""
     check_mode(mode)
     params, training = {"group_size": group_size}, model.training
-    weights = {name: model.get_submodule(name) for name in layer_modes(model, mode)}
+    weights = {name: model.get_submodule(name) for name, chosen in layer_modes(model, mode).items() if chosen}
     swap_linears(model, mode, params)
     for name in list(weights):
         old = weights.pop(name)  # its float weight is freed once quantized: peak memory is the float model's, not 2x

@@ -38,7 +38,9 @@ class Checkpoint:
     dtype: torch.dtype | None = None
     record: dict = field(default_factory=dict)
     source_types: dict[str, str] = field(default_factory=dict)  # native weight name -> GGUF tensor type
-    exact_int4: dict[str, Callable[[], dict]] = field(default_factory=dict)  # block linear name -> its int4 tensors
+    # block linear name -> its stored tensors in the mode that holds them exactly: int4 (a GGUF's Q4_0 / Q4_1 blocks,
+    # GPTQ, AWQ) or fp8 (FP8 folders); scheme.mode names it for a folder that came quantized
+    exact: dict[str, Callable[[], dict]] = field(default_factory=dict)
     blocks: dict = field(default_factory=dict)  # native weight name -> gguf_import.Blocks (GGUF types with kernels)
     scheme: object = None  # a folder that came quantized: its prequantized.Scheme
     adapters: tuple = ()  # the LoRA adapters (lora.Adapter) on its weights (lora.Merged thunks in tensors)

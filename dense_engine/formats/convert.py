@@ -53,7 +53,7 @@ def mtp_apart(checkpoint: Checkpoint) -> Checkpoint:
     mtp = {name[len("mtp."):]: thunk for name, thunk in checkpoint.tensors.items() if name.startswith("mtp.")}
     return dataclasses.replace(checkpoint, tensors=model_only(checkpoint.tensors), blocks=model_only(checkpoint.blocks),
                                source_types=model_only(checkpoint.source_types),
-                               exact_int4=model_only(checkpoint.exact_int4), mtp=mtp)
+                               exact=model_only(checkpoint.exact), mtp=mtp)
 
 
 def read_any(path: str) -> Checkpoint:
@@ -94,8 +94,8 @@ def read_foreign(path: str) -> Checkpoint:
         raw = {key: value for key, value in raw.items() if key != "quantization_config"}
         if model_type in families.HF_FAMILIES:
             config, table = families.HF_FAMILIES[model_type](path, raw, config_file)
-            exact, scheme = prequantized.exact_int4(table, scheme)
-            return Checkpoint(path, config, table, declared, exact_int4=exact, scheme=scheme)
+            exact, scheme = prequantized.exact_tensors(table, scheme)
+            return Checkpoint(path, config, table, declared, exact=exact, scheme=scheme)
         if model_type is None and "dim" in raw:  # a Sprout state dict beside its config.json
             weights = [os.path.join(path, n) for n in ("model.safetensors", "model.pt", "ckpt.pt", "pytorch_model.bin")]
             weights = [w for w in weights if os.path.isfile(w)]
@@ -158,19 +158,23 @@ def convert(src: str, dst: str, force: bool = False, dtype: torch.dtype | None =
     for name, write in extra.items():
         atomic_write(os.path.join(dst, name), write)
     blocks = {n.removesuffix(".weight") for n in checkpoint.source_types if quantized.BLOCK_LINEAR.fullmatch(n[:-7])}
-    if blocks and blocks <= set(checkpoint.exact_int4):
+    if blocks and blocks <= set(checkpoint.exact):
         exact, params = exact_variant(checkpoint, "int4", 32)
         write_variant(read_checkpoint(dst), "int4", dst, params, exact=exact)
 
 
 def exact_variant(checkpoint: Checkpoint, mode: str, group_size: int, device="cpu") -> tuple[dict | None, dict]:
-    """(exact tensors, layer params) for making `mode` from a GGUF's own blocks: int4-g32 holds its Q4_0/Q4_1 block
-    linears exactly, and the head keeps the file's own blocks (a tied head: the embedding's), multiplied as stored
-    (quantized.GGUFHead; on the CPU, where a kernel does it). (None, params): nothing exact to keep."""
+    """(exact tensors, layer params) for making `mode` from what a checkpoint stores: int4-g32 holds a GGUF's Q4_0/Q4_1
+    block linears exactly (and GPTQ / AWQ's codes), fp8 an FP8 folder's values and scales; a GGUF's head keeps the
+    file's own blocks (a tied head: the embedding's), multiplied as stored (quantized.GGUFHead; on the CPU, where a
+    kernel does it). (None, params): nothing exact to keep."""
     params = {"group_size": group_size}
-    if mode != "int4" or group_size != 32 or not checkpoint.exact_int4:
+    held = checkpoint.scheme.mode if checkpoint.scheme is not None else "int4"  # (a GGUF's exact tensors: int4)
+    if mode != held or (mode == "int4" and group_size != 32) or not checkpoint.exact:
         return None, params
-    exact = dict(checkpoint.exact_int4)
+    exact = dict(checkpoint.exact)
+    if mode == "fp8":
+        return exact, {**params, "fp8_block": checkpoint.scheme.block[1]}
     head = checkpoint.blocks.get("lm_head.weight" if "lm_head.weight" in checkpoint.tensors else "embed_tokens.weight")
     if head is not None and torch.device(device).type == "cpu":
         exact["lm_head"] = lambda: {"blocks0": head.read()}
@@ -216,8 +220,10 @@ def quantized_table(checkpoint, mode: str, params: dict, exact: dict | None = No
     table = dict(checkpoint.tensors)
     names = [n.removesuffix(".weight") for n in table if n.endswith(".weight") and quantized.BLOCK_LINEAR.fullmatch(n[:-7])]
     modes = {name: mode for name in names}
-    modes["lm_head"] = "gguf" if params.get("head") else quantized.head_mode(mode)  # (gguf: from exact)
-    if "lm_head.weight" not in table:  # tied: the head gets its own quantized copy of the embedding
+    head = "gguf" if params.get("head") else quantized.head_mode(mode)  # (gguf: from exact)
+    if head:
+        modes["lm_head"] = head
+    if head and "lm_head.weight" not in table:  # tied: the head gets its own quantized copy of the embedding
         table["lm_head.weight"] = table["embed_tokens.weight"]
     exact = exact or {}
 
@@ -233,7 +239,7 @@ def quantized_table(checkpoint, mode: str, params: dict, exact: dict | None = No
     table_weights = {name: table.pop(f"{name}.weight") for name in modes}
     for name, layer_mode in modes.items():
         keys = {"int8": ("weight", "scales"), "llm.int8": ("weight", "scales"), "int4": INT4_KEYS,
-                "nf4": ("weight", "absmax"), "gguf": ("blocks0",)}[layer_mode]
+                "nf4": ("weight", "absmax"), "gguf": ("blocks0",), "fp8": ("weight", "scales")}[layer_mode]
         for key in keys:
             table[f"{name}.{key}"] = lambda name=name, key=key: stored(name)[key]
     return table
@@ -291,6 +297,8 @@ def write_variant(checkpoint, mode: str, dst: str, params: dict, progress=None, 
                                                          if declared else {})}
         values.setdefault("quantization", {})[mode] = {"file": variant_file(mode), "group_size": params["group_size"]
                                                        if mode == "int4" else None, "double_quant": double_quant,
+                                                       **({"fp8_block": params.get("fp8_block", 0)} if mode == "fp8"
+                                                          else {}),
                                                        "head": params.get("head") or quantized.head_mode(mode),
                                                        **({"layout": layout} if layout else {})}
         atomic_write(config_path, lambda p: open(p, "w").write(json.dumps(values, indent=2) + "\n"))

@@ -743,7 +743,7 @@ def read_gguf(path: str) -> Checkpoint:
         return [(f"layers.{layer}.{native}", rows) for native, rows, _ in parts]
 
     table = lora.merged(table, path, lora_names)
-    return Checkpoint(path, config, table, source_types=types, exact_int4=exact, blocks=blocks)
+    return Checkpoint(path, config, table, source_types=types, exact=exact, blocks=blocks)
 
 
 def read_lora(path: str, scale: float) -> lora.Adapter:

@@ -42,7 +42,7 @@ class LoadRecord:
     whole: to the loader, to the Session or server that sets up its cache and steps, and to the background compiler,
     which loads the same model again in another process. path None: a model made in memory (nothing to load again)."""
     path: str | None = None
-    quant: str | None = None  # as resolved: None (full precision), "int8", "int4", "nf4", "llm.int8" or "gguf"
+    quant: str | None = None  # as resolved: None (full precision), "int8", "int4", "nf4", "llm.int8", "fp8" or "gguf"
     reason: str = "as stored"  # why that quantization: auto_mode's words, or the flag's
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -107,7 +107,7 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
     """A checkpoint folder or file (or the Checkpoint plan() read) as a DenseDecoder. dtype=None: default_dtype's
     (the checkpoint's declared dtype on the CPU).
     quant=None loads what is stored (the full-precision weights, or the only quantized variant of a folder that has no
-    other); "int8" | "int4" | "nf4" | "llm.int8" loads that variant (saved by quantize.py, else quantized tensor by
+    other); "int8" | "int4" | "nf4" | "llm.int8" | "fp8" loads that variant (saved by quantize.py, else quantized tensor by
     tensor as it loads); "auto" picks what auto_mode says; "none" forces full precision. shard: tensor parallel's
     hook (tp.py), (checkpoint, tensors, mode) -> one rank's config and tensor slices. lora: (adapter folder or file,
     scale[, name]), merged into full-precision weights, beside quantized ones, a named one beside any (lora.py)."""
@@ -185,9 +185,12 @@ def auto_mode(checkpoint, device="cpu") -> tuple[str | None, str]:
     if checkpoint.source_types:  # a .gguf file itself
         types = {kind for name, kind in checkpoint.source_types.items() if quantized.BLOCK_LINEAR.fullmatch(name[:-7])}
     saved = checkpoint.record.get("quantization", {})
+    if checkpoint.scheme is not None and checkpoint.scheme.mode == "fp8" and torch.device(device).type == "cpu":
+        return None, (f"the folder's {checkpoint.scheme.method} float8 weights, dequantized to float (no float8 kernel "
+                      "on the CPU; --quant fp8 holds them as stored, at a quarter of the memory)")
     if checkpoint.scheme is not None and checkpoint.scheme.mode:
         return checkpoint.scheme.mode, checkpoint.scheme.reason()
-    exact = "int4" in saved or bool(checkpoint.exact_int4)
+    exact = "int4" in saved or bool(checkpoint.exact)
     if types and set(types) <= set(quantized.EXACT_INT4_TYPES) and exact:
         held = "exactly" if torch.device(device).type != "cuda" else "(on CUDA with bfloat16 scales)"
         return "int4", f"the weights are {'/'.join(sorted(types))} blocks from a GGUF, which int4-g32 holds {held}"
@@ -231,6 +234,8 @@ def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> 
     params = {"group_size": record.get("group_size") or 32}
     if record.get("head") in quantized.GGUF_TYPES:  # the head in its GGUF's own blocks (convert.exact_variant)
         params["head"] = record["head"]
+    if record.get("fp8_block"):  # fp8 scales per row and this many inputs
+        params["fp8_block"] = record["fp8_block"]
     if record.get("layout"):  # int4 saved in the CPU kernel's layout (Int4Linear reads it)
         params["layout"] = record["layout"]
     file = os.path.join(checkpoint.path, convert.variant_file(quant))

@@ -29,7 +29,7 @@ class Scheme:
     bits: int = 4
     group: int = -1  # input channels per scale (-1: one per output channel)
     zeros_minus_one: bool = False  # GPTQ v1: each stored zero point is the zero point minus one
-    block: tuple[int, int] = (128, 128)  # fine-grained FP8's [rows, columns] per scale
+    block: tuple[int, int] = (128, 128)  # FP8's [rows, columns] per scale (0: the whole dimension)
     source: str = ""
     mode: str | None = None  # the engine's own quantization that holds these numbers exactly (quantized.py), if any
 
@@ -75,7 +75,7 @@ def read_scheme(raw: dict, source: str) -> Scheme | None:
         block = q.get("weight_block_size")
         if block is not None and (len(block) != 2 or min(block) < 1):
             refuse("weight_block_size", block, "[rows, columns]")
-        return Scheme("fp8", 8, block=tuple(block) if block else (0, 0), source=source)
+        return Scheme("fp8", 8, block=tuple(block) if block else (0, 0), source=source, mode="fp8")
     if method == "bitsandbytes":  # (nf4 in blocks of 64 is quantized.py's nf4; int8 rows are its int8: loaded so,
         # they quantize again to the codes stored)
         four = bool(q.get("load_in_4bit") or q.get("_load_in_4bit"))
@@ -96,18 +96,21 @@ def read_scheme(raw: dict, source: str) -> Scheme | None:
             refuse("config_groups.weights", f"{kind}{bits}", "int4, int8 or float8 weights")
         if (form == "float-quantized") != (kind == "float"):
             refuse("format", form, f"{kind} weights in their own format")
-        return Scheme("compressed-tensors", bits, block=block, source=source)
+        group = {int((w.get("group_size") or -1)) for w in weights}.pop()
+        columns = block[1] or max(group, 0)  # (fp8's inputs per scale: 0, one scale a row or the tensor)
+        return Scheme("compressed-tensors", bits, group, block=(block[0], columns), source=source,
+                      mode="fp8" if kind == "float" else None)
     refuse("quant_method", method, "gptq, awq, compressed-tensors, fp8 or bitsandbytes")
 
 
-def exact_int4(table: dict, scheme: Scheme | None) -> tuple[dict, Scheme | None]:
-    """({native linear name: thunk of its int4 tensors}, the scheme) for a family's table whose GPTQ / AWQ weights
-    int4-g32 holds exactly (Checkpoint.exact_int4); a scheme whose linears the family changed on the way (split,
-    scaled) loads as float instead."""
-    if scheme is None or scheme.mode != "int4":
+def exact_tensors(table: dict, scheme: Scheme | None) -> tuple[dict, Scheme | None]:
+    """({native linear name: thunk of its stored tensors in scheme.mode}, the scheme) for a family's table whose
+    weights the engine's own mode holds exactly (Checkpoint.exact): GPTQ / AWQ's codes in int4-g32, FP8 values and
+    scales in fp8; a scheme whose linears the family changed on the way (split, scaled) loads as float instead."""
+    if scheme is None or scheme.mode not in ("int4", "fp8"):
         return {}, scheme
     stored = {name: getattr(thunk, "base", thunk) for name, thunk in table.items()}  # (under a LoRA's lora.Merged)
-    exact = {name.removesuffix(".weight"): thunk.int4 for name, thunk in stored.items()
+    exact = {name.removesuffix(".weight"): getattr(thunk, scheme.mode) for name, thunk in stored.items()
              if isinstance(thunk, Dequantized)}
     return exact, scheme if exact else dataclasses.replace(scheme, mode=None)
 
@@ -195,19 +198,47 @@ class Codes:
                 "mins": -(scales * self.zeros[starts].t().float())}
 
 
+@dataclass
+class Float8:
+    """A linear's float8 e4m3 values q [out, in] and the scales they are multiplied by, one per block of
+    block = (rows, columns) (0: the whole dimension): scales [ceil(out / rows), ceil(in / columns)]."""
+    q: torch.Tensor
+    scales: torch.Tensor
+    block: tuple[int, int]
+
+    def weight(self) -> torch.Tensor:
+        return blocks_times(self.q.float(), self.scales.float(), self.block)
+
+    def fp8(self, columns: int, source: str, prefix: str) -> dict:
+        """Float8Linear's tensors holding these numbers exactly: the values as stored, and each block's scale on each
+        of its rows (scales [out, ceil(in / columns)]; columns 0: one a row)."""
+        (out, inputs), (rows, cols) = self.q.shape, self.block
+        if (cols or inputs) != (columns or inputs):
+            raise CheckpointError(f"{source}: {prefix}'s scales cover {cols or inputs} inputs each, where the "
+                                  f"folder's scheme says {columns or 'a whole row'}")
+        scales = self.scales.float().reshape(1, 1) if self.scales.numel() == 1 else self.scales.float()
+        scales = scales.repeat_interleave(rows or out, dim=0)[:out]
+        return {"weight": self.q, "scales": scales if cols else scales.expand(out, 1).contiguous()}
+
+
 class Dequantized:
-    """A quantized linear's weight thunk: called, its float32 weight; int4(), for GPTQ and AWQ, its int4-g32 tensors
-    (Codes.int4), which convert.exact_variant uses as they are."""
+    """A quantized linear's weight thunk: called, its float32 weight; int4() (GPTQ, AWQ) and fp8() (FP8 folders), its
+    tensors in the engine's mode that holds them exactly (Codes.int4, Float8.fp8), which convert.exact_variant uses as
+    they are."""
 
     def __init__(self, read, parts: dict, scheme: Scheme, prefix: str) -> None:
         self.read, self.parts, self.scheme, self.prefix = read, parts, scheme, prefix
 
     def __call__(self) -> torch.Tensor:
         made = self.read(self.parts, self.scheme, self.prefix)
-        return made.weight() if isinstance(made, Codes) else made
+        return made.weight() if isinstance(made, (Codes, Float8)) else made
 
     def int4(self) -> dict:
         return self.read(self.parts, self.scheme, self.prefix).int4()
+
+    def fp8(self) -> dict:
+        return self.read(self.parts, self.scheme, self.prefix).fp8(self.scheme.block[1], self.scheme.source,
+                                                                   self.prefix)
 
 
 def gptq_codes(parts: dict, scheme: Scheme, prefix: str) -> Codes:
@@ -244,16 +275,18 @@ def awq_codes(parts: dict, scheme: Scheme, prefix: str) -> Codes:
     return Codes(codes, zeros, scales, torch.arange(codes.shape[0]) // group)
 
 
-def fp8_weight(parts: dict, scheme: Scheme, prefix: str) -> torch.Tensor:
+def fp8_weight(parts: dict, scheme: Scheme, prefix: str) -> Float8:
     """Fine-grained FP8: weight e4m3 [out, in] and weight_scale_inv [ceil(out / rows), ceil(in / columns)], the
     scale each block's values are multiplied by (despite its name)."""
     weight, scale = needed(parts, ("weight", "weight_scale_inv"), scheme, prefix)
-    return blocks_times(weight.float(), scale.float(), scheme.block)
+    return Float8(weight, scale, scheme.block)
 
 
 def blocks_times(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """w [out, in] times a scale per [rows, columns] block (scale [ceil(out / rows), ceil(in / columns)])."""
-    rows, cols = block
+    """w [out, in] times a scale per [rows, columns] block (scale [ceil(out / rows), ceil(in / columns)]; 0: the
+    whole dimension)."""
+    rows, cols = block[0] or w.shape[0], block[1] or w.shape[1]
+    scale = scale.reshape(1, 1) if scale.numel() == 1 else scale
     expanded = scale.repeat_interleave(rows, 0)[:w.shape[0]].repeat_interleave(cols, 1)[:, :w.shape[1]]
     return w * expanded
 
@@ -294,8 +327,11 @@ def compressed_weight(parts: dict, scheme: Scheme, prefix: str) -> torch.Tensor:
         (q,) = needed(parts, ("weight",), scheme, prefix)
         zero = parts["weight_zero_point"]() if "weight_zero_point" in parts else None
         out, inputs = q.shape
+    if scheme.mode == "fp8":  # float-quantized: by tensor, channel, group or block, as the scale's shape says
+        channel = scale.dim() == 2 and scale.shape[0] == out
+        return Float8(q, scale, (1 if channel else scheme.block[0], scheme.block[1]) if scale.numel() > 1 else (0, 0))
     q = q.float()
-    if scale.dim() == 2 and scheme.block != (0, 0) and scale.shape != (out, 1):
+    if scale.dim() == 2 and scheme.block[0] and scale.shape != (out, 1):
         return blocks_times(q, scale, scheme.block)
     if scale.numel() == 1:
         return q * scale.reshape(())

@@ -254,7 +254,7 @@ def slicer(name: str, config: dense.DenseConfig, shards: list[LayerShard], rank:
     inputs = config.heads(i) * config.head_size(i) if how == "in_heads" else config.ffn_width(i)
 
     def columns(t: torch.Tensor) -> torch.Tensor:  # weight [N, K], qweight [N, K/2], int4 scales/mins [N, K/group]
-        if t.ndim < 2:  # int8's per-row scales: every rank needs them whole
+        if t.ndim < 2 or t.shape[1] == 1:  # per-row scales (int8's [N], fp8's [N, 1]): every rank needs them whole
             return t
         width = t.shape[1]
         if width * (b - a) % units:
