@@ -22,9 +22,11 @@ import sys
 import time
 import types
 import warnings
+import zipfile
 from typing import Callable
 
 import torch
+from safetensors.torch import load as safetensors_load
 
 import dense
 from dense_engine.cpu import kernels
@@ -237,7 +239,8 @@ def package(fn: Callable, args: tuple, dynamic: dict | None, path: str) -> None:
 def export_and_compile(fn: Callable, args: tuple, tensors: list, shapes, path: str) -> None:
     import torch._inductor.compile_fx as compile_fx
 
-    with torch.no_grad(), warnings.catch_warnings(), uncopied_buffers(compile_fx):
+    made: dict = {}
+    with torch.no_grad(), warnings.catch_warnings(), uncopied_buffers(compile_fx), made_constants(made):
         warnings.simplefilter("ignore", FutureWarning)  # (PyTorch's own deprecations inside export, not the user's)
         exported = torch.export.export(Exported(fn, args), (tensors,), dynamic_shapes=shapes, strict=False)
         # The constants stay out of the package: PackagedStep binds the model's tensors, whatever their size. The
@@ -245,6 +248,37 @@ def export_and_compile(fn: Callable, args: tuple, tensors: list, shapes, path: s
         torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs={
             "aot_inductor.package_constants_in_so": False, "aot_inductor.package_constants_on_disk_format": None,
             "aot_inductor.compile_wrapper_opt_level": "O0"})
+    model = next(a for a in args if isinstance(a, dense.DenseDecoder))
+    held = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
+    own = {name: t.contiguous() for name, t in made.items() if t.numel() and t.data_ptr() not in held}
+    if own:  # (beside the package's files, in its zip: sealed with it)
+        from safetensors.torch import save
+
+        with zipfile.ZipFile(path, "a") as archive:
+            archive.writestr(MADE_CONSTANTS, save(own))
+
+
+MADE_CONSTANTS = "dense_engine/made_constants.safetensors"  # (in a package's zip)
+
+
+@contextlib.contextmanager
+def made_constants(found: dict):
+    """Records the tensors Inductor makes constants of while it compiles ({name: tensor}): the model's own, and a few
+    of its own making (the group size of PyTorch's int4 CPU matmul, a 0-d tensor), which a package without constants
+    does not hold and PackagedStep must bind beside the model's."""
+    from torch._inductor.graph import GraphLowering
+
+    add = GraphLowering.add_tensor_constant
+
+    def recording(self, data, name=None):
+        box = add(self, data, name)
+        found[box.get_name()] = data
+        return box
+    GraphLowering.add_tensor_constant = recording
+    try:
+        yield
+    finally:
+        GraphLowering.add_tensor_constant = add
 
 
 @contextlib.contextmanager
@@ -271,6 +305,9 @@ class PackagedStep:
     def __init__(self, path: str, model: dense.DenseDecoder) -> None:
         self.loader = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
         self.model, self.names = model, self.loader.get_constant_fqns()
+        with zipfile.ZipFile(path) as archive:  # (Inductor's own constants, export_and_compile)
+            made = archive.read(MADE_CONSTANTS) if MADE_CONSTANTS in archive.namelist() else None
+        self.made = {} if made is None else {n: t.to(model.device) for n, t in safetensors_load(made).items()}
         self.holders = [m for m in model.modules() if hasattr(m, "memory")]
         self.bound: list = []
         self.bind()
@@ -278,6 +315,7 @@ class PackagedStep:
     def bind(self) -> None:
         tensors = {f"model.{name}": t for name, t in (*self.model.named_parameters(remove_duplicate=False),
                                                         *self.model.named_buffers(remove_duplicate=False))}
+        tensors.update(self.made)
         missing = [name for name in self.names if name not in tensors]
         if missing:
             raise ValueError(f"the package's constant {missing[0]} is not among the model's tensors")
