@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The GPU plan as ONE device call that ends within 9.5 minutes on a warm machine with a cold compile cache. Installs
-# nothing. Stages, each with its own time limit (a stage cut short keeps what it wrote to gpu.json); the limits are
-# sized by the first H200 run (BENCHMARKS.md, "The first GPU rows"): a 7B row takes 65-100 s, most of it compiling.
-#   1. time  (230 s)  batch-1 decode and 128-token prefill, compiled: Llama-2-7B's shape in bf16, int8, nf4, int4
-#                     (gpt-fast's published rows), one-row linears, then Llama-3.2-1B's shape while time is left
-#   2. check (210 s)  correctness on CUDA against CPU float32 (bench/gpu.py check)
-#   3. tests (120 s)  the tests that need a GPU, by name, each line written as it comes
-# Results: $OUT/gpu.json (one JSON line each, written as they come) and $OUT/gpu.txt (BENCHMARKS.md rows).
+# The GPU plan as ONE device call that ends within 9 minutes (540 s) on a warm machine with a cold compile cache.
+# Installs nothing. Stages, each with its own time limit (a stage cut short keeps what it wrote to gpu.json):
+#   1. probe (60 s)   the memory's rate: an 8 GB copy and a sum
+#   2. rows  (480 s)  every row in its own process (bench/gpu.py rows): the 7B shape's decode at batch 1 in bf16,
+#                     int8, int4-g32, int4-g128, nf4, fp8 and at batch 8 in bf16 and int8 (prefill 128 and 2,048,
+#                     bytes, MBU, CUDA-graph skips, a profile each), one-row linears in a CUDA graph for every mode,
+#                     the server at 1 and 8 clients, the correctness checks (gpu.py check), the CUDA tests. They
+#                     compile side by side (one Inductor cache, 2 compile threads each) and measure one at a time.
+# Results: $OUT/gpu.json (one JSON line each, written as they come), $OUT/gpu.txt (BENCHMARKS.md rows),
+# $OUT/gpu-results.json (bench/results/gpu-<card>.json's content), $OUT/cuda-tests.txt, $OUT/row-*.log.
 #   bash bench/gpu.sh              on the GPU machine (device tool: command "bash bench/gpu.sh", timeout_s 590)
 #   bash bench/gpu.sh --dry-run    the same single call on the CPU with a tiny shape, every stage's time printed
 set -uo pipefail
@@ -16,7 +18,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the GPU machine runs the 
 export DENSE_KERNELS=0  # the CPU references run on plain torch: no kernels.cpp build on the GPU's time
 mkdir -p "$OUT"
 dry=()
-[ "${1:-}" = "--dry-run" ] && dry=(--dry-run)
+workers=5
+if [ "${1:-}" = "--dry-run" ]; then
+  dry=(--dry-run)
+  workers=2
+fi
 if [ ${#dry[@]} -eq 0 ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/gpu.txt"
 fi
@@ -34,16 +40,9 @@ stage() {  # stage NAME LIMIT COMMAND...: run it under its limit, note its time 
   echo "## stage $name: $((SECONDS - start)) s, exit $rc" >&2
 }
 
-stage time 230 python3 bench/gpu.py time --budget 215 "${dry[@]}"
-stage check 210 python3 bench/gpu.py check "${dry[@]}"
-tests=(tests/test_cuda.py::test_cuda_logits_match_the_cpu_in_every_mode
-       tests/test_cuda.py::test_cuda_compiled_generation_matches_eager
-       tests/test_cuda.py::test_cuda_int8_layer_is_the_float_product)
-if [ ${#dry[@]} -eq 0 ]; then
-  stage tests 120 bash -c "python3 -m pytest -v -p no:cacheprovider ${tests[*]} 2>&1 | tee -a $OUT/gpu.txt; exit \${PIPESTATUS[0]}"
-else
-  stage tests 120 python3 -m pytest -q -p no:cacheprovider --collect-only "${tests[@]}"  # (the names exist)
-fi
+stage probe 60 python3 bench/gpu.py probe "${dry[@]}"
+stage rows 480 python3 bench/gpu.py rows --budget 460 --workers "$workers" "${dry[@]}"
 python3 bench/gpu.py table "$OUT/gpu.json" | tee -a "$OUT/gpu.txt"
+python3 bench/gpu.py results "$OUT/gpu.json" > "$OUT/gpu-results.json"
 printf 'stage %s\n' "${times[@]}" | tee -a "$OUT/gpu.txt"
 exit $status

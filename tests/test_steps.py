@@ -185,3 +185,37 @@ def test_one_compiled_prefill_step_takes_every_length_up_to_the_chunk(tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         start += n
     assert steps.compiled == 1 and len(steps.functions) == 1
+
+
+def gpu_paths(model, mode: str):
+    """model's linears in `mode` as a GPU runs them, here on the CPU: int8 and nf4 dequantized into the matmul (no CPU
+    kernel layout), int4 through PyTorch's int4-pack matmul (tinygemm's, on a GPU), fp8 through torch._scaled_mm."""
+    from dense_engine.cpu import quantized
+
+    if mode == "none":
+        return model
+    model = quantized.quantize_model(model, mode, group_size=64)  # (int4 g64: PyTorch's op, not kernels.cpp's tiles)
+    for layer in model.modules():
+        for name in [n for n in layer._buffers if n.startswith("kernel_") and mode in ("int8", "nf4")]:
+            del layer._buffers[name]
+        if isinstance(layer, quantized.Float8Linear):
+            layer.scaled_mm = True
+    return model
+
+
+@pytest.mark.parametrize("mode", ["none", "int8", "int4", "nf4", "fp8"])
+def test_the_gpus_step_graphs_hold_no_host_sync(mode, monkeypatch):
+    """The steps a GPU compiles in its process (LazyStep: fullgraph, then CUDA graphs), traced here with aot_eager over
+    each mode's GPU path: a prefill of two rows and their decode steps are each one graph, with no read of a value
+    by the host (an .item(), a .tolist(), a branch on a tensor, an output whose shape depends on values would break
+    the graph, which fullgraph refuses), and give eager's tokens."""
+    from dense_engine.runtime import steps as steps_module
+
+    monkeypatch.setitem(steps_module.LAZY_OPTIONS, "cpu", {"backend": "aot_eager"})
+    model = gpu_paths(random_model(), mode)
+    ids = torch.tensor([[5, 17, 99, 3, 250, 7, 41, 8], [9, 2, 77, 130, 6, 61, 300, 11]])
+    caches.setup_cache(model, 2, 128)
+    eager = generate.generate(model, ids, 12)
+    steps = Steps(model, saved=False)
+    compiled = generate.generate(model, ids, 12, steps=steps)
+    assert steps.compiled >= 2 and torch.equal(compiled, eager)

@@ -87,12 +87,15 @@ def shape_config(name: str) -> dense.DenseConfig:
     return dense.DenseConfig(**spec)
 
 
-def random_model(name: str, device, dtype, layers: int | None = None) -> dense.DenseDecoder:
+def random_model(name: str, device, dtype, layers: int | None = None, vocab: int | None = None) -> dense.DenseDecoder:
     """A model of a published shape with random weights, built directly in dtype on device (no float32 copy).
-    layers: keep only the first this many layers (the same widths: bench/gpu.py's checks compile faster)."""
+    layers: keep only the first this many layers (the same widths: bench/gpu.py's checks compile faster); vocab:
+    another vocabulary size (a test tokenizer's)."""
     config = shape_config(name)
     if layers is not None:
         config.num_hidden_layers = layers
+    if vocab is not None:
+        config.vocab_size = vocab
     with torch.device("meta"):
         model = dense.DenseDecoder(config)
     model = model.to_empty(device=device).to(dtype)
