@@ -326,7 +326,8 @@ def kernel_kind(name: str) -> str:
 
 def time_linears(plan: Plan, sizes: list[tuple[int, int]]) -> None:
     """One-row linears (a decode step's matmuls) alone, each mode's layer compiled and its calls captured in one
-    CUDA graph (replayed: no launch gaps): microseconds a call and the weight bytes read a second."""
+    CUDA graph (replayed: no launch gaps): microseconds a call and the weight bytes read a second. int4 both ways:
+    tinygemm (the layer's kernel) and dequantized into the matmul."""
     dev = plan.device
     for n, k in sizes:
         def one(n=n, k=k):
@@ -343,6 +344,11 @@ def time_linears(plan: Plan, sizes: list[tuple[int, int]]) -> None:
                     layer._buffers[key] = t.to(dev)
                 layer.finish_loading()
                 layers[mode], stored[mode] = layer, sum(t.numel() * t.element_size() for t in tensors.values())
+                if name == "int4":  # the other way to run it: dequantized into the matmul (compiled), no tinygemm
+                    plain = copy.deepcopy(layer)
+                    for key in [k for k in plain._buffers if k.startswith("kernel_")]:
+                        del plain._buffers[key]
+                    layers[f"{mode} dequantized"], stored[f"{mode} dequantized"] = plain, stored[mode]
             row, errors, compiled = {}, {}, {}
             for mode, layer in layers.items():  # compiled while other rows measure
                 try:

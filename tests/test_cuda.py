@@ -123,6 +123,21 @@ def test_a_moved_quantized_model_makes_its_kernel_layouts_again(mode):
         assert all(m.code.device.type == "meta" for m in moved.modules() if isinstance(m, quantized.NF4Linear))
 
 
+def test_a_cast_keeps_fp8_weights_and_scales_as_stored():
+    """model.to(torch.bfloat16), as a GPU load casts: an fp8 layer's float8 values and float32 scales stay as stored
+    (they are floating dtypes a cast would otherwise round), and the cast model's logits are the float32 one's within
+    bfloat16's rounding."""
+    model = quantized.quantize_model(random_model(), "fp8")
+    ids = torch.tensor([[1, 5, 9, 2]])
+    cast = copy.deepcopy(model).to(torch.bfloat16)
+    layers = [m for m in cast.modules() if isinstance(m, quantized.Float8Linear)]
+    assert layers and all(m.weight.dtype == torch.float8_e4m3fn and m.scales.dtype == torch.float32 for m in layers)
+    original = [m for m in model.modules() if isinstance(m, quantized.Float8Linear)]
+    assert all(torch.equal(a.weight.float(), b.weight.float()) for a, b in zip(layers, original))
+    with torch.no_grad():
+        assert rel_err(cast(ids).float(), model(ids)) < 3e-2
+
+
 def test_done_is_read_every_8_tokens_with_the_same_result():
     """collect() reads whether every row is done (a host sync on a GPU) every 8 tokens there; the tokens after the
     last row finished are dropped, so the result equals reading it every token."""
