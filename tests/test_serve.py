@@ -1333,3 +1333,53 @@ def test_a_lone_request_decodes_in_the_batch_1_step_on_whatever_row_it_holds(mon
         scheduler.safe_turn()
     assert [r.generated for r in both] == answers
     assert (4, None) in steps
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_one_step_behind_each_request_gets_the_tokens_of_the_step_by_step_server(monkeypatch, compiled):
+    """One step behind (a GPU's way: forced here on the CPU): a decode step of plain rows is launched with the tokens
+    of the step before as the device holds them, before the host reads that step. Requests arriving mid-way, ending
+    at different lengths, sampled beside greedy ones and beside a row with logprobs (read at once: its step is not
+    run ahead) get exactly the tokens, finish reasons and logprobs of the same requests served step by step."""
+    import torch
+
+    from dense_engine.formats import load
+    from dense_engine.formats import vocab as vocab_module
+    from dense_engine.server import runner
+    from dense_engine.server.scheduler import Request, Scheduler
+
+    model, vocab = load.from_pretrained(LLAMA), vocab_module.load_vocabulary(LLAMA, None)
+    fed = []
+    healthy = runner.ModelCalls.call
+
+    def recording(self, name, **args):
+        if name == "decode":
+            fed.append(torch.is_tensor(args["tokens"]))
+        return healthy(self, name, **args)
+
+    monkeypatch.setattr(runner.ModelCalls, "call", recording)
+    prompts = [vocab.encode(text, special=False) for text in ("the cat sat on", "once upon a time", "to be or",
+                                                              "a b c d e f", "hello there")]
+
+    def serve(behind: bool) -> list:
+        scheduler = Scheduler(model, vocab, 4, 128, compile=compiled, reuse=False)
+        scheduler.one_step_behind = behind
+        sent = [[] for _ in prompts]  # each request's events: text pieces, logprob entries, its end
+        sampled = Request(prompts[2], 24, SamplerSettings(temperature=0.9, top_k=40), [],
+                          torch.Generator().manual_seed(7), sent[2].append)
+        requests = [quiet_request(prompts[0], 12, sent[0]), quiet_request(prompts[1], 4, sent[1]), sampled,
+                    quiet_request(prompts[3], 3, sent[3], logprobs=2), quiet_request(prompts[4], 15, sent[4])]
+        for request in requests[:2]:
+            scheduler.submit(request)
+        for turn in range(200):
+            if turn == 3:
+                for request in requests[2:]:
+                    scheduler.submit(request)
+            scheduler.safe_turn()
+            if all(r.finish_reason for r in requests):
+                break
+        return [(r.generated, r.finish_reason, events) for r, events in zip(requests, sent)]
+
+    step_by_step = serve(False)
+    assert not any(fed) and step_by_step[3][2][0].entries  # (the logprobs row's entries)
+    assert serve(True) == step_by_step and sum(fed) >= 15

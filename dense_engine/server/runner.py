@@ -55,13 +55,14 @@ class ModelCalls:
         self.switch(adapters)
         return self.runner.prefill_rows(chunks, starts, torch.tensor(rows, device=self.device))
 
-    def decode(self, tokens: list[int], positions: list[int], sampling: generate.Sampling, with_logits: bool,
-               rows: list[int] | None = None, adapters: list = ()):
+    def decode(self, tokens: list[int] | torch.Tensor, positions: list[int], sampling: generate.Sampling,
+               with_logits: bool, rows: list[int] | None = None, adapters: list = ()):
         """One step of cache rows `rows` (None: 0..B-1), token b at positions[b]: the next tokens [B, 1] (and the
-        logits [B, V])."""
+        logits [B, V]). tokens: ids, or the step before's next tokens [B, 1] on the device (one step behind)."""
         self.switch(adapters)
-        return self.runner.decode(torch.tensor(tokens, device=self.device)[:, None], positions, None, sampling,
-                                  with_logits, None if rows is None else torch.tensor(rows, device=self.device))
+        token = tokens if torch.is_tensor(tokens) else torch.tensor(tokens, device=self.device)[:, None]
+        return self.runner.decode(token, positions, None, sampling, with_logits,
+                                  None if rows is None else torch.tensor(rows, device=self.device))
 
     def switch(self, adapters: list[tuple[float, ...]]) -> None:
         """The next call's rows with their LoRA adapters served by name (lora.switch): adapters[b] for row b of its

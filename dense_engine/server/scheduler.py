@@ -188,6 +188,19 @@ class Row:
 
 
 @dataclass
+class Ahead:
+    """A decode step launched and not read yet (one step behind: the next step is launched before the host reads this
+    one's tokens). Its rows (busy, each with the request it ran for), the cache rows it stepped, its new tokens on
+    the device, their copy in host memory and the event that says the copy is there (None on the CPU)."""
+    busy: list[int]
+    requests: list[Request]
+    stepped: list[int]
+    out: torch.Tensor
+    copy: torch.Tensor
+    ready: object = None
+
+
+@dataclass
 class Plan:
     """What one turn runs, decided by schedule(): `taken` requests off the head of the line (the cancelled among
     them dropped); admissions (row, request, prompt tokens the row holds); the request that starts speculating in
@@ -303,6 +316,11 @@ class Scheduler:
         self.metrics, self.reuse, self.prefill_chunk = metrics, reuse, prefill_chunk
         self.slots = [Row() for _ in range(max_batch)]
         self.speculation = None  # (the token generator of the request speculating in row 0)
+        # On a GPU a decode step of rows whose tokens only the sampler picks is launched before the host reads the
+        # step before it (its tokens fed from the device): the device is not idle while the host delivers text. (Not
+        # with state layers: a token fed after a request's last would move its row's state, which a next turn reuses)
+        self.one_step_behind = model.device.type == "cuda" and tp.world()[1] == 1 and not caches.has_state(model)
+        self.ahead: Ahead | None = None
         self.admitted = 0  # requests given a row so far (Row.used)
         self.waiting: queue.Queue[Request] = queue.Queue()
         self.tasks: queue.Queue = queue.Queue()  # (function, Future): run on this thread between turns (slots.py)
@@ -374,7 +392,10 @@ class Scheduler:
         return done
 
     def turn(self) -> None:
-        """Run the tasks asked for, then this turn's Plan: admissions, prefill, a speculative round, a decode step."""
+        """Run the tasks asked for, then this turn's Plan: admissions, prefill, a speculative round, a decode step.
+        A step launched ahead is read first unless the plan is that step's rows decoding again, nothing else."""
+        if self.ahead is not None and not self.tasks.empty():
+            self.read_ahead()
         while not self.tasks.empty():
             function, done = self.tasks.get_nowait()
             try:
@@ -384,10 +405,10 @@ class Scheduler:
         self.share_prefills()
         with self.waiting.mutex:  # (the line as it is now: only this thread takes from it)
             line = list(self.waiting.queue)
-        plan = schedule(self.slots, line, drafting=self.draft is not None, speculating=self.speculation is not None,
-                        reuse=self.reuse, prefill_chunk=self.prefill_chunk,
-                        stored=lambda request: prefixes.stored(self, request), whole_rows=self.whole_rows,
-                        snapshots=lambda request: prefixes.snapshots(self, request))
+        plan = self.plan(line)
+        if self.ahead is not None and not keeps_pace(plan, self.ahead, self.slots):
+            self.read_ahead()  # (its tokens delivered: rows freed, requests ended, then planned again)
+            plan = self.plan(line)
         admit(self, plan)
         for row in plan.freed:
             self.slots[row].request = None
@@ -403,6 +424,24 @@ class Scheduler:
                 self.waiting.put(self.waiting.get(timeout=0.1))
             except queue.Empty:
                 pass
+
+    def plan(self, line: list[Request]) -> Plan:
+        return schedule(self.slots, line, drafting=self.draft is not None, speculating=self.speculation is not None,
+                        reuse=self.reuse, prefill_chunk=self.prefill_chunk,
+                        stored=lambda request: prefixes.stored(self, request), whole_rows=self.whole_rows,
+                        snapshots=lambda request: prefixes.snapshots(self, request))
+
+    def read_ahead(self) -> None:
+        ahead, self.ahead = self.ahead, None
+        self.read(ahead)
+
+    def read(self, ahead: Ahead) -> None:
+        """A step launched ahead: its tokens read and delivered (a row whose request ended meanwhile: dropped)."""
+        out = read_tokens(ahead)
+        kept = [i for i, (r, request) in enumerate(zip(ahead.busy, ahead.requests)) if self.slots[r].request is request
+                and request.status is Status.DECODING]
+        busy = [ahead.busy[i] for i in kept]
+        self.postprocess(busy, [self.slots[r].last for r in busy], [out[ahead.stepped.index(r)] for r in busy], None)
 
     def share_prefills(self) -> None:
         """Rows whose request is a later choice of a prompt the first choice has prefilled: that row's keys and values
@@ -425,7 +464,7 @@ class Scheduler:
                 request.finish_reason, request.status = "error", Status.FINISHED
                 request.send("error", message, [])
         self.slots = [Row() for _ in self.slots]  # (what a failed step left in the cache is not known)
-        self.speculation = None
+        self.speculation = self.ahead = None
 
     # ---- postprocess: the new tokens delivered
 
@@ -527,20 +566,47 @@ def prefill(scheduler: Scheduler, group: list[tuple[int, int, int]]) -> None:
 def decode(scheduler: Scheduler, busy: list[int]) -> None:
     """One step of every decoding row: each feeds its last token at its own position. A request alone decodes in a
     batch-1 step on the row it holds, at batch 1's speed; otherwise every row steps (two compiled graphs in all,
-    whatever the load); an idle, prefilling or speculating row writes to the scratch slot, which nothing reads."""
+    whatever the load); an idle, prefilling or speculating row writes to the scratch slot, which nothing reads.
+    One step behind (Scheduler.one_step_behind, rows of plain requests): the step is launched, then the step before
+    it read; with a step ahead, each row feeds that step's token (on the device) one slot past its own."""
     lone = len(busy) == 1
     stepped = busy if lone else list(range(len(scheduler.slots)))  # the cache rows of the step's rows
     rows = [scheduler.slots[r].request if r in busy else None for r in stepped]
-    tokens = [scheduler.slots[r].last if r in busy else 0 for r in stepped]
-    positions = [scheduler.slots[r].position if r in busy else scheduler.max_seq_len for r in stepped]
+    ahead, S = scheduler.ahead, scheduler.max_seq_len
+    tokens = ahead.out if ahead is not None else [scheduler.slots[r].last if r in busy else 0 for r in stepped]
+    positions = [min(scheduler.slots[r].position + (ahead is not None), S) if r in busy else S for r in stepped]
     with_logits = any(r is not None and r.logprobs is not None for r in rows)
     out = scheduler.calls.call("decode", tokens=tokens, positions=positions, sampling=sampling(scheduler, rows),
                                with_logits=with_logits, rows=busy if lone else None,
                                adapters=[r.adapters if r is not None else () for r in rows])
+    if ahead is not None or (scheduler.one_step_behind and not any(r is not None and r.shaped for r in rows)):
+        copy = out.to("cpu", non_blocking=True) if out.is_cuda else out  # (pinned by the copy: it runs alongside)
+        ready = torch.cuda.Event() if out.is_cuda else None
+        if ready is not None:
+            ready.record()
+        scheduler.ahead = Ahead(busy, [scheduler.slots[r].request for r in busy], stepped, out, copy, ready)
+        if ahead is not None:  # (the step before, read while this one runs)
+            scheduler.read(ahead)
+        return
     out, logits = out if with_logits else (out, None)
     at = [stepped.index(r) for r in busy]
     out = out[:, 0].tolist()
     scheduler.postprocess(busy, [tokens[i] for i in at], [out[i] for i in at], None if logits is None else logits[at])
+
+
+def read_tokens(ahead: Ahead) -> list[int]:
+    """A step's new tokens, one per stepped row, once their copy is in host memory."""
+    if ahead.ready is not None:
+        ahead.ready.synchronize()
+    return ahead.copy[:, 0].tolist()
+
+
+def keeps_pace(plan: Plan, ahead: Ahead, rows: list[Row]) -> bool:
+    """Whether the plan is the step ahead's rows decoding again and nothing else (no admission, prefill, freed row or
+    speculative round), each with the same plain request: then the next step goes on from the device's tokens."""
+    return (not plan.taken and not plan.admit and not plan.freed and not plan.prefill and not plan.round
+            and plan.decode == ahead.busy and all(rows[r].request is q and not q.cancelled and not q.shaped
+                                                  for r, q in zip(ahead.busy, ahead.requests)))
 
 
 def sampling(scheduler: Scheduler, rows: list[Request | None]) -> generate.Sampling:
