@@ -293,8 +293,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
 class View:
     """What the layers of one attention kind ("full" or "sliding") see in a step. own_keys: only the step's own keys
     and values (a plain pass, a prefill from slot 0), causal (mask None: SDPA's causal kernel) or through mask [T, T].
-    Else the cache: slots 0..attend-1 through mask [T, A] or [B, 1, T, A] (True: seen), or only the W slots `slots`
-    [B or 1, W] (a sliding layer's decode step) through mask [B or 1, 1, 1, W]."""
+    Else the cache: slots 0..attend-1 through mask [T, A] or [B, 1, T, A], or only the W slots `slots` [B or 1, W] (a
+    sliding layer's decode step) through mask [B or 1, 1, 1, W]. A mask is added to the scores (0: seen, -inf: not),
+    made once a step for every layer (a bool mask would be turned into one in each layer's attention call)."""
     own_keys: bool
     mask: torch.Tensor | None
     attend: int
@@ -335,36 +336,42 @@ def make_step(model: DenseDecoder, T: int, input_pos: torch.Tensor | None = None
         views = {"full": View(own_keys=True, mask=None, attend=T)}
         if sliding:
             in_window = (own <= own[:, None]) & (own > own[:, None] - window)  # [T, T]
-            views["sliding"] = View(own_keys=True, mask=in_window, attend=T, window=window)
+            views["sliding"] = View(own_keys=True, mask=additive(in_window, model.dtype), attend=T, window=window)
         return Step(input_pos, rows, row_start, views, rope)
     slots = model.kv_slots[:attend]
     pos = input_pos[..., None] if input_pos.ndim == 1 else input_pos[:, None, :, None]  # [T, 1] or [B, 1, T, 1]
     mask = slots <= pos  # [T, A] or [B, 1, T, A]: a token at slot p sees the keys at slots 0..p
     if row_start is not None:  # [B, 1, T, A]: padding is never seen, but a padding token sees itself (no empty row)
         mask = (mask & (slots >= row_start[:, None, None, None])) | (slots == pos)
-    views = {"full": View(own_keys=False, mask=mask, attend=attend)}
+    views = {"full": View(own_keys=False, mask=additive(mask, model.dtype), attend=attend)}
     if sliding and T == 1 and window < attend:  # decode: a sliding layer reads only its window's W slots
         first = input_pos.reshape(-1, 1) - (window - 1)  # [B or 1, 1]
         wanted = first + torch.arange(window, device=device)  # [B or 1, W], < 0 before the first token
         seen = wanted >= (0 if row_start is None else row_start[:, None])
-        views["sliding"] = View(own_keys=False, mask=seen[:, None, None, :], attend=attend, window=window,
-                                slots=wanted.clamp(min=0))
+        views["sliding"] = View(own_keys=False, mask=additive(seen[:, None, None, :], model.dtype), attend=attend,
+                                window=window, slots=wanted.clamp(min=0))
     elif sliding:
-        views["sliding"] = View(own_keys=False, mask=mask & (slots > pos - window), attend=attend, window=window)
+        views["sliding"] = View(own_keys=False, mask=additive(mask & (slots > pos - window), model.dtype),
+                                attend=attend, window=window)
     return Step(input_pos, rows, row_start, views, rope)
+
+
+def additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True: seen) as what is added to the scores: 0 where seen, -inf where not."""
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, -math.inf)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale) v for q [B, H, T, D] over k, v [B, K, A, D]; mask [T, A] or [B, 1, T, A] (True: seen),
-    None: causal with A == T. Grouped-query heads share K/V without copies. sinks [H]: one more logit per head in
+    """softmax(q k^T * scale + mask) v for q [B, H, T, D] over k, v [B, K, A, D]; mask [T, A] or [B, 1, T, A] (0:
+    seen, -inf: not), None: causal with A == T. Grouped-query heads share K/V without copies. sinks [H]: one more logit per head in
     the softmax, with no value (what the sink takes goes nowhere)."""
     B, H, T, D = q.shape
     K, A = k.shape[1], k.shape[2]
     if mask is None and softcap is None and sinks is None:  # a causal pass: SDPA's flash kernels take grouped heads
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=K != H)
     if mask is None:
-        mask = torch.ones(T, A, dtype=torch.bool, device=q.device).tril()
+        mask = additive(torch.ones(T, A, dtype=torch.bool, device=q.device).tril(), q.dtype)
     # With a mask, SDPA's grouped-query support falls back to a path that copies K/V per head. Instead, the G query
     # heads of each K/V head become G * T query rows of that head (head h reads K/V head h // G): equal head counts,
     # the mask repeated per group, [B, K, G*T, D] against [B, K, A, D].
@@ -376,7 +383,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     else:  # SDPA cannot soft-cap its scores (Gemma 2) or take a sink: written out, softmax in float32
         scores = (q @ k.transpose(-1, -2)) * scale
         scores = scores if softcap is None else torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask, -math.inf)
+        scores = scores + mask
         if sinks is not None:  # query head k * G + g's sink beside its row's scores, dropped after the softmax
             sink = sinks.float().view(K, G, 1, 1).expand(K, G, T, 1).reshape(K, G * T, 1).to(scores.dtype)
             scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)

@@ -1,7 +1,7 @@
 """prequantized.py: a 4-bit GPTQ and an AWQ folder's decode against the same weights as int4-g32 made by the engine;
 a fine-grained FP8 folder's as stored (fp8) and dequantized (float32).
 
-    python bench/prequantized.py [--layers 16] [--runs 3] [--max-new 64]
+    python bench/prequantized.py [--layers 16] [--runs 3] [--max-new 64] [--rows FOLDER:QUANT,...]
 
 Writes a random folder of Llama-3.2-1B's shape (transformers' LlamaForCausalLM: 2048 wide, 16 layers, 32 query and 8
 key-value heads of 64, MLP 8192, a 128,256-token vocabulary, tied; float32), the same linears packed as GPTQ (4 bits,
@@ -119,13 +119,15 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-new", type=int, default=64)
+    p.add_argument("--rows", default="float:int4,gptq:auto,awq:auto,fp8:fp8,fp8:none",
+                   help="FOLDER:QUANT pairs, comma-separated (the first is the ratios' reference)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as root:
         folders = make_folders(root, args.layers)
         print(f"# Llama-3.2-1B's shape, {args.layers} layers; torch threads {torch.get_num_threads()}")
-        print(f"{'folder':8} {'loaded as':40} {'tok/s':>7} {'vs int4':>8}")
+        print(f"{'folder':8} {'loaded as':40} {'tok/s':>7} {'vs first':>8}")
         reference = None
-        for kind, quant in (("float", "int4"), ("gptq", "auto"), ("awq", "auto"), ("fp8", "fp8"), ("fp8", "none")):
+        for kind, quant in (row.split(":") for row in args.rows.split(",")):
             record, checkpoint = load.plan(folders[kind], quant, "cpu")
             model = load.from_pretrained(checkpoint, dtype=torch.float32, quant=record.quant)
             rate = decode_rate(model, list(range(3, 31)), args.max_new, args.runs)  # (a 28-token prompt)

@@ -47,7 +47,7 @@ def test_attention_folds_query_groups_without_copying_keys(heads, kv_heads, mask
         mask = torch.rand(2, 1, T, A) < 0.7
     if mask is not None:
         mask[..., 0] = True
-    got = dense.attention(q, k, v, mask, 0.25, softcap)
+    got = dense.attention(q, k, v, None if mask is None else dense.additive(mask, q.dtype), 0.25, softcap)
     assert (got - reference_attention(q, k, v, mask, 0.25, softcap)).abs().max() < (1e-12 if softcap is None else 1e-6)
 
 
