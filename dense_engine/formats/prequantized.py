@@ -217,8 +217,7 @@ class Float8:
             raise CheckpointError(f"{source}: {prefix}'s scales cover {cols or inputs} inputs each, where the "
                                   f"folder's scheme says {columns or 'a whole row'}")
         scales = self.scales.float().reshape(1, 1) if self.scales.numel() == 1 else self.scales.float()
-        scales = scales.repeat_interleave(rows or out, dim=0)[:out]
-        return {"weight": self.q, "scales": scales if cols else scales.expand(out, 1).contiguous()}
+        return {"weight": self.q, "scales": scales.repeat_interleave(rows or out, dim=0)[:out]}
 
 
 class Dequantized:

@@ -434,18 +434,27 @@ def ahead(tokens: Iterable[torch.Tensor], late: bool = True) -> Iterator[list[in
         if token.device.type == "cpu" or not late:
             yield token[:, 0].tolist()
             continue
-        copy = token[:, 0].to("cpu", non_blocking=True)
-        done = torch.cuda.Event() if token.device.type == "cuda" else None
-        if done is not None:
-            done.record()
+        copied = to_host(token)
         if pending is not None:
             yield wait(pending)
-        pending = (copy, done)
+        pending = copied
     if pending is not None:
         yield wait(pending)
 
 
+def to_host(token: torch.Tensor) -> tuple:
+    """token [B, 1]'s copy into host memory, queued after what the device runs now (pinned, not waited for on a GPU),
+    and the event that says it is there (None on the CPU): wait() reads it."""
+    if token.device.type != "cuda":
+        return token[:, 0], None
+    done = torch.cuda.Event()
+    copy = token[:, 0].to("cpu", non_blocking=True)
+    done.record()
+    return copy, done
+
+
 def wait(pending: tuple) -> list[int]:
+    """to_host's copy as host ints, once it is there."""
     copy, done = pending
     if done is not None:
         done.synchronize()

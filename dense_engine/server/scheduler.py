@@ -191,13 +191,12 @@ class Row:
 class Ahead:
     """A decode step launched and not read yet (one step behind: the next step is launched before the host reads this
     one's tokens). Its rows (busy, each with the request it ran for), the cache rows it stepped, its new tokens on
-    the device, their copy in host memory and the event that says the copy is there (None on the CPU)."""
+    the device and their copy on the way to host memory."""
     busy: list[int]
     requests: list[Request]
     stepped: list[int]
     out: torch.Tensor
-    copy: torch.Tensor
-    ready: object = None
+    copied: tuple  # (generate.to_host)
 
 
 @dataclass
@@ -437,7 +436,7 @@ class Scheduler:
 
     def read(self, ahead: Ahead) -> None:
         """A step launched ahead: its tokens read and delivered (a row whose request ended meanwhile: dropped)."""
-        out = read_tokens(ahead)
+        out = generate.wait(ahead.copied)
         kept = [i for i, (r, request) in enumerate(zip(ahead.busy, ahead.requests)) if self.slots[r].request is request
                 and request.status is Status.DECODING]
         busy = [ahead.busy[i] for i in kept]
@@ -580,11 +579,7 @@ def decode(scheduler: Scheduler, busy: list[int]) -> None:
                                with_logits=with_logits, rows=busy if lone else None,
                                adapters=[r.adapters if r is not None else () for r in rows])
     if ahead is not None or (scheduler.one_step_behind and not any(r is not None and r.shaped for r in rows)):
-        copy = out.to("cpu", non_blocking=True) if out.is_cuda else out  # (pinned by the copy: it runs alongside)
-        ready = torch.cuda.Event() if out.is_cuda else None
-        if ready is not None:
-            ready.record()
-        scheduler.ahead = Ahead(busy, [scheduler.slots[r].request for r in busy], stepped, out, copy, ready)
+        scheduler.ahead = Ahead(busy, [scheduler.slots[r].request for r in busy], stepped, out, generate.to_host(out))
         if ahead is not None:  # (the step before, read while this one runs)
             scheduler.read(ahead)
         return
@@ -592,13 +587,6 @@ def decode(scheduler: Scheduler, busy: list[int]) -> None:
     at = [stepped.index(r) for r in busy]
     out = out[:, 0].tolist()
     scheduler.postprocess(busy, [tokens[i] for i in at], [out[i] for i in at], None if logits is None else logits[at])
-
-
-def read_tokens(ahead: Ahead) -> list[int]:
-    """A step's new tokens, one per stepped row, once their copy is in host memory."""
-    if ahead.ready is not None:
-        ahead.ready.synchronize()
-    return ahead.copy[:, 0].tolist()
 
 
 def keeps_pace(plan: Plan, ahead: Ahead, rows: list[Row]) -> bool:
