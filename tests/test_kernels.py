@@ -1,14 +1,20 @@
 """kernels.cpp (or kernels_avx2.cpp, on a CPU without AVX-512) against independent float64 implementations (the
 dequantized weights' product, the attention over the visible slots), on shapes that exercise every
 tail (rows beyond one tile of 8, widths that are not multiples of the vector width, odd output counts), eager and
-inside a compiled graph; and nf4 on bitsandbytes' packed kernel against the dequantized weights."""
+inside a compiled graph; and nf4 on bitsandbytes' packed kernel against the dequantized weights.
+
+This file and tests/test_gguf_blocks.py run once per build of the kernels the machine can run (.ci/kernels: the CPU's
+own, then DENSE_KERNELS=avx512, avx2, avx2-vnni where it runs them), each in a process of its own."""
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import other_builds
 
 import dense
 from dense_engine.cpu import kernels, quantized
@@ -19,45 +25,118 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no AVX2 or A
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not kernels.available() or kernels.avx2_only(), reason="these tests run the AVX2 kernels here")
-def test_the_avx2_kernels_pass_the_kernel_tests_too():
-    # An AVX-512 machine (CI's, often) would never build kernels_avx2.cpp, which serves CPUs without AVX-512 (Zen 1-3,
-    # Intel's laptops): the kernel and GGUF block tests again, in a process that takes it (DENSE_KERNELS=avx2)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
-                          "tests/test_kernels.py", "tests/test_gguf_blocks.py"], cwd=ROOT, capture_output=True,
-                         text=True, env={**os.environ, "DENSE_KERNELS": "avx2"})
-    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
-    took = subprocess.run([sys.executable, "-c", "from dense_engine.cpu import kernels; print(kernels.avx2_only())"], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, "DENSE_KERNELS": "avx2"})
-    assert took.stdout.strip() == "True"  # (the process above ran kernels_avx2.cpp)
-
-
 def instructions(library: str) -> str:
-    return subprocess.run(["objdump", "-d", library], capture_output=True, text=True).stdout
+    return subprocess.run(["objdump", "-d", library], capture_output=True, text=True, check=False).stdout
 
 
-@pytest.mark.slow
+# what only an EVEX instruction (AVX-512) names: a zmm register, a mask register, xmm16-31 / ymm16-31, a broadcast
+EVEX_ONLY = re.compile(r"zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2[0-9]|3[01])\b|\{1to[0-9]+\}")
+
+
+@needs_kernels
+def test_the_loaded_build_is_the_one_asked_for():
+    """.ci/kernels runs this file under each build the machine can run: each process loads the build DENSE_KERNELS
+    asks for (unset: the CPU's own, kernels.cpp wherever AVX-512 VNNI is), and its library holds what that build
+    means: avx2 no EVEX instruction (a CPU without AVX-512 runs it), avx2-vnni vpdpbusd, kernels.cpp AVX512-BF16's
+    vcvtneps2bf16 exactly where the CPU has BF16 and the build is its own (avx512: Cascade Lake's and Ice Lake's
+    instructions alone)."""
+    forced = os.environ.get("DENSE_KERNELS") or "native"
+    flags = set(kernels.cpu_flags().split())
+    want = (kernels.FORCED[forced][0] if forced in kernels.FORCED
+            else "kernels.cpp" if kernels.SOURCES["kernels.cpp"] <= flags else "kernels_avx2.cpp")
+    assert kernels._state["source"] == want and kernels.avx2_only() == (want == "kernels_avx2.cpp")
+    assert kernels.build_name().startswith(f"{want} ({forced}")
+    assert kernels.isa_flags("avx2") == ["-mno-avx512f"] and kernels.isa_flags("avx2-vnni") == []
+    assert kernels.isa_flags("avx512") == ["-march=cascadelake"]
+    assert kernels.isa_flags(None) == kernels.isa_flags("0") == kernels.isa_flags("") == []
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump to read the library with")
+    code = instructions(kernels.library())
+    assert "\tret" in code  # (read)
+    if forced == "avx2":
+        assert EVEX_ONLY.search(code) is None
+    if forced == "avx2-vnni":
+        assert "vpdpbusd" in code
+    if want == "kernels.cpp":
+        assert ("vcvtneps2bf16" in code) == (forced == "native" and "avx512_bf16" in flags)
+
+
+@other_builds
 @pytest.mark.skipif(not kernels.available() or kernels.compiler() is None, reason="no C++ compiler")
 def test_the_avx2_build_takes_vpdpbusd_where_the_cpu_has_vnni(tmp_path):
     """kernels_avx2.cpp's int8 products: AVX-VNNI's VEX vpdpbusd where -march=native enables it (Alder Lake and
     later), AVX-512 VNNI's 256-bit one under DENSE_KERNELS=avx2-vnni, and vpmaddubsw + vpmaddwd without either (the
-    kernel tests pass on each: test_the_avx2_kernels_pass_the_kernel_tests_too and the run below). This machine may
-    have no AVX-VNNI: the VEX build is only compiled (-mavxvnni) and read, not run."""
-    assert kernels.isa_flags("avx2") == ["-mno-avx512f"] and kernels.isa_flags("avx2-vnni") == []
-    assert kernels.isa_flags(None) == kernels.isa_flags("0") == []
+    kernel tests pass on each build the machine runs: .ci/kernels). This machine may have no AVX-VNNI: the VEX build
+    is only compiled (-mavxvnni) and read, not run."""
     source = os.path.join(os.path.dirname(kernels.__file__), "kernels_avx2.cpp")
     vex, plain = str(tmp_path / "vex.so"), str(tmp_path / "plain.so")
     kernels.build(source, vex, ["-mno-avx512f", "-mavxvnni"])
     kernels.build(source, plain, ["-mno-avx512f", "-mno-avxvnni"])
-    if subprocess.run(["objdump", "--version"], capture_output=True).returncode == 0:
-        assert "{vex} vpdpbusd" in instructions(vex) and "zmm" not in instructions(vex)
+    if shutil.which("objdump") is not None:
+        assert "{vex} vpdpbusd" in instructions(vex) and EVEX_ONLY.search(instructions(vex)) is None
         assert "vpdpbusd" not in instructions(plain) and "vpmaddubsw" in instructions(plain)
-    if "avx512_vnni" in kernels.cpu_flags().split():  # the VNNI path run: the kernel tests under avx2-vnni
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
-                              "tests/test_kernels.py", "tests/test_gguf_blocks.py"], cwd=ROOT, capture_output=True,
-                             text=True, env={**os.environ, "DENSE_KERNELS": "avx2-vnni"})
-        assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
+        assert EVEX_ONLY.search(instructions(plain)) is None
+
+
+BF16_WORDS = r"""
+#include <immintrin.h>
+#include <cstdint>
+#include <cstdio>
+namespace native {
+%(function)s
+#ifdef __AVX512BF16__
+const int bf16 = 1;
+#else
+const int bf16 = 0;
+#endif
+}
+#undef __AVX512BF16__
+namespace plain {
+%(function)s
+}
+// vcvtneps2bf16 as Intel's SDM writes it: a zero or denormal to a zero of its sign, a NaN's high half with bit 6
+// set, else + 0x7FFF + the kept lowest bit (nearest even), the high half
+uint16_t sdm(uint32_t x) {
+  const uint32_t e = x & 0x7F800000u;
+  if (e == 0) return (uint16_t)(x >> 16 & 0x8000);
+  if (e == 0x7F800000u) return (uint16_t)(x >> 16 | ((x & 0x7FFFFF) ? 0x40 : 0));
+  return (uint16_t)((x + 0x7FFF + (x >> 16 & 1)) >> 16);
+}
+int main() {
+  uint64_t differ = 0, off = 0;
+  alignas(64) uint32_t in[16];
+  alignas(32) uint16_t out[16];
+  for (uint64_t base = 0; base < (1ull << 32); base += 16) {
+    for (int i = 0; i < 16; ++i) in[i] = (uint32_t)(base + i);
+    const __m512 x = _mm512_load_ps((const float*)in);
+    const __m256i p = plain::bf16_words(x);
+    differ += __builtin_popcount(~_mm256_cmpeq_epi16_mask(p, native::bf16_words(x)) & 0xFFFF);
+    _mm256_store_si256((__m256i*)out, p);
+    for (int i = 0; i < 16; ++i) off += out[i] != sdm(in[i]);
+  }
+  printf("%%d %%llu %%llu\n", native::bf16, (unsigned long long)differ, (unsigned long long)off);
+}
+"""
+
+
+@pytest.mark.skipif(kernels.compiler() is None
+                    or not kernels.SOURCES["kernels.cpp"] <= set(kernels.cpu_flags().split()),
+                    reason="needs a C++ compiler and an AVX-512 VNNI CPU")
+def test_bfloat16_words_are_the_same_with_and_without_avx512_bf16(tmp_path):
+    """kernels.cpp's one AVX512-BF16 instruction (vcvtneps2bf16: nf4's and GGUF blocks' weights as bfloat16) and the
+    integer steps that stand in for it where the CPU has no BF16 (Cascade Lake, Ice Lake): kernels.cpp's bf16_words
+    compiled both ways gives the same word for every one of the 2^32 float32 bit patterns, and the SDM's definition
+    (the same function twice where this CPU has no BF16: then the definition is what it is checked against)."""
+    with open(os.path.join(os.path.dirname(kernels.__file__), "kernels.cpp")) as f:
+        text = f.read()
+    function = re.search(r"inline __m256i bf16_words\(__m512 x\) \{\n.*?\n\}\n", text, re.DOTALL).group(0)
+    source, program = tmp_path / "bf16.cpp", str(tmp_path / "bf16")
+    source.write_text(BF16_WORDS % {"function": function})
+    built = subprocess.run([kernels.compiler(), "-O2", "-march=native", "-w", str(source), "-o", program],
+                           capture_output=True, text=True, check=False)
+    assert built.returncode == 0, built.stderr[-2000:]
+    bf16 = str(int("avx512_bf16" in kernels.cpu_flags().split()))  # (native: the instruction where the CPU has it)
+    assert subprocess.run([program], capture_output=True, text=True, check=False).stdout.split() == [bf16, "0", "0"]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -87,7 +166,8 @@ def test_f32_kernel_rows_do_not_depend_on_the_batch(K):
     assert rel(whole, x.double() @ w.double().T) < 1e-5
     for row in range(0, 61, 6):
         assert torch.equal(whole[row], torch.ops.dense_kernels.linear_f32(x[row:row + 1], w)[0])
-    for rows in (slice(0, 11), slice(11, 36), slice(36, 61)):  # the tiles (11), the GEMM (25: whole blocks and a last row)
+    # the tiles (11), the GEMM (25: whole blocks and a last row)
+    for rows in (slice(0, 11), slice(11, 36), slice(36, 61)):
         assert torch.equal(whole[rows], torch.ops.dense_kernels.linear_f32(x[rows], w))
 
 
@@ -124,7 +204,8 @@ def test_kernels_compute_each_output_once_whatever_the_threads(threads):
     i4 = kernels.pack_int4(layer.qweight, layer.scales, layer.mins, 32)
     ops = [lambda x: torch.ops.dense_kernels.linear_f32(x, w),
            lambda x: torch.ops.dense_kernels.linear_int8(x, i8["kernel_weight"], i8["kernel_scales"]),
-           lambda x: torch.ops.dense_kernels.linear_int4(x, i4["kernel_weight"], i4["kernel_scales"], i4["kernel_mins"])]
+           lambda x: torch.ops.dense_kernels.linear_int4(x, i4["kernel_weight"], i4["kernel_scales"],
+                                                         i4["kernel_mins"])]
     xs = [torch.randn(1 + i % 3, K) for i in range(12)] + [torch.randn(40, K)]  # (40: float32's and int8's GEMMs)
     before = torch.get_num_threads()
     try:
@@ -286,6 +367,8 @@ def test_nf4_kernel_rows_do_not_depend_on_the_batch(M, N, K):
 NF4_ON_BOTH_ISAS = """
 import sys, torch
 from dense_engine.cpu import kernels, quantized
+sys.path.insert(0, "tests")
+from test_gguf_blocks import SCALES
 out = {}
 for n, k, m in ((40, 576, 1), (40, 576, 7), (33, 192, 40), (9, 2112, 13)):
     torch.manual_seed(n + k + m)
@@ -294,24 +377,41 @@ for n, k, m in ((40, 576, 1), (40, 576, 7), (33, 192, 40), (9, 2112, 13)):
     layer.finish_loading()
     out[f"{n}-{k}-{m}"] = torch.ops.dense_kernels.linear_nf4(torch.randn(m, k), layer.kernel_weight,
                                                              layer.kernel_absmax, layer.code)
+    out[f"{n}-{k}-{m}-bf16"] = torch.ops.dense_kernels.dequantize_nf4(layer.kernel_weight, layer.kernel_absmax,
+                                                                       layer.code).view(torch.int16)
+for kind, (ggml_id, values, size) in quantized.GGUF_TYPES.items():  # (bfloat16 weights: AVX512-BF16's rounding)
+    g = torch.Generator().manual_seed(values + size)
+    blocks = torch.randint(0, 256, (9, 2304 // values, size), dtype=torch.uint8, generator=g)
+    for at in SCALES[kind]:
+        blocks[..., at:at + 2] = (torch.randn(9, 2304 // values, 1, generator=g) * 0.01).half().view(torch.uint8)
+    out[f"{kind}-bf16"] = torch.ops.dense_kernels.dequantize_gguf(blocks.reshape(9, -1), ggml_id, 2304,
+                                                                  True).view(torch.int16)
 torch.save(out, sys.argv[1])
-print(kernels.avx2_only())
+print(kernels.build_name())
 """
 
 
 @pytest.mark.slow
+@other_builds
 @pytest.mark.skipif(not kernels.available() or kernels.avx2_only(), reason="needs the AVX-512 kernels beside AVX2's")
 def test_nf4_gives_the_same_bits_on_both_instruction_sets(tmp_path):
     """nf4 is one design in kernels.h (8 lanes of integer products, then the same float steps), built into both
-    files: kernels.cpp and kernels_avx2.cpp (DENSE_KERNELS=avx2) give the same bits, decoding and prefill."""
+    files: kernels.cpp and kernels_avx2.cpp (DENSE_KERNELS=avx2) give the same bits, decoding and prefill, and so
+    does kernels.cpp without AVX512-BF16 (DENSE_KERNELS=avx512, where this CPU has BF16), nf4's and GGUF blocks'
+    bfloat16 weights too."""
+    builds = {"": "kernels.cpp (native", "avx2": "kernels_avx2.cpp (avx2"}
+    if "avx512_bf16" in kernels.cpu_flags().split():
+        builds["avx512"] = "kernels.cpp (avx512"
     got = {}
-    for isa in ("", "avx2"):
+    for isa, name in builds.items():
         path = str(tmp_path / f"nf4{isa}.pt")
         run = subprocess.run([sys.executable, "-c", NF4_ON_BOTH_ISAS, path], cwd=ROOT, capture_output=True, text=True,
-                             env={**os.environ, "DENSE_KERNELS": isa})
-        assert run.stdout.strip() == str(isa == "avx2"), run.stderr[-2000:]
+                             env={**os.environ, "DENSE_KERNELS": isa}, check=False)
+        assert run.stdout.strip().startswith(name), run.stderr[-2000:]
         got[isa] = torch.load(path, weights_only=True)
-    assert got[""].keys() == got["avx2"].keys() and all(torch.equal(got[""][k], got["avx2"][k]) for k in got[""])
+    for isa in builds:
+        assert got[isa].keys() == got[""].keys()
+        assert [k for k in got[""] if not torch.equal(got[""][k], got[isa][k])] == [], isa
 
 
 @needs_kernels
@@ -400,6 +500,7 @@ def test_attention_kernel_equals_the_reference_over_the_visible_slots(dtype, B, 
 @pytest.mark.parametrize("compile", [False, True])
 def test_generation_on_the_kernel_cache_equals_the_argmax_loop(compile, tmp_path, monkeypatch):
     from conftest import random_model
+
     from dense_engine.runtime import generate
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

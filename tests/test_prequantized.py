@@ -10,14 +10,15 @@ import shutil
 import pytest
 import torch
 import transformers
+from conftest import FIXTURES
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURES
 from dense_engine.formats import load
 from dense_engine.system.errors import CheckpointError
 
-LLAMA = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, tie_word_embeddings=False)
+LLAMA = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "eos_token_id": 2,
+         "tie_word_embeddings": False}
 
 
 def random_llama(folder, seed: int = 0) -> transformers.LlamaForCausalLM:
@@ -94,13 +95,30 @@ def bnb_folders(tmp_path_factory):
     return str(base), made
 
 
+def bitsandbytes_in_float32(model: torch.nn.Module) -> torch.nn.Module:
+    """model's bitsandbytes 4-bit linears on bitsandbytes' own float32 route: its dequantize_4bit, then a float32
+    matmul (the gemm_4bit op's default kernel). On a CPU with AVX512-BF16 a Linear4bit otherwise repacks its weight
+    at its first call and multiplies in bfloat16 (its fused gemv_4bit, whatever the compute dtype asked: 1.8e-2 off
+    the float32 product on this test's logits); that choice is the flag it takes from has_avx512bf16() when made."""
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers  # (the folder's linears are bitsandbytes' own)
+    for layer in layers:
+        assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)  # (not yet repacked)
+        layer.support_avx512bf16_for_cpu = False
+    return model
+
+
 @pytest.mark.parametrize("kind", ["nf4", "fp4"])
 def test_bitsandbytes_4bit_folders_give_bitsandbytes_own_logits(bnb_folders, kind):
-    """transformers runs a 4-bit folder by dequantizing each weight with bitsandbytes (float32 compute): the engine's
-    dequantized weights give its logits; nf4 loads as quantized.py's nf4 by default, its codes and absmax the stored
-    ones bit for bit (its kernel's activations in 8 bits: the quantized tolerance), fp4 dequantized."""
+    """transformers runs a 4-bit folder by dequantizing each weight with bitsandbytes (float32 compute, on every
+    CPU: bitsandbytes_in_float32): the engine's dequantized weights give its logits; nf4 loads as quantized.py's nf4
+    by default, its codes and absmax the stored ones bit for bit (its kernel's activations in 8 bits: the quantized
+    tolerance), fp4 dequantized."""
     folder = bnb_folders[1][kind]
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, device_map="cpu").eval()
+    bitsandbytes_in_float32(reference)
     assert logits_error(folder, reference, quant="none") < 1e-5
     model = load.from_pretrained(folder, dtype=torch.float32)
     stored = load_file(os.path.join(folder, "model.safetensors"))
@@ -228,6 +246,7 @@ def test_fp8_dynamic_folders_run_their_scaled_matmul_as_its_arithmetic_means(tmp
     kernel) gives the logits of a float32 model holding the dequantized weights whose linears take their inputs
     quantized to e4m3 per row; its weight-only path (every other device) the plain float model's."""
     from prequantized_makers_ct import make_compressed_tensors
+
     from dense_engine.cpu.quantized import Float8Linear
 
     weights = make_compressed_tensors(str(tmp_path), "FP8_DYNAMIC", seed=2)
@@ -311,7 +330,7 @@ def test_4bit_gptq_and_awq_load_as_int4_holding_their_numbers_to_the_bit(tmp_pat
     auto loads them as int4-g32 (min = -scale * zero, in float32: exact), each weight dequantized equal to the
     format's to the bit, and the model's logits those of a float model holding its layers' weights (the int4 kernel's
     x near float32's precision; the head int8, as in every 4-bit mode). Act-order loads as float, with a note."""
-    from prequantized_makers_gptq import awq_config, gptq_config, pack_gptq, pack_awq
+    from prequantized_makers_gptq import awq_config, gptq_config, pack_awq, pack_gptq
     from test_quantize import quantized_reference, rel_err
 
     pack, config = {"gptq 4 bits g128": (lambda w: pack_gptq(w, 4, 128, False, False, 1),

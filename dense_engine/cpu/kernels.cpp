@@ -1,6 +1,8 @@
 // kernels.cpp: the CPU matmuls and the attention of a decode step, for x [M, K] with few rows (one token, a batch, a draft to verify)
 // against a weight [N, K] read once from memory. Built on first use by kernels.py (g++ -O3 -march=native); needs
-// AVX-512 with VNNI. Each op is registered as a PyTorch operator, so a compiled decode step calls it directly.
+// AVX-512 (F, BW, VL) with VNNI: Intel Cascade Lake, Ice Lake and later, AMD Zen 4 and later. AVX512-BF16's one
+// instruction here (vcvtneps2bf16) is taken where the CPU has it, the same bits by integer steps where it has not
+// (bf16_words). Each op is registered as a PyTorch operator, so a compiled decode step calls it directly.
 //
 //   dense_kernels::linear_f32 (x, w)          w float32 [N, K]
 //   dense_kernels::linear_int8(x, w, s)       w uint8 [N, K] = int8 weight + 128, s float32 [N]: w = s * q
@@ -23,8 +25,8 @@
 // GEMM_ROWS rows of x (a prefill), where arithmetic rather than memory bounds a matmul: GGUF blocks integer dot
 // products on x rounded to 8 bits (as llama.cpp computes every quantized matmul); float32 and nf4 past 16 rows a GEMM
 // of packed blocks in their tiles' order of sums, int8 past 16 one reaching its tiles' integers (kernels.h).
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__AVX512BF16__)
-#error "kernels.cpp needs AVX-512 (F, BW, VNNI, BF16); kernels.py falls back to PyTorch's kernels"
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512VNNI__)
+#error "kernels.cpp needs AVX-512 (F, BW, VL, VNNI); kernels.py falls back to PyTorch's kernels"
 #endif
 
 #include "kernels.h"
@@ -32,6 +34,25 @@
 namespace {
 
 inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
+// 16 float32 as bfloat16 words, as vcvtneps2bf16 rounds them (AVX512-BF16, taken where -march=native enables it):
+// to nearest even, a zero or denormal to a zero of its sign, a NaN quieted (its high half, bit 6 set), an infinity
+// and a value past bfloat16's largest to infinity. Without BF16 (Cascade Lake, Ice Lake) the same words by integer
+// steps: + 0x7FFF + the kept lowest bit, the high half (tests/test_kernels.py: every float32, both ways, equal)
+inline __m256i bf16_words(__m512 x) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+  const __m512i bits = _mm512_castps_si512(x), high = _mm512_srli_epi32(bits, 16);
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)),
+                                                             _mm512_and_si512(high, _mm512_set1_epi32(1))), 16);
+  const __mmask16 tiny = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x7F800000));  // exponent 0: zero, denormal
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  __m512i words = _mm512_mask_and_epi32(rounded, tiny, high, _mm512_set1_epi32(0x8000));
+  words = _mm512_mask_or_epi32(words, nan, high, _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(words);
+#endif
+}
 
 // 16 registers of 16 int32 lanes, transposed: lane j of register i <-> lane i of register j
 inline void transpose16(__m512i r[16]) {
@@ -399,8 +420,8 @@ void nf4_rows(const uint8_t* qp, const float* ap, const float* code, int64_t K, 
         __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, low), table), s);
         __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table), s);
         uint16_t* out = wp + (n - n0) * K + b * 64 + half * 16;
-        _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(lo));
-        _mm256_storeu_si256((__m256i*)(out + 32), (__m256i)_mm512_cvtneps_pbh(hi));
+        _mm256_storeu_si256((__m256i*)out, bf16_words(lo));
+        _mm256_storeu_si256((__m256i*)(out + 32), bf16_words(hi));
       }
     }
 }
@@ -681,7 +702,7 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_rows(const uint8_t*
                                                        _mm512_set1_ps(A[first + q])), _mm512_set1_ps(B[first + q]));
           Out* o = out + n * K + c * 64 + q * 16;
           if constexpr (std::is_same_v<Out, float>) _mm512_storeu_ps(o, x);
-          else _mm256_storeu_si256((__m256i*)o, (__m256i)_mm512_cvtneps_pbh(x));
+          else _mm256_storeu_si256((__m256i*)o, bf16_words(x));
         }
       }
     }

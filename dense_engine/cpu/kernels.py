@@ -15,13 +15,16 @@ llama.cpp rounds it, at every number of rows in one order of sums (kernels.h).
 
 The library is compiled on first use with the system C++ compiler against the installed torch (about 15 s) into
 $XDG_CACHE_HOME/dense-engine/kernels/ (or ~/.cache/...), keyed by the source, torch version and CPU, and loaded
-into later processes as is: kernels.cpp on a CPU with AVX-512 VNNI and BF16 (AMD Zen 4 and later, Intel Sapphire
-Rapids and later), kernels_avx2.cpp on one with AVX2 and FMA only (AMD Zen 1-3, Intel's laptops and desktops since
+into later processes as is: kernels.cpp on a CPU with AVX-512 VNNI (Intel Cascade Lake, Ice Lake and later, AMD Zen 4
+and later; AVX512-BF16's conversion where the CPU has it, the same bits by integer steps where not),
+kernels_avx2.cpp on one with AVX2 and FMA only (AMD Zen 1-3, Intel's laptops and desktops since
 Alder Lake): the same operators in 8-lane registers, int4 and nf4 as kernels.cpp's (the same bits), GGUF prefills by
 integer products as kernels.cpp's. Without a compiler, or on an older CPU, everything runs on PyTorch's own kernels
 (`DENSE_KERNELS=0` forces that; `DENSE_KERNELS=avx2` takes kernels_avx2.cpp on an AVX-512 CPU too, built without
-AVX-512 as such a CPU runs it, `avx2-vnni` with AVX-512 VNNI's 256-bit vpdpbusd standing in for AVX-VNNI's). The
-attention kernel reads runtime/caches.py's CPU cache (keys in blocks of 16 slots).
+AVX-512 as such a CPU runs it, `avx2-vnni` with AVX-512 VNNI's 256-bit vpdpbusd standing in for AVX-VNNI's;
+`avx512` builds kernels.cpp with Cascade Lake's AVX-512 alone, no BF16, as an AVX-512 CPU without BF16 runs it:
+.ci/kernels runs the kernel tests on each build a machine can run). The attention kernel reads runtime/caches.py's
+CPU cache (keys in blocks of 16 slots).
 """
 
 from __future__ import annotations
@@ -41,10 +44,19 @@ from dense_engine.system.errors import first_line
 from dense_engine.system.machine import cache_dir, compiler, intact, note, seal, temporary_folder, unwritable_cache
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# kernels.cpp for CPUs with AVX-512 (VNNI, BF16); kernels_avx2.cpp, the same operators in 8-lane registers, for those
-# with AVX2 only (AMD Zen 1-3, Intel's laptops and desktops since Alder Lake); both include kernels.h
-SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"},
+# kernels.cpp for CPUs with AVX-512 (F, BW, VL, VNNI: Cascade Lake and later; BF16 taken where there, not needed);
+# kernels_avx2.cpp, the same operators in 8-lane registers, for those with AVX2 only (AMD Zen 1-3, Intel's laptops
+# and desktops since Alder Lake); both include kernels.h
+SOURCES = {"kernels.cpp": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
            "kernels_avx2.cpp": {"avx2", "fma", "f16c"}}
+# DENSE_KERNELS's builds other than this CPU's own: {value: (source, the compiler's flags past -march=native)}.
+# avx2: kernels_avx2.cpp as a CPU without AVX-512 runs it (-mno-avx512f: no EVEX instruction, and so no VNNI unless
+# the CPU has AVX-VNNI, which -march=native then enables and the file's int8 products use); avx2-vnni keeps AVX-512
+# VNNI's 256-bit vpdpbusd (the same instruction and sums as AVX-VNNI's, EVEX-encoded), so an AVX-512 machine tests
+# that path too; avx512: kernels.cpp with Cascade Lake's AVX-512 alone (F, CD, BW, DQ, VL, VNNI: no BF16, none of
+# Ice Lake's or Zen 4's additions), as the least AVX-512 CPU it serves builds it (the later -march wins)
+FORCED = {"avx2": ("kernels_avx2.cpp", ["-mno-avx512f"]), "avx2-vnni": ("kernels_avx2.cpp", []),
+          "avx512": ("kernels.cpp", ["-march=cascadelake"])}
 # float32 linears run kernels.cpp at every number of rows: up to 16 (AVX2: 24) the decoding tiles, beyond them a GEMM
 # in the tiles' own order of sums (kernels.h's tile_gemm, 0.8-0.9x oneDNN's rate, which it replaced: oneDNN rounds a
 # row's sums differently at 17 rows than at 1, so a prompt's logits depended on how it was cut). int8 takes x in two
@@ -68,11 +80,9 @@ def cpu_flags() -> str:
 
 
 def isa_flags(forced: str | None) -> list[str]:
-    """The compiler's instruction-set flags past -march=native. DENSE_KERNELS=avx2 builds kernels_avx2.cpp as a CPU
-    without AVX-512 runs it (-mno-avx512f: no EVEX instruction, and so no VNNI unless the CPU has AVX-VNNI, which
-    -march=native then enables and the file's int8 products use); avx2-vnni keeps AVX-512 VNNI's 256-bit vpdpbusd
-    (the same instruction and sums as AVX-VNNI's, EVEX-encoded), so an AVX-512 machine tests that path too."""
-    return {"avx2": ["-mno-avx512f"], "avx2-vnni": []}.get(forced or "", [])
+    """The compiler's instruction-set flags past -march=native for DENSE_KERNELS=forced (FORCED; none for this CPU's
+    own build)."""
+    return list(FORCED.get(forced or "", ("", []))[1])
 
 
 def build(source: str, target: str, flags: list[str] = ()) -> None:
@@ -89,7 +99,7 @@ def build(source: str, target: str, flags: list[str] = ()) -> None:
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *(f"-I{p}" for p in include), source,
            "-o", tmp, f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if result.returncode:
             raise RuntimeError((result.stderr.strip().splitlines() or ["compiler failed"])[-1])
         os.replace(tmp, target)
@@ -107,7 +117,7 @@ def available() -> bool:
         return _state["ok"]
     _state["ok"] = False
     flags, forced = cpu_flags().split(), os.environ.get("DENSE_KERNELS")
-    names = ["kernels_avx2.cpp"] if forced in ("avx2", "avx2-vnni") else list(SOURCES)  # (on any CPU with AVX2)
+    names = [FORCED[forced][0]] if forced in FORCED else list(SOURCES)  # (avx2: on any CPU with AVX2)
     source = next((name for name in names if SOURCES[name] <= set(flags)), None)
     if forced == "0" or source is None:
         return False
@@ -130,8 +140,9 @@ def available() -> bool:
             note(f"building the CPU kernels ({source}, once per machine, about 15 s)...")
             build(os.path.join(HERE, source), target, extra)
         torch.ops.load_library(target)
-        _state["ok"], _state["source"], _state["key"] = True, source, key
-    except Exception as e:  # a failing compiler, an incompatible torch: PyTorch's kernels serve
+        _state["ok"], _state["source"], _state["key"], _state["path"] = True, source, key, target
+        _state["build"] = forced if forced in FORCED else "native"
+    except Exception as e:  # noqa: BLE001 (a failing compiler, an incompatible torch: PyTorch's kernels serve)
         note(f"CPU kernels unavailable ({first_line(e)}); using PyTorch's")
     return _state["ok"]
 
@@ -141,6 +152,23 @@ def build_key() -> str:
     keys and values depend on beside the weights. Another build (AVX2 against AVX-512, an older source) computes
     them in other roundings."""
     return _state.get("key", "") if available() else ""
+
+
+def build_name() -> str:
+    """The loaded build in words ("" without kernels): its source, DENSE_KERNELS's build or the CPU's own (native),
+    the flags past -march=native, and whether AVX512-BF16's conversion is in it (.ci/kernels prints it for each run)."""
+    if not available():
+        return ""
+    source, build = _state["source"], _state["build"]
+    extra = " ".join(isa_flags(build))
+    bf16 = source == "kernels.cpp" and build == "native" and "avx512_bf16" in cpu_flags().split()
+    return (f"{source} ({build}{', ' + extra if extra else ''}"
+            f"{', with AVX512-BF16' if bf16 else ', without AVX512-BF16' if source == 'kernels.cpp' else ''})")
+
+
+def library() -> str:
+    """The loaded build's shared library ("" without kernels)."""
+    return _state.get("path", "") if available() else ""
 
 
 def avx2_only() -> bool:
@@ -231,7 +259,8 @@ def register_shapes() -> None:
         torch.library.register_fake(f"dense_kernels::{name}")(lambda q, *_: q.new_empty(
             q.shape[0], q.shape[1] * 2, dtype=torch.bfloat16))
     torch.library.register_fake("dense_kernels::linear_nf4")(lambda x, q, a, c: out(x, q.shape[0]))
-    torch.library.register_fake("dense_kernels::linear_gguf")(lambda x, blocks, kind, float_x=False: out(x, blocks.shape[0]))
+    torch.library.register_fake("dense_kernels::linear_gguf")(lambda x, blocks, kind, float_x=False: out(
+        x, blocks.shape[0]))
     torch.library.register_fake("dense_kernels::linear_gguf_into")(lambda x, blocks, kind, y, columns: None)
     torch.library.register_fake("dense_kernels::dequantize_gguf")(lambda blocks, kind, k, bf16: blocks.new_empty(
         blocks.shape[0], k, dtype=torch.bfloat16 if bf16 else torch.float32))

@@ -2,9 +2,10 @@
 their stored tensors. Stands on dense.py and kernels.py (whose CPU kernels the layers call).
 
 Which layers: every linear of the decoder blocks; the output head in int8 for the 4-bit modes (it is the most
-sensitive layer), in the mode itself for int8, in float for fp8 (as FP8 checkpoints keep it); the embedding table stays in the model's dtype (gguf: every tensor,
-embedding and head included, in the file's own type; int4 made from a GGUF's Q4_0/Q4_1 blocks: the head in the
-file's own blocks too, GGUFHead, and the embedding's float32 values are the file's exactly).
+sensitive layer), in the mode itself for int8, in float for fp8 (as FP8 checkpoints keep it); the embedding table stays
+in the model's dtype (gguf: every tensor, embedding and head included, in the file's own type; int4 made from a GGUF's
+Q4_0/Q4_1 blocks: the head in the file's own blocks too, GGUFHead, and the embedding's float32 values are the file's
+exactly).
 
 | mode     | stored per linear                                   | value                          |
 | -------- | --------------------------------------------------- | ------------------------------ |
@@ -297,8 +298,8 @@ class NF4Linear(QuantLinear):
 
 
 class LLMInt8Linear(Int8Linear):
-    """bitsandbytes' Linear8bitLt (LLM.int8 with outlier threshold 6.0, as GPT-NeoX-20B's reference uses), from int8 rows and their
-    absmax scales."""
+    """bitsandbytes' Linear8bitLt (LLM.int8 with outlier threshold 6.0, as GPT-NeoX-20B's reference uses), from int8
+    rows and their absmax scales."""
 
     def finish_loading(self) -> None:
         bnb = import_bitsandbytes()
@@ -324,7 +325,8 @@ class Float8Linear(QuantLinear):
     checkpoints store them (Qwen3-FP8's 128 x 128 blocks: each block's scale on each of its rows). Where the device
     multiplies float8 (CUDA compute capability 8.9+) and the scale is one per row, torch._scaled_mm multiplies them as
     FP8-dynamic means: each activation row quantized to e4m3 on the fly (scale max|x| / 448), float32 accumulation.
-    Elsewhere the weight is dequantized into the matmul (compiled on a GPU: converted as it is read, one byte a weight)."""
+    Elsewhere the weight is dequantized into the matmul (compiled on a GPU: converted as it is read, one byte a
+    weight)."""
     keep_dtype = ("weight", "scales")  # (float8 is a floating dtype: without this a load would cast it)
 
     def __init__(self, in_features, out_features, bias, fp8_block=0, **_) -> None:
@@ -381,8 +383,9 @@ LINEARS = {"int8": Int8Linear, "int4": Int4Linear, "nf4": NF4Linear, "llm.int8":
 # file's row of blocks, every tensor in its own type (a Q4_K_M file mixes Q4_K and Q6_K, and Q5_0 / Q8_0 where a row
 # is not a multiple of 256). kernels.cpp multiplies them as they are; elsewhere they are dequantized (as gguf does).
 
+# GGUF type name: (ggml id, values, bytes) a block
 GGUF_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
-              "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}  # (ggml id, values, bytes) a block
+              "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 
 
 def kquant_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -399,7 +402,7 @@ def kquant_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def gguf_dequantize(blocks: torch.Tensor, kind: str, cols: int) -> torch.Tensor:
     """Rows of blocks uint8 [N, bytes] -> float32 [N, cols], the values gguf's own dequantizer computes, bit for bit
     (the same float32 operations in the same order)."""
-    _, values, size = GGUF_TYPES[kind]
+    _, _, size = GGUF_TYPES[kind]
     b = blocks.reshape(-1, size)
     n = b.shape[0]
 
@@ -539,7 +542,8 @@ def head_mode(mode: str) -> str | None:
 def layer_modes(model: DenseDecoder, mode: str, head: str | None = None) -> dict[str, str]:
     """{model linear name: mode} for the layers a mode quantizes: block linears in the mode, the head in head_mode's
     (None: float; head: a GGUF type, the head in the file's own blocks, GGUFHead)."""
-    chosen = {name: mode for name, m in model.named_modules() if isinstance(m, nn.Linear) and MODEL_LINEAR.fullmatch(name)}
+    chosen = {name: mode for name, m in model.named_modules()
+              if isinstance(m, nn.Linear) and MODEL_LINEAR.fullmatch(name)}
     if model.lm_head is not None:  # (an MTP draft's predictor has none: the target's serves)
         chosen["lm_head"] = "gguf" if head else head_mode(mode)
     return chosen

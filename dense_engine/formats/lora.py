@@ -21,9 +21,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from dense_engine.cpu import kernels
 from dense_engine.formats.checkpoint import open_safetensors, read_json
 from dense_engine.system.errors import CheckpointError, UsageError
 
@@ -46,7 +46,7 @@ class Pending:
     merged: bool = False
 
 
-PENDING: ContextVar[Pending] = ContextVar("pending", default=Pending())
+PENDING: ContextVar[Pending] = ContextVar("pending")  # (unset: no adapters; get(Pending()), a fresh one each time)
 
 
 def parse(spec: str) -> tuple[str, float, str]:
@@ -206,7 +206,7 @@ def merged(table: dict, source: str, names=lambda adapter, name: [(name, None)])
     """table {name: thunk} with PENDING's adapters on their target weights (Merged); names(adapter, name) -> [(the
     table's name, B's rows or None)] for each adapted name (a fused tensor of the adapter's: several); an adapter
     naming a weight the table lacks is refused in one line."""
-    out, pending = dict(table), PENDING.get()
+    out, pending = dict(table), PENDING.get(Pending())
     pending.merged = True
     for adapter in pending.adapters:
         targets = [(target, rows, delta) for name, delta in adapter.deltas.items()
@@ -257,10 +257,12 @@ class LowRank(nn.Module):
         self.register_buffer("scales", scales, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        low = F.linear(x, self.lora_a.to(x.dtype))  # [B, T, R]
+        # kernels.cpp's float32 tiles: a row's bits whatever the rows and the adapters beside it (PyTorch's GEMM
+        # rounds by the shape)
+        low = kernels.linear_f32(x, self.lora_a.to(x.dtype))  # [B, T, R]
         if self.columns is not None:  # each row's adapters on, at their scales; the others' columns zero
             low = low * self.scales[:x.shape[0]].index_select(1, self.columns).to(x.dtype)[:, None, :]
-        return self.base(x) + F.linear(low, self.lora_b.to(x.dtype))
+        return self.base(x) + kernels.linear_f32(low, self.lora_b.to(x.dtype))
 
 
 def switches(model: nn.Module) -> list[LowRank]:
