@@ -4,10 +4,10 @@ the store keeps its byte bound (least recently used leaf first); a returning con
 a row and its greedy reply equals a cold prefill's (eager and compiled, both cache layouts)."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import fixture_path, run_alone
 
 from dense_engine.formats.load import LoadRecord
@@ -204,12 +204,13 @@ def test_a_block_file_is_read_only_for_its_own_tokens_shapes_and_bytes(tmp_path,
     assert read_block(path, tokens, other) is None  # another cache's
     assert not os.path.exists(path)  # (deleted: written again when next used)
     write_block(path, tokens, layers)
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     data[-5] ^= 0xFF  # one flipped byte in the last tensor
-    open(path, "wb").write(bytes(data))
+    Path(path).write_bytes(bytes(data))
     assert read_block(path, tokens, layers) is None and not os.path.exists(path)
     write_block(path, tokens, layers)
-    open(path, "r+b").truncate(os.path.getsize(path) // 2)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
     assert read_block(path, tokens, layers) is None
     assert read_block(str(tmp_path / "missing.safetensors"), tokens, layers) is None
 
@@ -365,14 +366,15 @@ def test_a_slot_file_of_a_model_with_other_weights_is_refused(tmp_path):
     vocab = vocab_module.load_vocabulary(LLAMA, None)
     saver = Scheduler(load.from_pretrained(LLAMA), vocab, 1, 128, compile=False)
     run_alone(saver, greedy(list(range(5, 40)), 3))
-    assert slots.save(saver, 0, str(tmp_path / "s"))["n_saved"] == 35 + 2  # (the prompt and the tokens fed back)
+    # (the prompt and the tokens fed back)
+    assert slots.SlotFiles(saver).save(0, str(tmp_path / "s"))["n_saved"] == 35 + 2
     changed = load.from_pretrained(LLAMA)
     with torch.no_grad():
         changed.layers[1].attn.qkv_proj.weight[0, 0] += 1e-3
     with pytest.raises(ValueError, match="another model"):
-        slots.restore(Scheduler(changed, vocab, 1, 128, compile=False), 0, str(tmp_path / "s"))
+        slots.SlotFiles(Scheduler(changed, vocab, 1, 128, compile=False)).restore(0, str(tmp_path / "s"))
     same = Scheduler(load.from_pretrained(LLAMA), vocab, 1, 128, compile=False)
-    assert slots.restore(same, 0, str(tmp_path / "s"))["n_restored"] == 37
+    assert slots.SlotFiles(same).restore(0, str(tmp_path / "s"))["n_restored"] == 37
     assert same.slots[0].tokens == saver.slots[0].tokens
 
 

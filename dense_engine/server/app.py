@@ -11,17 +11,16 @@ import re
 import sys
 import time
 import uuid
-
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from dense_engine.runtime import caches, grammar, reasoning
 from dense_engine.server import anthropic_messages, embeddings, infill, ollama_api, openai_responses, slots
 from dense_engine.server.protocol import BadRequest, Settings, decode_body, parse_request
+from dense_engine.server.records import Request, Shaping
 from dense_engine.server.responses import ChatReply, ClientEvents, CompletionReply
-from dense_engine.server.scheduler import Request, Shaping
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ completions' `suffix` (and Ollama's generate `suffix`). A vocabulary without FIM
 
 from __future__ import annotations
 
-
 from dense_engine.server.protocol import BadRequest, check_fields
 from dense_engine.server.responses import Piece, Reply
 

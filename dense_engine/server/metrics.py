@@ -20,7 +20,8 @@ class Metrics:
         self.prompt_tokens = Counter("dense_prompt_tokens", "Prompt tokens of finished requests",
                                      registry=self.registry)
         self.generated_tokens = Counter("dense_generated_tokens", "Tokens generated", registry=self.registry)
-        self.prefix_hits = Counter("dense_prefix_hits", "Requests whose row's cache already held a prefix of the prompt",
+        self.prefix_hits = Counter("dense_prefix_hits",
+                                   "Requests whose row's cache already held a prefix of the prompt",
                                    registry=self.registry)
         self.reused_tokens = Counter("dense_prefix_reused_tokens", "Prompt tokens found in a row's cache or the "
                                      "prefix store (not prefilled again)", registry=self.registry)

@@ -9,9 +9,9 @@ longest stored prefix when it is longer than what its row already holds: the blo
 the rest is prefilled. A key holds the tokens themselves, not a hash of them, so two prompts never share a block
 unless they share every token before its end.
 
-This index lives with the scheduler; the blocks' tensors live with the model calls (runner.ModelCalls.keep and
-restore: under tensor parallel every rank keeps its own shards of the same blocks). The store is bounded by bytes:
-the least recently used block that no other block continues goes first.
+This index lives with the prefix cache (prefixes.PrefixCache); the blocks' tensors live with the model calls
+(runner.ModelCalls.keep and restore: under tensor parallel every rank keeps its own shards of the same blocks). The
+store is bounded by bytes: the least recently used block that no other block continues goes first.
 
 A model with state layers (Gated DeltaNet, short conv) holds a state where its tokens end, not per slot: its prefill
 stops at snapshot points (every STATE_EVERY blocks, and a prompt's last whole block), where the scheduler keeps the
@@ -192,7 +192,7 @@ class DiskStore:
         def name() -> None:
             try:
                 self._folder = os.path.join(root, key())
-            except Exception as e:  # (no key, no disk: the store stays in memory)
+            except Exception as e:  # noqa: BLE001 (no key, no disk: the store stays in memory, with a note)
                 self._folder = None
                 print(f"note: the prefix store keeps nothing on disk: {type(e).__name__}: {e}", file=sys.stderr)
             self.named.set()

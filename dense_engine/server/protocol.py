@@ -205,8 +205,8 @@ def dry_settings(body: dict) -> dict:
             isinstance(b, str) and 0 < len(b) <= MAX_STOP_CHARS for b in breakers):
         raise BadRequest(f"'dry_sequence_breakers' must be a list of up to {MAX_STOPS} non-empty strings",
                          "dry_sequence_breakers")
-    return dict(dry_multiplier=multiplier, dry_base=base, dry_allowed_length=allowed, dry_penalty_last_n=window,
-                dry_sequence_breakers=tuple(breakers))
+    return {"dry_multiplier": multiplier, "dry_base": base, "dry_allowed_length": allowed,
+            "dry_penalty_last_n": window, "dry_sequence_breakers": tuple(breakers)}
 
 
 def check_names(body: dict, kind: str) -> None:
@@ -343,8 +343,8 @@ def tool_calling(body: dict, vocab: Vocabulary) -> ToolCalling | None:
     choice = "auto" if choice is None else choice
     only = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not (choice in ("none", "auto", "required") or only in names):
-        raise BadRequest(f"'tool_choice' must be none, auto, required or a function of 'tools' ({', '.join(sorted(names))})",
-                         "tool_choice")
+        raise BadRequest("'tool_choice' must be none, auto, required or a function of 'tools' "
+                         f"({', '.join(sorted(names))})", "tool_choice")
     if choice == "none":
         return None
     parallel = body.get("parallel_tool_calls", True)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 from dense_engine.formats.vocab import Vocabulary
 from dense_engine.runtime import reasoning, tools
 from dense_engine.server.protocol import BadRequest, ToolCalling
-from dense_engine.server.scheduler import Event, Request
+from dense_engine.server.records import Event, Request
 
 
 class Piece(NamedTuple):
@@ -251,7 +251,8 @@ class ChatReply(Reply):
         def one(token, lp):
             return {"token": self.piece(token), "logprob": lp, "bytes": list(self.piece(token).encode())}
 
-        return {"content": [{**one(t, lp), "top_logprobs": [one(a, alp) for a, alp in alts]} for t, lp, alts in entries]}
+        return {"content": [{**one(t, lp), "top_logprobs": [one(a, alp) for a, alp in alts]}
+                            for t, lp, alts in entries]}
 
     def call_chunks(self, piece: Piece, call: dict) -> list[dict]:
         """A call's id and name first, then its arguments in pieces as they come (OpenAI's tool_calls deltas)."""

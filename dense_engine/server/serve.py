@@ -11,9 +11,11 @@ request picks by its model name or `lora` field). Started with --embedding (or o
 modules.json) or --rerank, it serves embeddings or rankings instead of text (embeddings.py).
 
 The rooms, each a module of this folder: protocol.py (a request body -> checked Settings, or an API's error),
-scheduler.py (the records and the turn: admit -> prefill -> decode -> deliver), runner.py (the model calls by name,
-on every tensor-parallel rank), responses.py (the events -> each API's chunks and bodies), app.py (the routes, on
-Starlette and uvicorn: small, well kept, plain ASGI), metrics.py; this file is the program (flags, load, signals).
+records.py (a Request, its Output and Shaping, a Row per cache row), scheduler.py (the turn: schedule -> run ->
+postprocess), runner.py (the model calls, by name on every tensor-parallel rank), prefixes.py (what rows keep for
+later requests: the prefix store and its disk), responses.py (the events -> each API's chunks and bodies), app.py
+(the routes, on Starlette and uvicorn: small, well kept, plain ASGI), metrics.py; this file is the program (flags,
+load, signals).
 
 Continuous batching: one scheduler thread owns the model. The KV cache has --max-batch rows; each request gets a row
 while it runs (the free row whose cache already holds the longest prefix of its prompt: only the rest is prefilled;
@@ -50,13 +52,13 @@ from dense_engine.formats import lora
 from dense_engine.formats.default_model import default_checkpoint
 from dense_engine.formats.pooling import Pooling, read_pooling
 from dense_engine.formats.vocab import Vocabulary, load_vocabulary
-from dense_engine.runtime import caches, generate, tp
+from dense_engine.runtime import caches, tp
 from dense_engine.runtime.embedding import Reranker
-from dense_engine.runtime.sampling import Defaults, SamplerSettings, describe
+from dense_engine.runtime.sampling import Defaults, describe
 from dense_engine.server.app import make_app
 from dense_engine.server.embeddings import Embedder
 from dense_engine.server.metrics import Metrics
-from dense_engine.server.scheduler import PREFILL_BUDGET, Request, Scheduler
+from dense_engine.server.scheduler import PREFILL_BUDGET, Scheduler
 from dense_engine.system.errors import CheckpointError, UsageError, first_line, run_program
 
 
@@ -90,7 +92,7 @@ class Server:
                                    args.speculate_k, reuse=args.prefix_reuse, prefill_chunk=args.prefill_chunk,
                                    prefix_cache_mb=args.prefix_cache_mb if args.prefix_cache else 0,
                                    prefix_disk_mb=args.prefix_cache_disk_mb, load=record)
-        warm_up(self.scheduler)
+        self.scheduler.warm_up()
         self.scheduler.metrics = self.metrics  # (after the warm-up: its throwaway tokens are not counted)
         self.metrics.watch(self.scheduler)
         self.scheduler.thread.start()
@@ -138,20 +140,6 @@ def load_for_serving(args, console, rank0: bool = True) -> tuple:
         defaults = Defaults.of_vocab(vocab, lambda message: print(f"note: {message}", file=sys.stderr, flush=True))
         print(f"a request's sampling by default: {describe(*defaults.settings())}", file=sys.stderr, flush=True)
     return ckpt, vocab, model, record
-
-
-def warm_up(scheduler: Scheduler) -> None:
-    """Run the steps a first request needs (prefill and decode, eager or compiled) on throwaway prompts, submitted
-    as any request is: a long prompt alone (an eager prefill), two together (one pass for both, then the all-rows
-    decode step), a short one alone (the compiled prefill chunk, the batch-1 decode step)."""
-    long = [[token] * (generate.PREFILL_CHUNK + 1) for token in (1, 2, 3)]  # (different: no prefix to reuse)
-    for prompts in (long[:1], long[1:1 + min(2, len(scheduler.rows))], [[4]]):
-        for prompt in prompts:
-            scheduler.submit(Request(prompt, 2, SamplerSettings(), [], scheduler.idle_generator, lambda event: None))
-        scheduler.turn()
-        while any(scheduler.rows):  # (a speculating request holds row 0)
-            scheduler.turn()
-    scheduler.forget()
 
 
 def parse_args(argv):

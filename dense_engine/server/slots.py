@@ -48,58 +48,64 @@ async def act(server, row: str, action: str | None, body: dict) -> dict:
         raise BadRequest(f"'action' must be one of {', '.join(ACTIONS)}, got {action!r}", "action")
     if not row.isdigit() or int(row) >= len(scheduler.rows):
         raise BadRequest(f"slot id must be in 0..{len(scheduler.rows) - 1}, got {row!r}", "id_slot")
-    row = int(row)
+    row, files = int(row), SlotFiles(scheduler)
     if action == "erase":
-        return await on_scheduler(scheduler, lambda: {"id_slot": row, "n_erased": erase(scheduler, row)})
+        return await files.on_scheduler(lambda: {"id_slot": row, "n_erased": files.erase(row)})
     path = slot_file(folder, body)
-    work = save if action == "save" else restore
-    return await on_scheduler(scheduler, lambda: work(scheduler, row, path))
+    work = files.save if action == "save" else files.restore
+    return await files.on_scheduler(lambda: work(row, path))
 
 
-async def on_scheduler(scheduler, function):
-    """function()'s result, run between two turns; its ValueError a 400 naming the slot."""
-    try:
-        return await asyncio.wrap_future(scheduler.call_soon(function))
-    except ValueError as e:
-        raise BadRequest(str(e), "id_slot") from None
+class SlotFiles:
+    """A scheduler's rows to and from slot files; each call runs on the scheduler's thread, on a row no request
+    holds."""
 
+    def __init__(self, scheduler) -> None:
+        self.scheduler = scheduler
 
-def idle(scheduler, row: int) -> None:
-    if scheduler.slots[row].request is not None:
-        raise ValueError(f"slot {row} is running a request; try again when it is done")
+    async def on_scheduler(self, function):
+        """function()'s result, run between two turns; its ValueError a 400 naming the slot."""
+        try:
+            return await asyncio.wrap_future(self.scheduler.call_soon(function))
+        except ValueError as e:
+            raise BadRequest(str(e), "id_slot") from None
 
+    def idle(self, row: int) -> None:
+        if self.scheduler.slots[row].request is not None:
+            raise ValueError(f"slot {row} is running a request; try again when it is done")
 
-def save(scheduler, row: int, path: str) -> dict:
-    """The row's tokens and their keys and values into the file (a temporary file, then renamed)."""
-    idle(scheduler, row)
-    if scheduler.slots[row].adapters:
-        raise ValueError(f"slot {row} holds keys and values of a LoRA adapter's request; a slot file keeps the "
-                         "base model's")
-    start, tokens = time.perf_counter(), list(scheduler.slots[row].tokens)
-    layers = scheduler.calls.row_slots(row, caches.whole_slots(len(tokens)))
-    written = caches.write(path, tokens, layers, {"model": scheduler.model_key()})
-    return {"id_slot": row, "filename": os.path.basename(path), "n_saved": len(tokens), "n_written": written,
-            "timings": {"save_ms": (time.perf_counter() - start) * 1000}}
+    def save(self, row: int, path: str) -> dict:
+        """The row's tokens and their keys and values into the file (a temporary file, then renamed)."""
+        self.idle(row)
+        scheduler = self.scheduler
+        if scheduler.slots[row].adapters:
+            raise ValueError(f"slot {row} holds keys and values of a LoRA adapter's request; a slot file keeps the "
+                             "base model's")
+        start, tokens = time.perf_counter(), list(scheduler.slots[row].tokens)
+        layers = scheduler.calls.row_slots(row, caches.whole_slots(len(tokens)))
+        written = caches.write(path, tokens, layers, {"model": scheduler.model_key()})
+        return {"id_slot": row, "filename": os.path.basename(path), "n_saved": len(tokens), "n_written": written,
+                "timings": {"save_ms": (time.perf_counter() - start) * 1000}}
 
+    def restore(self, row: int, path: str) -> dict:
+        """The file's tokens and their keys and values into the row, when this model saved it."""
+        self.idle(row)
+        scheduler = self.scheduler
+        start, name = time.perf_counter(), os.path.basename(path)
+        like = scheduler.calls.row_slots(row, 0)
+        try:
+            tokens, layers = caches.read_whole(path, like, scheduler.model_key(), scheduler.max_seq_len + 1)
+        except FileNotFoundError:
+            raise ValueError(f"no slot file {name!r}") from None
+        except (ValueError, OSError) as e:
+            raise ValueError(f"slot file {name!r}: {caches.first_words(e)}") from None
+        scheduler.calls.put_row(row, layers)
+        scheduler.slots[row].tokens, scheduler.slots[row].adapters = tokens, ()
+        return {"id_slot": row, "filename": name, "n_restored": len(tokens), "n_read": os.path.getsize(path),
+                "timings": {"restore_ms": (time.perf_counter() - start) * 1000}}
 
-def restore(scheduler, row: int, path: str) -> dict:
-    """The file's tokens and their keys and values into the row, when this model saved it."""
-    idle(scheduler, row)
-    start, name = time.perf_counter(), os.path.basename(path)
-    like = scheduler.calls.row_slots(row, 0)
-    try:
-        tokens, layers = caches.read_whole(path, like, scheduler.model_key(), scheduler.max_seq_len + 1)
-    except FileNotFoundError:
-        raise ValueError(f"no slot file {name!r}") from None
-    except (ValueError, OSError) as e:
-        raise ValueError(f"slot file {name!r}: {caches.first_words(e)}") from None
-    scheduler.calls.put_row(row, layers)
-    scheduler.slots[row].tokens, scheduler.slots[row].adapters = tokens, ()
-    return {"id_slot": row, "filename": name, "n_restored": len(tokens), "n_read": os.path.getsize(path),
-            "timings": {"restore_ms": (time.perf_counter() - start) * 1000}}
-
-
-def erase(scheduler, row: int) -> int:
-    idle(scheduler, row)
-    erased, scheduler.slots[row].tokens, scheduler.slots[row].adapters = len(scheduler.slots[row].tokens), [], ()
-    return erased
+    def erase(self, row: int) -> int:
+        self.idle(row)
+        slot = self.scheduler.slots[row]
+        erased, slot.tokens, slot.adapters = len(slot.tokens), [], ()
+        return erased
