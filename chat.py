@@ -6,7 +6,8 @@
 
 In chat mode the KV cache is kept across turns: each turn prefills only the tokens that are new since the last one.
 The program's pieces (dense_engine/cli/): flags.py (the flags and what it loads by them, shared with serve.py), repl.py
-(interactive mode), benchmark.py (--bench); the Session it answers through is dense_engine/runtime/session.py; this file is the command line, one-shot runs and --prompt-file batches.
+(interactive mode), benchmark.py (--bench); the Session it answers through is dense_engine/runtime/session.py; this file
+is the command line, one-shot runs and --prompt-file batches.
 """
 
 from __future__ import annotations
@@ -25,11 +26,21 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "dense-chat":
 
 import torch
 
-from dense_engine.cli import benchmark
-from dense_engine.cli.flags import (add_model_flags, check_environment, load_model, make_draft, parse_flags,
-                                    positive_int, prompt_ids, prompt_mode, prompt_text, sampler, settings)
+from dense_engine.cli import benchmark, terminal
+from dense_engine.cli.flags import (
+    add_model_flags,
+    check_environment,
+    load_model,
+    make_draft,
+    parse_flags,
+    positive_int,
+    prompt_ids,
+    prompt_mode,
+    prompt_text,
+    sampler,
+    settings,
+)
 from dense_engine.cli.repl import SETTINGS, ctrl_c_as_key, interactive
-from dense_engine.cli import terminal
 from dense_engine.cli.terminal import Notes
 from dense_engine.formats import lora
 from dense_engine.formats.default_model import default_checkpoint
@@ -180,17 +191,15 @@ def one_shot(session: Session, vocab: Vocabulary, args, mode: str, notes: Notes,
             last[0] = text[-1:]
 
     try:
-        with notes.held() as waiting:  # (printed after the reply's line)
+        with notes.held():  # (printed after the reply's line)
             _, stats = session.reply(ids, write)
             if thoughts is not None:
                 for kind, t in thoughts.finish():
                     show(t) if kind == "text" else thought.append(t)
                 if "".join(thought).strip():
                     notes(f"thought: {escape(terminal.folded(''.join(thought), 160))}")
-            # a terminal gets the answer's line closed; a pipe gets the answer as it is, unless a note or the stats
-            # line follows into the same file (2>&1), where it would be glued to the answer's last word
-            follows = bool(waiting) or (args.stats and tp.world()[0] == 0)
-            if last[0] != "\n" and (sys.stdout.isatty() or follows and terminal.same_file(sys.stdout, sys.stderr)):
+            # the answer's line is closed, as every command-line program's output is for the next one in a pipe
+            if last[0] != "\n":
                 show("\n")
     finally:
         if keys is not None:
@@ -208,8 +217,8 @@ def read_prompts(path: str, console):
     part of one. Blank lines are skipped; a line that is not UTF-8, not valid JSON, or has no string "prompt" is
     reported with its number and skipped. Under torchrun rank 0 reads stdin and sends each line to the others."""
     rank, size = tp.world()
-    try:
-        source = (sys.stdin.buffer if rank == 0 else iter(())) if path == "-" else open(path, "rb")
+    try:  # (the file stays open as the prompts are read from it, a line at a time: SIM115 does not apply)
+        source = (sys.stdin.buffer if rank == 0 else iter(())) if path == "-" else open(path, "rb")  # noqa: SIM115
     except OSError as e:
         raise UsageError(f"--prompt-file {path}: {e.strerror}") from None
     lines = source if path != "-" or size == 1 else shared_lines(source)
@@ -387,7 +396,7 @@ def main(argv=None) -> int:
     # (a script reading stderr line by line; rich would wrap at 80 columns when stderr is not a terminal)
     console = Console(stderr=one_shot_mode, highlight=False, soft_wrap=True)
     if tp.world()[0] != 0:  # tensor parallel: rank 0 owns the terminal; the others print only their errors
-        sys.stdout = open(os.devnull, "w")
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (this process's stdout from now on)
         console = Console(file=sys.stdout, soft_wrap=True)
     return run_program(lambda: run(argv, console), argv, signals=True)
 

@@ -364,8 +364,8 @@ def additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for q [B, H, T, D] over k, v [B, K, A, D]; mask [T, A] or [B, 1, T, A] (0:
-    seen, -inf: not), None: causal with A == T. Grouped-query heads share K/V without copies. sinks [H]: one more logit per head in
-    the softmax, with no value (what the sink takes goes nowhere)."""
+    seen, -inf: not), None: causal with A == T. Grouped-query heads share K/V without copies. sinks [H]: one more logit
+    per head in the softmax, with no value (what the sink takes goes nowhere)."""
     B, H, T, D = q.shape
     K, A = k.shape[1], k.shape[2]
     if mask is None and softcap is None and sinks is None:  # a causal pass: SDPA's flash kernels take grouped heads
@@ -472,7 +472,8 @@ class Attention(nn.Module):
         self.shares = config.kv_shared_layers > 0 and self.reads is None  # (its k, v may be read by a later layer)
         self.parts = {"q_proj": q_width}  # checkpoint name: rows
         if self.reads is None:
-            self.parts.update({"k_proj": kv_width} if self.keys_are_values else {"k_proj": kv_width, "v_proj": kv_width})
+            self.parts.update({"k_proj": kv_width} if self.keys_are_values else
+                              {"k_proj": kv_width, "v_proj": kv_width})
         if config.attn_output_gate or config.attn_head_gate:  # a gate per channel, or one per head (LFM3)
             self.parts["gate_proj"] = q_width if config.attn_output_gate else self.n_heads
         self.qkv_proj = nn.Linear(C, sum(self.parts.values()), bias=config.bias or config.qkv_bias)
@@ -595,7 +596,7 @@ def delta_chunks(q, k, v, g, beta, state, size: int = 64) -> tuple[torch.Tensor,
     solve the unit lower-triangular system u_i + beta_i sum_{j<i} (d_i / d_j) (k_i . k_j) u_j = beta_i (v_i - d_i k_i^T
     S_0); then o_i = d_i q_i^T S_0 + sum_{j<=i} (d_i / d_j) (q_i . k_j) u_j and S_C = d_C S_0 + sum_j (d_C / d_j) k_j
     u_j^T: the same sums, grouped into matmuls (they differ only in rounding)."""
-    B, H, T, _ = k.shape
+    _, _, T, _ = k.shape  # [B, H, T, Dk]
     pad = -T % size  # padded tokens: g 0 (no decay), beta 0 (no write): the state passes through
     q, k, v = (F.pad(t, (0, 0, 0, pad)).unflatten(2, (-1, size)) for t in (q, k, v))  # [B, H, N, size, D]
     g, beta = (F.pad(t, (0, pad)).unflatten(2, (-1, size)) for t in (g, beta))  # [B, H, N, size]

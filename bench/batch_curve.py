@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def measure(quant: str, batch: int, extra: list[str]) -> dict:
     cmd = [sys.executable, os.path.join(ROOT, "chat.py"), "--bench", "--json", "--quant", quant, "--batch-size",
            str(batch), "--prompt-len", "32:128", "--gen-len", "64", "--runs", "3", *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
     if out.returncode:
         sys.exit(f"{' '.join(cmd)}: {out.stderr.strip().splitlines()[-1:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

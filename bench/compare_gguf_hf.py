@@ -9,7 +9,6 @@ import sys
 
 import torch
 
-
 from dense_engine.formats import default_model, gguf_import, load
 from dense_engine.runtime import generate
 

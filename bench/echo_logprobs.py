@@ -17,25 +17,24 @@ import statistics
 import tempfile
 import time
 
-
 import torch
 
 from dense_engine.formats import default_model, gguf_import, load
 from dense_engine.runtime import caches
 
 PASSAGES = [
-    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step, and "
-    "every step of it is taken by someone who chose to keep walking when the road turned steep.",
-    "In 1969, Neil Armstrong and Buzz Aldrin became the first people to walk on the Moon, while Michael Collins "
-    "orbited above in the command module Columbia, waiting to carry them home.",
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
-    "print([fibonacci(i) for i in range(10)])\n",
-    "Photosynthesis converts light energy into chemical energy: chlorophyll absorbs red and blue light, water is "
-    "split, oxygen is released, and carbon dioxide is fixed into sugars in the Calvin cycle.",
-    "Question: What is the capital of France?\nAnswer: The capital of France is Paris, a city on the Seine known for "
-    "the Eiffel Tower, the Louvre and its cafes.",
-    "She opened the old letter slowly. The paper was yellow and brittle, and the ink had faded to the color of weak "
-    "tea, but the words were still there, waiting for her after forty years.",
+    ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step, and "
+     "every step of it is taken by someone who chose to keep walking when the road turned steep."),
+    ("In 1969, Neil Armstrong and Buzz Aldrin became the first people to walk on the Moon, while Michael Collins "
+     "orbited above in the command module Columbia, waiting to carry them home."),
+    ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+     "print([fibonacci(i) for i in range(10)])\n"),
+    ("Photosynthesis converts light energy into chemical energy: chlorophyll absorbs red and blue light, water is "
+     "split, oxygen is released, and carbon dioxide is fixed into sugars in the Calvin cycle."),
+    ("Question: What is the capital of France?\nAnswer: The capital of France is Paris, a city on the Seine known for "
+     "the Eiffel Tower, the Louvre and its cafes."),
+    ("She opened the old letter slowly. The paper was yellow and brittle, and the ink had faded to the color of weak "
+     "tea, but the words were still there, waiting for her after forty years."),
 ]
 
 
@@ -103,7 +102,7 @@ def main() -> None:
         try:
             diffs = torch.cat([(engine_logprobs(model, ids, kv_dtype) - ref).abs()
                                for ids, ref in zip(texts, reference)])
-        except Exception as e:  # (a cache this device does not offer)
+        except Exception as e:  # noqa: BLE001 (a cache this device does not offer: said in its row)
             print(f"| {kv_dtype} | {type(e).__name__}: {e} | | |")
             continue
         speed = f"{decode_ms(model, kv_dtype, 64):.2f} / {decode_ms(model, kv_dtype, 2000):.2f}"

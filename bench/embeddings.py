@@ -59,7 +59,8 @@ def make_folder(folder: str, layers: int) -> None:
 
 def texts(count: int, tokens: int, vocab) -> list[str]:
     """Texts of about `tokens` tokens each (words drawn from the fixture's English sample), lengths varying +-20%."""
-    words = open(os.path.join(HERE, "english.txt")).read().split()
+    with open(os.path.join(HERE, "english.txt")) as f:
+        words = f.read().split()
     rng, out = random.Random(0), []
     for _ in range(count):
         want, text = int(tokens * rng.uniform(0.8, 1.2)), ""

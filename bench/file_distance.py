@@ -37,9 +37,9 @@ def time_head(path: str) -> None:
     int8.finish_loading()
     for rows in (1, 4):
         x = torch.randn(rows, head.in_features)
-        calls = {"Q8_0, x float32": lambda: torch.ops.dense_kernels.linear_gguf(x, blocks, 8, True),
-                 "Q8_0, x two digits": lambda: torch.ops.dense_kernels.linear_gguf(x, blocks, 8, False),
-                 "int8 copy": lambda: int8(x)}
+        calls = {"Q8_0, x float32": lambda x=x: torch.ops.dense_kernels.linear_gguf(x, blocks, 8, True),
+                 "Q8_0, x two digits": lambda x=x: torch.ops.dense_kernels.linear_gguf(x, blocks, 8, False),
+                 "int8 copy": lambda x=x: int8(x)}
         for name, call in calls.items():
             for _ in range(20):
                 call()

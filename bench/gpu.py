@@ -85,7 +85,7 @@ class Plan:
         start = time.perf_counter()
         try:
             fn()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (any failure is the check's result, recorded; the plan goes on)
             self.record(check=name, ok=False, error=f"{type(e).__name__}: {str(e)[:300]}",
                         where=traceback.format_exc().strip().splitlines()[-3][:200])
         finally:
@@ -105,7 +105,10 @@ class Plan:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def probe(self) -> float | None:
-        rows = [json.loads(line) for line in open(self.path) if '"probe"' in line] if os.path.exists(self.path) else []
+        if not os.path.exists(self.path):
+            return None
+        with open(self.path) as f:
+            rows = [json.loads(line) for line in f if '"probe"' in line]
         return rows[-1]["probe_gb_s"] if rows else None
 
 
@@ -190,7 +193,7 @@ def run_rows(plan: Plan, names: list[str], budget: float, workers: int) -> None:
             held = sum(ROWS[n] for n in running)
             if len(running) >= workers or held + ROWS[name] > memory or left < 30:
                 break
-            log = open(os.path.join(plan.out, f"row-{name.replace(' ', '-')}.log"), "w")
+            log = open(os.path.join(plan.out, f"row-{name.replace(' ', '-')}.log"), "w")  # noqa: SIM115 (closed below)
             cmd = [sys.executable, os.path.abspath(__file__), "row", name, "--out", plan.out]
             running[name] = (subprocess.Popen(cmd + (["--dry-run"] if plan.dry else []), stdout=log,
                                               stderr=subprocess.STDOUT, env=env, cwd=ROOT), log, time.perf_counter())
@@ -269,7 +272,7 @@ def decode_row(plan: Plan, mode: str, batch: int) -> None:
                     peak_mem_bytes=benchmark.peak_memory(plan.device), ok=True)
     finally:
         steps_module.forget(model)
-        del model
+        model = None  # (its memory goes now, even while a traceback holds this frame)
 
 
 def decode_profile(model, batch: int, steps: int) -> dict:
@@ -314,8 +317,8 @@ def decode_profile(model, batch: int, steps: int) -> dict:
 
 def kernel_kind(name: str) -> str:
     n = name.lower()
-    for kind, pattern in (("matmul", r"gemm|gemv|matmul|tinygemm|int4pack|int8pack|cutlass|scaled_mm|\bmm\b|addmm|"
-                                     r"linear|nvjet|sm90_|splitk"),
+    for kind, pattern in (("matmul", (r"gemm|gemv|matmul|tinygemm|int4pack|int8pack|cutlass|scaled_mm|\bmm\b|addmm|"
+                                      r"linear|nvjet|sm90_|splitk")),
                           ("attention", r"flash|attention|sdpa|fmha|softmax"),
                           ("copy", r"copy|memcpy|memset|cat|index|fill|scatter"),
                           ("fused (Inductor)", r"^triton|cpp_fused")):
@@ -438,7 +441,8 @@ def cuda_tests(plan: Plan) -> None:
     path = os.path.join(plan.out, "cuda-tests.txt")
     with open(path, "w") as f:
         code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-    text = open(path, errors="replace").read()
+    with open(path, errors="replace") as f:
+        text = f.read()
     passed, failed = len(re.findall(r" PASSED", text)), len(re.findall(r" (?:FAILED|ERROR)", text))
     collected = len(re.findall(r"<Function ", text))
     plan.record(stage="tests", passed=passed, failed=failed, collected=collected or None, exit=code,
@@ -474,7 +478,8 @@ def check(plan: Plan, shape: str, layers: int | None) -> torch.nn.Module:
                 full = model(ids.to(dev))
                 caches.setup_cache(model, 2, 64)
                 parts = [model(ids[:, :30].to(dev), input_pos=torch.arange(30, device=dev))]
-                parts += [model(ids[:, p:p + 1].to(dev), input_pos=torch.tensor([p], device=dev)) for p in range(30, 40)]
+                parts += [model(ids[:, p:p + 1].to(dev), input_pos=torch.tensor([p], device=dev))
+                          for p in range(30, 40)]
             err = rel_err(torch.cat(parts, 1), full)
             plan.record(check=f"{mode}: cached vs no cache", value=err, ok=err < TOLERANCE)
         plan.guarded(f"mode {mode}", one_mode)
@@ -511,8 +516,8 @@ def check(plan: Plan, shape: str, layers: int | None) -> torch.nn.Module:
             caches.setup_cache(model, 1, 256)
             runner = generate.Runner(model, use)
             out = []
-            for pos, setting in ((20, dict(temperature=0.0)), (21, dict(temperature=0.8, top_k=50)),
-                                 (22, dict(temperature=0.0)), (23, dict(temperature=1.0, top_k=50))):
+            for pos, setting in ((20, {"temperature": 0.0}), (21, {"temperature": 0.8, "top_k": 50}),
+                                 (22, {"temperature": 0.0}), (23, {"temperature": 1.0, "top_k": 50})):
                 sampling = generate.Sampling(**setting, generators=(torch.Generator(dev).manual_seed(pos),))
                 out.append(int(runner.decode(prompt[:, -1:], pos, None, sampling)))
             runs[name] = out
@@ -551,8 +556,8 @@ def table(path: str) -> None:
     for r in rows:
         if r.get("stage") == "probe":
             print(f"probe: copy {r['copy_gb_s']} GB/s, sum {r['sum_gb_s']} GB/s ({r['bytes'] / 1e9:.1f} GB)")
-    print("| mode | group | batch | decode tok/s | x bf16 | GB a token (weights + KV) | GB/s | MBU datasheet | MBU probe |"
-          " prefill 128 tok/s | prefill 2,048 tok/s | graph skips | idle ms a step | compile s |")
+    print("| mode | group | batch | decode tok/s | x bf16 | GB a token (weights + KV) | GB/s | MBU datasheet | MBU "
+          "probe | prefill 128 tok/s | prefill 2,048 tok/s | graph skips | idle ms a step | compile s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in decode:
         ratio = r["decode_tok_s"] / base[r["batch"]] if r["batch"] in base else float("nan")

@@ -22,10 +22,11 @@ Models: "smollm2" is the default model's own Q4_1 GGUF (SmolLM2-135M-Instruct); 
 TinyLlama's shape (22 layers, 2048 wide, GQA 32/4, FFN 5632; SmolLM2's vocabulary), "llama-3.2-1b" one of Llama 3.2
 1B's (16 layers, 2048 wide, GQA 32/8, FFN 8192, its 128256-token vocabulary, tied head, Llama 3's rope_freqs), and
 "qwen2.5-0.5b" a qwen2 architecture of Qwen2.5-0.5B's shape (24 layers, 896 wide, GQA 14/2, FFN 4864, q/k/v biases,
-151936-token vocabulary, tied head), each with random weights, written here with gguf's writer. Precisions, each from the same weights: F32 and F16 (the source dequantized with the `gguf`
-package), Q8_0 (llama.cpp's own quantizer), Q4_1 (the SmolLM2 original; for tinyllama, llama.cpp's quantizer).
-This engine reads the F32 file for float32, the Q8_0 file for int8 (requantized per channel), and the Q4_1 file for
-int4-g32 and nf4 (`--quant auto` loads Q4_1 as int4-g32 bit for bit).
+151936-token vocabulary, tied head), each with random weights, written here with gguf's writer. Precisions, each from
+the same weights: F32 and F16 (the source dequantized with the `gguf` package), Q8_0 (llama.cpp's own quantizer), Q4_1
+(the SmolLM2 original; for tinyllama, llama.cpp's quantizer). This engine reads the F32 file for float32, the Q8_0 file
+for int8 (requantized per channel), and the Q4_1 file for int4-g32 and nf4 (`--quant auto` loads Q4_1 as int4-g32 bit
+for bit).
 """
 
 from __future__ import annotations
@@ -42,41 +43,46 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORK = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dense-engine", "bench")
 # Random-weight models of published shapes (SmolLM2's vocabulary, padded with reserved tokens to the shape's size)
 SHAPES = {
-    "tinyllama": dict(arch="llama", layers=22, hidden=2048, heads=32, kv_heads=4, ffn=5632, context=2048, vocab=None,
-                      theta=10000.0, eps=1e-5, tied=False),
-    "llama-3.2-1b": dict(arch="llama", layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, context=131072,
-                         vocab=128256, theta=500000.0, eps=1e-5, tied=True, llama3=dict(factor=32.0, low=1.0, high=4.0,
-                                                                                        original=8192)),
-    "llama-3.1-8b": dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, context=131072,
-                         vocab=128256, theta=500000.0, eps=1e-5, tied=False, half=True,
-                         llama3=dict(factor=8.0, low=1.0, high=4.0, original=8192)),
-    "qwen2.5-0.5b": dict(arch="qwen2", layers=24, hidden=896, heads=14, kv_heads=2, ffn=4864, context=32768,
-                         vocab=151936, theta=1e6, eps=1e-6, tied=True, bias=True),
+    "tinyllama": {"arch": "llama", "layers": 22, "hidden": 2048, "heads": 32, "kv_heads": 4, "ffn": 5632,
+                  "context": 2048, "vocab": None, "theta": 10000.0, "eps": 1e-5, "tied": False},
+    "llama-3.2-1b": {"arch": "llama", "layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8, "ffn": 8192,
+                     "context": 131072, "vocab": 128256, "theta": 500000.0, "eps": 1e-5, "tied": True,
+                     "llama3": {"factor": 32.0, "low": 1.0, "high": 4.0, "original": 8192}},
+    "llama-3.1-8b": {"arch": "llama", "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336,
+                     "context": 131072, "vocab": 128256, "theta": 500000.0, "eps": 1e-5, "tied": False, "half": True,
+                     "llama3": {"factor": 8.0, "low": 1.0, "high": 4.0, "original": 8192}},
+    "qwen2.5-0.5b": {"arch": "qwen2", "layers": 24, "hidden": 896, "heads": 14, "kv_heads": 2, "ffn": 4864,
+                     "context": 32768, "vocab": 151936, "theta": 1e6, "eps": 1e-6, "tied": True, "bias": True},
     # Qwen3.5: three Gated DeltaNet layers (linear: key heads, value heads, head size) and one gated attention layer
     # (head size 256, a quarter rotary) in every four. 0.8B: its config.json; 2B: 2048 wide, the rest assumed alike
-    "qwen3.5-0.8b": dict(arch="qwen35", layers=24, hidden=1024, heads=8, kv_heads=2, head_dim=256, ffn=3584,
-                         context=262144, vocab=248320, theta=1e7, eps=1e-6, tied=True, linear=(16, 16, 128), conv=4),
-    "qwen3.5-2b": dict(arch="qwen35", layers=24, hidden=2048, heads=8, kv_heads=2, head_dim=256, ffn=6144,
-                       context=262144, vocab=248320, theta=1e7, eps=1e-6, tied=True, linear=(16, 16, 128), conv=4),
+    "qwen3.5-0.8b": {"arch": "qwen35", "layers": 24, "hidden": 1024, "heads": 8, "kv_heads": 2, "head_dim": 256,
+                     "ffn": 3584, "context": 262144, "vocab": 248320, "theta": 1e7, "eps": 1e-6, "tied": True,
+                     "linear": (16, 16, 128), "conv": 4},
+    "qwen3.5-2b": {"arch": "qwen35", "layers": 24, "hidden": 2048, "heads": 8, "kv_heads": 2, "head_dim": 256,
+                   "ffn": 6144, "context": 262144, "vocab": 248320, "theta": 1e7, "eps": 1e-6, "tied": True,
+                   "linear": (16, 16, 128), "conv": 4},
     # Granite 4.0 H: Mamba2 layers (mamba: heads, channels per head, groups, state size) with an attention layer
     # without rope as every tenth; a 1B-class shape, assumed (its config.json was not at hand): 1536 wide, 40 layers
-    "granite-4.0-h-1b": dict(arch="granitehybrid", layers=40, hidden=1536, heads=12, kv_heads=4, ffn=4096,
-                             context=131072, vocab=100352, theta=1e4, eps=1e-5, tied=True, mamba=(48, 64, 1, 128),
-                             conv=4),
+    "granite-4.0-h-1b": {"arch": "granitehybrid", "layers": 40, "hidden": 1536, "heads": 12, "kv_heads": 4, "ffn": 4096,
+                         "context": 131072, "vocab": 100352, "theta": 1e4, "eps": 1e-5, "tied": True,
+                         "mamba": (48, 64, 1, 128), "conv": 4},
     # EXAONE 4.0 1.2B, assumed (its config.json was not at hand): OLMo 2's norms (after each branch only) with q/k
     # norms shared by the heads, every layer full attention with rope (the 32B alone slides)
-    "exaone-4.0-1.2b": dict(arch="exaone4", layers=30, hidden=2048, heads=32, kv_heads=8, ffn=4096, context=65536,
-                            vocab=102400, theta=1e6, eps=1e-5, tied=True, post_norms=True, qk_norm=True),
+    "exaone-4.0-1.2b": {"arch": "exaone4", "layers": 30, "hidden": 2048, "heads": 32, "kv_heads": 8, "ffn": 4096,
+                        "context": 65536, "vocab": 102400, "theta": 1e6, "eps": 1e-5, "tied": True, "post_norms": True,
+                        "qk_norm": True},
     # Gemma 4's small models, assumed (their config.json was not at hand): sliding layers (head size 256, a window of
     # 512) with a full layer every `full` (head size 512, a quarter of it rotated: proportional rope), per-layer
     # embeddings of 256 a layer (the table: vocab x layers x 256), the last kv_shared layers reading earlier layers'
     # keys and values with MLPs twice as wide; a tied head, a final soft-cap of 30
-    "gemma-4-e2b": dict(arch="gemma4", layers=35, hidden=1536, heads=8, kv_heads=1, head_dim=256, global_head_dim=512,
-                        ffn=6144, context=131072, vocab=262144, theta=1e6, theta_swa=1e4, eps=1e-6, tied=True,
-                        per_layer=256, kv_shared=20, window=512, full=5, half=True),
-    "gemma-4-e4b": dict(arch="gemma4", layers=42, hidden=2560, heads=8, kv_heads=2, head_dim=256, global_head_dim=512,
-                        ffn=10240, context=131072, vocab=262144, theta=1e6, theta_swa=1e4, eps=1e-6, tied=True,
-                        per_layer=256, kv_shared=18, window=512, full=6, half=True),
+    "gemma-4-e2b": {"arch": "gemma4", "layers": 35, "hidden": 1536, "heads": 8, "kv_heads": 1, "head_dim": 256,
+                    "global_head_dim": 512, "ffn": 6144, "context": 131072, "vocab": 262144, "theta": 1e6,
+                    "theta_swa": 1e4, "eps": 1e-6, "tied": True, "per_layer": 256, "kv_shared": 20, "window": 512,
+                    "full": 5, "half": True},
+    "gemma-4-e4b": {"arch": "gemma4", "layers": 42, "hidden": 2560, "heads": 8, "kv_heads": 2, "head_dim": 256,
+                    "global_head_dim": 512, "ffn": 10240, "context": 131072, "vocab": 262144, "theta": 1e6,
+                    "theta_swa": 1e4, "eps": 1e-6, "tied": True, "per_layer": 256, "kv_shared": 18, "window": 512,
+                    "full": 6, "half": True},
 }
 
 
@@ -335,9 +341,9 @@ def write_random(template: str, dst: str, name: str) -> None:
         w(b + "ffn_gate.weight", shape["ffn"], C)
         w(b + "ffn_up.weight", shape["ffn"], C)
         w(b + "ffn_down.weight", C, shape["ffn"])
-    for name, dims, _ in tensors:
+    for tensor, dims, _ in tensors:
         dtype = np.dtype(np.float16 if half and len(dims) == 2 else np.float32)
-        writer.add_tensor_info(name, dims, dtype, math.prod(dims) * dtype.itemsize)
+        writer.add_tensor_info(tensor, dims, dtype, math.prod(dims) * dtype.itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -351,7 +357,8 @@ def gemma4_layers(shape: dict) -> tuple[list[bool], list[int]]:
     """Which layers are full (every shape["full"]-th, the last one too), and each layer's FFN width (twice as wide
     where it reads an earlier layer's keys and values)."""
     L, shared = shape["layers"], shape["layers"] - shape["kv_shared"]
-    return [(i + 1) % shape["full"] == 0 for i in range(L)], [shape["ffn"] * (2 if i >= shared else 1) for i in range(L)]
+    full = [(i + 1) % shape["full"] == 0 for i in range(L)]
+    return full, [shape["ffn"] * (2 if i >= shared else 1) for i in range(L)]
 
 
 def gemma4_metadata(writer, shape: dict) -> None:
@@ -412,7 +419,7 @@ def qwen35_layer(b: str, full: bool, shape: dict, C: int, D: int, w, vector) -> 
     stored as 1 + the checkpoint's offset, here 1."""
     import numpy as np
 
-    ones = lambda n: np.ones(n, dtype=np.float32)  # noqa: E731
+    ones = lambda n: np.ones(n, dtype=np.float32)
     vector(b + "post_attention_norm.weight", ones(C))
     w(b + "ffn_gate.weight", shape["ffn"], C)
     w(b + "ffn_up.weight", shape["ffn"], C)
@@ -525,7 +532,7 @@ def run_worker(python: str, engine: str, gguf: str, quant: str | None, ids: list
     if quant:
         cmd += ["--quant", quant]
     start = time.perf_counter()
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode or not lines:
         return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1]}
@@ -692,7 +699,7 @@ def main() -> int:
             from dense_engine.cli import benchmark
 
             rows = [r for r in results if r["model"] == name]
-            rate = lambda r, key: r.get(key, {}).get("decode_tok_s")  # noqa: E731
+            rate = lambda r, key: r.get(key, {}).get("decode_tok_s")
             benchmark.bar_chart(args.plot.removesuffix(".png") + f"-{name}.png", [r["precision"] for r in rows],
                                 {"llama.cpp": [rate(r, "llama.cpp") for r in rows],
                                  "this engine": [rate(r, "dense") for r in rows]},

@@ -92,7 +92,7 @@ def main() -> int:
                     continue
                 chat_args = chat.parse_args(["--ckpt", ckpt, "--quant", quant])
                 chat_args.lora = adapters  # (a name: as serve.py takes it)
-                model, record = flags.load_model(ckpt, chat_args, console)
+                model, _ = flags.load_model(ckpt, chat_args, console)
                 if not os.path.exists(os.path.join(adapter, "adapter_config.json")):
                     write_adapter(adapter, model, args.rank)
                 rate = decode_rate(model, ids, args.max_new, args.runs)

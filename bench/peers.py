@@ -16,7 +16,6 @@ import time
 
 import torch
 
-
 from dense_engine.cpu import quantized
 from dense_engine.formats import default_model, load
 from dense_engine.runtime import generate
@@ -85,7 +84,8 @@ def main() -> int:
         with console.status("transformers eager"):
             hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
             with torch.no_grad():
-                rows.append((f"transformers {transformers.__version__} eager", "float32", *hf_row(hf, prompt, args.gen_len, args.runs)))
+                rows.append((f"transformers {transformers.__version__} eager", "float32",
+                             *hf_row(hf, prompt, args.gen_len, args.runs)))
         if not args.skip_hf_compile:
             with console.status("transformers static cache + compile"):
                 hf.forward = torch.compile(hf.forward, fullgraph=True)

@@ -13,7 +13,6 @@ import os
 import sys
 import time
 
-
 import torch
 
 from dense_engine.cli.flags import load_model
@@ -37,8 +36,8 @@ def main() -> int:
     args = p.parse_args()
     from rich.console import Console
 
-    from dense_engine.formats import default_model
     from dense_engine.cli import flags as model_flags
+    from dense_engine.formats import default_model
 
     console = Console(stderr=True)
     ckpt = args.ckpt or default_model.default_checkpoint(console)
@@ -54,7 +53,8 @@ def main() -> int:
                  ("What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis simply.",
                   "List three uses of copper.", "Why is the sky blue?", "Tell me a short story about a cat.",
                   "What does a compiler do?", "Give me a recipe for pancakes.")]
-    rows = {"machine": f"{os.cpu_count()} cores, torch {torch.__version__}", "prompt_tokens": [len(q) for q in questions]}
+    rows = {"machine": f"{os.cpu_count()} cores, torch {torch.__version__}",
+            "prompt_tokens": [len(q) for q in questions]}
 
     def apart():
         for r, q in enumerate(questions):
@@ -72,8 +72,8 @@ def main() -> int:
     def chunked(size: int) -> list[float]:
         times = []
         for start in range(0, len(long), size):
-            times.append(timed(lambda: runner.prefill(torch.tensor([long[start:start + size]]), start, None,
-                                                      rows=torch.tensor([0]))))
+            times.append(timed(lambda start=start: runner.prefill(torch.tensor([long[start:start + size]]), start,
+                                                                  None, rows=torch.tensor([0]))))
         return times
 
     whole = min(timed(lambda: runner.prefill(torch.tensor([long]), 0, None, rows=torch.tensor([0])))

@@ -5,11 +5,12 @@ a fine-grained FP8 folder's as stored (fp8) and dequantized (float32).
 
 Writes a random folder of Llama-3.2-1B's shape (transformers' LlamaForCausalLM: 2048 wide, 16 layers, 32 query and 8
 key-value heads of 64, MLP 8192, a 128,256-token vocabulary, tied; float32), the same linears packed as GPTQ (4 bits,
-group 128, zero points, v1) and as AWQ (gemm, group 128) the way their libraries save them
-(min/max to nearest: the storage is what counts), and the float folder's dequantized GPTQ weights; then times greedy decoding
-through the compiled step (the model's 2,048-token context as the cache): the GPTQ and AWQ folders as `--quant auto` loads them (int4-g32
-holding their numbers), the float folder of the GPTQ weights with `--quant int4` (quantized by the engine at
-load, as quantize.py would), and an FP8 folder (Qwen3-FP8's 128 x 128 blocks) as fp8 and as float32 (--quant none). The median of --runs each, after a warm-up run.
+group 128, zero points, v1) and as AWQ (gemm, group 128) the way their libraries save them (min/max to nearest: the
+storage is what counts), and the float folder's dequantized GPTQ weights; then times greedy decoding through the
+compiled step (the model's 2,048-token context as the cache): the GPTQ and AWQ folders as `--quant auto` loads them
+(int4-g32 holding their numbers), the float folder of the GPTQ weights with `--quant int4` (quantized by the engine at
+load, as quantize.py would), and an FP8 folder (Qwen3-FP8's 128 x 128 blocks) as fp8 and as float32 (--quant none). The
+median of --runs each, after a warm-up run.
 """
 
 import argparse
@@ -20,10 +21,10 @@ import sys
 import tempfile
 
 import torch
+from lora import decode_rate  # (bench/lora.py's: the compiled step over the model's context as the cache)
 from safetensors.torch import load_file, save_file
 
 from dense_engine.formats import load
-from lora import decode_rate  # (bench/lora.py's: the compiled step over the model's context as the cache)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -89,7 +90,8 @@ def make_folders(root: str, layers: int) -> dict[str, str]:
     stored = load_file(os.path.join(base, "model.safetensors"))
     folders = {}
     for kind, pack, quantization in (("gptq", pack_gptq, {"quant_method": "gptq", "bits": 4, "group_size": 128,
-                                                          "desc_act": False, "sym": False, "checkpoint_format": "gptq"}),
+                                                          "desc_act": False, "sym": False,
+                                                          "checkpoint_format": "gptq"}),
                                      ("awq", pack_awq, {"quant_method": "awq", "bits": 4, "group_size": 128,
                                                         "zero_point": True, "version": "gemm"}),
                                      ("fp8", pack_fp8, {"quant_method": "fp8", "fmt": "e4m3",
@@ -106,8 +108,10 @@ def make_folders(root: str, layers: int) -> dict[str, str]:
         folders[kind] = os.path.join(root, kind)
         shutil.copytree(base, folders[kind])
         save_file(packed, os.path.join(folders[kind], "model.safetensors"))
-        raw = json.load(open(os.path.join(base, "config.json")))
-        json.dump({**raw, "quantization_config": quantization}, open(os.path.join(folders[kind], "config.json"), "w"))
+        with open(os.path.join(base, "config.json")) as f:
+            raw = json.load(f)
+        with open(os.path.join(folders[kind], "config.json"), "w") as f:
+            json.dump({**raw, "quantization_config": quantization}, f)
         if kind == "gptq":  # the float folder holds the GPTQ folder's numbers
             save_file(weights, os.path.join(base, "model.safetensors"))
     folders["float"] = base

@@ -19,7 +19,6 @@ import tempfile
 import torch
 from safetensors import safe_open
 
-
 import dense
 import quantize
 from dense_engine.cpu import quantized
@@ -36,7 +35,7 @@ def quantized_fraction(path: str, full: dense.DenseDecoder) -> float:
     numel = sum(full.get_submodule(name).weight.numel() for name in layers)
     stored = 0
     with safe_open(path, "pt") as f:
-        for key in f.keys():
+        for key in f.keys():  # noqa: SIM118 (a safetensors file, not a dict: no __iter__)
             if key.rsplit(".", 1)[0] in layers and not key.endswith(".bias"):
                 t = f.get_slice(key)
                 stored += math.prod(t.get_shape()) * {"I8": 1, "U8": 1, "F16": 2, "BF16": 2, "F32": 4}[t.get_dtype()]
@@ -59,8 +58,8 @@ def shape_sizes(name: str) -> int:
             w = full.get_submodule(layer).weight
             parts = quantized.LINEARS[layer_mode].stored(w, group_size=group, double_quant=dq and layer_mode == "nf4")
             stored += sum(t.numel() * t.element_size() for t in parts.values())
-        print(f"{name} {mode}{f'-g{group}' if mode == 'int4' else ''}{'-dq' if dq else ''}: quantized layers {stored / (2 * numel):.3f}x "
-              f"of bfloat16 ({numel / 1e6:.0f}M weights)", flush=True)
+        print(f"{name} {mode}{f'-g{group}' if mode == 'int4' else ''}{'-dq' if dq else ''}: quantized layers "
+              f"{stored / (2 * numel):.3f}x of bfloat16 ({numel / 1e6:.0f}M weights)", flush=True)
     return 0
 
 
@@ -80,7 +79,8 @@ def main() -> int:
     console = Console(stderr=args.json)
     ckpt = args.ckpt or default_model.default_checkpoint(console)
     tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
-    ids = torch.tensor([tok.encode(open(args.text).read()).ids])
+    with open(args.text) as f:
+        ids = torch.tensor([tok.encode(f.read()).ids])
     full = load.from_pretrained(ckpt)
     with torch.no_grad():
         ref_logits, ref_loss = full(ids[:, :-1], labels=ids[:, 1:])
@@ -99,8 +99,8 @@ def main() -> int:
             with torch.no_grad():
                 logits, loss = model(ids[:, :-1], labels=ids[:, 1:])
         ppl = math.exp(loss)
-        rows.append({"mode": mode + (f"-g{group}" if mode == "int4" else "") + ("-double-quant" if dq else ""), "ppl": ppl,
-                     "ppl_change_pct": 100 * (ppl / rows[0]["ppl"] - 1), "size_vs_bf16": size,
+        rows.append({"mode": mode + (f"-g{group}" if mode == "int4" else "") + ("-double-quant" if dq else ""),
+                     "ppl": ppl, "ppl_change_pct": 100 * (ppl / rows[0]["ppl"] - 1), "size_vs_bf16": size,
                      "top1_agreement": float((logits.argmax(-1) == ref_top1).float().mean())})
     if args.json:
         print(json.dumps({"ckpt": ckpt, "tokens": ids.shape[1], "rows": rows}))

@@ -50,7 +50,7 @@ def main() -> int:
     for name, settings in SETTINGS.items():
         sampler = SamplerSettings(**{"temperature": 0.7, **settings})
 
-        def run() -> float:
+        def run(sampler: SamplerSettings) -> float:
             torch.manual_seed(0)
             tokens = generate.generate_tokens(model, ids, args.tokens, steps=steps, sampler=sampler,
                                               dry=sampler.dry_for(vocab))
@@ -60,8 +60,8 @@ def main() -> int:
                 pass
             return (args.tokens - 1) / (time.perf_counter() - start)
 
-        run()  # (compile or load its step)
-        rate = max(run() for _ in range(args.repeat))
+        run(sampler)  # (compile or load its step)
+        rate = max(run(sampler) for _ in range(args.repeat))
         base = base or rate
         print(f"{name:40s} {rate:7.1f} tok/s  {rate / base:5.2f}x greedy")
     return 0

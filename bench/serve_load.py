@@ -80,7 +80,7 @@ def start(engine: str, args, ctx: int | None = None, extra=()) -> tuple[subproce
         cmd = [args.llama_python, "-m", "llama_cpp.server", "--model", args.gguf, "--port", str(port), "--n_ctx",
                str(args.ctx), "--n_threads", str(os.cpu_count()), "--interrupt_requests", "False"]
         # (by default a new request interrupts the one being generated: under load, streams end cut off)
-    log = open(os.path.join(tempfile.gettempdir(), f"serve-load-{engine}.log"), "w")
+    log = open(os.path.join(tempfile.gettempdir(), f"serve-load-{engine}.log"), "w")  # noqa: SIM115 (the server's)
     process = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=args.root)
     import urllib.request
 
@@ -201,7 +201,7 @@ async def timeouts(port: int) -> dict:
                 await client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
                                                      max_tokens=2000, temperature=0,
                                                      logit_bias={str(i): -100 for i in range(3)})
-            except Exception:  # (the client's timeout: it went away)
+            except Exception:  # noqa: BLE001 (the client's timeout: it went away)
                 return
         await asyncio.gather(*(abandoned(p) for p in LONG_PROMPTS))
     after = await reference()
@@ -252,8 +252,8 @@ async def conversations(port: int, count: int, turns: int = 3, system_tokens: in
     """`count` conversations, each with its own ~800-token system prompt (they share the chat template's first
     tokens, as every conversation does), a turn each in turn, `turns` rounds: the median time to first token per
     round (issue 55: a conversation that fits in the rows should find its row again)."""
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "english.txt")) as f:
-        words = f.read().split()
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "english.txt")) as f:  # noqa: ASYNC230
+        words = f.read().split()  # (a small file, read once before any request)
     per = system_tokens * 3 // 4  # (about 0.75 words a token)
     run = time.time_ns()  # (new to this run: the prefix store's disk files of an earlier run hold none of them)
     systems = [f"You are assistant {k} of run {run}. Read this first: " + " ".join(

@@ -19,9 +19,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import chat
+from dense_engine.cli import flags
 from dense_engine.formats import default_model
 from dense_engine.formats import vocab as vocab_module
-from dense_engine.cli import flags
 from dense_engine.runtime import caches, generate, speculative
 from dense_engine.runtime.steps import Steps
 
@@ -37,7 +37,6 @@ PROMPTS = {
 def run(model, ids, max_new, steps, stops, draft=None, k=4):
     stats = {}
     tokens = []
-    start = time.perf_counter()
     ids = torch.tensor([ids])
     tokens_out = (generate.generate_tokens(model, ids, max_new, steps=steps) if draft is None else
                   speculative.generate_tokens(model, ids, max_new, draft, steps=steps, speculate_k=k, stats=stats))

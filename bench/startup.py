@@ -76,7 +76,8 @@ def llama_cpp_case(python: str, gguf: str, flags: list[str]) -> tuple[float, flo
 
 def stop_workers(folder: str) -> None:
     """Stop the background compile workers a run in `folder` left (their command line names its cache folder)."""
-    found = subprocess.run(["pgrep", "-f", f"background.py {folder}"], capture_output=True, text=True).stdout.split()
+    found = subprocess.run(["pgrep", "-f", f"background.py {folder}"], capture_output=True, text=True,
+                           check=False).stdout.split()
     for pid in found:
         try:
             os.kill(int(pid), signal.SIGKILL)

@@ -7,7 +7,7 @@ compiled steps, sessions, speculative, tensor parallel), api.py (the Python API)
     print(llm.generate("Once upon a time", max_new_tokens=32))
 """
 
-__all__ = ["load", "LLM", "LoadRecord", "Session", "Settings", "SamplerSettings"]
+__all__ = ["LLM", "LoadRecord", "SamplerSettings", "Session", "Settings", "load"]
 
 
 def __getattr__(name: str):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -113,8 +113,8 @@ def load(path: str | None = None, quant: str = "auto", device: str | None = None
          kv_dtype: str = "auto", lora: list = ()) -> LLM:
     """A checkpoint (a folder or file any loader reads: Hugging Face, GGUF, native; None: the default model) ready
     to answer. quant: "auto" (as chat.py: a GGUF's own blocks, int4 for Q4_0/Q4_1, else as stored), "none", "int8",
-    "int4", "nf4", "llm.int8", "fp8", "gguf". device: default cuda when there is one, else cpu; dtype: default bfloat16 on
-    cuda, float32 elsewhere. max_seq_len: the cache (default the model's context, or what fits a quarter of the free
+    "int4", "nf4", "llm.int8", "fp8", "gguf". device: default cuda when there is one, else cpu; dtype: default bfloat16
+    on cuda, float32 elsewhere. max_seq_len: the cache (default the model's context, or what fits a quarter of the free
     memory). compile: compiled steps, saved for later processes (the first time on a machine they compile in the
     background while it answers eagerly). kv_dtype: the cache's numbers, as chat.py's --kv-dtype ("auto",
     "float32", "float16", "bfloat16", "int8"). lora: LoRA adapters (PEFT folders, llama.cpp's GGUF adapter files),

@@ -24,6 +24,12 @@ LAYOUTS = {
 }
 
 
+# Tests that build the kernels of instruction sets other than the machine's own (minutes of compiling): .ci/kernels
+# runs them, once, beside the kernel tests on each build (DENSE_KERNEL_BUILDS=1)
+other_builds = pytest.mark.skipif(os.environ.get("DENSE_KERNEL_BUILDS") != "1",
+                                  reason="builds other instruction sets' kernels: .ci/kernels runs it")
+
+
 def fixture_path(layout: str) -> str:
     return os.path.join(FIXTURES, LAYOUTS[layout])
 
@@ -32,13 +38,50 @@ def expected(layout: str) -> dict:
     return load_file(os.path.join(FIXTURES, LAYOUTS[layout].split("/")[0], "expected.safetensors"))
 
 
+def answer(text: str) -> str:
+    """What a one-shot prints for an answer: the text with its line closed (for the next program in a pipe)."""
+    return text if text.endswith("\n") else text + "\n"
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest absolute difference relative to the largest reference logit."""
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
+# The files that take longest (compiles, processes) start first: the two workers (pyproject's -n 2, a file each at a
+# time) then end together instead of one of them finishing the longest file alone
+LONGEST_FIRST = ["test_tp.py", "test_background.py", "test_chat.py", "test_steps.py", "test_state_layers.py",
+                 "test_reliability.py", "test_families.py", "test_serve.py", "test_quantize.py", "test_default_model.py"]
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # (stable: each file's tests keep their order)
+
+
+def pytest_sessionstart(session):
+    """The CPU kernels built once, before the workers start (each would build them at once)."""
+    if not hasattr(session.config, "workerinput"):
+        from dense_engine.cpu import kernels
+
+        kernels.available()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _dynamo_per_module():
+    """Each test file starts with Dynamo's caches empty (a reset before every test made every test compile again)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo reset and its counters cleared, for a test that counts compiles or recompiles."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -80,9 +123,9 @@ def random_model(context: int = 512, seed: int = 0, **overrides):
     from dense_engine.cpu import quantized
 
     torch.manual_seed(seed)
-    config = dense.DenseConfig(**{"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                                  "max_position_embeddings": context, "rope_precision": "bfloat16",
+    config = dense.DenseConfig(**{"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "head_dim": 16, "max_position_embeddings": context, "rope_precision": "bfloat16",
                                   "qk_norm": "per_channel", "attn_output_gate": True, **overrides})
     model = dense.DenseDecoder(config)
     with torch.no_grad():

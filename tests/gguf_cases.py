@@ -35,32 +35,36 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
 QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
 
-BASE = dict(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, ffn=128, context=128, eps=1e-5, theta=10000.0)
+BASE = {"hidden": 64, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 128, "context": 128, "eps": 1e-5,
+        "theta": 10000.0}
 # case -> architecture, shape changes, tokenizer ("bpe", pre) or ("spm", add_space_prefix), other switches
 CASES = {
-    "llama3": dict(arch="llama", tokenizer=("bpe", "llama-bpe"), llama3=True, theta=500000.0),
-    "llama-spm": dict(arch="llama", tokenizer=("spm", True)),
-    "qwen2": dict(arch="qwen2", tokenizer=("bpe", "qwen2"), theta=1e6, eps=1e-6),
-    "qwen3": dict(arch="qwen3", tokenizer=("bpe", "qwen2"), head_dim=32, eps=1e-6),
-    "gemma": dict(arch="gemma", tokenizer=("spm", False), eps=1e-6),
-    "gemma2": dict(arch="gemma2", tokenizer=("spm", False), eps=1e-6, window=8, attn_softcap=5.0,
-                   final_softcap=3.0),
-    "gemma3": dict(arch="gemma3", tokenizer=("spm", False), layers=6, eps=1e-6, window=8, theta=1e6,
-                   linear_factor=8.0),
-    "phi3": dict(arch="phi3", tokenizer=("spm", True), rotary=12, longrope=True, original_context=16),
-    "smollm3": dict(arch="smollm3", tokenizer=("bpe", "llama-bpe"), theta=2e6),  # (every 4th layer without rope)
-    "granite": dict(arch="granite", tokenizer=("bpe", "refact"), multipliers=dict(attention=0.3, embedding=3.0,
-                                                                                residual=0.5, logits=2.0)),
-    "olmo2": dict(arch="olmo2", tokenizer=("bpe", "gpt-2")),  # norms after the branches, q/k norms over all heads
-    "olmo3": dict(arch="olmo2", tokenizer=("bpe", "gpt-2"), layers=5, window=8, theta=5e5),  # every 4th layer full
-    "exaone4": dict(arch="exaone4", tokenizer=("bpe", "exaone")),  # norms after, q/k norms; llama.cpp slides only 64
-    "seed_oss": dict(arch="seed_oss", tokenizer=("bpe", "llama-bpe"), head_dim=32),  # q/k/v biases
-    "glm4": dict(arch="glm4", tokenizer=("bpe", "llama-bpe"), rotary=8),  # pairs interleaved, half rotated, 4 norms
-    "cohere2": dict(arch="cohere2", tokenizer=("bpe", "llama-bpe"), layers=5, window=8, logit_scale=0.25),
-    "apertus": dict(arch="apertus", tokenizer=("bpe", "llama-bpe")),  # xIELU (its parameters in the metadata)
-    "hunyuan": dict(arch="hunyuan-dense", tokenizer=("bpe", "llama-bpe")),  # q/k norms after the rotary
-    "stablelm": dict(arch="stablelm", tokenizer=("bpe", "gpt-2"), rotary=4),  # layer norms, per-head q/k norms
-    "gptneox": dict(arch="gptneox", tokenizer=("bpe", "gpt-2"), kv_heads=4, rotary=4),  # Pythia: biases, parallel
+    "llama3": {"arch": "llama", "tokenizer": ("bpe", "llama-bpe"), "llama3": True, "theta": 500000.0},
+    "llama-spm": {"arch": "llama", "tokenizer": ("spm", True)},
+    "qwen2": {"arch": "qwen2", "tokenizer": ("bpe", "qwen2"), "theta": 1e6, "eps": 1e-6},
+    "qwen3": {"arch": "qwen3", "tokenizer": ("bpe", "qwen2"), "head_dim": 32, "eps": 1e-6},
+    "gemma": {"arch": "gemma", "tokenizer": ("spm", False), "eps": 1e-6},
+    "gemma2": {"arch": "gemma2", "tokenizer": ("spm", False), "eps": 1e-6, "window": 8, "attn_softcap": 5.0,
+               "final_softcap": 3.0},
+    "gemma3": {"arch": "gemma3", "tokenizer": ("spm", False), "layers": 6, "eps": 1e-6, "window": 8, "theta": 1e6,
+               "linear_factor": 8.0},
+    "phi3": {"arch": "phi3", "tokenizer": ("spm", True), "rotary": 12, "longrope": True, "original_context": 16},
+    "smollm3": {"arch": "smollm3", "tokenizer": ("bpe", "llama-bpe"), "theta": 2e6},  # (every 4th layer without rope)
+    "granite": {"arch": "granite", "tokenizer": ("bpe", "refact"),
+                "multipliers": {"attention": 0.3, "embedding": 3.0, "residual": 0.5, "logits": 2.0}},
+    "olmo2": {"arch": "olmo2", "tokenizer": ("bpe", "gpt-2")},  # norms after the branches, q/k norms over all heads
+    "olmo3": {"arch": "olmo2", "tokenizer": ("bpe", "gpt-2"), "layers": 5, "window": 8,
+              "theta": 5e5},  # every 4th layer full
+    "exaone4": {"arch": "exaone4", "tokenizer": ("bpe", "exaone")},  # norms after, q/k norms; llama.cpp slides only 64
+    "seed_oss": {"arch": "seed_oss", "tokenizer": ("bpe", "llama-bpe"), "head_dim": 32},  # q/k/v biases
+    "glm4": {"arch": "glm4", "tokenizer": ("bpe", "llama-bpe"),
+             "rotary": 8},  # pairs interleaved, half rotated, 4 norms
+    "cohere2": {"arch": "cohere2", "tokenizer": ("bpe", "llama-bpe"), "layers": 5, "window": 8, "logit_scale": 0.25},
+    "apertus": {"arch": "apertus", "tokenizer": ("bpe", "llama-bpe")},  # xIELU (its parameters in the metadata)
+    "hunyuan": {"arch": "hunyuan-dense", "tokenizer": ("bpe", "llama-bpe")},  # q/k norms after the rotary
+    "stablelm": {"arch": "stablelm", "tokenizer": ("bpe", "gpt-2"), "rotary": 4},  # layer norms, per-head q/k norms
+    "gptneox": {"arch": "gptneox", "tokenizer": ("bpe", "gpt-2"), "kv_heads": 4,
+                "rotary": 4},  # Pythia: biases, parallel
 }
 PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel turns their q/k rows
 QUANTIZED = {"qwen2-q8_0": ("qwen2", Q.Q8_0), "gemma2-q4_1": ("gemma2", Q.Q4_1)}  # the block linears in these types
@@ -68,13 +72,13 @@ STATE_ARCHITECTURES = ("qwen35", "lfm2")
 # The hybrids: qwen35 (Qwen3.5: Gated DeltaNet layers, linear = (key heads, value heads, head dim), and a
 # full-attention layer every 4th, with an MTP layer after them) and lfm2 (short convs of width conv between attention
 # layers). qwen35-wide: rows of 256 inputs, for K-quant blocks.
-QWEN35 = dict(arch="qwen35", tokenizer=("bpe", "qwen35"), head_dim=32, rotary=8, eps=1e-6, theta=1e7,
-              linear=(2, 4, 16), conv=4, mtp=1, layer_types=["linear_attention"] * 3 + ["full_attention"])
+QWEN35 = {"arch": "qwen35", "tokenizer": ("bpe", "qwen35"), "head_dim": 32, "rotary": 8, "eps": 1e-6, "theta": 1e7,
+          "linear": (2, 4, 16), "conv": 4, "mtp": 1, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
 STATE_CASES = {
     "qwen35": QWEN35,
     "qwen35-wide": {**QWEN35, "hidden": 256, "head_dim": 64, "rotary": 16, "ffn": 256, "linear": (2, 4, 64), "mtp": 0},
-    "lfm2": dict(arch="lfm2", tokenizer=("bpe", "lfm2"), layers=6, theta=1e6, conv=3,
-                 layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"]),
+    "lfm2": {"arch": "lfm2", "tokenizer": ("bpe", "lfm2"), "layers": 6, "theta": 1e6, "conv": 3,
+             "layer_types": ["conv", "conv", "full_attention", "conv", "full_attention", "conv"]},
 }
 # file -> (case, type of its 2-D weights but the convs: None F32; Q8_0 as the converter's --outtype q8_0 makes it;
 # Q4_K: K-quant blocks as llama.cpp's Q4_K_M mixes them, random (gguf cannot make K-quants), Q6_K where it uses Q6_K)
@@ -164,8 +168,8 @@ def hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
     if s["arch"] == "stablelm":
         w["model.norm.bias"] = (rng.standard_normal(C) * 0.1).astype(np.float32)
     olmo = s["arch"] in ("olmo2", "exaone4")  # norms after the branches only
-    if s["arch"] in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "exaone4", "seed_oss", "glm4", "apertus", "hunyuan-dense",
-                     "stablelm"):
+    if s["arch"] in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "exaone4", "seed_oss", "glm4", "apertus",
+                     "hunyuan-dense", "stablelm"):
         w["lm_head.weight"] = mat(V, C)
     for i in range(L):
         p = f"model.layers.{i}."
@@ -235,7 +239,8 @@ def gptneox_hf_weights(case: str, seed: int = 0) -> dict[str, np.ndarray]:
     for i in range(s["layers"]):
         p = f"gpt_neox.layers.{i}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            w[p + f"{norm}.weight"], w[p + f"{norm}.bias"] = rng.uniform(0.5, 1.5, C).astype(np.float32), mat(C, std=0.1)
+            w[p + f"{norm}.weight"], w[p + f"{norm}.bias"] = (rng.uniform(0.5, 1.5, C).astype(np.float32),
+                                                              mat(C, std=0.1))
         for name, rows, cols in (("attention.query_key_value", 3 * C, C), ("attention.dense", C, C),
                                  ("mlp.dense_h_to_4h", F, C), ("mlp.dense_4h_to_h", C, F)):
             w[p + f"{name}.weight"], w[p + f"{name}.bias"] = mat(rows, cols), mat(rows, std=0.1)
@@ -339,7 +344,8 @@ def gguf_tensors(case: str) -> dict[str, np.ndarray]:
             post = "post_attention_norm" if arch in ("gemma2", "gemma3", "olmo2", "exaone4", "seed_oss") else "ffn_norm"
             theirs = {**LAYER_NAMES, "post_attention_layernorm.weight": f"{post}.weight",
                       "post_self_attn_layernorm.weight": "post_attention_norm.weight",
-                      "attention_layernorm.weight": "attn_norm.weight", "feedforward_layernorm.weight": "ffn_norm.weight",
+                      "attention_layernorm.weight": "attn_norm.weight",
+                      "feedforward_layernorm.weight": "ffn_norm.weight",
                       "input_layernorm.bias": "attn_norm.bias", "post_attention_layernorm.bias": "ffn_norm.bias",
                       "self_attn.query_layernorm.weight": "attn_q_norm.weight",
                       "self_attn.key_layernorm.weight": "attn_k_norm.weight",
@@ -666,10 +672,10 @@ def state_hf_config(case: str):
     import transformers
 
     s = spec(case)
-    values = dict(vocab_size=vocab_size(case), hidden_size=s["hidden"], intermediate_size=s["ffn"],
-                  num_hidden_layers=len(s["layer_types"]), num_attention_heads=s["heads"],
-                  num_key_value_heads=s["kv_heads"], max_position_embeddings=s["context"],
-                  layer_types=s["layer_types"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    values = {"vocab_size": vocab_size(case), "hidden_size": s["hidden"], "intermediate_size": s["ffn"],
+              "num_hidden_layers": len(s["layer_types"]), "num_attention_heads": s["heads"],
+              "num_key_value_heads": s["kv_heads"], "max_position_embeddings": s["context"],
+              "layer_types": s["layer_types"], "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     if s["arch"] == "lfm2":  # (its FFN width as LFM2's configs give it: 2/3 of intermediate_size, rounded up)
         values["intermediate_size"] = s["ffn"] * 3 // 2
         return transformers.Lfm2Config(**values, norm_eps=s["eps"], conv_L_cache=s["conv"],

@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +56,7 @@ def llama_cpp(python: str, path: str, ids: list[int], texts: list[str]):
     with tempfile.TemporaryDirectory() as work:
         out = os.path.join(work, "logits.npy")
         result = subprocess.run([python, "-c", WORKER, path, json.dumps(ids), json.dumps(texts), out],
-                                capture_output=True, text=True)
+                                capture_output=True, text=True, check=False)
         if result.returncode:
             sys.exit(f"llama.cpp failed on {path}:\n{result.stderr[-3000:]}")
         return np.load(out), json.loads(result.stdout.splitlines()[-1])
@@ -64,17 +65,16 @@ def llama_cpp(python: str, path: str, ids: list[int], texts: list[str]):
 def transformers_logits(case: str, ids: list[int]):
     """transformers' forward of the case's weights in their Hugging Face layout (the model llama.cpp's converter
     would have read)."""
-    import torch
     import transformers
 
     s = gguf_cases.spec(case)
     arch, V = s["arch"], gguf_cases.vocab_size(case)
     if arch in gguf_cases.STATE_ARCHITECTURES:
         return state_transformers_logits(case, ids)
-    values = dict(vocab_size=V, hidden_size=s["hidden"], intermediate_size=s["ffn"], num_hidden_layers=s["layers"],
-                  num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
-                  max_position_embeddings=s["context"], rms_norm_eps=s["eps"], pad_token_id=0, bos_token_id=1,
-                  eos_token_id=2)
+    values = {"vocab_size": V, "hidden_size": s["hidden"], "intermediate_size": s["ffn"],
+              "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"],
+              "head_dim": s["head_dim"], "max_position_embeddings": s["context"], "rms_norm_eps": s["eps"],
+              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     rope = {"rope_type": "default", "rope_theta": s["theta"]}
     model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
                   "gemma3": "gemma3_text", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite",
@@ -172,7 +172,7 @@ def kquant_prefill(python: str) -> int:
     with tempfile.TemporaryDirectory() as work:
         path = os.path.join(work, "mixed-head.gguf")
         test_gguf_blocks.write_mixed(path, tied=False)
-        digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
         logits, _ = llama_cpp(python, path, ids, [])
     save_file({"logits": logits}, os.path.join(OUT, "kquant_prefill.safetensors"))
     with open(os.path.join(OUT, "kquant_prefill.json"), "w") as f:

@@ -32,10 +32,9 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", 
 # Weight-only presets that compressed-tensors' PRESET_SCHEMES lacks (its own
 # "W8A16" is int8 symmetric group 128 in 0.20; older releases made it per channel).
 EXTRA_PRESETS = {
-    "W8A16_CHANNEL": dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
-    "W4A16_G32": dict(num_bits=4, type="int", symmetric=True, strategy="group",
-                      group_size=32),
-    "W4A16_CHANNEL": dict(num_bits=4, type="int", symmetric=True, strategy="channel"),
+    "W8A16_CHANNEL": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+    "W4A16_G32": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32},
+    "W4A16_CHANNEL": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel"},
 }
 
 

@@ -13,8 +13,8 @@ from typing import Literal
 
 import pytest
 import torch
+from conftest import answer, fixture_path
 
-from conftest import fixture_path
 from dense_engine.formats.vocab import load_vocabulary
 
 openai = pytest.importorskip("openai")
@@ -36,8 +36,8 @@ class ScriptedScheduler:
         self.draft, self.waiting, self.jobs = None, queue.Queue(), []
         config = types.SimpleNamespace(vocab_size=512, max_position_embeddings=4096, hidden_size=64,
                                        num_hidden_layers=2)
-        self.model = types.SimpleNamespace(config=config, device=torch.device("cpu"), parameters=lambda: [],
-                                           buffers=lambda: [])
+        self.model = types.SimpleNamespace(config=config, device=torch.device("cpu"), parameters=list,
+                                           buffers=list)
 
     def submit(self, job) -> None:
         from dense_engine.server.scheduler import finish
@@ -490,14 +490,15 @@ def test_every_api_gives_the_chat_endpoints_greedy_text(server):
 
     cli = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", fixture_path("llama"), "--prompt",
                           "hi there", "--system", "Be terse.", "--temperature", "0", "--max-new-tokens", "16",
-                          "--repeat-penalty", "0.7", "--repeat-last-n", "-1"], capture_output=True, text=True)
-    assert cli.returncode == 0 and cli.stdout == penalized, cli.stderr
+                          "--repeat-penalty", "0.7", "--repeat-last-n", "-1"], capture_output=True, text=True,
+                         check=False)
+    assert cli.returncode == 0 and cli.stdout == answer(penalized), cli.stderr
     dry = {"dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1}
     served = chat_text(server, messages, max_tokens=24, extra_body=dry)
     cli = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", fixture_path("llama"), "--prompt",
                           "hi there", "--system", "Be terse.", "--temperature", "0", "--max-new-tokens", "24",
-                          "--dry-multiplier", "0.8", "--no-compile"], capture_output=True, text=True)
-    assert cli.returncode == 0 and cli.stdout == served, cli.stderr
+                          "--dry-multiplier", "0.8", "--no-compile"], capture_output=True, text=True, check=False)
+    assert cli.returncode == 0 and cli.stdout == answer(served), cli.stderr
 
 
 @pytest.mark.slow
@@ -528,8 +529,9 @@ def test_grammars_hold_on_every_reply(server):
 
 @pytest.mark.slow
 def test_infill_prompts_equal_the_hand_built_prompts_tokens(tmp_path):
-    from dense_engine.server import infill
     from test_serve import Server
+
+    from dense_engine.server import infill
 
     folder = fim_checkpoint(tmp_path)
     vocab = load_vocabulary(folder, None)

@@ -3,8 +3,8 @@ rows finishing early at eos, a row of one token), and logits that padding never 
 
 import pytest
 import torch
-
 from conftest import expected, fixture_path, rel_err
+
 from dense_engine.formats.load import from_pretrained
 from dense_engine.runtime import generate
 

@@ -9,8 +9,8 @@ import types
 
 import pytest
 import torch
-
 from conftest import fixture_path
+
 from dense_engine.cpu import kernels
 from dense_engine.formats.load import from_pretrained
 from dense_engine.runtime import caches, generate

@@ -5,12 +5,13 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import FIXTURES, LAYOUTS, expected, fixture_path, rel_err
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURES, LAYOUTS, expected, fixture_path, rel_err
 from dense_engine.formats import convert, families
 from dense_engine.formats.load import from_pretrained
 from dense_engine.system.errors import CheckpointError
@@ -31,14 +32,14 @@ def test_converted_folder_loads_to_the_same_logits(layout, tmp_path):
 def test_convert_copies_the_tokenizer(tmp_path):
     convert.convert(fixture_path("neox_original"), str(tmp_path / "a"))
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == \
-        open(os.path.join(FIXTURES, "neox_original", "20B_tokenizer.json"), "rb").read()
+        Path(FIXTURES, "neox_original", "20B_tokenizer.json").read_bytes()
     convert.convert(fixture_path("llama"), str(tmp_path / "b"))
     assert json.loads((tmp_path / "b" / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"
 
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "dense_engine.formats.convert", *map(str, args)], capture_output=True,
-                          text=True)
+                          text=True, check=False)
 
 
 def test_cli_never_overwrites_without_force(tmp_path):
@@ -161,8 +162,8 @@ def test_missing_family_field(tmp_path):
 
 def test_openelm_widths_follow_seed_003():
     # OpenELM-270M's published per-layer sizes, derived from its config as OpenELM's reference does.
-    raw = dict(num_transformer_layers=16, model_dim=1280, head_dim=64, num_gqa_groups=4, ffn_multipliers=(0.5, 4.0),
-               qkv_multipliers=(0.5, 1.0), ffn_dim_divisor=256)
+    raw = {"num_transformer_layers": 16, "model_dim": 1280, "head_dim": 64, "num_gqa_groups": 4,
+           "ffn_multipliers": (0.5, 4.0), "qkv_multipliers": (0.5, 1.0), "ffn_dim_divisor": 256}
     q, kv, ffn = families.openelm_widths(raw, "cfg")
     assert q == [12, 12, 12, 12, 12, 16, 16, 16, 16, 16, 16, 16, 20, 20, 20, 20]
     assert kv == [h // 4 for h in q]

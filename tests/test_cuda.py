@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
+from conftest import random_model, rel_err
 
 import dense
-from conftest import random_model, rel_err
 from dense_engine.cpu import quantized
 from dense_engine.runtime import caches, generate, speculative
 from dense_engine.runtime import steps as steps_module
@@ -63,12 +63,12 @@ def test_lazy_steps_pass_more_variants_than_the_recompile_limit(monkeypatch):
     steps = steps_module.Steps(model, status=status.append, saved=False)
     compiled, eager = generate.Runner(model, steps), generate.Runner(model, None)
     token = torch.tensor([[5], [7]])
-    settings = (dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.8, top_k=5))
+    settings = ({"temperature": 0.0}, {"temperature": 0.8}, {"temperature": 0.8, "top_k": 5})
     positions = (3, 300, 700, 1500)  # buckets 256, 512, 1024, 2048
     assert len({generate.bucket_for(p + 1, 2048) for p in positions}) * len(settings) > 8
     for pos in positions:
         for setting in settings:
-            seeded = lambda: tuple(torch.Generator().manual_seed(row) for row in range(2))  # noqa: E731
+            seeded = lambda: tuple(torch.Generator().manual_seed(row) for row in range(2))
             got = compiled.decode(token, pos, None, generate.Sampling(**setting, generators=seeded()))
             want = eager.decode(token, pos, None, generate.Sampling(**setting, generators=seeded()))
             assert torch.equal(got, want), (pos, setting)
@@ -194,7 +194,7 @@ def test_cuda_compiled_generation_matches_eager():
 
 
 @cuda
-def test_cuda_int8_layer_is_the_float_product():
+def test_cuda_int8_layer_is_the_float_product(fresh_dynamo):
     """The int8 layer on CUDA, compiled, at one row (decode) and 40 (prefill): the product with its dequantized
     weight, and never routed to aten._weight_int8pack_mm."""
     check_int8_layer_compiled("cuda")
@@ -228,7 +228,7 @@ def check_int8_layer_compiled(device: str) -> None:
     assert counters["inductor"]["woq_matcher_count"] == 0
 
 
-def test_int8_layer_compiles_without_the_slow_int8_kernel():
+def test_int8_layer_compiles_without_the_slow_int8_kernel(fresh_dynamo):
     """The CUDA int8 path (the layer's dequantize-and-matmul) compiled here on the CPU, where Inductor runs the same
     pattern pass: with float32 scales it stays a matmul on the converted weight (fused on a GPU), and the control
     shows the pass would route bfloat16 scales to aten._weight_int8pack_mm."""
@@ -259,5 +259,6 @@ def test_gpu_check_leaves_the_reference_on_the_cpu(tmp_path, monkeypatch):
     plan = gpu.Plan(types.SimpleNamespace(dry_run=True, out=str(tmp_path)))
     reference = gpu.check(plan, "tiny", None)
     assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in reference.parameters())
-    rows = [json.loads(line) for line in open(tmp_path / "gpu.json")]
+    with open(tmp_path / "gpu.json") as f:
+        rows = [json.loads(line) for line in f]
     assert len(rows) > 10 and plan.failures == 0, [r for r in rows if r.get("ok") is False]

@@ -5,23 +5,23 @@ CI has."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 
 def run_chat(cache, *args, env=None):
     env = {**os.environ, "XDG_CACHE_HOME": str(cache), **(env or {})}
     return subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT)
+                          env=env, cwd=ROOT, check=False)
 
 
 @pytest.fixture
 def workers(tmp_path):
     """Background compile workers of this test's cache folder: stopped at the end (they would outlive the test)."""
     yield
-    subprocess.run(["pkill", "-f", f"background.py {tmp_path}"])
+    subprocess.run(["pkill", "-f", f"background.py {tmp_path}"], check=False)
 
 
 @pytest.mark.slow
@@ -82,15 +82,16 @@ def test_the_default_model_in_its_default_mode_is_its_file(tmp_path, monkeypatch
             err = float((got - want).abs().max() / want.abs().max())
             assert err <= 1e-4, (t, err)
     config = os.path.join(folder, "config.json")
-    record = json.load(open(config))
+    record = json.loads(Path(config).read_text())
     record["quantization"]["int4"]["head"] = "int8"  # as an earlier version wrote it
-    open(config, "w").write(json.dumps(record))
+    Path(config).write_text(json.dumps(record))
     assert default_model.outdated(folder) and not default_model.default_complete(folder)
     assert default_model.default_checkpoint(console) == folder and not default_model.outdated(folder)
     generation = os.path.join(folder, "generation_config.json")
-    open(generation, "w").write(json.dumps({"eos_token_id": [2, 0]}))  # (an earlier version's: no sampling)
+    Path(generation).write_text(json.dumps({"eos_token_id": [2, 0]}))  # (an earlier version's: no sampling)
     assert default_model.outdated(folder) == "without its default sampling"
-    assert default_model.default_checkpoint(console) == folder and json.load(open(generation))["do_sample"] is False
+    assert (default_model.default_checkpoint(console) == folder
+            and json.loads(Path(generation).read_text())["do_sample"] is False)
 
 
 def assert_structured_replies_close(cache, tmp_path) -> None:

@@ -13,15 +13,15 @@ import types
 import numpy as np
 import pytest
 import torch
-
 from conftest import fixture_path
+from test_apis import ollama_client, openai_client
+
 from dense_engine.formats import load
 from dense_engine.formats.pooling import read_pooling
 from dense_engine.formats.vocab import load_vocabulary
 from dense_engine.runtime.embedding import RERANK_INSTRUCTION, RERANK_PREFIX, RERANK_SUFFIX, Reranker
 from dense_engine.server.embeddings import Embedder
 from dense_engine.system.errors import CheckpointError
-from test_apis import ollama_client, openai_client
 
 TEXTS = ["The capital of France is Paris.", "hi", "A longer text about decoders, embeddings and pooling " * 3,
          "Oslo", "two words"]
@@ -265,7 +265,6 @@ def test_a_gguf_files_pooling_type_makes_it_an_embedding_model(tmp_path):
     """{arch}.pooling_type, as llama.cpp reads it: mean or last, normalized (llama-server's embeddings), against the
     plain pass pooled by hand; none: a generator; rank (a classifier head) refused in one line."""
     import torch.nn.functional as F
-
     from conftest import FIXTURES
     from test_gguf import U32, rewrite
 

@@ -6,14 +6,13 @@ import os
 import pytest
 import torch
 import torch._dynamo
+from conftest import LAYOUTS, expected, fixture_path, random_model, rel_err
 
 import dense
-from conftest import LAYOUTS, expected, fixture_path, random_model, rel_err
 from dense import DenseConfig
 from dense_engine.cpu import kernels
-from dense_engine.runtime import sampling
 from dense_engine.formats.load import from_pretrained
-from dense_engine.runtime import generate
+from dense_engine.runtime import generate, sampling
 from dense_engine.runtime.steps import Steps
 
 
@@ -49,7 +48,8 @@ def test_shellelastic_is_exact_in_both_precisions(monkeypatch):
     assert err == 0 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else err < 2e-6
     bf16 = from_pretrained(fixture_path("shellelastic"), dtype=torch.bfloat16)
     # (without AVX512-BF16, PyTorch's bfloat16 matmuls are emulated in another blocking: 8e-3 on a Zen 3)
-    assert rel_err(bf16(exp["input_ids"]), exp["logits_bf16"]) < (1e-3 if "avx512_bf16" in kernels.cpu_flags() else 2e-2)
+    assert rel_err(bf16(exp["input_ids"]), exp["logits_bf16"]) < (1e-3 if "avx512_bf16" in kernels.cpu_flags()
+                                                                   else 2e-2)
 
 
 def test_rope_precision_bfloat16_rounds_every_step():
@@ -61,7 +61,8 @@ def test_rope_precision_bfloat16_rounds_every_step():
     assert torch.equal(cos[:, :4], angle.cos().bfloat16().float())
     assert torch.equal(sin[:, 4:], angle.sin().bfloat16().float())
     assert torch.equal(cos[257], cos[256])
-    f32 = dense.rope_tables(DenseConfig(num_hidden_layers=1, head_dim=8, rope_precision="float32"), torch.arange(300.0))[0]
+    f32 = dense.rope_tables(DenseConfig(num_hidden_layers=1, head_dim=8, rope_precision="float32"),
+                            torch.arange(300.0))[0]
     assert not torch.equal(f32[257], f32[256])
 
 
@@ -134,7 +135,7 @@ def test_greedy_generate_equals_argmax_loop(layout):
 
 
 @pytest.mark.slow
-def test_compiled_generate_same_tokens_across_a_bucket_boundary(tmp_path, monkeypatch):
+def test_compiled_generate_same_tokens_across_a_bucket_boundary(tmp_path, monkeypatch, fresh_dynamo):
     # a 300-slot cache has buckets [256, 300]: this prompt starts in the first and crosses into the second
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = random_model()
@@ -145,7 +146,8 @@ def test_compiled_generate_same_tokens_across_a_bucket_boundary(tmp_path, monkey
     steps = Steps(model)
     got = torch.cat([ids, *generate.generate_tokens(model, ids, 40, steps=steps)], dim=1)
     assert torch.equal(got, want)
-    kinds = sorted(name.split("-")[0] for name in os.listdir(tmp_path / "dense-engine" / "compiled") if name.endswith(".pt2"))
+    kinds = sorted(name.split("-")[0] for name in os.listdir(tmp_path / "dense-engine" / "compiled")
+                   if name.endswith(".pt2"))
     assert kinds == ["decode", "decode"]  # one graph per bucket (256, 300); a 240-token prompt prefills eagerly
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     for length in (3, 17, 250):  # other prompts reuse the decode graphs; a short one adds the compiled prefill

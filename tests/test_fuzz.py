@@ -13,6 +13,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,28 +45,28 @@ TEMPLATES = [
 
 
 def corrupt_bytes(rng: random.Random, path: str, region: int | None = None) -> None:
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     if not data:
         return
     end = min(len(data), region or len(data))
     for _ in range(rng.randint(1, 8)):
         data[rng.randrange(end)] = rng.randrange(256)
-    open(path, "wb").write(bytes(data))
+    Path(path).write_bytes(bytes(data))
 
 
 def truncate(rng: random.Random, path: str) -> None:
-    data = open(path, "rb").read()
-    open(path, "wb").write(data[: rng.randrange(max(1, len(data)))])
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: rng.randrange(max(1, len(data)))])
 
 
 def safetensors_header(rng: random.Random, folder: str) -> None:
     path = os.path.join(folder, "model.safetensors")
-    data = open(path, "rb").read()
+    data = Path(path).read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8:8 + n])
     choice = rng.randrange(5)
     if choice == 0:  # the header's length
-        open(path, "wb").write(struct.pack("<Q", rng.choice([0, 1, n + 1, 2 ** 40, 2 ** 64 - 1])) + data[8:])
+        Path(path).write_bytes(struct.pack("<Q", rng.choice([0, 1, n + 1, 2 ** 40, 2 ** 64 - 1])) + data[8:])
         return
     if choice == 1:
         corrupt_bytes(rng, path, 8 + n)
@@ -76,12 +77,12 @@ def safetensors_header(rng: random.Random, folder: str) -> None:
                                ("dtype", "F64"), ("shape", [1, 2, 3, 4, 5, 6])])
     header[name][field] = value
     raw = json.dumps(header).encode()
-    open(path, "wb").write(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    Path(path).write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
 
 
 def config_value(rng: random.Random, folder: str) -> None:
     path = os.path.join(folder, "config.json")
-    config = json.load(open(path))
+    config = json.loads(Path(path).read_text())
     choice = rng.randrange(4)
     if choice == 0:
         config[rng.choice(list(config))] = rng.choice(HOSTILE_VALUES)
@@ -92,7 +93,7 @@ def config_value(rng: random.Random, folder: str) -> None:
     else:
         corrupt_bytes(rng, path)
         return
-    open(path, "w").write(json.dumps(config))
+    Path(path).write_text(json.dumps(config))
 
 
 def tokenizer_json(rng: random.Random, folder: str) -> None:
@@ -100,21 +101,21 @@ def tokenizer_json(rng: random.Random, folder: str) -> None:
     if rng.random() < 0.5:
         (truncate if rng.random() < 0.5 else corrupt_bytes)(rng, path)
         return
-    tok = json.load(open(path))
+    tok = json.loads(Path(path).read_text())
     target = rng.choice(["model", "pre_tokenizer", "decoder", "added_tokens", "normalizer"])
     tok[target] = rng.choice(HOSTILE_VALUES)
-    open(path, "w").write(json.dumps(tok))
+    Path(path).write_text(json.dumps(tok))
 
 
 def chat_template(rng: random.Random, folder: str) -> None:
     path = os.path.join(folder, "tokenizer_config.json")
-    config = json.load(open(path))
+    config = json.loads(Path(path).read_text())
     if rng.random() < 0.2:
         config = rng.choice(HOSTILE_VALUES)
     else:
         cut = rng.choice([s for s in TEMPLATES if isinstance(s, str)])[: rng.randrange(1, 40)]  # a truncated one
         config["chat_template"] = rng.choice(TEMPLATES + [cut])
-    open(path, "w").write(json.dumps(config))
+    Path(path).write_text(json.dumps(config))
 
 
 def gguf_damage(rng: random.Random, folder: str) -> None:
@@ -228,7 +229,7 @@ def run(work: str, cases: int, seed: int) -> dict:
         name = getattr(mutation, "__name__", "truncate")
         try:
             mutation(rng, folder)
-        except Exception as e:  # the mutation itself could not apply (e.g. already unreadable): skip
+        except Exception as e:  # noqa: BLE001 (the mutation itself could not apply, e.g. already unreadable: skip)
             outcomes["skipped"] = outcomes.get("skipped", 0) + 1
             outcomes.setdefault("skipped mutations", {})[name] = f"{type(e).__name__}: {str(e)[:100]}"
             shutil.rmtree(folder, ignore_errors=True)
@@ -244,7 +245,7 @@ def run(work: str, cases: int, seed: int) -> dict:
         except Hang:
             result = "hang"
             failures.append({"case": case, "mutation": name, "error": f"still running after {CASE_SECONDS} s"})
-        except BaseException as e:  # any other exception type is a failure of the promise
+        except BaseException as e:  # noqa: BLE001 (any other exception type is a failure of the promise)
             result = f"uncaught {type(e).__name__}"
             failures.append({"case": case, "mutation": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
         finally:
@@ -258,7 +259,8 @@ def run(work: str, cases: int, seed: int) -> dict:
 def test_fuzz_corrupted_checkpoints_end_in_a_load_or_a_one_line_error(tmp_path):
     result = subprocess.run([sys.executable, __file__, "--run", str(tmp_path), "--cases", "300", "--seed", "1234"],
                             capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "DENSE_KERNELS": "0"})
+                            env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "DENSE_KERNELS": "0"},
+                            check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     print(json.dumps(report["outcomes"]))
@@ -268,14 +270,14 @@ def test_fuzz_corrupted_checkpoints_end_in_a_load_or_a_one_line_error(tmp_path):
 
 def damage(rng: random.Random, path: str, within: int | None = None) -> str:
     """Truncate the file at a random length, or overwrite a random run of its bytes (in its first `within` bytes)."""
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     if rng.random() < 0.5:
         cut = rng.randrange(0, len(data))
-        open(path, "wb").write(bytes(data[:cut]))
+        Path(path).write_bytes(bytes(data[:cut]))
         return f"truncated to {cut} bytes"
     start = rng.randrange(0, within or len(data))
     data[start:start + 64] = bytes(rng.randrange(256) for _ in range(len(data[start:start + 64])))
-    open(path, "wb").write(bytes(data))
+    Path(path).write_bytes(bytes(data))
     return f"64 bytes overwritten at {start}"
 
 
@@ -296,19 +298,19 @@ def test_fuzz_damaged_cache_files_end_in_the_answer_or_a_one_line_error(tmp_path
         shutil.copytree(os.path.join(machine.cache_dir(), "kernels"), cache / "kernels")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     run = [sys.executable, chat, "--ckpt", native, "--prompt", "hi", "--temperature", "0", "--max-new-tokens", "8"]
-    want = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
+    want = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300, check=False)
     assert want.returncode == 0, want.stderr
-    targets = {"compiled step": lambda: sorted(cache.glob("compiled/*.pt2"))[0],
+    targets = {"compiled step": lambda: min(cache.glob("compiled/*.pt2")),
                "converted weights": lambda: os.path.join(native, "model.safetensors")}
     rng = random.Random(7)
     for kind in ("compiled step", "converted weights", "converted weights"):
         path = str(targets[kind]())
-        saved = open(path, "rb").read()
+        saved = Path(path).read_bytes()
         # (weights carry no digest: a check of every byte at each start would cost seconds for a large model; what
         # an interrupted write or a damaged header leaves is caught by sizes and the format's own checks)
         header = 8 + int.from_bytes(saved[:8], "little") if kind == "converted weights" else None
         how = damage(rng, path, header)
-        got = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
+        got = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300, check=False)
         where = f"{kind} {how}: {got.stderr[-500:]}"
         assert got.returncode in (0, 2) and "Traceback" not in got.stderr, where
         if got.returncode == 0:
@@ -316,7 +318,7 @@ def test_fuzz_damaged_cache_files_end_in_the_answer_or_a_one_line_error(tmp_path
         else:
             assert got.stderr.count("\n") == 1 and "error:" in got.stderr, where
         if kind == "converted weights":  # (ours to mend: what the user converted is reported, not rebuilt)
-            open(path, "wb").write(saved)
+            Path(path).write_bytes(saved)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,20 @@ the cache equal; the cache holds only the layers that write it."""
 import copy
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
-
 from conftest import FIXTURES
-from dense_engine.formats import load
-from dense_engine.runtime import caches, generate
 from test_state_layers import save_random
 
-TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, global_head_dim=32, sliding_window=6, max_position_embeddings=256, eos_token_id=2)
+from dense_engine.formats import load
+from dense_engine.runtime import caches, generate
+
+TEXT = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32, "sliding_window": 6,
+        "max_position_embeddings": 256, "eos_token_id": 2}
 SIX = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
        "full_attention"]
 CASES = {  # name: (transformers class, config)
@@ -33,8 +35,8 @@ CASES = {  # name: (transformers class, config)
     "wrapper": ("Gemma4ForConditionalGeneration", transformers.Gemma4Config(
         text_config=dict(**TEXT, num_hidden_layers=4, layer_types=SIX[1:3] * 2, hidden_size_per_layer_input=8,
                          vocab_size_per_layer_input=512),
-        vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           num_key_value_heads=2, head_dim=16), audio_config=None)),
+        vision_config={"hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "num_key_value_heads": 2, "head_dim": 16}, audio_config=None)),
 }
 
 
@@ -132,7 +134,7 @@ def test_what_is_not_done_is_refused_in_one_line(folders, tmp_path):
     from dense_engine.system.errors import CheckpointError
 
     folder, _ = folders["per-layer embeddings, shared keys and values"]
-    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    config = json.loads(Path(folder, "config.json").read_text())
     for key, value, words in (("enable_moe_block", True, "mixture of experts"),
                               ("vocab_size_per_layer_input", 256, "per-layer table")):
         changed = tmp_path / key

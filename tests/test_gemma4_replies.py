@@ -9,12 +9,12 @@ import os
 import shutil
 
 import pytest
-
 from conftest import fixture_path
-from dense_engine.formats.vocab import load_vocabulary
-from dense_engine.runtime import reasoning, tools
 from test_apis import anthropic_client, ollama_client, openai_client
 from test_reasoning import app_client  # (test_apis' scripted app, its model's vocabulary the vocabulary's size)
+
+from dense_engine.formats.vocab import load_vocabulary
+from dense_engine.runtime import reasoning, tools
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MARKERS = ["<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>", "<|tool>", "<tool|>", "<|tool_call>",

@@ -8,16 +8,17 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import gguf
 import gguf_cases
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, answer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import dense
-from conftest import ROOT
 from dense_engine.cpu import kernels, quantized
 from dense_engine.formats import checkpoint, gguf_import, load, preread
 from dense_engine.runtime import caches, generate
@@ -43,7 +44,8 @@ def original_tokenizer(pre: str) -> Tokenizer:
     tok.pre_tokenizer = byte_level if pre == "gpt2" else pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), byte_level])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 5, trainer)
     return tok
 
@@ -151,8 +153,9 @@ def test_quantized_tensors_equal_ggufs_own_dequantization(tmp_path, tokenizer):
     params = load.checkpoint_state_dict(loaded)
     checked = set()
     for i in range(2):
-        for ours, theirs, heads in [("attn.q_proj", "attn_q", 4), ("attn.k_proj", "attn_k", 2), ("attn.v_proj", "attn_v", 0),
-                                    ("attn.o_proj", "attn_output", 0), ("mlp.gate_proj", "ffn_gate", 0),
+        for ours, theirs, heads in [("attn.q_proj", "attn_q", 4), ("attn.k_proj", "attn_k", 2),
+                                    ("attn.v_proj", "attn_v", 0), ("attn.o_proj", "attn_output", 0),
+                                    ("mlp.gate_proj", "ffn_gate", 0),
                                     ("mlp.up_proj", "ffn_up", 0), ("mlp.down_proj", "ffn_down", 0)]:
             raw, qtype = written[f"blk.{i}.{theirs}.weight"]
             values = gguf.quants.dequantize(raw, qtype)
@@ -200,7 +203,7 @@ def test_convert_writes_a_native_folder_with_tokenizer_and_template(tmp_path, to
     write_gguf(tmp_path / "m.gguf", model, tokenizer, "gpt2", {"attn_q": Q.Q8_0})
     dst = tmp_path / "native"
     result = subprocess.run([sys.executable, "-m", "dense_engine.formats.convert", str(tmp_path / "m.gguf"), str(dst)],
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     ids = torch.randint(0, 400, (1, 16), generator=torch.Generator().manual_seed(3))
     assert torch.equal(load.from_pretrained(str(dst))(ids),
@@ -261,7 +264,7 @@ def test_quant_auto_loads_q4_blocks_as_int4_bit_for_bit(tmp_path, tokenizer, blo
             assert torch.equal(head_of.logits(hidden[:m]), logits[:m])  # batch, a prompt's echo; PyTorch's: no)
     for i in range(2):
         def gguf_rows(name, heads=0):
-            raw, qtype = written[f"blk.{i}.{name}.weight"]
+            raw, qtype = written[f"blk.{i}.{name}.weight"]  # noqa: B023 (called within its own iteration)
             values = torch.from_numpy(gguf.quants.dequantize(raw, qtype).copy())
             return gguf_import.unpermute(values, heads) if heads else values
 
@@ -373,7 +376,7 @@ def test_quantized_files_of_other_architectures(reference, gguf_files, name):
 
     record, logits = reference
     path, _ = gguf_files[name]
-    case, qtype = gguf_cases.QUANTIZED[name]
+    _, qtype = gguf_cases.QUANTIZED[name]
     model = load.from_pretrained(path, quant="auto")
     reader = gguf_import.open_gguf(path)
     raw = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(
@@ -448,7 +451,7 @@ def test_chat_and_convert_take_a_gguf_of_another_architecture(gguf_files, tmp_pa
     path, _ = gguf_files["phi3"]
     result = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", path, "--prompt", "hello",
                              "--temperature", "0", "--max-new-tokens", "10", "--no-compile"], capture_output=True,
-                            text=True)
+                            text=True, check=False)
     assert result.returncode == 0, result.stderr
     tokenizer = gguf_import.build_tokenizer(gguf_import.open_gguf(path), path)
     text = Template(gguf_cases.TEMPLATE).render(messages=[{"role": "user", "content": "hello"}],
@@ -458,10 +461,10 @@ def test_chat_and_convert_take_a_gguf_of_another_architecture(gguf_files, tmp_pa
     out = generate.generate(model, torch.tensor([ids]), 10)[0, len(ids):].tolist()
     stops = {2, tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<end_of_turn>")}  # eos, ends of turn
     out = out[:next((i for i, t in enumerate(out) if t in stops), len(out))]
-    assert result.stdout == tokenizer.decode(out, skip_special_tokens=True)
+    assert result.stdout == answer(tokenizer.decode(out, skip_special_tokens=True))
     dst = tmp_path / "native"
     assert subprocess.run([sys.executable, "-m", "dense_engine.formats.convert", gguf_files["gemma3"][0], str(dst)],
-                          capture_output=True).returncode == 0
+                          capture_output=True, check=False).returncode == 0
     ids = torch.tensor([ids])
     assert torch.equal(load.from_pretrained(str(dst))(ids), load.from_pretrained(gguf_files["gemma3"][0])(ids))
 
@@ -509,8 +512,8 @@ def test_an_alignment_llama_cpp_refuses_is_one_line(tmp_path, tokenizer, value, 
     source = str(tmp_path / "m.gguf")
     write_gguf(source, small_llama(tied=True), tokenizer, "gpt2", {})
     path = rewrite(source, str(tmp_path / "x.gguf"), add={"general.alignment": (value, kind)})
-    with pytest.raises(checkpoint.CheckpointError, match=r"x\.gguf: .*general\.alignment is .*; expected a power of two stored "
-                                              r"as u32"):
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"x\.gguf: .*general\.alignment is .*; expected a power of two stored as u32"):
         load.from_pretrained(path)
     aligned = rewrite(source, str(tmp_path / "a64.gguf"), alignment=64)  # a valid alignment other than 32 reads right
     ids = torch.arange(3, 30).reshape(1, -1)
@@ -523,13 +526,14 @@ def test_a_block_tensor_whose_rows_are_not_whole_blocks_is_one_line(tmp_path, to
     write_gguf(source, small_llama(tied=True), tokenizer, "gpt2", {})
     raw = gguf.quants.quantize(np.zeros((96, 64), dtype=np.float32), Q.Q4_1)
     path = rewrite(source, str(tmp_path / "x.gguf"), replace={"blk.0.ffn_up.weight": (raw, None, Q.Q4_1)})
-    data = bytearray(open(path, "rb").read())  # its dims [64, 96] -> [48, 128]: as many values, 192 whole blocks
+    data = bytearray(Path(path).read_bytes())  # its dims [64, 96] -> [48, 128]: as many values, 192 whole blocks
     name = b"blk.0.ffn_up.weight"
     at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name) + 4  # (after the name and n_dims)
     data[at:at + 16] = (48).to_bytes(8, "little") + (128).to_bytes(8, "little")
-    open(path, "wb").write(data)
-    with pytest.raises(checkpoint.CheckpointError, match=r"x\.gguf: .*tensor 'blk\.0\.ffn_up\.weight': its rows of 48 values are "
-                                              r"not whole Q4_1 blocks of 32"):
+    Path(path).write_bytes(data)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"x\.gguf: .*tensor 'blk\.0\.ffn_up\.weight': its rows of 48 values are not whole "
+                             r"Q4_1 blocks of 32"):
         load.from_pretrained(path)
 
 
@@ -549,7 +553,7 @@ def test_a_block_tensor_whose_rows_are_not_whole_blocks_is_one_line(tmp_path, to
 def test_what_llama_cpp_would_not_read_is_one_line(gguf_files, tmp_path, source, change, message):
     path = rewrite(gguf_files[source][0], str(tmp_path / "x.gguf"), **change)
     result = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", path, "--prompt", "hi"],
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, check=False)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr and "x.gguf" in result.stderr
 
@@ -699,6 +703,7 @@ def test_a_converted_gguf_gives_llama_cpps_logits_and_ids(arch, context, scaling
     learned sinks, Granite's four scales. llama.cpp's logits (a float32 cache) within `within` of their largest, the
     same argmax, its token ids."""
     from conftest import FIXTURES
+
     from dense_engine.formats.vocab import load_vocabulary
 
     path = os.path.join(FIXTURES, "converted_gguf", f"{arch}.gguf")

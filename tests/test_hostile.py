@@ -10,8 +10,8 @@ import types
 
 import pytest
 import torch
-
 from conftest import fixture_path
+
 from dense_engine.formats.vocab import load_vocabulary
 
 HI = [{"role": "user", "content": "hi"}]

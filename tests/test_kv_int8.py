@@ -5,9 +5,9 @@ the cache; a server's prefixes kept in the store come back exactly."""
 
 import pytest
 import torch
+from conftest import fixture_path
 
 import dense
-from conftest import fixture_path
 from dense_engine.cpu import kernels
 from dense_engine.formats.load import from_pretrained
 from dense_engine.runtime import caches, generate
@@ -91,6 +91,7 @@ def test_a_compiled_decode_step_reads_the_int8_cache_as_the_eager_one(tmp_path):
     """The compiled step calls the kernel with the scales (one graph, compiled, none failed) and gives the eager
     step's tokens."""
     from conftest import random_model
+
     from dense_engine.runtime.steps import Steps
 
     model = random_model()

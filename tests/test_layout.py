@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import tomllib
-
 from conftest import ROOT
 
 # Bottom to top: what a module may import is on its own floor or below. dense.py stands under them all; the root's

@@ -9,12 +9,12 @@ import json
 import os
 
 import pytest
-
 from conftest import fixture_path
-from dense_engine.formats.vocab import load_vocabulary
-from dense_engine.runtime import reasoning, tools
 from test_apis import anthropic_client, ollama_client, openai_client
 from test_reasoning import app_client  # (test_apis' scripted app, its model's vocabulary the vocabulary's size)
+
+from dense_engine.formats.vocab import load_vocabulary
+from dense_engine.runtime import reasoning, tools
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MARKERS = ["[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",

@@ -9,16 +9,17 @@ import re
 import types
 
 import pytest
-
 from conftest import fixture_path
-from dense_engine.formats.vocab import load_vocabulary
-from dense_engine.runtime import reasoning
 from test_apis import CALL, WEATHER, anthropic_client, ollama_client, openai_client
 from test_apis import app_client as scripted_app
 
+from dense_engine.formats.vocab import load_vocabulary
+from dense_engine.runtime import reasoning
+
 # Qwen3's switches, written small: enable_thinking false closes an empty thinking in the prompt; think_in_prompt
 # opens one there (as Qwen3.5's and DeepSeek-R1's templates do), so that the reply starts inside it
-TEMPLATE = ("{% if reasoning_effort is defined %}effort: {{ reasoning_effort }}\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+TEMPLATE = ("{% if reasoning_effort is defined %}effort: {{ reasoning_effort }}\n{% endif %}"
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n"
             "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
             "{% elif think_in_prompt is defined and think_in_prompt %}<think>\n{% endif %}{% endif %}")
@@ -223,7 +224,6 @@ def test_slash_think_sets_the_templates_switch(vocab):
 
 def test_a_one_shot_prints_the_answer_and_then_the_thinking_on_one_line(vocab, capsys):
     import io
-    import sys
 
     from rich.console import Console
 
@@ -241,7 +241,7 @@ def test_a_one_shot_prints_the_answer_and_then_the_thinking_on_one_line(vocab, c
                                  stats=False)
     notes = io.StringIO()
     chat.one_shot(session, vocab, args, "chat", Notes(Console(file=notes, width=300)), 0.0)
-    assert capsys.readouterr().out == ANSWER  # (a pipe: the answer as it is)
+    assert capsys.readouterr().out == ANSWER + "\n"  # (a pipe: the answer, its line closed)
     assert notes.getvalue() == f"thought: {' '.join(THOUGHT.split())}\n"
 
 

@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, fixture_path
 
 CHAT = os.path.join(ROOT, "chat.py")
@@ -19,7 +18,8 @@ LLAMA = fixture_path("llama")  # ChatML template, float32 weights
 
 def chat(*args, stdin=None, env=None, timeout=300):
     return subprocess.run([sys.executable, CHAT, *map(str, args)], capture_output=True, text=True, input=stdin,
-                          cwd=ROOT, env={**os.environ, "PYTHONIOENCODING": "utf-8", **(env or {})}, timeout=timeout)
+                          cwd=ROOT, env={**os.environ, "PYTHONIOENCODING": "utf-8", **(env or {})}, timeout=timeout,
+                          check=False)
 
 
 GREEDY = ("--temperature", "0", "--max-new-tokens", "12")
@@ -68,7 +68,7 @@ def test_a_kernel_build_killed_or_damaged_is_built_again(tmp_path):
 
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     folder = tmp_path / "dense-engine" / "kernels"
-    building = lambda: folder.exists() and any(p.name.startswith("tmp") for d in folder.iterdir() if d.is_dir()  # noqa
+    building = lambda: folder.exists() and any(p.name.startswith("tmp") for d in folder.iterdir() if d.is_dir()
                                                 for p in d.iterdir())
     assert run_until([sys.executable, CHAT, "--ckpt", LLAMA, "--prompt", "hi", *GREEDY], env, building)
     assert not list(folder.glob("*/libdense_kernels.so"))  # nothing under the library's name
@@ -85,8 +85,8 @@ def test_a_kernel_build_killed_or_damaged_is_built_again(tmp_path):
 @pytest.mark.slow
 def test_a_default_model_conversion_killed_or_damaged_is_redone(tmp_path):
     """The default model's conversion (here from a tiny GGUF standing in for the wheel's): killed while fetching or
-    converting, it leaves no folder under the model's name, and its temporary folder goes with the next conversion; a file of
-    the converted folder truncated later is found before loading, and the folder converted again."""
+    converting, it leaves no folder under the model's name, and its temporary folder goes with the next conversion; a
+    file of the converted folder truncated later is found before loading, and the folder converted again."""
     import gguf_cases
 
     source = str(tmp_path / "stand-in.gguf")
@@ -97,11 +97,11 @@ def test_a_default_model_conversion_killed_or_damaged_is_redone(tmp_path):
               "print(default_model.default_checkpoint(rich.console.Console(stderr=True, soft_wrap=True)))\n")
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     cache = tmp_path / "cache" / "dense-engine"
-    fetching = lambda: any(cache.glob(".fetch-*"))  # noqa: E731  (its fetch or conversion under way)
+    fetching = lambda: any(cache.glob(".fetch-*"))  # (its fetch or conversion under way)
     assert run_until([sys.executable, "-c", script], env, fetching)
     assert list(cache.glob(".fetch-*")) and not (cache / "smollm2-135m-instruct").exists()
-    run = lambda: subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,  # noqa: E731
-                                 env={**os.environ, **env})
+    run = lambda: subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                 env={**os.environ, **env}, check=False)
     done = run()
     assert done.returncode == 0 and not list(cache.glob(".fetch-*"))  # the killed run's folder is gone
     folder = cache / "smollm2-135m-instruct"
@@ -213,7 +213,8 @@ def test_sigterm_and_sighup_mid_reply_restore_the_terminal(cache):
                                                "0"], cwd=ROOT, env={**os.environ, "XDG_CACHE_HOME": str(cache),
                                                                     "TERM": "xterm"}, encoding="utf-8", timeout=120)
         child.expect(">>> ")
-        before = subprocess.run(["stty", "-g"], stdin=child.child_fd, capture_output=True, text=True).stdout
+        before = subprocess.run(["stty", "-g"], stdin=child.child_fd, capture_output=True, text=True,
+                                check=False).stdout
         child.sendline("tell me a long story")
         time.sleep(0.5)
         child.kill(sig)

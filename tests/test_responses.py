@@ -13,8 +13,8 @@ import types
 
 import pytest
 import torch
-
 from conftest import FIXTURES, fixture_path
+
 from dense_engine.formats.vocab import load_vocabulary
 
 GOLDEN = os.path.join(FIXTURES, "server_replies.json")

@@ -124,7 +124,8 @@ def test_the_step_samples_from_that_distribution():
     logits = logits_rows()[2:3].expand(20000, V).contiguous()
     penalty = torch.ones_like(logits).scatter_(1, torch.tensor([[0, 1]] * 20000), 2.0)
     n = len(logits)
-    tokens = generate.next_token(logits, "sampled+min-p+typical", None, torch.full((n,), 0.9), torch.zeros(n, dtype=torch.long),
+    tokens = generate.next_token(logits, "sampled+min-p+typical", None, torch.full((n,), 0.9),
+                                 torch.zeros(n, dtype=torch.long),
                                  torch.ones(n), torch.full((n,), 0.05), torch.full((n,), 0.95),
                                  torch.empty_like(logits).exponential_(1, generator=torch.Generator().manual_seed(1)),
                                  None, penalty)
@@ -263,6 +264,7 @@ def test_greedy_generation_with_dry_equals_a_slow_loop():
     """generate_tokens' DRY against a loop with no cache that applies text-generation-webui's rule to the whole
     sequence each step; a ragged batch's rows each their own."""
     from conftest import random_model
+
     from dense_engine.runtime.dry import Dry
 
     model = random_model()

@@ -1,8 +1,8 @@
 """The one sampling record and the one route to the sampler; the server's schedule() on plain records."""
 
 import torch
-
 from conftest import random_model
+
 from dense_engine.runtime import caches, generate, sampling, speculative
 from dense_engine.runtime.sampling import SamplerSettings
 from dense_engine.server.scheduler import Request, Row, Status, schedule
@@ -61,7 +61,7 @@ def test_a_speculative_round_draws_the_plain_sampler_call():
 # ---- schedule(): a turn's choices, on records, without a model
 
 
-def waiting(prompt, sampler=SamplerSettings(), **fields) -> Request:
+def waiting(prompt, sampler=SamplerSettings(), **fields) -> Request:  # noqa: B008 (a frozen dataclass)
     return Request(prompt, 8, sampler, [], seeded(), lambda event: None, **fields)
 
 

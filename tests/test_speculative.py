@@ -5,17 +5,17 @@ j in 0..k; the sampling rule's output distribution against the target's (chi-squ
 
 import pytest
 import torch
+from conftest import fixture_path, random_model
 from rich.console import Console
 
 import chat
 import quantize
-from conftest import fixture_path, random_model
 from dense_engine.cli import flags
 from dense_engine.formats import convert, load
 from dense_engine.formats import vocab as vocab_module
 from dense_engine.runtime import caches, generate, session, speculative
-from dense_engine.runtime.steps import Steps
 from dense_engine.runtime.sampling import SamplerSettings
+from dense_engine.runtime.steps import Steps
 
 K = 4
 
@@ -185,7 +185,7 @@ def test_sampled_speculative_generation_follows_the_target(target):
     """End to end at temperature 1: the second token (the first one speculated) has the same distribution with a
     draft that is usually wrong as without one (two-sample chi-square over 1500 draws each)."""
     prompt = torch.tensor([[3, 9, 27]])
-    sampling = dict(sampler=SamplerSettings(temperature=1.0, top_k=4))
+    sampling = {"sampler": SamplerSettings(temperature=1.0, top_k=4)}
     draft = speculative.ModelDraft(random_model(seed=7))
     torch.manual_seed(1)
     counts = {"plain": torch.zeros(512), "spec": torch.zeros(512)}

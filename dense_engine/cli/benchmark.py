@@ -23,54 +23,57 @@ import time
 import torch
 
 import dense
+from dense_engine.cli import flags
 from dense_engine.cpu import quantized
 from dense_engine.formats import checkpoint, families, load
 from dense_engine.formats import vocab as vocab_module
 from dense_engine.formats.checkpoint import atomic_write
-from dense_engine.cli import flags
-from dense_engine.runtime.steps import steps_for
 from dense_engine.runtime import caches, generate, speculative, tp
+from dense_engine.runtime.steps import steps_for
 
 IMPORTED = time.perf_counter()
 
 # Published shapes, for measuring without downloads (random weights).
 SHAPES = {
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                         rope_theta=100000.0, tie_word_embeddings=True),
-    "pythia-1.4b": dict(vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
-                        num_attention_heads=16, head_dim=128, rotary_dim=32, max_position_embeddings=2048, norm="layernorm",
-                        mlp="gelu", bias=True, parallel_residual=True),
+    "smollm2-135m": {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                     "max_position_embeddings": 8192, "rope_theta": 100000.0, "tie_word_embeddings": True},
+    "pythia-1.4b": {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24,
+                    "num_attention_heads": 16, "head_dim": 128, "rotary_dim": 32, "max_position_embeddings": 2048,
+                    "norm": "layernorm", "mlp": "gelu", "bias": True, "parallel_residual": True},
     "openelm-1.1b": "openelm",
-    "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                       num_attention_heads=32, head_dim=128, max_position_embeddings=4096, norm_eps=1e-5),
-    "tiny": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=2, head_dim=32, max_position_embeddings=2048),  # (dry runs: bench/gpu.py)
+    "llama-2-7b": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "head_dim": 128, "max_position_embeddings": 4096, "norm_eps": 1e-5},
+    "tiny": {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+             "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+             "max_position_embeddings": 2048},  # (dry runs: bench/gpu.py)
     "shellelastic": checkpoint.NATIVE_DEFAULTS,  # the native format's defaults: the ShellElastic model
-    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
-                         rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                                            "high_freq_factor": 4.0,
-                                                            "original_max_position_embeddings": 8192},
-                         tie_word_embeddings=True),
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
-                         rope_theta=1e6, norm_eps=1e-6, qkv_bias=True, tie_word_embeddings=True),
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                       rope_theta=1e6, norm_eps=1e-6, qk_norm="shared", tie_word_embeddings=True),
-    "gemma-3-1b": dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
-                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
-                       rope_theta=1e6, rope_local_theta=1e4, sliding_window=512,
-                       layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(26)],
-                       attn_scale=256 ** -0.5, norm_eps=1e-6, norm_unit_offset=True, qk_norm="shared", mlp="geglu",
-                       post_norms=True, embed_scale=1152 ** 0.5, tie_word_embeddings=True),
-    "phi-4-mini": dict(vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
-                       num_attention_heads=24, num_key_value_heads=8, head_dim=128, rotary_dim=96,
-                       max_position_embeddings=131072, rope_scaling={
-                           "rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0 + i / 8 for i in
-                                                                                                range(48)],
-                           "original_max_position_embeddings": 4096}, tie_word_embeddings=True),
+    "llama-3.2-1b": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                     "max_position_embeddings": 131072, "rope_theta": 500000.0,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                     "tie_word_embeddings": True},
+    "qwen2.5-0.5b": {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                     "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64,
+                     "max_position_embeddings": 32768, "rope_theta": 1e6, "norm_eps": 1e-6, "qkv_bias": True,
+                     "tie_word_embeddings": True},
+    "qwen3-0.6b": {"vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "max_position_embeddings": 40960, "rope_theta": 1e6, "norm_eps": 1e-6, "qk_norm": "shared",
+                   "tie_word_embeddings": True},
+    "gemma-3-1b": {"vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+                   "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                   "max_position_embeddings": 32768, "rope_theta": 1e6, "rope_local_theta": 1e4, "sliding_window": 512,
+                   "layer_types": ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(26)],
+                   "attn_scale": 256 ** -0.5, "norm_eps": 1e-6, "norm_unit_offset": True, "qk_norm": "shared",
+                   "mlp": "geglu", "post_norms": True, "embed_scale": 1152 ** 0.5, "tie_word_embeddings": True},
+    "phi-4-mini": {"vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+                   "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128, "rotary_dim": 96,
+                   "max_position_embeddings": 131072, "rope_scaling": {
+                       "rope_type": "longrope", "short_factor": [1.0] * 48,
+                       "long_factor": [1.0 + i / 8 for i in range(48)], "original_max_position_embeddings": 4096},
+                   "tie_word_embeddings": True},
 }
 PEAK_BANDWIDTH_GBS = {"H200": 4800, "H100": 3350, "A100": 2039, "L4": 300, "RTX 4090": 1008}
 
@@ -78,8 +81,8 @@ PEAK_BANDWIDTH_GBS = {"H200": 4800, "H100": 3350, "A100": 2039, "L4": 300, "RTX 
 def shape_config(name: str) -> dense.DenseConfig:
     spec = SHAPES[name]
     if spec == "openelm":  # OpenELM-1_1B's per-layer widths, derived as its config does
-        raw = dict(num_transformer_layers=28, model_dim=2048, head_dim=64, num_gqa_groups=4, ffn_multipliers=(0.5, 4.0),
-                   qkv_multipliers=(0.5, 1.0), ffn_dim_divisor=256)
+        raw = {"num_transformer_layers": 28, "model_dim": 2048, "head_dim": 64, "num_gqa_groups": 4,
+               "ffn_multipliers": (0.5, 4.0), "qkv_multipliers": (0.5, 1.0), "ffn_dim_divisor": 256}
         heads, kv, ffn = families.openelm_widths(raw, name)
         return dense.DenseConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=28, num_attention_heads=heads,
                                  num_key_value_heads=kv, head_dim=64, intermediate_size=ffn, norm_eps=1e-6,
@@ -250,7 +253,7 @@ def run_benchmark(model, *, batch: int, prompt_len: int | tuple[int, int], gen_l
         steps.status = progress
     if progress:
         progress("warming up" + (" (loading or compiling the steps)" if compile else ""))
-    run = dict(given=prompt_ids, draft=draft, speculate_k=speculate_k)
+    run = {"given": prompt_ids, "draft": draft, "speculate_k": speculate_k}
     one_run(model, steps, batch, lengths, min(gen_len, 3), seed=0, **run)
     startup = process_age()
     one_run(model, steps, batch, lengths, gen_len, seed=0, **run)  # every bucket the runs reach
@@ -382,11 +385,12 @@ def table(result: dict, title: str):
         ("MBU", f"{result['mbu'] * 100:.1f}% of {result['peak_bw_gbs']} GB/s" if result["mbu"] else
          "unknown peak (--peak-bw GB/s)"),
         ("peak memory", f"{result['peak_mem_bytes'] / 2**20:.0f} MiB"),
-        ("speculation", f"{result['draft']}, k {result['speculate_k']}: drafts accepted "
-                        f"{result['acceptance_rate']:.0%}, {result['tokens_per_target_step']:.2f} tokens per target "
-                        "step" if result["draft"] else "none"),
-        ("setup", f"{result['dtype']}, quant {result['quant']} ({result.get('quant_reason', '')}), batch {result['batch_size']}, prompt "
-                  f"{result['prompt_len']}, gen {result['gen_len']}, compile {result['compile']}, {result['runs']} runs"),
+        ("speculation", (f"{result['draft']}, k {result['speculate_k']}: drafts accepted "
+                         f"{result['acceptance_rate']:.0%}, {result['tokens_per_target_step']:.2f} tokens per "
+                         "target step") if result["draft"] else "none"),
+        ("setup", (f"{result['dtype']}, quant {result['quant']} ({result.get('quant_reason', '')}), batch "
+                   f"{result['batch_size']}, prompt {result['prompt_len']}, gen {result['gen_len']}, compile "
+                   f"{result['compile']}, {result['runs']} runs")),
         ("device", f"{result['device']}, torch {result['torch']}"),
     ]
     for k, v in rows:

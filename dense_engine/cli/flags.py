@@ -50,8 +50,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", help="checkpoint folder or file (default: SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--tokenizer", help="tokenizer.json (or its folder) when the checkpoint has none")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: bfloat16 on cuda, else float32")
-    p.add_argument("--quant", choices=("auto", "none", "int8", "int4", "nf4", "llm.int8", "fp8", "gguf"), default="auto",
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="default: bfloat16 on cuda, else float32")
+    p.add_argument("--quant", choices=("auto", "none", "int8", "int4", "nf4", "llm.int8", "fp8", "gguf"),
+                   default="auto",
                    help="weight quantization (a variant saved by quantize.py, else made at load time); auto: int4 "
                         "for weights from a Q4_0/Q4_1 GGUF (held exactly), a GGUF's own blocks for its other types "
                         "(gguf: Q4_K, Q5_K, Q6_K, Q8_0, ...), an FP8 folder's float8 weights on a GPU (float on "
@@ -92,7 +94,8 @@ def parse_flags(p: argparse.ArgumentParser, argv):
     p.error = one_line_error
     args = p.parse_args(argv)
     if args.speculate_k > 64:
-        raise UsageError(f"--speculate-k must be at most 64 (a verify step checks k + 1 tokens), got {args.speculate_k}")
+        raise UsageError("--speculate-k must be at most 64 (a verify step checks k + 1 tokens), got "
+                         f"{args.speculate_k}")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -113,8 +116,9 @@ def load_model(ckpt: str, args, console) -> tuple:
     """(the model, its LoadRecord) as the flags ask: what was loaded and why is the record's `weights`."""
     record, checkpoint = load.plan(ckpt, args.quant, args.device, args.dtype, args.kv_dtype, args.max_seq_len,
                                    args.compile, [lora.entry(spec) for spec in args.lora or ()])
-    if getattr(args, "prompt", None) is None or getattr(args, "bench", False):  # (a one-shot's stay in the file's pages)
-        preread.start_for(record)  # the blocks into huge pages, for a run that decodes long
+    if getattr(args, "prompt", None) is None or getattr(args, "bench", False):
+        # the blocks into huge pages, for a run that decodes long (a one-shot's stay in the file's pages)
+        preread.start_for(record)
     try:
         with console.status(f"Loading {ckpt} ({str(record.dtype).removeprefix('torch.')}, {record.device})..."):
             model = session.load_model(record, checkpoint)
@@ -144,7 +148,7 @@ def prompt_text(args, mode: str) -> str:
         return text
     if mode == "chat":
         return text.rstrip("\r\n")
-    return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+    return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
 
 
 def prompt_ids(vocab: Vocabulary, text: str, mode: str, system: str | None) -> list[int]:

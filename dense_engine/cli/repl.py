@@ -1,6 +1,6 @@
 """repl.py: chat.py's interactive mode: read a message, stream the reply, keep the conversation; slash commands
-(/retry, /undo, /save, /load, /set, ...). Stands on session.py (the Session and its vocabulary), the /set options beside it, and terminal.py
-(line editing, Markdown rendering).
+(/retry, /undo, /save, /load, /set, ...). Stands on session.py (the Session and its vocabulary), the /set options beside
+it, and terminal.py (line editing, Markdown rendering).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 import dense
 from dense_engine.cli import terminal
 from dense_engine.formats import convert
+from dense_engine.formats.checkpoint import write_text
 from dense_engine.formats.vocab import Vocabulary
 from dense_engine.runtime import caches, reasoning, tp
 from dense_engine.runtime.sampling import DECLARED, describe, normal
@@ -276,8 +277,8 @@ def save_conversation(path: str, talk: Conversation, settings, ckpt: str) -> Non
               "system": talk.system, "messages": talk.messages,
               "sampling": {key: option(settings, key) for key in SETTINGS}}
     try:
-        convert.atomic_write(path, lambda p: open(p, "w", encoding="utf-8").write(json.dumps(record, indent=1,
-                                                                                             ensure_ascii=False)))
+        text = json.dumps(record, indent=1, ensure_ascii=False)
+        convert.atomic_write(path, lambda p: write_text(p, text, encoding="utf-8"))
     except OSError as e:
         raise UsageError(f"{path}: {e.strerror or e}") from None
 

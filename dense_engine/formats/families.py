@@ -128,18 +128,22 @@ def need(raw: dict, key: str, source: str):
 
 
 def sprout(raw: dict, state: dict, source: str):
-    """Sprout (its reference code's checkpoint): fused qkv, nn.RMSNorm eps 1e-5, rotate-half RoPE in float32, untied head."""
+    """Sprout (its reference code's checkpoint): fused qkv, nn.RMSNorm eps 1e-5, rotate-half RoPE in float32, untied
+    head."""
     state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
     dim, heads = int(need(raw, "dim", source)), int(need(raw, "n_heads", source))
     if "blocks.0.mlp.w_gate.weight" not in state:
         raise CheckpointError(f"{source}: missing tensor 'blocks.0.mlp.w_gate.weight'")
     config = make_config(
-        source, vocab_size=int(need(raw, "vocab_size", source)), hidden_size=dim, num_hidden_layers=int(need(raw, "n_layers", source)),
-        num_attention_heads=heads, head_dim=dim // heads, intermediate_size=int(state["blocks.0.mlp.w_gate.weight"].shape[0]),
+        source, vocab_size=int(need(raw, "vocab_size", source)), hidden_size=dim,
+        num_hidden_layers=int(need(raw, "n_layers", source)), num_attention_heads=heads, head_dim=dim // heads,
+        intermediate_size=int(state["blocks.0.mlp.w_gate.weight"].shape[0]),
         max_position_embeddings=int(raw.get("block_size", 1024)), norm_eps=1e-5, norm_gain_in_float32=True)
     table = rename(eager(state), [
-        (r"tok_emb\.weight", "embed_tokens.weight"), (r"norm_f\.weight", "norm.weight"), (r"head\.weight", "lm_head.weight"),
-        (r"blocks\.(\d+)\.n1\.weight", r"layers.\1.attn_norm.weight"), (r"blocks\.(\d+)\.n2\.weight", r"layers.\1.mlp_norm.weight"),
+        (r"tok_emb\.weight", "embed_tokens.weight"), (r"norm_f\.weight", "norm.weight"),
+        (r"head\.weight", "lm_head.weight"),
+        (r"blocks\.(\d+)\.n1\.weight", r"layers.\1.attn_norm.weight"),
+        (r"blocks\.(\d+)\.n2\.weight", r"layers.\1.mlp_norm.weight"),
         (r"blocks\.(\d+)\.attn\.qkv\.weight", r"layers.\1.attn.qkv.weight"),
         (r"blocks\.(\d+)\.attn\.proj\.weight", r"layers.\1.attn.o_proj.weight"),
         (r"blocks\.(\d+)\.mlp\.w_(gate|up|down)\.weight", r"layers.\1.mlp.\2_proj.weight")], source)
@@ -150,21 +154,24 @@ def sprout(raw: dict, state: dict, source: str):
 
 
 def germangpt(raw: dict, state: dict, source: str):
-    """GermanGPT (its reference code's checkpoint): RMSNorm eps 1e-6, RoPE on interleaved pairs, GQA, tied embeddings when tie_embeddings."""
+    """GermanGPT (its reference code's checkpoint): RMSNorm eps 1e-6, RoPE on interleaved pairs, GQA, tied embeddings
+    when tie_embeddings."""
     if raw.get("norm", "rmsnorm") != "rmsnorm" or raw.get("mlp", "swiglu") != "swiglu":
         raise CheckpointError(f"{source}: only norm 'rmsnorm' and mlp 'swiglu' exist in GermanGPT")
     d_model, heads = int(need(raw, "d_model", source)), int(raw.get("n_heads", 16))
     tied = bool(raw.get("tie_embeddings", True))
     config = make_config(
-        source, vocab_size=int(need(raw, "vocab_size", source)), hidden_size=d_model, num_hidden_layers=int(raw.get("n_layers", 24)),
-        num_attention_heads=heads, num_key_value_heads=int(raw.get("n_kv_heads", heads)), head_dim=d_model // heads,
+        source, vocab_size=int(need(raw, "vocab_size", source)), hidden_size=d_model,
+        num_hidden_layers=int(raw.get("n_layers", 24)), num_attention_heads=heads,
+        num_key_value_heads=int(raw.get("n_kv_heads", heads)), head_dim=d_model // heads,
         intermediate_size=int(raw.get("d_ff", 2816)), max_position_embeddings=int(raw.get("context_len", 2048)),
         rope_theta=float(raw.get("rope_theta", 10000.0)), rope_layout="interleaved", norm_eps=1e-6,
         tie_word_embeddings=tied)
     table = rename(eager(state), [
         (r"token_embedding\.weight", "embed_tokens.weight"), (r"norm\.weight", "norm.weight"),
         (r"lm_head\.weight", None if tied else "lm_head.weight"),
-        (r"blocks\.(\d+)\.(attn_norm)\.weight", r"layers.\1.\2.weight"), (r"blocks\.(\d+)\.ffn_norm\.weight", r"layers.\1.mlp_norm.weight"),
+        (r"blocks\.(\d+)\.(attn_norm)\.weight", r"layers.\1.\2.weight"),
+        (r"blocks\.(\d+)\.ffn_norm\.weight", r"layers.\1.mlp_norm.weight"),
         (r"blocks\.(\d+)\.attn\.([qkvo]_proj)\.weight", r"layers.\1.attn.\2.weight"),
         (r"blocks\.(\d+)\.ffn\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.weight")], source)
     return config, table
@@ -216,8 +223,8 @@ def openelm(folder: str, raw: dict, source: str):
         rope_theta=float(raw.get("rope_freq_constant", 10000)), norm_eps=1e-6,
         qk_norm="shared" if raw.get("normalize_qk_projections", False) else "none", tie_word_embeddings=tied)
     table = rename(hf_weights(folder), [
-        (r"transformer\.token_embeddings\.weight", "embed_tokens.weight"), (r"transformer\.norm\.weight", "norm.weight"),
-        (r"lm_head\.weight", None if tied else "lm_head.weight"),
+        (r"transformer\.token_embeddings\.weight", "embed_tokens.weight"),
+        (r"transformer\.norm\.weight", "norm.weight"), (r"lm_head\.weight", None if tied else "lm_head.weight"),
         (r"transformer\.layers\.(\d+)\.(attn_norm)\.weight", r"layers.\1.\2.weight"),
         (r"transformer\.layers\.(\d+)\.ffn_norm\.weight", r"layers.\1.mlp_norm.weight"),
         (r"transformer\.layers\.(\d+)\.attn\.(q_norm|k_norm)\.weight", r"layers.\1.attn.\2.weight"),
@@ -227,7 +234,8 @@ def openelm(folder: str, raw: dict, source: str):
         (r"transformer\.layers\.(\d+)\.ffn\.proj_2\.weight", r"layers.\1.mlp.down_proj.weight")], source)
     for i, (h, kv, w) in enumerate(zip(q_heads, kv_heads, ffn)):
         a = f"layers.{i}.attn."
-        split_rows(table, a + "qkv.weight", {a + "q_proj.weight": (0, h * D), a + "k_proj.weight": (h * D, (h + kv) * D),
+        split_rows(table, a + "qkv.weight", {a + "q_proj.weight": (0, h * D),
+                                             a + "k_proj.weight": (h * D, (h + kv) * D),
                                              a + "v_proj.weight": ((h + kv) * D, (h + 2 * kv) * D)})
         m = f"layers.{i}.mlp."
         split_rows(table, m + "proj_1.weight", {m + "gate_proj.weight": (0, w), m + "up_proj.weight": (w, 2 * w)})
@@ -250,7 +258,8 @@ def split_neox_qkv(table: dict, config: DenseConfig) -> None:
     for i in range(config.num_hidden_layers):
         a = f"layers.{i}.attn."
         for kind in ("weight", "bias"):
-            split_rows(table, a + f"qkv.{kind}", {a + f"{p}_proj.{kind}": j for j, p in enumerate("qkv")}, view=(H, 3, D))
+            split_rows(table, a + f"qkv.{kind}", {a + f"{p}_proj.{kind}": j for j, p in enumerate("qkv")},
+                       view=(H, 3, D))
 
 
 NEOX_RULES = [
@@ -369,21 +378,21 @@ FAMILIES = {
     "granite_swa": Family(gguf="granite_swa", multipliers=True, windows="given", window=128, layer_thetas=True,
                           window_pattern=4),  # (a GGUF file gives its pattern: attention.sliding_window_pattern)
     "olmo2": Family(eps=1e-5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True),
-    "olmo3": Family(gguf="olmo2", eps=1e-5, theta=5e5, qk_norm="whole", pre_norms=False, post_norms=True, norm_gain_in_float32=True,
-                    windows="pattern", window_pattern=4, window=4096, local_rope=True),
+    "olmo3": Family(gguf="olmo2", eps=1e-5, theta=5e5, qk_norm="whole", pre_norms=False, post_norms=True,
+                    norm_gain_in_float32=True, windows="pattern", window_pattern=4, window=4096, local_rope=True),
     "stablelm": Family(gguf="stablelm", eps=1e-5, derived_head_dim=True, rotary_fraction=0.25, stablelm=True),
     "seed_oss": Family(gguf="seed_oss", head_dim=128, attention_bias_is_qkv=True),
-    "glm4": Family(gguf="glm4", eps=1.5625e-7, head_dim=128, rotary_fraction=0.5, attention_bias_is_qkv=True, post_norms=True,
-                   glm=True),
+    "glm4": Family(gguf="glm4", eps=1.5625e-7, head_dim=128, rotary_fraction=0.5, attention_bias_is_qkv=True,
+                   post_norms=True, glm=True),
     "cohere": Family(gguf="command-r", eps=1e-5, theta=5e5, tied=True, cohere=True, windows="none"),
-    "cohere2": Family(gguf="cohere2", eps=1e-5, tied=True, cohere=True, windows="pattern", window_pattern=4, window=4096,
-                      nope_full=True),
+    "cohere2": Family(gguf="cohere2", eps=1e-5, tied=True, cohere=True, windows="pattern", window_pattern=4,
+                      window=4096, nope_full=True),
     "ministral3": Family(gguf="mistral3", theta=1e6, head_dim=128, windows="given", llama4_scale=True),
     "apertus": Family(gguf="apertus", eps=1e-5, theta=12e6, qk_norm="shared", mlp="xielu"),
     "apertus1p5_text": Family(eps=1e-5, theta=12e6, qk_norm="shared", mlp="xielu"),  # (its head may be pruned)
     "hunyuan_v1_dense": Family(gguf="hunyuan-dense", eps=1e-5, qk_norm="shared", norm_after_rope=True),
-    "exaone4": Family(gguf="exaone4", eps=1e-5, qk_norm="shared", pre_norms=False, post_norms=True, windows="pattern", window_pattern=4,
-                      window=4096, nope_full=True),
+    "exaone4": Family(gguf="exaone4", eps=1e-5, qk_norm="shared", pre_norms=False, post_norms=True,
+                      windows="pattern", window_pattern=4, window=4096, nope_full=True),
 }
 BY_GGUF = {family.gguf: (kind, family) for kind, family in FAMILIES.items() if family.gguf}
 
@@ -704,8 +713,9 @@ def refuse_moe(raw: dict, source: str) -> None:
 
 # -- GPT-NeoX original two-way tensor-parallel release ------------------------------------------------------------
 
-NEOX_20B = dict(num_layers=44, hidden_size=6144, num_attention_heads=64, rotary_pct=0.25, rotary_emb_base=10000,
-                max_position_embeddings=2048, layernorm_epsilon=1e-5, gpt_j_residual=True, no_weight_tying=True)
+NEOX_20B = {"num_layers": 44, "hidden_size": 6144, "num_attention_heads": 64, "rotary_pct": 0.25,
+            "rotary_emb_base": 10000, "max_position_embeddings": 2048, "layernorm_epsilon": 1e-5,
+            "gpt_j_residual": True, "no_weight_tying": True}
 
 
 def neox_yaml(folder: str) -> dict:
@@ -725,10 +735,11 @@ def neox_yaml(folder: str) -> dict:
 
 
 def neox_original(folder: str, rank: int | None = None):
-    """GPT-NeoX-20B's original release, merged as its reference merge script does: column-parallel weights/biases, the embedding and the readout concatenated on dim 0,
-    row-parallel weights on dim 1, row-parallel biases summed, norms checked equal across the shards. Files are read
-    a layer (two shards) at a time. rank 0 or 1 (two-way tensor parallel, tp.py): the blocks' tensors are that
-    shard's own, unmerged (its row-parallel bias too: the ranks' all-reduce sums them as the merge would)."""
+    """GPT-NeoX-20B's original release, merged as its reference merge script does: column-parallel weights/biases, the
+    embedding and the readout concatenated on dim 0, row-parallel weights on dim 1, row-parallel biases summed, norms
+    checked equal across the shards. Files are read a layer (two shards) at a time. rank 0 or 1 (two-way tensor
+    parallel, tp.py): the blocks' tensors are that shard's own, unmerged (its row-parallel bias too: the ranks'
+    all-reduce sums them as the merge would)."""
     steps = sorted(glob.glob(os.path.join(folder, "global_step*")))
     latest = os.path.join(folder, "latest")
     if os.path.isfile(latest):
@@ -772,13 +783,16 @@ def neox_original(folder: str, rank: int | None = None):
     vocab = 2 * shape(0, "word_embeddings.weight")[0]
     ffn = 2 * shape(2, "mlp.dense_h_to_4h.weight")[0]
     tied = not raw.get("no_weight_tying", True)
-    config = neox_config(step, hidden, heads, layers, vocab, ffn, float(raw["rotary_pct"]), float(raw["rotary_emb_base"]),
+    config = neox_config(step, hidden, heads, layers, vocab, ffn, float(raw["rotary_pct"]),
+                         float(raw["rotary_emb_base"]),
                          int(raw.get("max_position_embeddings") or raw.get("seq_length") or 2048),
                          float(raw["layernorm_epsilon"]), bool(raw["gpt_j_residual"]), tied)
     table = {"embed_tokens.weight": merged(0, "word_embeddings.weight", "dim0")}
     parts = {"attn_norm": ("input_layernorm", "same", "same"), "mlp_norm": ("post_attention_layernorm", "same", "same"),
-             "attn.qkv": ("attention.query_key_value", "dim0", "dim0"), "attn.o_proj": ("attention.dense", "dim1", "sum"),
-             "mlp.up_proj": ("mlp.dense_h_to_4h", "dim0", "dim0"), "mlp.down_proj": ("mlp.dense_4h_to_h", "dim1", "sum")}
+             "attn.qkv": ("attention.query_key_value", "dim0", "dim0"),
+             "attn.o_proj": ("attention.dense", "dim1", "sum"),
+             "mlp.up_proj": ("mlp.dense_h_to_4h", "dim0", "dim0"),
+             "mlp.down_proj": ("mlp.dense_4h_to_h", "dim1", "sum")}
     for i in range(layers):
         for native, (theirs, weight_how, bias_how) in parts.items():
             table[f"layers.{i}.{native}.weight"] = merged(i + 2, f"{theirs}.weight", weight_how)

@@ -53,6 +53,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -60,11 +61,12 @@ import torch
 from dense import DenseConfig
 from dense_engine.cpu import quantized
 from dense_engine.formats import families, lora, rope_scalings
-from dense_engine.formats.checkpoint import Checkpoint, atomic_write, make_config
+from dense_engine.formats.checkpoint import Checkpoint, atomic_write, make_config, write_text
 from dense_engine.system.errors import CheckpointError, first_line
 from dense_engine.system.machine import cache_dir, note, unwritable_cache
 
-STATE_ARCHITECTURES = ("qwen35", "lfm2", "granitehybrid", "nemotron_h", "falcon-h1")  # hybrids with state layers (dense.py 4)
+# hybrids with state layers (dense.py 4)
+STATE_ARCHITECTURES = ("qwen35", "lfm2", "granitehybrid", "nemotron_h", "falcon-h1")
 ARCHITECTURES = tuple(families.BY_GGUF) + STATE_ARCHITECTURES + ("gptneox", "gemma4")  # llama, qwen2, qwen3, gemma,
 #                                                                   gemma2, gemma3, phi3,
 #                                                                   smollm3, granite, olmo2 (OLMo 2 and 3), seed_oss,
@@ -115,7 +117,7 @@ STATE_LAYER_TENSORS["falcon-h1"] = {
        if k.startswith("ssm_")}}
 
 
-def open_gguf(path: str) -> "GGUFFile":
+def open_gguf(path: str) -> GGUFFile:
     """The file parsed once per process (a program reads its config, weights and tokenizer from it; a file changed
     since is parsed again)."""
     try:
@@ -126,14 +128,14 @@ def open_gguf(path: str) -> "GGUFFile":
 
 
 @functools.lru_cache(maxsize=4)
-def parsed(path: str, size: int, mtime_ns: int) -> "GGUFFile":
+def parsed(path: str, size: int, mtime_ns: int) -> GGUFFile:
     return GGUFFile(path)
 
 
 class Strings:
     """An array of strings of a GGUF file, decoded when called (its length known without)."""
 
-    def __init__(self, file: "GGUFFile", at: int, count: int) -> None:
+    def __init__(self, file: GGUFFile, at: int, count: int) -> None:
         self.file, self.at, self.count = file, at, count
 
     def __call__(self) -> list[str]:
@@ -162,7 +164,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     n_bytes: int
     data_offset: int
-    file: "GGUFFile"
+    file: GGUFFile
 
     @property
     def data(self) -> np.ndarray:
@@ -176,9 +178,11 @@ class GGUFFile:
     shapes the importer uses (fields[key].contents(), tensors[i].name / tensor_type / shape / n_bytes / data_offset /
     data); values are decoded as they are read, arrays of strings when first asked (an undecodable string: the file
     is unreadable, or that key damaged)."""
-    SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-    NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
-             12: "<f8"}
+    # GGUF value types -> struct formats, numpy dtypes
+    SCALARS: ClassVar[dict[int, str]] = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                                         10: "<Q", 11: "<q", 12: "<d"}
+    NUMPY: ClassVar[dict[int, str]] = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
+                                       10: "<u8", 11: "<i8", 12: "<f8"}
 
     def __init__(self, path: str) -> None:
         import gguf
@@ -199,7 +203,8 @@ class GGUFFile:
             self.fields[key] = Field(self.value(kind))
             if key == "general.alignment" and (kind != 4 or not is_power_of_two(self.fields[key].contents())):
                 raise ValueError(f"general.alignment is {self.fields[key].contents()!r}"
-                                 f"{'' if kind == 4 else ' (not stored as u32)'}; expected a power of two stored as u32")
+                                 f"{'' if kind == 4 else ' (not stored as u32)'}; expected a power of two stored as "
+                                 "u32")
         infos = []
         for _ in range(tensors):
             name, dims = self.string(), self.scalar(4)
@@ -278,7 +283,7 @@ def field(reader, key: str, default=None, path: str = ""):
         return default
     try:
         return f.contents()
-    except Exception as e:  # damaged values: undecodable strings, arrays shorter than declared
+    except Exception as e:  # noqa: BLE001 (damaged values: undecodable strings, arrays shorter than declared)
         raise CheckpointError(f"{path}: GGUF metadata {key!r} is damaged ({type(e).__name__})") from None
 
 
@@ -377,8 +382,8 @@ def read_config(reader, arch: str, tensors: dict, path: str) -> DenseConfig:
         norm="layernorm" if family.cohere or family.stablelm else "rmsnorm",
         parallel_residual=family.cohere or family.stablelm and "blk.0.ffn_norm.weight" not in tensors,  # (one norm)
         qk_norm=("per_channel" if family.stablelm else family.qk_norm if family.qk_norm != "none" else "shared")
-        if "blk.0.attn_q_norm.weight" in tensors else "none", qk_norm_after_rope=family.norm_after_rope, mlp="geglu" if family.gemma else family.mlp,
-        pre_norms=family.pre_norms,
+        if "blk.0.attn_q_norm.weight" in tensors else "none", qk_norm_after_rope=family.norm_after_rope,
+        mlp="geglu" if family.gemma else family.mlp, pre_norms=family.pre_norms,
         post_norms=family.post_norms, norm_gain_in_float32=family.norm_gain_in_float32,  # (Gemma's 1 + w: baked in)
         tie_word_embeddings="output.weight" not in tensors or arch in ("gemma", "gemma2", "cohere2", "command-r"),
         final_softcap=float(key("final_logit_softcapping", 30.0 if family.softcaps else 0.0)) or None,
@@ -433,7 +438,7 @@ def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfi
     kv = [int(n) for n in kv] if isinstance(kv, list) else [int(kv)] * layers  # (per layer: 0 for a state layer)
     if arch == "lfm2":
         types = ["conv" if n == 0 else "full_attention" for n in kv[:layers]]
-        values = dict(conv_kernel=int(key("shortconv.l_cache")), qk_norm="shared")
+        values = {"conv_kernel": int(key("shortconv.l_cache")), "qk_norm": "shared"}
     elif arch == "falcon-h1":  # (its multipliers folded into the weights by the converter)
         types = ["hybrid"] * layers
         values = dict(mamba_values(reader, arch, tensors, path, 0), mamba_norm="blk.0.ssm_norm.weight" in tensors)
@@ -455,10 +460,11 @@ def read_state_config(reader, arch: str, tensors: dict, path: str) -> DenseConfi
             raise CheckpointError(f"{path}: GGUF metadata {arch}.ssm.inner_size {inner} is not a whole number of "
                                   f"{arch}.ssm.time_step_rank {v_heads} value heads")
         # (value heads in the converter's tiled order: value head j reads key head j % key heads)
-        values = dict(linear_heads=(k_heads, v_heads), linear_head_dims=(int(key("ssm.state_size")), inner // v_heads),
-                      linear_tiled_values=k_heads != v_heads, conv_kernel=int(key("ssm.conv_kernel")),
-                      attn_output_gate=True, norm_gain_in_float32=True, qk_norm="shared")  # (the gains 1 + w, in
-    #                                                                                      float32 as llama.cpp)
+        values = {"linear_heads": (k_heads, v_heads),
+                  "linear_head_dims": (int(key("ssm.state_size")), inner // v_heads),
+                  "linear_tiled_values": k_heads != v_heads, "conv_kernel": int(key("ssm.conv_kernel")),
+                  "attn_output_gate": True, "norm_gain_in_float32": True,  # (the gains 1 + w, in float32 as llama.cpp)
+                  "qk_norm": "shared"}
     if len(types) != layers or len(kv) < layers:
         raise CheckpointError(f"{path}: GGUF metadata {arch}: {len(types)} layer kinds for {layers} layers")
     kv = [n or max(kv) or heads for n in kv[:layers]]  # (a state layer has no key/value heads: any count builds it)
@@ -536,10 +542,10 @@ def mamba_values(reader, arch: str, tensors: dict, path: str, block: int) -> dic
     if not 0 < heads or inner % heads:
         raise CheckpointError(f"{path}: GGUF metadata {arch}.ssm.inner_size {inner} is not a whole number of "
                               f"{arch}.ssm.time_step_rank {heads} heads")
-    return dict(mamba_heads=(heads, inner // heads, int(field(reader, f"{arch}.ssm.group_count", path=path)),
-                             int(field(reader, f"{arch}.ssm.state_size", path=path))),
-                mamba_biases=(False, f"blk.{block}.ssm_conv1d.bias" in tensors),
-                conv_kernel=int(field(reader, f"{arch}.ssm.conv_kernel", path=path)))
+    return {"mamba_heads": (heads, inner // heads, int(field(reader, f"{arch}.ssm.group_count", path=path)),
+                            int(field(reader, f"{arch}.ssm.state_size", path=path))),
+            "mamba_biases": (False, f"blk.{block}.ssm_conv1d.bias" in tensors),
+            "conv_kernel": int(field(reader, f"{arch}.ssm.conv_kernel", path=path))}
 
 
 def nemotron_blocks(reader, arch: str, path: str) -> list[tuple[int, str]]:
@@ -794,7 +800,8 @@ def layer_tensors(arch: str, config: DenseConfig, rest: str) -> list[tuple] | No
     if arch == "seed_oss" and kind == "post_attention_norm":  # (its norm before the MLP, as llama.cpp names it)
         return [(f"mlp_norm.{suffix}", None, None)]
     if kind not in LAYER_TENSORS or suffix not in ("weight", "bias") or (
-            suffix == "bias" and kind not in ("attn_q", "attn_k", "attn_v", "attn_norm", "ffn_norm") and not config.bias):
+            suffix == "bias" and kind not in ("attn_q", "attn_k", "attn_v", "attn_norm", "ffn_norm")
+            and not config.bias):
         return None
     if kind in ("attn_q_norm", "attn_k_norm") and config.qk_norm == "per_channel":  # ([heads, D]: rows of heads)
         return [(f"{LAYER_TENSORS[kind]}.{suffix}", None, lambda w, where: w.reshape(-1))]
@@ -922,7 +929,7 @@ def build_tokenizer(reader, path: str):
         return _build_tokenizer(reader, path)
     except CheckpointError:
         raise
-    except Exception as e:  # tokens or merges the tokenizers library refuses
+    except Exception as e:  # noqa: BLE001 (tokens or merges the tokenizers library refuses)
         raise CheckpointError(f"{path}: the GGUF's tokenizer cannot be built ({type(e).__name__}: "
                               f"{first_line(e)})") from None
 
@@ -1020,7 +1027,7 @@ def side_files(path: str) -> dict[str, str]:
     if saved is not None and unwritable_cache() is None:
         try:
             os.makedirs(os.path.dirname(saved), exist_ok=True)
-            atomic_write(saved, lambda p: open(p, "w", encoding="utf-8").write(json.dumps(files)))
+            atomic_write(saved, lambda p: write_text(p, json.dumps(files), encoding="utf-8"))
         except OSError:  # a full disk: built again next time
             pass
     return files
@@ -1034,9 +1041,11 @@ def build_side_files(path: str) -> dict[str, str]:
     eos = int(field(reader, "tokenizer.ggml.eos_token_id", -1, path))
     for name, value in (("bos", bos), ("eos", eos)):
         if value >= len(tokens):
-            raise CheckpointError(f"{path}: tokenizer.ggml.{name}_token_id {value} is not among the {len(tokens)} tokens")
+            raise CheckpointError(f"{path}: tokenizer.ggml.{name}_token_id {value} is not among the {len(tokens)} "
+                                  "tokens")
     stops = [eos] if eos >= 0 else []
-    stops += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in END_OF_TURN and i not in stops]
+    stops += [i for i, (t, ty) in enumerate(zip(tokens, types))
+              if ty == CONTROL and t in END_OF_TURN and i not in stops]
     arch = field(reader, "general.architecture", path=path)
     tokenizer_config = {"bos_token": tokens[bos] if bos >= 0 else None, "eos_token": tokens[eos] if eos >= 0 else None,
                         "add_bos_token": add_bos(reader, path),

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -28,10 +28,9 @@ import dense
 from dense_engine.cpu import kernels, quantized
 from dense_engine.formats import convert, gguf_import, preread
 from dense_engine.formats import lora as adapters
-from dense_engine.system import machine
 from dense_engine.formats.checkpoint import Checkpoint
+from dense_engine.system import machine
 from dense_engine.system.errors import CheckpointError, UsageError
-
 
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")  # what a load may ask of its KV cache (caches.cache_for)
 
@@ -107,8 +106,8 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
     """A checkpoint folder or file (or the Checkpoint plan() read) as a DenseDecoder. dtype=None: default_dtype's
     (the checkpoint's declared dtype on the CPU).
     quant=None loads what is stored (the full-precision weights, or the only quantized variant of a folder that has no
-    other); "int8" | "int4" | "nf4" | "llm.int8" | "fp8" loads that variant (saved by quantize.py, else quantized tensor by
-    tensor as it loads); "auto" picks what auto_mode says; "none" forces full precision. shard: tensor parallel's
+    other); "int8" | "int4" | "nf4" | "llm.int8" | "fp8" loads that variant (saved by quantize.py, else quantized tensor
+    by tensor as it loads); "auto" picks what auto_mode says; "none" forces full precision. shard: tensor parallel's
     hook (tp.py), (checkpoint, tensors, mode) -> one rank's config and tensor slices. lora: (adapter folder or file,
     scale[, name]), merged into full-precision weights, beside quantized ones, a named one beside any (lora.py)."""
     checkpoint = path if isinstance(path, Checkpoint) else read_with_adapters(path, lora)
@@ -354,7 +353,8 @@ def fused_parts(model: dense.DenseDecoder, module_name: str) -> dict[str, int]:
     """{checkpoint prefix: rows} of the tensors a module is stacked from (itself alone for most modules): q/k/v (and
     the gate) into qkv_proj, gate and up into gate_up_proj."""
     parent, _, leaf = module_name.rpartition(".")
-    parts = getattr(model.get_submodule(parent), "parts", None) if leaf in ("qkv_proj", "gate_up_proj", "in_proj") else None
+    fused = leaf in ("qkv_proj", "gate_up_proj", "in_proj")
+    parts = getattr(model.get_submodule(parent), "parts", None) if fused else None
     return {f"{parent}.{p}": rows for p, rows in parts.items()} if parts else {module_name: 0}
 
 
@@ -457,7 +457,8 @@ def num_parameters(config: dense.DenseConfig) -> int:
     """Parameters a config describes (norm gains and biases included), without building the model."""
     C, total = config.hidden_size, config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
     for layer in range(config.num_hidden_layers):
-        q, kv, w = config.heads(layer) * config.head_dim, config.kv_heads(layer) * config.head_dim, config.ffn_width(layer)
+        q, kv = config.heads(layer) * config.head_dim, config.kv_heads(layer) * config.head_dim
+        w = config.ffn_width(layer)
         total += C * (q + 2 * kv) + q * C + (C * q if config.attn_output_gate else 0)  # (LFM3's head gate: small)
         total += C * w * (2 if config.mlp == "gelu" else 3) + 4 * C
     return total + 2 * C

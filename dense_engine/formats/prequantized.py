@@ -96,7 +96,7 @@ def read_scheme(raw: dict, source: str) -> Scheme | None:
             refuse("config_groups.weights", f"{kind}{bits}", "int4, int8 or float8 weights")
         if (form == "float-quantized") != (kind == "float"):
             refuse("format", form, f"{kind} weights in their own format")
-        group = {int((w.get("group_size") or -1)) for w in weights}.pop()
+        group = {int(w.get("group_size") or -1) for w in weights}.pop()
         columns = block[1] or max(group, 0)  # (fp8's inputs per scale: 0, one scale a row or the tensor)
         return Scheme("compressed-tensors", bits, group, block=(block[0], columns), source=source,
                       mode="fp8" if kind == "float" else None)

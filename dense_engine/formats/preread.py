@@ -61,7 +61,7 @@ class EarlyRead:
                 view.release()
             if all(done):
                 self.mapping, self.start, self.complete = mapping, start, True
-        except Exception:  # (a damaged file, no huge pages: the loader reads it itself and says what is wrong)
+        except Exception:  # noqa: BLE001 (a damaged file, no huge pages: the loader reads it and says what is wrong)
             return
 
     def _read_slice(self, view: memoryview, a: int, b: int, done: list, i: int) -> None:

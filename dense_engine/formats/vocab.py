@@ -1,5 +1,6 @@
 """vocab.py: a checkpoint's vocabulary: its tokenizer, chat template (rendered in a sandbox, under a time limit) and
-stop tokens, and the incremental detokenizer that streams replies. Stands on checkpoint.py (JSON side files) and machine.py.
+stop tokens, and the incremental detokenizer that streams replies. Stands on checkpoint.py (JSON side files) and
+machine.py.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
                              "release uses the GPT-NeoX-20B tokenizer)")
     try:
         tokenizer = Tokenizer.from_str(extra["tokenizer.json"]) if path is None else Tokenizer.from_file(path)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (the tokenizers library's errors: said as a UsageError)
         raise UsageError(f"{path}: not a readable tokenizer.json ({first_line(e)})") from None
     tokenizer = with_markers_shown(tokenizer)
 
@@ -150,7 +151,8 @@ def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
         file = os.path.join(folder, name)
         return read_json(file) if os.path.isfile(file) else {}
 
-    tok_config, gen_config, model_config = side("tokenizer_config.json"), side("generation_config.json"), side("config.json")
+    tok_config, gen_config = side("tokenizer_config.json"), side("generation_config.json")
+    model_config = side("config.json")
     template = tok_config.get("chat_template")
     jinja = os.path.join(folder, "chat_template.jinja")  # (transformers 5 saves the template apart; it wins, as there)
     if not extra and os.path.isfile(jinja):

@@ -25,7 +25,7 @@ import time
 import torch
 
 from dense_engine.formats import load
-from dense_engine.formats.checkpoint import atomic_write, locked
+from dense_engine.formats.checkpoint import atomic_write, locked, write_text
 from dense_engine.formats.load import LoadRecord
 from dense_engine.runtime import caches, generate
 from dense_engine.runtime.steps import Steps, rebuild
@@ -53,7 +53,7 @@ class Compiler:
         folder = job["folder"]
         os.makedirs(os.path.join(folder, "jobs"), exist_ok=True)
         path = os.path.join(folder, "jobs", job["key"] + ".json")
-        atomic_write(path, lambda p: open(p, "w").write(json.dumps({**job, **self.recipe})))
+        atomic_write(path, lambda p: write_text(p, json.dumps({**job, **self.recipe})))
         with open(os.path.join(folder, "jobs", "worker.log"), "a") as log:  # (the worker keeps its own handle)
             # run as a file (`ps` names it), the package and dense.py found where this process found them
             root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -32,7 +32,6 @@ from dense_engine.formats import lora
 from dense_engine.formats.load import KV_DTYPES
 from dense_engine.system import machine
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # The variants
 
@@ -438,7 +437,7 @@ def read(path: str, like: list[tuple[torch.Tensor, ...]]) -> tuple[list[int], li
 
     try:
         with safe_open(path, "pt") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a file, not a dict)
             metadata = f.metadata() or {}
     except (SafetensorError, RuntimeError) as e:
         raise ValueError(f"not a whole file of keys and values ({first_words(e)})") from None
@@ -474,8 +473,8 @@ def is_cache_file(path: str) -> bool:
 
     try:
         with safe_open(path, "pt") as f:
-            return "tokens" in f.keys() and "sha256" in (f.metadata() or {})
-    except Exception:
+            return "tokens" in f.keys() and "sha256" in (f.metadata() or {})  # noqa: SIM118 (no __contains__)
+    except Exception:  # noqa: BLE001 (an unreadable file: not one of ours)
         return False
 
 

@@ -24,14 +24,15 @@ Runner. Stands on dense.py, caches.py and steps.py.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
 
 import torch
 
 import dense
 from dense_engine.runtime import caches
-from dense_engine.runtime.sampling import SamplerSettings, sample as draw
+from dense_engine.runtime.sampling import GREEDY, SamplerSettings
+from dense_engine.runtime.sampling import sample as draw
 from dense_engine.runtime.steps import Steps, steps_for
 
 MIN_BUCKET = 256
@@ -103,7 +104,8 @@ class Sampling:
         "+min-p" and "+typical" when a row uses them: a graph holds the filters some row asks for, no others."""
         if all(t == 0 for t in self.per_row("temperature", batch)):
             return "greedy"
-        filtered = any(self.per_row("top_k", batch)) or any(p is not None and p < 1 for p in self.per_row("top_p", batch))
+        filtered = (any(self.per_row("top_k", batch))
+                    or any(p is not None and p < 1 for p in self.per_row("top_p", batch)))
         kind = "filtered" if filtered else "sampled"
         if any(self.per_row("min_p", batch)):
             kind += "+min-p"
@@ -360,7 +362,7 @@ def as_batch(prompts, device) -> tuple[torch.Tensor, torch.Tensor | None, list[i
 
 @torch.no_grad()
 def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, *,
-                    sampler: SamplerSettings = SamplerSettings(), compile: bool = False, start_pos: int = 0,
+                    sampler: SamplerSettings = GREEDY, compile: bool = False, start_pos: int = 0,
                     vocab_limit: int | None = None, steps: Steps | None = None, constraint=None,
                     dry=None) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens new tokens [B, 1], one per step. prompts: [B, T] ids, or a list of prompts of any
@@ -375,7 +377,8 @@ def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, *,
     T = ids.shape[1]
     V = model.config.vocab_size
     recent = Recent(ids, row_start, sampler.repetition_penalty, sampler.repeat_last_n, V)
-    rows = [row[int(row_start[i]) if row_start is not None else 0:].tolist() for i, row in enumerate(ids)] if dry else []
+    rows = ([row[int(row_start[i]) if row_start is not None else 0:].tolist() for i, row in enumerate(ids)] if dry
+            else [])
 
     def bias_now() -> torch.Tensor | None:  # [B, V]: the grammar's and DRY's
         bias = constraint.bias(ids.device)[None] if constraint is not None else None

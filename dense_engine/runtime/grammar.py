@@ -85,7 +85,7 @@ def json_grammar(schema: dict | None = None) -> str:
     ll = llguidance()
     schema = {"type": "object"} if schema is None else schema
     if not isinstance(schema, dict):
-        raise ValueError("a JSON schema must be a JSON object")
+        raise ValueError("a JSON schema must be a JSON object")  # noqa: TRY004 (the ValueError the docstring says)
     grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(schema)), overrides=JSON_OPTIONS)
     error = ll.LLMatcher.validate_grammar(grammar)
     if error and not error.startswith("WARNING"):
@@ -118,7 +118,7 @@ def lark_grammar(text: str) -> str:
 
     try:
         lark = any_to_lark(text)
-    except Exception as e:  # (the converter's own errors: GbnfToLarkError, and what its parser raises)
+    except Exception as e:  # noqa: BLE001 (the converter's own errors: GbnfToLarkError, and what its parser raises)
         raise ValueError(" ".join(str(e).split())) from None
     return checked(llguidance().LLMatcher.grammar_from_lark(lark))
 

@@ -57,6 +57,9 @@ class SamplerSettings:
                                  self.dry_penalty_last_n, self.dry_sequence_breakers)
 
 
+GREEDY = SamplerSettings()  # the generators' default sampler: temperature 0, no filter, no penalty
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Defaults: what a request that does not say is sampled with. The checkpoint's own recommendation first
 # (generation_config.json, or a GGUF file's general.sampling.* keys), else llama.cpp's defaults (common/common.h):
@@ -70,7 +73,7 @@ LLAMA_CPP_SOURCE = "llama.cpp's default"
 def normal(name: str, value):
     """A declared or given value as SamplerSettings holds it (a filter at its neutral value is off: top_k 0, top_p 1,
     min_p 0, typical_p 1; repetition_penalty 1), or ValueError when it is not a valid one."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or isinstance(value, float) and math.isnan(value):
         raise ValueError(f"{name} {value!r} is not a number")
     if name == "top_k":
         if value < 0 or value != int(value):
@@ -94,7 +97,7 @@ class Defaults:
     sources: dict
 
     @classmethod
-    def of(cls, declared: dict, source: str, notes=None) -> "Defaults":
+    def of(cls, declared: dict, source: str, notes=None) -> Defaults:
         """From a checkpoint's declared fields (transformers' names; do_sample false: greedy), the rest llama.cpp's.
         A value that is not valid is left out, with a note."""
         values, sources = dict(LLAMA_CPP), dict.fromkeys(LLAMA_CPP, LLAMA_CPP_SOURCE)
@@ -111,7 +114,7 @@ class Defaults:
         return cls(values, sources)
 
     @classmethod
-    def of_vocab(cls, vocab, notes=None) -> "Defaults":
+    def of_vocab(cls, vocab, notes=None) -> Defaults:
         """A checkpoint's defaults, from what its Vocabulary read (vocab.py: generation_config.json, or a GGUF's
         general.sampling.*)."""
         return cls.of(vocab.sampling, vocab.sampling_source, notes)

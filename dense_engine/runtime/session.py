@@ -8,8 +8,8 @@ CLI's (dense_engine/cli/flags.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 

@@ -31,7 +31,7 @@ import dense
 from dense_engine.cpu import quantized
 from dense_engine.runtime import caches
 from dense_engine.runtime.generate import Runner, Sampling, collect, prepare, sample
-from dense_engine.runtime.sampling import SamplerSettings, mask_vocab, probabilities
+from dense_engine.runtime.sampling import GREEDY, SamplerSettings, mask_vocab, probabilities
 from dense_engine.runtime.steps import Steps, steps_for
 from dense_engine.system.errors import UsageError
 
@@ -292,7 +292,7 @@ def accept(target_logits: torch.Tensor, draft_tokens: list[int], q: torch.Tensor
 
 @torch.no_grad()
 def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, draft, *, speculate_k: int = 4,
-                    sampler: SamplerSettings = SamplerSettings(), compile: bool = False, start_pos: int = 0,
+                    sampler: SamplerSettings = GREEDY, compile: bool = False, start_pos: int = 0,
                     vocab_limit: int | None = None, steps: Steps | None = None, stats: dict | None = None,
                     context: list[int] | None = None):
     """generate.generate_tokens with a draft: yield new tokens [1, 1] one by one, k at a time from the draft and
@@ -308,7 +308,7 @@ def generate_tokens(model: dense.DenseDecoder, prompts, max_new_tokens: int, dra
 
 
 def generate_rounds(model: dense.DenseDecoder, prompts, max_new_tokens: int, draft, *, speculate_k: int = 4,
-                    sampler: SamplerSettings = SamplerSettings(), compile: bool = False, start_pos: int = 0,
+                    sampler: SamplerSettings = GREEDY, compile: bool = False, start_pos: int = 0,
                     vocab_limit: int | None = None, steps: Steps | None = None, stats: dict | None = None,
                     context: list[int] | None = None):
     """generate_tokens' tokens a target step at a time: yields a list of token ids per step (the first: the prompt's

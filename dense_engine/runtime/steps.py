@@ -23,14 +23,14 @@ import time
 import types
 import warnings
 import zipfile
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import load as safetensors_load
 
 import dense
 from dense_engine.cpu import kernels
-from dense_engine.formats.checkpoint import atomic_write
+from dense_engine.formats.checkpoint import atomic_write, write_text
 from dense_engine.system import machine
 from dense_engine.system.errors import first_line
 from dense_engine.system.machine import note
@@ -70,8 +70,8 @@ def model_signature(model: dense.DenseDecoder) -> dict:
     tensors.update({name: [list(t.shape), str(t.dtype)] for name, t in model.named_parameters()})
     layers = {name: type(m).__name__ + "".join(getattr(m, "kinds", ())) for name, m in model.named_modules()
               if not list(m.children())}
-    return {"config": dataclasses.asdict(model.config), "tensors": tensors, "layers": layers, "device": model.device.type,
-            "kernels": kernels.available() if model.device.type == "cpu" else None}
+    return {"config": dataclasses.asdict(model.config), "tensors": tensors, "layers": layers,
+            "device": model.device.type, "kernels": kernels.available() if model.device.type == "cpu" else None}
 
 
 class Steps:
@@ -159,7 +159,7 @@ class Steps:
             loaded = PackagedStep(path, self.model)
             self.loaded += 1
             return loaded
-        except Exception as e:  # a damaged file, another torch or python: compile it again
+        except Exception as e:  # noqa: BLE001 (a damaged file, another torch or python: compile it again)
             note(f"ignoring the saved compiled step {path} ({first_line(e)}); compiling it again")
             discard(path)
             return None
@@ -184,7 +184,7 @@ class Steps:
         try:
             os.makedirs(self.folder, exist_ok=True)
             atomic_write(path, lambda tmp: package(fn, args, dynamic, tmp))
-        except Exception as e:  # a failing C++ compiler (Inductor builds with it), a full disk: eager, said once
+        except Exception as e:  # noqa: BLE001 (a failing C++ compiler (Inductor's), a full disk: eager, said once)
             if not _state.get("compile_failed"):
                 note(f"compiling the {kind} step failed ({first_line(e)}); running eagerly (slower)")
                 _state["compile_failed"] = True
@@ -237,7 +237,7 @@ def package(fn: Callable, args: tuple, dynamic: dict | None, path: str) -> None:
 
 
 def export_and_compile(fn: Callable, args: tuple, tensors: list, shapes, path: str) -> None:
-    import torch._inductor.compile_fx as compile_fx
+    from torch._inductor import compile_fx
 
     made: dict = {}
     with torch.no_grad(), warnings.catch_warnings(), uncopied_buffers(compile_fx), made_constants(made):
@@ -356,7 +356,7 @@ def record_seconds(folder: str, kind: str, seconds: float) -> None:
     except (OSError, ValueError):
         timings = {}
     timings[kind] = round(seconds, 1)
-    atomic_write(path, lambda p: open(p, "w").write(json.dumps(timings)))
+    atomic_write(path, lambda p: write_text(p, json.dumps(timings)))
 
 
 # How a step compiled in the process is compiled, by device: CUDA graphs on CUDA (one replay per step: a decode

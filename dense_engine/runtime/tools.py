@@ -61,8 +61,10 @@ def template_messages(messages: list[dict], tools: list[dict], template: str | N
         if m["role"] == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
         elif m.get("tool_calls"):
-            calls = "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": arguments_object(
-                c["function"]["arguments"])}, ensure_ascii=False) + "\n</tool_call>" for c in m["tool_calls"])
+            calls = "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                            "arguments": arguments_object(c["function"]["arguments"])},
+                                                           ensure_ascii=False) + "\n</tool_call>"
+                              for c in m["tool_calls"])
             out.append({"role": "assistant", "content": ((m.get("content") or "") + "\n" + calls).strip()})
         else:
             out.append(m)
@@ -114,8 +116,9 @@ def call_grammar(tools: list[dict], only: str | None, fmt: str, parallel: bool, 
         start = f"start: {first} ({mark('[TOOL_CALLS]')} {one})*" if parallel else f"start: {first}"
         return grammar.llguidance().LLMatcher.grammar_from_lark("\n".join([start] + calls))
     key = "parameters" if fmt == "llama3" else "arguments"
-    choices = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 key: grammar.closed_objects(f.get("parameters") or {"type": "object"})},
+    choices = [{"type": "object",
+                "properties": {"name": {"const": f["name"]},
+                               key: grammar.closed_objects(f.get("parameters") or {"type": "object"})},
                 "required": ["name", key], "additionalProperties": False} for f in functions]
     schema = {"x-guidance": JSON_OPTIONS, **(choices[0] if len(choices) == 1 else {"anyOf": choices})}
     call = "call: %json " + json.dumps(schema)
@@ -222,8 +225,9 @@ def gemma_grammar(functions: list[dict], parallel: bool, opened: bool, token_id)
 # ----------------------------------------------------------------------------------------------------------------
 # Tool calls read as the model writes them: a stream of text pieces in, ("text", s) / ("call", i, name) /
 # ("arguments", i, piece) / ("end", i, name) out. A call's name is told as soon as it is written, its arguments
-# piece by piece as they come (the JSON value as the model writes it), and no call text reaches the content. Text that could still
-# open a call (a partial "<tool_call>", a llama3 reply's first "{") is held back, at most that many characters.
+# piece by piece as they come (the JSON value as the model writes it), and no call text reaches the content. Text that
+# could still open a call (a partial "<tool_call>", a llama3 reply's first "{") is held back, at most that many
+# characters.
 
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 OPENERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3": None, "gemma4": "<|tool_call>",
@@ -320,7 +324,7 @@ class CallStream:
     def step_start(self, out, final) -> None:  # (llama3) a call is the whole reply: "{" or <|python_tag|> first
         s = self.buf.lstrip()
         tag = "<|python_tag|>"
-        if s.startswith(tag) or s.startswith("{"):
+        if s.startswith((tag, "{")):
             self.buf, self.state = s.removeprefix(tag), "head"
         elif s and not tag.startswith(s) or final:
             self.state = "plain"

@@ -20,8 +20,9 @@ A rank's shard, per block (rank r of N):
       on the residual stream every rank holds whole: replicated; a layer that reads an earlier layer's keys and values
       reads that layer's shard, the same heads.
 dense.py knows none of this: a shard is an ordinary DenseDecoder whose config has H/N heads and W/N FFN width per
-layer, loaded through the loader's one hook (`shard=` in load.from_pretrained), and tp.py adds the all-reduces to the built
-model as hooks (a functional collective, so a compiled step stays one graph). Stands on dense.py, families.py and load.py.
+layer, loaded through the loader's one hook (`shard=` in load.from_pretrained), and tp.py adds the all-reduces to the
+built model as hooks (a functional collective, so a compiled step stays one graph). Stands on dense.py, families.py and
+load.py.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import glob
 import os
 import re
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ def world() -> tuple[int, int]:
     """(rank, world size): of the process group, else what torchrun set in the environment, else (0, 1)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def setup(device_type: str) -> tuple[int, int]:
