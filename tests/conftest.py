@@ -51,7 +51,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # The files that take longest (compiles, processes) start first: the two workers (pyproject's -n 2, a file each at a
 # time) then end together instead of one of them finishing the longest file alone
 LONGEST_FIRST = ["test_tp.py", "test_background.py", "test_chat.py", "test_steps.py", "test_state_layers.py",
-                 "test_reliability.py", "test_families.py", "test_serve.py", "test_quantize.py", "test_default_model.py"]
+                 "test_reliability.py", "test_families.py", "test_serve.py", "test_quantize.py",
+                 "test_default_model.py"]
 
 
 def pytest_collection_modifyitems(items):
