@@ -227,15 +227,6 @@ def folded(text: str, width: int) -> str:
     return line if len(line) <= width else line[:width - 1] + "\u2026"
 
 
-def same_file(a, b) -> bool:
-    """Do two open files write to one place (a terminal, a pipe, a file: `2>&1`)?"""
-    try:
-        one, other = os.fstat(a.fileno()), os.fstat(b.fileno())
-    except (OSError, ValueError, AttributeError):  # (a test's StringIO has no descriptor)
-        return False
-    return (one.st_dev, one.st_ino) == (other.st_dev, other.st_ino)
-
-
 class Notes:
     """The programs' one-line notes (dim, on the console). While a reply streams (inside `held()`), a note waits and
     is printed after the reply's last line: on a terminal a note printed mid-reply lands inside the answer's words
@@ -255,7 +246,7 @@ class Notes:
         """A context: the notes of a reply, printed when it ends (after the caller's last write of the reply)."""
         self.waiting = []
         try:
-            yield self.waiting
+            yield
         finally:
             waiting, self.waiting = self.waiting, None
             for message in waiting:
