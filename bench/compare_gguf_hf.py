@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from dense_engine.formats import default_model, gguf_import, load
+from dense_engine.formats import default_model, gguf_import, load, vocab
 from dense_engine.runtime import generate
 
 TEXTS = [
@@ -29,7 +29,7 @@ def main(path: str) -> int:
 
     folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    ours = gguf_import.build_tokenizer(gguf_import.open_gguf(path), path)
+    ours = vocab.gguf_tokenizer(gguf_import.open_gguf(path), path)
     mismatches = 0
     for text in TEXTS:
         a, b = hf_tok(text, add_special_tokens=False)["input_ids"], ours.encode(text).ids

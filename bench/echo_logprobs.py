@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from dense_engine.formats import default_model, gguf_import, load
+from dense_engine.formats import default_model, gguf_import, load, vocab
 from dense_engine.runtime import caches
 
 PASSAGES = [
@@ -91,7 +91,7 @@ def main() -> None:
         path = args.gguf or default_model.fetch_default_gguf(work)
         model = load.from_pretrained(path, quant="auto")
         hf = reference_model(path)
-        tokenizer = gguf_import.build_tokenizer(gguf_import.open_gguf(path), path)
+        tokenizer = vocab.gguf_tokenizer(gguf_import.open_gguf(path), path)
     texts = [tokenizer.encode(t).ids for t in PASSAGES[:args.texts]]
     print(f"# {os.path.basename(path)} (--quant auto), {platform.processor() or platform.machine()}")
     print(f"texts: {len(texts)}, tokens: {sum(len(t) for t in texts)}; torch threads {torch.get_num_threads()}")

@@ -411,7 +411,7 @@ def server_row(plan: Plan) -> None:
     shape, seconds = (DRY_SHAPE, 8) if plan.dry else (SHAPE, 20)
     folder = os.path.join(plan.out, "server-checkpoint")
     model = benchmark.random_model(shape, plan.device, plan.dtype, vocab=512)
-    tensors = {k: v.cpu().contiguous() for k, v in load.checkpoint_state_dict(model).items()}
+    tensors = {k: v.cpu().contiguous() for k, v in load.checkpoint_tensors(model).items()}
     config = model.config
     del model
     free_device(plan.device)

@@ -553,9 +553,9 @@ def summarize(runs: list[dict]) -> dict:
 def prompt_ids(gguf: str) -> list[int]:
     from tokenizers import Tokenizer
 
-    from dense_engine.formats import gguf_import
+    from dense_engine.formats import vocab
 
-    tok = Tokenizer.from_str(gguf_import.side_files(gguf)["tokenizer.json"])
+    tok = Tokenizer.from_str(vocab.gguf_side_files(gguf)["tokenizer.json"])
     text = ("Write a short story about a lighthouse keeper who discovers that the light has been guiding something "
             "other than ships. Keep it under two hundred words.")
     return tok.encode(text, add_special_tokens=False).ids

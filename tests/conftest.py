@@ -122,15 +122,16 @@ def run_alone(scheduler, request) -> list[int]:
 def random_model(context: int = 512, seed: int = 0, **overrides):
     """A small random-weight model (GQA, q/k norm, output gate) with a longer context than the fixtures, whose full
     precision linears run kernels.py as from_pretrained's do."""
-    import dense
+    import layer_kinds
     from dense_engine.cpu import quantized
+    from dense_engine.formats.checkpoint import make_config
 
     torch.manual_seed(seed)
-    config = dense.DenseConfig(**{"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+    config = make_config("random model", **{"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
                                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                                   "head_dim": 16, "max_position_embeddings": context, "rope_precision": "bfloat16",
                                   "qk_norm": "per_channel", "attn_output_gate": True, **overrides})
-    model = dense.DenseDecoder(config)
+    model = layer_kinds.Decoder(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import ROOT, fixture_path
 
-import dense
+import layer_kinds
 from dense_engine.cli import benchmark
 from dense_engine.cpu import quantized
 from dense_engine.formats import load
@@ -59,7 +59,7 @@ def test_mbu_is_null_without_a_known_peak():
 def test_published_shapes_have_the_published_sizes(name, params):
     config = benchmark.shape_config(name)
     with torch.device("meta"):
-        model = dense.DenseDecoder(config)
+        model = layer_kinds.Decoder(config)
     assert sum(p.numel() for p in model.parameters()) == params
 
 

@@ -248,10 +248,10 @@ def random_chat_model(folder, layers=4, hidden=256, context=16384, seed=0):
     torch.manual_seed(seed)
     config = dense.DenseConfig(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden,
                                num_hidden_layers=layers, num_attention_heads=4, head_dim=hidden // 4,
-                               max_position_embeddings=context, rope_precision="float32", qk_norm="none",
+                               max_position_embeddings=context, qk_norm="none",
                                attn_output_gate=False)
     model = dense.DenseDecoder(config)
-    state = {k: v.contiguous() for k, v in load.checkpoint_state_dict(model).items()}
+    state = {k: v.contiguous() for k, v in load.checkpoint_tensors(model).items()}
     end = Tokenizer.from_file(os.path.join(LLAMA, "tokenizer.json")).token_to_id("<|im_end|>")
     state["lm_head.weight"] = state["lm_head.weight"] * 30
     state["lm_head.weight"][end] = 0

@@ -182,14 +182,14 @@ def test_neox_original_norms_must_agree(tmp_path):
 
 def test_neox_original_reads_one_layer_at_a_time(tmp_path, monkeypatch):
     loaded = []
-    real = families.load_pickle
+    real = families.gpt_neox.load_pickle
 
     def spy(path):
         state = real(path)
         loaded.append(os.path.basename(path)[:8])
         return state
 
-    monkeypatch.setattr(families, "load_pickle", spy)
+    monkeypatch.setattr(families.gpt_neox, "load_pickle", spy)
     from_pretrained(fixture_path("neox_original"))
     # every layer file is read once, in order, so at most two layers are held at a time
     assert loaded == [f"layer_{i:02d}" for i in (0, 0, 2, 2, 3, 3, 5, 5, 6, 6)]

@@ -11,6 +11,7 @@ import torch
 from conftest import random_model, rel_err
 
 import dense
+import layer_kinds
 from dense_engine.cpu import quantized
 from dense_engine.runtime import caches, generate, speculative
 from dense_engine.runtime import steps as steps_module
@@ -35,7 +36,8 @@ def reference_attention(q, k, v, mask, scale, softcap=None):
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_attention_folds_query_groups_without_copying_keys(heads, kv_heads, mask_kind, softcap):
     """With a mask, dense.attention folds each K/V head's query heads into its query rows (SDPA then sees equal head
-    counts: the kernels that take a mask, no K/V copies); the result is grouped-query attention's."""
+    counts: the kernels that take a mask, no K/V copies), as layer_kinds.capped_attention does for soft-capped scores;
+    the result is grouped-query attention's."""
     torch.manual_seed(0)
     T, A = (5, 5) if mask_kind == "causal" else (3, 9)
     q = torch.randn(2, heads, T, 16, dtype=torch.float64)
@@ -47,7 +49,9 @@ def test_attention_folds_query_groups_without_copying_keys(heads, kv_heads, mask
         mask = torch.rand(2, 1, T, A) < 0.7
     if mask is not None:
         mask[..., 0] = True
-    got = dense.attention(q, k, v, None if mask is None else dense.additive(mask, q.dtype), 0.25, softcap)
+    added = None if mask is None else dense.additive(mask, q.dtype)
+    got = dense.attention(q, k, v, added, 0.25) if softcap is None else \
+        layer_kinds.capped_attention(q, k, v, added, 0.25, softcap, None)
     assert (got - reference_attention(q, k, v, mask, 0.25, softcap)).abs().max() < (1e-12 if softcap is None else 1e-6)
 
 

@@ -9,8 +9,9 @@ import torch._dynamo
 from conftest import LAYOUTS, expected, fixture_path, random_model, rel_err
 
 import dense
-from dense import DenseConfig
+import layer_kinds
 from dense_engine.cpu import kernels
+from dense_engine.formats.checkpoint import make_config
 from dense_engine.formats.load import from_pretrained
 from dense_engine.runtime import generate, sampling
 from dense_engine.runtime.steps import Steps
@@ -52,17 +53,26 @@ def test_shellelastic_is_exact_in_both_precisions(monkeypatch):
                                                                    else 2e-2)
 
 
+def rope_model(**values) -> dense.DenseDecoder:
+    """A one-layer model of head size 8 (on the meta device: only its rotary tables are read), the families' fields
+    by their flat names."""
+    with torch.device("meta"):
+        return layer_kinds.Decoder(make_config("test", num_hidden_layers=1, head_dim=8, **values))
+
+
+def rope_tables(positions: torch.Tensor, **values) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope_model(**values).rope_tables(positions, len(positions), "base")
+
+
 def test_rope_precision_bfloat16_rounds_every_step():
-    cfg = DenseConfig(num_hidden_layers=1, head_dim=8, max_position_embeddings=300, rope_precision="bfloat16")
-    cos, sin = dense.rope_tables(cfg, torch.arange(300.0))
+    cos, sin = rope_tables(torch.arange(300.0), max_position_embeddings=300, rope_precision="bfloat16")
     inv = (1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))).bfloat16().float()
     pos = torch.arange(300.0).bfloat16().float()  # 257 rounds to 256 in bfloat16
     angle = (pos[:, None] * inv[None, :]).bfloat16().float()
     assert torch.equal(cos[:, :4], angle.cos().bfloat16().float())
     assert torch.equal(sin[:, 4:], angle.sin().bfloat16().float())
     assert torch.equal(cos[257], cos[256])
-    f32 = dense.rope_tables(DenseConfig(num_hidden_layers=1, head_dim=8, rope_precision="float32"),
-                            torch.arange(300.0))[0]
+    f32 = rope_tables(torch.arange(300.0), rope_precision="float32")[0]
     assert not torch.equal(f32[257], f32[256])
 
 
@@ -72,15 +82,13 @@ def test_rope_precision_bfloat16_rounds_every_step():
       "original_max_position_embeddings": 64}, math.sqrt(1 + math.log(256 / 64) / math.log(64)))])
 def test_bfloat16_rotary_tables_carry_the_attention_factor(scaling, factor):
     """yarn and longrope scale cos and sin by their attention factor; in bfloat16 tables too (the product rounded)."""
-    cfg = DenseConfig(num_hidden_layers=1, head_dim=8, max_position_embeddings=256, rope_precision="bfloat16",
-                      rope_scaling=scaling)
-    cos, sin = dense.rope_tables(cfg, torch.arange(256.0))
-    inv = dense.rope_frequencies(cfg, 256)[0].bfloat16().float()
+    model = rope_model(max_position_embeddings=256, rope_precision="bfloat16", rope_scaling=scaling)
+    cos, sin = model.rope_tables(torch.arange(256.0), 256, "base")
+    inv = model.rope_frequencies(256, "base")[0].bfloat16().float()
     angle = (torch.arange(256.0).bfloat16().float()[:, None] * inv[None, :]).bfloat16().float()
     assert torch.equal(cos[:, :4], (angle.cos() * factor).bfloat16().float())
     assert torch.equal(sin[:, 4:], (angle.sin() * factor).bfloat16().float())
-    f32 = dense.rope_tables(DenseConfig(num_hidden_layers=1, head_dim=8, max_position_embeddings=256,
-                                        rope_scaling=scaling), torch.arange(256.0))[0]
+    f32 = rope_tables(torch.arange(256.0), max_position_embeddings=256, rope_scaling=scaling)[0]
     assert float(f32[0, 0]) == pytest.approx(factor) and float(cos[0, 0]) == float(torch.tensor(factor).bfloat16())
 
 

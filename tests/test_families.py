@@ -5,7 +5,6 @@ transformers' own forward: logits over 48 positions (float32, relative error <= 
 caps are small enough that they matter (a window of 8 over 48 tokens, soft-caps that clip), and a test shows each
 switch does: turning it off moves the logits."""
 
-import dataclasses
 import json
 import os
 import shutil
@@ -16,7 +15,7 @@ import pytest
 import torch
 from conftest import FIXTURES, ROOT, answer, rel_err
 
-import dense
+import layer_kinds
 from dense_engine.cpu import quantized
 from dense_engine.formats import checkpoint
 from dense_engine.formats.load import from_pretrained
@@ -184,7 +183,7 @@ def test_each_switch_changes_the_logits(checkpoints, case):
     """The checks above would pass by accident if a switch did nothing on these inputs: turned off, it changes them."""
     folder, _, hf = checkpoints[case]
     model = from_pretrained(folder)
-    off = dense.DenseDecoder(dataclasses.replace(model.config, **CASES[case][2]))
+    off = layer_kinds.Decoder(checkpoint.replaced(model.config, **CASES[case][2]))
     state = model.state_dict()
     off.load_state_dict({k: v for k, v in state.items() if k in off.state_dict()}, strict=False)
     if CASES[case][2].get("qkv_bias") is False:  # the bias itself is what is switched off
@@ -200,7 +199,7 @@ def test_longrope_picks_its_factors_by_the_cache_length(checkpoints):
     the short ones, as transformers does for a sequence within it."""
     folder, _, hf = checkpoints["phi3"]
     model = from_pretrained(folder)
-    long, short = dense.rope_frequencies(model.config, 128)[0], dense.rope_frequencies(model.config, 8)[0]
+    long, short = model.rope_frequencies(128, "base")[0], model.rope_frequencies(8, "base")[0]
     assert not torch.equal(long, short)
     for cache, tokens in ((64, 40), (8, 8)):
         caches.setup_cache(model, 1, cache)

@@ -166,8 +166,9 @@ def test_a_gguf_gives_llama_cpps_logits(gguf_reference):
     scalars, a final soft-cap: llama.cpp's logits (a float32 cache) within 1e-3 of their largest, the same argmax."""
     model = load.from_pretrained(GGUF, dtype=torch.float32)
     config = model.config
-    assert config.layer_types[3] == "full_attention" and config.global_head_dim == 32 and config.keys_are_values
-    assert config.kv_shared_layers == 2 and config.per_layer_input == 8 and config.final_softcap == pytest.approx(0.05)
+    attention, layer, head = (config.extras[name] for name in ("attention", "layer", "head"))
+    assert config.layer_types[3] == "full_attention" and attention.full_head_dim == 32 and attention.keys_are_values
+    assert attention.shared_layers == 2 and layer.per_layer_input == 8 and head.softcap == pytest.approx(0.05)
     with torch.no_grad():
         got = model(torch.tensor([gguf_reference["ids"]]))[0]
     want = torch.tensor(gguf_reference["logits"])
@@ -190,14 +191,15 @@ def test_a_quantized_gguf_keeps_its_per_layer_table_as_stored_blocks():
     import json
 
     from dense_engine.cpu import quantized
-    from dense_engine.formats import gguf_import
+    from dense_engine.formats import families, gguf_import
 
     path = os.path.join(FIXTURES, "converted_gguf", "gemma4-q8_0.gguf")
     with open(path.replace(".gguf", ".json")) as f:
         reference = json.load(f)
     model = load.from_pretrained(path, dtype=torch.float32, quant="auto")  # (the programs' default)
     assert isinstance(model.embed_per_layer, quantized.GGUFEmbedding) and model.embed_per_layer.kind == "Q8_0"
-    table = gguf_import.read_gguf(path).tensors["embed_per_layer.weight"]()  # [512, 96] float32, gguf's values
+    ckpt = gguf_import.read_gguf(path, families.GGUF_FAMILIES)
+    table = ckpt.tensors["embed_per_layer.weight"]()  # [512, 96] float32, gguf's values
     ids = torch.tensor([reference["ids"]])
     with torch.no_grad():
         assert torch.equal(model.embed_per_layer(ids[0]), table[ids[0]])
@@ -211,9 +213,9 @@ def test_a_quantized_gguf_keeps_its_per_layer_table_as_stored_blocks():
 
 
 def test_a_gguf_tokenizes_as_llama_cpp(gguf_reference):
-    from dense_engine.formats import gguf_import
+    from dense_engine.formats import gguf_import, vocab
 
-    tokenizer = gguf_import.build_tokenizer(gguf_import.open_gguf(GGUF), GGUF)
+    tokenizer = vocab.gguf_tokenizer(gguf_import.open_gguf(GGUF), GGUF)
     for text, want in zip(gguf_reference["texts"], gguf_reference["tokens"]):
         assert tokenizer.encode(text, add_special_tokens=False).ids == want, text
 

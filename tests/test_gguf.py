@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import dense
 from dense_engine.cpu import kernels, quantized
-from dense_engine.formats import checkpoint, gguf_import, load, preread
+from dense_engine.formats import checkpoint, gguf_import, load, preread, vocab
 from dense_engine.runtime import caches, generate
 
 Q = gguf.GGMLQuantizationType
@@ -70,7 +70,7 @@ def write_gguf(path, model: dense.DenseDecoder, tok: Tokenizer, pre: str, types:
     writer.add_rope_dimension_count(cfg.head_dim)
     gguf_cases.write_bpe_vocabulary(writer, tok, pre, SPECIALS)
     writer.add_chat_template(TEMPLATE)
-    state = {k: v.float().numpy() for k, v in load.checkpoint_state_dict(model).items()}
+    state = {k: v.float().numpy() for k, v in load.checkpoint_tensors(model).items()}
     names = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = "output.weight"
@@ -115,7 +115,7 @@ def small_llama(tied: bool, hidden=64, ffn=96) -> dense.DenseDecoder:
     torch.manual_seed(0)
     config = dense.DenseConfig(vocab_size=400, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                               max_position_embeddings=64, rope_theta=10000.0, rope_precision="float32", qk_norm="none",
+                               max_position_embeddings=64, rope_theta=10000.0, qk_norm="none",
                                attn_output_gate=False, tie_word_embeddings=tied, norm_eps=1e-5)
     model = dense.DenseDecoder(config)
     for p in model.parameters():
@@ -150,7 +150,7 @@ def test_quantized_tensors_equal_ggufs_own_dequantization(tmp_path, tokenizer):
     path = tmp_path / "q.gguf"
     written = write_gguf(path, model, tokenizer, "gpt2", types)
     loaded = load.from_pretrained(str(path))
-    params = load.checkpoint_state_dict(loaded)
+    params = load.checkpoint_tensors(loaded)
     checked = set()
     for i in range(2):
         for ours, theirs, heads in [("attn.q_proj", "attn_q", 4), ("attn.k_proj", "attn_k", 2),
@@ -175,7 +175,7 @@ def test_rebuilt_tokenizer_gives_the_originals_ids(tmp_path, pre):
     original = original_tokenizer(pre)
     path = tmp_path / "t.gguf"
     write_gguf(path, small_llama(tied=True), original, pre, {})
-    rebuilt = gguf_import.build_tokenizer(gguf_import.open_gguf(str(path)), str(path))
+    rebuilt = vocab.gguf_tokenizer(gguf_import.open_gguf(str(path)), str(path))
     for text in TEXTS:
         assert rebuilt.encode(text).ids == original.encode(text).ids, text
         assert rebuilt.decode(rebuilt.encode(text).ids, skip_special_tokens=False) == text
@@ -187,14 +187,14 @@ def test_tokenizer_is_kept_in_the_cache_folder_and_rebuilt_when_the_file_changes
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = tmp_path / "t.gguf"
     write_gguf(path, small_llama(tied=True), tokenizer, "gpt2", {})
-    built = gguf_import.side_files(str(path))
-    assert built == gguf_import.build_side_files(str(path))
+    built = vocab.gguf_side_files(str(path))
+    assert built == vocab.build_gguf_side_files(str(path))
     saved = list((tmp_path / "cache" / "dense-engine" / "tokenizers").iterdir())
     assert len(saved) == 1 and json.loads(saved[0].read_text()) == built
     saved[0].write_text(json.dumps({**built, "tokenizer_config.json": "{}"}))  # what a later run reads is the cache
-    assert gguf_import.side_files(str(path))["tokenizer_config.json"] == "{}"
+    assert vocab.gguf_side_files(str(path))["tokenizer_config.json"] == "{}"
     os.utime(path, ns=(0, 0))  # the file changed: built again, not the old one
-    assert gguf_import.side_files(str(path)) == built
+    assert vocab.gguf_side_files(str(path)) == built
     assert len(list((tmp_path / "cache" / "dense-engine" / "tokenizers").iterdir())) == 2
 
 
@@ -360,7 +360,7 @@ def test_tokenizers_give_llama_cpps_ids(reference, gguf_files, name):
 
 def assert_llama_cpps_ids(reference, path: str, name: str) -> None:
     record, _ = reference
-    tokenizer = gguf_import.build_tokenizer(gguf_import.open_gguf(path), path)
+    tokenizer = vocab.gguf_tokenizer(gguf_import.open_gguf(path), path)
     for text, (plain, with_bos) in record["cases"][name]["tokens"].items():
         assert tokenizer.encode(text, add_special_tokens=False).ids == plain, text
         assert tokenizer.encode(text, add_special_tokens=True).ids == with_bos, text
@@ -453,7 +453,7 @@ def test_chat_and_convert_take_a_gguf_of_another_architecture(gguf_files, tmp_pa
                              "--temperature", "0", "--max-new-tokens", "10", "--no-compile"], capture_output=True,
                             text=True, check=False)
     assert result.returncode == 0, result.stderr
-    tokenizer = gguf_import.build_tokenizer(gguf_import.open_gguf(path), path)
+    tokenizer = vocab.gguf_tokenizer(gguf_import.open_gguf(path), path)
     text = Template(gguf_cases.TEMPLATE).render(messages=[{"role": "user", "content": "hello"}],
                                                 add_generation_prompt=True)
     ids = tokenizer.encode(text, add_special_tokens=False).ids
@@ -625,7 +625,7 @@ def test_the_mtp_layer_is_the_draft_its_hugging_face_folder_holds(state_files, t
             drafts.append(model.logits(draft.run(ids[1:], hidden[:-1], 0)))
     assert (drafts[0] - drafts[1]).abs().max() <= 1e-4
     assert checkpoint.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
-    assert checkpoint.config.linear_tiled_values and checkpoint.config.rotary_dim == 8
+    assert checkpoint.config.extras["gated_deltanet"].tiled_values and checkpoint.config.rotary_dim == 8
 
 
 @pytest.mark.parametrize("name", ["qwen35-q8_0", "qwen35-q4_k"])
@@ -713,7 +713,8 @@ def test_a_converted_gguf_gives_llama_cpps_logits_and_ids(arch, context, scaling
     assert model.config.max_position_embeddings == context and model.config.rope_layout == layout
     assert (model.config.rope_scaling or {}).get("rope_type") == scaling
     if arch == "granite_swa":
-        assert model.config.nope_layers == [1] and model.config.attn_sinks and model.config.layer_types == [
+        extras = model.config.extras
+        assert extras["rotary"].nope_layers == [1] and extras["attention"].sinks and model.config.layer_types == [
             "full_attention"] + ["sliding_attention"] * 3
     with torch.no_grad():
         got = model(torch.tensor([reference["ids"]]))[0]

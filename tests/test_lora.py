@@ -144,8 +144,9 @@ def dequantized_peft_model(model, base: str, adapter) -> peft.PeftModel:
     (q | k | v and gate | up split back by rows): the oracle of an adapter beside quantized weights."""
     reference = transformers.LlamaForCausalLM.from_pretrained(base)
 
-    def weight(layer) -> torch.Tensor:  # (a LowRank's base, or the layer)
-        return getattr(layer, "base", layer).dequantize(torch.float32)
+    def weight(layer) -> torch.Tensor:  # (a LowRank's base, or the layer; a float one's weight: a folder's head)
+        layer = getattr(layer, "base", layer)
+        return layer.dequantize(torch.float32) if hasattr(layer, "dequantize") else layer.weight.float()
 
     with torch.no_grad():
         for layer, theirs in zip(model.layers, reference.model.layers):
@@ -156,7 +157,7 @@ def dequantized_peft_model(model, base: str, adapter) -> peft.PeftModel:
                        "mlp.down_proj": weight(layer.mlp.down_proj)}
             for name, w in weights.items():
                 theirs.get_submodule(name).weight.copy_(w)
-        reference.lm_head.weight.copy_(model.lm_head.dequantize(torch.float32))
+        reference.lm_head.weight.copy_(weight(model.lm_head))
     return peft.PeftModel.from_pretrained(reference, adapter).eval()
 
 

@@ -375,7 +375,7 @@ def test_a_slot_file_of_a_model_with_other_weights_is_refused(tmp_path):
         slots.SlotFiles(Scheduler(changed, vocab, 1, 128, compile=False)).restore(0, str(tmp_path / "s"))
     same = Scheduler(load.from_pretrained(LLAMA), vocab, 1, 128, compile=False)
     assert slots.SlotFiles(same).restore(0, str(tmp_path / "s"))["n_restored"] == 37
-    assert same.slots[0].tokens == saver.slots[0].tokens
+    assert same.rows[0].tokens == saver.rows[0].tokens
 
 
 def test_hostile_slot_requests_get_a_4xx_in_openais_shape_and_the_server_goes_on(tmp_path):
@@ -423,7 +423,7 @@ def test_hostile_slot_requests_get_a_4xx_in_openais_shape_and_the_server_goes_on
                     error = response.json()["error"]
                     assert set(error) == {"message", "type", "param", "code"} and error["message"]
             assert set(os.listdir(tmp_path)) == {"slots"} and set(os.listdir(folder)) <= {"ok.slot", "a"}
-            held = len(scheduler.slots[0].tokens)  # (an erase among them may have emptied it)
+            held = len(scheduler.rows[0].tokens)  # (an erase among them may have emptied it)
             answer = client.post("/slots/0?action=save", json={"filename": "plain.slot"})
             assert answer.status_code == 200 and answer.json()["n_saved"] == held
             assert client.post("/slots/1?action=restore", json={"filename": "plain.slot"}).json()["n_restored"] == held

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 from conftest import FIXTURES
+from prequantized_makers_gptq import awq_config, gptq_config, pack_awq, pack_gptq
 from safetensors.torch import load_file, save_file
 
 from dense_engine.formats import load
@@ -115,13 +116,16 @@ def test_bitsandbytes_4bit_folders_give_bitsandbytes_own_logits(bnb_folders, kin
     """transformers runs a 4-bit folder by dequantizing each weight with bitsandbytes (float32 compute, on every
     CPU: bitsandbytes_in_float32): the engine's dequantized weights give its logits; nf4 loads as quantized.py's nf4
     by default, its codes and absmax the stored ones bit for bit (its kernel's activations in 8 bits: the quantized
-    tolerance), fp4 dequantized."""
+    tolerance), its float head float as stored; fp4 dequantized."""
+    from dense_engine.cpu import kernels
+
     folder = bnb_folders[1][kind]
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, device_map="cpu").eval()
     bitsandbytes_in_float32(reference)
     assert logits_error(folder, reference, quant="none") < 1e-5
     model = load.from_pretrained(folder, dtype=torch.float32)
     stored = load_file(os.path.join(folder, "model.safetensors"))
+    assert type(model.lm_head) is kernels.Linear and torch.equal(model.lm_head.weight, stored["lm_head.weight"])
     qkv = model.layers[0].attn.qkv_proj
     if kind == "nf4":
         q = stored["model.layers.0.self_attn.q_proj.weight"]
@@ -135,7 +139,9 @@ def test_bitsandbytes_4bit_folders_give_bitsandbytes_own_logits(bnb_folders, kin
 def test_a_bitsandbytes_int8_folder_is_the_int8_path_with_its_stored_codes(bnb_folders):
     """An int8 folder's rows times SCB / 127 are the weights (LLM.int8's outlier split is its matmul, not its
     numbers): the logits of a float32 model holding them; loaded as quantized.py's int8, whose codes are the stored
-    ones."""
+    ones, its float head float as stored."""
+    from dense_engine.cpu import kernels
+
     base, made = bnb_folders
     stored = load_file(os.path.join(made["int8"], "model.safetensors"))
     weights = {name[:-len(".SCB")]: stored[name[:-len(".SCB")] + ".weight"].float() * stored[name][:, None] / 127
@@ -146,6 +152,7 @@ def test_a_bitsandbytes_int8_folder_is_the_int8_path_with_its_stored_codes(bnb_f
     model = load.from_pretrained(made["int8"], dtype=torch.float32)
     q = stored["model.layers.1.mlp.down_proj.weight"]
     assert torch.equal(model.layers[1].mlp.down_proj.weight, q)
+    assert type(model.lm_head) is kernels.Linear and torch.equal(model.lm_head.weight, stored["lm_head.weight"])
     assert logits_error(made["int8"], reference) < 2e-2 * float(reference(input_ids=ids()).logits.abs().max())
 
 
@@ -329,7 +336,7 @@ def test_4bit_gptq_and_awq_load_as_int4_holding_their_numbers_to_the_bit(tmp_pat
     """GPTQ (in order: no act-order) and AWQ 4-bit with zero points are the int4 tile's scale and minimum: --quant
     auto loads them as int4-g32 (min = -scale * zero, in float32: exact), each weight dequantized equal to the
     format's to the bit, and the model's logits those of a float model holding its layers' weights (the int4 kernel's
-    x near float32's precision; the head int8, as in every 4-bit mode). Act-order loads as float, with a note."""
+    x near float32's precision; the head float, as the folder holds it). Act-order loads as float, with a note."""
     from prequantized_makers_gptq import awq_config, gptq_config, pack_awq, pack_gptq
     from test_quantize import quantized_reference, rel_err
 
@@ -357,3 +364,91 @@ def test_act_order_gptq_loads_as_float_with_a_note(tmp_path, capsys):
     record, checkpoint = load.plan(folder)
     assert record.quant is None and not checkpoint.exact
     assert "gptq weights (14 linears) dequantized as they load" in capsys.readouterr().err
+
+
+GPTQ_AWQ = {"gptq": (lambda w: pack_gptq(w, 4, 128, False, False, 1), gptq_config(4, 128, False, False, 1)),
+            "awq": (lambda w: pack_awq(w, 64), awq_config(64))}
+
+
+def greedy(logits, n: int = 32) -> torch.Tensor:
+    """n greedy tokens after each of four prompts (a row each), logits(ids) -> [rows, positions, vocab]."""
+    x = torch.randint(3, 512, (4, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for _ in range(n):
+            x = torch.cat([x, logits(x)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return x[:, 8:]
+
+
+@pytest.mark.parametrize("kind", ["gptq", "awq"])
+def test_gptq_and_awq_folders_under_auto_run_their_float_tensors_as_stored(tmp_path, kind):
+    """--quant auto (the programs' default: load.plan, then its record loaded as the programs load it) runs a 4-bit
+    GPTQ / AWQ folder as stored: its linears int4 holding their numbers to the bit, its float head float (the stored
+    tensor, not int8: 6.3e-3 and 6.8e-3 of the largest logit off before, and greedy tokens that parted); the logits of
+    a float32 model holding the weights the tensors mean (the makers' own formula) within 1e-5 of the largest, and
+    its greedy tokens the same. quant=None (from_pretrained's default) loads the same."""
+    from dense_engine.cpu import kernels
+    from dense_engine.runtime.session import load_model
+
+    folder, reference = packed_folder(tmp_path, *GPTQ_AWQ[kind])
+    record, checkpoint = load.plan(folder)
+    assert record.quant == "int4" and "float tensors (the head, embeddings, norms) as stored" in record.weights
+    model = load_model(record, checkpoint)
+    assert type(model.lm_head) is kernels.Linear
+    assert torch.equal(model.lm_head.weight, load_file(os.path.join(folder, "model.safetensors"))["lm_head.weight"])
+    assert all(type(m).__name__ == "Int4Linear" for name, m in model.named_modules() if name.endswith("proj"))
+    with torch.no_grad():
+        want = reference(input_ids=ids()).logits
+        assert float((model(ids()) - want).abs().max()) < 1e-5 * float(want.abs().max())
+        default = load.from_pretrained(folder, dtype=torch.float32)
+        assert torch.equal(default(ids()), model(ids()))
+    assert torch.equal(greedy(model), greedy(lambda x: reference(input_ids=x).logits))
+
+
+def test_a_linear_a_gptq_folder_left_unquantized_runs_float_as_stored(tmp_path):
+    """A linear the folder stores in float (modules_to_not_convert, a dynamic exclusion) beside int4 ones: float as
+    stored under --quant auto, not quantized to int4; a float part of a stacked projection (layer 0's k_proj) keeps
+    the stack float, its quantized parts dequantized (the same numbers); the rest int4; the logits within 1e-5."""
+    from dense_engine.cpu import kernels
+
+    folder, reference = packed_folder(tmp_path, *GPTQ_AWQ["gptq"])
+    stored, base = load_file(os.path.join(folder, "model.safetensors")), load_file(tmp_path / "base/model.safetensors")
+    for name in ("model.layers.0.self_attn.k_proj", "model.layers.1.mlp.down_proj"):
+        for key in ("qweight", "qzeros", "scales", "g_idx"):
+            stored.pop(f"{name}.{key}", None)
+        stored[f"{name}.weight"] = base[f"{name}.weight"]
+        with torch.no_grad():
+            reference.get_submodule(name).weight.copy_(base[f"{name}.weight"])
+    save_file(stored, os.path.join(folder, "model.safetensors"))
+    model = load.from_pretrained(folder, dtype=torch.float32, quant="auto")
+    float_layers = {name for name, m in model.named_modules() if type(m) is kernels.Linear}
+    assert float_layers == {"lm_head", "layers.0.attn.qkv_proj", "layers.1.mlp.down_proj"}
+    assert torch.equal(model.layers[1].mlp.down_proj.weight, base["model.layers.1.mlp.down_proj.weight"])
+    attn = reference.model.layers[0].self_attn
+    assert torch.equal(model.layers[0].attn.qkv_proj.weight,
+                       torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert type(model.layers[0].mlp.gate_up_proj).__name__ == "Int4Linear"
+    with torch.no_grad():
+        want = reference(input_ids=ids()).logits
+        assert float((model(ids()) - want).abs().max()) < 1e-5 * float(want.abs().max())
+
+
+def test_another_mode_on_a_gptq_folder_says_on_its_first_line_that_it_quantizes_the_float_head(tmp_path):
+    """A mode other than the folder's own quantizes its float tensors (the head int8 beside 4 bits) and its weights
+    again, and the first line says so: --quant nf4 on a 4-bit GPTQ folder, --quant int4 on an act-order one (run as
+    float by auto); --quant int4 on the 4-bit folder is its own mode, as stored."""
+    from dense_engine.cpu.quantized import Int8Linear
+    from dense_engine.runtime.session import load_model
+
+    folder, _ = packed_folder(tmp_path, *GPTQ_AWQ["gptq"])
+    record, checkpoint = load.plan(folder, quant="nf4")
+    assert record.weights == ("nf4 (--quant nf4, which quantizes the folder's float head to int8 and its gptq weights "
+                              "again to nf4; --quant auto runs it as stored)")
+    assert isinstance(load_model(record, checkpoint).lm_head, Int8Linear)
+    record, _ = load.plan(folder, quant="int4")
+    assert record.weights.startswith("int4 (--quant int4: the folder's gptq int4 weights, which int4 holds exactly; "
+                                     "its float tensors (the head, embeddings, norms) as stored")
+    act_order, _ = packed_folder(tmp_path / "act_order", lambda w: pack_gptq(w, 4, 32, False, True, 1),
+                                 gptq_config(4, 32, False, True, 1))
+    record, checkpoint = load.plan(act_order, quant="int4")
+    assert "which quantizes the folder's float head to int8 and its gptq weights again to int4" in record.weights
+    assert isinstance(load_model(record, checkpoint).lm_head, Int8Linear)

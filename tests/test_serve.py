@@ -946,7 +946,7 @@ def test_a_fault_in_a_scheduler_step_fails_the_requests_in_flight_and_serving_go
     scheduler.safe_turn()  # both admitted, then the decode step raises
     failed = [e for e in sent if e[1] == "error"]
     assert sorted(e[0] for e in failed) == [0, 1] and "a device fell over" in failed[0][2]
-    assert scheduler.rows == [None, None]
+    assert scheduler.requests == [None, None]
     monkeypatch.setattr(runner.ModelCalls, "call", healthy)
     sent.clear()
     scheduler.submit(request(2))
@@ -1169,7 +1169,7 @@ def test_a_speculative_request_decodes_beside_the_batch_with_every_answer_its_ow
         if all(r.finish_reason for r in requests):
             break
     assert seen_speculating and first_while_speculating == {1, 2}
-    assert beside.speculation is None and beside.rows == [None, None, None]
+    assert beside.speculation is None and beside.requests == [None, None, None]
     plain = Scheduler(model, vocab, 3, 128, compile=compiled, reuse=False)
     for r, p in zip(requests, prompts):
         assert r.generated == run_alone(plain, quiet_request(p, 24))

@@ -1,5 +1,5 @@
-"""Layers whose memory is a state (dense.py section 4): Qwen3.5's Gated DeltaNet, LFM2's short conv and Granite 4.0
-H's Mamba2. Tiny random
+"""Layers whose memory is a state (layer_kinds.py section 3): Qwen3.5's Gated DeltaNet, LFM2's short conv and Granite
+4.0 H's Mamba2. Tiny random
 models made with transformers are the oracle; each cached path (chunks with padding, rows, left-padded batches, a
 conversation's next turn, the compiled step) is checked against the plain pass."""
 
@@ -17,7 +17,8 @@ import transformers
 from conftest import FIXTURES, ROOT, answer
 
 import dense
-from dense_engine.formats import load
+import layer_kinds
+from dense_engine.formats import checkpoint, load
 from dense_engine.formats.load import LoadRecord
 from dense_engine.runtime import caches, generate
 from dense_engine.runtime.sampling import SamplerSettings
@@ -151,9 +152,10 @@ def test_mamba2s_chunked_form_equals_its_recurrence_a_token_at_a_time():
     state = torch.randn(B, H, P, N, dtype=torch.float64)
     outs, one = [], state
     for t in range(T):
-        out, one = dense.ssd_step(x[:, :, t:t + 1], dt[:, :, t:t + 1], A, Bm[:, :, t:t + 1], Cm[:, :, t:t + 1], one)
+        out, one = layer_kinds.ssd_step(x[:, :, t:t + 1], dt[:, :, t:t + 1], A, Bm[:, :, t:t + 1], Cm[:, :, t:t + 1],
+                                        one)
         outs.append(out)
-    chunked, last = dense.ssd_chunks(x, dt, A, Bm, Cm, state, size=16)  # (chunks of 16, 16 and 13 + padding)
+    chunked, last = layer_kinds.ssd_chunks(x, dt, A, Bm, Cm, state, size=16)  # (chunks of 16, 16 and 13 + padding)
     assert torch.allclose(chunked, torch.cat(outs, dim=2), atol=1e-10) and torch.allclose(last, one, atol=1e-10)
 
 
@@ -166,10 +168,10 @@ def test_the_chunked_rule_equals_the_rule_a_token_at_a_time():
     state = torch.randn(B, H, Dk, Dv, dtype=torch.float64)
     outs, one = [], state
     for t in range(T):
-        out, one = dense.delta_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], g[:, :, t:t + 1],
+        out, one = layer_kinds.delta_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], g[:, :, t:t + 1],
                                     beta[:, :, t:t + 1], one)
         outs.append(out)
-    chunked, last = dense.delta_chunks(q, k, v, g, beta, state, size=16)  # (chunks of 16, 16 and 13 + padding)
+    chunked, last = layer_kinds.delta_chunks(q, k, v, g, beta, state, size=16)  # (chunks of 16, 16 and 13 + padding)
     assert torch.allclose(chunked, torch.cat(outs, dim=2), atol=1e-10) and torch.allclose(last, one, atol=1e-10)
 
 
@@ -392,7 +394,7 @@ def test_value_heads_in_tiled_order_give_the_same_model(models):
     ids = prompt(70, seed=10)
     with torch.no_grad():
         assert torch.equal(tiled(ids), grouped(ids))
-        layer = next(layer.attn for layer in tiled.layers if isinstance(layer.attn, dense.GatedDeltaNet))
+        layer = next(layer.attn for layer in tiled.layers if isinstance(layer.attn, layer_kinds.GatedDeltaNet))
         layer.tiled = False  # (the switch matters: the reordered weights read the grouped way differ)
         assert not torch.allclose(tiled(ids), grouped(ids), atol=1e-3)
 
@@ -402,7 +404,7 @@ def tile_value_heads(model: dense.DenseDecoder) -> dense.DenseDecoder:
     """The model with each Gated DeltaNet layer's value heads reordered as llama.cpp's qwen35 files store them."""
     for layer in model.layers:
         a = layer.attn
-        if not isinstance(a, dense.GatedDeltaNet):
+        if not isinstance(a, layer_kinds.GatedDeltaNet):
             continue
         K, V, Dk, Dv = a.k_heads, a.v_heads, a.k_dim, a.v_dim
         heads = torch.arange(V).view(K, V // K).t().reshape(-1)  # tiled head j is grouped head heads[j]
@@ -414,7 +416,8 @@ def tile_value_heads(model: dense.DenseDecoder) -> dense.DenseDecoder:
         a.A_log.copy_(a.A_log[heads]), a.dt_bias.copy_(a.dt_bias[heads])
         a.out_proj.weight.copy_(a.out_proj.weight[:, rows])
         a.tiled = True
-    model.config.linear_tiled_values = True
+    extras = model.config.extras
+    extras["gated_deltanet"] = dataclasses.replace(extras["gated_deltanet"], tiled_values=True)
     return model
 
 
@@ -483,8 +486,8 @@ def test_falcon_h1_as_its_reference_does_not_run_it_is_refused_in_one_line(folde
         load.from_pretrained(str(changed))
     assert "\n" not in str(e.value)
     config = load.from_pretrained(folder).config  # (one group without a norm: each rank reads it whole)
-    assert [s.mamba_groups for s in tp.plan(dataclasses.replace(config, mamba_heads=(8, 16, 1, 16), mamba_norm=False),
-                                            1, 2)] == [(0, 1)] * 3
+    one_group = checkpoint.replaced(config, mamba_heads=(8, 16, 1, 16), mamba_norm=False)
+    assert [s.mamba_groups for s in tp.plan(one_group, 1, 2)] == [(0, 1)] * 3
 
 
 @pytest.mark.parametrize("arch, kinds, widths", [
@@ -499,15 +502,15 @@ def test_a_mamba2_hybrid_gguf_gives_llama_cpps_logits_and_ids(arch, kinds, width
     Falcon-H1's attention (with rope) and Mamba2 in every layer, its multipliers folded by the converter: llama.cpp's
     logits (a float32 cache) within 1e-3 of their largest, the same argmax, and its token ids; through the cache,
     the plain path's argmax loop."""
-    from dense_engine.formats import gguf_import
+    from dense_engine.formats import gguf_import, vocab
 
     path = os.path.join(FIXTURES, "converted_gguf", f"{arch}.gguf")
     with open(os.path.join(FIXTURES, "converted_gguf", f"{arch}.json")) as f:
         reference = json.load(f)
     model = load.from_pretrained(path, dtype=torch.float32)
     assert model.config.layer_types == kinds and model.config.intermediate_size == widths
-    assert model.config.mamba_heads == (8, 16, 2, 16)
-    assert model.config.nope_layers == (None if arch == "falcon-h1" else [0, 1, 2, 3])
+    assert model.config.extras["mamba2"].heads == (8, 16, 2, 16)
+    assert layer_kinds.record(model.config, "rotary").nope_layers == (None if arch == "falcon-h1" else [0, 1, 2, 3])
     with torch.no_grad():
         got = model(torch.tensor([reference["ids"]]))[0]
     want = torch.tensor(reference["logits"])
@@ -518,7 +521,7 @@ def test_a_mamba2_hybrid_gguf_gives_llama_cpps_logits_and_ids(arch, kinds, width
     for _ in range(12):
         plain = torch.cat([plain, model(plain)[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(generate.generate(model, ids, 12), plain)
-    tokenizer = gguf_import.build_tokenizer(gguf_import.open_gguf(path), path)
+    tokenizer = vocab.gguf_tokenizer(gguf_import.open_gguf(path), path)
     for text, tokens in zip(reference["texts"], reference["tokens"]):
         assert tokenizer.encode(text, add_special_tokens=False).ids == tokens, text
 

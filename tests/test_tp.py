@@ -66,7 +66,7 @@ def bigger(tmp_path_factory):
     model = random_model(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, bias=False)
     path = str(tmp_path_factory.mktemp("bigger"))
-    convert.write_native(path, model.config, {k: v.contiguous() for k, v in load.checkpoint_state_dict(model).items()})
+    convert.write_native(path, model.config, {k: v.contiguous() for k, v in load.checkpoint_tensors(model).items()})
     return path
 
 
@@ -120,7 +120,7 @@ def states(tmp_path_factory):
     tiled = tile_value_heads(load.from_pretrained(made["qwen3_5"]))
     made["qwen3_5 tiled"] = str(root / "tiled")
     convert.write_native(made["qwen3_5 tiled"], tiled.config,
-                         {k: v.contiguous() for k, v in load.checkpoint_state_dict(tiled).items()})
+                         {k: v.contiguous() for k, v in load.checkpoint_tensors(tiled).items()})
     return made
 
 

@@ -23,11 +23,12 @@ import time
 import torch
 
 import dense
+import layer_kinds
 from dense_engine.cli import flags
 from dense_engine.cpu import quantized
 from dense_engine.formats import checkpoint, families, load
 from dense_engine.formats import vocab as vocab_module
-from dense_engine.formats.checkpoint import atomic_write
+from dense_engine.formats.checkpoint import atomic_write, make_config
 from dense_engine.runtime import caches, generate, speculative, tp
 from dense_engine.runtime.steps import steps_for
 
@@ -84,10 +85,10 @@ def shape_config(name: str) -> dense.DenseConfig:
         raw = {"num_transformer_layers": 28, "model_dim": 2048, "head_dim": 64, "num_gqa_groups": 4,
                "ffn_multipliers": (0.5, 4.0), "qkv_multipliers": (0.5, 1.0), "ffn_dim_divisor": 256}
         heads, kv, ffn = families.openelm_widths(raw, name)
-        return dense.DenseConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=28, num_attention_heads=heads,
+        return make_config(name, vocab_size=32000, hidden_size=2048, num_hidden_layers=28, num_attention_heads=heads,
                                  num_key_value_heads=kv, head_dim=64, intermediate_size=ffn, norm_eps=1e-6,
                                  qk_norm="shared", tie_word_embeddings=True)
-    return dense.DenseConfig(**spec)
+    return make_config(name, **spec)
 
 
 def random_model(name: str, device, dtype, layers: int | None = None, vocab: int | None = None) -> dense.DenseDecoder:
@@ -100,7 +101,7 @@ def random_model(name: str, device, dtype, layers: int | None = None, vocab: int
     if vocab is not None:
         config.vocab_size = vocab
     with torch.device("meta"):
-        model = dense.DenseDecoder(config)
+        model = layer_kinds.Decoder(config)
     model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:  # to_empty gives every module its own tensor: share the embedding again
         model.lm_head.weight = model.embed_tokens.weight

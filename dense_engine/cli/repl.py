@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-import dense
+import layer_kinds
 from dense_engine.cli import terminal
 from dense_engine.formats import convert
 from dense_engine.formats.checkpoint import write_text
@@ -345,7 +345,7 @@ def describe_model(session: Session, ckpt: str, why: str) -> str:
     """/model: what is loaded (the parameter count of the full model, whatever its storage)."""
     model, config = session.model, session.model.config
     with torch.device("meta"):
-        params = sum(p.numel() for p in dense.DenseDecoder(config).parameters())
+        params = sum(p.numel() for p in layer_kinds.Decoder(config).parameters())
     source = os.path.join(ckpt, "config.json")
     origin = (read_json_quietly(source).get("source_format") if os.path.isfile(source) else None) or "native"
     heads = f"{config.heads(0)} heads ({config.kv_heads(0)} key/value)"

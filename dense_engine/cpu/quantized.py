@@ -5,7 +5,8 @@ Which layers: every linear of the decoder blocks; the output head in int8 for th
 sensitive layer), in the mode itself for int8, in float for fp8 (as FP8 checkpoints keep it); the embedding table stays
 in the model's dtype (gguf: every tensor, embedding and head included, in the file's own type; int4 made from a GGUF's
 Q4_0/Q4_1 blocks: the head in the file's own blocks too, GGUFHead, and the embedding's float32 values are the file's
-exactly).
+exactly). A folder that came quantized, loaded in its own mode (params "stored": formats/prequantized.py), has only
+the linears it stores quantized in the mode; every other linear, the head included, stays float as stored.
 
 | mode     | stored per linear                                   | value                          |
 | -------- | --------------------------------------------------- | ------------------------------ |
@@ -52,6 +53,9 @@ NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488
 BLOCK_LINEAR = re.compile(r"layers\.\d+\.(attn\.(q|k|v|gate|o|in|out)_proj|attn\.in_proj_(qkv|z|b|a)|"
                           r"mlp\.(gate|up|down)_proj)")
 MODEL_LINEAR = re.compile(r"layers\.\d+\.(attn\.(qkv|o|in|out)_proj|mlp\.(gate_up|up|down)_proj)")
+# A checkpoint linear the model stacks with others into one (MODEL_LINEAR's qkv_proj, in_proj, gate_up_proj): its
+# parent, and which stack (stack_of)
+STACKED_PART = re.compile(r"(.+\.attn)\.(?:(q|k|v|gate)_proj|in_proj_(?:qkv|z|b|a))|(.+\.mlp)\.(?:gate|up)_proj")
 EXACT_INT4_TYPES = ("Q4_0", "Q4_1")  # GGUF tensor types whose blocks int4-g32 holds exactly
 BYTES_PER_WEIGHT = {"int8": 1.0, "llm.int8": 1.0, "int4": 0.65, "nf4": 0.6, "gguf": 1.07,
                     "fp8": 1.0}  # stored, scales included (about)
@@ -539,21 +543,45 @@ def head_mode(mode: str) -> str | None:
     return {"int4": "int8", "nf4": "int8", "fp8": None}.get(mode, mode)
 
 
-def layer_modes(model: DenseDecoder, mode: str, head: str | None = None) -> dict[str, str]:
+def layer_modes(model: DenseDecoder, mode: str, head: str | None = None,
+                stored: frozenset[str] | None = None) -> dict[str, str | None]:
     """{model linear name: mode} for the layers a mode quantizes: block linears in the mode, the head in head_mode's
-    (None: float; head: a GGUF type, the head in the file's own blocks, GGUFHead)."""
+    (None: float; head: a GGUF type, the head in the file's own blocks, GGUFHead). stored: the checkpoint linears a
+    folder that came quantized stores quantized (prequantized.stored_linears): a linear stacked from them in the mode,
+    every other one (the head too) float, as the folder holds it."""
     chosen = {name: mode for name, m in model.named_modules()
               if isinstance(m, nn.Linear) and MODEL_LINEAR.fullmatch(name)}
+    if stored is not None:
+        chosen = {name: mode if set(stacked_from(model, name)) <= stored else None for name in chosen}
     if model.lm_head is not None:  # (an MTP draft's predictor has none: the target's serves)
-        chosen["lm_head"] = "gguf" if head else head_mode(mode)
+        chosen["lm_head"] = None if stored is not None else "gguf" if head else head_mode(mode)
     return chosen
+
+
+def stacked_from(model: DenseDecoder, name: str) -> list[str]:
+    """The checkpoint linears a model linear is stacked from (q/k/v and the gate into qkv_proj, gate and up into
+    gate_up_proj, a Gated DeltaNet's in_proj_* into in_proj: its parent's parts), as load.fused_parts names them."""
+    parent, _, leaf = name.rpartition(".")
+    fused = leaf in ("qkv_proj", "gate_up_proj", "in_proj")
+    parts = getattr(model.get_submodule(parent), "parts", None) if fused else None
+    return [f"{parent}.{p}" for p in parts] if parts else [name]
+
+
+def stack_of(name: str) -> str:
+    """The model linear a checkpoint linear is stacked into, as a name that is the same for each of its parts (a
+    plain MLP's up_proj: a stack of one)."""
+    m = STACKED_PART.fullmatch(name)
+    if m is None:
+        return name
+    return f"{m[3]}.gate_up_proj" if m[3] else f"{m[1]}.qkv_proj" if m[2] else f"{m[1]}.in_proj"
 
 
 def swap_linears(model: DenseDecoder, mode: str | None, params: dict) -> DenseDecoder:
     """Replace the model's nn.Linear layers by empty quantized ones (mode None: by kernels.Linear, whose CPU decode
-    calls run kernels.cpp), built on the same device (meta while loading) and filled by load.load_tensors."""
-    chosen = layer_modes(model, mode, params.get("head")) if mode else {name: None for name, m in model.named_modules()
-                                                     if type(m) is nn.Linear}
+    calls run kernels.cpp), built on the same device (meta while loading) and filled by load.load_tensors. params
+    "stored": a folder that came quantized, in its own mode: only the linears it stores quantized are (layer_modes)."""
+    chosen = layer_modes(model, mode, params.get("head"), params.get("stored")) if mode else \
+        {name: None for name, m in model.named_modules() if type(m) is nn.Linear}
     for name, layer_mode in chosen.items():
         old = model.get_submodule(name)
         parent, _, attr = name.rpartition(".")

@@ -1,7 +1,7 @@
 """checkpoint.py: what loading needs from any checkpoint (the Checkpoint record), and the safe file operations every
 reader and writer shares: JSON, memory-mapped safetensors, weights-only pickles, atomic writes, a lock file; and the
 checking of a config read from a file (make_config, config_from_dict: every error one line naming the file).
-Stands on dense.py (DenseConfig) and machine.py.
+Stands on dense.py (DenseConfig), layer_kinds.py (its records) and machine.py.
 
 A Checkpoint is a config plus {native tensor name: thunk}: a thunk reads, slices or merges tensors only when called,
 so loading builds the model one tensor at a time and never holds a second copy of the weights.
@@ -19,9 +19,10 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+import layer_kinds
 from dense import DenseConfig
-from dense_engine.formats import activations, call_checks, rope_scalings  # noqa: F401 (they register into dense.py)
 from dense_engine.system.errors import CheckpointError, first_line
+from layer_kinds import record
 
 
 @dataclass
@@ -167,7 +168,7 @@ def torch_dtype(name) -> torch.dtype | None:
 
 # The rotary scalings (rope_scaling["rope_type"]) and the keys each reads, the required ones first (a count); a key
 # not listed here is refused, so a scaling is never half applied. What each computes: dense.py's rope_frequencies
-# and rope_scalings.py.
+# and layer_kinds.py's family_frequencies.
 ROPE_SCALINGS = {
     "linear": (1, ("factor",)),
     "dynamic": (1, ("factor",)),
@@ -189,12 +190,31 @@ RELEASE_KEYS = ("method", "tier", "paper_table", "architectures", "model_type", 
                 "source_tensor_types")
 ALIASES = {"rms_norm_eps": "norm_eps"}  # the ShellElastic release's name for the eps
 MAX_SIZE = 1 << 24  # no width, count or context of a real model comes near this; a bigger one is a broken config
+# The families' fields by their flat names (the readers' keywords, and the keys of native config.json files written
+# before the records): the record of layer_kinds.RECORDS and its field. conv_kernel goes to each state layer's record.
+FLAT_NAMES = {
+    "rope_precision": ("rotary", "precision"), "rope_local_theta": ("rotary", "local_theta"),
+    "nope_layers": ("rotary", "nope_layers"), "attn_softcap": ("attention", "softcap"),
+    "attn_sinks": ("attention", "sinks"), "attn_head_gate": ("attention", "head_gate"),
+    "qk_norm_after_rope": ("attention", "norm_after_rope"), "global_head_dim": ("attention", "full_head_dim"),
+    "value_norm": ("attention", "value_norm"), "keys_are_values": ("attention", "keys_are_values"),
+    "kv_shared_layers": ("attention", "shared_layers"), "residual_scale": ("layer", "residual_scale"),
+    "per_layer_input": ("layer", "per_layer_input"), "layer_scalars": ("layer", "layer_scalars"),
+    "logits_divisor": ("head", "divisor"), "final_softcap": ("head", "softcap"), "output_vocab_size": ("head", "rows"),
+    "linear_heads": ("gated_deltanet", "heads"), "linear_head_dims": ("gated_deltanet", "head_dims"),
+    "linear_tiled_values": ("gated_deltanet", "tiled_values"), "linear_beta_scale": ("gated_deltanet", "beta_scale"),
+    "linear_norm_eps": ("gated_deltanet", "norm_eps"), "mamba_heads": ("mamba2", "heads"),
+    "mamba_biases": ("mamba2", "biases"), "mamba_norm": ("mamba2", "norm"),
+    "time_step_limit": ("mamba2", "time_step_limit"), "conv_kernel": (None, "conv_kernel"),
+}
 
 
 def config_from_dict(values: dict, source: str = "config") -> DenseConfig:
     """A native config.json's values (absent keys: the native format's defaults) as a checked DenseConfig."""
-    known = {f.name for f in fields(DenseConfig)}
+    known = {f.name for f in fields(DenseConfig)} | set(FLAT_NAMES)
     kwargs = dict(NATIVE_DEFAULTS)
+    if "extras" in values:  # (written with the records: the rotary's precision is in them)
+        kwargs.pop("rope_precision")
     for key, value in values.items():
         key = ALIASES.get(key, key)
         if key in known:
@@ -204,10 +224,53 @@ def config_from_dict(values: dict, source: str = "config") -> DenseConfig:
     return make_config(source, **kwargs)
 
 
+def as_field(default, value):
+    """A value read from JSON in its field's type: a list where the field holds a tuple, as a tuple."""
+    return tuple(value) if isinstance(default, tuple) and isinstance(value, list) else value
+
+
+def records(source: str, values: dict) -> dict:
+    """The config's extras (layer_kinds.RECORDS by name) from values' "extras" (records, or a config.json's dicts)
+    and its flat names (FLAT_NAMES, popped from values). A record whose fields are all its defaults is left out,
+    but a state layer's record is always there when layer_types has its layers."""
+    extras = {}
+    for name, value in (values.pop("extras", None) or {}).items():
+        if name not in layer_kinds.RECORDS:
+            raise CheckpointError(f"{source}: unknown config extras {name!r}")
+        extras[name] = value if isinstance(value, layer_kinds.RECORDS[name]) else dict(value)
+    states = {layer_kinds.STATE_LAYERS[t] for t in values.get("layer_types") or () if t in layer_kinds.STATE_LAYERS}
+    flat: dict[str, dict] = {name: {} for name in states}
+    for key in [k for k in values if k in FLAT_NAMES]:
+        owner, field_name = FLAT_NAMES[key]
+        value = values.pop(key)
+        for name in [owner] if owner else states:
+            flat.setdefault(name, {})[field_name] = value
+    made = {}
+    for name, given in {**flat, **extras}.items():
+        cls = layer_kinds.RECORDS[name]
+        given = {**(given if isinstance(given, dict) else vars(given)), **flat.get(name, {})}  # (flat names win)
+        defaults = {f.name: f.default for f in fields(cls)}
+        unknown = sorted(set(given) - set(defaults))
+        if unknown:
+            raise CheckpointError(f"{source}: config extras {name!r} has no field {unknown[0]!r}")
+        given = {k: as_field(defaults[k], v) for k, v in given.items()}
+        if name in states or any(v != defaults[k] for k, v in given.items()):
+            made[name] = cls(**given)
+    return made
+
+
+def replaced(config: DenseConfig, source: str = "config", **values) -> DenseConfig:
+    """config with values changed (the families' fields by their flat names too), checked."""
+    return make_config(source, **{**{f.name: getattr(config, f.name) for f in fields(config)}, **values})
+
+
 def make_config(source: str = "config", **values) -> DenseConfig:
-    """A DenseConfig from values read from a file, checked: an error names the file."""
+    """A DenseConfig from values read from a file, checked: an error names the file. The families' fields may come
+    by their flat names (FLAT_NAMES) or as records in `extras`."""
+    values = dict(values)
+    extras = records(source, values)
     try:
-        config = DenseConfig(**values)
+        config = DenseConfig(**values, extras=extras)
     except TypeError as e:
         raise CheckpointError(f"{source}: {e}") from None
     check_config(config, source)
@@ -219,17 +282,25 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
     def bad(msg: str):
         raise CheckpointError(f"{source}: {msg}")
 
+    rotary, attention, head, layer = (record(config, name) for name in ("rotary", "attention", "head", "layer"))
+    flat = {"rope_precision": rotary.precision, "rope_local_theta": rotary.local_theta,
+            "attn_softcap": attention.softcap, "residual_scale": layer.residual_scale, "logits_divisor": head.divisor,
+            "final_softcap": head.softcap}
+
+    def value_of(name: str):  # (a family's field by its flat name, as the errors name it)
+        return flat[name] if name in flat else getattr(config, name)
+
     choices = {"rope_precision": ("bfloat16", "float32"), "rope_layout": ("half", "interleaved"),
                "norm": ("rmsnorm", "layernorm"), "qk_norm": ("none", "per_channel", "shared", "whole"),
                "mlp": ("swiglu", "geglu", "gelu", "xielu", "relu2")}
     for name, allowed in choices.items():
-        if getattr(config, name) not in allowed:
-            bad(f"{name} must be one of {', '.join(allowed)}, got {getattr(config, name)!r}")
+        if value_of(name) not in allowed:
+            bad(f"{name} must be one of {', '.join(allowed)}, got {value_of(name)!r}")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "head_dim", "max_position_embeddings"):
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_SIZE:
             bad(f"{name} must be an integer in 1..{MAX_SIZE}, got {value!r}")
-    rows = config.output_vocab_size
+    rows = head.rows
     if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or not 0 < rows <= config.vocab_size):
         bad(f"output_vocab_size must be an integer in 1..vocab_size ({config.vocab_size}), got {rows!r}")
     if rows is not None and rows < config.vocab_size and config.tie_word_embeddings:
@@ -244,7 +315,7 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
     positive = ("norm_eps", "rope_theta", "rope_local_theta", "attn_scale", "attn_softcap", "residual_scale",
                 "embed_scale", "logits_divisor", "final_softcap")
     for name in positive:
-        value = getattr(config, name)
+        value = value_of(name)
         if value is None and name not in ("norm_eps", "rope_theta", "residual_scale", "logits_divisor"):
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
@@ -256,9 +327,9 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
                 f"({width}) in 0..{MAX_SIZE} (0: no MLP)")
         if heads % kv:
             bad(f"layer {layer}: {heads} query heads do not divide into {kv} key/value heads")
-    rope_dim, head = config.rope_dim(), config.global_head_dim or config.head_dim
-    if not isinstance(rope_dim, int) or not 0 < rope_dim <= head or rope_dim % 2:
-        bad(f"rotary dimension {rope_dim} must be even and in 1..head_dim={head}")
+    rope_dim, head_dim = layer_kinds.rope_dim(config), attention.full_head_dim or config.head_dim
+    if not isinstance(rope_dim, int) or not 0 < rope_dim <= head_dim or rope_dim % 2:
+        bad(f"rotary dimension {rope_dim} must be even and in 1..head_dim={head_dim}")
     if config.sliding_window is not None and (not isinstance(config.sliding_window, int) or config.sliding_window < 1):
         bad(f"sliding_window must be a whole number >= 1, got {config.sliding_window!r}")
     if config.layer_types is not None:
@@ -266,22 +337,26 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
         if len(config.layer_types) != config.num_hidden_layers or not set(config.layer_types) <= set(kinds):
             bad(f"layer_types must list {config.num_hidden_layers} of {' / '.join(map(repr, kinds))}")
         if "linear_attention" in config.layer_types:
-            (k_heads, v_heads), dims = config.linear_heads, config.linear_head_dims
+            delta = config.extras["gated_deltanet"]
+            (k_heads, v_heads), dims = delta.heads, delta.head_dims
             if (not all(isinstance(n, int) and 0 < n <= MAX_SIZE for n in (k_heads, v_heads, *dims))
                     or v_heads % k_heads):
-                bad(f"linear_heads {config.linear_heads} and linear_head_dims {config.linear_head_dims} must be "
+                bad(f"linear_heads {delta.heads} and linear_head_dims {delta.head_dims} must be "
                     "positive, the value heads a multiple of the key heads")
         if {"mamba", "hybrid"} & set(config.layer_types):
-            heads, _, groups, _ = config.mamba_heads
-            if not all(isinstance(n, int) and 0 < n <= MAX_SIZE for n in config.mamba_heads) or heads % groups:
-                bad(f"mamba_heads {config.mamba_heads} (heads, channels per head, groups, state size) must be "
+            mamba_heads = config.extras["mamba2"].heads
+            heads, _, groups, _ = mamba_heads
+            if not all(isinstance(n, int) and 0 < n <= MAX_SIZE for n in mamba_heads) or heads % groups:
+                bad(f"mamba_heads {mamba_heads} (heads, channels per head, groups, state size) must be "
                     "positive, the heads a multiple of the groups")
-        if not isinstance(config.conv_kernel, int) or not 1 < config.conv_kernel <= 64:
-            bad(f"conv_kernel must be a whole number in 2..64, got {config.conv_kernel!r}")
+        for name in {layer_kinds.STATE_LAYERS[t] for t in config.layer_types if t in layer_kinds.STATE_LAYERS}:
+            kernel = config.extras[name].conv_kernel
+            if not isinstance(kernel, int) or not 1 < kernel <= 64:
+                bad(f"conv_kernel must be a whole number in 2..64, got {kernel!r}")
         if "sliding_attention" in config.layer_types and config.sliding_window is None:
             bad("layer_types has sliding_attention layers but no sliding_window is set")
-    if config.nope_layers is not None and not all(isinstance(i, int) and 0 <= i < config.num_hidden_layers
-                                                  for i in config.nope_layers):
+    if rotary.nope_layers is not None and not all(isinstance(i, int) and 0 <= i < config.num_hidden_layers
+                                                  for i in rotary.nope_layers):
         bad(f"nope_layers must list layer indices in 0..{config.num_hidden_layers - 1}")
     for name in ("pre_norms", "post_norms"):
         value = getattr(config, name)
@@ -289,7 +364,7 @@ def check_config(config: DenseConfig, source: str = "config") -> None:
             bad(f"{name} has {len(value)} entries, expected num_hidden_layers={config.num_hidden_layers}")
     if config.parallel_residual and (config.post_norms or not config.pre_norms):
         bad("parallel_residual has no post-norm form")
-    if config.attn_output_gate and config.attn_head_gate:
+    if config.attn_output_gate and attention.head_gate:
         bad("attn_output_gate and attn_head_gate: one gate or the other")
     if config.qkv_bias and config.attn_output_gate:
         bad("qkv_bias with attn_output_gate is not a known layout")

@@ -1,10 +1,10 @@
-"""convert.py: any supported checkpoint, read as a Checkpoint (families.py, gguf_import.py, or the native format),
+"""convert.py: any supported checkpoint, read as a Checkpoint (families/, gguf_import.py, or the native format),
 and native folders written from it: config.json + model.safetensors, the tokenizer files, quantized variants.
 
     python convert.py SRC DST [--force] [--dtype float32|float16|bfloat16]
 
-Stands on checkpoint.py, families.py, gguf_import.py and quantized.py; load.py reads checkpoints through it, and
-quantize.py's command line writes variants with it.
+Stands on checkpoint.py, families/, gguf_import.py, vocab.py (a GGUF's tokenizer files) and quantized.py; load.py
+reads checkpoints through it, and quantize.py's command line writes variants with it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from dense import DenseConfig
 from dense_engine.cpu import kernels, quantized
-from dense_engine.formats import families, gguf_import, lora, prequantized
+from dense_engine.formats import families, gguf_import, lora, prequantized, vocab
 from dense_engine.formats.checkpoint import (
     Checkpoint,
     atomic_write,
@@ -86,7 +86,7 @@ def read_any(path: str) -> Checkpoint:
 def read_foreign(path: str) -> Checkpoint:
     """A non-native checkpoint as a Checkpoint (no record)."""
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return gguf_import.read_gguf(path)
+        return gguf_import.read_gguf(path, families.GGUF_FAMILIES)
     if os.path.isfile(path):
         return families.read_torch_file(path, None)
     if glob.glob(os.path.join(path, "global_step*")):
@@ -140,7 +140,7 @@ def side_files(src: str) -> dict:
     writers = {name: (lambda p, s=path: shutil.copyfile(s, p)) for name, path in tokenizer_sources(src).items()}
     if os.path.isfile(src) and src.endswith(".gguf"):
         writers.update({name: (lambda p, t=text: write_text(p, t))
-                        for name, text in gguf_import.side_files(src).items()})
+                        for name, text in vocab.gguf_side_files(src).items()})
     return writers
 
 

@@ -9,7 +9,7 @@ load (a saved quantized variant, quantizing tensor by tensor as they load, or th
 the model on the meta device -> swap in quantized linears (quantized.py) -> read each tensor (memory-mapped), check
 it, cast it and move it to `device`, one at a time (load_tensors) -> place the weights for the CPU kernels. Also
 here: the memory check before anything is allocated (check_fits), and the way back from a model to checkpoint
-tensors (checkpoint_state_dict). Stands on dense.py, kernels.py, quantized.py and convert.py; tp.py loads shards
+tensors (checkpoint_tensors). Stands on dense.py, kernels.py, quantized.py and convert.py; tp.py loads shards
 through its `shard` hook.
 """
 
@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 import dense
+import layer_kinds
 from dense_engine.cpu import kernels, quantized
-from dense_engine.formats import convert, gguf_import, preread
+from dense_engine.formats import convert, gguf_import, prequantized, preread
 from dense_engine.formats import lora as adapters
 from dense_engine.formats.checkpoint import Checkpoint
 from dense_engine.system import machine
@@ -84,6 +85,8 @@ def plan(path: str, quant: str = "auto", device=None, dtype: torch.dtype | None 
         mode, reason = auto_mode(checkpoint, device)
     else:
         mode, reason = (None if quant == "none" else quant), f"--quant {quant}"
+        if mode is not None and checkpoint.scheme is not None:  # (a folder that came quantized: as stored, or not)
+            reason += prequantized.requantizing(checkpoint.tensors, checkpoint.scheme, mode)
     if lora:  # (an adapter beside the weights: the family must keep the weight as it is)
         adapters.check_unmerged(checkpoint.tensors, checkpoint.adapters, mode)
     record = LoadRecord(checkpoint.path, mode, reason, dtype or default_dtype(device), device, kv_dtype, max_seq_len,
@@ -128,7 +131,7 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
     check_fits(config, dtype, torch.device(device), checkpoint.path, quantized.BYTES_PER_WEIGHT.get(mode),
                held=preread.held(checkpoint.path) if torch.device(device).type == "cpu" else 0)
     with torch.device("meta"), no_init():
-        model = dense.DenseDecoder(config)
+        model = layer_kinds.Decoder(config)
     if mode == "gguf":
         tensors = load_blocks(model, checkpoint, tensors, device, dtype)
     quantized.swap_linears(model, None if mode == "gguf" else mode, params)  # the rest: quantized, or kernels.Linear
@@ -207,7 +210,9 @@ def auto_mode(checkpoint, device="cpu") -> tuple[str | None, str]:
 def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> tuple[str | None, dict, dict]:
     """(mode, layer params, {checkpoint name: thunk}) for from_pretrained: the saved variant of `quant` when there is
     one, else the full-precision tensors quantized one by one as they load, on `device` (a GPU's minutes are a CPU's
-    seconds). quant=None loads what is stored."""
+    seconds). quant=None loads what is stored. A folder that came quantized, in its own mode (auto's pick, quant=None's,
+    or asked), loads as stored: the linears it stores quantized in the mode, every other tensor (the head, a linear it
+    left unquantized) float as it holds it (params "stored": the quantized linears, quantized.layer_modes)."""
     saved = checkpoint.record.get("quantization", {})
     if quant == "auto":
         quant = auto_mode(checkpoint, device)[0] or "none"
@@ -246,7 +251,11 @@ def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> 
     if not exact:
         notice(f"{checkpoint.path}: no saved {quant} variant; quantizing at load time (python quantize.py --ckpt "
                f"{checkpoint.path} --mode {quant} saves one)")
-    return quant, params, convert.quantized_table(checkpoint, quant, params, exact, device)
+    table = convert.quantized_table(checkpoint, quant, params, exact, device)
+    if checkpoint.scheme is not None and quant == checkpoint.scheme.mode:  # a folder that came quantized, as stored
+        params["stored"] = prequantized.stored_linears(checkpoint.tensors)
+        table = prequantized.as_stored(table, checkpoint.tensors, params["stored"])
+    return quant, params, table
 
 
 def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dtype) -> dict:
@@ -260,7 +269,7 @@ def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dt
     order. A tied head multiplies the embedding's own blocks."""
     blocks = checkpoint.blocks
     linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
-    tables = ["embed_tokens"] + (["embed_per_layer"] if model.config.per_layer_input else [])  # (rows looked up)
+    tables = ["embed_tokens"] + (["embed_per_layer"] if hasattr(model, "embed_per_layer") else [])  # (rows looked up)
     sources = {name: [f"{name}.weight"] for name in tables}  # module -> the checkpoint weights it is stacked from
     for name in linears:
         parts = [f"{prefix}.weight" for prefix in fused_parts(model, name)]
@@ -358,10 +367,10 @@ def fused_parts(model: dense.DenseDecoder, module_name: str) -> dict[str, int]:
     return {f"{parent}.{p}": rows for p, rows in parts.items()} if parts else {module_name: 0}
 
 
-def checkpoint_state_dict(model: dense.DenseDecoder) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(model: dense.DenseDecoder) -> dict[str, torch.Tensor]:
     """The model's tensors under checkpoint names (fused projections split back into their parts; a tied head left
     out): what convert.write_native saves and load_tensors reads."""
-    state = {}
+    tensors = {}
     for name, t in model.state_dict().items():
         module_name, _, attr = name.rpartition(".")
         parts = fused_parts(model, module_name)
@@ -369,8 +378,8 @@ def checkpoint_state_dict(model: dense.DenseDecoder) -> dict[str, torch.Tensor]:
             continue
         rows = list(parts.values())
         pieces = t.split([t.shape[0] * r // sum(rows) for r in rows]) if len(parts) > 1 else [t]
-        state.update({f"{prefix}.{attr}": piece for prefix, piece in zip(parts, pieces)})
-    return state
+        tensors.update({f"{prefix}.{attr}": piece for prefix, piece in zip(parts, pieces)})
+    return tensors
 
 
 # Tables only looked up (a row a token, never multiplied whole): kept as stored when narrower than the model's dtype,

@@ -202,6 +202,32 @@ def native_names(adapter: Adapter, name: str) -> list[tuple[str, None]]:
     return [(name, None)]
 
 
+def folder_names(adapter: Adapter, name: str) -> list[tuple[str, None]]:
+    """A Hugging Face folder's names (merged's `names`): an adapter's names are the folder's."""
+    if adapter.names != "peft":
+        raise CheckpointError(f"--lora {adapter.path}: a llama.cpp adapter applies to a GGUF base of its architecture")
+    return [(name, None)]
+
+
+def gguf_names(arch: str, path: str, parts):
+    """A GGUF base's names (merged's `names`; arch: its architecture): a llama.cpp adapter's GGUF names as the base's
+    table names the weight, and B's rows in its order (parts(rest): the base's native tensors of a layer's tensor
+    `rest`, turned q/k rows and fused tensors undone as for the base's); a Hugging Face one's as a Llama-layout native
+    folder's (the base's rows here are in Hugging Face's order)."""
+    def names(adapter: Adapter, name: str) -> list[tuple[str, torch.Tensor | None]]:
+        if adapter.names == "peft":
+            return native_names(adapter, name)
+        if adapter.names != arch:
+            raise CheckpointError(f"--lora {adapter.path}: an adapter of architecture {adapter.names!r}, the base "
+                                  f"{path} is {arch!r}")
+        prefix, layer, rest = (name.split(".", 2) + ["", ""])[:3]
+        found = parts(rest) if prefix == "blk" else None
+        if not found or not layer.isdigit() or any(change is not None for _, _, change in found):
+            raise CheckpointError(f"--lora {adapter.path}: {name} is not an adapted weight this engine reads")
+        return [(f"layers.{layer}.{native}", rows) for native, rows, _ in found]
+    return names
+
+
 def merged(table: dict, source: str, names=lambda adapter, name: [(name, None)]) -> dict:
     """table {name: thunk} with PENDING's adapters on their target weights (Merged); names(adapter, name) -> [(the
     table's name, B's rows or None)] for each adapted name (a fused tensor of the adapter's: several); an adapter

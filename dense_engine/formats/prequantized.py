@@ -5,6 +5,9 @@ runs them as any full-precision checkpoint (--quant quantizes them again). The t
 garbage in silence, each handled where it is read: GPTQ's "v1" zero points stored minus one, its input channels in
 act-order groups (g_idx), AWQ's eight codes a word in the order 0, 2, 4, 6, 1, 3, 5, 7, FP8's scale per block
 (weight_scale_inv). An unknown method, format or bit width, and a linear missing a scale, are refused in one line.
+Loaded in its own mode (--quant auto's pick, or that mode asked), a folder runs as stored: its quantized linears in the
+mode, every tensor it holds in float (the head, embeddings, norms, a linear it left unquantized) float (stored_linears,
+as_stored); another mode quantizes those too, and the first line says so (requantizing).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dense_engine.cpu import quantized
 from dense_engine.formats.checkpoint import read_json
 from dense_engine.system.errors import CheckpointError
 from dense_engine.system.machine import note
@@ -34,7 +38,8 @@ class Scheme:
     mode: str | None = None  # the engine's own quantization that holds these numbers exactly (quantized.py), if any
 
     def reason(self) -> str:
-        return f"the folder's {self.method} {self.mode} weights, which {self.mode} holds exactly"
+        return (f"the folder's {self.method} {self.mode} weights, which {self.mode} holds exactly; its float tensors "
+                "(the head, embeddings, norms) as stored")
 
 
 def read_scheme(raw: dict, source: str) -> Scheme | None:
@@ -113,6 +118,55 @@ def exact_tensors(table: dict, scheme: Scheme | None) -> tuple[dict, Scheme | No
     exact = {name.removesuffix(".weight"): getattr(thunk, scheme.mode) for name, thunk in stored.items()
              if isinstance(thunk, Dequantized)}
     return exact, scheme if exact else dataclasses.replace(scheme, mode=None)
+
+
+def is_quantized(thunk) -> bool:
+    """Whether a table's weight thunk is a linear the folder stores quantized (under a LoRA's lora.Merged too)."""
+    return isinstance(getattr(thunk, "base", thunk), Dequantized)
+
+
+def block_linears(table: dict) -> set[str]:
+    """The names of a table's decoder-block linears (quantized.BLOCK_LINEAR), each with its weight."""
+    names = {n.removesuffix(".weight") for n in table if n.endswith(".weight")}
+    return {n for n in names if quantized.BLOCK_LINEAR.fullmatch(n)}
+
+
+def stored_linears(table: dict) -> frozenset[str]:
+    """The block linears a folder stores quantized, which its own mode runs quantized (quantized.layer_modes' stored):
+    all the parts the model stacks into one linear (q/k/v, gate/up) or none, so that a part the folder left in float
+    (an ignore list's, modules_to_not_convert) keeps its stack float (its quantized parts dequantized: the same
+    numbers). The head is never among them: the folder's float head runs float (a quantized one, dequantized)."""
+    names = block_linears(table)
+    stored = {n for n in names if is_quantized(table[f"{n}.weight"])}
+    float_stacks = {quantized.stack_of(n) for n in names - stored}
+    return frozenset(n for n in stored if quantized.stack_of(n) not in float_stacks)
+
+
+def as_stored(table: dict, tensors: dict, stored: frozenset[str]) -> dict:
+    """A quantized table (convert.quantized_table's, of a folder that came quantized, in its own mode) with every
+    linear but `stored` (the head too) back to the folder's own tensors: float, as the folder holds them."""
+    kept = (block_linears(tensors) | {"lm_head"}) - stored
+    out = {name: thunk for name, thunk in table.items() if name.rpartition(".")[0] not in kept}
+    return out | {name: thunk for name, thunk in tensors.items() if name.rpartition(".")[0] in kept}
+
+
+def requantizing(tensors: dict, scheme: Scheme, mode: str) -> str:
+    """What `--quant mode` does to a folder that came quantized, for the first line's reason: its own mode runs it as
+    stored (the float tensors float); another mode quantizes its float head (head_mode's: int8 beside 4 bits) and
+    float linears, and its quantized weights again."""
+    if mode == scheme.mode:
+        return f": {scheme.reason()}"
+    if mode not in quantized.MODES:
+        return ""
+    names = block_linears(tensors)
+    floats = len([n for n in names if not is_quantized(tensors[f"{n}.weight"])])
+    head = quantized.head_mode(mode)
+    what = [f"float head to {head}"] if head and not is_quantized(tensors.get("lm_head.weight")) else []
+    what += [f"{floats} float linear{'s' if floats > 1 else ''} to {mode}"] if floats else []
+    what += [f"{scheme.method} weights again to {mode}"]
+    what = [what[0]] + [f"its {w}" for w in what[1:]]
+    listed = f"{', '.join(what[:-1])} and {what[-1]}" if len(what) > 1 else what[0]
+    return f", which quantizes the folder's {listed}; --quant auto runs it as stored"
 
 
 def dequantized_weights(table: dict, folder: str) -> dict:
@@ -298,12 +352,12 @@ def bnb_weight(parts: dict, scheme: Scheme, prefix: str) -> torch.Tensor:
         return weight.float() * (scb.float()[:, None] / 127)
     from bitsandbytes.functional import QuantState, dequantize_4bit
 
-    state = {name.removeprefix("weight."): thunk() for name, thunk in parts.items() if name.startswith("weight.")}
-    if not any(name.startswith("quant_state.") for name in state):
+    quant_state = {name.removeprefix("weight."): thunk() for name, thunk in parts.items() if name.startswith("weight.")}
+    if not any(name.startswith("quant_state.") for name in quant_state):
         raise CheckpointError(f"{scheme.source}: {prefix}.weight.quant_state.* is missing (bitsandbytes 4-bit "
                               "weights need their quant state)")
     weight = parts["weight"]()
-    return dequantize_4bit(weight, QuantState.from_dict(state, device=weight.device)).float()
+    return dequantize_4bit(weight, QuantState.from_dict(quant_state, device=weight.device)).float()
 
 
 def compressed_weight(parts: dict, scheme: Scheme, prefix: str) -> torch.Tensor:

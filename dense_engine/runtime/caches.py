@@ -3,14 +3,15 @@ needs; here are the variants a load may ask for and their layout on each device 
 (cache_bytes), their copies to host memory and back (copy_slots, put_slots: a server's kept prefixes, /save), and
 their files (write, read: the prefix store's disk tier, llama-server's slot files, chat.py's --prompt-cache).
 
-A layer's memory is a module on its mixer's .memory (model.mixers(): a Falcon-H1 layer has two; memories(model)
-lists them) with
-  attend(q, k, v, step, view, scale, softcap)   its part of a forward call (dense.py's NoCache and KVCache);
+A layer's memory is a module on its mixer's .memory (model.mixers: a Falcon-H1 layer has two; memories(model)
+lists them), which the mixer makes (setup_cache) and whose bytes it says (cache_bytes). Keys and values have
+  attend(q, k, v, step, view, layer)            its part of a forward call (dense.py's NoCache and KVCache: the
+                                               layer's attention over what it holds);
   slots(row, start, end) -> tuple of tensors   what it holds of row's slots start..end-1, each tensor's dim 1 its
                                                slots (or blocks of them): copies of these travel and are saved;
   put_slots(row, start, *parts)                 what slots() gave, back into row from slot start on.
-Keys and values grow with the slots. A fixed-size recurrent state has the same two calls, its parts the state after
-slot end - 1 (so a file or a kept prefix holds the state where it ends); cache_bytes asks each memory class its bytes.
+Keys and values grow with the slots; a fixed-size state (layer_kinds.State, the memory of a mixer whose has_state is
+True) is kept where it ends: row_states, put_row_states.
 
 The variants: KVCache (dense.py's layout, any device), Int8KVCache (a quarter of float32's bytes), and on CPU with the
 kernels CPUKVCache and CPUInt8KVCache: keys in blocks of 16 slots read by kernels.cpp's attention, which reads only
@@ -38,10 +39,6 @@ from dense_engine.system import machine
 
 class KVCache(dense.KVCache):
     """dense.py's cache, [B, K, S + 1, D] keys and values, with the copies of a row's slots."""
-
-    @staticmethod
-    def bytes_for(batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * batch * kv_heads * (seq_len + 1) * head_dim * dtype.itemsize
 
     def slots(self, row: int, start: int, end: int) -> tuple[torch.Tensor, ...]:
         """Views of row's keys and values at slots start..end-1, [K, n, D] each."""
@@ -160,12 +157,12 @@ class CPUKVCache(KVCache):
         self.k[row, :, start // 16:start // 16 + k.shape[1]].copy_(k)
         self.v[row, :, start:start + v.shape[1]].copy_(v)
 
-    def attend(self, q, k, v, step: dense.Step, view: dense.View, scale: float, softcap: float | None,
-               sinks: torch.Tensor | None = None):
-        if sinks is not None:  # (cache_for gives a model with sinks dense.py's layout: the kernel takes none)
+    def attend(self, q, k, v, step: dense.Step, view: dense.View, layer: dense.Attention):
+        softcap = getattr(layer, "softcap", None)  # (layer_kinds' soft-capped scores: the kernel caps them too)
+        if getattr(layer, "sinks", None) is not None:  # (cache_for gives a model with sinks dense.py's layout)
             raise ValueError("attention sinks need dense.py's cache layout")
-        if step.input_pos is None:  # a plain pass: dense.py's attention on this call's own k, v
-            return super().attend(q, k, v, step, view, scale, softcap)
+        if step.input_pos is None:  # a plain pass: the layer's attention on this call's own k, v
+            return super().attend(q, k, v, step, view, layer)
         # Every cached step, a decode or a prefill of any length, from slot 0 or after earlier tokens, alone or
         # beside other rows: the kernel over the slots as the cache holds them. A query's result then depends on its
         # own slots only (the same bits whether its prompt went in whole, in chunks or beside others); SDPA's
@@ -174,7 +171,7 @@ class CPUKVCache(KVCache):
         empty = step.input_pos.new_empty(0)
         start = step.row_start if step.row_start is not None else empty
         rows = step.rows if step.rows is not None else empty
-        return torch.ops.dense_kernels.attention(q, self.k, self.v, step.input_pos, start, rows, scale,
+        return torch.ops.dense_kernels.attention(q, self.k, self.v, step.input_pos, start, rows, layer.scale,
                                                  view.window or 0, softcap or 0.0, *self.scales())
 
     def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -231,7 +228,7 @@ def cache_for(model: dense.DenseDecoder, kv_dtype: str = "auto") -> tuple[type, 
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     named = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(kv_dtype)
-    sinks = any(getattr(m, "sinks", None) is not None for m in model.mixers())  # (the kernel has none)
+    sinks = any(getattr(m, "sinks", None) is not None for m in model.mixers)  # (the kernel has none)
     if model.device.type == "cpu" and model.dtype == torch.float32 and kernels.available() and not sinks:
         return (CPUInt8KVCache, torch.int8) if kv_dtype == "int8" else (CPUKVCache, named)
     if kv_dtype == "int8":
@@ -241,17 +238,21 @@ def cache_for(model: dense.DenseDecoder, kv_dtype: str = "auto") -> tuple[type, 
 
 def memories(model: dense.DenseDecoder) -> list[nn.Module]:
     """Each layer's memory, in layer order."""
-    return list(dict.fromkeys(m.memory for m in model.mixers()))  # (once: a layer may read another's)
+    return list(dict.fromkeys(m.memory for m in model.mixers))  # (once: a layer may read another's)
 
 
 def kv_memory(model: dense.DenseDecoder) -> nn.Module | None:
     """The first attention layer's memory (its kind and dtype are every attention layer's), or None."""
-    return next((m for m in memories(model) if not isinstance(m, dense.State)), None)
+    return next(iter(key_memories(model)), None)
+
+
+def state_mixers(model: dense.DenseDecoder) -> list[nn.Module]:
+    """The mixers whose memory is a fixed-size state (layer_kinds.py's) rather than keys and values."""
+    return [m for m in model.mixers if getattr(m, "has_state", False)]
 
 
 def has_state(model: dense.DenseDecoder) -> bool:
-    """Whether some layer's memory is a fixed-size state (dense.py section 4) rather than keys and values."""
-    return any(not isinstance(m, dense.Attention) for m in model.mixers())
+    return bool(state_mixers(model))
 
 
 def kept_memories(model: dense.DenseDecoder) -> list[nn.Module]:
@@ -265,7 +266,7 @@ def kept_memories(model: dense.DenseDecoder) -> list[nn.Module]:
 
 
 def state_buffers(model: dense.DenseDecoder) -> list[torch.Tensor]:
-    return [t for m in memories(model) if isinstance(m, dense.State) for t in (m.window, m.recurrent) if t is not None]
+    return [t for m in state_mixers(model) for t in (m.memory.window, m.memory.recurrent) if t is not None]
 
 
 def saved_states(model: dense.DenseDecoder, rows: int = 1) -> list[torch.Tensor]:
@@ -279,14 +280,6 @@ def restore_states(model: dense.DenseDecoder, saved: list[torch.Tensor]) -> None
         buffer[: copy.shape[0]].copy_(copy)
 
 
-def state_bytes(mixer: nn.Module, batch: int, dtype: torch.dtype) -> int:
-    """The bytes of a state layer's memory: the conv window in the model's dtype, and float32 matrices."""
-    channels, width = mixer.conv_weight.shape[0], mixer.conv_weight.shape[-1]
-    matrices = mixer.v_heads * mixer.k_dim * mixer.v_dim * 4 if isinstance(mixer, dense.GatedDeltaNet) else \
-        mixer.heads * mixer.head_dim * mixer.state_size * 4 if isinstance(mixer, dense.Mamba2) else 0
-    return batch * (channels * (width - 1) * dtype.itemsize + matrices)
-
-
 def cache_bytes(model: dense.DenseDecoder, batch: int, seq_len: int, dtype: torch.dtype | None = None,
                 cache_class: type = KVCache) -> int:
     """The bytes of a cache of batch x seq_len tokens (+ the scratch slot) in dtype (default the model's; int8: a
@@ -294,10 +287,7 @@ def cache_bytes(model: dense.DenseDecoder, batch: int, seq_len: int, dtype: torc
     dtype = dtype or model.dtype
     if dtype == torch.int8 and not issubclass(cache_class, ScaledSlots):
         cache_class = Int8KVCache
-    return sum(0 if isinstance(m, dense.Attention) and m.reads is not None else  # (another's)
-               cache_class.bytes_for(batch, m.n_kv_heads, seq_len, m.head_dim, dtype)
-               if isinstance(m, dense.Attention) else state_bytes(m, batch, model.dtype)
-               for m in model.mixers())
+    return sum(m.cache_bytes(batch, seq_len, dtype, cache_class, model) for m in model.mixers)
 
 
 def setup_cache(model: dense.DenseDecoder, batch: int, seq_len: int, kv_dtype: str | None = "auto") -> None:
@@ -309,7 +299,7 @@ def setup_cache(model: dense.DenseDecoder, batch: int, seq_len: int, kv_dtype: s
         cache_class, dtype = type(now), now.v.dtype
     else:
         cache_class, dtype = cache_for(model, kv_dtype or "auto")
-    for mixer in model.mixers():  # (the old cache's memory counts as available)
+    for mixer in model.mixers:  # (the old cache's memory counts as available)
         mixer.memory = dense.NoCache()
     need, have = cache_bytes(model, batch, seq_len, dtype, cache_class), machine.available_memory(model.device)
     if need > have:
@@ -362,7 +352,7 @@ def put_slots(model: dense.DenseDecoder, row: int, start: int, layers: list[tupl
 
 def key_memories(model: dense.DenseDecoder) -> list[nn.Module]:
     """The attention layers' memories (a state model's too), in layer order."""
-    return [m for m in memories(model) if not isinstance(m, dense.State)]
+    return list(dict.fromkeys(m.memory for m in model.mixers if not getattr(m, "has_state", False)))
 
 
 def copy_keys(model: dense.DenseDecoder, row: int, start: int, end: int) -> list[tuple[torch.Tensor, ...]]:

@@ -475,8 +475,8 @@ def prepare(model: dense.DenseDecoder, prompts, max_new_tokens: int, start_pos: 
         raise ValueError(f"{start_pos + T} tokens + {max_new_tokens} new exceed the context of "
                          f"{model.config.max_position_embeddings}")
     cache = caches.memories(model)[0]
-    moved = isinstance(cache, (dense.KVCache, dense.State)) and next(cache.buffers()).device != model.device  # (after
-    # model.to())
+    held = next(cache.buffers(), None)  # (None: no cache set up yet)
+    moved = held is not None and held.device != model.device  # (after model.to())
     if model.max_seq_len < needed or model.max_batch_size < B or moved:
         if start_pos:
             raise ValueError(f"the cache ({model.max_seq_len} tokens) is too small to continue to {needed} tokens")

@@ -28,6 +28,7 @@ import dataclasses
 import torch
 
 import dense
+import layer_kinds
 from dense_engine.cpu import quantized
 from dense_engine.runtime import caches
 from dense_engine.runtime.generate import Runner, Sampling, collect, prepare, sample
@@ -139,7 +140,7 @@ class LookupDraft:
         return [], None  # no match: nothing to check, a plain decode step is cheaper
 
 
-class MultiTokenPredictor(dense.DenseDecoder):
+class MultiTokenPredictor(layer_kinds.Decoder):
     """Qwen3.5's multi-token prediction layers (mtp.*), trained to predict the token after next. At position i it
     reads the target's final hidden state h_i (after the target's last norm) and the embedding of the next token
     t_{i+1}, each normed; fc mixes the two [2C -> C]; then full-attention layers with a KV cache of their own, and a
@@ -256,7 +257,7 @@ def quantized_copy(model: dense.DenseDecoder, mode: str) -> dense.DenseDecoder:
     finally:
         model.embed_tokens = embedding
     draft.embed_tokens = embedding
-    for mixer in draft.mixers():
+    for mixer in draft.mixers:
         mixer.memory = dense.NoCache()
     draft.max_batch_size = draft.max_seq_len = 0
     return quantized.quantize_model(draft, mode)

@@ -282,7 +282,7 @@ class CallStream:
     def __init__(self, fmt: str, names, parallel: bool = True) -> None:
         self.fmt, self.names, self.parallel = fmt, names, parallel
         self.opener = OPENERS[fmt]
-        self.state = "start" if fmt == "llama3" else "text"
+        self.part = "start" if fmt == "llama3" else "text"
         self.buf, self.calls, self.name = "", 0, None
         self.value: ValueScan | None = None  # where the arguments being read end
 
@@ -296,47 +296,47 @@ class CallStream:
     def run(self, final: bool) -> list[tuple]:
         out = []
         while True:
-            before = (self.state, len(self.buf))
-            getattr(self, "step_" + self.state)(out, final)
-            if (self.state, len(self.buf)) == before:
+            before = (self.part, len(self.buf))
+            getattr(self, "read_" + self.part)(out, final)
+            if (self.part, len(self.buf)) == before:
                 return [e for e in out if e[-1]]  # (no empty pieces)
 
     def told(self) -> bool:  # whether the call being read is told (parallel False: the first alone)
         return self.parallel or self.calls == 1
 
-    # states
+    # the parts of a reply, each read by its read_<part>
 
-    def step_text(self, out, final) -> None:
+    def read_text(self, out, final) -> None:
         at = self.buf.find(self.opener)
         if at >= 0:
             out.append(("text", self.buf[:at]))
-            self.buf, self.state = self.buf[at + len(self.opener):], "open" if self.fmt == "mistral" else "head"
+            self.buf, self.part = self.buf[at + len(self.opener):], "open" if self.fmt == "mistral" else "head"
             return
         keep = 0 if final else next((n for n in range(min(len(self.opener) - 1, len(self.buf)), 0, -1)
                                      if self.opener.startswith(self.buf[-n:])), 0)
         out.append(("text", self.buf[:len(self.buf) - keep]))
         self.buf = self.buf[len(self.buf) - keep:]
 
-    def step_plain(self, out, final) -> None:  # text to the end
+    def read_plain(self, out, final) -> None:  # text to the end
         out.append(("text", self.buf))
         self.buf = ""
 
-    def step_start(self, out, final) -> None:  # (llama3) a call is the whole reply: "{" or <|python_tag|> first
+    def read_start(self, out, final) -> None:  # (llama3) a call is the whole reply: "{" or <|python_tag|> first
         s = self.buf.lstrip()
         tag = "<|python_tag|>"
         if s.startswith((tag, "{")):
-            self.buf, self.state = s.removeprefix(tag), "head"
+            self.buf, self.part = s.removeprefix(tag), "head"
         elif s and not tag.startswith(s) or final:
-            self.state = "plain"
+            self.part = "plain"
 
-    def step_open(self, out, final) -> None:  # (mistral) [TOOL_CALLS] then a JSON list of calls
+    def read_open(self, out, final) -> None:  # (mistral) [TOOL_CALLS] then a JSON list of calls
         s = self.buf.lstrip()
         if s.startswith("["):
-            self.buf, self.state = s[1:], "head"
+            self.buf, self.part = s[1:], "head"
         elif s or final:
-            self.buf, self.state = self.opener + self.buf, "plain"
+            self.buf, self.part = self.opener + self.buf, "plain"
 
-    def step_head(self, out, final) -> None:
+    def read_head(self, out, final) -> None:
         if self.fmt == "gemma4":
             return self.gemma_call(out, final)
         if self.fmt == "mistral_args":
@@ -349,7 +349,7 @@ class CallStream:
                 self.name = name
                 if self.told():
                     out.append(("call", self.calls - 1, name))
-                self.buf, self.state, self.value = self.buf[m.end():], "arguments", None
+                self.buf, self.part, self.value = self.buf[m.end():], "arguments", None
                 return
         closed = self.fmt == "hermes" and HERMES_CLOSE in self.buf
         if m or closed or final or len(self.buf) > MAX_HEAD:
@@ -367,7 +367,7 @@ class CallStream:
                         ("arguments", self.calls - 1, json.dumps(arguments, ensure_ascii=False)),
                         ("end", self.calls - 1, value["name"])]
             self.buf = self.buf[len(body) + len(HERMES_CLOSE):] if closed else ""
-            self.state = "between"
+            self.part = "between"
             return
         self.as_text(out)
 
@@ -376,8 +376,8 @@ class CallStream:
         come between text (hermes, gemma4; then look for the next opener)."""
         opened = "" if self.fmt == "llama3" else self.opener + ("[" if self.fmt == "mistral" else "")
         self.buf = opened + self.buf
-        self.state = "plain" if self.fmt not in ("hermes", "gemma4", "mistral_args") or self.calls else "text"
-        if self.state == "text":
+        self.part = "plain" if self.fmt not in ("hermes", "gemma4", "mistral_args") or self.calls else "text"
+        if self.part == "text":
             out.append(("text", self.buf[:len(self.opener)]))
             self.buf = self.buf[len(self.opener):]
 
@@ -393,7 +393,7 @@ class CallStream:
         self.name = head.group(1)
         if self.told():
             out.append(("call", self.calls - 1, self.name))
-        self.buf, self.state, self.value = self.buf[head.end():], "arguments", None
+        self.buf, self.part, self.value = self.buf[head.end():], "arguments", None
 
     def gemma_call(self, out, final) -> None:
         """(gemma4) call:NAME{...} up to <tool_call|>, read whole; its arguments told as JSON."""
@@ -415,9 +415,9 @@ class CallStream:
             out += [("call", self.calls - 1, head.group(1)),
                     ("arguments", self.calls - 1, json.dumps(arguments, ensure_ascii=False)),
                     ("end", self.calls - 1, head.group(1))]
-        self.buf, self.state = self.buf[at + len(GEMMA_CLOSE):] if at >= 0 else "", "between"
+        self.buf, self.part = self.buf[at + len(GEMMA_CLOSE):] if at >= 0 else "", "between"
 
-    def step_arguments(self, out, final) -> None:
+    def read_arguments(self, out, final) -> None:
         """The arguments' JSON value, told as it comes, up to its end (an object, list, string or number)."""
         if self.value is None:
             s = self.buf.lstrip()
@@ -430,38 +430,38 @@ class CallStream:
         if self.told():
             out.append(("arguments", self.calls - 1, piece))
         if end is not None:
-            self.state = "between" if self.fmt == "mistral_args" else "tail"  # (nothing closes its call)
+            self.part = "between" if self.fmt == "mistral_args" else "tail"  # (nothing closes its call)
             if self.told():
                 out.append(("end", self.calls - 1, self.name))
 
-    def step_tail(self, out, final) -> None:  # what closes a call: hermes' </tool_call>, else the object's "}"
+    def read_tail(self, out, final) -> None:  # what closes a call: hermes' </tool_call>, else the object's "}"
         close = HERMES_CLOSE if self.fmt == "hermes" else "}"
         at = self.buf.find(close)
         if at >= 0:
-            self.buf, self.state = self.buf[at + len(close):], "between"
+            self.buf, self.part = self.buf[at + len(close):], "between"
         elif final:
             self.buf = ""
 
-    def step_between(self, out, final) -> None:  # after a call: another one, or the end
+    def read_between(self, out, final) -> None:  # after a call: another one, or the end
         s = self.buf.lstrip()
         if not s:  # (whitespace after a call is no content)
             self.buf = "" if final else self.buf
             return
         if self.fmt in ("hermes", "gemma4", "mistral_args"):
             if s.startswith(self.opener):
-                self.buf, self.state = s[len(self.opener):], "head"
+                self.buf, self.part = s[len(self.opener):], "head"
             elif s and not self.opener.startswith(s) or final:
-                self.state = "text"
+                self.part = "text"
         elif self.fmt == "mistral":
             if s.startswith(","):
-                self.buf, self.state = s[1:], "head"
+                self.buf, self.part = s[1:], "head"
             elif s.startswith("]"):
-                self.buf, self.state = s[1:], "plain"
+                self.buf, self.part = s[1:], "plain"
             elif s or final:
-                self.state = "plain"
+                self.part = "plain"
         else:
             s = s.lstrip(";,").lstrip()
             if s.startswith("{"):
-                self.buf, self.state = s, "head"
+                self.buf, self.part = s, "head"
             elif s or final:
-                self.state = "plain"
+                self.part = "plain"

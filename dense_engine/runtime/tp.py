@@ -39,8 +39,10 @@ import torch.distributed as dist
 from torch import nn
 
 import dense
+import layer_kinds
 from dense_engine.formats import families, load
 from dense_engine.system.errors import CheckpointError
+from layer_kinds import record
 
 
 def world() -> tuple[int, int]:
@@ -116,9 +118,9 @@ def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
     if config.qk_norm == "whole" and size > 1:
         raise CheckpointError("its q/k norms are taken over every head's channels at once (OLMo 2): they cannot be "
                               "split across ranks")
-    if config.attn_sinks and size > 1:
+    if record(config, "attention").sinks and size > 1:
         raise CheckpointError("its attention sinks (Granite SWA) are not split across ranks yet")
-    if config.attn_head_gate and size > 1:
+    if record(config, "attention").head_gate and size > 1:
         raise CheckpointError("its attention's gate per head (LFM3) is not split across ranks yet")
     shards = []
     for i in range(config.num_hidden_layers):
@@ -138,9 +140,9 @@ def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
             group = H // K
             kv = (rank * h // group, rank * h // group + 1)
         w = W // size
-        mamba = mamba_heads(config, rank, size, i) if config.mixer(i) in ("mamba", "hybrid") else ((0, 0), (0, 0))
+        mamba = mamba_heads(config, rank, size, i) if config.layer_type(i) in ("mamba", "hybrid") else ((0, 0), (0, 0))
         shards.append(LayerShard((rank * h, rank * h + h), kv, (rank * w, rank * w + w),
-                                 *(delta_heads(config, rank, size, i) if config.mixer(i) == "delta" else
+                                 *(delta_heads(config, rank, size, i) if config.layer_type(i) == "linear_attention" else
                                    ((0, 0), ())), *mamba))
     return shards
 
@@ -149,10 +151,11 @@ def mamba_heads(config: dense.DenseConfig, rank: int, size: int, layer: int) -> 
     """A Mamba2 mixer's heads for this rank, a run, and the groups of B and C they read: split with the heads, or
     read whole by each rank whose heads share them (fewer groups than ranks), where no norm spans a group or the one
     group spans every rank (SpreadNorm)."""
-    H, _, G, _ = config.mamba_heads
+    H, _, G, _ = config.extras["mamba2"].heads
     if H % size:
         raise CheckpointError(f"layer {layer}: {H} Mamba2 heads do not divide over {size} ranks")
-    if G % size and (size % G or config.mamba_norm) and G != 1:  # (one group normed: SpreadNorm sums its squares)
+    normed = config.extras["mamba2"].norm
+    if G % size and (size % G or normed) and G != 1:  # (one group normed: SpreadNorm sums its squares)
         raise CheckpointError(f"layer {layer}: its Mamba2 heads' {G} groups of B and C (normed by groups) do not "
                               f"divide over {size} ranks")
     h, per_group = H // size, H // G
@@ -164,28 +167,32 @@ def delta_heads(config: dense.DenseConfig, rank: int, size: int, layer: int) -> 
     """A Gated DeltaNet layer's key heads for this rank, and the value heads that read them: grouped (value head j
     reads key head j // (V / K)), a run; tiled (j reads j % K, llama.cpp's order), every K-th from each key head, in
     the order that keeps the shard tiled over its own key heads."""
-    K, V = config.linear_heads
+    delta = config.extras["gated_deltanet"]
+    K, V = delta.heads
     if K % size:
         raise CheckpointError(f"layer {layer}: {K} Gated DeltaNet key heads do not divide over {size} ranks")
     k, share = K // size, V // K
     keys = (rank * k, rank * k + k)
-    if config.linear_tiled_values:
+    if delta.tiled_values:
         return keys, tuple(m * K + j for m in range(share) for j in range(*keys))
     return keys, tuple(range(keys[0] * share, keys[1] * share))
 
 
 def shard_config(config: dense.DenseConfig, shards: list[LayerShard]) -> dense.DenseConfig:
     """The config of one rank's model: per-layer head counts and FFN widths of its slice."""
+    extras = dict(config.extras)
     delta = next((s for s in shards if s.value_heads), None)  # (every Gated DeltaNet layer has the same heads)
-    linear_heads = (delta.key_heads[1] - delta.key_heads[0], len(delta.value_heads)) if delta else config.linear_heads
+    if delta:
+        heads = (delta.key_heads[1] - delta.key_heads[0], len(delta.value_heads))
+        extras["gated_deltanet"] = dataclasses.replace(extras["gated_deltanet"], heads=heads)
     mamba = next((s for s in shards if s.mamba_heads[1]), None)  # (and every Mamba2 mixer)
-    _, P, _, N = config.mamba_heads
-    mamba_heads = (mamba.mamba_heads[1] - mamba.mamba_heads[0], P, mamba.mamba_groups[1] - mamba.mamba_groups[0],
-                   N) if mamba else config.mamba_heads
+    if mamba:
+        _, P, _, N = extras["mamba2"].heads
+        heads = (mamba.mamba_heads[1] - mamba.mamba_heads[0], P, mamba.mamba_groups[1] - mamba.mamba_groups[0], N)
+        extras["mamba2"] = dataclasses.replace(extras["mamba2"], heads=heads)
     return dataclasses.replace(config, num_attention_heads=[s.heads[1] - s.heads[0] for s in shards],
                                num_key_value_heads=[s.kv_heads[1] - s.kv_heads[0] for s in shards],
-                               intermediate_size=[s.ffn[1] - s.ffn[0] for s in shards], linear_heads=linear_heads,
-                               mamba_heads=mamba_heads)
+                               intermediate_size=[s.ffn[1] - s.ffn[0] for s in shards], extras=extras)
 
 
 # Which slice of a checkpoint tensor a rank reads: (pattern, how). "heads"/"kv_heads"/"ffn": rows of those units;
@@ -218,7 +225,7 @@ def slicer(name: str, config: dense.DenseConfig, shards: list[LayerShard], rank:
     """A function cutting this rank's part out of checkpoint tensor `name` (None: the rank keeps it whole)."""
     for pattern, how in RULES:
         m = re.fullmatch(pattern, name)
-        if m and not (how.startswith("mamba") and config.mixer(int(m.group(1))) not in ("mamba", "hybrid")):
+        if m and not (how.startswith("mamba") and config.layer_type(int(m.group(1))) not in ("mamba", "hybrid")):
             break  # (LFM2's short conv and Gated DeltaNet name an in_proj, out_proj or conv too: their own rules)
     else:
         return None
@@ -229,7 +236,7 @@ def slicer(name: str, config: dense.DenseConfig, shards: list[LayerShard], rank:
             raise CheckpointError(f"{name}: nf4 weights cannot be split by input columns; use int8 or int4 with "
                                   "tensor parallel")
         return lambda t: mamba_part(t, config, s, how, name, rank)
-    if how in ("qkv", "values", "in_values") and config.mixer(i) == "conv":  # (a short conv: whole)
+    if how in ("qkv", "values", "in_values") and config.layer_type(i) == "conv":  # (a short conv: whole)
         if how != "in_values":
             return None
         how = "rank0"
@@ -252,7 +259,7 @@ def slicer(name: str, config: dense.DenseConfig, shards: list[LayerShard], rank:
                      "in_ffn": (config.ffn_width(i), s.ffn)}[how]
     if not how.startswith("in_"):  # rows (every stored layout is row-major per output row)
         return lambda t: t.narrow(0, a * t.shape[0] // units, (b - a) * t.shape[0] // units)
-    inputs = config.heads(i) * config.head_size(i) if how == "in_heads" else config.ffn_width(i)
+    inputs = config.heads(i) * layer_kinds.head_size(config, i) if how == "in_heads" else config.ffn_width(i)
 
     def columns(t: torch.Tensor) -> torch.Tensor:  # weight [N, K], qweight [N, K/2], int4 scales/mins [N, K/group]
         if t.ndim < 2 or t.shape[1] == 1:  # per-row scales (int8's [N], fp8's [N, 1]): every rank needs them whole
@@ -270,7 +277,7 @@ def slicer(name: str, config: dense.DenseConfig, shards: list[LayerShard], rank:
 def delta_rows(t: torch.Tensor, config: dense.DenseConfig, s: LayerShard, how: str) -> torch.Tensor:
     """A Gated DeltaNet tensor's rows for this rank ("qkv": in_proj_qkv or the conv's channels, q | k | v; "values":
     a row or Dv rows per value head). Counted in stored rows (a quantized layout may hold several a weight row)."""
-    (K, V), (Dk, Dv) = config.linear_heads, config.linear_head_dims
+    (K, V), (Dk, Dv) = config.extras["gated_deltanet"].heads, config.extras["gated_deltanet"].head_dims
     if how == "values":
         per = t.shape[0] // V
         return torch.cat([t[j * per:(j + 1) * per] for j in s.value_heads])
@@ -286,7 +293,7 @@ def mamba_part(t: torch.Tensor, config: dense.DenseConfig, s: LayerShard, how: s
     """A Mamba2 tensor's part for this rank: in_proj's rows z | x | B | C | dt (heads' z, x and dt rows, its groups'
     B and C), the conv's channels x | B | C, a value per head, the norm's gains of its heads' channels, out_proj's
     columns of its heads (a bias: rank 0's). Rows counted in stored rows (a layout may hold several a weight row)."""
-    H, P, G, N = config.mamba_heads
+    H, P, G, N = config.extras["mamba2"].heads
     (a, b), (ga, gb) = s.mamba_heads, s.mamba_groups
     if how == "mamba_bias":
         return t if rank == 0 else torch.zeros_like(t)
@@ -318,7 +325,7 @@ def value_columns(t: torch.Tensor, config: dense.DenseConfig, s: LayerShard, nam
     [N, V Dv / group]; int8's per-row scales whole)."""
     if t.ndim < 2:
         return t
-    V, Dv = config.linear_heads[1], config.linear_head_dims[1]
+    V, Dv = config.extras["gated_deltanet"].heads[1], config.extras["gated_deltanet"].head_dims[1]
     if t.shape[1] % V:
         raise CheckpointError(f"{name}: int4 groups of {V * Dv // t.shape[1]} inputs do not divide a value head's {Dv} "
                               "inputs; quantize with a smaller --group-size")
@@ -387,12 +394,16 @@ class SpreadNorm(nn.Module):
 
 def spread_norms(model, config: dense.DenseConfig, size: int) -> None:
     """Put a SpreadNorm where a model's one group of Mamba2 channels (normed) is spread over the ranks."""
-    H, P, G, _ = config.mamba_heads
-    if G != 1 or size == 1 or not config.mamba_norm:
+    if size == 1 or "mamba2" not in config.extras:
         return
-    for mixer in model.mixers():
-        if isinstance(mixer, dense.Mamba2):
-            mixer.norm = SpreadNorm(mixer.norm, H * P)
+    H, P, G, _ = config.extras["mamba2"].heads
+    if G != 1 or not config.extras["mamba2"].norm:
+        return
+    for i, layer in enumerate(model.layers):
+        kind = config.layer_type(i)
+        if kind in ("mamba", "hybrid"):
+            mamba = layer.attn if kind == "mamba" else layer.attn.mamba
+            mamba.norm = SpreadNorm(mamba.norm, H * P)
 
 
 def add_reduces(model) -> None:

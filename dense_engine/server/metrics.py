@@ -44,7 +44,7 @@ class Metrics:
 
     def watch(self, scheduler) -> None:
         self.queue.set_function(scheduler.waiting.qsize)
-        self.busy.set_function(lambda: sum(r is not None for r in scheduler.rows))
+        self.busy.set_function(lambda: sum(r is not None for r in scheduler.requests))
         self.store_bytes.set_function(lambda: scheduler.store.bytes if scheduler.store is not None else 0)
 
     def token(self, request) -> None:

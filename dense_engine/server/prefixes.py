@@ -55,12 +55,12 @@ class PrefixCache:
                 have += 1
         return have * size
 
-    def keep(self, row: int, slot: Row, common: int) -> None:
-        """Before row's cache (slot) is overwritten past its first `common` tokens: its whole blocks into the prefix
-        store (those not there yet; the least recently used go to make room)."""
-        tokens = slot.tokens
+    def keep(self, row: int, cache_row: Row, common: int) -> None:
+        """Before row's cache is overwritten past its first `common` tokens: its whole blocks into the prefix store
+        (those not there yet; the least recently used go to make room)."""
+        tokens = cache_row.tokens
         if self.store is None or len(tokens) <= common or len(tokens) < self.store.block or self.states_kept \
-                or slot.adapters:
+                or cache_row.adapters:
             return  # (a state model's blocks were kept as its prefill passed them, keep_state; an adapter's: not kept)
         self.keep_blocks(row, tokens)
 
@@ -96,12 +96,12 @@ class PrefixCache:
         if self.metrics is not None:
             self.metrics.evictions.inc(len(evicted))
 
-    def persist(self, row: int, slot: Row) -> None:
+    def persist(self, row: int, cache_row: Row) -> None:
         """A prefix used again (what the new request found in its row or the store): its whole blocks onto the disk,
         those not there yet (the writer's thread writes them)."""
         store, disk = self.store, self.disk
-        tokens, size = slot.tokens, store.block if store else 0
-        if disk is None or len(tokens) < size or disk.folder is None or slot.adapters:
+        tokens, size = cache_row.tokens, store.block if store else 0
+        if disk is None or len(tokens) < size or disk.folder is None or cache_row.adapters:
             return
         self.keep_blocks(row, tokens)
         chain = store.match(tokens, len(tokens))
@@ -152,19 +152,19 @@ class PrefixCache:
             metrics.disk_tokens.inc(read * size)
         return read
 
-    def share_prefills(self, slots: list[Row]) -> None:
+    def share_prefills(self, rows: list[Row]) -> None:
         """Rows whose request is a later choice of a prompt the first choice has prefilled: that row's keys and values
         copied in, whole blocks of 16 slots up to the prompt's last token (prefilled here: its logits start this
         choice), when that row still holds them; else the choice prefills its prompt itself."""
-        for row, slot in enumerate(slots):
-            request = slot.request
+        for row, cache_row in enumerate(rows):
+            request = cache_row.request
             if request is None or request.follows is None or request.status is not Status.PREFILLING \
                     or request.waits:
                 continue
             source, end = request.follows.row, (len(request.prompt) - 1) // 16 * 16
-            if len(slot.tokens) < end and source >= 0 and slots[source].tokens[:end] == request.prompt[:end]:
+            if len(cache_row.tokens) < end and source >= 0 and rows[source].tokens[:end] == request.prompt[:end]:
                 self.calls.call("copy_row", source=source, row=row, end=end)
-                slot.tokens = request.prompt[:end]
+                cache_row.tokens = request.prompt[:end]
             request.follows = None  # (done: it prefills the rest)
 
     def clear(self) -> None:

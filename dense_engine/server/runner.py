@@ -191,30 +191,30 @@ class ModelRunner:
         self.ahead: Ahead | None = None
         self.idle_generator = torch.Generator(model.device)  # (an idle row's noise, never used)
 
-    def run(self, plan: Plan, slots: list[Row]) -> Iterator[Prefilled | Drafted | Decoded]:
+    def run(self, plan: Plan, rows: list[Row]) -> Iterator[Prefilled | Drafted | Decoded]:
         """The plan's prompt chunks, speculative round and decode step, each output yielded as it comes. Lazily: a
         row whose prompt ends this turn decodes in this turn's step, unless its request ended at its first token."""
         # (a chunk starts where its row's cache ends: an admission may have found less stored than planned)
-        yield from self.prefill(slots, [(row, len(slots[row].tokens), end) for row, _, end in plan.prefill])
+        yield from self.prefill(rows, [(row, len(rows[row].tokens), end) for row, _, end in plan.prefill])
         if plan.round:
-            yield from self.speculate(slots)
-        busy = [r for r in plan.decode if slots[r].request and slots[r].request.status is Status.DECODING]
+            yield from self.speculate(rows)
+        busy = [r for r in plan.decode if rows[r].request and rows[r].request.status is Status.DECODING]
         if busy:
-            yield from self.decode(slots, busy)
+            yield from self.decode(rows, busy)
 
-    def prefill(self, slots: list[Row], group: list[tuple[int, int, int]]) -> Iterator[Prefilled]:
+    def prefill(self, rows: list[Row], group: list[tuple[int, int, int]]) -> Iterator[Prefilled]:
         """Prompt chunks (row, start, end) into the rows' caches; chunks of several prompts go in one pass (the
         weights are read once), a short chunk runs a compiled step alone."""
         if not group:
             return
         if len(group) == 1 or any(end - start <= generate.PREFILL_CHUNK for _, start, end in group):
             for row, start, end in group:
-                request = slots[row].request
+                request = rows[row].request
                 logits = self.calls.call("prefill", row=row, prompt=request.prompt[start:end], every=request.echo,
                                          start=start, adapters=[request.adapters])
                 yield self.prefilled(row, request, end, logits)
             return
-        requests = [slots[row].request for row, _, _ in group]
+        requests = [rows[row].request for row, _, _ in group]
         logits = self.calls.call("prefill_rows", rows=[row for row, _, _ in group],
                                  chunks=[r.prompt[s:e] for r, (_, s, e) in zip(requests, group)],
                                  starts=[s for _, s, _ in group], adapters=[r.adapters for r in requests])
@@ -237,59 +237,59 @@ class ModelRunner:
             speculate_k=self.speculate_k, sampler=request.sampler, steps=self.calls.runner.steps,
             vocab_limit=self.vocab_limit)
 
-    def speculate(self, slots: list[Row]) -> Iterator[Drafted]:
+    def speculate(self, rows: list[Row]) -> Iterator[Drafted]:
         """One round of row 0's request; the draft is free again once postprocess has ended the request."""
-        request = slots[0].request
+        request = rows[0].request
         yield Drafted(request, None if request.cancelled else next(self.speculation, None))
         if request.status is Status.FINISHED:
             self.speculation.close()
             self.speculation = None
 
-    def decode(self, slots: list[Row], busy: list[int]) -> Iterator[Decoded]:
+    def decode(self, rows: list[Row], busy: list[int]) -> Iterator[Decoded]:
         """One step of every decoding row: each feeds its last token at its own position. A request alone decodes in
         a batch-1 step on the row it holds, at batch 1's speed; otherwise every row steps (two compiled graphs in
         all, whatever the load); an idle, prefilling or speculating row writes to the scratch slot, which nothing
         reads. One step behind (rows of plain requests): the step is launched, then the step before it read; with a
         step ahead, each row feeds that step's token (on the device) one slot past its own."""
         lone = len(busy) == 1
-        stepped = busy if lone else list(range(len(slots)))  # the cache rows of the step's rows
-        requests = [slots[r].request if r in busy else None for r in stepped]
+        stepped = busy if lone else list(range(len(rows)))  # the cache rows of the step's rows
+        requests = [rows[r].request if r in busy else None for r in stepped]
         ahead, S = self.ahead, self.max_seq_len
-        tokens = ahead.out if ahead is not None else [slots[r].last if r in busy else 0 for r in stepped]
-        positions = [min(slots[r].position + (ahead is not None), S) if r in busy else S for r in stepped]
+        tokens = ahead.out if ahead is not None else [rows[r].last if r in busy else 0 for r in stepped]
+        positions = [min(rows[r].position + (ahead is not None), S) if r in busy else S for r in stepped]
         with_logits = any(r is not None and r.logprobs is not None for r in requests)
         out = self.calls.call("decode", tokens=tokens, positions=positions, sampling=self.sampling(requests),
                               with_logits=with_logits, rows=busy if lone else None,
                               adapters=[r.adapters if r is not None else () for r in requests])
         if ahead is not None or (self.one_step_behind and not any(r is not None and r.shaped for r in requests)):
-            self.ahead = Ahead(busy, [slots[r].request for r in busy], stepped, out, generate.to_host(out))
+            self.ahead = Ahead(busy, [rows[r].request for r in busy], stepped, out, generate.to_host(out))
             if ahead is not None:  # (the step before, read while this one runs)
-                yield self.read(ahead, slots)
+                yield self.read(ahead, rows)
             return
         out, logits = out if with_logits else (out, None)
         at = [stepped.index(r) for r in busy]
         out = out[:, 0].tolist()
         yield Decoded(busy, [tokens[i] for i in at], [out[i] for i in at], None if logits is None else logits[at])
 
-    def keeps_pace(self, plan: Plan, slots: list[Row]) -> bool:
+    def keeps_pace(self, plan: Plan, rows: list[Row]) -> bool:
         """Whether the plan is the step ahead's rows decoding again and nothing else (no admission, prefill, freed row
         or speculative round), each with the same plain request: then the next step goes on from the device's
         tokens."""
         ahead = self.ahead
         return (not plan.taken and not plan.admit and not plan.freed and not plan.prefill and not plan.round
-                and plan.decode == ahead.busy and all(slots[r].request is q and not q.cancelled and not q.shaped
+                and plan.decode == ahead.busy and all(rows[r].request is q and not q.cancelled and not q.shaped
                                                       for r, q in zip(ahead.busy, ahead.requests)))
 
-    def read_ahead(self, slots: list[Row]) -> Decoded:
+    def read_ahead(self, rows: list[Row]) -> Decoded:
         ahead, self.ahead = self.ahead, None
-        return self.read(ahead, slots)
+        return self.read(ahead, rows)
 
-    def read(self, ahead: Ahead, slots: list[Row]) -> Decoded:
+    def read(self, ahead: Ahead, rows: list[Row]) -> Decoded:
         """A step launched ahead: its tokens, read (a row whose request ended meanwhile: dropped)."""
         out = generate.wait(ahead.copied)
         busy = [r for r, request in zip(ahead.busy, ahead.requests)
-                if slots[r].request is request and request.status is Status.DECODING]
-        return Decoded(busy, [slots[r].last for r in busy], [out[ahead.stepped.index(r)] for r in busy], None)
+                if rows[r].request is request and request.status is Status.DECODING]
+        return Decoded(busy, [rows[r].last for r in busy], [out[ahead.stepped.index(r)] for r in busy], None)
 
     def sampling(self, requests: list[Request | None]) -> generate.Sampling:
         """Each row's sampling, inputs of the compiled step; a bias [B, V] only when a row has one (a constrained,

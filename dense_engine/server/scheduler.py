@@ -133,7 +133,7 @@ class Scheduler:
                  prefill_chunk: int = PREFILL_BUDGET, prefix_cache_mb: int | None = None,
                  prefix_disk_mb: int | None = 0, prefix_block: int = BLOCK, load: LoadRecord | None = None) -> None:
         self.model, self.vocab, self.reuse, self.prefill_chunk = model, vocab, reuse, prefill_chunk
-        self.slots = [Row() for _ in range(max_batch)]
+        self.rows = [Row() for _ in range(max_batch)]
         self.admitted = 0  # requests given a row so far (Row.used)
         self.waiting: queue.Queue[Request] = queue.Queue()
         self.tasks: queue.Queue = queue.Queue()  # (function, Future): run on this thread between turns (slots.py)
@@ -158,9 +158,9 @@ class Scheduler:
         return self.key
 
     @property
-    def rows(self) -> list[Request | None]:
+    def requests(self) -> list[Request | None]:
         """The request in each cache row (None: free)."""
-        return [row.request for row in self.slots]
+        return [row.request for row in self.rows]
 
     def submit(self, request: Request) -> None:
         self.waiting.put(request)
@@ -168,7 +168,7 @@ class Scheduler:
     def forget(self) -> None:
         """Drop what the rows' caches and the prefix store hold (after a warm-up: no later prompt reuses its
         throwaway tokens)."""
-        for row in self.slots:
+        for row in self.rows:
             row.tokens = []
         self.prefixes.clear()
 
@@ -181,7 +181,7 @@ class Scheduler:
             for prompt in prompts:
                 self.submit(Request(prompt, 2, SamplerSettings(), [], self.runner.idle_generator, lambda event: None))
             self.turn()
-            while any(self.rows):  # (a speculating request holds row 0)
+            while any(self.requests):  # (a speculating request holds row 0)
                 self.turn()
         self.forget()
 
@@ -211,16 +211,16 @@ class Scheduler:
         """schedule -> run -> postprocess. run() yields each model call's output and makes the next call once
         postprocess has delivered it (a row whose prompt ends this turn decodes in its step with its first token)."""
         plan = self.schedule()
-        outputs = self.runner.run(plan, self.slots)
+        outputs = self.runner.run(plan, self.rows)
         self.postprocess(outputs)
 
     def fail(self, e: Exception) -> None:
         message = f"internal error: {type(e).__name__}: {first_line(e)}"
-        for request in self.rows:
+        for request in self.requests:
             if request is not None and request.finish_reason is None:
                 request.finish_reason, request.status = "error", Status.FINISHED
                 request.output.send("error", message, [])
-        self.slots = [Row() for _ in self.slots]  # (what a failed step left in the cache is not known)
+        self.rows = [Row() for _ in self.rows]  # (what a failed step left in the cache is not known)
         self.runner.reset()
 
     # ---- schedule: what runs this turn, its requests in their rows
@@ -229,34 +229,34 @@ class Scheduler:
         """Wait while there is nothing to do; run the tasks asked for; copy first choices' prefills into later
         choices' rows; then this turn's Plan (schedule()), its requests admitted and its freed rows freed. A step
         launched ahead is delivered first unless the plan is that step's rows decoding again, nothing else."""
-        if not any(self.rows) and self.tasks.empty() and self.waiting.empty():
+        if not any(self.requests) and self.tasks.empty() and self.waiting.empty():
             try:  # idle: wait for a request
                 self.waiting.put(self.waiting.get(timeout=0.1))
             except queue.Empty:
                 pass
         if self.runner.ahead is not None and not self.tasks.empty():
-            self.postprocess([self.runner.read_ahead(self.slots)])
+            self.postprocess([self.runner.read_ahead(self.rows)])
         while not self.tasks.empty():
             function, done = self.tasks.get_nowait()
             try:
                 done.set_result(function())
             except Exception as e:  # noqa: BLE001 (the asker is told)
                 done.set_exception(e)
-        self.prefixes.share_prefills(self.slots)
+        self.prefixes.share_prefills(self.rows)
         with self.waiting.mutex:  # (the line as it is now: only this thread takes from it)
             line = list(self.waiting.queue)
         plan = self.plan(line)
-        if self.runner.ahead is not None and not self.runner.keeps_pace(plan, self.slots):
-            self.postprocess([self.runner.read_ahead(self.slots)])  # (rows freed, requests ended: planned again)
+        if self.runner.ahead is not None and not self.runner.keeps_pace(plan, self.rows):
+            self.postprocess([self.runner.read_ahead(self.rows)])  # (rows freed, requests ended: planned again)
             plan = self.plan(line)
         self.admit(plan)
         for row in plan.freed:
-            self.slots[row].request = None
+            self.rows[row].request = None
         return plan
 
     def plan(self, line: list[Request]) -> Plan:
         prefixes = self.prefixes
-        return schedule(self.slots, line, drafting=self.runner.draft is not None,
+        return schedule(self.rows, line, drafting=self.runner.draft is not None,
                         speculating=self.runner.speculation is not None, reuse=self.reuse,
                         prefill_chunk=self.prefill_chunk, stored=prefixes.stored, whole_rows=self.whole_rows,
                         snapshots=prefixes.snapshots)
@@ -267,17 +267,18 @@ class Scheduler:
         for _ in range(plan.taken):
             self.waiting.get_nowait()
         if plan.speculate is not None:  # (row 0's cache from slot 0)
-            self.prefixes.keep(0, self.slots[0], 0)
-            self.slots[0].request, self.slots[0].tokens, plan.speculate.status = plan.speculate, [], Status.SPECULATING
+            self.prefixes.keep(0, self.rows[0], 0)
+            self.rows[0].request, self.rows[0].tokens, plan.speculate.status = plan.speculate, [], Status.SPECULATING
             self.runner.start_speculation(plan.speculate)
         for row, request, common in plan.admit:
-            slot = self.slots[row]
-            self.prefixes.keep(row, slot, common)
+            cache_row = self.rows[row]
+            self.prefixes.keep(row, cache_row, common)
             stored = self.prefixes.restore(row, request, common)
             self.admitted += 1
-            slot.request, slot.used, slot.adapters, request.row = request, self.admitted, request.adapters, row
-            slot.tokens = request.prompt[:stored] if stored > common else slot.tokens[:common]
-            self.prefixes.persist(row, slot)
+            cache_row.request, cache_row.used, cache_row.adapters = request, self.admitted, request.adapters
+            request.row = row
+            cache_row.tokens = request.prompt[:stored] if stored > common else cache_row.tokens[:common]
+            self.prefixes.persist(row, cache_row)
             if self.metrics is not None and max(common, stored):
                 self.metrics.prefix_hits.inc()
                 self.metrics.reused_tokens.inc(max(common, stored))
@@ -301,8 +302,8 @@ class Scheduler:
     def postprocess_prefill(self, out: Prefilled) -> None:
         """A chunk of a row's prompt is in its cache. At the prompt's end, its first token is delivered and the row
         decodes from the next step."""
-        slot, request, logits = self.slots[out.row], out.request, out.logits
-        slot.tokens = list(request.prompt[:out.end])
+        cache_row, request, logits = self.rows[out.row], out.request, out.logits
+        cache_row.tokens = list(request.prompt[:out.end])
         if request.echo:  # [1, T, V]: position p's logits rate prompt token p + 1
             request.prompt_entries = [None] + [logprob_entry(logits[0, p], request.prompt[p + 1],
                                                              request.logprobs or 0)
@@ -313,9 +314,9 @@ class Scheduler:
         request.status = Status.DECODING
         if request.max_tokens == 0:  # (echo alone: the prompt's logprobs, nothing generated)
             request.end("length", [])
-            slot.request = None
+            cache_row.request = None
             return
-        slot.position, slot.last = len(request.prompt), out.token
+        cache_row.position, cache_row.last = len(request.prompt), out.token
         self.deliver(out.row, out.token, logits[0])
 
     def postprocess_round(self, out: Drafted) -> None:
@@ -328,20 +329,20 @@ class Scheduler:
         if out.tokens is None and request.status is not Status.FINISHED:  # (cancelled, or no more tokens)
             request.end("cancelled" if request.cancelled else "length")
         if request.status is Status.FINISHED:
-            self.slots[0] = Row()
+            self.rows[0] = Row()
 
     def postprocess_step(self, out: Decoded) -> None:
         """A decode step's tokens: each row's fed token is now in its cache, its new one delivered."""
         for i, row in enumerate(out.rows):
-            slot = self.slots[row]
-            slot.tokens.append(out.fed[i])
-            slot.position, slot.last = slot.position + 1, out.out[i]
+            cache_row = self.rows[row]
+            cache_row.tokens.append(out.fed[i])
+            cache_row.position, cache_row.last = cache_row.position + 1, out.out[i]
             self.deliver(row, out.out[i], None if out.logits is None else out.logits[i])
 
     def deliver(self, row: int, token: int, logits: torch.Tensor | None = None) -> None:
         """A row's new token (and the logits it was drawn from, when the request wants logprobs): its text to the
         client (held back while it may start a stop string), and the row freed when the request is done."""
-        request = self.slots[row].request
+        request = self.rows[row].request
         if request.logprobs is not None and logits is not None and token not in self.vocab.stop_ids:
             request.output.entries.append(logprob_entry(logits, token, request.logprobs))
         request.shaping.chose(request.sampler, token, self.vocab.stop_ids)
@@ -352,7 +353,7 @@ class Scheduler:
                 self.metrics.prompt_tokens.inc(len(request.prompt))
         if reason or request.cancelled:
             request.end(reason or "cancelled")
-            self.slots[row].request = None
+            self.rows[row].request = None
 
     # ---- what callers (serve.py, slots.py, the tests) read or set here, held by the scheduler's parts
 

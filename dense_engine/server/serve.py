@@ -239,7 +239,7 @@ def serve(args, console) -> int:
     def loading():
         try:
             server.load(console)
-            doing = f"batch {len(server.scheduler.rows)}" if server.scheduler else "reranking" if \
+            doing = f"batch {len(server.scheduler.requests)}" if server.scheduler else "reranking" if \
                 server.embedder.reranker else "embeddings"
             print(f"serving {server.name} on http://{args.host}:{args.port} ({doing}, context {server.max_seq_len})",
                   file=sys.stderr, flush=True)

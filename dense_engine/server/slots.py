@@ -46,8 +46,8 @@ async def act(server, row: str, action: str | None, body: dict) -> dict:
                          status=501, kind="not_supported_error")
     if action not in ACTIONS:
         raise BadRequest(f"'action' must be one of {', '.join(ACTIONS)}, got {action!r}", "action")
-    if not row.isdigit() or int(row) >= len(scheduler.rows):
-        raise BadRequest(f"slot id must be in 0..{len(scheduler.rows) - 1}, got {row!r}", "id_slot")
+    if not row.isdigit() or int(row) >= len(scheduler.requests):
+        raise BadRequest(f"slot id must be in 0..{len(scheduler.requests) - 1}, got {row!r}", "id_slot")
     row, files = int(row), SlotFiles(scheduler)
     if action == "erase":
         return await files.on_scheduler(lambda: {"id_slot": row, "n_erased": files.erase(row)})
@@ -71,17 +71,17 @@ class SlotFiles:
             raise BadRequest(str(e), "id_slot") from None
 
     def idle(self, row: int) -> None:
-        if self.scheduler.slots[row].request is not None:
+        if self.scheduler.rows[row].request is not None:
             raise ValueError(f"slot {row} is running a request; try again when it is done")
 
     def save(self, row: int, path: str) -> dict:
         """The row's tokens and their keys and values into the file (a temporary file, then renamed)."""
         self.idle(row)
         scheduler = self.scheduler
-        if scheduler.slots[row].adapters:
+        if scheduler.rows[row].adapters:
             raise ValueError(f"slot {row} holds keys and values of a LoRA adapter's request; a slot file keeps the "
                              "base model's")
-        start, tokens = time.perf_counter(), list(scheduler.slots[row].tokens)
+        start, tokens = time.perf_counter(), list(scheduler.rows[row].tokens)
         layers = scheduler.calls.row_slots(row, caches.whole_slots(len(tokens)))
         written = caches.write(path, tokens, layers, {"model": scheduler.model_key()})
         return {"id_slot": row, "filename": os.path.basename(path), "n_saved": len(tokens), "n_written": written,
@@ -100,12 +100,12 @@ class SlotFiles:
         except (ValueError, OSError) as e:
             raise ValueError(f"slot file {name!r}: {caches.first_words(e)}") from None
         scheduler.calls.put_row(row, layers)
-        scheduler.slots[row].tokens, scheduler.slots[row].adapters = tokens, ()
+        scheduler.rows[row].tokens, scheduler.rows[row].adapters = tokens, ()
         return {"id_slot": row, "filename": name, "n_restored": len(tokens), "n_read": os.path.getsize(path),
                 "timings": {"restore_ms": (time.perf_counter() - start) * 1000}}
 
     def erase(self, row: int) -> int:
         self.idle(row)
-        slot = self.scheduler.slots[row]
-        erased, slot.tokens, slot.adapters = len(slot.tokens), [], ()
+        cache_row = self.scheduler.rows[row]
+        erased, cache_row.tokens, cache_row.adapters = len(cache_row.tokens), [], ()
         return erased
