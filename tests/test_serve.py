@@ -50,6 +50,7 @@ class Server:
             except OSError:
                 pass
             time.sleep(0.2)
+        self.process.kill()  # (a server that never came up is not left running after the test)
         raise AssertionError("the server did not start: " + "".join(self.log))
 
     def request(self, method: str, path: str, body=None, headers=None):

@@ -1,7 +1,6 @@
 """Layers whose memory is a state (layer_kinds.py section 3): Qwen3.5's Gated DeltaNet, LFM2's short conv and Granite
-4.0 H's Mamba2. Tiny random
-models made with transformers are the oracle; each cached path (chunks with padding, rows, left-padded batches, a
-conversation's next turn, the compiled step) is checked against the plain pass."""
+4.0 H's Mamba2. Tiny random models made with transformers are the oracle; each cached path (chunks with padding, rows,
+left-padded batches, a conversation's next turn, the compiled step) is checked against the plain pass."""
 
 import dataclasses
 import json

@@ -21,8 +21,8 @@ A rank's shard, per block (rank r of N):
       reads that layer's shard, the same heads.
 dense.py knows none of this: a shard is an ordinary DenseDecoder whose config has H/N heads and W/N FFN width per
 layer, loaded through the loader's one hook (`shard=` in load.from_pretrained), and tp.py adds the all-reduces to the
-built model as hooks (a functional collective, so a compiled step stays one graph). Stands on dense.py, families.py and
-load.py.
+built model as hooks (a functional collective, so a compiled step stays one graph). Stands on dense.py,
+layer_kinds.py, formats/families/ and load.py.
 """
 
 from __future__ import annotations
