@@ -500,12 +500,12 @@ class DenseDecoder(nn.Module):
     """Decoder-only LM: float32 logits [B, T, V] (and the mean cross-entropy of labels, -100 ignored); with input_pos
     a cached step after setup_cache. make_* choose each layer's parts (layer_kinds.Decoder: the families' kinds)."""
 
-    extras: frozenset = frozenset()  # the config extras this class builds (a config asking others is refused)
+    extras_built: frozenset = frozenset()  # the config extras this class builds (a config asking others is refused)
 
     def __init__(self, config: DenseConfig) -> None:
         super().__init__()
-        if set(config.extras) - self.extras:
-            raise ValueError(f"config extras {sorted(set(config.extras) - self.extras)}: use layer_kinds.Decoder")
+        if set(config.extras) - self.extras_built:
+            raise ValueError(f"config extras {sorted(set(config.extras) - self.extras_built)}: use layer_kinds.Decoder")
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(config.num_hidden_layers))

@@ -603,7 +603,7 @@ class Decoder(dense.DenseDecoder):
     MLP's activation, the layer's extras, the rotary's kinds, scalings and precision, Gemma 4's per-layer inputs, the
     output head's extras), and an eager call's inputs checked."""
 
-    extras = frozenset(RECORDS)
+    extras_built = frozenset(RECORDS)
 
     def __init__(self, config: dense.DenseConfig) -> None:
         super().__init__(config)

@@ -42,8 +42,10 @@ def write_qwen35(folder: str) -> None:
     from dense_engine.formats.checkpoint import make_config
 
     config = make_config("qwen3.5-0.8b", **QWEN35)
-    build = __import__("layer_kinds").Decoder if os.path.isfile(
-        os.path.join(os.path.dirname(dense.__file__), "layer_kinds.py")) else dense.DenseDecoder
+    if os.path.isfile(os.path.join(os.path.dirname(dense.__file__), "layer_kinds.py")):
+        from layer_kinds import Decoder as build
+    else:  # (a tree from before issue 98, where dense.py built every kind; an installed layer_kinds is not its own)
+        build = dense.DenseDecoder
     torch.manual_seed(0)
     with torch.device("meta"):
         model = build(config)

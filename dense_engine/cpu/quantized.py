@@ -552,19 +552,19 @@ def layer_modes(model: DenseDecoder, mode: str, head: str | None = None,
     chosen = {name: mode for name, m in model.named_modules()
               if isinstance(m, nn.Linear) and MODEL_LINEAR.fullmatch(name)}
     if stored is not None:
-        chosen = {name: mode if set(stacked_from(model, name)) <= stored else None for name in chosen}
+        chosen = {name: mode if set(fused_parts(model, name)) <= stored else None for name in chosen}
     if model.lm_head is not None:  # (an MTP draft's predictor has none: the target's serves)
         chosen["lm_head"] = None if stored is not None else "gguf" if head else head_mode(mode)
     return chosen
 
 
-def stacked_from(model: DenseDecoder, name: str) -> list[str]:
-    """The checkpoint linears a model linear is stacked from (q/k/v and the gate into qkv_proj, gate and up into
-    gate_up_proj, a Gated DeltaNet's in_proj_* into in_proj: its parent's parts), as load.fused_parts names them."""
-    parent, _, leaf = name.rpartition(".")
+def fused_parts(model: DenseDecoder, module_name: str) -> dict[str, int]:
+    """{checkpoint prefix: rows} of the tensors a module is stacked from (itself alone for most modules): q/k/v (and
+    the gate) into qkv_proj, gate and up into gate_up_proj, a Gated DeltaNet's in_proj_* into in_proj."""
+    parent, _, leaf = module_name.rpartition(".")
     fused = leaf in ("qkv_proj", "gate_up_proj", "in_proj")
     parts = getattr(model.get_submodule(parent), "parts", None) if fused else None
-    return [f"{parent}.{p}" for p in parts] if parts else [name]
+    return {f"{parent}.{p}": rows for p, rows in parts.items()} if parts else {module_name: 0}
 
 
 def stack_of(name: str) -> str:

@@ -237,7 +237,7 @@ def records(source: str, values: dict) -> dict:
     for name, value in (values.pop("extras", None) or {}).items():
         if name not in layer_kinds.RECORDS:
             raise CheckpointError(f"{source}: unknown config extras {name!r}")
-        extras[name] = value if isinstance(value, layer_kinds.RECORDS[name]) else dict(value)
+        extras[name] = vars(value) if isinstance(value, layer_kinds.RECORDS[name]) else dict(value)
     states = {layer_kinds.STATE_LAYERS[t] for t in values.get("layer_types") or () if t in layer_kinds.STATE_LAYERS}
     flat: dict[str, dict] = {name: {} for name in states}
     for key in [k for k in values if k in FLAT_NAMES]:
@@ -246,9 +246,9 @@ def records(source: str, values: dict) -> dict:
         for name in [owner] if owner else states:
             flat.setdefault(name, {})[field_name] = value
     made = {}
-    for name, given in {**flat, **extras}.items():
+    for name in {**extras, **flat}:
         cls = layer_kinds.RECORDS[name]
-        given = {**(given if isinstance(given, dict) else vars(given)), **flat.get(name, {})}  # (flat names win)
+        given = {**extras.get(name, {}), **flat.get(name, {})}  # (flat names win: replaced())
         defaults = {f.name: f.default for f in fields(cls)}
         unknown = sorted(set(given) - set(defaults))
         if unknown:

@@ -137,7 +137,7 @@ def from_pretrained(path, device="cpu", dtype: torch.dtype | None = None, quant:
     quantized.swap_linears(model, None if mode == "gguf" else mode, params)  # the rest: quantized, or kernels.Linear
     load_tensors(model, tensors, device, dtype, source=checkpoint.path)
     if checkpoint.adapters and (mode is not None or served):  # beside the weights, unmerged (lora.py)
-        adapters.attach(model, checkpoint.tensors, fused_parts, served, merged=mode is None)
+        adapters.attach(model, checkpoint.tensors, quantized.fused_parts, served, merged=mode is None)
     kernels.place_weights(model)  # huge pages for the weights a decode step streams (CPU)
     return model
 
@@ -272,7 +272,7 @@ def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dt
     tables = ["embed_tokens"] + (["embed_per_layer"] if hasattr(model, "embed_per_layer") else [])  # (rows looked up)
     sources = {name: [f"{name}.weight"] for name in tables}  # module -> the checkpoint weights it is stacked from
     for name in linears:
-        parts = [f"{prefix}.weight" for prefix in fused_parts(model, name)]
+        parts = [f"{prefix}.weight" for prefix in quantized.fused_parts(model, name)]
         sources[name] = ["embed_tokens.weight"] if name == "lm_head" and "lm_head.weight" not in tensors else parts
     sources = {m: parts for m, parts in sources.items() if all(p in blocks for p in parts)}
     stored = {}  # module -> the tensors its parts are rows of, each once (qwen35's q and gate: one tensor), in order
@@ -358,22 +358,13 @@ def expand_double_quant(table: dict) -> dict:
 # Filling a model from checkpoint tensors, and back
 
 
-def fused_parts(model: dense.DenseDecoder, module_name: str) -> dict[str, int]:
-    """{checkpoint prefix: rows} of the tensors a module is stacked from (itself alone for most modules): q/k/v (and
-    the gate) into qkv_proj, gate and up into gate_up_proj."""
-    parent, _, leaf = module_name.rpartition(".")
-    fused = leaf in ("qkv_proj", "gate_up_proj", "in_proj")
-    parts = getattr(model.get_submodule(parent), "parts", None) if fused else None
-    return {f"{parent}.{p}": rows for p, rows in parts.items()} if parts else {module_name: 0}
-
-
 def checkpoint_tensors(model: dense.DenseDecoder) -> dict[str, torch.Tensor]:
     """The model's tensors under checkpoint names (fused projections split back into their parts; a tied head left
     out): what convert.write_native saves and load_tensors reads."""
     tensors = {}
     for name, t in model.state_dict().items():
         module_name, _, attr = name.rpartition(".")
-        parts = fused_parts(model, module_name)
+        parts = quantized.fused_parts(model, module_name)
         if name == "lm_head.weight" and model.config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
             continue
         rows = list(parts.values())
@@ -399,7 +390,7 @@ def load_tensors(model: dense.DenseDecoder, tensors: dict[str, Callable[[], torc
     sources = {}  # model tensor name -> {checkpoint name: expected shape}
     for name, param in expected.items():
         module_name, _, attr = name.rpartition(".")
-        parts = fused_parts(model, module_name)
+        parts = quantized.fused_parts(model, module_name)
         total = sum(parts.values())
         sources[name] = {f"{prefix}.{attr}": (param.shape[0] * rows // total, *param.shape[1:]) if total else
                          tuple(param.shape) for prefix, rows in parts.items()}

@@ -326,7 +326,7 @@ def attach(model: nn.Module, table: dict, parts_of, served: tuple[str, ...] = ()
     """Put each Merged weight's adapters beside its (quantized) layer as a LowRank term; merged: the unnamed ones are
     in the weights already (a full-precision load), only the named go beside. served: the named adapters' names, in
     the order switch() takes their scales. parts_of(module name) -> {weight prefix: rows} of a fused layer's parts
-    (load.fused_parts)."""
+    (quantized.fused_parts)."""
     terms = {name.removesuffix(".weight"): t for name, t in table.items() if isinstance(t, Merged)
              and any(d.name or not merged for d in t.deltas)}
     scales = None  # (one tensor for all named adapters' linears: caches.setup_cache sizes it for the cache's rows)

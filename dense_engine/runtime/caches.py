@@ -243,7 +243,7 @@ def memories(model: dense.DenseDecoder) -> list[nn.Module]:
 
 def kv_memory(model: dense.DenseDecoder) -> nn.Module | None:
     """The first attention layer's memory (its kind and dtype are every attention layer's), or None."""
-    return next(iter(key_memories(model)), None)
+    return next((m.memory for m in model.mixers if not getattr(m, "has_state", False)), None)
 
 
 def state_mixers(model: dense.DenseDecoder) -> list[nn.Module]:
