@@ -55,7 +55,7 @@ class DenseConfig:
     norm_unit_offset: bool = False  # RMSNorm's gain is 1 + weight (Gemma stores offsets from 1)
     mlp: str = "swiglu"  # down(silu(gate(x)) * up(x)) | "geglu": tanh-GELU (Gemma) | "gelu": down(gelu(up(x))) (NeoX)
     bias: bool = False  # biases on every linear of the blocks (GPT-NeoX)
-    parallel_residual: bool = False  # x + attn(n1(x)) + mlp(n2(x)) (GPT-NeoX, StableLM 2)
+    parallel_residual: bool = False  # x + mixer(n1(x)) + mlp(n2(x)) (GPT-NeoX, StableLM 2)
     pre_norms: bool | list[bool] = True  # norm each branch's input (every family but OLMo 2); a list: per layer
     post_norms: bool | list[bool] = False  # norm each branch's output before the residual add (Gemma 2/3, OLMo 2)
     # embeddings and head
@@ -469,9 +469,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(.)), norms on each branch's input (pre-norms), output (post-norms) or both
-    (an Identity where a family has none); or GPT-NeoX's parallel form. `attn`: the layer's mixer (attention, or a
-    layer_kinds.py kind); mlp None: a layer that only mixes. (tp.py sums partial outputs entering the post-norms.)"""
+    """x + mixer(norm(x)), then + mlp(norm(.)), norms on each branch's input (pre-norms), output (post-norms) or both
+    (an Identity where a family has none); or GPT-NeoX's parallel form. The mixer mixes across positions (Attention
+    here, or a layer_kinds.py kind); mlp None: a layer that only mixes. (tp.py sums partial outputs entering the
+    post-norms.)"""
 
     def __init__(self, config: DenseConfig, layer: int, mixer: nn.Module, mlp: nn.Module | None) -> None:
         super().__init__()
@@ -481,14 +482,14 @@ class DecoderLayer(nn.Module):
 
         self.parallel, has_mlp = config.parallel_residual, mlp is not None
         pre, post = config.per_layer(config.pre_norms)[layer], config.per_layer(config.post_norms)[layer]
-        self.attn_norm, self.mlp_norm = norm(pre), norm(pre and has_mlp)
-        self.attn, self.mlp = mixer, mlp
-        self.attn_post_norm, self.mlp_post_norm = norm(post), norm(post and has_mlp)
+        self.mixer_norm, self.mlp_norm = norm(pre), norm(pre and has_mlp)
+        self.mixer, self.mlp = mixer, mlp
+        self.mixer_post_norm, self.mlp_post_norm = norm(post), norm(post and has_mlp)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        if self.parallel:  # GPT-NeoX: both branches read x; (attn + mlp) + x, as the reference sums them
-            return x + self.attn_post_norm(self.attn(self.attn_norm(x), step) + self.mlp(self.mlp_norm(x)))
-        h = x + self.attn_post_norm(self.attn(self.attn_norm(x), step))
+        if self.parallel:  # GPT-NeoX: both branches read x; (mixer + mlp) + x, as the reference sums them
+            return x + self.mixer_post_norm(self.mixer(self.mixer_norm(x), step) + self.mlp(self.mlp_norm(x)))
+        h = x + self.mixer_post_norm(self.mixer(self.mixer_norm(x), step))
         return h if self.mlp is None else h + self.mlp_post_norm(self.mlp(self.mlp_norm(h)))
 
 

@@ -5,8 +5,9 @@ and its memory (a KV cache, a state, both or none) is made by the mixer itself (
 
 Read it after dense.py: records -> attention's variants (soft-caps, sinks, head gates, q/k norms after the rotary,
 Gemma 4's full-layer heads and shared keys and values) -> the layers whose memory is a state (Gated DeltaNet, the
-short conv, Mamba2, and the hybrid of attention and Mamba2) -> activations -> the layer (residual scale, Gemma 4's
-per-layer inputs) -> the model (rotary kinds and scalings, the output head). Imports only torch and dense.py.
+short conv, Mamba2, and the hybrid of attention and Mamba2) -> activations -> mixtures of experts -> the layer
+(residual scale, Gemma 4's per-layer inputs) -> the model (rotary kinds and scalings, the output head). Imports only
+torch and dense.py.
 """
 
 from __future__ import annotations
@@ -85,8 +86,38 @@ class Mamba2Config:  # layer_types "mamba" (Granite 4.0 H, Nemotron-H) and "hybr
     time_step_limit: tuple[float, float] = (0.0, math.inf)  # its dt clamped to this range (prompts' chunked form)
 
 
+@dataclass(frozen=True)
+class ExpertsConfig:  # a mixture of experts in place of the MLP (Mixtral, Qwen3-MoE, gpt-oss, GLM-4.5, ...)
+    count: int = 8  # routed experts
+    chosen: int = 2  # experts each token runs
+    width: int = 0  # each expert's hidden width
+    scoring: str = "softmax"  # the router's scores: a "softmax" over the experts, or each one's "sigmoid"
+    renormalize: bool = True  # the chosen experts' scores divided by their sum
+    choice_bias: bool = False  # a learned bias added to the scores for the choice only (e_score_correction_bias)
+    groups: tuple[int, int] = (1, 1)  # (groups, groups kept): experts are chosen within the kept groups, each group
+    #                                   scored by the sum of its two best (DeepSeek V3's grouped top-k)
+    routed_scale: float = 1.0  # the chosen experts' weights times this
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    activation: str = "swiglu"  # each expert: "swiglu" | "geglu" (tanh-GELU gate: Gemma 4) | "clamped_swiglu"
+    #                             (gpt-oss: biases, gate and up clamped, (up + 1) * gate * sigmoid(1.702 gate)) |
+    #                             "relu2": down(relu(up(x))^2) (Nemotron-H)
+    clamp: float = 7.0  # clamped_swiglu's limit
+    shared_width: int = 0  # a shared expert, a SwiGLU MLP every token runs (relu2: a squared-ReLU one, Nemotron-H),
+    #                        of this width (0: none)
+    shared_gate: bool = False  # the shared expert's output times sigmoid(x . w) (Qwen2-MoE, Qwen3.5)
+    dense_layers: tuple[int, ...] = ()  # layers whose MLP is a plain one, intermediate_size wide
+    router_norm: bool = False  # Gemma 4's router: it reads rms_norm(x) (no gain) times a learned scale [C] and
+    #                            1/sqrt(C), and the chosen weights (renormalized) are times a learned scale per expert
+    #                            (neither folds into the router's weight exactly: the norm is not linear, and the
+    #                            per-expert scale comes after the softmax and the choice)
+    beside_mlp: bool = False  # the experts run beside the layer's MLP, not in its place (Gemma 4): FamilyLayer sums
+    #                           both, each post-normed, the experts pre-normed by their own norm, the router reading
+    #                           the layer's un-normed h
+
+
 RECORDS = {"attention": AttentionExtras, "rotary": RotaryExtras, "layer": LayerExtras, "head": OutputHead,
-           "gated_deltanet": GatedDeltaNetConfig, "short_conv": ShortConvConfig, "mamba2": Mamba2Config}
+           "gated_deltanet": GatedDeltaNetConfig, "short_conv": ShortConvConfig, "mamba2": Mamba2Config,
+           "experts": ExpertsConfig}
 STATE_LAYERS = {"linear_attention": "gated_deltanet", "conv": "short_conv", "mamba": "mamba2", "hybrid": "mamba2"}
 
 
@@ -220,7 +251,7 @@ class FamilyAttention(dense.Attention):
         if self.reads is None:
             return super().setup_cache(batch, seq_len, dtype, cache_class, model)
         del self.memory  # (held as a plain attribute, not a submodule: the cache's tensors are named once, as
-        object.__setattr__(self, "memory", model.layers[self.reads].attn.memory)  # torch.export needs)
+        object.__setattr__(self, "memory", model.layers[self.reads].mixer.memory)  # torch.export needs)
 
     def cache_bytes(self, batch: int, seq_len: int, dtype, cache_class: type, model: dense.DenseDecoder) -> int:
         return 0 if self.reads is not None else super().cache_bytes(batch, seq_len, dtype, cache_class, model)
@@ -540,12 +571,116 @@ MIXERS = {"linear_attention": GatedDeltaNet, "conv": ShortConv, "mamba": Mamba2,
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 5. The layer and the model
+# 5. Mixtures of experts: a router picks a few of many MLPs for each token, and only those run
+
+
+class Experts(nn.Module):
+    """The MLP of a mixture (ExpertsConfig): a router scores every expert from x, each token runs the `chosen` best and
+    sums their outputs by their weights, plus a shared expert's where there is one. The experts' weights are stacked:
+    experts_gate_up [E, 2I, C] (gate rows, then up rows; relu2: up rows alone [E, I, C]), experts_down [E, C, I]."""
+
+    def __init__(self, config: dense.DenseConfig, layer: int) -> None:
+        super().__init__()
+        self.spec = spec = record(config, "experts")
+        C, E, I = config.hidden_size, spec.count, spec.width
+        rows = I if spec.activation == "relu2" else 2 * I
+        self.router = nn.Linear(C, E, bias=spec.router_bias)
+        self.choice_bias = nn.Parameter(torch.zeros(E)) if spec.choice_bias else None
+        self.experts_gate_up = nn.Parameter(torch.empty(E, rows, C))
+        self.experts_down = nn.Parameter(torch.empty(E, C, I))
+        biased = spec.activation == "clamped_swiglu"
+        self.experts_gate_up_bias = nn.Parameter(torch.zeros(E, rows)) if biased else None
+        self.experts_down_bias = nn.Parameter(torch.zeros(E, C)) if biased else None
+        shared = dense.DenseConfig(**{**vars(config), "intermediate_size": spec.shared_width, "mlp": "swiglu",
+                                      "bias": False})
+        self.shared = None if not spec.shared_width else dense.MLP(shared, layer, ReLU2()) if \
+            spec.activation == "relu2" else dense.GatedMLP(shared, layer)  # (relu2: up and down alone)
+        self.shared_gate = nn.Linear(C, 1, bias=False) if spec.shared_gate else None
+        if spec.router_norm:  # Gemma 4
+            self.router_norm = ValueNorm(config.norm_eps)
+            self.router_scale, self.expert_scale = nn.Parameter(torch.ones(C)), nn.Parameter(torch.ones(E))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, C] -> (weights [N, k] float32, chosen experts [N, k])."""
+        spec = self.spec
+        if spec.router_norm:
+            x = self.router_norm(x) * self.router_scale * x.shape[-1] ** -0.5
+        logits = self.router(x).float()
+        scores = logits.softmax(-1) if spec.scoring == "softmax" else logits.sigmoid()
+        choice = scores if self.choice_bias is None else scores + self.choice_bias.float()
+        groups, kept = spec.groups
+        if groups > 1:  # the experts of the `kept` best groups only
+            by_group = choice.view(x.shape[0], groups, -1)
+            best = by_group.topk(2, dim=-1).values.sum(-1).topk(kept, dim=-1).indices  # [N, kept]
+            keep = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter(1, best, True)  # [N, groups]
+            choice = by_group.masked_fill(~keep.unsqueeze(-1), -math.inf).flatten(1)
+        chosen = choice.topk(spec.chosen, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if spec.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if spec.scoring == "sigmoid" else 0.0))
+        if spec.router_norm:
+            weights = weights * self.expert_scale[chosen]
+        return weights * spec.routed_scale, chosen
+
+    def activate(self, h: torch.Tensor) -> torch.Tensor:
+        """An expert's hidden [.., 2I] (relu2: [.., I]) -> [.., I]."""
+        if self.spec.activation == "relu2":
+            return torch.relu(h).square()
+        gate, up = h.chunk(2, dim=-1)
+        if self.spec.activation == "clamped_swiglu":
+            gate, up = gate.clamp(max=self.spec.clamp), up.clamp(-self.spec.clamp, self.spec.clamp)
+            return (up + 1) * gate * torch.sigmoid(gate * 1.702)
+        if self.spec.activation == "geglu":
+            return F.gelu(gate, approximate="tanh") * up
+        return F.silu(gate) * up
+
+    def forward(self, x: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, C]; routed: what the router reads where it is not x (Gemma 4: h before the experts' norm)."""
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        weights, chosen = self.route(flat if routed is None else routed.reshape(-1, C))
+        if torch.compiler.is_compiling():
+            y = self.gathered(flat, weights.to(x.dtype), chosen)
+        else:
+            y = self.grouped(flat, weights.to(x.dtype), chosen)
+        if self.shared is not None:
+            shared = self.shared(flat)
+            y = y + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(flat)) * shared)
+        return y.view(B, T, C)
+
+    def gathered(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Each (token, chosen expert) pair with that expert's weights gathered [N, k, ...]: fixed shapes, one graph
+        (a compiled step)."""
+        h = torch.einsum("nc,nkhc->nkh", x, self.experts_gate_up[chosen])  # [N, k, 2I]
+        if self.experts_gate_up_bias is not None:
+            h = h + self.experts_gate_up_bias[chosen]
+        y = torch.einsum("nki,nkci->nkc", self.activate(h), self.experts_down[chosen])  # [N, k, C]
+        if self.experts_down_bias is not None:
+            y = y + self.experts_down_bias[chosen]
+        return (y * weights.unsqueeze(-1)).sum(1)
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Each chosen expert once, over the tokens that chose it (an eager pass: a prompt's tokens share each
+        expert's weights)."""
+        y = torch.zeros_like(x)
+        for e in chosen.unique().tolist():
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            h = F.linear(x[token], self.experts_gate_up[e], None if self.experts_gate_up_bias is None else
+                         self.experts_gate_up_bias[e])
+            out = F.linear(self.activate(h), self.experts_down[e], None if self.experts_down_bias is None else
+                           self.experts_down_bias[e])
+            y.index_add_(0, token, out * weights[token, slot].unsqueeze(-1))
+        return y
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 6. The layer and the model
 
 
 class FamilyLayer(dense.DecoderLayer):
-    """dense.DecoderLayer with LayerExtras: each branch scaled before its residual add (Granite), then Gemma 4's
-    h + norm(proj(gelu(gate(h)) * its per-layer input)), and its learned scalar."""
+    """dense.DecoderLayer with LayerExtras: each branch scaled before its residual add (Granite), Gemma 4's experts
+    beside the MLP (ExpertsConfig.beside_mlp), then Gemma 4's h + norm(proj(gelu(gate(h)) * its per-layer input)), and
+    its learned scalar."""
 
     def __init__(self, config: dense.DenseConfig, layer: int, mixer: nn.Module, mlp: nn.Module | None) -> None:
         super().__init__(config, layer, mixer, mlp)
@@ -556,16 +691,26 @@ class FamilyLayer(dense.DecoderLayer):
             self.per_layer_proj = nn.Linear(P, config.hidden_size, bias=False)
             self.per_layer_norm, self.per_layer_act = dense.make_norm(config, config.hidden_size), nn.GELU("tanh")
         self.layer_scalar = nn.Parameter(torch.ones(1)) if extras.layer_scalars else None
+        experts = config.extras.get("experts")
+        beside = experts and experts.beside_mlp and mlp is not None and layer not in experts.dense_layers
+        self.experts = Experts(config, layer) if beside else None
+        if self.experts is not None:  # (Gemma 4) the experts' pre- and post-norm, the MLP's own post-norm
+            self.experts_norm, self.experts_post_norm, self.mlp_branch_post_norm = (
+                dense.make_norm(config, config.hidden_size) for _ in range(3))
 
     def scaled(self, y: torch.Tensor) -> torch.Tensor:  # (1.0: no multiply in the graph)
         return y if self.residual_scale == 1.0 else y * self.residual_scale
 
     def forward(self, x: torch.Tensor, step: dense.Step) -> torch.Tensor:
         if self.parallel:
-            branches = self.attn(self.attn_norm(x), step) + self.mlp(self.mlp_norm(x))
-            return x + self.scaled(self.attn_post_norm(branches))
-        h = x + self.scaled(self.attn_post_norm(self.attn(self.attn_norm(x), step)))
-        if self.mlp is not None:
+            branches = self.mixer(self.mixer_norm(x), step) + self.mlp(self.mlp_norm(x))
+            return x + self.scaled(self.mixer_post_norm(branches))
+        h = x + self.scaled(self.mixer_post_norm(self.mixer(self.mixer_norm(x), step)))
+        if self.experts is not None:  # Gemma 4: the MLP and the experts beside it, their sum post-normed
+            y = self.mlp_branch_post_norm(self.mlp(self.mlp_norm(h))) + \
+                self.experts_post_norm(self.experts(self.experts_norm(h), routed=h))
+            h = h + self.scaled(self.mlp_post_norm(y))
+        elif self.mlp is not None:
             h = h + self.scaled(self.mlp_post_norm(self.mlp(self.mlp_norm(h))))
         if "per_layer" in step.carried:
             gated = self.per_layer_act(self.per_layer_gate(h)) * step.carried["per_layer"][:, :, self.index]
@@ -651,7 +796,7 @@ class Decoder(dense.DenseDecoder):
                 "a causal step writes slots 0..T-1 of every row")
 
     def make_layer(self, i: int) -> dense.DecoderLayer:
-        if "layer" not in self.config.extras:
+        if "layer" not in self.config.extras and not record(self.config, "experts").beside_mlp:
             return super().make_layer(i)
         return FamilyLayer(self.config, i, self.make_mixer(i), self.make_mlp(i))
 
@@ -663,6 +808,9 @@ class Decoder(dense.DenseDecoder):
             super().make_mixer(i)
 
     def make_mlp(self, i: int) -> nn.Module | None:
+        experts = self.config.extras.get("experts")
+        if experts and i not in experts.dense_layers and not experts.beside_mlp:  # (beside: FamilyLayer's)
+            return Experts(self.config, i)
         if self.config.mlp in ACTIVATIONS and self.config.ffn_width(i):
             return dense.MLP(self.config, i, ACTIVATIONS[self.config.mlp]())
         return super().make_mlp(i)

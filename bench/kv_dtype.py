@@ -119,7 +119,7 @@ def main() -> int:
             flips = int((logits.argmax(-1) != ref.argmax(-1)).sum())
             print(f"{dtype:9s} {position:8d} {rate:7.1f} {err:27.2e} {flips:>9d} of {args.steps}")
     config = model.config
-    layer = model.layers[0].attn
+    layer = model.layers[0].mixer
     print("cache bytes for 32,768 tokens:")
     for name, (layers, kv_heads, head_dim) in {
             os.path.basename(os.path.normpath(ckpt)): (config.num_hidden_layers, layer.n_kv_heads, layer.head_dim),

@@ -29,6 +29,28 @@ def test_converted_folder_loads_to_the_same_logits(layout, tmp_path):
     assert rel_err(native, expected(layout)["logits"]) < 1e-4
 
 
+def test_a_native_folder_of_older_names_loads_as_today(tmp_path):
+    """Folders and saved variants written when a layer's mixer was `attn` (layers.N.attn.*, attn_norm) load to the
+    same model as the same tensors under today's names (layers.N.mixer.*, mixer_norm)."""
+    import quantize
+
+    dst = tmp_path / "native"
+    convert.convert(fixture_path("llama"), str(dst))
+    today = load_file(dst / "model.safetensors")
+    assert "layers.0.mixer.q_proj.weight" in today and "layers.0.mixer_norm.weight" in today
+    assert not any(".attn" in name for name in today)
+    assert quantize.main(["--ckpt", str(dst), "--mode", "int8"]) == 0
+    ids = expected("llama")["input_ids"]
+    fresh, fresh_int8 = from_pretrained(dst)(ids), from_pretrained(dst, quant="int8")(ids)
+    for file in ("model.safetensors", convert.variant_file("int8")):
+        tensors = load_file(dst / file)
+        save_file({name.replace(".mixer", ".attn"): t for name, t in tensors.items()}, dst / file,
+                  metadata={"format": "pt"})
+    assert "layers.0.attn_norm.weight" in load_file(dst / "model.safetensors")
+    assert torch.equal(from_pretrained(dst)(ids), fresh)
+    assert torch.equal(from_pretrained(dst, quant="int8")(ids), fresh_int8)
+
+
 def test_convert_copies_the_tokenizer(tmp_path):
     convert.convert(fixture_path("neox_original"), str(tmp_path / "a"))
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == \

@@ -122,7 +122,7 @@ def test_cached_prefill_and_decode_equal_no_cache(layout):
 def test_cache_is_static_and_written_in_place():
     model = from_pretrained(fixture_path("llama"))
     model.setup_cache(2, 32)
-    cache = model.layers[0].attn.memory
+    cache = model.layers[0].mixer.memory
     k_ptr = cache.k.data_ptr()
     model(torch.ones(2, 3, dtype=torch.long), input_pos=torch.arange(3))
     assert cache.k.data_ptr() == k_ptr and cache.k.shape == (2, 2, 33, 16)  # GQA: 2 kv heads are cached, not 4

@@ -66,14 +66,14 @@ def rewrite(ckpt, change):
 
 
 def test_missing_tensor(ckpt):
-    rewrite(ckpt, lambda s: s.pop("layers.1.attn.gate_proj.weight"))
-    raises_one_line(CheckpointError, r"missing tensor 'layers.1.attn.gate_proj.weight'", from_pretrained,
+    rewrite(ckpt, lambda s: s.pop("layers.1.attn.gate_proj.weight"))  # (the fixture's older names: as today's)
+    raises_one_line(CheckpointError, r"missing tensor 'layers.1.mixer.gate_proj.weight'", from_pretrained,
                     ckpt)
 
 
 def test_unexpected_tensor(ckpt):
-    rewrite(ckpt, lambda s: s.__setitem__("layers.0.attn.extra.weight", torch.zeros(2)))
-    raises_one_line(CheckpointError, r"unexpected tensor 'layers.0.attn.extra.weight'", from_pretrained,
+    rewrite(ckpt, lambda s: s.__setitem__("layers.0.mixer.extra.weight", torch.zeros(2)))
+    raises_one_line(CheckpointError, r"unexpected tensor 'layers.0.mixer.extra.weight'", from_pretrained,
                     ckpt)
 
 

@@ -1,7 +1,7 @@
 """Gemma 4 (dense.py's per-layer embeddings, keys and values read from an earlier layer, full layers of their own
-head size with proportional rope, values normed or made from the keys, a learned scalar per layer) against
-transformers' own model: tiny random checkpoints, float32 logits without a cache within 1e-4, greedy tokens through
-the cache equal; the cache holds only the layers that write it."""
+head size with proportional rope, values normed or made from the keys, a learned scalar per layer, 26B-A4B's experts
+beside the MLP) against transformers' own model: tiny random checkpoints, float32 logits without a cache within
+1e-4, greedy tokens through the cache equal; the cache holds only the layers that write it."""
 
 import copy
 import os
@@ -98,11 +98,11 @@ def test_the_cache_holds_only_the_layers_that_write_it(folders):
     folder, _ = folders["per-layer embeddings, shared keys and values"]
     model = load.from_pretrained(folder, dtype=torch.float32)
     caches.setup_cache(model, 2, 64)
-    readers = [i for i, layer in enumerate(model.layers) if layer.attn.reads is not None]
-    assert readers == [4, 5] and [model.layers[i].attn.reads for i in readers] == [3, 2]
-    assert all(model.layers[i].attn.memory is model.layers[model.layers[i].attn.reads].attn.memory for i in readers)
+    readers = [i for i, layer in enumerate(model.layers) if layer.mixer.reads is not None]
+    assert readers == [4, 5] and [model.layers[i].mixer.reads for i in readers] == [3, 2]
+    assert all(model.layers[i].mixer.memory is model.layers[model.layers[i].mixer.reads].mixer.memory for i in readers)
     assert len(caches.memories(model)) == 4
-    writers = [layer.attn for layer in model.layers[:4]]  # (the full layers' heads are twice as wide)
+    writers = [layer.mixer for layer in model.layers[:4]]  # (the full layers' heads are twice as wide)
     held = sum(caches.KVCache.bytes_for(2, a.n_kv_heads, 64, a.head_dim, torch.float32) for a in writers)
     assert caches.cache_bytes(model, 2, 64, torch.float32, caches.KVCache) == held
 
@@ -127,16 +127,50 @@ def test_quantized_layers_compute_what_their_weights_say(folders, mode):
     assert rel_err(model(prompt), quantized_reference(model)(prompt)) < 5e-2
 
 
+# Gemma 4 26B-A4B's mixture (enable_moe_block): beside each layer's MLP, experts chosen by a router with its own
+# norm, scale and per-expert scales; each branch post-normed, their sum post-normed again
+MOE = transformers.Gemma4TextConfig(**{**TEXT, "vocab_size": 256}, num_hidden_layers=4, layer_types=SIX[1:3] * 2,
+                                    hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=8,
+                                    top_k_experts=2, moe_intermediate_size=32)
+
+
+def test_experts_beside_the_mlp_give_transformers_logits_and_greedy_tokens(tmp_path):
+    """A tiny random 26B-A4B (8 experts, top 2; the router's scales, the per-expert scales and every norm drawn about
+    1, so that a misplaced one shows): float32 logits of a 40-token prompt within 1e-4 of transformers' largest, and
+    its greedy tokens through the cache."""
+    reference = save_random("Gemma4ForCausalLM", MOE, 7, tmp_path)
+    with torch.no_grad():
+        for key, p in reference.named_parameters():
+            if "norm" in key or key.endswith(("router.scale", "per_expert_scale")):
+                p.uniform_(0.5, 1.5)
+        for key, b in reference.named_buffers():
+            if key.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
+    reference.save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(FIXTURES, "llama", f), tmp_path)
+    model = load.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert model.config.extras["experts"].beside_mlp and model.layers[0].experts.experts_gate_up.shape == (8, 64, 64)
+    prompt = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    reference.eval()
+    with torch.no_grad():
+        want = reference(prompt).logits
+        greedy = reference.generate(prompt, max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    got = model(prompt)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max(), (got - want).abs().max()
+    tokens = generate.generate(model, prompt, 16)
+    assert torch.equal(tokens, greedy) and len(set(tokens[0, 40:].tolist())) > 3, (tokens, greedy)
+
+
 def test_what_is_not_done_is_refused_in_one_line(folders, tmp_path):
-    """Gemma 4's experts (26B-A4B) and a per-layer table of another size: one line naming the key."""
+    """A per-layer table of another size: one line naming the key."""
     import json
 
     from dense_engine.system.errors import CheckpointError
 
     folder, _ = folders["per-layer embeddings, shared keys and values"]
     config = json.loads(Path(folder, "config.json").read_text())
-    for key, value, words in (("enable_moe_block", True, "mixture of experts"),
-                              ("vocab_size_per_layer_input", 256, "per-layer table")):
+    for key, value, words in (("vocab_size_per_layer_input", 256, "per-layer table"),):
         changed = tmp_path / key
         shutil.copytree(folder, changed)
         (changed / "config.json").write_text(json.dumps({**config, key: value}))

@@ -74,8 +74,8 @@ def write_gguf(path, model: dense.DenseDecoder, tok: Tokenizer, pre: str, types:
     names = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = "output.weight"
-    per_layer = {"attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "attn.q_proj": "attn_q", "attn.k_proj": "attn_k",
-                 "attn.v_proj": "attn_v", "attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+    per_layer = {"mixer_norm": "attn_norm", "mlp_norm": "ffn_norm", "mixer.q_proj": "attn_q", "mixer.k_proj": "attn_k",
+                 "mixer.v_proj": "attn_v", "mixer.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
                  "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     for i in range(cfg.num_hidden_layers):
         names.update({f"layers.{i}.{ours}.weight": f"blk.{i}.{theirs}.weight" for ours, theirs in per_layer.items()})
@@ -153,8 +153,8 @@ def test_quantized_tensors_equal_ggufs_own_dequantization(tmp_path, tokenizer):
     params = load.checkpoint_tensors(loaded)
     checked = set()
     for i in range(2):
-        for ours, theirs, heads in [("attn.q_proj", "attn_q", 4), ("attn.k_proj", "attn_k", 2),
-                                    ("attn.v_proj", "attn_v", 0), ("attn.o_proj", "attn_output", 0),
+        for ours, theirs, heads in [("mixer.q_proj", "attn_q", 4), ("mixer.k_proj", "attn_k", 2),
+                                    ("mixer.v_proj", "attn_v", 0), ("mixer.o_proj", "attn_output", 0),
                                     ("mlp.gate_proj", "ffn_gate", 0),
                                     ("mlp.up_proj", "ffn_up", 0), ("mlp.down_proj", "ffn_down", 0)]:
             raw, qtype = written[f"blk.{i}.{theirs}.weight"]
@@ -269,7 +269,7 @@ def test_quant_auto_loads_q4_blocks_as_int4_bit_for_bit(tmp_path, tokenizer, blo
             return gguf_import.unpermute(values, heads) if heads else values
 
         qkv = torch.cat([gguf_rows("attn_q", 4), gguf_rows("attn_k", 2), gguf_rows("attn_v")])
-        layer = loaded.layers[i].attn.qkv_proj
+        layer = loaded.layers[i].mixer.qkv_proj
         assert isinstance(layer, quantized.Int4Linear)
         assert torch.equal(layer.dequantize(torch.float32), qkv)  # bit for bit: the GGUF's own blocks
         gate_up = torch.cat([gguf_rows("ffn_gate"), gguf_rows("ffn_up")])
@@ -280,7 +280,7 @@ def test_quant_auto_loads_q4_blocks_as_int4_bit_for_bit(tmp_path, tokenizer, blo
     convert.convert(str(tmp_path / "f.gguf"), str(tmp_path / "float"))
     assert load.auto_mode(convert.read_checkpoint(str(tmp_path / "float")))[0] is None
     assert not (tmp_path / "float" / "model.int4.safetensors").exists()
-    assert type(load.from_pretrained(str(tmp_path / "float"), quant="auto").layers[0].attn.qkv_proj) \
+    assert type(load.from_pretrained(str(tmp_path / "float"), quant="auto").layers[0].mixer.qkv_proj) \
         is not quantized.Int4Linear
     assert load.auto_mode(convert.read_checkpoint(fixture_dir("llama")))[0] is None  # not from a GGUF at all
 
@@ -382,7 +382,7 @@ def test_quantized_files_of_other_architectures(reference, gguf_files, name):
     raw = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(
         gguf_import.shape_of(t)) for t in reader.tensors}
     qkv = torch.cat([raw[f"blk.1.attn_{p}.weight"] for p in "qkv"])
-    layer = model.layers[1].attn.qkv_proj
+    layer = model.layers[1].mixer.qkv_proj
     got = layer.dequantize(torch.float32) if isinstance(layer, quantized.QuantLinear) else layer.weight
     assert torch.equal(got, qkv)
     assert isinstance(layer, quantized.Int4Linear) == (qtype == Q.Q4_1)
@@ -408,7 +408,7 @@ def test_a_file_read_while_torch_is_imported_is_the_model_read_after(gguf_files,
     assert preread.kernel_share(gguf_files["qwen2"][0]) == 0 == preread.kernel_share(gguf_files["gemma2-q4_1"][0])
     ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
     plain = load.from_pretrained(path, quant="auto")
-    mapped = next(t for t in plain.layers[0].attn.qkv_proj.buffers() if t.dtype == torch.uint8 and t.numel() > 1000)
+    mapped = next(t for t in plain.layers[0].mixer.qkv_proj.buffers() if t.dtype == torch.uint8 and t.numel() > 1000)
     assert mapped.untyped_storage().nbytes() == os.path.getsize(path)  # (no early read: a view of the file's pages)
     monkeypatch.setattr(preread, "kernel_share", lambda path: 1.0)  # (this small file is a tenth norms)
     preread.start(path)
@@ -418,7 +418,7 @@ def test_a_file_read_while_torch_is_imported_is_the_model_read_after(gguf_files,
     assert not preread._reads
     if not early.complete:
         pytest.skip("no transparent huge pages here (madvise refused): the load read the file itself")
-    buffer = next(t for t in model.layers[0].attn.qkv_proj.buffers() if t.dtype == torch.uint8 and t.numel() > 1000)
+    buffer = next(t for t in model.layers[0].mixer.qkv_proj.buffers() if t.dtype == torch.uint8 and t.numel() > 1000)
     offset = buffer.data_ptr() - (preread._address(early.mapping) + early.start)
     assert 0 < offset < early.size
     with open(path, "rb") as f:
@@ -609,7 +609,7 @@ def test_the_mtp_layer_is_the_draft_its_hugging_face_folder_holds(state_files, t
 
     checkpoint = convert.read_checkpoint(state_files["qwen35"][0])
     assert checkpoint.config.num_hidden_layers == 4 and not any(n.startswith("layers.4.") for n in checkpoint.tensors)
-    assert "fc.weight" in checkpoint.mtp and "layers.0.attn.gate_proj.weight" in checkpoint.mtp
+    assert "fc.weight" in checkpoint.mtp and "layers.0.mixer.gate_proj.weight" in checkpoint.mtp
     folder = tmp_path / "qwen35"
     gguf_cases.state_hf_config("qwen35").save_pretrained(folder)
     save_file(gguf_cases.hf_weights("qwen35"), str(folder / "model.safetensors"))
@@ -643,7 +643,7 @@ def test_quantized_hybrids_keep_their_blocks_in_the_models_order(state_reference
     model = load.from_pretrained(path, quant="auto")
     raw = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(
         gguf_import.shape_of(t)) for t in gguf_import.open_gguf(path).tensors}
-    delta, attention = model.layers[0].attn, model.layers[3].attn
+    delta, attention = model.layers[0].mixer, model.layers[3].mixer
     assert isinstance(delta.in_proj, quantized.GGUFLinear) and isinstance(attention.qkv_proj, quantized.GGUFLinear)
     parts = [raw[f"blk.0.{p}.weight"] for p in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")]
     assert torch.equal(delta.in_proj.dequantize(torch.float32), torch.cat(parts))

@@ -258,8 +258,8 @@ def test_auto_keeps_every_tensor_in_its_own_type(mixed_files, tied):
     if tied:  # the head multiplies the embedding's own blocks
         assert model.lm_head.blocks0.data_ptr() == model.embed_tokens.blocks.data_ptr()
     for layer in model.layers:
-        assert layer.attn.qkv_proj.kinds == ["Q4_K", "Q6_K"]  # q|k in one buffer, v in its own
-        assert layer.attn.o_proj.kinds == ["Q5_K"]
+        assert layer.mixer.qkv_proj.kinds == ["Q4_K", "Q6_K"]  # q|k in one buffer, v in its own
+        assert layer.mixer.o_proj.kinds == ["Q5_K"]
         assert layer.mlp.gate_up_proj.kinds == ["Q4_K", "Q8_0"] and layer.mlp.down_proj.kinds == ["Q6_K"]
     # no float copy of any weight: what the model holds is the file's blocks and its norms
     held = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in model.buffers()}.values())

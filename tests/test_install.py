@@ -42,7 +42,7 @@ def test_a_wheel_installs_an_engine_whose_kernels_load_outside_the_clone(tmp_pat
     pytest.importorskip("setuptools")
     source = tmp_path / "source"  # a copy, so that the build writes nothing into the clone
     source.mkdir()
-    for name in ("dense.py", "chat.py", "quantize.py", "serve.py", "pyproject.toml", "README.md"):
+    for name in ("dense.py", "layer_kinds.py", "chat.py", "quantize.py", "serve.py", "pyproject.toml", "README.md"):
         shutil.copy(os.path.join(ROOT, name), source / name)
     shutil.copytree(os.path.join(ROOT, "dense_engine"), source / "dense_engine",
                     ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
@@ -52,7 +52,8 @@ def test_a_wheel_installs_an_engine_whose_kernels_load_outside_the_clone(tmp_pat
     names = zipfile.ZipFile(wheel).namelist()
     for kernel in ("kernels.cpp", "kernels_avx2.cpp", "kernels.h"):
         assert f"dense_engine/cpu/{kernel}" in names
-    assert sorted(n for n in names if "/" not in n) == ["chat.py", "dense.py", "quantize.py", "serve.py"]
+    assert sorted(n for n in names if "/" not in n) == ["chat.py", "dense.py", "layer_kinds.py", "quantize.py",
+                                                         "serve.py"]
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)

@@ -506,7 +506,7 @@ def test_generation_on_the_kernel_cache_equals_the_argmax_loop(compile, tmp_path
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = random_model()
     caches.setup_cache(model, 2, 512)
-    assert isinstance(model.layers[0].attn.memory, caches.CPUKVCache)
+    assert isinstance(model.layers[0].mixer.memory, caches.CPUKVCache)
     ids = torch.randint(0, 512, (2, 37), generator=torch.Generator().manual_seed(1))
     want = ids
     for _ in range(40):

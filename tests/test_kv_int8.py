@@ -58,7 +58,7 @@ def test_the_memory_check_counts_the_bytes_the_cache_takes(cache_class):
             pytest.skip("no CPU kernels here")
         cache_class = caches.CPUInt8KVCache
     model.setup_cache(3, 95, dtype, cache_class=cache_class)  # (95 + the scratch slot: whole blocks of 16)
-    taken = sum(b.numel() * b.element_size() for layer in model.layers for b in layer.attn.memory.buffers())
+    taken = sum(b.numel() * b.element_size() for layer in model.layers for b in layer.mixer.memory.buffers())
     assert taken == caches.cache_bytes(model, 3, 95, dtype)
     if dtype == torch.int8:
         assert 4 * taken < caches.cache_bytes(model, 3, 95, torch.float32) * 1.3  # about a quarter of float32's
@@ -81,7 +81,7 @@ def test_kv_dtype_reaches_the_cache(kv_dtype, cache_class, dtype):
     args = parse_flags(p, ["--ckpt", fixture_path("llama"), "--kv-dtype", kv_dtype])
     model, record = load_model(args.ckpt, args, Console(quiet=True))
     caches.setup_cache(model, 1, 32, record.kv_dtype)
-    cache = model.layers[0].attn.memory
+    cache = model.layers[0].mixer.memory
     assert type(cache) is cache_class and cache.v.dtype == dtype
 
 
@@ -96,7 +96,7 @@ def test_a_compiled_decode_step_reads_the_int8_cache_as_the_eager_one(tmp_path):
 
     model = random_model()
     caches.setup_cache(model, 2, 256, "int8")
-    assert type(model.layers[0].attn.memory) is caches.CPUInt8KVCache
+    assert type(model.layers[0].mixer.memory) is caches.CPUInt8KVCache
     steps = Steps(model, folder=str(tmp_path))
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     runs = []
@@ -117,7 +117,7 @@ def test_the_python_api_takes_kv_dtype_and_answers_as_the_int8_cache_does():
     from dense_engine.system.errors import UsageError
 
     llm = dense_engine.load(fixture_path("llama"), compile=False, kv_dtype="int8")
-    assert type(llm.model.layers[0].attn.memory) is caches.CPUInt8KVCache
+    assert type(llm.model.layers[0].mixer.memory) is caches.CPUInt8KVCache
     llm.generate("the cat sat", max_new_tokens=12, chat=False, temperature=0)
     got = list(llm.session.reply_ids)
     ids = llm.vocab.encode("the cat sat", special=True)

@@ -150,10 +150,10 @@ def dequantized_peft_model(model, base: str, adapter) -> peft.PeftModel:
 
     with torch.no_grad():
         for layer, theirs in zip(model.layers, reference.model.layers):
-            q, k, v = weight(layer.attn.qkv_proj).split([128, 64, 64])
+            q, k, v = weight(layer.mixer.qkv_proj).split([128, 64, 64])
             gate, up = weight(layer.mlp.gate_up_proj).split([256, 256])
             weights = {"self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v, "mlp.gate_proj": gate,
-                       "mlp.up_proj": up, "self_attn.o_proj": weight(layer.attn.o_proj),
+                       "mlp.up_proj": up, "self_attn.o_proj": weight(layer.mixer.o_proj),
                        "mlp.down_proj": weight(layer.mlp.down_proj)}
             for name, w in weights.items():
                 theirs.get_submodule(name).weight.copy_(w)
@@ -173,9 +173,9 @@ def test_an_adapter_beside_quantized_weights_keeps_the_base_as_stored(base, tmp_
                  target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
     model = load.from_pretrained(base, dtype=torch.float32, quant=mode, lora=[(tmp_path / "adapter", 1.0)])
     plain = load.from_pretrained(base, dtype=torch.float32, quant=mode)
-    assert type(model.layers[0].attn.qkv_proj).__name__ == "LowRank"
-    assert torch.equal(model.layers[0].attn.qkv_proj.base.dequantize(torch.float32),
-                       plain.layers[0].attn.qkv_proj.dequantize(torch.float32))
+    assert type(model.layers[0].mixer.qkv_proj).__name__ == "LowRank"
+    assert torch.equal(model.layers[0].mixer.qkv_proj.base.dequantize(torch.float32),
+                       plain.layers[0].mixer.qkv_proj.dequantize(torch.float32))
     reference = dequantized_peft_model(model, base, tmp_path / "adapter")
     with torch.no_grad():
         got, want = model(ids()), reference(input_ids=ids()).logits
@@ -219,7 +219,7 @@ def test_an_adapter_on_a_gptq_folder_keeps_its_int4_numbers(tmp_path):
     record, checkpoint = load.plan(folder, lora=[(tmp_path / "adapter", 1.0)])
     assert record.quant == "int4" and len(checkpoint.exact) == 14
     model = load.from_pretrained(checkpoint, dtype=torch.float32, quant=record.quant)
-    assert torch.equal(model.layers[0].attn.qkv_proj.base.dequantize(torch.float32)[:128],
+    assert torch.equal(model.layers[0].mixer.qkv_proj.base.dequantize(torch.float32)[:128],
                        reference.model.layers[0].self_attn.q_proj.weight)
     with torch.no_grad():
         want = dequantized_peft_model(model, str(tmp_path / "base"), tmp_path / "adapter")(input_ids=ids()).logits
@@ -246,7 +246,7 @@ def test_a_llama_cpp_adapter_on_a_gguf_base_gives_llama_cpps_logits(base, key):
     for adapter in ("lora-adapter.gguf", "lora-peft"):
         record, checkpoint = load.plan(path, lora=[(os.path.join(GGUF, adapter), 1.0)])
         model = load.from_pretrained(checkpoint, dtype=torch.float32, quant=record.quant)
-        kind = type(getattr(model.layers[0].attn.qkv_proj, "base", None)).__name__
+        kind = type(getattr(model.layers[0].mixer.qkv_proj, "base", None)).__name__
         assert (record.quant, kind) == (("gguf", "GGUFLinear") if key.endswith("q8_0") else (None, "NoneType"))
         with torch.no_grad():
             got[adapter] = model(ids)[0]

@@ -145,8 +145,8 @@ def test_a_returning_conversation_whose_row_was_taken_prefills_only_what_the_sto
     prefilled = prefill_starts(monkeypatch)
     for capacity_blocks in (1000, 5):
         scheduler = Scheduler(model, vocab, 2, 128, compile=compiled, load=record)
-        assert isinstance(model.layers[0].attn.memory, caches.CPUKVCache) == (layout != "dense")
-        assert isinstance(model.layers[0].attn.memory, caches.CPUInt8KVCache) == (layout == "int8")
+        assert isinstance(model.layers[0].mixer.memory, caches.CPUKVCache) == (layout != "dense")
+        assert isinstance(model.layers[0].mixer.memory, caches.CPUInt8KVCache) == (layout == "int8")
         scheduler.store = PrefixStore(capacity_blocks * 16 * token_bytes(model), token_bytes(model), block=16)
         scheduler.metrics = metrics = Metrics()
         metrics.watch(scheduler)
@@ -274,7 +274,7 @@ def test_a_prefix_used_twice_is_read_back_from_disk_after_a_restart_by_the_same_
 
     changed = load.from_pretrained(LLAMA)
     with torch.no_grad():
-        changed.layers[0].attn.o_proj.weight[0, 0] += 1e-2
+        changed.layers[0].mixer.o_proj.weight[0, 0] += 1e-2
     other = Scheduler(changed, vocab, 2, 128, compile=False, prefix_disk_mb=1, prefix_block=16)
     prefilled.clear()
     run_alone(other, greedy(third, 2))
@@ -370,7 +370,7 @@ def test_a_slot_file_of_a_model_with_other_weights_is_refused(tmp_path):
     assert slots.SlotFiles(saver).save(0, str(tmp_path / "s"))["n_saved"] == 35 + 2
     changed = load.from_pretrained(LLAMA)
     with torch.no_grad():
-        changed.layers[1].attn.qkv_proj.weight[0, 0] += 1e-3
+        changed.layers[1].mixer.qkv_proj.weight[0, 0] += 1e-3
     with pytest.raises(ValueError, match="another model"):
         slots.SlotFiles(Scheduler(changed, vocab, 1, 128, compile=False)).restore(0, str(tmp_path / "s"))
     same = Scheduler(load.from_pretrained(LLAMA), vocab, 1, 128, compile=False)

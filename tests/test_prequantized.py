@@ -126,7 +126,7 @@ def test_bitsandbytes_4bit_folders_give_bitsandbytes_own_logits(bnb_folders, kin
     model = load.from_pretrained(folder, dtype=torch.float32)
     stored = load_file(os.path.join(folder, "model.safetensors"))
     assert type(model.lm_head) is kernels.Linear and torch.equal(model.lm_head.weight, stored["lm_head.weight"])
-    qkv = model.layers[0].attn.qkv_proj
+    qkv = model.layers[0].mixer.qkv_proj
     if kind == "nf4":
         q = stored["model.layers.0.self_attn.q_proj.weight"]
         assert torch.equal(qkv.weight[:q.shape[0]], q)
@@ -224,7 +224,7 @@ def test_a_fine_grained_fp8_folder_runs_its_blocks_scales(tmp_path):
     assert isinstance(layer, Float8Linear) and torch.equal(layer.weight, stored["model.layers.1.mlp.down_proj.weight"])
     assert torch.equal(layer.dequantize(torch.float32), reference.model.layers[1].mlp.down_proj.weight)
     assert (layer.dequantize(torch.float32) - w).abs().max() <= w.abs().max() * 2 ** -8
-    qkv = mine.layers[0].attn.qkv_proj.dequantize(torch.float32)  # (k and v: 64 rows of a 128-row block each)
+    qkv = mine.layers[0].mixer.qkv_proj.dequantize(torch.float32)  # (k and v: 64 rows of a 128-row block each)
     attn = reference.model.layers[0].self_attn
     assert torch.equal(qkv, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
     quantize.quantize_checkpoint(folder, "fp8", out=str(tmp_path / "saved"))
@@ -421,10 +421,10 @@ def test_a_linear_a_gptq_folder_left_unquantized_runs_float_as_stored(tmp_path):
     save_file(stored, os.path.join(folder, "model.safetensors"))
     model = load.from_pretrained(folder, dtype=torch.float32, quant="auto")
     float_layers = {name for name, m in model.named_modules() if type(m) is kernels.Linear}
-    assert float_layers == {"lm_head", "layers.0.attn.qkv_proj", "layers.1.mlp.down_proj"}
+    assert float_layers == {"lm_head", "layers.0.mixer.qkv_proj", "layers.1.mlp.down_proj"}
     assert torch.equal(model.layers[1].mlp.down_proj.weight, base["model.layers.1.mlp.down_proj.weight"])
     attn = reference.model.layers[0].self_attn
-    assert torch.equal(model.layers[0].attn.qkv_proj.weight,
+    assert torch.equal(model.layers[0].mixer.qkv_proj.weight,
                        torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
     assert type(model.layers[0].mlp.gate_up_proj).__name__ == "Int4Linear"
     with torch.no_grad():

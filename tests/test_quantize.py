@@ -109,7 +109,7 @@ def test_int4_saved_in_the_kernels_layout_loads_as_stored(tmp_path, monkeypatch)
     fly = {n: m for n, m in on_the_fly.named_modules() if isinstance(m, quantized.Int4Linear)}
     assert fly
     table = load.pairs_layout(checkpoint.open_safetensors(str(out / "model.int4.safetensors")))
-    for name in ("layers.0.mlp.down_proj", "layers.1.attn.o_proj"):
+    for name in ("layers.0.mlp.down_proj", "layers.1.mixer.o_proj"):
         for key in ("qweight", "scales", "mins"):
             assert torch.equal(table[f"{name}.{key}"](), fly[name]._buffers[key]), (name, key)
 

@@ -93,8 +93,8 @@ def test_every_draft_gives_plain_greedy(target, prompt, kind, compile):
 def test_self_draft_shares_the_embedding_and_loads_nothing(target):
     draft = speculative.quantized_copy(target, "int4")
     assert draft.embed_tokens is target.embed_tokens
-    assert type(target.layers[0].attn.qkv_proj).__name__ == "Linear"  # the target is untouched
-    assert type(draft.layers[0].attn.qkv_proj).__name__ == "Int4Linear"
+    assert type(target.layers[0].mixer.qkv_proj).__name__ == "Linear"  # the target is untouched
+    assert type(draft.layers[0].mixer.qkv_proj).__name__ == "Int4Linear"
 
 
 def test_draft_quant_loads_the_saved_variant_with_its_record(tmp_path, prompt, monkeypatch):

@@ -393,7 +393,7 @@ def test_value_heads_in_tiled_order_give_the_same_model(models):
     ids = prompt(70, seed=10)
     with torch.no_grad():
         assert torch.equal(tiled(ids), grouped(ids))
-        layer = next(layer.attn for layer in tiled.layers if isinstance(layer.attn, layer_kinds.GatedDeltaNet))
+        layer = next(layer.mixer for layer in tiled.layers if isinstance(layer.mixer, layer_kinds.GatedDeltaNet))
         layer.tiled = False  # (the switch matters: the reordered weights read the grouped way differ)
         assert not torch.allclose(tiled(ids), grouped(ids), atol=1e-3)
 
@@ -402,7 +402,7 @@ def test_value_heads_in_tiled_order_give_the_same_model(models):
 def tile_value_heads(model: dense.DenseDecoder) -> dense.DenseDecoder:
     """The model with each Gated DeltaNet layer's value heads reordered as llama.cpp's qwen35 files store them."""
     for layer in model.layers:
-        a = layer.attn
+        a = layer.mixer
         if not isinstance(a, layer_kinds.GatedDeltaNet):
             continue
         K, V, Dk, Dv = a.k_heads, a.v_heads, a.k_dim, a.v_dim
@@ -447,12 +447,13 @@ def test_a_quantized_mamba2_model_computes_what_its_weights_say(folders, mode):
     from test_quantize import quantized_reference, rel_err
 
     model = load.from_pretrained(folders["granite 4.0 h"][0], dtype=torch.float32, quant=mode)
-    assert not isinstance(model.layers[0].attn.in_proj, torch.nn.Linear)
+    assert not isinstance(model.layers[0].mixer.in_proj, torch.nn.Linear)
     ids = prompt(40, seed=12)
     assert rel_err(model(ids), quantized_reference(model)(ids)) < 5e-2
 
 
 def test_granite_4_h_with_experts_or_across_ranks_is_refused_in_one_line(folders, tmp_path):
+    from dense_engine.formats import convert
     from dense_engine.runtime import tp
     from dense_engine.system.errors import CheckpointError
 
@@ -461,7 +462,10 @@ def test_granite_4_h_with_experts_or_across_ranks_is_refused_in_one_line(folders
     changed = tmp_path / "experts"
     shutil.copytree(folder, changed)
     (changed / "config.json").write_text(json.dumps({**config, "num_local_experts": 4}))
-    with pytest.raises(CheckpointError, match="num_local_experts.* mixture of experts") as e:
+    # (experts are read now, tests/test_experts_hybrid.py: a config that says 4 over a folder without them is refused
+    # for the tensors it lacks)
+    assert convert.read_foreign(str(changed)).config.extras["experts"].count == 4
+    with pytest.raises(CheckpointError, match=r"missing tensor 'layers\.0\.mlp\.") as e:
         load.from_pretrained(str(changed))
     assert "\n" not in str(e.value)
     config = load.from_pretrained(folder).config  # (its heads in 2 groups split over 2 ranks; over 4, a normed group
@@ -526,8 +530,10 @@ def test_a_mamba2_hybrid_gguf_gives_llama_cpps_logits_and_ids(arch, kinds, width
 
 
 def test_nemotron_h_blocks_become_layers_and_what_is_not_dense_is_refused(models, folders, tmp_path):
-    """Each mixing block and the MLP block after it are one layer (no MLP where none follows); experts (a moe block),
-    an MLP block after another, or tensor parallel: one line."""
+    """Each mixing block and the MLP block after it are one layer (no MLP where none follows); a moe block the
+    experts of the layer before it (tests/test_experts_hybrid.py runs them: here a moe block over a folder whose block
+    holds a dense MLP is refused for the experts it lacks); an MLP block after another: one line."""
+    from dense_engine.formats import convert
     from dense_engine.runtime import tp
     from dense_engine.system.errors import CheckpointError
 
@@ -536,14 +542,17 @@ def test_nemotron_h_blocks_become_layers_and_what_is_not_dense_is_refused(models
     assert model.config.layer_types == ["mamba", "full_attention", "mamba", "mamba"]
     folder = folders["nemotron-h"][0]
     config = json.loads(Path(folder, "config.json").read_text())
-    for blocks, words in ((["mamba", "moe", "attention", "mlp"], "moe blocks is a mixture of experts"),
-                          (["mamba", "mlp", "mlp", "attention"], "an mlp block after each")):
+    for blocks, words in ((["mamba", "moe", "attention", "mlp", "mamba", "mamba", "mlp"],
+                           r"missing tensor 'layers\.0\.mlp\."),
+                          (["mamba", "mlp", "mlp", "attention"], "an mlp or moe block after each")):
         changed = tmp_path / blocks[1]
         shutil.copytree(folder, changed)
         (changed / "config.json").write_text(json.dumps({**config, "layers_block_type": blocks}))
         with pytest.raises(CheckpointError, match=words) as e:
             load.from_pretrained(str(changed))
         assert "\n" not in str(e.value)
+    # (the moe block: layer 0's MLP the experts, the others' not)
+    assert convert.read_foreign(str(tmp_path / "moe")).config.extras["experts"].dense_layers == (1, 2, 3)
     # (8 heads, 2 ranks)
     assert [s.mamba_heads for s in tp.plan(model.config, 0, 2)] == [(0, 4), (0, 0), (0, 4), (0, 4)]
 
@@ -672,7 +681,7 @@ def test_speculation_with_the_mtp_draft_equals_plain_greedy(mtp_folder, quant):
     if quant is None:
         assert stats["accepted"] > 0.5 * stats["proposed"]
     else:
-        assert isinstance(draft.predictor.layers[0].attn.qkv_proj, quantized.QuantLinear)
+        assert isinstance(draft.predictor.layers[0].mixer.qkv_proj, quantized.QuantLinear)
 
 
 def test_chat_drafts_with_the_mtp_layers_as_it_answers_without_and_refuses_a_folder_without_them(mtp_folder,

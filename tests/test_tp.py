@@ -38,7 +38,7 @@ def worker(rank, size, rdzv, out, jobs):
         greedy = generate.generate(model, ids[:, :6], 16)
         compiled = generate.generate(model, ids[:, :6], 16, compile=True) if compile else None
         results[name] = {"logits": logits, "greedy": greedy, "compiled": compiled, "bytes": stored_bytes(model),
-                         "o_proj": model.layers[0].attn.o_proj.state_dict() if name == "neox_original" else None}
+                         "o_proj": model.layers[0].mixer.o_proj.state_dict() if name == "neox_original" else None}
     gathered = [None] * size
     dist.all_gather_object(gathered, results)
     if rank == 0:

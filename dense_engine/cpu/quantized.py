@@ -50,12 +50,12 @@ NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488
 # Checkpoint linears of the decoder blocks (what files store) and the model's linears (fused, what the model holds).
 # (checkpoint names; MODEL_LINEAR: the model's modules. A state layer's projections too: Gated DeltaNet's in_proj from
 # in_proj_qkv | z | b | a, the short conv's and Mamba2's in_proj and out_proj)
-BLOCK_LINEAR = re.compile(r"layers\.\d+\.(attn\.(q|k|v|gate|o|in|out)_proj|attn\.in_proj_(qkv|z|b|a)|"
+BLOCK_LINEAR = re.compile(r"layers\.\d+\.(mixer\.(q|k|v|gate|o|in|out)_proj|mixer\.in_proj_(qkv|z|b|a)|"
                           r"mlp\.(gate|up|down)_proj)")
-MODEL_LINEAR = re.compile(r"layers\.\d+\.(attn\.(qkv|o|in|out)_proj|mlp\.(gate_up|up|down)_proj)")
+MODEL_LINEAR = re.compile(r"layers\.\d+\.(mixer\.(qkv|o|in|out)_proj|mlp\.(gate_up|up|down)_proj)")
 # A checkpoint linear the model stacks with others into one (MODEL_LINEAR's qkv_proj, in_proj, gate_up_proj): its
 # parent, and which stack (stack_of)
-STACKED_PART = re.compile(r"(.+\.attn)\.(?:(q|k|v|gate)_proj|in_proj_(?:qkv|z|b|a))|(.+\.mlp)\.(?:gate|up)_proj")
+STACKED_PART = re.compile(r"(.+\.mixer)\.(?:(q|k|v|gate)_proj|in_proj_(?:qkv|z|b|a))|(.+\.mlp)\.(?:gate|up)_proj")
 EXACT_INT4_TYPES = ("Q4_0", "Q4_1")  # GGUF tensor types whose blocks int4-g32 holds exactly
 BYTES_PER_WEIGHT = {"int8": 1.0, "llm.int8": 1.0, "int4": 0.65, "nf4": 0.6, "gguf": 1.07,
                     "fp8": 1.0}  # stored, scales included (about)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import pickle
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -90,6 +91,16 @@ def open_safetensors(path: str) -> dict[str, Callable[[], torch.Tensor]]:
         return read
 
     return {name: reader(name) for name in names}
+
+
+# Native folders written before a layer's mixer was named `mixer` name it `attn` (whatever it mixes with)
+LEGACY_NAME = re.compile(r"(layers\.\d+\.)attn(?=\.|_norm\.|_post_norm\.)")
+
+
+def current_names(tensors: dict) -> dict:
+    """A native folder's (or saved variant's) {name: thunk}, its older names (layers.N.attn.*, attn_norm,
+    attn_post_norm) read as today's (layers.N.mixer.*, mixer_norm, mixer_post_norm)."""
+    return {LEGACY_NAME.sub(r"\1mixer", name): read for name, read in tensors.items()}
 
 
 def load_pickle(path: str) -> dict:

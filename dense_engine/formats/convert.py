@@ -28,6 +28,7 @@ from dense_engine.formats.checkpoint import (
     Checkpoint,
     atomic_write,
     config_from_dict,
+    current_names,
     locked,
     open_safetensors,
     read_json,
@@ -73,7 +74,7 @@ def read_any(path: str) -> Checkpoint:
             weights = os.path.join(path, "model.safetensors")
             if not os.path.isfile(weights) and not raw.get("quantization"):
                 raise CheckpointError(f"{path}: no model.safetensors beside config.json")
-            tensors = open_safetensors(weights) if os.path.isfile(weights) else {}
+            tensors = current_names(open_safetensors(weights)) if os.path.isfile(weights) else {}
             tensors = lora.merged(tensors, path, lora.native_names) if tensors else tensors
             return Checkpoint(path, config, tensors, torch_dtype(raw.get("torch_dtype")), raw)
     return read_foreign(path)

@@ -254,7 +254,8 @@ class Metadata:
     def refuse_experts(self) -> None:
         if int(self.key("expert_count", 0)):
             raise CheckpointError(f"{self.path}: GGUF metadata {self.arch}.expert_count {self.key('expert_count')}: a "
-                                  "mixture of experts; this engine runs dense models only")
+                                  "mixture of experts; this engine reads mixtures from Hugging Face folders, not yet "
+                                  "from GGUF files")
 
     def vocab_size(self) -> int:
         return int(self.key("vocab_size", 0) or tokens_count(self.reader, self.path))

@@ -29,7 +29,7 @@ import layer_kinds
 from dense_engine.cpu import kernels, quantized
 from dense_engine.formats import convert, gguf_import, prequantized, preread
 from dense_engine.formats import lora as adapters
-from dense_engine.formats.checkpoint import Checkpoint
+from dense_engine.formats.checkpoint import Checkpoint, current_names
 from dense_engine.system import machine
 from dense_engine.system.errors import CheckpointError, UsageError
 
@@ -244,7 +244,7 @@ def select(checkpoint, quant: str | None, notice=machine.note, device="cpu") -> 
         params["layout"] = record["layout"]
     file = os.path.join(checkpoint.path, convert.variant_file(quant))
     if record and os.path.isfile(file):
-        return quant, params, expand_double_quant(convert.open_safetensors(file))
+        return quant, params, expand_double_quant(current_names(convert.open_safetensors(file)))
     if not checkpoint.tensors:
         raise CheckpointError(f"{checkpoint.path}: no saved {quant} variant and no full-precision weights to make one")
     exact, params = convert.exact_variant(checkpoint, quant, params["group_size"], device)
@@ -456,9 +456,14 @@ def check_fits(config: dense.DenseConfig, dtype: torch.dtype, device: torch.devi
 def num_parameters(config: dense.DenseConfig) -> int:
     """Parameters a config describes (norm gains and biases included), without building the model."""
     C, total = config.hidden_size, config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    experts = config.extras.get("experts")
+    mixed = [i for i in range(config.num_hidden_layers) if experts and i not in experts.dense_layers]
     for layer in range(config.num_hidden_layers):
         q, kv = config.heads(layer) * config.head_dim, config.kv_heads(layer) * config.head_dim
-        w = config.ffn_width(layer)
+        w = config.ffn_width(layer) if layer not in mixed or experts.beside_mlp else 0
         total += C * (q + 2 * kv) + q * C + (C * q if config.attn_output_gate else 0)  # (LFM3's head gate: small)
         total += C * w * (2 if config.mlp == "gelu" else 3) + 4 * C
+    if mixed:  # every expert of every mixture layer (held, though a token reads only its chosen few), its router
+        matrices = 2 if experts.activation == "relu2" else 3
+        total += len(mixed) * C * ((experts.count * experts.width + experts.shared_width) * matrices + experts.count)
     return total + 2 * C

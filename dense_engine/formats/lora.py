@@ -188,7 +188,7 @@ class Merged:
 
 # a Llama-layout adapter's names as a native folder names its weights (the default model's: read from a GGUF, its
 # q and k rows back in Hugging Face's order)
-NATIVE_NAMES = [(r"(?:model\.)?layers\.(\d+)\.self_attn\.([qkvo]_proj)\.weight", r"layers.\1.attn.\2.weight"),
+NATIVE_NAMES = [(r"(?:model\.)?layers\.(\d+)\.self_attn\.([qkvo]_proj)\.weight", r"layers.\1.mixer.\2.weight"),
                 (r"(?:model\.)?layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight", r"layers.\1.mlp.\2.weight")]
 
 

@@ -37,8 +37,9 @@ from dense_engine.system.machine import note
 
 _state: dict = {}
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dense_engine/
-# the code that shapes a graph: dense.py (beside the package, in a clone or in site-packages) and these
-SOURCES = (os.path.join(os.path.dirname(PACKAGE), "dense.py"),
+# the code that shapes a graph: dense.py and layer_kinds.py (beside the package, in a clone or in site-packages) and
+# these
+SOURCES = (*(os.path.join(os.path.dirname(PACKAGE), name) for name in ("dense.py", "layer_kinds.py")),
            *(os.path.join(PACKAGE, "cpu", name) for name in ("quantized.py", "kernels.py", "kernels.h", "kernels.cpp",
                                                              "kernels_avx2.cpp")),
            *(os.path.join(PACKAGE, "runtime", name) for name in ("caches.py", "generate.py", "sampling.py",

@@ -122,6 +122,8 @@ def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
         raise CheckpointError("its attention sinks (Granite SWA) are not split across ranks yet")
     if record(config, "attention").head_gate and size > 1:
         raise CheckpointError("its attention's gate per head (LFM3) is not split across ranks yet")
+    if "experts" in config.extras and size > 1:
+        raise CheckpointError("its mixture of experts is not split across ranks yet")
     shards = []
     for i in range(config.num_hidden_layers):
         H, K, W = config.heads(i), config.kv_heads(i), config.ffn_width(i)
@@ -199,7 +201,7 @@ def shard_config(config: dense.DenseConfig, shards: list[LayerShard]) -> dense.D
 # "in_heads"/"in_ffn": columns; "rank0": whole on rank 0, zeros elsewhere (a bias added after the partial sums).
 # A Gated DeltaNet layer: "qkv" rows of its key heads' q and k and its value heads' v (the conv's channels too),
 # "values" rows of its value heads, "in_values" their columns (a short conv's: whole, and out_proj rank 0's).
-MAMBA = r"layers\.(\d+)\.attn\.(?:mamba\.)?"  # (a Mamba2 mixer's, or a Falcon-H1 layer's Mamba2 half's)
+MAMBA = r"layers\.(\d+)\.mixer\.(?:mamba\.)?"  # (a Mamba2 mixer's, or a Falcon-H1 layer's Mamba2 half's)
 RULES = [
     (MAMBA + r"in_proj\.(weight|bias|qweight|scales|mins|absmax)", "mamba_in"),
     (MAMBA + r"conv_(weight|bias)", "mamba_conv"),
@@ -207,17 +209,17 @@ RULES = [
     (MAMBA + r"norm\.weight", "mamba_norm"),
     (MAMBA + r"out_proj\.(weight|qweight|scales|mins)", "mamba_out"),
     (MAMBA + r"out_proj\.bias", "mamba_bias"),
-    (r"layers\.(\d+)\.attn\.(in_proj_qkv\.(weight|qweight|scales|mins|absmax)|conv_weight)", "qkv"),
-    (r"layers\.(\d+)\.attn\.(in_proj_[zab]\.(weight|qweight|scales|mins|absmax)|A_log|dt_bias)", "values"),
-    (r"layers\.(\d+)\.attn\.out_proj\.(weight|qweight|scales|mins)", "in_values"),
-    (r"layers\.(\d+)\.attn\.(?:attention\.)?(q_proj|gate_proj)\.(weight|bias|qweight|scales|mins|absmax)", "heads"),
-    (r"layers\.(\d+)\.attn\.(?:attention\.)?(k_proj|v_proj)\.(weight|bias|qweight|scales|mins|absmax)", "kv_heads"),
-    (r"layers\.(\d+)\.attn\.q_norm\.weight", "norm_heads"),
-    (r"layers\.(\d+)\.attn\.k_norm\.weight", "norm_kv_heads"),
-    (r"layers\.(\d+)\.attn\.(?:attention\.)?o_proj\.(weight|qweight|scales|mins)", "in_heads"),
+    (r"layers\.(\d+)\.mixer\.(in_proj_qkv\.(weight|qweight|scales|mins|absmax)|conv_weight)", "qkv"),
+    (r"layers\.(\d+)\.mixer\.(in_proj_[zab]\.(weight|qweight|scales|mins|absmax)|A_log|dt_bias)", "values"),
+    (r"layers\.(\d+)\.mixer\.out_proj\.(weight|qweight|scales|mins)", "in_values"),
+    (r"layers\.(\d+)\.mixer\.(?:attention\.)?(q_proj|gate_proj)\.(weight|bias|qweight|scales|mins|absmax)", "heads"),
+    (r"layers\.(\d+)\.mixer\.(?:attention\.)?(k_proj|v_proj)\.(weight|bias|qweight|scales|mins|absmax)", "kv_heads"),
+    (r"layers\.(\d+)\.mixer\.q_norm\.weight", "norm_heads"),
+    (r"layers\.(\d+)\.mixer\.k_norm\.weight", "norm_kv_heads"),
+    (r"layers\.(\d+)\.mixer\.(?:attention\.)?o_proj\.(weight|qweight|scales|mins)", "in_heads"),
     (r"layers\.(\d+)\.mlp\.(gate_proj|up_proj)\.(weight|bias|qweight|scales|mins|absmax)", "ffn"),
     (r"layers\.(\d+)\.mlp\.down_proj\.(weight|qweight|scales|mins)", "in_ffn"),
-    (r"layers\.(\d+)\.(attn\.(?:attention\.)?o_proj|mlp\.down_proj)\.bias", "rank0"),
+    (r"layers\.(\d+)\.(mixer\.(?:attention\.)?o_proj|mlp\.down_proj)\.bias", "rank0"),
 ]
 
 
@@ -402,14 +404,14 @@ def spread_norms(model, config: dense.DenseConfig, size: int) -> None:
     for i, layer in enumerate(model.layers):
         kind = config.layer_type(i)
         if kind in ("mamba", "hybrid"):
-            mamba = layer.attn if kind == "mamba" else layer.attn.mamba
+            mamba = layer.mixer if kind == "mamba" else layer.mixer.mamba
             mamba.norm = SpreadNorm(mamba.norm, H * P)
 
 
 def add_reduces(model) -> None:
     """Each branch's partial output is summed over ranks as it enters its post-norm (an Identity where the family has
     none), before the residual add: a forward pre-hook, as gpt-fast's tp.py adds its all-reduces. (GPT-NeoX's
-    parallel form adds both branches first, then enters attn_post_norm: one all-reduce.)"""
+    parallel form adds both branches first, then enters mixer_post_norm: one all-reduce.)"""
     for layer in model.layers:
-        for module in (layer.attn_post_norm, layer.mlp_post_norm):
+        for module in (layer.mixer_post_norm, layer.mlp_post_norm):
             module.register_forward_pre_hook(lambda _module, args: (all_reduce(args[0]),))

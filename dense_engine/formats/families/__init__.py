@@ -19,8 +19,9 @@ what a path holds.
 |                              |                | the original release: global_step*/layer_NN-model_0R-          |
 |                              |                | model_states.pt + configs/*.yml                                |
 | Qwen3.5 / 3.6                | qwen3_5        | qwen3_5, qwen3_5_text; GGUF qwen35                             |
+| Qwen3.5 MoE, Qwen3-Next      | qwen3_5        | qwen3_5_moe, qwen3_5_moe_text; qwen3_next                      |
 | OLMo hybrid                  | olmo_hybrid    | olmo_hybrid                                                    |
-| LFM2, LFM3                   | lfm2, lfm3     | lfm2 (GGUF lfm2), lfm3                                         |
+| LFM2, LFM2-MoE, LFM3         | lfm2, lfm3     | lfm2 (GGUF lfm2), lfm2_moe, lfm3                               |
 | Granite 4.0 H                | granite_hybrid | granitemoehybrid; GGUF granitehybrid                           |
 | Nemotron-H                   | nemotron_h     | nemotron_h; GGUF nemotron_h                                    |
 | Falcon-H1                    | falcon_h1      | falcon_h1; GGUF falcon-h1                                      |
@@ -65,6 +66,8 @@ HF_FAMILIES = {"openelm": openelm.read_hf, "gpt_neox": gpt_neox.read_hf, "qwen3_
                "apertus1p5": llama.image_text, "olmo_hybrid": olmo_hybrid.read_hf, "lfm3": lfm3.read_hf,
                "gemma4": gemma4.read_hf, "gemma4_text": gemma4.read_hf, "granitemoehybrid": granite_hybrid.read_hf,
                "nemotron_h": nemotron_h.read_hf, "falcon_h1": falcon_h1.read_hf,
+               "lfm2_moe": lfm2.read_hf,
+               "qwen3_5_moe": qwen3_5.read_hf, "qwen3_5_moe_text": qwen3_5.read_hf, "qwen3_next": qwen3_5.read_hf,
                **{kind: llama.hf_decoder for kind in llama.FAMILIES}}
 # GGUF files by general.architecture (gguf_import.read_gguf reads them by these)
 GGUF_FAMILIES = {**llama.GGUF, "qwen35": qwen3_5.GGUF, "lfm2": lfm2.GGUF, "granitehybrid": granite_hybrid.GGUF,

@@ -140,24 +140,26 @@ HARMLESS_KEYS = {
     "attn_implementation"}
 # Mixtures of experts and other designs this dense engine does not run.
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+EXPERTS_READ = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss",  # (experts.py)
+                "granitemoehybrid", "nemotron_h", "lfm2_moe")
+EXPERTS_READ += ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")  # (qwen3_5.py)
+EXPERTS_READ += ("gemma4", "gemma4_text")  # (gemma4.py: enable_moe_block)
+LATENT_ATTENTION = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_linear")
 
 
 def refuse_moe(raw: dict, source: str) -> None:
-    """Mixtures of experts are not dense models: one line, before anything is read. Granite 4.0 H's dense releases
-    keep the experts' keys with num_local_experts 0: no expert is used, the model is dense."""
-    if raw.get("model_type") == "granitemoehybrid" and not raw.get("num_local_experts"):
-        return
-    if raw.get("model_type") == "nemotron_h":  # (its config keeps experts' keys whatever its blocks are: read those)
-        blocks = raw.get("layers_block_type") or raw.get("layer_types") or list(raw.get("hybrid_override_pattern", ""))
-        if "moe" in blocks or "E" in blocks:
-            raise CheckpointError(f"{source}: model_type 'nemotron_h' with moe blocks is a mixture of experts; this "
-                                  "engine runs dense models only")
-        return
+    """Mixtures of experts are not dense models: one line, before anything is read (those of EXPERTS_READ are read;
+    Granite 4.0 H and Nemotron-H, among them, keep the experts' keys in their dense releases too)."""
     key = next((k for k in MOE_KEYS if raw.get(k)), None)
     kind = raw.get("model_type", "")
-    if key or "moe" in str(kind) or kind in ("mixtral", "dbrx", "deepseek_v2", "deepseek_v3", "jamba"):
-        raise CheckpointError(f"{source}: model_type {kind!r}{f' ({key})' if key else ''} is a mixture of experts; "
-                              "this engine runs dense models only")
+    if kind in EXPERTS_READ:
+        return
+    if kind in LATENT_ATTENTION or raw.get("kv_lora_rank"):
+        raise CheckpointError(f"{source}: model_type {kind!r} uses multi-head latent attention (DeepSeek V2 / V3, "
+                              "Kimi), which this engine does not run")
+    if key or "moe" in str(kind) or kind in ("dbrx", "jamba"):
+        raise CheckpointError(f"{source}: model_type {kind!r}{f' ({key})' if key else ''} is a mixture of experts "
+                              f"this engine does not read yet (it reads {', '.join(EXPERTS_READ)})")
 
 
 class ConfigReader:
@@ -178,11 +180,6 @@ class ConfigReader:
 
     def refuse(self, key: str, why: str):
         raise CheckpointError(f"{self.source}: {key} {self.raw.get(key)!r} is not supported ({why})")
-
-    def refuse_experts(self, *keys: str) -> None:
-        """A mixture of experts (any of keys set) is refused in one line, naming the first key."""
-        if any(self.get(key) for key in keys):
-            self.refuse(keys[0], "a mixture of experts; this engine runs dense models only")
 
     def check_unread(self) -> None:
         for key, value in self.raw.items():  # (a key set to null or false turns a feature off)
@@ -250,10 +247,10 @@ def refuse_act(cfg: ConfigReader) -> None:
 
 # Per-layer GGUF tensors (llama.cpp's names, after "blk.N." and before ".weight" / ".bias") -> native names (after
 # "layers.N."); q|k|v and Phi-3's gate|up are split where they are read
-LAYER_TENSORS = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "post_attention_norm": "attn_post_norm",
-                 "post_ffw_norm": "mlp_post_norm", "attn_q": "attn.q_proj", "attn_k": "attn.k_proj",
-                 "attn_v": "attn.v_proj", "attn_output": "attn.o_proj", "attn_q_norm": "attn.q_norm",
-                 "attn_k_norm": "attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+LAYER_TENSORS = {"attn_norm": "mixer_norm", "ffn_norm": "mlp_norm", "post_attention_norm": "mixer_post_norm",
+                 "post_ffw_norm": "mlp_post_norm", "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj",
+                 "attn_v": "mixer.v_proj", "attn_output": "mixer.o_proj", "attn_q_norm": "mixer.q_norm",
+                 "attn_k_norm": "mixer.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                  "ffn_down": "mlp.down_proj"}
 
 

@@ -72,10 +72,10 @@ def read_hf(folder: str, raw: dict, source: str):
     cfg.check_unread()
     layer = r"model\.layers\.(\d+)\."
     rules = [*model_rules(config.tie_word_embeddings, norm="final_layernorm"),
-             (layer + r"input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
+             (layer + r"input_layernorm\.weight", r"layers.\1.mixer_norm.weight"),
              (layer + r"pre_ff_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
-             (layer + r"self_attn\.([qkvo]_proj)\.weight", r"layers.\1.attn.attention.\2.weight"),
-             *mamba_rules(layer, "attn.mamba."),
+             (layer + r"self_attn\.([qkvo]_proj)\.weight", r"layers.\1.mixer.attention.\2.weight"),
+             *mamba_rules(layer, "mixer.mamba."),
              (layer + r"feed_forward\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.weight")]
     table = rename(hf_weights(folder), rules, source)
     widths = [inner, inner, m_groups * m_state, m_groups * m_state, m_heads]  # in_proj's rows: z, x, B, C, dt
@@ -85,7 +85,7 @@ def read_hf(folder: str, raw: dict, source: str):
               "attention.o_proj": m["attention_out_multiplier"], "mamba.out_proj": m["ssm_out_multiplier"],
               "mamba.in_proj": rows[:, None]}
     for i in range(layers):
-        for name, scale in [*((f"layers.{i}.attn.{n}.weight", v) for n, v in scales.items()),
+        for name, scale in [*((f"layers.{i}.mixer.{n}.weight", v) for n, v in scales.items()),
                             (f"layers.{i}.mlp.gate_proj.weight", gate_m), (f"layers.{i}.mlp.down_proj.weight", down_m)]:
             if name in table:
                 table[name] = lambda read=table[name], scale=scale: read().float() * scale
@@ -98,11 +98,11 @@ def read_hf(folder: str, raw: dict, source: str):
 # per-layer GGUF tensors (after "blk.N.") -> native names (after "layers.N."): both mixers in every layer
 # (dense.Hybrid), its MLP's norm named without ".weight"
 GGUF_TENSORS = {
-    "attn_norm.weight": "attn_norm.weight", "ffn_norm": "mlp_norm.weight",
-    **{k: v.replace("attn.", "attn.attention.") for k, v in ATTENTION_TENSORS.items() if k.startswith("attn_")
+    "attn_norm.weight": "mixer_norm.weight", "ffn_norm": "mlp_norm.weight",
+    **{k: v.replace("mixer.", "mixer.attention.") for k, v in ATTENTION_TENSORS.items() if k.startswith("attn_")
        and k != "attn_norm.weight"},
     **{k: v for k, v in ATTENTION_TENSORS.items() if k.startswith("ffn_")},
-    **{k: v.replace("attn.", "attn.mamba.") for k, v in MAMBA2_TENSORS.items() if k.startswith("ssm_")}}
+    **{k: v.replace("mixer.", "mixer.mamba.") for k, v in MAMBA2_TENSORS.items() if k.startswith("ssm_")}}
 
 
 def gguf_kinds(meta: Metadata, kv: list[int], layers: int) -> tuple[list[str], dict]:

@@ -1,8 +1,9 @@
 """gemma4.py: Gemma 4, Gemma 3's layer (post-norms, q/k norms, windows on five layers of six, a local rope base) with:
 full layers of their own head size, rotated whole by proportional rope; values normed without gain, or the keys'
 projection; the last layers reading the keys and values of the last earlier layer of their kind; per-layer
-embeddings; a learned scalar per layer; plain gains in float32; attention scaled by 1. Experts are refused. A Hugging
-Face folder (gemma4_text, or gemma4: the Hub's wrapper) or a GGUF file (gemma4).
+embeddings; a learned scalar per layer; plain gains in float32; attention scaled by 1; experts beside the MLP
+(26B-A4B: enable_moe_block, a Hugging Face folder's only; a GGUF's are refused). A Hugging Face folder (gemma4_text,
+or gemma4: the Hub's wrapper) or a GGUF file (gemma4).
 
 What llama.cpp's files hold (gemma4): the sliding and full layers' own head sizes (key_length_swa, key_length) and
 key/value heads (head_count_kv per layer), the full layers' partial rotation as `rope_freqs` factors (1 on the rotated
@@ -27,11 +28,19 @@ def read_hf(folder: str, raw: dict, source: str):
     """gemma4_text, or gemma4 (the Hub's wrapper: text_config, the text model under model.language_model, the vision
     and audio towers skipped with a note): full layers of their own head size (global_head_dim, and
     per_layer_config's key/value heads); values normed without gain, or the keys' projection (attention_k_eq_v); the
-    last num_kv_shared_layers layers reading earlier keys and values (and twice as wide an MLP: use_double_wide_mlp)."""
+    last num_kv_shared_layers layers reading earlier keys and values (and twice as wide an MLP: use_double_wide_mlp);
+    enable_moe_block: experts beside every layer's MLP (layer_kinds.ExpertsConfig's beside_mlp and router_norm), as
+    transformers saves them: stacked (experts.gate_up_proj [E, 2I, C] gate rows then up rows, as Experts holds them)."""
     wrapped = raw["model_type"] == "gemma4"
     text = dict((raw.get("text_config") or {}) if wrapped else raw)
     cfg = ConfigReader(text, source)
-    cfg.refuse_experts("enable_moe_block", "num_experts")
+    experts = None
+    if cfg.get("enable_moe_block", False):
+        count, chosen = int(cfg.need("num_experts")), int(cfg.need("top_k_experts"))
+        if not 0 < chosen <= count:
+            cfg.refuse("top_k_experts", f"at most the {count} experts")
+        experts = layer_kinds.ExpertsConfig(count=count, chosen=chosen, width=int(cfg.need("moe_intermediate_size")),
+                                            activation="geglu", router_norm=True, beside_mlp=True)
     hidden, heads, layers = int(cfg.need("hidden_size")), int(cfg.need("num_attention_heads")), \
         int(cfg.need("num_hidden_layers"))
     types = cfg.need("layer_types")
@@ -61,7 +70,7 @@ def read_hf(folder: str, raw: dict, source: str):
     per_layer_vocab = int(cfg.get("vocab_size_per_layer_input", cfg.need("vocab_size")))
     if P and per_layer_vocab != int(cfg.need("vocab_size")):
         cfg.refuse("vocab_size_per_layer_input", "a per-layer table of the vocabulary's size")
-    for key in ("top_k_experts", "moe_intermediate_size", "final_logit_softcapping"):
+    for key in ("num_experts", "top_k_experts", "moe_intermediate_size", "final_logit_softcapping"):
         cfg.get(key)
     config = make_config(
         source, vocab_size=int(cfg.need("vocab_size")), hidden_size=hidden, num_hidden_layers=layers,
@@ -78,7 +87,7 @@ def read_hf(folder: str, raw: dict, source: str):
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), norm_gain_in_float32=True, mlp="geglu", post_norms=True,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))),
         embed_scale=hidden ** 0.5, final_softcap=cfg.get("final_logit_softcapping"), per_layer_input=P,
-        layer_scalars=True)
+        layer_scalars=True, extras={"experts": experts} if experts else {})
     cfg.check_unread()
     weights = hf_weights(folder)
     towers = sorted({name.split(".")[1] for name in weights if name.startswith("model.") and name.split(".")[1] in (
@@ -94,16 +103,24 @@ def read_hf(folder: str, raw: dict, source: str):
              (top + r"embed_tokens_per_layer\.weight", "embed_per_layer.weight"),
              (top + r"per_layer_model_projection\.weight", "per_layer_projection.weight"),
              (top + r"per_layer_projection_norm\.weight", "per_layer_norm.weight"),
-             (layer + r"input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
-             (layer + r"post_attention_layernorm\.weight", r"layers.\1.attn_post_norm.weight"),
+             (layer + r"input_layernorm\.weight", r"layers.\1.mixer_norm.weight"),
+             (layer + r"post_attention_layernorm\.weight", r"layers.\1.mixer_post_norm.weight"),
              (layer + r"pre_feedforward_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
              (layer + r"post_feedforward_layernorm\.weight", r"layers.\1.mlp_post_norm.weight"),
-             (layer + r"self_attn\.([qkvo]_proj|[qk]_norm)\.weight", r"layers.\1.attn.\2.weight"),
+             (layer + r"self_attn\.([qkvo]_proj|[qk]_norm)\.weight", r"layers.\1.mixer.\2.weight"),
              (layer + r"mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.weight"),
              (layer + r"per_layer_input_gate\.weight", r"layers.\1.per_layer_gate.weight"),
              (layer + r"per_layer_projection\.weight", r"layers.\1.per_layer_proj.weight"),
              (layer + r"post_per_layer_input_norm\.weight", r"layers.\1.per_layer_norm.weight"),
-             (layer + r"layer_scalar", r"layers.\1.layer_scalar")]
+             (layer + r"layer_scalar", r"layers.\1.layer_scalar"),
+             # the experts (enable_moe_block), stacked as transformers saves them
+             (layer + r"router\.proj\.weight", r"layers.\1.experts.router.weight"),
+             (layer + r"router\.scale", r"layers.\1.experts.router_scale"),
+             (layer + r"router\.per_expert_scale", r"layers.\1.experts.expert_scale"),
+             (layer + r"experts\.(gate_up|down)_proj", r"layers.\1.experts.experts_\2"),
+             (layer + r"pre_feedforward_layernorm_2\.weight", r"layers.\1.experts_norm.weight"),
+             (layer + r"post_feedforward_layernorm_2\.weight", r"layers.\1.experts_post_norm.weight"),
+             (layer + r"post_feedforward_layernorm_1\.weight", r"layers.\1.mlp_branch_post_norm.weight")]
     return config, rename(weights, rules, source)
 
 

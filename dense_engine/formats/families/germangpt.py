@@ -24,8 +24,8 @@ def read_weights(raw: dict, weights: dict, source: str):
         tie_word_embeddings=tied)
     table = rename(eager(weights), [
         (r"token_embedding\.weight", "embed_tokens.weight"), (r"norm\.weight", "norm.weight"), head_rule(tied),
-        (r"blocks\.(\d+)\.(attn_norm)\.weight", r"layers.\1.\2.weight"),
+        (r"blocks\.(\d+)\.attn_norm\.weight", r"layers.\1.mixer_norm.weight"),
         (r"blocks\.(\d+)\.ffn_norm\.weight", r"layers.\1.mlp_norm.weight"),
-        (r"blocks\.(\d+)\.attn\.([qkvo]_proj)\.weight", r"layers.\1.attn.\2.weight"),
+        (r"blocks\.(\d+)\.attn\.([qkvo]_proj)\.weight", r"layers.\1.mixer.\2.weight"),
         (r"blocks\.(\d+)\.ffn\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.weight")], source)
     return config, table

@@ -35,7 +35,7 @@ def split_neox_qkv(table: dict, config: DenseConfig) -> None:
     """query_key_value rows are [head, (q, k, v), head_dim]: split them per head."""
     H, D = config.num_attention_heads, config.head_dim
     for i in range(config.num_hidden_layers):
-        a = f"layers.{i}.attn."
+        a = f"layers.{i}.mixer."
         for kind in ("weight", "bias"):
             split_rows(table, a + f"qkv.{kind}", {a + f"{p}_proj.{kind}": j for j, p in enumerate("qkv")},
                        view=(H, 3, D))
@@ -44,10 +44,10 @@ def split_neox_qkv(table: dict, config: DenseConfig) -> None:
 NEOX_RULES = [
     (r"(?:gpt_neox\.)?embed_in\.weight", "embed_tokens.weight"),
     (r"(?:gpt_neox\.)?final_layer_norm\.(weight|bias)", r"norm.\1"),
-    (r"(?:gpt_neox\.)?layers\.(\d+)\.input_layernorm\.(weight|bias)", r"layers.\1.attn_norm.\2"),
+    (r"(?:gpt_neox\.)?layers\.(\d+)\.input_layernorm\.(weight|bias)", r"layers.\1.mixer_norm.\2"),
     (r"(?:gpt_neox\.)?layers\.(\d+)\.post_attention_layernorm\.(weight|bias)", r"layers.\1.mlp_norm.\2"),
-    (r"(?:gpt_neox\.)?layers\.(\d+)\.attention\.query_key_value\.(weight|bias)", r"layers.\1.attn.qkv.\2"),
-    (r"(?:gpt_neox\.)?layers\.(\d+)\.attention\.dense\.(weight|bias)", r"layers.\1.attn.o_proj.\2"),
+    (r"(?:gpt_neox\.)?layers\.(\d+)\.attention\.query_key_value\.(weight|bias)", r"layers.\1.mixer.qkv.\2"),
+    (r"(?:gpt_neox\.)?layers\.(\d+)\.attention\.dense\.(weight|bias)", r"layers.\1.mixer.o_proj.\2"),
     (r"(?:gpt_neox\.)?layers\.(\d+)\.mlp\.dense_h_to_4h\.(weight|bias)", r"layers.\1.mlp.up_proj.\2"),
     (r"(?:gpt_neox\.)?layers\.(\d+)\.mlp\.dense_4h_to_h\.(weight|bias)", r"layers.\1.mlp.down_proj.\2")]
 
@@ -148,9 +148,10 @@ def neox_original(folder: str, rank: int | None = None):
                          int(raw.get("max_position_embeddings") or raw.get("seq_length") or 2048),
                          float(raw["layernorm_epsilon"]), bool(raw["gpt_j_residual"]), tied)
     table = {"embed_tokens.weight": merged(0, "word_embeddings.weight", "dim0")}
-    parts = {"attn_norm": ("input_layernorm", "same", "same"), "mlp_norm": ("post_attention_layernorm", "same", "same"),
-             "attn.qkv": ("attention.query_key_value", "dim0", "dim0"),
-             "attn.o_proj": ("attention.dense", "dim1", "sum"),
+    parts = {"mixer_norm": ("input_layernorm", "same", "same"),
+             "mlp_norm": ("post_attention_layernorm", "same", "same"),
+             "mixer.qkv": ("attention.query_key_value", "dim0", "dim0"),
+             "mixer.o_proj": ("attention.dense", "dim1", "sum"),
              "mlp.up_proj": ("mlp.dense_h_to_4h", "dim0", "dim0"),
              "mlp.down_proj": ("mlp.dense_4h_to_h", "dim1", "sum")}
     for i in range(layers):

@@ -1,10 +1,11 @@
-"""granite_hybrid.py: Granite 4.0 H (granitemoehybrid without experts: num_local_experts 0): Mamba2 layers with a few
-attention layers between them, Granite's multipliers (embedding, residual, attention scale, logits divisor), no
-position embedding unless the config or file says rope, the MLP's gate|up rows fused in input_linear. A Hugging Face
-folder (granitemoehybrid) or a GGUF file (granitehybrid: Mamba2 layers where attention.head_count_kv is 0,
-ssm.time_step_rank heads, ssm.group_count groups of ssm.state_size; ssm_a = -exp(A_log), ssm_d and ssm_norm reshaped,
-the conv kernels squeezed; attention layers with llama's permuted q/k rows and no rope unless rope.scaling.finetuned,
-which llama.cpp takes as true when absent; Granite's four scales).
+"""granite_hybrid.py: Granite 4.0 H (granitemoehybrid): Mamba2 layers with a few attention layers between them,
+Granite's multipliers (embedding, residual, attention scale, logits divisor), no position embedding unless the config
+or file says rope, the MLP's gate|up rows fused in input_linear; with experts (num_local_experts > 0: Tiny, Small)
+that MLP is the shared expert added to theirs (experts.py), their gate|up rows stacked [E, 2I, C] in
+block_sparse_moe.input_linear. A Hugging Face folder (granitemoehybrid) or a GGUF file (granitehybrid, dense: Mamba2
+layers where attention.head_count_kv is 0, ssm.time_step_rank heads, ssm.group_count groups of ssm.state_size;
+ssm_a = -exp(A_log), ssm_d and ssm_norm reshaped, the conv kernels squeezed; attention layers with llama's permuted q/k
+rows and no rope unless rope.scaling.finetuned, which llama.cpp takes as true when absent; Granite's four scales).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dense_engine.formats.families.common import (
     rename,
     split_gate_up,
 )
+from dense_engine.formats.families.experts import hf_experts
 from dense_engine.formats.families.hybrid import (
     MAMBA2_TENSORS,
     gguf_state_config,
@@ -35,11 +37,12 @@ from dense_engine.formats.gguf_import import Architecture, Metadata
 def read_hf(folder: str, raw: dict, source: str):
     """Granite 4.0 H's folder."""
     cfg = ConfigReader(raw, source)
-    cfg.refuse_experts("num_local_experts")
     for key in ("num_experts_per_tok", "router_aux_loss_coef", "intermediate_size", "mamba_chunk_size"):
-        cfg.get(key)  # (the experts' settings, with no experts; the chunk a prompt is scanned in: the same sums)
+        cfg.get(key)  # (the experts' settings where there are none, else read below; the chunk a prompt is
+        #              scanned in: the same sums)
     hidden, heads = int(cfg.need("hidden_size")), int(cfg.need("num_attention_heads"))
     layers = int(cfg.need("num_hidden_layers"))
+    experts = hf_experts(cfg, "granitemoehybrid", layers) if cfg.get("num_local_experts") else None
     kinds = {"mamba": "mamba", "linear_attention": "mamba", "attention": "full_attention",
              "full_attention": "full_attention"}
     given = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * layers
@@ -72,19 +75,25 @@ def read_hf(folder: str, raw: dict, source: str):
         embed_scale=float(cfg.get("embedding_multiplier", 1.0)),
         residual_scale=float(cfg.get("residual_multiplier", 1.0)),
         attn_scale=float(cfg.get("attention_multiplier", 1.0)), logits_divisor=float(cfg.get("logits_scaling", 1.0)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), extras={"experts": experts} if experts else {})
     cfg.check_unread()
     layer = r"model\.layers\.(\d+)\."
+    shared = "mlp.shared." if experts else "mlp."  # (with experts, the MLP is their shared expert)
     rules = [*model_rules(config.tie_word_embeddings),
-             (layer + r"input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
+             (layer + r"input_layernorm\.weight", r"layers.\1.mixer_norm.weight"),
              (layer + r"post_attention_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
-             (layer + r"self_attn\.([qkvo]_proj)\.(weight|bias)", r"layers.\1.attn.\2.\3"),
-             *mamba_rules(layer, "attn."),
-             (layer + r"shared_mlp\.input_linear\.weight", r"layers.\1.mlp.gate_up.weight"),
-             (layer + r"shared_mlp\.output_linear\.weight", r"layers.\1.mlp.down_proj.weight")]
+             (layer + r"self_attn\.([qkvo]_proj)\.(weight|bias)", r"layers.\1.mixer.\2.\3"),
+             *mamba_rules(layer, "mixer."),
+             (layer + r"shared_mlp\.input_linear\.weight", rf"layers.\1.{shared}gate_up.weight"),
+             (layer + r"shared_mlp\.output_linear\.weight", rf"layers.\1.{shared}down_proj.weight"),
+             # the experts, stacked as Experts holds them: the Hub's names, and transformers 5's own
+             (layer + r"block_sparse_moe\.(?:input_linear\.weight|experts\.gate_up_proj)",
+              r"layers.\1.mlp.experts_gate_up"),
+             (layer + r"block_sparse_moe\.(?:output_linear\.weight|experts\.down_proj)", r"layers.\1.mlp.experts_down"),
+             (layer + r"block_sparse_moe\.router\.(?:layer\.)?weight", r"layers.\1.mlp.router.weight")]
     table = rename(hf_weights(folder), rules, source)
     for i in range(layers):  # rows: gate | up
-        split_gate_up(table, f"layers.{i}.mlp.", config.intermediate_size)
+        split_gate_up(table, f"layers.{i}.{shared}", config.intermediate_size)
     return config, table
 
 

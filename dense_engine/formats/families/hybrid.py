@@ -52,17 +52,17 @@ def mamba_rules(layer: str, into: str) -> list:
 # GGUF files
 
 # A hybrid's attention layers and MLPs: per-layer GGUF tensors (after "blk.N.") -> native names (after "layers.N.")
-ATTENTION_TENSORS = {"attn_norm.weight": "attn_norm.weight", "attn_q.weight": "attn.q_proj.weight",
-                     "attn_k.weight": "attn.k_proj.weight", "attn_v.weight": "attn.v_proj.weight",
-                     "attn_output.weight": "attn.o_proj.weight", "attn_q_norm.weight": "attn.q_norm.weight",
-                     "attn_k_norm.weight": "attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+ATTENTION_TENSORS = {"attn_norm.weight": "mixer_norm.weight", "attn_q.weight": "mixer.q_proj.weight",
+                     "attn_k.weight": "mixer.k_proj.weight", "attn_v.weight": "mixer.v_proj.weight",
+                     "attn_output.weight": "mixer.o_proj.weight", "attn_q_norm.weight": "mixer.q_norm.weight",
+                     "attn_k_norm.weight": "mixer.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
                      "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
 # Mamba2 layers beside those (granitehybrid's; nemotron_h's blocks grouped into layers first; falcon-h1's side by
 # side with attention)
-MAMBA2_TENSORS = {**ATTENTION_TENSORS, "ffn_norm.weight": "mlp_norm.weight", "ssm_in.weight": "attn.in_proj.weight",
-                  "ssm_conv1d.weight": "attn.conv_weight", "ssm_conv1d.bias": "attn.conv_bias",
-                  "ssm_dt.bias": "attn.dt_bias", "ssm_a": "attn.A_log", "ssm_d": "attn.D",
-                  "ssm_norm.weight": "attn.norm.weight", "ssm_out.weight": "attn.out_proj.weight"}
+MAMBA2_TENSORS = {**ATTENTION_TENSORS, "ffn_norm.weight": "mlp_norm.weight", "ssm_in.weight": "mixer.in_proj.weight",
+                  "ssm_conv1d.weight": "mixer.conv_weight", "ssm_conv1d.bias": "mixer.conv_bias",
+                  "ssm_dt.bias": "mixer.dt_bias", "ssm_a": "mixer.A_log", "ssm_d": "mixer.D",
+                  "ssm_norm.weight": "mixer.norm.weight", "ssm_out.weight": "mixer.out_proj.weight"}
 
 
 def gguf_state_config(meta: Metadata, kinds) -> DenseConfig:
@@ -139,10 +139,10 @@ def mamba2_layer(names: dict, config: DenseConfig, rest: str) -> list[tuple] | N
     """state_layer for a Mamba2 hybrid: D ([heads, 1]) and the norm ([groups, channels]) flattened, the attention
     layers' q/k rows turned back from llama's order."""
     native = names.get(rest)
-    if native in ("attn.D", "attn.norm.weight", "attn.mamba.D", "attn.mamba.norm.weight"):
+    if native in ("mixer.D", "mixer.norm.weight", "mixer.mamba.D", "mixer.mamba.norm.weight"):
         return [(native, None, lambda w, where: w.reshape(-1))]
-    if native in ("attn.q_proj.weight", "attn.k_proj.weight"):  # llama's turned rows
+    if native in ("mixer.q_proj.weight", "mixer.k_proj.weight"):  # llama's turned rows
         attention = config.layer_types.index("full_attention")
-        heads = config.heads(attention) if native == "attn.q_proj.weight" else config.kv_heads(attention)
+        heads = config.heads(attention) if native == "mixer.q_proj.weight" else config.kv_heads(attention)
         return [(native, unpermute(torch.arange(heads * config.head_dim), heads), None)]
     return state_layer(names, rest)

@@ -42,8 +42,8 @@ def read_hf(folder: str, raw: dict, source: str):
         cfg.refuse("attention_bias", "LFM3 has no biases")
     cfg.check_unread()
     return config, rename(hf_weights(folder), liquid_rules(config) + [
-        (LIQUID_LAYER + r"post_operator_norm\.weight", r"layers.\1.attn_post_norm.weight"),
+        (LIQUID_LAYER + r"post_operator_norm\.weight", r"layers.\1.mixer_post_norm.weight"),
         (LIQUID_LAYER + r"post_ffn_norm\.weight", r"layers.\1.mlp_post_norm.weight"),
-        (LIQUID_LAYER + r"self_attn\.([qkvo]_proj|[qk]_norm|gate_proj)\.weight", r"layers.\1.attn.\2.weight"),
-        (LIQUID_LAYER + r"self_attn\.g_proj\.weight", r"layers.\1.attn.gate_proj.weight")], source)
+        (LIQUID_LAYER + r"self_attn\.([qkvo]_proj|[qk]_norm|gate_proj)\.weight", r"layers.\1.mixer.\2.weight"),
+        (LIQUID_LAYER + r"self_attn\.g_proj\.weight", r"layers.\1.mixer.gate_proj.weight")], source)
 

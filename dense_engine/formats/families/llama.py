@@ -37,6 +37,7 @@ from dense_engine.formats.families.common import (
     split_gate_up,
     split_qkv,
 )
+from dense_engine.formats.families.experts import expert_rules, hf_experts, stack_experts
 from dense_engine.formats.gguf_import import Architecture, Metadata, field, unpermute
 from dense_engine.system import machine
 from dense_engine.system.errors import CheckpointError
@@ -109,6 +110,7 @@ class Family:
     gguf_window_depth: int | None = None  # windows only in a model of this many layers (EXAONE 4: its 32B's 64)
     width_scaled_depth: int | None = None  # queries scaled by (hidden / heads)^-0.5 in a model of this many layers
     #                                        (Gemma 2 / 3 27B: 46, 62)
+    experts: bool = False  # a mixture of experts in place of the MLP (experts.py reads it)
 
 
 FAMILIES = {
@@ -151,6 +153,14 @@ FAMILIES = {
     "apertus": Family(gguf="apertus", eps=1e-5, theta=12e6, qk_norm="shared", mlp="xielu"),
     "apertus1p5_text": Family(eps=1e-5, theta=12e6, qk_norm="shared", mlp="xielu"),  # (its head may be pruned)
     "hunyuan_v1_dense": Family(gguf="hunyuan-dense", eps=1e-5, qk_norm="shared", norm_after_rope=True),
+    # mixtures of experts (experts.py)
+    "mixtral": Family(eps=1e-5, theta=1e6, windows="given", experts=True),
+    "qwen2_moe": Family(qkv_bias=True, qkv_bias_key="qkv_bias", windows="flag", experts=True),
+    "qwen3_moe": Family(head_dim=128, qk_norm="shared", windows="flag", experts=True),
+    "olmoe": Family(eps=1e-5, qk_norm="whole", experts=True),
+    "glm4_moe": Family(eps=1e-5, head_dim=128, rotary_fraction=0.5, qk_norm="shared", qk_norm_key="use_qk_norm",
+                       attention_bias_is_qkv=True, experts=True),
+    "gpt_oss": Family(eps=1e-5, theta=150000, windows="given", attn_sinks=True, experts=True),
     "exaone4": Family(gguf="exaone4", eps=1e-5, pre_norms=False, post_norms=True, qk_norm="shared", windows="pattern",
                       window_pattern=4, window=4096, nope_full=True, gguf_window=4096, gguf_window_depth=64),
 }
@@ -251,7 +261,8 @@ def hf_decoder(folder: str, raw: dict, source: str, prefix: str = "model."):
     qkv_bias = family.qkv_bias
     if family.attention_bias_is_qkv:  # attention_bias is q/k/v's; the output's is attention_out_bias
         qkv_bias, attn_bias = attn_bias, bool(cfg.get("attention_out_bias", False))
-    if attn_bias != mlp_bias:
+    experts = hf_experts(cfg, kind, layers) if family.experts else None
+    if attn_bias != mlp_bias and (experts is None or experts.dense_layers or mlp_bias):  # (experts: their own)
         cfg.refuse("attention_bias" if attn_bias else "mlp_bias", "biases on attention or MLP alone")
     if cfg.get("use_bidirectional_attention"):
         cfg.refuse("use_bidirectional_attention", "a decoder attends causally")
@@ -268,7 +279,7 @@ def hf_decoder(folder: str, raw: dict, source: str, prefix: str = "model."):
             float(scalar) ** -0.5 if scalar else None),
         attn_softcap=cfg.get("attn_logit_softcapping") if family.softcaps else None,
         sliding_window=window, layer_types=types,
-        qkv_bias=qkv_bias or (family.qkv_bias_key is not None and bool(cfg.get(family.qkv_bias_key))),
+        qkv_bias=bool(cfg.get(family.qkv_bias_key, qkv_bias)) if family.qkv_bias_key else qkv_bias,
         norm="layernorm" if family.layer_norms else "rmsnorm",
         norm_eps=float(cfg.get("layer_norm_eps" if family.layer_norms else "rms_norm_eps", family.eps)),
         norm_gain_in_float32=family.norm_gain_in_float32, norm_unit_offset=family.unit_offset_norms,
@@ -282,11 +293,13 @@ def hf_decoder(folder: str, raw: dict, source: str, prefix: str = "model."):
         logits_divisor=(1 / float(cfg.get("logit_scale", 0.0625)) if family.logit_scale
                         else multipliers.get("logits_scaling", 1.0)),
         final_softcap=cfg.get("final_logit_softcapping") if family.softcaps else None,
-        output_vocab_size=cfg.get("output_vocab_size"), attn_sinks=family.attn_sinks)
+        output_vocab_size=cfg.get("output_vocab_size"), attn_sinks=family.attn_sinks,
+        extras={"experts": experts} if experts else {})
     for key in ("max_window_layers", "use_sliding_window"):
         cfg.get(key)  # read above where they apply; without a window they change nothing
+    mtp_layers = int(cfg.get("num_nextn_predict_layers", 0))  # (GLM-4.5's draft layers: not read)
     cfg.check_unread()
-    return config, hf_decoder_tensors(folder, family, config, source, prefix)
+    return config, hf_decoder_tensors(folder, family, config, source, prefix, mtp_layers)
 
 
 def layer_thetas(cfg: ConfigReader, layers: int, types: list[str] | None, theta: float):
@@ -305,11 +318,12 @@ def layer_thetas(cfg: ConfigReader, layers: int, types: list[str] | None, theta:
     return [i for i, t in enumerate(thetas) if not t] or None, base, local if local != base else None
 
 
-def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source: str, prefix: str = "model.") -> dict:
+def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source: str, prefix: str = "model.",
+                       mtp_layers: int = 0) -> dict:
     """{native name: thunk} of a Llama-layout folder. Where the families' names differ: Gemma 2/3's
     post_attention_layernorm is the attention's post-norm (Llama's is the MLP's pre-norm), OLMo 2 has post-norms
     only, Phi-3 fuses q|k|v and gate|up, StableLM keeps one layer norm per head for q and k."""
-    after_attention = "attn_post_norm" if family.post_norms and not family.post_attention_is_mlp_norm else "mlp_norm"
+    after_attention = "mixer_post_norm" if family.post_norms and not family.post_attention_is_mlp_norm else "mlp_norm"
     weights = hf_weights(folder)
     headless = prefix == "model." and not any(name.startswith("model.") for name in weights)
     if headless:  # the decoder alone, its tensors at the top (an embedding model's: Qwen3-Embedding)
@@ -319,23 +333,28 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
     rules = [
         (top + r"embed_tokens\.weight", "embed_tokens.weight"), (top + r"norm\.(weight|bias)", r"norm.\1"),
         head_rule(config.tie_word_embeddings),
-        (layer + r"(?:input|attention)_layernorm\.(weight|bias)", r"layers.\1.attn_norm.\2"),
+        (layer + r"(?:input|attention)_layernorm\.(weight|bias)", r"layers.\1.mixer_norm.\2"),
         (layer + r"feedforward_layernorm\.weight", r"layers.\1.mlp_norm.weight"),  # (Apertus)
         (layer + r"mlp\.act_fn\.(alpha_p|alpha_n|beta|eps)", r"layers.\1.mlp.act.\2"),
         (layer + r"post_attention_layernorm\.(weight|bias)", rf"layers.\1.{after_attention}.\2"),
         (layer + r"pre_feedforward_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
         (layer + r"post_feedforward_layernorm\.weight", r"layers.\1.mlp_post_norm.weight"),
-        (layer + r"post_self_attn_layernorm\.weight", r"layers.\1.attn_post_norm.weight"),  # (GLM-4)
+        (layer + r"post_self_attn_layernorm\.weight", r"layers.\1.mixer_post_norm.weight"),  # (GLM-4)
         (layer + r"post_mlp_layernorm\.weight", r"layers.\1.mlp_post_norm.weight"),
-        (layer + r"self_attn\.([qkvo]_proj)\.(weight|bias)", r"layers.\1.attn.\2.\3"),
-        (layer + r"self_attn\.([qk])_norm\.weight", r"layers.\1.attn.\2_norm.weight"),
-        (layer + r"self_attn\.query_layernorm\.weight", r"layers.\1.attn.q_norm.weight"),  # (Hunyuan's names)
-        (layer + r"self_attn\.key_layernorm\.weight", r"layers.\1.attn.k_norm.weight"),
-        (layer + r"self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight", r"layers.\1.attn.\2_norm.head\3"),
-        (layer + r"self_attn\.qkv_proj\.weight", r"layers.\1.attn.qkv.weight"),
-        (layer + r"self_attn\.sinks", r"layers.\1.attn.sinks"),  # (Granite SWA)
+        (layer + r"self_attn\.([qkvo]_proj)\.(weight|bias)", r"layers.\1.mixer.\2.\3"),
+        (layer + r"self_attn\.([qk])_norm\.weight", r"layers.\1.mixer.\2_norm.weight"),
+        (layer + r"self_attn\.query_layernorm\.weight", r"layers.\1.mixer.q_norm.weight"),  # (Hunyuan's names)
+        (layer + r"self_attn\.key_layernorm\.weight", r"layers.\1.mixer.k_norm.weight"),
+        (layer + r"self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight", r"layers.\1.mixer.\2_norm.head\3"),
+        (layer + r"self_attn\.qkv_proj\.weight", r"layers.\1.mixer.qkv.weight"),
+        (layer + r"self_attn\.sinks", r"layers.\1.mixer.sinks"),  # (Granite SWA)
         (layer + r"mlp\.gate_up_proj\.weight", r"layers.\1.mlp.gate_up.weight"),
         (layer + r"mlp\.(gate|up|down)_proj\.(weight|bias)", r"layers.\1.mlp.\2_proj.\3")]
+    if family.experts:
+        rules = expert_rules(layer) + rules
+    if mtp_layers:  # the layers past the decoder's: a draft's (multi-token prediction), not read
+        past = "|".join(str(config.num_hidden_layers + j) for j in range(mtp_layers))
+        rules = [(top + rf"layers\.(?:{past})\..*", None)] + rules
     if prefix != "model.":  # a wrapper's image model: not read (its reader says so); its head beside the text model
         rules += [(r"(?:model\.)?(vision_tower|multi_modal_projector|vision_tokenizer|audio_tokenizer)\..*", None),
                   head_rule(config.tie_word_embeddings, r"language_model\.lm_head\.weight")]
@@ -344,7 +363,7 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
         table["lm_head.weight"] = table["embed_tokens.weight"]  # (no head to read: an embedding model uses none)
     H, K, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     for i in range(config.num_hidden_layers):
-        a, m = f"layers.{i}.attn.", f"layers.{i}.mlp."
+        a, m = f"layers.{i}.mixer.", f"layers.{i}.mlp."
         if a + "qkv.weight" in table:  # Phi-3: rows are q | k | v
             split_qkv(table, a, H, K, D)
         if m + "gate_up.weight" in table:  # Phi-3: rows are gate | up
@@ -356,7 +375,13 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
                     raise CheckpointError(f"{source}: layer {i} lacks some of its per-head {part} norms")
                 table[f"{a}{part}_norm.weight"] = lambda heads=heads: torch.cat([read() for read in heads])
     shared_norms(table, family, config)
+    if family.experts:
+        stack_experts(table, config, kind_of(family), source)
     return table
+
+
+def kind_of(family: Family) -> str:
+    return next(kind for kind, row in FAMILIES.items() if row is family)
 
 
 def shared_norms(table: dict, family: Family, config: DenseConfig) -> None:
@@ -366,10 +391,10 @@ def shared_norms(table: dict, family: Family, config: DenseConfig) -> None:
         table["norm.bias"] = lambda C=config.hidden_size: torch.zeros(C)
     for i in range(config.num_hidden_layers):
         if family.norms_without_bias:
-            table[f"layers.{i}.attn_norm.bias"] = table["norm.bias"]
-        if config.parallel_residual and f"layers.{i}.attn_norm.weight" in table:
+            table[f"layers.{i}.mixer_norm.bias"] = table["norm.bias"]
+        if config.parallel_residual and f"layers.{i}.mixer_norm.weight" in table:
             for p in ("weight", "bias"):
-                table[f"layers.{i}.mlp_norm.{p}"] = table[f"layers.{i}.attn_norm.{p}"]
+                table[f"layers.{i}.mlp_norm.{p}"] = table[f"layers.{i}.mixer_norm.{p}"]
 
 
 def image_text(folder: str, raw: dict, source: str):
@@ -476,14 +501,14 @@ def gguf_layer(family: Family, config: DenseConfig, rest: str) -> list[tuple] | 
     H, K, D, W = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size
     kind, _, suffix = rest.partition(".")
     if kind == "attn_qkv" and suffix in ("weight", "bias"):  # q | k | v (GPT-NeoX: biases too)
-        return [(f"attn.q_proj.{suffix}", torch.arange(0, H * D), None),
-                (f"attn.k_proj.{suffix}", torch.arange(H * D, (H + K) * D), None),
-                (f"attn.v_proj.{suffix}", torch.arange((H + K) * D, (H + 2 * K) * D), None)]
+        return [(f"mixer.q_proj.{suffix}", torch.arange(0, H * D), None),
+                (f"mixer.k_proj.{suffix}", torch.arange(H * D, (H + K) * D), None),
+                (f"mixer.v_proj.{suffix}", torch.arange((H + K) * D, (H + 2 * K) * D), None)]
     if family.fused_gate_up and rest == "ffn_up.weight":  # gate | up
         return [("mlp.gate_proj.weight", torch.arange(0, W), None),
                 ("mlp.up_proj.weight", torch.arange(W, 2 * W), None)]
     if rest == "attn_sinks.weight":  # (Granite SWA: a logit per head)
-        return [("attn.sinks", None, None)]
+        return [("mixer.sinks", None, None)]
     if kind == family.gguf_mlp_norm:  # (Seed-OSS: its norm before the MLP, as llama.cpp names it)
         return [(f"mlp_norm.{suffix}", None, None)]
     if kind not in LAYER_TENSORS or suffix not in ("weight", "bias") or (

@@ -37,28 +37,28 @@ def read_hf(folder: str, raw: dict, source: str):
     cfg.check_unread()
     layer = r"model\.layers\.(\d+)\."
     rules = [*model_rules(config.tie_word_embeddings),
-             (layer + r"(?:input_layernorm|attention_layer_norm)\.weight", r"layers.\1.attn_norm.weight"),
+             (layer + r"(?:input_layernorm|attention_layer_norm)\.weight", r"layers.\1.mixer_norm.weight"),
              (layer + r"(?:post_attention_layernorm|feedforward_layer_norm)\.weight",
               r"layers.\1.post_attention_layernorm"),
              (layer + r"post_feedforward_layernorm\.weight", r"layers.\1.mlp_post_norm.weight"),
-             (layer + r"self_attn\.([qkvo]_proj|[qk]_norm)\.weight", r"layers.\1.attn.\2.weight"),
-             (layer + r"linear_attn\.([qkv])_proj\.weight", r"layers.\1.attn.\2"),
-             (layer + r"linear_attn\.([qkv])_conv1d\.weight", r"layers.\1.attn.\2_conv"),
-             (layer + r"linear_attn\.g_proj\.weight", r"layers.\1.attn.in_proj_z.weight"),
-             (layer + r"linear_attn\.([ab])_proj\.weight", r"layers.\1.attn.in_proj_\2.weight"),
-             (layer + r"linear_attn\.o_proj\.weight", r"layers.\1.attn.out_proj.weight"),
-             (layer + r"linear_attn\.o_norm\.weight", r"layers.\1.attn.norm.weight"),
-             (layer + r"linear_attn\.conv1d\.weight", r"layers.\1.attn.conv_weight"),
-             (layer + r"linear_attn\.(A_log|dt_bias)", r"layers.\1.attn.\2"),
+             (layer + r"self_attn\.([qkvo]_proj|[qk]_norm)\.weight", r"layers.\1.mixer.\2.weight"),
+             (layer + r"linear_attn\.([qkv])_proj\.weight", r"layers.\1.mixer.\2"),
+             (layer + r"linear_attn\.([qkv])_conv1d\.weight", r"layers.\1.mixer.\2_conv"),
+             (layer + r"linear_attn\.g_proj\.weight", r"layers.\1.mixer.in_proj_z.weight"),
+             (layer + r"linear_attn\.([ab])_proj\.weight", r"layers.\1.mixer.in_proj_\2.weight"),
+             (layer + r"linear_attn\.o_proj\.weight", r"layers.\1.mixer.out_proj.weight"),
+             (layer + r"linear_attn\.o_norm\.weight", r"layers.\1.mixer.norm.weight"),
+             (layer + r"linear_attn\.conv1d\.weight", r"layers.\1.mixer.conv_weight"),
+             (layer + r"linear_attn\.(A_log|dt_bias)", r"layers.\1.mixer.\2"),
              (layer + r"mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.weight")]
     table = rename(hf_weights(folder), rules, source)
     for i, is_attention in enumerate(attention):  # (the attention's post-norm; a delta layer's MLP pre-norm)
         norm = table.pop(f"layers.{i}.post_attention_layernorm")
-        table[f"layers.{i}.attn_post_norm.weight" if is_attention else f"layers.{i}.mlp_norm.weight"] = norm
+        table[f"layers.{i}.mixer_post_norm.weight" if is_attention else f"layers.{i}.mlp_norm.weight"] = norm
         if not is_attention:  # q | k | v: the conv's channels in that order (saved in three pieces, or one)
-            q, k, v = (table.pop(f"layers.{i}.attn.{p}") for p in "qkv")
-            table[f"layers.{i}.attn.in_proj_qkv.weight"] = lambda q=q, k=k, v=v: torch.cat([q(), k(), v()])
-            if f"layers.{i}.attn.q_conv" in table:
-                q, k, v = (table.pop(f"layers.{i}.attn.{p}_conv") for p in "qkv")
-                table[f"layers.{i}.attn.conv_weight"] = lambda q=q, k=k, v=v: torch.cat([q(), k(), v()])
+            q, k, v = (table.pop(f"layers.{i}.mixer.{p}") for p in "qkv")
+            table[f"layers.{i}.mixer.in_proj_qkv.weight"] = lambda q=q, k=k, v=v: torch.cat([q(), k(), v()])
+            if f"layers.{i}.mixer.q_conv" in table:
+                q, k, v = (table.pop(f"layers.{i}.mixer.{p}_conv") for p in "qkv")
+                table[f"layers.{i}.mixer.conv_weight"] = lambda q=q, k=k, v=v: torch.cat([q(), k(), v()])
     return config, table

@@ -58,14 +58,14 @@ def read_hf(folder: str, raw: dict, source: str):
     table = rename(hf_weights(folder), [
         (r"transformer\.token_embeddings\.weight", "embed_tokens.weight"),
         (r"transformer\.norm\.weight", "norm.weight"), head_rule(tied),
-        (r"transformer\.layers\.(\d+)\.(attn_norm)\.weight", r"layers.\1.\2.weight"),
+        (r"transformer\.layers\.(\d+)\.attn_norm\.weight", r"layers.\1.mixer_norm.weight"),
         (r"transformer\.layers\.(\d+)\.ffn_norm\.weight", r"layers.\1.mlp_norm.weight"),
-        (r"transformer\.layers\.(\d+)\.attn\.(q_norm|k_norm)\.weight", r"layers.\1.attn.\2.weight"),
-        (r"transformer\.layers\.(\d+)\.attn\.qkv_proj\.weight", r"layers.\1.attn.qkv.weight"),
-        (r"transformer\.layers\.(\d+)\.attn\.out_proj\.weight", r"layers.\1.attn.o_proj.weight"),
+        (r"transformer\.layers\.(\d+)\.attn\.(q_norm|k_norm)\.weight", r"layers.\1.mixer.\2.weight"),
+        (r"transformer\.layers\.(\d+)\.attn\.qkv_proj\.weight", r"layers.\1.mixer.qkv.weight"),
+        (r"transformer\.layers\.(\d+)\.attn\.out_proj\.weight", r"layers.\1.mixer.o_proj.weight"),
         (r"transformer\.layers\.(\d+)\.ffn\.proj_1\.weight", r"layers.\1.mlp.gate_up.weight"),
         (r"transformer\.layers\.(\d+)\.ffn\.proj_2\.weight", r"layers.\1.mlp.down_proj.weight")], source)
     for i, (h, kv, w) in enumerate(zip(q_heads, kv_heads, ffn)):
-        split_qkv(table, f"layers.{i}.attn.", h, kv, D)
+        split_qkv(table, f"layers.{i}.mixer.", h, kv, D)
         split_gate_up(table, f"layers.{i}.mlp.", w)
     return config, table

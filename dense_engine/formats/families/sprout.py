@@ -23,11 +23,11 @@ def read_weights(raw: dict, weights: dict, source: str):
     table = rename(eager(weights), [
         (r"tok_emb\.weight", "embed_tokens.weight"), (r"norm_f\.weight", "norm.weight"),
         (r"head\.weight", "lm_head.weight"),
-        (r"blocks\.(\d+)\.n1\.weight", r"layers.\1.attn_norm.weight"),
+        (r"blocks\.(\d+)\.n1\.weight", r"layers.\1.mixer_norm.weight"),
         (r"blocks\.(\d+)\.n2\.weight", r"layers.\1.mlp_norm.weight"),
-        (r"blocks\.(\d+)\.attn\.qkv\.weight", r"layers.\1.attn.qkv.weight"),
-        (r"blocks\.(\d+)\.attn\.proj\.weight", r"layers.\1.attn.o_proj.weight"),
+        (r"blocks\.(\d+)\.attn\.qkv\.weight", r"layers.\1.mixer.qkv.weight"),
+        (r"blocks\.(\d+)\.attn\.proj\.weight", r"layers.\1.mixer.o_proj.weight"),
         (r"blocks\.(\d+)\.mlp\.w_(gate|up|down)\.weight", r"layers.\1.mlp.\2_proj.weight")], source)
     for i in range(config.num_hidden_layers):  # rows: q | k | v, dim each
-        split_qkv(table, f"layers.{i}.attn.", heads, heads, dim // heads)
+        split_qkv(table, f"layers.{i}.mixer.", heads, heads, dim // heads)
     return config, table
