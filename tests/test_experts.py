@@ -75,18 +75,23 @@ def prompt(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     return torch.randint(3, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_logits_and_greedy_tokens_equal_transformers(folders, models, case):
-    _, reference = folders[case]
+def assert_transformers_logits_and_tokens(reference, model) -> None:
+    """Our model's logits on a 2-row prompt within 1e-4 (of the largest) of transformers' reference's, and its greedy
+    tokens (the cached path) equal, tokens that vary (the test can tell models apart)."""
     ids = prompt(40, batch=2)
     with torch.no_grad():
         want = reference(input_ids=ids).logits.float()
         want_tokens = reference.generate(ids[:1, :20], max_new_tokens=24, do_sample=False)[0, 20:].tolist()
-        got = models[case](ids)
+        got = model(ids)
     assert (got - want).abs().max() / want.abs().max() < 1e-4
-    tokens = generate.generate(models[case], ids[:1, :20], 24)[0, 20:].tolist()  # (the cached path)
+    tokens = generate.generate(model, ids[:1, :20], 24)[0, 20:].tolist()
     tokens = tokens[:tokens.index(2) + 1] if 2 in tokens else tokens  # (transformers stops at eos, 2)
-    assert tokens == want_tokens and len(set(tokens)) > 3  # (tokens that vary: the test can tell models apart)
+    assert tokens == want_tokens and len(set(tokens)) > 3
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_and_greedy_tokens_equal_transformers(folders, models, case):
+    assert_transformers_logits_and_tokens(folders[case][1], models[case])
 
 
 def test_each_family_reads_into_the_router_and_experts_it_has(models):

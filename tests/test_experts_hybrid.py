@@ -9,12 +9,11 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
-from test_experts import prompt, save_random
+from test_experts import assert_transformers_logits_and_tokens, prompt, save_random
 
 import dense
 import layer_kinds
 from dense_engine.formats import load
-from dense_engine.runtime import generate
 
 MAMBA = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 16}  # (as test_state_layers)
 SMALL = {"vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -57,16 +56,7 @@ def models(folders):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_greedy_tokens_equal_transformers(folders, models, case):
-    _, reference = folders[case]
-    ids = prompt(40, batch=2)
-    with torch.no_grad():
-        want = reference(input_ids=ids).logits.float()
-        want_tokens = reference.generate(ids[:1, :20], max_new_tokens=24, do_sample=False)[0, 20:].tolist()
-        got = models[case](ids)
-    assert (got - want).abs().max() / want.abs().max() < 1e-4
-    tokens = generate.generate(models[case], ids[:1, :20], 24)[0, 20:].tolist()  # (the cached path)
-    tokens = tokens[:tokens.index(2) + 1] if 2 in tokens else tokens  # (transformers stops at eos, 2)
-    assert tokens == want_tokens and len(set(tokens)) > 3  # (tokens that vary: the test can tell models apart)
+    assert_transformers_logits_and_tokens(folders[case][1], models[case])
 
 
 def test_each_family_reads_into_the_experts_it_has(models):

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 import transformers
-from test_experts import prompt, save_random
+from test_experts import assert_transformers_logits_and_tokens, prompt, save_random
 
 from dense_engine.formats import load
 from dense_engine.runtime import generate
@@ -49,16 +49,7 @@ def models(folders):
 def test_logits_and_greedy_tokens_equal_transformers(folders, models, case):
     """(transformers runs the delta rule in float32 whatever the model's dtype, as this engine does: the two agree to
     float32's rounding, which these random layers magnify to a few 1e-5 of the largest logit)"""
-    _, reference = folders[case]
-    ids = prompt(40, batch=2)
-    with torch.no_grad():
-        want = reference(input_ids=ids).logits.float()
-        want_tokens = reference.generate(ids[:1, :20], max_new_tokens=24, do_sample=False)[0, 20:].tolist()
-        got = models[case](ids)
-    assert (got - want).abs().max() / want.abs().max() < 1e-4
-    tokens = generate.generate(models[case], ids[:1, :20], 24)[0, 20:].tolist()  # (the cached path)
-    tokens = tokens[:tokens.index(2) + 1] if 2 in tokens else tokens  # (transformers stops at eos, 2)
-    assert tokens == want_tokens and len(set(tokens)) > 3  # (tokens that vary: the test can tell models apart)
+    assert_transformers_logits_and_tokens(folders[case][1], models[case])
 
 
 def test_each_family_reads_into_the_router_and_experts_it_has(models):
