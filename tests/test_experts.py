@@ -268,33 +268,39 @@ def test_the_server_answers_a_mixture_as_generate_does(folders):
         server.stop()
 
 
-def test_a_fine_grained_fp8_mixture_runs_the_weights_its_blocks_mean(folders, tmp_path):
-    """Qwen3-30B-A3B-FP8's layout: every linear, each expert's too, e4m3 with a scale per 128 x 128 block: the same
-    logits as the folder holding, in float32, the weights those blocks mean (that folder: the transformers-exact
-    path above)."""
+@pytest.mark.parametrize("kind", ["fp8", "gptq", "awq"])
+def test_a_prequantized_mixture_runs_the_weights_its_tensors_mean(folders, tmp_path, kind):
+    """Folders that come quantized, every linear (each expert's too) packed as Qwen3-30B-A3B-FP8 (e4m3, a scale per
+    128 x 128 block), GPTQ (4 bits, groups of 16) or AWQ (4 bits, groups of 16) store them, the router float: the
+    logits of the folder holding, in float32, the weights those tensors mean (that folder: the transformers-exact path
+    above). The experts run dequantized, for now."""
+    from prequantized_makers_gptq import awq_config, gptq_config, pack_awq, pack_gptq
     from safetensors.torch import load_file, save_file
     from test_prequantized import fp8_blocks
 
+    pack, scheme = {"fp8": (fp8_blocks, {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                         "weight_block_size": [128, 128]}),
+                    "gptq": (lambda w: pack_gptq(w, 4, 16, True, False), gptq_config(4, 16, True, False)),
+                    "awq": (lambda w: pack_awq(w, 16), awq_config(16))}[kind]
     folder, _ = folders["qwen3_moe"]
     packed, meant = {}, {}
     for name, t in load_file(os.path.join(folder, "model.safetensors")).items():
         if name.endswith("proj.weight"):
-            tensors, meant[name] = fp8_blocks(t)
+            tensors, weight = pack(t)
+            meant[name] = weight.contiguous()
             packed.update({f"{name[:-len('.weight')]}.{k}": v.contiguous() for k, v in tensors.items()})
         else:
             packed[name] = meant[name] = t
     raw = json.loads(Path(folder, "config.json").read_text())
-    for kind, tensors, config in (("fp8", packed, {**raw, "quantization_config": {
-            "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}}),
-                                  ("float", meant, raw)):
-        os.makedirs(tmp_path / kind)
-        save_file(tensors, tmp_path / kind / "model.safetensors")
-        (tmp_path / kind / "config.json").write_text(json.dumps(config))
-    assert sum(".experts." in n and n.endswith("weight_scale_inv") for n in packed) == 2 * 8 * 3
+    for name, tensors, config in (("packed", packed, {**raw, "quantization_config": scheme}), ("float", meant, raw)):
+        os.makedirs(tmp_path / name)
+        save_file(tensors, tmp_path / name / "model.safetensors")
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    assert sum(".experts." in n and n.endswith("proj.weight") for n in meant) == 2 * 8 * 3  # (each expert packed)
     ids = prompt(30, seed=8)
     with torch.no_grad():
-        got = load.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float32)(ids)
+        got = load.from_pretrained(str(tmp_path / "packed"), dtype=torch.float32)(ids)
         want = load.from_pretrained(str(tmp_path / "float"), dtype=torch.float32)(ids)
         plain = load.from_pretrained(folder, dtype=torch.float32)(ids)
     assert (got - want).abs().max() / want.abs().max() < 1e-5
-    assert 0 < (plain - want).abs().max() / want.abs().max() < 0.2  # (e4m3 rounds every weight: near, not equal)
+    assert 0 < (plain - want).abs().max() / want.abs().max() < 0.5  # (the format rounds every weight: near, not equal)
