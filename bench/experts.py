@@ -17,11 +17,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-import dense  # noqa: E402
-import layer_kinds  # noqa: E402
-from dense_engine.runtime import caches, generate  # noqa: E402
+import dense
+import layer_kinds
+from dense_engine.runtime import caches, generate
 
 
 def model_of(layers: int, dtype: torch.dtype) -> layer_kinds.Decoder:

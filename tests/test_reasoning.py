@@ -316,3 +316,67 @@ def grammar_lazy():
     from dense_engine.runtime import grammar
 
     return grammar.Lazy
+
+
+# ---- gpt-oss's channels (harmony): the analysis channel is the reasoning, the final channel the answer
+
+# (harmony's turns, written small: each message <|start|>role<|channel|>...<|message|>...<|end|>; the reply's
+# analysis message, then its final one, which the template writes back as the thinking and the content)
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m['role'] }}{% if m['role'] == 'assistant' %}"
+    "{% if m.get('thinking') %}<|channel|>analysis<|message|>{{ m['thinking'] }}<|end|><|start|>assistant"
+    "{% endif %}<|channel|>final<|message|>{{ m['content'] }}<|end|>{% else %}<|message|>{{ m['content'] }}<|end|>"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")  # (cf. gpt-oss's own)
+HARMONY_REPLY = (f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant<|channel|>final<|message|>"
+                 f"{ANSWER}")
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>"]
+
+
+@pytest.fixture(scope="module")
+def harmony():
+    """The fixture's vocabulary with harmony's tokens added as gpt-oss's tokenizer.json has them (special), and
+    decoded as text as the engine loads them (with_markers_shown); <|return|> (the reply's end) stays special."""
+    from tokenizers import AddedToken
+
+    from dense_engine.formats.vocab import with_markers_shown
+
+    vocab = load_vocabulary(fixture_path("llama"), None)
+    vocab.tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_TOKENS])
+    vocab.tokenizer = with_markers_shown(vocab.tokenizer)
+    vocab.chat_template = HARMONY_TEMPLATE
+    return vocab
+
+
+@pytest.mark.parametrize("text, want", [
+    (HARMONY_REPLY, (THOUGHT, ANSWER)),
+    (f"<|channel|>final<|message|>{ANSWER}", ("", ANSWER)),  # (a reply straight to its final channel)
+    (f"<|channel|>analysis<|message|>{THOUGHT}", (THOUGHT, "")),  # (cut off by max_tokens)
+    (ANSWER, ("", ANSWER)),
+])
+def test_a_harmony_reply_splits_the_same_whole_and_in_every_pair_of_pieces(text, want):
+    pair = reasoning.markers(HARMONY_TEMPLATE)
+    assert pair is reasoning.HARMONY and reasoning.split(text, False, pair) == want
+    for at in range(len(text) + 1):
+        for pieces in ([text[:at], text[at:]], list(text)):
+            stream = reasoning.ThinkStream(False, pair)
+            told = [p for piece in pieces for p in stream.feed(piece)] + stream.finish()
+            assert ("".join(t for kind, t in told if kind == "thinking"),
+                    "".join(t for kind, t in told if kind == "text")) == want, (at, pieces)
+
+
+def test_gpt_oss_channels_are_the_reasoning_and_the_answer_in_every_api(harmony):
+    """Its markers are read from the decoded text (special in its tokenizer, shown as text), and its channels told
+    apart in chat completions, the Responses API, Anthropic's messages and Ollama's chat."""
+    ids = harmony.tokenizer.encode(HARMONY_REPLY, add_special_tokens=False).ids
+    assert harmony.decode(ids) == HARMONY_REPLY and harmony.decode(harmony.encode("<|return|>", False)) == ""
+    http, scheduler = app_client(harmony, HARMONY_REPLY)
+    message = openai_client(http).chat.completions.create(model="m", messages=ASK, max_tokens=200).choices[0].message
+    assert message.content == ANSWER and message.model_extra["reasoning_content"] == THOUGHT
+    assert harmony.decode(scheduler.jobs[-1].prompt).endswith("<|end|><|start|>assistant")
+    response = openai_client(http).responses.create(model="m", input="What is the capital of France?")
+    assert [item.type for item in response.output] == ["reasoning", "message"] and response.output_text == ANSWER
+    blocks = anthropic_client(http).messages.create(model="m", max_tokens=200, messages=ASK).content
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in blocks] == [
+        ("thinking", THOUGHT), ("text", ANSWER)]
+    chat = ollama_client(http).chat(model="m", messages=ASK, think=True)
+    assert chat.message.thinking == THOUGHT and chat.message.content == ANSWER

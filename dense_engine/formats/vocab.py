@@ -178,15 +178,15 @@ def load_vocabulary(ckpt: str, tokenizer_path: str | None) -> Vocabulary:
     return vocab
 
 
-# the markers of a reply's thinking and calls: Gemma 4's, Mistral's
+# the markers of a reply's thinking and calls: Gemma 4's, Mistral's, gpt-oss's (harmony's channels and messages)
 SHOWN = ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "[THINK]", "[/THINK]", "[TOOL_CALLS]",
-         "[ARGS]", "[CALL_ID]")
+         "[ARGS]", "[CALL_ID]", "<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>")
 
 
 def with_markers_shown(tokenizer):
-    """The tokenizer with the markers of a reply's thinking and tool calls decoded as text. Gemma 4's and Mistral's
-    tokenizer.json call them special, and a decode skips special tokens, yet the thinking and the calls are read
-    from them (reasoning.py, tools.py); llama.cpp keeps them in the text for the same reason."""
+    """The tokenizer with the markers of a reply's thinking and tool calls decoded as text. Gemma 4's, Mistral's and
+    gpt-oss's tokenizer.json call them special, and a decode skips special tokens, yet the thinking and the calls are
+    read from them (reasoning.py, tools.py); llama.cpp keeps them in the text for the same reason."""
     from tokenizers import Tokenizer
 
     if not any(t.special and t.content in SHOWN for t in tokenizer.get_added_tokens_decoder().values()):

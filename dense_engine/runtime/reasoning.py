@@ -13,22 +13,28 @@ from typing import NamedTuple
 
 class Markers(NamedTuple):
     """What opens and closes a thinking in a reply; token: the one token a reply opens it with (a grammar that holds
-    after the thinking lets it through first: grammar.Lazy)."""
+    after the thinking lets it through first: grammar.Lazy); answer: what opens an answer written without a thinking
+    (dropped; "": none)."""
     open: str
     close: str
     token: str
+    answer: str = ""
 
 
 THINK = Markers("<think>", "</think>", "<think>")
 CHANNEL = Markers("<|channel>thought", "<channel|>", "<|channel>")  # Gemma 4
 BRACKETS = Markers("[THINK]", "[/THINK]", "[THINK]")  # Ministral 3 Reasoning, Magistral
-CLOSES = (THINK.close, CHANNEL.close, BRACKETS.close)
+# gpt-oss (harmony): the analysis channel, then the final one, each a message of its own
+HARMONY = Markers("<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>",
+                  "<|channel|>", "<|channel|>final<|message|>")
+CLOSES = (THINK.close, CHANNEL.close, BRACKETS.close, HARMONY.close)
 
 
 def markers(template: str | None) -> Markers | None:
-    """The markers a chat template writes (its model thinks before it answers), or None."""
-    return next((m for m in (CHANNEL, BRACKETS, THINK) if template and m.open in template and m.close in template),
-                None)
+    """The markers a chat template writes (its model thinks before it answers), or None. (A harmony template writes
+    each channel's opener, never the two messages' seam: its answer's opener stands for the close.)"""
+    return next((m for m in (HARMONY, CHANNEL, BRACKETS, THINK)
+                 if template and m.open in template and (m.answer or m.close) in template), None)
 
 
 def thinks(template: str | None) -> bool:
@@ -49,11 +55,17 @@ class ThinkStream:
 
     def __init__(self, thinking: bool = False, pair: Markers = THINK) -> None:
         self.thinking, self.answered, self.fresh, self.held = thinking, False, True, ""
-        self.open, self.close = pair.open, pair.close
+        self.open, self.close, self.answer = pair.open, pair.close, pair.answer
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         self.held += text
         out = []
+        if self.answer and not self.thinking and not self.answered:  # an answer's own opener, without a thinking
+            start = self.held.lstrip()
+            if start.startswith(self.answer):
+                self.held, self.answered, self.fresh = start[len(self.answer):], True, True
+            elif self.answer.startswith(start):
+                return out  # (it may still be that opener)
         while True:
             marker = self.close if self.thinking else None if self.answered else self.open
             at = self.held.find(marker) if marker else -1
