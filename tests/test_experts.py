@@ -3,6 +3,7 @@ are the oracle for each family's router, experts and shared experts; each other 
 choosing different experts, a left-padded batch, the compiled step's gathered experts, speculative decoding) is
 checked against the plain pass."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -198,8 +199,12 @@ def test_a_quantized_mixture_computes_what_its_weights_say(folders, models, mode
 
 
 def test_what_a_mixture_cannot_do_yet_is_refused_in_one_line(folders, models, tmp_path):
-    with pytest.raises(CheckpointError, match="mixture of experts is not split across ranks"):
-        tp.plan(models["mixtral"].config, 0, 2)
+    config = models["mixtral"].config  # (tensor parallel: every expert split by its width; tests/test_tp.py)
+    assert [s.experts for s in tp.plan(config, 1, 2)] == [(24, 48)] * 3
+    odd = dataclasses.replace(config, extras={**config.extras, "experts": dataclasses.replace(
+        config.extras["experts"], width=30)})
+    with pytest.raises(CheckpointError, match="its experts' width 30 does not divide over 4 ranks"):
+        tp.plan(odd, 0, 4)
     folder = tmp_path / "latent"
     shutil.copytree(folders["qwen3_moe"][0], folder)
     raw = json.loads((folder / "config.json").read_text())

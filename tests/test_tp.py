@@ -1,7 +1,7 @@
 """Tensor parallel (tp.py) on CPU with gloo, two processes, against the single-process model: logits within 1e-5 and
 the same greedy tokens for five layouts (eager; compiled for one), the GPT-NeoX original release read shard-per-rank,
-int8/int4 shards, state layers (Qwen3.5, LFM2, Mamba2: Granite 4.0 H, Falcon-H1), each rank's weight bytes, and
-chat.py under torchrun."""
+int8/int4 shards, state layers (Qwen3.5, LFM2, Mamba2: Granite 4.0 H, Falcon-H1), mixtures of experts, each rank's
+weight bytes, and chat.py under torchrun."""
 
 import os
 import subprocess
@@ -139,8 +139,20 @@ def gemma4(tmp_path_factory):
     return made
 
 
+@pytest.fixture(scope="module")
+def mixtures(tmp_path_factory):
+    """Mixtures of experts (test_experts.py's cases), every expert split by its width: Qwen2-MoE (a shared expert
+    behind a gate), GLM-4.5's (grouped sigmoid routing, shared experts, a dense first layer, q/k/v biases)."""
+    from test_experts import CASES, save_random
+
+    root = tmp_path_factory.mktemp("mixtures")
+    for i, case in enumerate(("qwen2_moe", "glm4_moe")):
+        save_random(*CASES[case], 30 + i, root / case)
+    return {case: str(root / case) for case in ("qwen2_moe", "glm4_moe")}
+
+
 @pytest.mark.slow
-def test_two_ranks_equal_one_process(tmp_path, bigger, families, states, gemma4):
+def test_two_ranks_equal_one_process(tmp_path, bigger, families, states, gemma4, mixtures):
     jobs = [(layout, fixture_path(layout), None, layout != "neox_original") for layout in LAYOUTS]
     jobs += [(case, path, None, False) for case, path in families.items()]
     jobs += [("bigger", bigger, None, False), ("int8", bigger, "int8", False), ("int4", bigger, "int4", False),
@@ -150,6 +162,7 @@ def test_two_ranks_equal_one_process(tmp_path, bigger, families, states, gemma4)
     jobs += [("qwen3_5 int4", states["qwen3_5"], "int4", False), ("lfm2 int8", states["lfm2"], "int8", False),
              ("granite 4.0 h int8", states["granite 4.0 h"], "int8", False)]
     jobs += [(case, path, None, i == 0) for i, (case, path) in enumerate(gemma4.items())]
+    jobs += [(case, path, None, False) for case, path in mixtures.items()]
     ranks = run_two(tmp_path, jobs)
     for name, path, quant, compile in jobs:
         model, logits, greedy = single(path, quant)

@@ -110,6 +110,8 @@ class LayerShard:
     value_heads: tuple[int, ...] = ()  # and the value heads they serve, in the rank's order
     mamba_heads: tuple[int, int] = (0, 0)  # a Mamba2 mixer's heads [start, stop)
     mamba_groups: tuple[int, int] = (0, 0)  # and the groups of B and C they read (shared by ranks where G < ranks)
+    experts: tuple[int, int] = (0, 0)  # a mixture's columns of every expert's width [start, stop)
+    shared: tuple[int, int] = (0, 0)  # and of its shared expert's
 
 
 def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
@@ -122,8 +124,16 @@ def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
         raise CheckpointError("its attention sinks (Granite SWA) are not split across ranks yet")
     if record(config, "attention").head_gate and size > 1:
         raise CheckpointError("its attention's gate per head (LFM3) is not split across ranks yet")
-    if "experts" in config.extras and size > 1:
-        raise CheckpointError("its mixture of experts is not split across ranks yet")
+    experts = config.extras.get("experts")
+    if experts and experts.beside_mlp and size > 1:
+        raise CheckpointError("its experts beside the MLP (Gemma 4) are not split across ranks yet")
+    # a mixture: every expert split by its width, as a dense MLP is (each rank runs every chosen expert's share,
+    # one all-reduce a layer; experts spread over the ranks would leave a rank idle when its experts are not chosen)
+    for what, width in (("experts' width", experts.width), ("shared expert's width", experts.shared_width)) if \
+            experts and size > 1 else ():
+        if width % size:
+            raise CheckpointError(f"its {what} {width} does not divide over {size} ranks")
+    columns = (lambda width: (rank * width // size, (rank + 1) * width // size)) if experts else None
     shards = []
     for i in range(config.num_hidden_layers):
         H, K, W = config.heads(i), config.kv_heads(i), config.ffn_width(i)
@@ -145,7 +155,8 @@ def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
         mamba = mamba_heads(config, rank, size, i) if config.layer_type(i) in ("mamba", "hybrid") else ((0, 0), (0, 0))
         shards.append(LayerShard((rank * h, rank * h + h), kv, (rank * w, rank * w + w),
                                  *(delta_heads(config, rank, size, i) if config.layer_type(i) == "linear_attention" else
-                                   ((0, 0), ())), *mamba))
+                                   ((0, 0), ())), *mamba,
+                                 *((columns(experts.width), columns(experts.shared_width)) if experts else ())))
     return shards
 
 
@@ -192,6 +203,9 @@ def shard_config(config: dense.DenseConfig, shards: list[LayerShard]) -> dense.D
         _, P, _, N = extras["mamba2"].heads
         heads = (mamba.mamba_heads[1] - mamba.mamba_heads[0], P, mamba.mamba_groups[1] - mamba.mamba_groups[0], N)
         extras["mamba2"] = dataclasses.replace(extras["mamba2"], heads=heads)
+    if "experts" in extras:
+        (a, b), (c, d) = shards[0].experts, shards[0].shared
+        extras["experts"] = dataclasses.replace(extras["experts"], width=b - a, shared_width=d - c)
     return dataclasses.replace(config, num_attention_heads=[s.heads[1] - s.heads[0] for s in shards],
                                num_key_value_heads=[s.kv_heads[1] - s.kv_heads[0] for s in shards],
                                intermediate_size=[s.ffn[1] - s.ffn[0] for s in shards], extras=extras)
@@ -220,6 +234,11 @@ RULES = [
     (r"layers\.(\d+)\.mlp\.(gate_proj|up_proj)\.(weight|bias|qweight|scales|mins|absmax)", "ffn"),
     (r"layers\.(\d+)\.mlp\.down_proj\.(weight|qweight|scales|mins)", "in_ffn"),
     (r"layers\.(\d+)\.(mixer\.(?:attention\.)?o_proj|mlp\.down_proj)\.bias", "rank0"),
+    (r"layers\.(\d+)\.mlp\.experts_gate_up(_bias)?", "experts"),
+    (r"layers\.(\d+)\.mlp\.experts_down", "in_experts"),
+    (r"layers\.(\d+)\.mlp\.experts_down_bias", "rank0"),
+    (r"layers\.(\d+)\.mlp\.shared\.(gate_proj|up_proj)\.weight", "shared"),
+    (r"layers\.(\d+)\.mlp\.shared\.down_proj\.weight", "in_shared"),
 ]
 
 
@@ -246,6 +265,8 @@ def slicer(name: str, config: dense.DenseConfig, shards: list[LayerShard], rank:
         return lambda t: delta_rows(t, config, s, how)
     if how == "rank0":
         return lambda t: t if rank == 0 else torch.zeros_like(t)
+    if how in ("experts", "in_experts", "shared", "in_shared"):
+        return lambda t: expert_part(t, config, s, how)
     if how in ("norm_heads", "norm_kv_heads"):
         if config.qk_norm != "per_channel":  # one gain shared by every head: replicated
             return None
@@ -274,6 +295,21 @@ def slicer(name: str, config: dense.DenseConfig, shards: list[LayerShard], rank:
         return t.narrow(1, a * width // units, (b - a) * width // units).contiguous()
 
     return columns
+
+
+def expert_part(t: torch.Tensor, config: dense.DenseConfig, s: LayerShard, how: str) -> torch.Tensor:
+    """A mixture's tensor for this rank: each expert's gate and up rows of its width's share (experts_gate_up [E, 2I,
+    C] or its bias [E, 2I]; relu2: up rows alone), experts_down's columns [E, C, I]; the shared expert's rows, its
+    down_proj's columns."""
+    if how == "in_experts":
+        return t[..., s.experts[0]:s.experts[1]].contiguous()
+    if how == "in_shared":
+        return t[:, s.shared[0]:s.shared[1]].contiguous()
+    if how == "shared":
+        return t[s.shared[0]:s.shared[1]]
+    (a, b), width = s.experts, config.extras["experts"].width
+    parts = t.split(width, dim=1)  # (gate, up), or (up,)
+    return torch.cat([p[:, a:b] for p in parts], dim=1)
 
 
 def delta_rows(t: torch.Tensor, config: dense.DenseConfig, s: LayerShard, how: str) -> torch.Tensor:
