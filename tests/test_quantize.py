@@ -245,3 +245,18 @@ def test_double_quant_variant_round_trip(tmp_path):
     assert rel_err(dq(ids), quantized_reference(dq)(ids)) < 2e-2
     with pytest.raises(checkpoint.CheckpointError, match="--double-quant applies to --mode nf4 only"):
         quantize.quantize_checkpoint(src, "int8", out=str(tmp_path / "x"), double_quant=True)
+
+
+@pytest.mark.parametrize("width", [24, 40, 48])
+def test_an_int8_layer_whose_inputs_are_no_multiple_of_64_computes_its_dequantized_weight(width):
+    """The CPU kernel takes inputs in multiples of 64; others go to PyTorch's int8 kernel (multiples of 16: 48) or,
+    where that one computes garbage or crashes (24, 40: an FFN of 48 split over two ranks), to the layer's own
+    dequantize-and-matmul: the logits of a float model holding each layer's dequantized weight either way."""
+    from conftest import random_model
+
+    model = quantized.quantize_model(random_model(intermediate_size=width), "int8")
+    down = model.layers[0].mlp.down_proj
+    assert down.in_features == width and hasattr(down, "kernel_weight") == (width % 16 == 0)
+    ids = torch.arange(3, 40).reshape(1, -1)
+    with torch.no_grad():
+        assert rel_err(model(ids), quantized_reference(model)(ids)) < 1e-2

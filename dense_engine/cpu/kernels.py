@@ -306,6 +306,8 @@ def pack_int8(weight: torch.Tensor, scales: torch.Tensor) -> dict:
         return {}
     if weight.shape[1] % 64 == 0 and available():  # ours: unsigned bytes (int8 + 128), float32 scales
         return {"kernel_weight": (weight.to(torch.int16) + 128).to(torch.uint8), "kernel_scales": scales.float()}
+    if weight.shape[1] % 16:  # (PyTorch's kernel below computes garbage, or crashes, past a multiple of 16 inputs)
+        return {}
     # PyTorch's int8 weight-only kernel wants bfloat16 scales, and crashes on weights that are not 64-byte aligned
     # (as memory-mapped safetensors give them); it is fast with bfloat16 activations only
     return {"kernel_weight": weight.clone(), "kernel_scales": scales.to(torch.bfloat16)}
