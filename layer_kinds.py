@@ -591,10 +591,12 @@ class Experts(nn.Module):
         biased = spec.activation == "clamped_swiglu"
         self.experts_gate_up_bias = nn.Parameter(torch.zeros(E, rows)) if biased else None
         self.experts_down_bias = nn.Parameter(torch.zeros(E, C)) if biased else None
-        shared = dense.DenseConfig(**{**vars(config), "intermediate_size": spec.shared_width, "mlp": "swiglu",
-                                      "bias": False})
-        self.shared = None if not spec.shared_width else dense.MLP(shared, layer, ReLU2()) if \
-            spec.activation == "relu2" else dense.GatedMLP(shared, layer)  # (relu2: up and down alone)
+        self.shared = None
+        if spec.shared_width:  # a SwiGLU MLP of its own width (relu2: up and down alone)
+            shared = dense.DenseConfig(**{**vars(config), "intermediate_size": spec.shared_width, "mlp": "swiglu",
+                                          "bias": False})
+            self.shared = dense.MLP(shared, layer, ReLU2()) if spec.activation == "relu2" else \
+                dense.GatedMLP(shared, layer)
         self.shared_gate = nn.Linear(C, 1, bias=False) if spec.shared_gate else None
         if spec.router_norm:  # Gemma 4
             self.router_norm = ValueNorm(config.norm_eps)

@@ -67,9 +67,21 @@ def folders(tmp_path_factory):
     return made
 
 
+def saved(root, cases: dict) -> dict:
+    """{case: (folder, transformers model)} for cases {name: (class, config, seed)}, each saved by save_random under
+    root."""
+    return {name: (str(root / name.replace(" ", "_")), save_random(cls, config, seed, root / name.replace(" ", "_")))
+            for name, (cls, config, seed) in cases.items()}
+
+
+def loaded(folders: dict) -> dict:
+    """{case: our float32 model of its folder}."""
+    return {name: load.from_pretrained(folder, dtype=torch.float32) for name, (folder, _) in folders.items()}
+
+
 @pytest.fixture(scope="module")
 def models(folders):
-    return {name: load.from_pretrained(folder, dtype=torch.float32) for name, (folder, _) in folders.items()}
+    return loaded(folders)
 
 
 def prompt(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:

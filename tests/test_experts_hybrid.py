@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
-from test_experts import assert_transformers_logits_and_tokens, prompt, save_random
+from test_experts import assert_transformers_logits_and_tokens, loaded, prompt, saved
 
 import dense
 import layer_kinds
@@ -44,14 +44,12 @@ CASES = {  # name: (transformers class, its config, seed)
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("experts_hybrid")
-    return {name: (str(root / name.replace(" ", "_")), save_random(cls, config, seed, root / name.replace(" ", "_")))
-            for name, (cls, config, seed) in CASES.items()}
+    return saved(tmp_path_factory.mktemp("experts_hybrid"), CASES)
 
 
 @pytest.fixture(scope="module")
 def models(folders):
-    return {name: load.from_pretrained(folder, dtype=torch.float32) for name, (folder, _) in folders.items()}
+    return loaded(folders)
 
 
 @pytest.mark.parametrize("case", list(CASES))

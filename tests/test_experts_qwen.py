@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 import transformers
-from test_experts import assert_transformers_logits_and_tokens, prompt, save_random
+from test_experts import assert_transformers_logits_and_tokens, loaded, prompt, saved
 
 from dense_engine.formats import load
 from dense_engine.runtime import generate
@@ -35,14 +35,12 @@ CASES = {  # name: (transformers class, its config, the seed of its weights)
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("experts_qwen")
-    return {name: (str(root / name), save_random(cls, config, seed, root / name))
-            for name, (cls, config, seed) in CASES.items()}
+    return saved(tmp_path_factory.mktemp("experts_qwen"), CASES)
 
 
 @pytest.fixture(scope="module")
 def models(folders):
-    return {name: load.from_pretrained(folder, dtype=torch.float32) for name, (folder, _) in folders.items()}
+    return loaded(folders)
 
 
 @pytest.mark.parametrize("case", list(CASES))

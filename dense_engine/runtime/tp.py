@@ -124,16 +124,7 @@ def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
         raise CheckpointError("its attention sinks (Granite SWA) are not split across ranks yet")
     if record(config, "attention").head_gate and size > 1:
         raise CheckpointError("its attention's gate per head (LFM3) is not split across ranks yet")
-    experts = config.extras.get("experts")
-    if experts and experts.beside_mlp and size > 1:
-        raise CheckpointError("its experts beside the MLP (Gemma 4) are not split across ranks yet")
-    # a mixture: every expert split by its width, as a dense MLP is (each rank runs every chosen expert's share,
-    # one all-reduce a layer; experts spread over the ranks would leave a rank idle when its experts are not chosen)
-    for what, width in (("experts' width", experts.width), ("shared expert's width", experts.shared_width)) if \
-            experts and size > 1 else ():
-        if width % size:
-            raise CheckpointError(f"its {what} {width} does not divide over {size} ranks")
-    columns = (lambda width: (rank * width // size, (rank + 1) * width // size)) if experts else None
+    experts = expert_columns(config, rank, size)
     shards = []
     for i in range(config.num_hidden_layers):
         H, K, W = config.heads(i), config.kv_heads(i), config.ffn_width(i)
@@ -155,9 +146,23 @@ def plan(config: dense.DenseConfig, rank: int, size: int) -> list[LayerShard]:
         mamba = mamba_heads(config, rank, size, i) if config.layer_type(i) in ("mamba", "hybrid") else ((0, 0), (0, 0))
         shards.append(LayerShard((rank * h, rank * h + h), kv, (rank * w, rank * w + w),
                                  *(delta_heads(config, rank, size, i) if config.layer_type(i) == "linear_attention" else
-                                   ((0, 0), ())), *mamba,
-                                 *((columns(experts.width), columns(experts.shared_width)) if experts else ())))
+                                   ((0, 0), ())), *mamba, *experts))
     return shards
+
+
+def expert_columns(config: dense.DenseConfig, rank: int, size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A mixture's columns of every expert's width for this rank, and of its shared expert's: each expert split by
+    its width, as a dense MLP is (each rank runs its share of every chosen expert, one all-reduce a layer; experts
+    spread over the ranks would leave a rank idle whenever none of its experts is chosen)."""
+    experts = config.extras.get("experts")
+    if experts is None:
+        return (0, 0), (0, 0)
+    if experts.beside_mlp and size > 1:
+        raise CheckpointError("its experts beside the MLP (Gemma 4) are not split across ranks yet")
+    for what, width in (("experts' width", experts.width), ("shared expert's width", experts.shared_width)):
+        if width % size:
+            raise CheckpointError(f"its {what} {width} does not divide over {size} ranks")
+    return tuple((rank * width // size, (rank + 1) * width // size) for width in (experts.width, experts.shared_width))
 
 
 def mamba_heads(config: dense.DenseConfig, rank: int, size: int, layer: int) -> tuple[tuple[int, int], tuple]:

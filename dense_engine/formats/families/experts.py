@@ -126,7 +126,7 @@ def expert_rules(layer: str) -> list[tuple[str, str]]:
 MIXTRAL_NAMES = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
-def stack_experts(table: dict, config, kind: str, source: str) -> None:
+def stack_experts(table: dict, config, source: str) -> None:
     """Replace each layer's experts in table (as expert_rules named them) by the two stacked tensors Experts holds:
     experts_gate_up [E, 2I, C] (gate rows, then up rows) and experts_down [E, C, I], and gpt-oss's biases."""
     spec = config.extras["experts"]
@@ -146,7 +146,8 @@ def stack_experts(table: dict, config, kind: str, source: str) -> None:
             table[m + "experts_gate_up"] = lambda ones=ones, parts=parts: torch.stack(
                 [torch.cat([ones[(e, p)]() for p in parts[:-1]]) for e in range(spec.count)])
             table[m + "experts_down"] = lambda ones=ones: torch.stack([ones[(e, "down")]() for e in range(spec.count)])
-        elif stacked and kind == "gpt_oss":  # [E, C, 2I] and [E, I, C], x @ W; gate and up interleaved
+        elif stacked and spec.activation == "clamped_swiglu":  # gpt-oss's: [E, C, 2I] and [E, I, C], x @ W; gate
+            # and up interleaved
             table[m + "experts_gate_up"] = lambda t=stacked["gate_up_proj"]: deinterleaved(t().transpose(1, 2), 1)
             table[m + "experts_down"] = lambda t=stacked["down_proj"]: t().transpose(1, 2).contiguous()
             table[m + "experts_gate_up_bias"] = lambda t=stacked["gate_up_proj_bias"]: deinterleaved(t(), 1)

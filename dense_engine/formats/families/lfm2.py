@@ -66,7 +66,7 @@ def read_hf(folder: str, raw: dict, source: str):
         (LIQUID_LAYER + r"feed_forward\.experts\.(\d+)\.(w[123])\.weight", r"layers.\1.mlp.expert\2.\3"),
         (LIQUID_LAYER + r"feed_forward\.experts\.(gate_up_proj|down_proj)", r"layers.\1.mlp.stacked.\2")], source)
     if experts:
-        stack_experts(table, config, "lfm2_moe", source)
+        stack_experts(table, config, source)
     return config, table
 
 

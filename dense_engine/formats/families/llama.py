@@ -376,12 +376,8 @@ def hf_decoder_tensors(folder: str, family: Family, config: DenseConfig, source:
                 table[f"{a}{part}_norm.weight"] = lambda heads=heads: torch.cat([read() for read in heads])
     shared_norms(table, family, config)
     if family.experts:
-        stack_experts(table, config, kind_of(family), source)
+        stack_experts(table, config, source)
     return table
-
-
-def kind_of(family: Family) -> str:
-    return next(kind for kind, row in FAMILIES.items() if row is family)
 
 
 def shared_norms(table: dict, family: Family, config: DenseConfig) -> None:

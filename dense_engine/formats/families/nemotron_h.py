@@ -105,7 +105,7 @@ def read_hf(folder: str, raw: dict, source: str):
               r"layers.\1.mlp.shared.\2_proj.weight")]
     table = rename(table, rules, source)
     if experts:
-        stack_experts(table, config, "nemotron_h", source)
+        stack_experts(table, config, source)
     return config, table
 
 

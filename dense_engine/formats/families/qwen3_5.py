@@ -85,9 +85,9 @@ def read_hf(folder: str, raw: dict, source: str):
         split_rows(table, a + "q_proj.weight", {a + "q_proj.weight": 0, a + "gate_proj.weight": 1},
                    view=(config.num_attention_heads, 2, config.head_dim))
     if experts:
-        stack_experts(table, config, MIXTURES[model_type], source)
+        stack_experts(table, config, source)
         draft = {n.removeprefix("mtp."): table.pop(n) for n in list(table) if n.startswith("mtp.layers.")}
-        stack_experts(draft, config, MIXTURES[model_type], source)  # (the draft's layers: fewer than the model's)
+        stack_experts(draft, config, source)  # (the draft's layers: fewer than the model's)
         table.update({"mtp." + n: thunk for n, thunk in draft.items()})
     return config, table
 
