@@ -38,6 +38,21 @@ def expected(layout: str) -> dict:
     return load_file(os.path.join(FIXTURES, LAYOUTS[layout].split("/")[0], "expected.safetensors"))
 
 
+def with_kernels(cache):
+    """A fresh cache folder (XDG_CACHE_HOME) holding a copy of the CPU kernels the suite built: a program started
+    on it answers without building them again (about 15 s each). Not for the tests of the build itself."""
+    import shutil
+
+    from dense_engine.cpu import kernels
+
+    if kernels.available():
+        built = os.path.dirname(kernels.library())  # (<cache>/dense-engine/kernels/<key>)
+        target = os.path.join(str(cache), "dense-engine", "kernels", os.path.basename(built))
+        if not os.path.isdir(target):
+            shutil.copytree(built, target)
+    return cache
+
+
 def answer(text: str) -> str:
     """What a one-shot prints for an answer: the text with its line closed (for the next program in a pipe)."""
     return text if text.endswith("\n") else text + "\n"

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, fixture_path
+from conftest import ROOT, fixture_path, with_kernels
 
 from dense_engine.formats import load
 from dense_engine.formats.load import from_pretrained
@@ -44,7 +44,7 @@ def wait_for(steps: Steps, kind: str, args: tuple, timeout: float = 240, **shape
 
 @pytest.mark.slow
 def test_a_step_compiled_in_the_background_gives_eager_tokens_here_and_in_a_later_process(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(with_kernels(tmp_path)))  # (its worker: a process)
     record, checkpoint = load.plan(LLAMA)
     model = from_pretrained(checkpoint, quant=record.quant or "none")
     caches.setup_cache(model, 1, 128)
@@ -78,7 +78,7 @@ def test_a_worker_killed_while_compiling_leaves_no_broken_step(tmp_path):
     """With the background compiler on, as users run: a worker killed while compiling leaves no broken step, the next
     run compiles again and a later one loads the step (no note); a damaged saved step is one note and compiled again,
     the answer the same each time."""
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "DENSE_BACKGROUND_COMPILE": "1"}
+    env = {**os.environ, "XDG_CACHE_HOME": str(with_kernels(tmp_path)), "DENSE_BACKGROUND_COMPILE": "1"}
     run = [sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", LLAMA, "--prompt", "hi", "--temperature", "0",
            "--max-new-tokens", "8"]
     first = subprocess.run(run, capture_output=True, text=True, env=env, check=False)
@@ -115,7 +115,7 @@ def test_the_background_note_never_lands_inside_the_answer(tmp_path):
     compile after the first token: the note waits for the answer's line to end, and the answer reads whole."""
     import pexpect
 
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "DENSE_BACKGROUND_COMPILE": "1", "TERM": "dumb"}
+    env = {**os.environ, "XDG_CACHE_HOME": str(with_kernels(tmp_path)), "DENSE_BACKGROUND_COMPILE": "1", "TERM": "dumb"}
     run = [os.path.join(ROOT, "chat.py"), "--ckpt", LLAMA, "--prompt", "hi", "--temperature", "0", "--max-new-tokens",
            "12", "--complete"]
     piped = subprocess.run([sys.executable, *run], capture_output=True, text=True, env=env,
@@ -139,7 +139,7 @@ def test_a_kv_dtype_run_compiles_in_the_background_and_the_next_run_decodes_with
     """--kv-dtype int8 and bfloat16 on a float32 model, background compiles on as users run: the worker loads the
     program's model with the program's cache (its LoadRecord, whole), so the step it saves is the one the next run
     loads: that run starts no compile and answers the same text."""
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "DENSE_BACKGROUND_COMPILE": "1"}
+    env = {**os.environ, "XDG_CACHE_HOME": str(with_kernels(tmp_path)), "DENSE_BACKGROUND_COMPILE": "1"}
     jobs = tmp_path / "dense-engine" / "compiled" / "jobs"
     for kv_dtype in ("int8", "bfloat16"):
         run = [sys.executable, os.path.join(ROOT, "chat.py"), "--ckpt", LLAMA, "--prompt", "hi", "--temperature", "0",

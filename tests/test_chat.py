@@ -12,7 +12,7 @@ from pathlib import Path
 import pexpect
 import pytest
 import torch
-from conftest import FIXTURES, ROOT, answer, fixture_path
+from conftest import FIXTURES, ROOT, answer, fixture_path, with_kernels
 from tokenizers import Tokenizer
 
 import dense
@@ -439,7 +439,7 @@ def test_bad_sampling_values_and_devices_are_one_line(flag, value, needle):
 @pytest.mark.slow
 def test_two_first_runs_at_once_both_succeed(tmp_path):
     """Two `python chat.py` on a fresh machine: one fetches and converts the default model, the other waits for it."""
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONIOENCODING": "utf-8"}
+    env = {**os.environ, "XDG_CACHE_HOME": str(with_kernels(tmp_path)), "PYTHONIOENCODING": "utf-8"}
     cmd = [sys.executable, CHAT, "--prompt", "What is the capital of France?", "--max-new-tokens", "8",
            "--temperature", "0", "--no-compile"]
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)

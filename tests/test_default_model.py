@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, with_kernels
 
 
 def run_chat(cache, *args, env=None):
-    env = {**os.environ, "XDG_CACHE_HOME": str(cache), **(env or {})}
+    env = {**os.environ, "XDG_CACHE_HOME": str(with_kernels(cache)), **(env or {})}
     return subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), *args], capture_output=True, text=True,
                           env=env, cwd=ROOT, check=False)
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import with_kernels
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -286,16 +287,12 @@ def test_fuzz_damaged_cache_files_end_in_the_answer_or_a_one_line_error(tmp_path
     """The cache folder's own files damaged at random (a compiled step, a converted model's weights; the kernel
     library: tests/test_reliability.py): the next run answers as before (having rebuilt what was damaged, with a
     note) or stops with one line; never a crash, never a wrong answer from a damaged file."""
-    from dense_engine.cpu import kernels
     from dense_engine.formats import convert
-    from dense_engine.system import machine
 
     chat = os.path.join(ROOT, "chat.py")
     native = str(tmp_path / "native")
     convert.convert(os.path.join(ROOT, "tests", "fixtures", "llama"), native)
-    cache = tmp_path / "cache" / "dense-engine"
-    if kernels.available():  # the library the suite built, not a build of its own
-        shutil.copytree(os.path.join(machine.cache_dir(), "kernels"), cache / "kernels")
+    cache = with_kernels(tmp_path / "cache") / "dense-engine"  # (the library the suite built, not a build of its own)
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     run = [sys.executable, chat, "--ckpt", native, "--prompt", "hi", "--temperature", "0", "--max-new-tokens", "8"]
     want = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300, check=False)

@@ -577,9 +577,10 @@ class ReferenceMTP(torch.nn.Module):
         self.layers = torch.nn.ModuleList([qwen.Qwen3_5DecoderLayer(config, full)])
         self.norm = qwen.Qwen3_5RMSNorm(C, eps)
 
-    def forward(self, model, ids: torch.Tensor) -> torch.Tensor:
-        """The logits [T - 1, V] at positions 0..T-2 of ids [1, T]: each the draft for the token two ahead."""
-        hidden = model.model(ids).last_hidden_state[:, :-1]
+    def forward(self, model, ids: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits [T - 1, V] at positions 0..T-2 of ids [1, T]: each the draft for the token two ahead. hidden:
+        the model's last hidden states of ids, [1, T, C], where already computed."""
+        hidden = (model.model(ids).last_hidden_state if hidden is None else hidden)[:, :-1]
         embedded = model.model.embed_tokens(ids[:, 1:])
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], -1))
         T = x.shape[1]
@@ -604,9 +605,10 @@ def mtp_folder(folders, tmp_path_factory):
     mtp = ReferenceMTP(model.config)
     with torch.no_grad():
         text = model.generate(prompt(24, seed=21), max_new_tokens=96, do_sample=False)
+        hidden = model.model(text).last_hidden_state  # (the model is not trained: its pass once, not every step)
     optimizer = torch.optim.Adam(mtp.parameters(), lr=3e-3)
     for _ in range(150):
-        loss = torch.nn.functional.cross_entropy(mtp(model, text)[:-1], text[0, 2:])
+        loss = torch.nn.functional.cross_entropy(mtp(model, text, hidden)[:-1], text[0, 2:])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, random_model
+from conftest import ROOT, random_model, with_kernels
 
 from dense_engine.runtime import caches, generate
 from dense_engine.runtime.steps import Steps
@@ -32,7 +32,7 @@ print("loaded", steps.loaded, "compiled", steps.compiled)
 def run(cache) -> tuple[list[int], int, int, str]:
     code = SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env={**os.environ, "XDG_CACHE_HOME": str(cache)}, check=False)
+                            env={**os.environ, "XDG_CACHE_HOME": str(with_kernels(cache))}, check=False)
     assert result.returncode == 0, result.stderr
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
     tokens = eval(lines["tokens"])

@@ -10,7 +10,7 @@ import sys
 
 import pexpect
 import pytest
-from conftest import FIXTURES, ROOT
+from conftest import FIXTURES, ROOT, with_kernels
 
 from dense_engine.cli import terminal
 
@@ -22,7 +22,7 @@ UP = "\x1b[A"
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """One cache folder for these tests (the CPU kernels are built into it once), its history emptied per test."""
-    return tmp_path_factory.mktemp("xdg")
+    return with_kernels(tmp_path_factory.mktemp("xdg"))
 
 
 @pytest.fixture(autouse=True)
