@@ -546,7 +546,7 @@ def test_json_schema_and_json_object_one_shot_replies_parse(tmp_path):
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(schema))
     for flags in (["--temperature", "0"], ["--temperature", "1", "--seed", "3"]):
-        result = run_chat("--ckpt", LLAMA, "--prompt", "hi", "--json-schema", path, "--max-new-tokens", 40, *flags)
+        result = run_chat("--ckpt", LLAMA, "--prompt", "hi", "--json-schema", path, "--max-new-tokens", 300, *flags)
         assert result.returncode == 0, result.stderr
         jsonschema.validate(json.loads(result.stdout), schema)
     free = run_chat("--ckpt", LLAMA, "--prompt", "hi", "--max-new-tokens", 40, "--temperature", "0")

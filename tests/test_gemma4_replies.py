@@ -112,9 +112,12 @@ def test_a_call_is_told_as_a_call_after_the_thinking(vocab, stream):
 def test_calls_between_text_and_two_at_once(vocab):
     second = '<|tool_call>call:get_weather{city:<|"|>Bergen<|"|>}<tool_call|>'
     http, _ = app_client(vocab, f"Let me look.{CALL}{second}")
-    message = openai_client(http).chat.completions.create(model="m", messages=ASK, tools=TOOLS).choices[0].message
-    assert message.content == "Let me look."
-    assert [json.loads(c.function.arguments)["city"] for c in message.tool_calls] == ["Oslo, Norway", "Bergen"]
+    for parallel, cities in ((True, ["Oslo, Norway", "Bergen"]), (False, ["Oslo, Norway"])):  # (False: the default)
+        asked = {"parallel_tool_calls": True} if parallel else {}
+        message = openai_client(http).chat.completions.create(model="m", messages=ASK, tools=TOOLS, **asked)
+        message = message.choices[0].message
+        assert message.content == "Let me look."
+        assert [json.loads(c.function.arguments)["city"] for c in message.tool_calls] == cities
     http, _ = app_client(vocab, '<|tool_call>call:get_time{}<tool_call|> and <|tool_call>call:get_weather{city}')
     message = openai_client(http).chat.completions.create(model="m", messages=ASK, tools=TOOLS).choices[0].message
     assert not message.tool_calls  # (a tool not offered, a call that does not parse: the text as written)
@@ -155,7 +158,11 @@ def test_a_required_call_holds_to_gemmas_syntax_and_the_tools_parameters(vocab):
 
     assert required.opens == vocab.tokenizer.token_to_id("<|channel>")  # (a thought may come first: then the call)
     assert takes(required, CALL)
-    assert takes(required, CALL + '<|tool_call>call:get_weather{city:<|"|>x<|"|>}<tool_call|>')  # (parallel)
+    second = '<|tool_call>call:get_weather{city:<|"|>x<|"|>}<tool_call|>'
+    assert not takes(required, CALL + second)  # (one call unless the request asks for more)
+    client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
+                                   parallel_tool_calls=True)
+    assert takes(scheduler.jobs[-1].constraint, CALL + second)
     assert not takes(required, CALL.replace("city", "town"))  # (not a parameter)
     assert not takes(required, CALL.replace("get_weather", "get_time"))  # (not a tool)
     assert not takes(required, 'call:get_weather{city:Oslo}<tool_call|>')

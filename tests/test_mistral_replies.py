@@ -85,7 +85,8 @@ def test_the_reasoning_and_a_call_after_it(ministral, stream):
 def test_calls_after_text_two_at_once_a_call_id_and_what_is_not_a_call(ministral, small):
     second = '[TOOL_CALLS]get_weather[ARGS]{"city": "Bergen"}'
     http, _ = app_client(ministral, f"Let me look.{CALL}{second}")
-    message = openai_client(http).chat.completions.create(model="m", messages=ASK, tools=TOOLS).choices[0].message
+    message = openai_client(http).chat.completions.create(model="m", messages=ASK, tools=TOOLS,
+                                                          parallel_tool_calls=True).choices[0].message
     assert message.content == "Let me look."
     assert [json.loads(c.function.arguments)["city"] for c in message.tool_calls] == ["Oslo", "Bergen"]
     http, _ = app_client(small, '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo"}')
@@ -126,7 +127,11 @@ def test_a_required_call_holds_to_the_format_and_the_tools_schema(ministral):
         matcher.reset()
         return all(matcher.consume_token(i) for i in ministral.encode(text, special=False)) and matcher.is_accepting()
 
-    assert takes(required, CALL) and takes(required, CALL + '[TOOL_CALLS]get_weather[ARGS]{"city": "x"}')
+    second = '[TOOL_CALLS]get_weather[ARGS]{"city": "x"}'
+    assert takes(required, CALL) and not takes(required, CALL + second)  # (one call unless asked for more)
+    client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
+                                   parallel_tool_calls=True)
+    assert takes(scheduler.jobs[-1].constraint, CALL + second)
     assert not takes(required, CALL.replace('"days": 3', '"days": "3"'))  # (the schema: an integer)
     assert not takes(required, CALL.replace('"city": "Oslo", ', ""))  # (city is required)
     assert not takes(required, CALL.replace("get_weather", "get_time"))

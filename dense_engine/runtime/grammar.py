@@ -25,7 +25,14 @@ from dense_engine.formats.vocab import Vocabulary
 from dense_engine.runtime import reasoning
 from dense_engine.system.errors import UsageError
 
-JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a model cannot pad a reply with endless whitespace
+# Where JSON allows whitespace, llama.cpp's `space`: none, one space, or one or two line breaks and an indent of at
+# most 20. A model writes JSON as it was trained to ({"a": 1}, indented objects), and cannot pad a reply endlessly.
+WHITESPACE = r"( |\n{1,2}[ \t]{0,20})?"
+JSON_OPTIONS = {"whitespace_flexible": False, "whitespace_pattern": WHITESPACE}
+# An integer of at most 16 digits (llama.cpp's), a number's whole part the same. llguidance reads a bound as a double,
+# which holds 10**16 - 2 exactly (10**16 - 1 would round up to 10**16, 17 digits)
+INTEGER_LIMIT = 10**16 - 2
+FRACTION = 1e-10  # a number's fraction of at most 10 digits, and no exponent (llguidance: multipleOf, a range)
 
 
 def llguidance():
@@ -79,14 +86,46 @@ def closed_objects(schema, whole: bool = True):
     return out
 
 
+def bounded_numbers(schema):
+    """The schema with each integer and number bounded where it says nothing of its own: at most 16 digits (its
+    minimum and maximum), a number's fraction at most 10 digits (its multipleOf). Unbounded, a small model writes
+    digits until max_tokens cuts the reply (population: 1112200000000000000000...)."""
+    if isinstance(schema, list):
+        return [bounded_numbers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in SCHEMA_VALUES else
+           {name: bounded_numbers(s) for name, s in value.items()} if key in SCHEMA_MAPS and isinstance(value, dict)
+           else bounded_numbers(value) for key, value in schema.items()}
+    kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    number, integer = "number" in kinds, "integer" in kinds
+    if number or integer:
+        limit = INTEGER_LIMIT if integer and not number else float(INTEGER_LIMIT)
+        low = [v for v in (out.get("minimum"), out.get("exclusiveMinimum")) if isinstance(v, (int, float))]
+        high = [v for v in (out.get("maximum"), out.get("exclusiveMaximum")) if isinstance(v, (int, float))]
+        if not low and all(v >= -limit for v in high):
+            out["minimum"] = -limit
+        if not high and all(v <= limit for v in low):
+            out["maximum"] = limit
+    if number and "multipleOf" not in out:
+        out["multipleOf"] = FRACTION
+    return out
+
+
+def held(schema: dict) -> dict:
+    """The schema a grammar holds a reply to: objects closed (closed_objects), numbers bounded (bounded_numbers)."""
+    return bounded_numbers(closed_objects(schema))
+
+
 def json_grammar(schema: dict | None = None) -> str:
-    """The grammar of a JSON value that validates against `schema` (None: any JSON object; objects closed as
-    closed_objects says); ValueError if the schema is not one llguidance can compile."""
+    """The grammar of a JSON value that validates against `schema` (None: any JSON object; as `held` says), written
+    with JSON_OPTIONS' whitespace; ValueError if the schema is not one llguidance can compile (a keyword it does not
+    hold: llguidance names it)."""
     ll = llguidance()
     schema = {"type": "object"} if schema is None else schema
     if not isinstance(schema, dict):
         raise ValueError("a JSON schema must be a JSON object")  # noqa: TRY004 (the ValueError the docstring says)
-    grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(schema)), overrides=JSON_OPTIONS)
+    grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(held(schema)), overrides=JSON_OPTIONS)
     error = ll.LLMatcher.validate_grammar(grammar)
     if error and not error.startswith("WARNING"):
         raise ValueError(error.splitlines()[0])

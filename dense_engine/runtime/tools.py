@@ -22,9 +22,6 @@ from dataclasses import dataclass
 
 from dense_engine.runtime import grammar
 
-JSON_OPTIONS = {"whitespace_flexible": False}
-SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # (json.dumps' default)
-
 
 def reply_format(template: str | None) -> str:
     template = template or ""
@@ -107,7 +104,7 @@ def call_grammar(tools: list[dict], only: str | None, fmt: str, parallel: bool, 
         return gemma_grammar(functions, parallel, opened, token_id)
     mark = marker(token_id)
     if fmt == "mistral_args":  # each call: its opener, the name, [ARGS], the arguments' JSON
-        schemas = [{"x-guidance": SPACED, **grammar.closed_objects(f.get("parameters") or {"type": "object"})}
+        schemas = [{"x-guidance": grammar.JSON_OPTIONS, **grammar.held(f.get("parameters") or {"type": "object"})}
                    for f in functions]
         calls = [f'call{i}: {json.dumps(f["name"])} ({mark("[CALL_ID]")} /[A-Za-z0-9]{{9}}/)? {mark("[ARGS]")} '
                  f'%json {json.dumps(schema)}' for i, (f, schema) in enumerate(zip(functions, schemas))]
@@ -118,9 +115,9 @@ def call_grammar(tools: list[dict], only: str | None, fmt: str, parallel: bool, 
     key = "parameters" if fmt == "llama3" else "arguments"
     choices = [{"type": "object",
                 "properties": {"name": {"const": f["name"]},
-                               key: grammar.closed_objects(f.get("parameters") or {"type": "object"})},
+                               key: grammar.held(f.get("parameters") or {"type": "object"})},
                 "required": ["name", key], "additionalProperties": False} for f in functions]
-    schema = {"x-guidance": JSON_OPTIONS, **(choices[0] if len(choices) == 1 else {"anyOf": choices})}
+    schema = {"x-guidance": grammar.JSON_OPTIONS, **(choices[0] if len(choices) == 1 else {"anyOf": choices})}
     call = "call: %json " + json.dumps(schema)
     if fmt == "hermes":
         one = '"<tool_call>\\n" call "\\n</tool_call>"'

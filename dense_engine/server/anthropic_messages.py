@@ -49,7 +49,7 @@ def translate(body: dict, server) -> tuple[str, dict, dict]:
             raise BadRequest("tool_choice: must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}", "tool_choice")
         chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none",
                                "tool": {"type": "function", "function": {"name": choice.get("name")}}}[choice["type"]]
-        chat["parallel_tool_calls"] = not choice.get("disable_parallel_tool_use", False)
+        chat["parallel_tool_calls"] = choice.get("disable_parallel_tool_use") is False  # (one call unless it says)
     return "chat", chat, {"fields": FIELDS}
 
 

@@ -95,7 +95,7 @@ def translate(body: dict, server) -> tuple[str, dict, dict]:
     meta = {"conversation": conversation, "instructions": instructions, "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice", "auto"), "store": store, "previous_response_id": previous,
             "text": text or {"format": {"type": "text"}}, "max_output_tokens": body.get("max_output_tokens"),
-            "parallel_tool_calls": body.get("parallel_tool_calls", True), "metadata": body.get("metadata") or {},
+            "parallel_tool_calls": body.get("parallel_tool_calls", False), "metadata": body.get("metadata") or {},
             "fields": FIELDS}
     return "chat", chat, meta
 
@@ -204,7 +204,7 @@ class ResponsesReply(Reply):
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": meta.get("instructions"), "max_output_tokens": meta.get("max_output_tokens"),
                 "model": self.head["model"], "output": copy.deepcopy(self.items),
-                "parallel_tool_calls": meta.get("parallel_tool_calls", True),
+                "parallel_tool_calls": meta.get("parallel_tool_calls", False),
                 "previous_response_id": meta.get("previous_response_id"), "reasoning": {"effort": None,
                                                                                        "summary": None},
                 "store": meta.get("store", True),

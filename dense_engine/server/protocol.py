@@ -347,7 +347,7 @@ def tool_calling(body: dict, vocab: Vocabulary) -> ToolCalling | None:
                          f"({', '.join(sorted(names))})", "tool_choice")
     if choice == "none":
         return None
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls", False)  # (llama-server's default: one call unless asked for more)
     if not isinstance(parallel, bool):
         raise BadRequest("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
     fmt = tools.reply_format(vocab.chat_template)
