@@ -27,10 +27,14 @@ def loopback() -> dict:
 
 def worker(rank, size, rdzv, out, jobs):
     """Each job: (name, path, quant, compile); rank 0 writes {name: results} to out."""
+    import faulthandler
+
+    faulthandler.enable()  # (a rank that crashes prints where, in the test's captured stderr)
     os.environ.update(loopback())
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=size)
     results = {}
     for name, path, quant, compile in jobs:
+        print(f"rank {rank}: {name}", file=sys.stderr, flush=True)  # (with faulthandler: which job a crash was in)
         model = tp.from_pretrained(path, quant=quant)
         ids = torch.arange(3, 40).reshape(1, -1) % model.config.vocab_size
         with torch.no_grad():

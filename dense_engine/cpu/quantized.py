@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import layer_kinds
 from dense import DenseDecoder
 from dense_engine.cpu import kernels
 from dense_engine.system.errors import CheckpointError
@@ -444,6 +445,14 @@ def gguf_dequantize(blocks: torch.Tensor, kind: str, cols: int) -> torch.Tensor:
     return w.reshape(blocks.shape[0], cols)
 
 
+def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, cols: int, float_x: bool = False) -> torch.Tensor:
+    """x [.., cols] times a GGUF tensor's rows of blocks uint8 [rows, row bytes] (as stored) -> [.., rows]."""
+    if blocks.device.type == "cpu" and x.dtype == torch.float32 and kernels.available():
+        return torch.ops.dense_kernels.linear_gguf(x, blocks, GGUF_TYPES[kind][0], float_x)  # kernels.cpp
+    # elsewhere: dequantize-and-matmul (torch.compile fuses the dequantizing into the weight loads)
+    return F.linear(x, gguf_dequantize(blocks, kind, cols).to(x.dtype))
+
+
 class GGUFLinear(QuantLinear):
     """A linear over a GGUF file's rows of blocks, as stored. A fused projection's parts may differ in type (Q4_K_M:
     q and k in Q4_K, v in Q6_K) or lie apart in the file: each is its own buffer (blocks0, blocks1, ...), and the
@@ -469,11 +478,7 @@ class GGUFLinear(QuantLinear):
     float_x = False  # x in float32 at every number of rows (GGUFHead), not as digits or rounded to 8 bits
 
     def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        blocks, kind = getattr(self, f"blocks{i}"), self.kinds[i]
-        if blocks.device.type == "cpu" and x.dtype == torch.float32 and kernels.available():
-            return torch.ops.dense_kernels.linear_gguf(x, blocks, GGUF_TYPES[kind][0], self.float_x)  # kernels.cpp
-        # elsewhere: dequantize-and-matmul (torch.compile fuses the dequantizing into the weight loads)
-        return F.linear(x, gguf_dequantize(blocks, kind, self.in_features).to(x.dtype))
+        return gguf_linear(x, getattr(self, f"blocks{i}"), self.kinds[i], self.in_features, self.float_x)
 
     def dequantize(self, dtype) -> torch.Tensor:
         w = torch.cat([gguf_dequantize(getattr(self, f"blocks{i}"), kind, self.in_features)
@@ -531,6 +536,52 @@ class GGUFEmbedding(nn.Module):
         else:
             w = gguf_dequantize(rows, self.kind, self.embedding_dim)
         return w.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+
+class GGUFExperts(layer_kinds.Experts):
+    """A mixture whose experts are a GGUF file's blocks as stored (llama.cpp's ffn_gate_exps and ffn_up_exps
+    [E, I, row bytes], ffn_down_exps [E, C, row bytes], uint8, each tensor in its own type): each chosen expert's rows
+    (a view of the file's blocks, nothing copied) multiplied by the kernel GGUFLinear calls. The router, the shared
+    expert and its gate are the layer's own modules (float, or GGUFLinear where the file stores them in blocks).
+    kinds: {"gate" | "up" | "down": GGUF type}; the blocks (gate_blocks, up_blocks, down_blocks) are empty until
+    load.load_blocks puts the file's in place."""
+
+    def __init__(self, config, layer: int, kinds: dict[str, str]) -> None:
+        super().__init__(config, layer)
+        if self.spec.activation not in ("swiglu", "geglu"):
+            raise CheckpointError(f"GGUF experts with the {self.spec.activation} activation are not supported")
+        del self.experts_gate_up, self.experts_down  # (the blocks instead)
+        self.kinds = kinds
+        C, E, I = config.hidden_size, self.spec.count, self.spec.width
+        for name, rows, cols in (("gate", I, C), ("up", I, C), ("down", C, I)):
+            _, values, size = GGUF_TYPES[kinds[name]]
+            self.register_buffer(f"{name}_blocks", torch.empty(E, rows, cols // values * size, dtype=torch.uint8),
+                                 persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"kinds={self.kinds['gate']}/{self.kinds['up']}/{self.kinds['down']}"
+
+    def expert(self, x: torch.Tensor, e) -> torch.Tensor:
+        """x [n, C] through expert e (an int, or a 0-d tensor in a compiled step) -> [n, C]."""
+        C, I = x.shape[-1], self.spec.width
+        h = torch.cat([gguf_linear(x, self.gate_blocks[e], self.kinds["gate"], C),
+                       gguf_linear(x, self.up_blocks[e], self.kinds["up"], C)], dim=-1)  # [n, 2I]
+        return gguf_linear(self.activate(h), self.down_blocks[e], self.kinds["down"], I)
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Each chosen expert once, over the tokens that chose it (the eager pass)."""
+        y = torch.zeros_like(x)
+        for e in chosen.unique().tolist():
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            y.index_add_(0, token, self.expert(x[token], e) * weights[token, slot].unsqueeze(-1))
+        return y
+
+    def gathered(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Each (token, chosen slot) pair through its expert, a row at a time: N x k kernel calls of fixed shapes (a
+        compiled step's few tokens)."""
+        N, k = chosen.shape
+        y = torch.stack([self.expert(x[n:n + 1], chosen[n, j])[0] for n in range(N) for j in range(k)])  # [N k, C]
+        return (y.view(N, k, -1) * weights.unsqueeze(-1)).sum(1)
 
 
 def check_mode(mode: str) -> None:

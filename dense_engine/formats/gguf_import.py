@@ -3,13 +3,13 @@
 The file's metadata and tensor table are parsed here (GGUFFile, over a memory map: gguf's reader takes seconds on a
 large vocabulary); weights are dequantized with the `gguf` package's own dequantizer (F32, F16, BF16, Q8_0, Q4_0,
 Q4_1, Q4_K, Q5_K, Q6_K, ...). Q4_0 / Q4_1 linears also keep their blocks, which int4-g32 holds exactly, and every
-2-D tensor of a type with a kernel (quantized.GGUF_TYPES: the K-quants, Q8_0, Q4_0/1, Q5_0/1) says where its rows
-of blocks lie in the file (Blocks), for `--quant gguf` to read as stored. read_gguf names a file's tensors as its
-architecture's family says (an Architecture of families.GGUF_FAMILIES: the config from the `ARCH.*` metadata, read
-as llama.cpp's model code reads it, and each layer tensor's native names, with what llama.cpp's converter
-(convert_hf_to_gguf.py) did undone: each family's module says what); read_lora reads llama.cpp's LoRA adapter files.
-The tokenizer a file holds is rebuilt in vocab.py. Stands on dense.py, checkpoint.py, lora.py and quantized.py
-(int4's layout).
+2-D tensor of a type with a kernel (quantized.GGUF_TYPES: the K-quants, Q8_0, Q4_0/1, Q5_0/1), a mixture's 3-D
+experts too, says where its rows of blocks lie in the file (Blocks), for `--quant gguf` to read as stored. read_gguf
+names a file's tensors as its architecture's family says (an Architecture of families.GGUF_FAMILIES: the config from
+the `ARCH.*` metadata, read as llama.cpp's model code reads it, and each layer tensor's native names, with what
+llama.cpp's converter (convert_hf_to_gguf.py) did undone: each family's module says what); read_lora reads
+llama.cpp's LoRA adapter files. The tokenizer a file holds is rebuilt in vocab.py. Stands on dense.py,
+checkpoint.py, lora.py and quantized.py (int4's layout).
 """
 
 from __future__ import annotations
@@ -254,8 +254,8 @@ class Metadata:
     def refuse_experts(self) -> None:
         if int(self.key("expert_count", 0)):
             raise CheckpointError(f"{self.path}: GGUF metadata {self.arch}.expert_count {self.key('expert_count')}: a "
-                                  "mixture of experts; this engine reads mixtures from Hugging Face folders, not yet "
-                                  "from GGUF files")
+                                  f"mixture of experts of architecture {self.arch!r}, which this engine does not read "
+                                  "from GGUF files yet (it reads llama's (Mixtral), qwen2moe's and qwen3moe's)")
 
     def vocab_size(self) -> int:
         return int(self.key("vocab_size", 0) or tokens_count(self.reader, self.path))
@@ -311,7 +311,7 @@ def read_gguf(path: str, architectures: dict[str, Architecture]) -> Checkpoint:
 
     def read_blocks(name: str, rows: torch.Tensor | None) -> Blocks:
         t = tensors[name]
-        out = shape_of(t)[0]
+        out = math.prod(shape_of(t)[:-1])  # (a mixture's experts [E, rows, C]: E x rows rows)
         return Blocks(t.tensor_type.name, path, name, t.data_offset, out, t.n_bytes // out, rows)
 
     def read_int4(name: str, rows: torch.Tensor | None):
@@ -328,7 +328,7 @@ def read_gguf(path: str, architectures: dict[str, Architecture]) -> Checkpoint:
         types[native] = tensors[name].tensor_type.name
         if change is not None:  # (a changed tensor is float: conv kernels, ssm_a)
             return
-        if types[native] in quantized.GGUF_TYPES and len(tensors[name].shape) == 2:
+        if types[native] in quantized.GGUF_TYPES and len(tensors[name].shape) in (2, 3):  # (3: experts)
             blocks[native] = read_blocks(name, rows)
         if types[native] in quantized.EXACT_INT4_TYPES and native.startswith("layers.") and native.endswith(".weight"):
             exact[native.removesuffix(".weight")] = read_int4(name, rows)

@@ -181,8 +181,8 @@ class no_init:
 def auto_mode(checkpoint, device="cpu") -> tuple[str | None, str]:
     """What `--quant auto` loads, and why: int4-g32 for weights that came from a GGUF's Q4_0/Q4_1 blocks (int4
     holds them exactly, and int4 is the fastest kernel: ours on CPU, tinygemm on CUDA, whose bfloat16 scales round
-    the blocks' float16 ones); a GGUF file's other block types as the file stores them ("gguf": K-quants, Q8_0, ...);
-    everything else as stored."""
+    the blocks' float16 ones); a GGUF file's other block types as the file stores them ("gguf": K-quants, Q8_0, ...;
+    a mixture's experts in any block type); everything else as stored."""
     types = checkpoint.record.get("source_tensor_types", {}).get("blocks") or {}
     if checkpoint.source_types:  # a .gguf file itself
         types = {kind for name, kind in checkpoint.source_types.items() if quantized.BLOCK_LINEAR.fullmatch(name[:-7])}
@@ -193,10 +193,11 @@ def auto_mode(checkpoint, device="cpu") -> tuple[str | None, str]:
     if checkpoint.scheme is not None and checkpoint.scheme.mode:
         return checkpoint.scheme.mode, checkpoint.scheme.reason()
     exact = "int4" in saved or bool(checkpoint.exact)
-    if types and set(types) <= set(quantized.EXACT_INT4_TYPES) and exact:
+    experts = any(n.endswith(".mlp.experts_down") for n in checkpoint.blocks)  # (a mixture's experts in blocks: as
+    if types and set(types) <= set(quantized.EXACT_INT4_TYPES) and exact and not experts:  # stored, not in float)
         held = "exactly" if torch.device(device).type != "cuda" else "(on CUDA with bfloat16 scales)"
         return "int4", f"the weights are {'/'.join(sorted(types))} blocks from a GGUF, which int4-g32 holds {held}"
-    if any(quantized.BLOCK_LINEAR.fullmatch(n[:-7]) for n in checkpoint.blocks):
+    if experts or any(quantized.BLOCK_LINEAR.fullmatch(n[:-7]) for n in checkpoint.blocks):
         kinds = sorted({checkpoint.blocks[n].kind for n in checkpoint.blocks})
         rest = sorted(set(types) - set(quantized.GGUF_TYPES))  # (Q3_K, IQ4_XS, ...: dequantized, float32)
         return "gguf", f"the file's {'/'.join(kinds)} blocks as stored" + (f"; {'/'.join(rest)} as float32" if rest
@@ -266,8 +267,19 @@ def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dt
     of huge pages they were read into (read_runs). Parts of a fused projection that lie one after another in the file,
     of one type, are one buffer, and a tensor two parts share (qwen35's per-head query and gate rows) is read once;
     rows in another order than the model's (llama's permuted q/k) stay as stored and the layer puts its outputs in
-    order. A tied head multiplies the embedding's own blocks."""
+    order. A tied head multiplies the embedding's own blocks. A mixture's experts in blocks (all three of a layer's
+    stacked tensors) make its layer a quantized.GGUFExperts, each tensor's blocks viewed as [E, rows, row bytes]."""
     blocks = checkpoint.blocks
+    experts = {}  # module -> {"gate" | "up" | "down": its experts' Blocks}
+    for name, module in list(model.named_modules()):
+        parts = {p: blocks.get(f"{name}.experts_{p}") for p in ("gate", "up", "down")}
+        if type(module) is layer_kinds.Experts and all(parts.values()):
+            experts[name] = parts
+            parent, _, attr = name.rpartition(".")
+            with torch.device("meta"):  # (its router and shared expert: filled below and by load_tensors)
+                new = quantized.GGUFExperts(model.config, int(name.split(".")[1]),
+                                            {p: b.kind for p, b in parts.items()})
+            setattr(model.get_submodule(parent), attr, new)
     linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     tables = ["embed_tokens"] + (["embed_per_layer"] if hasattr(model, "embed_per_layer") else [])  # (rows looked up)
     sources = {name: [f"{name}.weight"] for name in tables}  # module -> the checkpoint weights it is stacked from
@@ -289,9 +301,16 @@ def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dt
                 runs[module_name][-1] = (last[0], last[1] + b.rows)
             else:
                 runs[module_name].append((b, b.rows))
+    runs.update({(name, p): [(b, b.rows)] for name, parts in experts.items() for p, b in parts.items()})
     unique = list({(first.path, first.offset): (first, rows) for module_runs in runs.values()
                    for first, rows in module_runs}.values())
     buffers = read_runs(unique, device)
+    for name, parts in experts.items():
+        module = model.get_submodule(name)
+        for p, b in parts.items():
+            view = buffers[b.path, b.offset].view(module.spec.count, -1, b.row_bytes)  # [E, rows, row bytes]
+            view.placed = True
+            setattr(module, f"{p}_blocks", view)
     for module_name, parts in sources.items():
         views = [(first.kind, buffers[first.path, first.offset]) for first, _ in runs[module_name]]
         parent, _, attr = module_name.rpartition(".")
@@ -303,6 +322,7 @@ def load_blocks(model: dense.DenseDecoder, checkpoint, tensors: dict, device, dt
                                        order=stored_order([blocks[p] for p in parts], stored[module_name]))
         setattr(model.get_submodule(parent) if parent else model, attr, new)
     read = {p for parts in sources.values() for p in parts}
+    read |= {f"{name}.experts_{p}" for name in experts for p in ("gate_up", "down")}
     return {name: thunk for name, thunk in tensors.items() if name not in read}
 
 

@@ -24,6 +24,11 @@ experts_down [E, C, I] of layer_kinds.Experts.
 
 A folder's experts come one tensor each (the Hub's: mlp.experts.N.gate_proj.weight, ...) or stacked (transformers
 5's own: mlp.experts.gate_up_proj [E, 2I, C]; gpt-oss's [E, C, 2I] with gate and up interleaved).
+
+GGUF files (gguf_experts, llama.py's reader): llama.cpp's llama (Mixtral), qwen2moe and qwen3moe, their experts stacked
+by the converter (blk.N.ffn_gate_exps / ffn_up_exps [E, I, C], ffn_down_exps [E, C, I], the router ffn_gate_inp
+[E, C]; qwen2moe's shared expert ffn_{gate,up,down}_shexp and its gate ffn_gate_inp_shexp [C]); what llama.cpp's model
+code hard-codes for each (whether the top-k is renormalized) as it does.
 """
 
 from __future__ import annotations
@@ -107,6 +112,58 @@ def hf_experts(cfg: ConfigReader, kind: str, layers: int) -> ExpertsConfig:
                              routed_scale=float(cfg.get("routed_scaling_factor", 1.0)),
                              dense_layers=tuple(range(min(int(cfg.get("num_dense_layers", 2)), layers))))
     raise CheckpointError(f"{cfg.source}: model_type {kind!r} has no experts reader")
+
+
+# GGUF architectures whose mixtures are read -> (the top-k renormalized, a shared expert behind a sigmoid gate), as
+# llama.cpp's model code fixes them (build_moe_ffn's norm_w; no metadata key says it)
+GGUF_MIXTURES = {"llama": (True, False), "qwen2moe": (False, True), "qwen3moe": (True, False)}
+# a layer's expert tensors (after "blk.N.") -> native names (after "layers.N."); gate and up joined by join_experts
+GGUF_EXPERTS = {"ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_exps.weight": "mlp.experts_gate",
+                "ffn_up_exps.weight": "mlp.experts_up", "ffn_down_exps.weight": "mlp.experts_down",
+                "ffn_gate_shexp.weight": "mlp.shared.gate_proj.weight",
+                "ffn_up_shexp.weight": "mlp.shared.up_proj.weight",
+                "ffn_down_shexp.weight": "mlp.shared.down_proj.weight",
+                "ffn_gate_inp_shexp.weight": "mlp.shared_gate.weight"}
+
+
+def gguf_experts(meta, layers: int) -> ExpertsConfig | None:
+    """The experts' record of a GGUF file (meta: gguf_import.Metadata) with `ARCH.expert_count`, read as llama.cpp
+    reads it: each expert expert_feed_forward_length wide (llama: feed_forward_length; absent: feed_forward_length /
+    expert_used_count), a layer without a router a plain MLP; None without experts. A mixture of another architecture
+    is refused in one line."""
+    count = int(meta.key("expert_count", 0))
+    if not count:
+        return None
+    if meta.arch not in GGUF_MIXTURES:
+        meta.refuse_experts()
+    renormalize, shared = GGUF_MIXTURES[meta.arch]
+    chosen, ffn = int(meta.key("expert_used_count", 0)), int(meta.key("feed_forward_length"))
+    if not 0 < chosen <= count:
+        raise CheckpointError(f"{meta.path}: GGUF metadata {meta.arch}.expert_used_count {chosen}: expected 1 to the "
+                              f"{count} experts")
+    shared_width = int(meta.key("expert_shared_feed_forward_length", 0))
+    if shared_width and not shared:  # (llama.cpp's Granite MoE shared, another architecture's files)
+        raise CheckpointError(f"{meta.path}: GGUF metadata {meta.arch}.expert_shared_feed_forward_length "
+                              f"{shared_width}: a shared expert is not supported for {meta.arch}")
+    width = ffn if meta.arch == "llama" else int(meta.key("expert_feed_forward_length", 0)) or ffn // chosen
+    return ExpertsConfig(count=count, chosen=chosen, width=width, renormalize=renormalize,
+                         shared_width=(shared_width or ffn) if shared else 0, shared_gate=shared,
+                         dense_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in
+                                            meta.tensors))
+
+
+def join_experts(table: dict, config, source: str) -> None:
+    """A GGUF file's experts_gate and experts_up [E, I, C] as Experts' experts_gate_up [E, 2I, C] (gate rows, then up
+    rows), and a shared expert's gate [C] (llama.cpp's shape) as the linear's [1, C]."""
+    for i in range(config.num_hidden_layers):
+        m = f"layers.{i}.mlp."
+        if m + "experts_gate" in table:
+            gate, up = table.pop(m + "experts_gate"), table.pop(m + "experts_up", None)
+            if up is None:
+                raise CheckpointError(f"{source}: tensor 'blk.{i}.ffn_gate_exps.weight' has no ffn_up_exps beside it")
+            table[m + "experts_gate_up"] = lambda gate=gate, up=up: torch.cat([gate(), up()], dim=1)
+        if m + "shared_gate.weight" in table:
+            table[m + "shared_gate.weight"] = lambda w=table[m + "shared_gate.weight"]: w().reshape(1, -1)
 
 
 def expert_rules(layer: str) -> list[tuple[str, str]]:

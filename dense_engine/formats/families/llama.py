@@ -37,7 +37,14 @@ from dense_engine.formats.families.common import (
     split_gate_up,
     split_qkv,
 )
-from dense_engine.formats.families.experts import expert_rules, hf_experts, stack_experts
+from dense_engine.formats.families.experts import (
+    GGUF_EXPERTS,
+    expert_rules,
+    gguf_experts,
+    hf_experts,
+    join_experts,
+    stack_experts,
+)
 from dense_engine.formats.gguf_import import Architecture, Metadata, field, unpermute
 from dense_engine.system import machine
 from dense_engine.system.errors import CheckpointError
@@ -154,9 +161,9 @@ FAMILIES = {
     "apertus1p5_text": Family(eps=1e-5, theta=12e6, qk_norm="shared", mlp="xielu"),  # (its head may be pruned)
     "hunyuan_v1_dense": Family(gguf="hunyuan-dense", eps=1e-5, qk_norm="shared", norm_after_rope=True),
     # mixtures of experts (experts.py)
-    "mixtral": Family(eps=1e-5, theta=1e6, windows="given", experts=True),
-    "qwen2_moe": Family(qkv_bias=True, qkv_bias_key="qkv_bias", windows="flag", experts=True),
-    "qwen3_moe": Family(head_dim=128, qk_norm="shared", windows="flag", experts=True),
+    "mixtral": Family(eps=1e-5, theta=1e6, windows="given", experts=True),  # (GGUF: llama with llama.expert_count)
+    "qwen2_moe": Family(gguf="qwen2moe", qkv_bias=True, qkv_bias_key="qkv_bias", windows="flag", experts=True),
+    "qwen3_moe": Family(gguf="qwen3moe", head_dim=128, qk_norm="shared", windows="flag", experts=True),
     "olmoe": Family(eps=1e-5, qk_norm="whole", experts=True),
     "glm4_moe": Family(eps=1e-5, head_dim=128, rotary_fraction=0.5, qk_norm="shared", qk_norm_key="use_qk_norm",
                        attention_bias_is_qkv=True, experts=True),
@@ -426,12 +433,12 @@ def gguf_config(family: Family, meta: Metadata) -> DenseConfig:
     """The model's config from the file's `ARCH.*` metadata, the family's switches (as for its Hugging Face folders)
     and what llama.cpp's model code fixes beyond them."""
     key, tensors, path, arch = meta.key, meta.tensors, meta.path, meta.arch
-    meta.refuse_experts()
     if family.qk_norms_refused and "blk.0.attn_q_norm.weight" in tensors:
         raise CheckpointError(f"{path}: tensor 'blk.0.attn_q_norm.weight': Command R+'s per-head q/k layer norms are "
                               "not supported")
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     layers = int(key("block_count"))
+    experts = gguf_experts(meta, layers)  # (llama: Mixtral's; another architecture's refused)
     head_dim = meta.head_dim(hidden, heads)
     rope_dim = int(key("rope.dimension_count", head_dim))
     if family.whole_heads_rotated and rope_dim != head_dim:  # llama.cpp refuses it too
@@ -487,7 +494,7 @@ def gguf_config(family: Family, meta: Metadata) -> DenseConfig:
         post_norms=family.post_norms, norm_gain_in_float32=family.norm_gain_in_float32,  # (Gemma's 1 + w: baked in)
         tie_word_embeddings=meta.tied or family.head_is_embedding,
         final_softcap=float(key("final_logit_softcapping", 30.0 if family.softcaps else 0.0)) or None,
-        attn_sinks="blk.0.attn_sinks.weight" in tensors)
+        attn_sinks="blk.0.attn_sinks.weight" in tensors, extras={"experts": experts} if experts else {})
 
 
 def gguf_layer(family: Family, config: DenseConfig, rest: str) -> list[tuple] | None:
@@ -505,6 +512,8 @@ def gguf_layer(family: Family, config: DenseConfig, rest: str) -> list[tuple] | 
                 ("mlp.up_proj.weight", torch.arange(W, 2 * W), None)]
     if rest == "attn_sinks.weight":  # (Granite SWA: a logit per head)
         return [("mixer.sinks", None, None)]
+    if rest in GGUF_EXPERTS and "experts" in config.extras:  # (joined by gguf_finish: join_experts)
+        return [(GGUF_EXPERTS[rest], None, None)]
     if kind == family.gguf_mlp_norm:  # (Seed-OSS: its norm before the MLP, as llama.cpp names it)
         return [(f"mlp_norm.{suffix}", None, None)]
     if kind not in LAYER_TENSORS or suffix not in ("weight", "bias") or (
@@ -520,7 +529,8 @@ def gguf_layer(family: Family, config: DenseConfig, rest: str) -> list[tuple] | 
 
 def gguf_finish(family: Family, table: dict, config: DenseConfig, meta: Metadata) -> None:
     """What a row's file holds beside its tensors: the head read from the embedding, whatever else is there
-    (head_is_embedding), xIELU's parameters (Apertus), and the norms shared_norms makes."""
+    (head_is_embedding), xIELU's parameters (Apertus), the norms shared_norms makes, and a mixture's gate and up
+    experts joined (join_experts)."""
     if family.head_is_embedding:
         table.pop("lm_head.weight", None)
     if config.mlp == "xielu":  # (Apertus) its activation's parameters, a layer each, in the metadata as stored
@@ -531,6 +541,8 @@ def gguf_finish(family: Family, table: dict, config: DenseConfig, meta: Metadata
                 shape = (1,) if key.startswith("alpha") else ()
                 table[f"layers.{i}.mlp.act.{key}"] = lambda value=value, shape=shape: torch.full(shape, float(value))
     shared_norms(table, family, config)
+    if "experts" in config.extras:
+        join_experts(table, config, meta.path)
 
 
 def gguf_architecture(family: Family) -> Architecture:
