@@ -20,24 +20,10 @@ import tempfile
 import time
 import urllib.request
 
-SCHEMAS = [
-    ("Describe Paris as JSON.", {"type": "object", "properties": {
-        "name": {"type": "string"}, "country": {"type": "string"}, "population": {"type": "integer"}},
-        "required": ["name", "country", "population"]}),
-    ("Describe a famous book as JSON.", {"type": "object", "properties": {
-        "title": {"type": "string"}, "author": {"type": "string"}, "year": {"type": "integer"},
-        "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["title", "author", "year", "tags"]}),
-    ("Give the weather in Oslo as JSON.", {"type": "object", "properties": {
-        "city": {"type": "string"}, "temperature": {"type": "number"}, "sunny": {"type": "boolean"}},
-        "required": ["city", "temperature", "sunny"]}),
-    ("Describe a person as JSON.", {"type": "object", "properties": {
-        "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "height_m": {"type": "number"}, "married": {"type": "boolean"}},
-        "required": ["name", "age", "height_m", "married"]}),
-] + [(prompt, None) for prompt in ["List three fruits and their colours in JSON.",
-                                   "Give me a JSON object describing a cat with name and age.",
-                                   "Describe your favourite movie in JSON.",
-                                   "What is the capital of Italy? Answer in JSON."]]
+# the requests, shared with tests/test_serve.py: [{"prompt", "schema" (null: json_object)}]
+REQUESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures",
+                        "structured_requests.json")
+
 
 LLAMA_SCRIPT = """
 import json, sys
@@ -64,7 +50,7 @@ def parses(text: str, schema) -> bool:
         return False
 
 
-def ours(gguf: str, max_tokens: int) -> list[tuple[str, str]]:
+def ours(requests: list, gguf: str, max_tokens: int) -> list[tuple[str, str]]:
     import openai
 
     with socket.socket() as s:
@@ -83,7 +69,7 @@ def ours(gguf: str, max_tokens: int) -> list[tuple[str, str]]:
             except OSError:
                 time.sleep(0.2)
         out = []
-        for prompt, schema in SCHEMAS:
+        for prompt, schema in requests:
             fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}} if schema else {
                 "type": "json_object"}
             reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
@@ -95,8 +81,8 @@ def ours(gguf: str, max_tokens: int) -> list[tuple[str, str]]:
         server.wait()
 
 
-def theirs(python: str, gguf: str, max_tokens: int) -> list[tuple[str, str]]:
-    result = subprocess.run([python, "-c", LLAMA_SCRIPT, json.dumps(SCHEMAS), gguf, str(max_tokens)],
+def theirs(requests: list, python: str, gguf: str, max_tokens: int) -> list[tuple[str, str]]:
+    result = subprocess.run([python, "-c", LLAMA_SCRIPT, json.dumps(requests), gguf, str(max_tokens)],
                             capture_output=True, text=True, check=True)
     return [tuple(r) for r in json.loads(result.stdout.strip().splitlines()[-1])]
 
@@ -108,20 +94,22 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--json", action="store_true", help="print the replies as JSON")
     args = parser.parse_args()
+    with open(REQUESTS) as f:
+        requests = [(r["prompt"], r["schema"]) for r in json.load(f)]
     if not args.gguf:
         from dense_engine.formats import default_model
 
         args.gguf = default_model.fetch_default_gguf(tempfile.mkdtemp(prefix="dense-bench-"))
-    rows = {"dense-engine": ours(args.gguf, args.max_tokens),
-            "llama.cpp": theirs(args.llama_python, args.gguf, args.max_tokens)}
+    rows = {"dense-engine": ours(requests, args.gguf, args.max_tokens),
+            "llama.cpp": theirs(requests, args.llama_python, args.gguf, args.max_tokens)}
     if args.json:
         print(json.dumps(rows, indent=1))
     print(f"{'request':<60} {'dense-engine':>14} {'llama.cpp':>14}")
-    for i, (prompt, schema) in enumerate(SCHEMAS):
+    for i, (prompt, schema) in enumerate(requests):
         cells = [("parses" if parses(rows[k][i][0], schema) else "no") + f" ({rows[k][i][1]})" for k in rows]
         print(f"{prompt[:58] + (' [schema]' if schema else ''):<60} {cells[0]:>14} {cells[1]:>14}")
-    counts = {k: sum(parses(r[0], s) for r, (_, s) in zip(rows[k], SCHEMAS)) for k in rows}
-    print("parsed: " + ", ".join(f"{k} {n} of {len(SCHEMAS)}" for k, n in counts.items()))
+    counts = {k: sum(parses(r[0], s) for r, (_, s) in zip(rows[k], requests)) for k in rows}
+    print("parsed: " + ", ".join(f"{k} {n} of {len(requests)}" for k, n in counts.items()))
 
 
 if __name__ == "__main__":
