@@ -19,6 +19,7 @@ import layer_kinds
 from dense_engine.cpu import kernels, quantized
 from dense_engine.formats import gguf_import, load
 from dense_engine.runtime import generate
+from dense_engine.runtime.steps import Steps
 from dense_engine.system.errors import CheckpointError
 
 Q = gguf.GGMLQuantizationType
@@ -199,10 +200,10 @@ def test_q8_0_experts_run_as_stored_and_give_the_dequantized_models_logits(files
 
 
 @pytest.mark.parametrize("case", ["qwen2moe", "mixtral"])
-def test_cached_and_compiled_decoding_of_q8_0_experts_equal_plain_passes(files, case):
+def test_cached_and_compiled_decoding_of_q8_0_experts_equal_plain_passes(files, case, tmp_path, capfd):
     """The cached steps (each chosen expert over its tokens) and the compiled decode step (each token's chosen
-    experts, a slot at a time, over the same blocks): the tokens of whole passes without a cache. (A prompt past
-    the compiled prefill's chunk: its prefill eager, the decode steps compiled.)"""
+    experts, a slot at a time, over the same blocks): the tokens of whole passes without a cache. The prefill runs
+    eagerly whatever the prompt's length (GGUFExperts.eager_prefill), with no failed compile and no note."""
     path, _ = files[case, "q8_0"]
     model = load.from_pretrained(path, quant="auto")
     ids = prompt(generate.PREFILL_CHUNK + 3, seed=5)
@@ -213,6 +214,11 @@ def test_cached_and_compiled_decoding_of_q8_0_experts_equal_plain_passes(files, 
             plain = torch.cat([plain, model(plain)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(eager, plain)
     assert torch.equal(generate.generate(model, ids, 10, compile=True), eager)
+    short = ids[:, :6]  # (within the compiled prefill's chunk: a dense model would compile its prefill)
+    steps = Steps(model, folder=str(tmp_path))
+    assert torch.equal(generate.generate(model, short, 10, steps=steps), generate.generate(model, short, 10))
+    assert steps.compiled == 1 and not steps.failed  # (the decode step alone; no prefill export tried and failed)
+    assert "failed" not in capfd.readouterr().err
 
 
 def test_a_mixture_of_an_architecture_not_read_is_one_line(files, tmp_path):

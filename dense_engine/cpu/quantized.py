@@ -546,6 +546,8 @@ class GGUFExperts(layer_kinds.Experts):
     kinds: {"gate" | "up" | "down": GGUF type}; the blocks (gate_blocks, up_blocks, down_blocks) are empty until
     load.load_blocks puts the file's in place."""
 
+    eager_prefill = True  # (gathered's loop over the tokens cannot take a prefill step's length, which varies: eager)
+
     def __init__(self, config, layer: int, kinds: dict[str, str]) -> None:
         super().__init__(config, layer)
         if self.spec.activation not in ("swiglu", "geglu"):

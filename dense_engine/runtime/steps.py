@@ -97,6 +97,8 @@ class Steps:
         self.loaded = self.compiled = 0
         self.decoded = {"compiled": 0, "eager": 0}  # decode and verify steps run each way (Runner counts; stats)
         self.eager: set[str] = set()  # kinds run eagerly here (a one-shot answer's one prefill: not worth a load)
+        if any(getattr(m, "eager_prefill", False) for m in model.modules()):  # (a layer no prefill graph can hold)
+            self.eager.add("prefill")
         # Saved steps (packages) on CPU. On CUDA, steps are compiled in the process (LazyStep): a step's worth
         # there is its CUDA graph, which is recorded per process and cannot be saved; Inductor's own caches (FX graph,
         # Triton kernels and their tuning, in torch's cache folder) make a later process's compile short. Tensor
