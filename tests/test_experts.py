@@ -258,29 +258,12 @@ def test_an_adapter_on_a_mixtures_attention_gives_peft_models_logits(folders, tm
 def test_the_server_answers_a_mixture_as_generate_does(folders):
     """Through the official openai client: concurrent greedy completions on rows that choose different experts (more
     requests than rows), and a conversation's next turn from the prefix it shares, each equal to generate()."""
-    import concurrent.futures
-
-    from test_serve import Server
-    from tokenizers import Tokenizer
+    from test_serve import Server, assert_served_as_generate
 
     folder, _ = folders["glm4_moe"]
-    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-    model = load.from_pretrained(folder, dtype=torch.float32)
-
-    def want(text: str, n: int) -> str:
-        ids = tok.encode(text).ids
-        return tok.decode(generate.generate(model, torch.tensor([ids]), n)[0, len(ids):].tolist())
-
     server = Server("--no-compile", "--max-batch", "3", ckpt=folder)
     try:
-        client = server.client()
-        ask = lambda text, n=12: client.completions.create(model="m", prompt=text, max_tokens=n,
-                                                           temperature=0).choices[0].text
-        texts = ["the cat sat", "once upon a time there", "a b c d e f g", "hello"]
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            assert list(pool.map(ask, texts)) == [want(t, 12) for t in texts]
-        follow = "the cat sat" + ask("the cat sat", 8) + " and then"
-        assert ask(follow) == want(follow, 12)
+        assert_served_as_generate(server, folder, load.from_pretrained(folder, dtype=torch.float32))
     finally:
         server.stop()
 

@@ -89,6 +89,34 @@ def at_once(fn, n: int) -> None:
         t.join()
 
 
+
+def assert_served_as_generate(server, folder: str, model) -> None:
+    """Through the official openai client: four greedy completions at once (more requests than a 3-row server has:
+    one waits for a row another used), and a conversation's next turn from the prefix it shares, each equal to
+    generate() on `model` (the folder's, loaded alone)."""
+    import concurrent.futures
+
+    import torch
+    from tokenizers import Tokenizer
+
+    from dense_engine.runtime import generate
+
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+
+    def want(text: str, n: int) -> str:
+        ids = tok.encode(text).ids
+        return tok.decode(generate.generate(model, torch.tensor([ids]), n)[0, len(ids):].tolist())
+
+    client = server.client()
+    ask = lambda text, n=12: client.completions.create(model="m", prompt=text, max_tokens=n,
+                                                       temperature=0).choices[0].text
+    texts = ["the cat sat", "once upon a time there", "a b c d e f g", "hello"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(ask, texts)) == [want(t, 12) for t in texts]
+    follow = "the cat sat" + ask("the cat sat", 8) + " and then"
+    assert ask(follow) == want(follow, 12)
+
+
 def chat(client, content, **settings):
     return client.chat.completions.create(model="anything", messages=[{"role": "user", "content": content}],
                                           **{"temperature": 0, "max_tokens": 24, **settings})

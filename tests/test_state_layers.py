@@ -353,29 +353,12 @@ def test_chat_answers_a_state_model_as_generate_does_and_refuses_a_prompt_cache(
 def test_the_server_answers_a_state_model_as_generate_does(folders, tmp_path):
     """Through the official openai client: concurrent greedy completions (more requests than rows: one waits for a
     row another used), and a conversation's next turn on the row that holds its start, each equal to generate()."""
-    import concurrent.futures
-
-    from test_serve import Server
-    from tokenizers import Tokenizer
+    from test_serve import Server, assert_served_as_generate
 
     folder = folders["qwen3_5 3 linear + 1 full"][0]
-    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-    model = load.from_pretrained(folder, dtype=torch.float32)
-
-    def want(text: str, n: int) -> str:
-        ids = tok.encode(text).ids
-        return tok.decode(generate.generate(model, torch.tensor([ids]), n)[0, len(ids):].tolist())
-
     server = Server("--no-compile", "--max-batch", "3", "--slot-save-path", str(tmp_path), ckpt=folder)
     try:
-        client = server.client()
-        ask = lambda text, n=12: client.completions.create(model="m", prompt=text, max_tokens=n,
-                                                           temperature=0).choices[0].text
-        texts = ["the cat sat", "once upon a time there", "a b c d e f g", "hello"]
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            assert list(pool.map(ask, texts)) == [want(t, 12) for t in texts]
-        follow = "the cat sat" + ask("the cat sat", 8) + " and then"
-        assert ask(follow) == want(follow, 12)
+        assert_served_as_generate(server, folder, load.from_pretrained(folder, dtype=torch.float32))
         status, body = server.request("POST", "/slots/0?action=save", {"filename": "x.bin"})
         assert status == 501 and "state layers" in json.dumps(body)
     finally:
