@@ -1,6 +1,12 @@
 import os
 import sys
 
+# The suite runs two workers on two cores, and the programs they start beside them: more threads than cores. OpenMP's
+# threads (PyTorch's and the kernels') that wait for work sleep rather than spin: a spinning thread takes the core
+# another process needs (BENCHMARKS.md, the suite's time). Set before torch loads OpenMP; the workers and the programs
+# they start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 from safetensors.torch import load_file

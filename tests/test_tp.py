@@ -32,6 +32,8 @@ def worker(rank, size, rdzv, out, jobs):
     faulthandler.enable()  # (a rank that crashes prints where, in the test's captured stderr)
     os.environ.update(loopback())
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=size)
+    from torch._dynamo.utils import counters
+
     results = {}
     for name, path, quant, compile in jobs:
         print(f"rank {rank}: {name}", file=sys.stderr, flush=True)  # (with faulthandler: which job a crash was in)
@@ -40,9 +42,12 @@ def worker(rank, size, rdzv, out, jobs):
         with torch.no_grad():
             logits = model(ids)
         greedy = generate.generate(model, ids[:, :6], 16)
+        before = dict(counters["inductor"])
         compiled = generate.generate(model, ids[:, :6], 16, compile=True) if compile else None
+        graphs = {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_miss", "fxgraph_cache_hit")}
         results[name] = {"logits": logits, "greedy": greedy, "compiled": compiled, "bytes": stored_bytes(model),
-                         "o_proj": model.layers[0].mixer.o_proj.state_dict() if name == "neox_original" else None}
+                         "o_proj": model.layers[0].mixer.o_proj.state_dict() if name == "neox_original" else None,
+                         "graphs": graphs}
     gathered = [None] * size
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -178,6 +183,9 @@ def test_two_ranks_equal_one_process(tmp_path, bigger, families, states, gemma4,
             assert torch.equal(got["greedy"], greedy), name
             if compile:
                 assert torch.equal(got["compiled"], greedy), name
+        if compile:  # the ranks compile one at a time: a graph compiled by one is found in the cache by the other
+            compiled = sum(r[name]["graphs"]["fxgraph_cache_miss"] for r in ranks)
+            assert compiled <= sum(ranks[0][name]["graphs"].values()), (name, [r[name]["graphs"] for r in ranks])
         if name == "bigger":  # each rank holds about half of the blocks, the embedding and norms whole
             assert all(r[name]["bytes"] <= 0.6 * stored_bytes(model) for r in ranks)
     # GPT-NeoX's original two-way release: rank r holds shard r's tensors as they are in its files

@@ -362,9 +362,24 @@ def record_seconds(folder: str, kind: str, seconds: float) -> None:
     atomic_write(path, lambda p: write_text(p, json.dumps(timings)))
 
 
+def inductor_one_rank_at_a_time(graph: torch.fx.GraphModule, inputs: list):
+    """Inductor (torch.compile's backend), one process of this machine at a time: the ranks of a tensor-parallel run
+    on one CPU trace the same graphs, and compiled at once each would compile them all; one after another, the first
+    compiles and the others find its work in Inductor's cache (its FX graph cache) in a second or two."""
+    import fcntl
+
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    os.makedirs(cache_dir(), exist_ok=True)
+    with open(os.path.join(cache_dir(), "dense-engine-compile.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes, before the graph first runs)
+        return compile_fx(graph, inputs)
+
+
 # How a step compiled in the process is compiled, by device: CUDA graphs on CUDA (one replay per step: a decode
 # step is hundreds of small kernels, whose launches would otherwise cost more than they run).
-LAZY_OPTIONS = {"cuda": {"mode": "reduce-overhead"}, "cpu": {}}
+LAZY_OPTIONS = {"cuda": {"mode": "reduce-overhead"}, "cpu": {"backend": inductor_one_rank_at_a_time}}
 
 
 def tune_for_cuda() -> None:
