@@ -13,6 +13,8 @@
 //                                             (type: ggml's id of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
 //   dense_kernels::linear_gguf_into(x, blocks, type, out, columns)   the same, written into out's columns (a fused
 //                                             projection's part, in the model's order)
+//   dense_kernels::linear_gguf_experts(x, blocks, type, ids)  blocks uint8 [E, N, bytes] (a file's experts), ids int64
+//                                             [rows]: each row of x through its expert's blocks (llama.cpp's mul_mat_id)
 //   dense_kernels::dequantize_gguf(blocks, type, K, bf16)   those rows as gguf's dequantizer computes them
 //   dense_kernels::attention(q, k_t, v, pos, row_start, rows, scale, window, softcap)   a cached step's attention,
 //                                             over the slots in use

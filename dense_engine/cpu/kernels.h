@@ -1186,6 +1186,36 @@ void linear_gguf_into(const at::Tensor& x_, const at::Tensor& w, int64_t type, a
                                        out.size(-1), columns.data_ptr<int64_t>())));
 }
 
+// y [R, N], y[r] = x[r] w[ids[r]]^T, for x [R, K] float32, w [E, N, bytes] a GGUF file's experts (each its rows of
+// blocks, as stored) and ids int64 [R]: llama.cpp's mul_mat_id. The rows that chose one expert are multiplied
+// together, its blocks read once for them all; each row's outputs are the bits linear_gguf gives it alone.
+at::Tensor linear_gguf_experts(const at::Tensor& x_, const at::Tensor& w, int64_t type, const at::Tensor& ids_) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.dim() == 2, "linear_gguf_experts: x must be float32 [rows, K]");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous(),
+              "linear_gguf_experts: blocks must be uint8 [experts, N, bytes]");
+  TORCH_CHECK(ids_.scalar_type() == at::kLong && ids_.dim() == 1 && ids_.size(0) == x_.size(0),
+              "linear_gguf_experts: ids must be int64 [", x_.size(0), "]");
+  const auto x = x_.contiguous();
+  const auto ids = ids_.contiguous();
+  const int64_t R = x.size(0), E = w.size(0);
+  auto y = at::empty({R, w.size(1)}, x.options());
+  std::vector<std::vector<int64_t>> rows(E);  // expert -> the rows that chose it, in order
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(id[r] >= 0 && id[r] < E, "linear_gguf_experts: expert ", id[r], " of ", E);
+    rows[id[r]].push_back(r);
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    if (rows[e].empty()) continue;
+    if (static_cast<int64_t>(rows[e].size()) == R) {  // (every row: no gather, no scatter)
+      return linear_gguf(x, w.select(0, e), type, false);
+    }
+    const auto index = at::from_blob(rows[e].data(), {static_cast<int64_t>(rows[e].size())}, ids.options());
+    y.index_copy_(0, index, linear_gguf(x.index_select(0, index), w.select(0, e), type, false));
+  }
+  return y;
+}
+
 template <typename W>
 at::Tensor dequantize_gguf(const at::Tensor& w, int64_t type, int64_t K, bool bf16) {
   check_blocks(w, type, K, "dequantize_gguf");
@@ -1218,6 +1248,7 @@ at::Tensor dequantize_gguf(const at::Tensor& w, int64_t type, int64_t K, bool bf
     m.impl("linear_nf4", &linear_nf4);                     \
     m.impl("linear_gguf", &linear_gguf);                   \
     m.impl("linear_gguf_into", &linear_gguf_into);         \
+    m.impl("linear_gguf_experts", &linear_gguf_experts);   \
     m.impl("dequantize_gguf", &dequantize_gguf<W>);        \
   }
 
@@ -1232,5 +1263,6 @@ inline void define_ops(torch::Library& m) {
   m.def("linear_nf4(Tensor x, Tensor q, Tensor absmax, Tensor code) -> Tensor");
   m.def("linear_gguf(Tensor x, Tensor blocks, int type, bool float_x=False) -> Tensor");
   m.def("linear_gguf_into(Tensor x, Tensor blocks, int type, Tensor(a!) out, Tensor columns) -> ()");
+  m.def("linear_gguf_experts(Tensor x, Tensor blocks, int type, Tensor ids) -> Tensor");
   m.def("dequantize_gguf(Tensor blocks, int type, int K, bool bf16) -> Tensor");
 }

@@ -262,6 +262,8 @@ def register_shapes() -> None:
     torch.library.register_fake("dense_kernels::linear_gguf")(lambda x, blocks, kind, float_x=False: out(
         x, blocks.shape[0]))
     torch.library.register_fake("dense_kernels::linear_gguf_into")(lambda x, blocks, kind, y, columns: None)
+    torch.library.register_fake("dense_kernels::linear_gguf_experts")(lambda x, blocks, kind, ids: out(
+        x, blocks.shape[1]))
     torch.library.register_fake("dense_kernels::dequantize_gguf")(lambda blocks, kind, k, bf16: blocks.new_empty(
         blocks.shape[0], k, dtype=torch.bfloat16 if bf16 else torch.float32))
 

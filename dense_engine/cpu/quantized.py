@@ -540,13 +540,12 @@ class GGUFEmbedding(nn.Module):
 
 class GGUFExperts(layer_kinds.Experts):
     """A mixture whose experts are a GGUF file's blocks as stored (llama.cpp's ffn_gate_exps and ffn_up_exps
-    [E, I, row bytes], ffn_down_exps [E, C, row bytes], uint8, each tensor in its own type): each chosen expert's rows
-    (a view of the file's blocks, nothing copied) multiplied by the kernel GGUFLinear calls. The router, the shared
-    expert and its gate are the layer's own modules (float, or GGUFLinear where the file stores them in blocks).
-    kinds: {"gate" | "up" | "down": GGUF type}; the blocks (gate_blocks, up_blocks, down_blocks) are empty until
-    load.load_blocks puts the file's in place."""
-
-    eager_prefill = True  # (gathered's loop over the tokens cannot take a prefill step's length, which varies: eager)
+    [E, I, row bytes], ffn_down_exps [E, C, row bytes], uint8, each tensor in its own type), never copied to float.
+    On the CPU kernels, each projection is one call over every (token, chosen expert) row: llama.cpp's mul_mat_id,
+    each expert's blocks read once for the rows that chose it. The router, the shared expert and its gate are the
+    layer's own modules (float, or GGUFLinear where the file stores them in blocks). kinds: {"gate" | "up" | "down":
+    GGUF type}; the blocks (gate_blocks, up_blocks, down_blocks) are empty until load.load_blocks puts the file's in
+    place."""
 
     def __init__(self, config, layer: int, kinds: dict[str, str]) -> None:
         super().__init__(config, layer)
@@ -563,27 +562,49 @@ class GGUFExperts(layer_kinds.Experts):
     def extra_repr(self) -> str:
         return f"kinds={self.kinds['gate']}/{self.kinds['up']}/{self.kinds['down']}"
 
-    def expert(self, x: torch.Tensor, e) -> torch.Tensor:
-        """x [n, C] through expert e (an int, or a 0-d tensor in a compiled step) -> [n, C]."""
-        C, I = x.shape[-1], self.spec.width
-        h = torch.cat([gguf_linear(x, self.gate_blocks[e], self.kinds["gate"], C),
-                       gguf_linear(x, self.up_blocks[e], self.kinds["up"], C)], dim=-1)  # [n, 2I]
-        return gguf_linear(self.activate(h), self.down_blocks[e], self.kinds["down"], I)
+    @property
+    def on_kernels(self) -> bool:
+        return self.gate_blocks.device.type == "cpu" and kernels.available()
+
+    @property
+    def eager_prefill(self) -> bool:
+        """Without the kernels, gathered loops over the tokens, which a prefill step's varying length cannot take."""
+        return not self.on_kernels
+
+    def gathered(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """x [N, C]; chosen, weights [N, k]. Every (token, slot) row through its expert, a projection a call (the
+        kernels' mul_mat_id); elsewhere a row at a time, N x k calls of fixed shapes (a compiled step's few tokens)."""
+        N, k = chosen.shape
+        if not self.on_kernels or x.dtype != torch.float32:
+            y = torch.stack([self.expert(x[n:n + 1], chosen[n, j])[0] for n in range(N) for j in range(k)])
+            return (y.view(N, k, -1) * weights.unsqueeze(-1)).sum(1)
+        ids, rows = chosen.reshape(-1), x.repeat_interleave(k, dim=0)  # [N k], [N k, C]
+        h = torch.cat([self.through(rows, "gate", ids), self.through(rows, "up", ids)], dim=-1)  # [N k, 2I]
+        y = self.through(self.activate(h), "down", ids)  # [N k, C]
+        return (y.view(N, k, -1) * weights.unsqueeze(-1)).sum(1)
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """Each chosen expert once, over the tokens that chose it (the eager pass)."""
+        """The eager pass: the kernels' (gathered), or each chosen expert once over the tokens that chose it."""
+        if self.on_kernels and x.dtype == torch.float32:
+            return self.gathered(x, weights, chosen)
         y = torch.zeros_like(x)
         for e in chosen.unique().tolist():
             token, slot = (chosen == e).nonzero(as_tuple=True)
             y.index_add_(0, token, self.expert(x[token], e) * weights[token, slot].unsqueeze(-1))
         return y
 
-    def gathered(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """Each (token, chosen slot) pair through its expert, a row at a time: N x k kernel calls of fixed shapes (a
-        compiled step's few tokens)."""
-        N, k = chosen.shape
-        y = torch.stack([self.expert(x[n:n + 1], chosen[n, j])[0] for n in range(N) for j in range(k)])  # [N k, C]
-        return (y.view(N, k, -1) * weights.unsqueeze(-1)).sum(1)
+    def through(self, x: torch.Tensor, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """x [R, cols], each row through expert ids[r]'s rows of the named projection's blocks -> [R, rows]."""
+        kind = self.kinds[name]
+        return torch.ops.dense_kernels.linear_gguf_experts(x, getattr(self, f"{name}_blocks"), GGUF_TYPES[kind][0],
+                                                           ids)
+
+    def expert(self, x: torch.Tensor, e) -> torch.Tensor:
+        """x [n, C] through expert e (an int, or a 0-d tensor in a compiled step) -> [n, C]."""
+        C, I = x.shape[-1], self.spec.width
+        h = torch.cat([gguf_linear(x, self.gate_blocks[e], self.kinds["gate"], C),
+                       gguf_linear(x, self.up_blocks[e], self.kinds["up"], C)], dim=-1)  # [n, 2I]
+        return gguf_linear(self.activate(h), self.down_blocks[e], self.kinds["down"], I)
 
 
 def check_mode(mode: str) -> None:
