@@ -83,6 +83,11 @@ SHAPES = {
                     "global_head_dim": 512, "ffn": 10240, "context": 131072, "vocab": 262144, "theta": 1e6,
                     "theta_swa": 1e4, "eps": 1e-6, "tied": True, "per_layer": 256, "kv_shared": 18, "window": 512,
                     "full": 6, "half": True},
+    # Qwen3-30B-A3B's layers (its config.json): 128 experts of width 768, 8 chosen a token (renormalized), q/k norms,
+    # head size 128; the first 4 of its 48 layers (the bench keeps fewer: each layer's experts are 1.2 GB in F16)
+    "qwen3-30b-a3b": {"arch": "qwen3moe", "layers": 4, "hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128,
+                      "ffn": 6144, "context": 40960, "vocab": 151936, "theta": 1e6, "eps": 1e-6, "tied": False,
+                      "qk_norm": True, "half": True, "experts": (128, 8, 768)},
 }
 
 
@@ -276,6 +281,13 @@ def write_random(template: str, dst: str, name: str) -> None:
     if shape["arch"] == "gemma4":
         gemma4_metadata(writer, shape)
     writer.add_rope_dimension_count(D // 4 if qwen35 else shape.get("global_head_dim") or D)
+    if shape.get("experts"):  # (qwen3moe: the converter's expert counts and width, the head size apart from C / H)
+        count, used, width = shape["experts"]
+        writer.add_expert_count(count)
+        writer.add_expert_used_count(used)
+        writer.add_expert_feed_forward_length(width)
+        writer.add_key_length(D)
+        writer.add_value_length(D)
     if qwen35:  # the metadata llama.cpp's converter writes for Qwen3.5 (no MTP layer here)
         k_heads, v_heads, dim = shape["linear"]
         writer.add_key_length(D)
@@ -299,6 +311,11 @@ def write_random(template: str, dst: str, name: str) -> None:
 
     def vector(name, values):
         tensors.append((name, values.shape, lambda: values))
+
+    def experts(name, count, rows, cols):  # [count, rows, cols], written an expert at a time
+        tensors.append((name, (count, rows, cols), lambda: np.stack([
+            rng.standard_normal((rows, cols), dtype=np.float32) * 0.02 for _ in range(count)]).astype(
+                np.float16 if half else np.float32)))
 
     w("token_embd.weight", vocab, C)
     vector("output_norm.weight", np.ones(C, dtype=np.float32))
@@ -338,11 +355,18 @@ def write_random(template: str, dst: str, name: str) -> None:
             for part, heads in (("q", shape["heads"]), ("k", shape["kv_heads"]), ("v", shape["kv_heads"])):
                 vector(b + f"attn_{part}.bias", np.full(heads * D, 0.01, dtype=np.float32))
         w(b + "attn_output.weight", C, shape["heads"] * D)
+        if shape.get("experts"):  # the router in float32 (as the converter keeps it), the experts stacked
+            count, _, width = shape["experts"]
+            vector(b + "ffn_gate_inp.weight", rng.standard_normal((count, C), dtype=np.float32) * 0.02)
+            for part, rows, cols in (("gate", width, C), ("up", width, C), ("down", C, width)):
+                experts(b + f"ffn_{part}_exps.weight", count, rows, cols)
+            continue
         w(b + "ffn_gate.weight", shape["ffn"], C)
         w(b + "ffn_up.weight", shape["ffn"], C)
         w(b + "ffn_down.weight", C, shape["ffn"])
     for tensor, dims, _ in tensors:
-        dtype = np.dtype(np.float16 if half and len(dims) == 2 else np.float32)
+        dtype = np.dtype(np.float16 if half and len(dims) >= 2 and not tensor.endswith("ffn_gate_inp.weight")
+                         else np.float32)
         writer.add_tensor_info(tensor, dims, dtype, math.prod(dims) * dtype.itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -617,8 +641,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-python", help="python of a virtualenv with llama-cpp-python built from source")
     p.add_argument("--model", default="both", help="smollm2, tinyllama, llama-3.2-1b, qwen2.5-0.5b, qwen3.5-0.8b, "
-                   "qwen3.5-2b, granite-4.0-h-1b, exaone-4.0-1.2b, gemma-4-e2b, gemma-4-e4b, a comma list, or both "
-                   "(smollm2 and tinyllama)")
+                   "qwen3.5-2b, granite-4.0-h-1b, exaone-4.0-1.2b, gemma-4-e2b, gemma-4-e4b, qwen3-30b-a3b, a comma "
+                   "list, or both (smollm2 and tinyllama)")
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--runs", type=int, default=2, help="timed generations per process (after one warm-up)")
     p.add_argument("--rounds", type=int, default=3, help="processes per engine and row, the engines alternating")

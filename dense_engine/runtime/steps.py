@@ -366,13 +366,17 @@ def inductor_one_rank_at_a_time(graph: torch.fx.GraphModule, inputs: list):
     """Inductor (torch.compile's backend), one process of this machine at a time: the ranks of a tensor-parallel run
     on one CPU trace the same graphs, and compiled at once each would compile them all; one after another, the first
     compiles and the others find its work in Inductor's cache (its FX graph cache) in a second or two."""
-    import fcntl
-
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    os.makedirs(cache_dir(), exist_ok=True)
-    with open(os.path.join(cache_dir(), "dense-engine-compile.lock"), "a") as lock:
+    try:
+        import fcntl
+
+        os.makedirs(cache_dir(), exist_ok=True)
+        lock = open(os.path.join(cache_dir(), "dense-engine-compile.lock"), "a")  # noqa: SIM115 (closed by the with below)
+    except (ImportError, OSError):  # (no POSIX locks, an unwritable cache: each compiles at once, as before)
+        return compile_fx(graph, inputs)
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes, before the graph first runs)
         return compile_fx(graph, inputs)
 
