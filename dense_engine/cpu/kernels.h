@@ -1205,13 +1205,25 @@ at::Tensor linear_gguf_experts(const at::Tensor& x_, const at::Tensor& w, int64_
     TORCH_CHECK(id[r] >= 0 && id[r] < E, "linear_gguf_experts: expert ", id[r], " of ", E);
     rows[id[r]].push_back(r);
   }
+  std::vector<int64_t> used;  // the experts chosen, and the most rows one took
+  int64_t most = 0;
   for (int64_t e = 0; e < E; ++e) {
-    if (rows[e].empty()) continue;
-    if (static_cast<int64_t>(rows[e].size()) == R) {  // (every row: no gather, no scatter)
-      return linear_gguf(x, w.select(0, e), type, false);
-    }
+    if (!rows[e].empty()) used.push_back(e), most = std::max<int64_t>(most, rows[e].size());
+  }
+  if (most == R) return linear_gguf(x, w.select(0, used[0]), type, false);  // (every row one expert's)
+  auto one = [&](int64_t e) {
     const auto index = at::from_blob(rows[e].data(), {static_cast<int64_t>(rows[e].size())}, ids.options());
     y.index_copy_(0, index, linear_gguf(x.index_select(0, index), w.select(0, e), type, false));
+  };
+  bool tiles = false;
+  DISPATCH_GGUF(type, (tiles = most <= tile_rows<T>()));
+  if (tiles) {  // (a decode step's few rows: the experts shared among the threads, each expert's call in one thread,
+    // rather than each call shared, a pass of the threads for every expert)
+    at::parallel_for(0, static_cast<int64_t>(used.size()), 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) one(used[i]);
+    });
+  } else {
+    for (int64_t e : used) one(e);
   }
   return y;
 }
