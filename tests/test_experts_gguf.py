@@ -187,9 +187,11 @@ def test_q8_0_experts_run_as_stored_and_give_the_dequantized_models_logits(files
         with torch.no_grad():
             weights, chosen = layer.route(x)
             grouped, gathered = layer.grouped(x, weights, chosen), layer.gathered(x, weights, chosen)
-            # a row at a time, each (token, slot) through its expert's own kernel calls (linear_gguf, one row)
+            # a row at a time, each (token, slot) through its expert's own kernel calls (linear_gguf, one row); and 3
+            # tokens, a decode step's rows (each expert's call in one thread, the experts shared among the threads)
             alone = torch.stack([torch.stack([layer.expert(x[n:n + 1], e)[0] for e in chosen[n].tolist()])
                                  for n in range(30)])
+            few = layer.gathered(x[:3], weights[:3], chosen[:3])
         ref = torch.zeros(30, 64, dtype=torch.float64)
         for n in range(30):
             for j, e in enumerate(chosen[n].tolist()):
@@ -201,6 +203,7 @@ def test_q8_0_experts_run_as_stored_and_give_the_dequantized_models_logits(files
         # rows an expert takes together (its blocks read once) do not change one another
         assert torch.equal(gathered, grouped)
         assert torch.equal(gathered, (alone * weights.unsqueeze(-1)).sum(1))
+        assert torch.equal(few, (alone[:3] * weights[:3].unsqueeze(-1)).sum(1))
     per_token = (got - want).abs().amax(-1) / want.abs().max()
     assert per_token.median() < 3e-2, (per_token.median(), per_token.max())
 
