@@ -4,6 +4,7 @@ token ids for a set of texts. Made once; the files they come from are rewritten 
 
     python tests/gguf_reference.py --llama-python VENV/bin/python      # -> tests/fixtures/gguf/reference.*
     python tests/gguf_reference.py --llama-python VENV/bin/python --kquant-prefill   # -> .../kquant_prefill.*
+    python tests/gguf_reference.py --llama-python VENV/bin/python --experts-kquant   # -> .../experts_kquant.*
     python tests/gguf_reference.py --llama-python VENV/bin/python --state   # -> .../state_reference.*
     python tests/gguf_reference.py --llama-python VENV/bin/python --add olmo2,olmo3   # those cases, added
 
@@ -161,23 +162,31 @@ def forward(model, case: str, ids: list[int]):
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
-def kquant_prefill(python: str) -> int:
+def kquant_prefill(python: str, stem: str = "kquant_prefill") -> int:
+    """llama.cpp's logits of a 40-token prompt on one seeded file: test_gguf_blocks.py's mixed K-quant llama
+    (kquant_prefill), or test_experts_gguf.py's mixture with K-quant experts (experts_kquant)."""
     import hashlib
 
     import numpy as np
-    import test_gguf_blocks
     from safetensors.numpy import save_file
 
     ids = np.random.default_rng(3).integers(0, 400, 40).tolist()
     with tempfile.TemporaryDirectory() as work:
-        path = os.path.join(work, "mixed-head.gguf")
-        test_gguf_blocks.write_mixed(path, tied=False)
+        path = os.path.join(work, f"{stem}.gguf")
+        if stem == "kquant_prefill":
+            import test_gguf_blocks
+
+            test_gguf_blocks.write_mixed(path, tied=False)
+        else:
+            import test_experts_gguf
+
+            test_experts_gguf.write_kquant_mixture(path)
         digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
         logits, _ = llama_cpp(python, path, ids, [])
-    save_file({"logits": logits}, os.path.join(OUT, "kquant_prefill.safetensors"))
-    with open(os.path.join(OUT, "kquant_prefill.json"), "w") as f:
+    save_file({"logits": logits}, os.path.join(OUT, f"{stem}.safetensors"))
+    with open(os.path.join(OUT, f"{stem}.json"), "w") as f:
         json.dump({"digest": digest, "ids": ids}, f)
-    print(f"wrote {OUT}/kquant_prefill.json and kquant_prefill.safetensors")
+    print(f"wrote {OUT}/{stem}.json and {stem}.safetensors")
     return 0
 
 
@@ -224,12 +233,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-python", required=True, help="python of a virtualenv with llama-cpp-python")
     p.add_argument("--kquant-prefill", action="store_true", help="only the mixed K-quant file's 40-token prefill")
+    p.add_argument("--experts-kquant", action="store_true", help="only the mixture with K-quant experts' 40 tokens")
     p.add_argument("--state", action="store_true", help="only the hybrids' files (qwen35, lfm2): state_reference.*")
     p.add_argument("--add", help="only these cases (a,b,...), added to reference.* beside the others as they are")
     args = p.parse_args()
     os.makedirs(OUT, exist_ok=True)
     if args.kquant_prefill:
         return kquant_prefill(args.llama_python)
+    if args.experts_kquant:
+        return kquant_prefill(args.llama_python, "experts_kquant")
     if args.state:
         save(*references(args.llama_python, gguf_cases.STATE_FILES, gguf_cases.STATE_TEXTS), "state_reference")
         return 0

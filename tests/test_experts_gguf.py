@@ -5,6 +5,8 @@ expert's gate in float32), with the GGUF cases' vocabularies. Float32 files give
 Q8_0 files keep their experts' blocks as stored, and give the logits of transformers run on gguf's dequantized
 values."""
 
+import os
+
 import gguf
 import gguf_cases
 import numpy as np
@@ -121,6 +123,88 @@ def as_stored(model, qtype):
                 values = gguf.quants.dequantize(gguf.quants.quantize(p.detach().numpy(), qtype), qtype)
                 p.copy_(torch.from_numpy(values.reshape(p.shape)))
     return copied
+
+
+# A Qwen3-MoE file whose experts are K-quant blocks as Q4_K_M stores them (gate and up Q4_K, down Q6_K): widths whole
+# super-blocks of 256; its values seeded (the same file every time: llama.cpp's logits on it are a fixture)
+KQUANT = {"hidden": 256, "heads": 4, "kv_heads": 2, "head_dim": 64, "layers": 2, "experts": 8, "used": 2, "width": 256,
+          "context": 256, "eps": 1e-6, "theta": 10000.0, "ffn": 512}
+KQUANT_TYPES = {"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K}
+KQUANT_REFERENCE = os.path.join(os.path.dirname(__file__), "fixtures", "gguf", "experts_kquant")
+
+
+def kquant_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
+    """Random K-quant blocks [rows, row bytes] with sane float16 scales (gguf reads K-quants but cannot make them)."""
+    from test_gguf import K_BLOCKS
+
+    size, scale_offsets = K_BLOCKS[qtype]
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    for off in scale_offsets:
+        blocks[..., off:off + 2] = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_kquant_mixture(path) -> None:
+    s = KQUANT
+    C, D, E, I, V = s["hidden"], s["head_dim"], s["experts"], s["width"], vocab("qwen3moe")
+    rng = np.random.default_rng(7)
+    normal = lambda *shape: rng.normal(0, 0.05, shape).astype(np.float32)
+    ones = lambda n: (1 + rng.normal(0, 0.1, n)).astype(np.float32)
+    tensors = {"token_embd.weight": normal(V, C), "output_norm.weight": ones(C), "output.weight": normal(V, C)}
+    for i in range(s["layers"]):
+        b = f"blk.{i}."
+        tensors.update({b + "attn_norm.weight": ones(C), b + "attn_q.weight": normal(s["heads"] * D, C),
+                        b + "attn_k.weight": normal(s["kv_heads"] * D, C),
+                        b + "attn_v.weight": normal(s["kv_heads"] * D, C),
+                        b + "attn_output.weight": normal(C, s["heads"] * D), b + "attn_q_norm.weight": ones(D),
+                        b + "attn_k_norm.weight": ones(D), b + "ffn_norm.weight": ones(C),
+                        b + "ffn_gate_inp.weight": normal(E, C)})
+        for part, rows, cols in (("gate", I, C), ("up", I, C), ("down", C, I)):
+            tensors[b + f"ffn_{part}_exps.weight"] = kquant_blocks(E * rows, cols, KQUANT_TYPES[part], rng).reshape(
+                E, rows, -1)
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    gguf_cases.write_shape(writer, s, s["layers"], s["kv_heads"])
+    writer.add_key_length(D)
+    writer.add_value_length(D)
+    writer.add_rope_dimension_count(D)
+    writer.add_expert_count(E)
+    writer.add_expert_used_count(s["used"])
+    writer.add_expert_feed_forward_length(I)
+    gguf_cases.write_vocabulary(writer, ("bpe", TOKENIZERS["qwen3moe"]))
+    experts = {f"ffn_{part}_exps": qtype for part, qtype in KQUANT_TYPES.items()}
+    gguf_cases.write_tensors(writer, tensors, lambda name, t: (t, experts.get(name.split(".")[-2])))
+
+
+def test_k_quant_experts_give_llama_cpps_logits_and_tokens(tmp_path):
+    """Experts in Q4_K and Q6_K blocks, as stored, on the kernels (x rounded to 8 bits a value, as llama.cpp rounds it):
+    a 40-token prompt's logits within 1e-5 (of the largest; the issue asks 2e-3, and the float path is 6e-2 away) of
+    llama.cpp's on the same file (made once by tests/gguf_reference.py --experts-kquant), the same greedy token at
+    every position; the compiled prefill and decode steps the eager ones' tokens."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    path = tmp_path / "experts-kquant.gguf"
+    write_kquant_mixture(path)
+    with open(KQUANT_REFERENCE + ".json") as f:
+        record = json.load(f)
+    assert hashlib.sha256(Path(path).read_bytes()).hexdigest() == record["digest"]  # the very file
+    theirs = load_file(KQUANT_REFERENCE + ".safetensors")["logits"]
+    model = load.from_pretrained(str(path), quant="auto")
+    assert all(layer.mlp.kinds == {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"} for layer in model.layers)
+    ids = torch.tensor([record["ids"]])
+    with torch.no_grad():
+        got = model(ids)[0]
+    if not kernels.available():  # (PyTorch's products in bfloat16: no claim to llama.cpp's numbers)
+        return
+    assert (got - theirs).abs().max() <= 1e-5 * theirs.abs().max(), (got - theirs).abs().max() / theirs.abs().max()
+    assert torch.equal(got.argmax(-1), theirs.argmax(-1))
+    steps = Steps(model, folder=str(tmp_path / "steps"))
+    short = ids[:, :8]
+    assert torch.equal(generate.generate(model, short, 8, steps=steps), generate.generate(model, short, 8))
+    assert steps.compiled == 2 and not steps.failed
 
 
 @pytest.fixture(scope="module")
