@@ -1,9 +1,9 @@
 """Mixtures of experts read from GGUF files (families/experts.py: gguf_experts; quantized.GGUFExperts): tiny random
-transformers models (Qwen3-MoE, Qwen2-MoE with its gated shared expert, Mixtral) written as llama.cpp's converter
-writes them (qwen3moe, qwen2moe, llama with llama.expert_count: experts stacked [E, I, C], the router and the shared
-expert's gate in float32), with the GGUF cases' vocabularies. Float32 files give transformers' logits and tokens;
-Q8_0 files keep their experts' blocks as stored, and give the logits of transformers run on gguf's dequantized
-values."""
+transformers models (Qwen3-MoE, Qwen2-MoE with its gated shared expert, Mixtral, OLMoE) written as llama.cpp's
+converter writes them (qwen3moe, qwen2moe, llama with llama.expert_count, olmoe: experts stacked [E, I, C], the router
+and the shared expert's gate in float32), with the GGUF cases' vocabularies. Float32 files give transformers' logits
+and tokens; Q8_0 files keep their experts' blocks as stored, and give the logits of transformers run on gguf's
+dequantized values. A file whose experts are K-quants gives llama.cpp's logits."""
 
 import os
 
@@ -28,7 +28,7 @@ Q = gguf.GGMLQuantizationType
 SMALL = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "eos_token_id": 2,
          "tie_word_embeddings": False}
-TOKENIZERS = {"qwen3moe": "qwen2", "qwen2moe": "qwen2", "llama": "llama-bpe"}
+TOKENIZERS = {"qwen3moe": "qwen2", "qwen2moe": "qwen2", "llama": "llama-bpe", "olmoe": "qwen2"}
 
 
 def vocab(arch: str) -> int:
@@ -44,6 +44,11 @@ CASES = {  # name: (GGUF architecture, transformers class, its config, seed); wi
         shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False), 21),
     "mixtral": ("llama", "MixtralForCausalLM", lambda: transformers.MixtralConfig(
         **SMALL, vocab_size=vocab("llama"), intermediate_size=32, num_local_experts=6, num_experts_per_tok=2), 22),
+    # OLMoE: q/k norms over every head's channels, softmax routing not renormalized; the converter writes an epsilon
+    # of 1e-5 whatever the config says (OLMoE's own), and llama.cpp reads as many key/value heads as query heads
+    "olmoe": ("olmoe", "OlmoeForCausalLM", lambda: transformers.OlmoeConfig(
+        **{**SMALL, "num_key_value_heads": 4, "rms_norm_eps": 1e-5}, vocab_size=vocab("olmoe"), intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2), 23),
 }
 # transformers' names (after "model.layers.N.") -> the converter's (after "blk.N.")
 NAMES = {**gguf_cases.LAYER_NAMES, "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -96,7 +101,7 @@ def write(path, arch: str, model, qtype=None) -> None:
     writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch != "llama":
+    if arch not in ("llama", "olmoe"):  # (theirs: feed_forward_length)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
@@ -227,7 +232,7 @@ def test_a_float32_mixture_gives_transformers_logits_and_tokens(files, case):
     spec = model.config.extras["experts"]
     kinds = [type(layer.mlp).__name__ for layer in model.layers]
     assert kinds == (["Experts", "GatedMLP", "Experts"] if case == "qwen3moe" else ["Experts"] * 3)
-    assert spec.renormalize == (case != "qwen2moe") and spec.shared_gate == (case == "qwen2moe")
+    assert spec.renormalize == (case not in ("qwen2moe", "olmoe")) and spec.shared_gate == (case == "qwen2moe")
     assert_transformers_logits_and_tokens(reference, model)
 
 

@@ -255,7 +255,8 @@ class Metadata:
         if int(self.key("expert_count", 0)):
             raise CheckpointError(f"{self.path}: GGUF metadata {self.arch}.expert_count {self.key('expert_count')}: a "
                                   f"mixture of experts of architecture {self.arch!r}, which this engine does not read "
-                                  "from GGUF files yet (it reads llama's (Mixtral), qwen2moe's and qwen3moe's)")
+                                  "from GGUF files yet (it reads llama's (Mixtral), olmoe's, qwen2moe's and "
+                                  "qwen3moe's)")
 
     def vocab_size(self) -> int:
         return int(self.key("vocab_size", 0) or tokens_count(self.reader, self.path))

@@ -25,10 +25,10 @@ experts_down [E, C, I] of layer_kinds.Experts.
 A folder's experts come one tensor each (the Hub's: mlp.experts.N.gate_proj.weight, ...) or stacked (transformers
 5's own: mlp.experts.gate_up_proj [E, 2I, C]; gpt-oss's [E, C, 2I] with gate and up interleaved).
 
-GGUF files (gguf_experts, llama.py's reader): llama.cpp's llama (Mixtral), qwen2moe and qwen3moe, their experts stacked
-by the converter (blk.N.ffn_gate_exps / ffn_up_exps [E, I, C], ffn_down_exps [E, C, I], the router ffn_gate_inp
-[E, C]; qwen2moe's shared expert ffn_{gate,up,down}_shexp and its gate ffn_gate_inp_shexp [C]); what llama.cpp's model
-code hard-codes for each (whether the top-k is renormalized) as it does.
+GGUF files (gguf_experts, llama.py's reader): llama.cpp's llama (Mixtral), olmoe, qwen2moe and qwen3moe, their
+experts stacked by the converter (blk.N.ffn_gate_exps / ffn_up_exps [E, I, C], ffn_down_exps [E, C, I], the router
+ffn_gate_inp [E, C]; qwen2moe's shared expert ffn_{gate,up,down}_shexp and its gate ffn_gate_inp_shexp [C]); what
+llama.cpp's model code hard-codes for each (whether the top-k is renormalized) as it does.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def hf_experts(cfg: ConfigReader, kind: str, layers: int) -> ExpertsConfig:
 
 # GGUF architectures whose mixtures are read -> (the top-k renormalized, a shared expert behind a sigmoid gate), as
 # llama.cpp's model code fixes them (build_moe_ffn's norm_w; no metadata key says it)
-GGUF_MIXTURES = {"llama": (True, False), "qwen2moe": (False, True), "qwen3moe": (True, False)}
+GGUF_MIXTURES = {"llama": (True, False), "olmoe": (False, False), "qwen2moe": (False, True), "qwen3moe": (True, False)}
 # a layer's expert tensors (after "blk.N.") -> native names (after "layers.N."); gate and up joined by join_experts
 GGUF_EXPERTS = {"ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_exps.weight": "mlp.experts_gate",
                 "ffn_up_exps.weight": "mlp.experts_up", "ffn_down_exps.weight": "mlp.experts_down",
@@ -128,9 +128,9 @@ GGUF_EXPERTS = {"ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_exps.weigh
 
 def gguf_experts(meta, layers: int) -> ExpertsConfig | None:
     """The experts' record of a GGUF file (meta: gguf_import.Metadata) with `ARCH.expert_count`, read as llama.cpp
-    reads it: each expert expert_feed_forward_length wide (llama: feed_forward_length; absent: feed_forward_length /
-    expert_used_count), a layer without a router a plain MLP; None without experts. A mixture of another architecture
-    is refused in one line."""
+    reads it: each expert expert_feed_forward_length wide (llama, olmoe: feed_forward_length; absent:
+    feed_forward_length / expert_used_count), a layer without a router a plain MLP; None without experts. A mixture
+    of another architecture is refused in one line."""
     count = int(meta.key("expert_count", 0))
     if not count:
         return None
@@ -145,7 +145,9 @@ def gguf_experts(meta, layers: int) -> ExpertsConfig | None:
     if shared_width and not shared:  # (llama.cpp's Granite MoE shared, another architecture's files)
         raise CheckpointError(f"{meta.path}: GGUF metadata {meta.arch}.expert_shared_feed_forward_length "
                               f"{shared_width}: a shared expert is not supported for {meta.arch}")
-    width = ffn if meta.arch == "llama" else int(meta.key("expert_feed_forward_length", 0)) or ffn // chosen
+    width = int(meta.key("expert_feed_forward_length", 0)) or ffn // chosen
+    if meta.arch in ("llama", "olmoe"):  # (their experts are feed_forward_length wide)
+        width = ffn
     return ExpertsConfig(count=count, chosen=chosen, width=width, renormalize=renormalize,
                          shared_width=(shared_width or ffn) if shared else 0, shared_gate=shared,
                          dense_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in

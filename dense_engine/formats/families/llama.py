@@ -164,7 +164,7 @@ FAMILIES = {
     "mixtral": Family(eps=1e-5, theta=1e6, windows="given", experts=True),  # (GGUF: llama with llama.expert_count)
     "qwen2_moe": Family(gguf="qwen2moe", qkv_bias=True, qkv_bias_key="qkv_bias", windows="flag", experts=True),
     "qwen3_moe": Family(gguf="qwen3moe", head_dim=128, qk_norm="shared", windows="flag", experts=True),
-    "olmoe": Family(eps=1e-5, qk_norm="whole", experts=True),
+    "olmoe": Family(gguf="olmoe", eps=1e-5, qk_norm="whole", experts=True),
     "glm4_moe": Family(eps=1e-5, head_dim=128, rotary_fraction=0.5, qk_norm="shared", qk_norm_key="use_qk_norm",
                        attention_bias_is_qkv=True, experts=True),
     "gpt_oss": Family(eps=1e-5, theta=150000, windows="given", attn_sinks=True, experts=True),
