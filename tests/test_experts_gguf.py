@@ -184,7 +184,7 @@ def test_k_quant_experts_give_llama_cpps_logits_and_tokens(tmp_path):
     """Experts in Q4_K and Q6_K blocks, as stored, on the kernels (x rounded to 8 bits a value, as llama.cpp rounds it):
     a 40-token prompt's logits within 1e-5 (of the largest; the issue asks 2e-3, and the float path is 6e-2 away) of
     llama.cpp's on the same file (made once by tests/gguf_reference.py --experts-kquant), the same greedy token at
-    every position; the compiled prefill and decode steps the eager ones' tokens."""
+    every position; cached decoding the plain passes' tokens (the compiled steps: the Q8_0 test below)."""
     import hashlib
     import json
     from pathlib import Path
@@ -206,10 +206,12 @@ def test_k_quant_experts_give_llama_cpps_logits_and_tokens(tmp_path):
         return
     assert (got - theirs).abs().max() <= 1e-5 * theirs.abs().max(), (got - theirs).abs().max() / theirs.abs().max()
     assert torch.equal(got.argmax(-1), theirs.argmax(-1))
-    steps = Steps(model, folder=str(tmp_path / "steps"))
-    short = ids[:, :8]
-    assert torch.equal(generate.generate(model, short, 8, steps=steps), generate.generate(model, short, 8))
-    assert steps.compiled == 2 and not steps.failed
+    # the cached path (prefill, then a row at a time through mul_mat_id's threaded case): the plain passes' tokens
+    plain = ids[:, :8]
+    with torch.no_grad():
+        for _ in range(8):
+            plain = torch.cat([plain, model(plain)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generate.generate(model, ids[:, :8], 8), plain)
 
 
 @pytest.fixture(scope="module")

@@ -1199,6 +1199,7 @@ at::Tensor linear_gguf_experts(const at::Tensor& x_, const at::Tensor& w, int64_
   const auto ids = ids_.contiguous();
   const int64_t R = x.size(0), E = w.size(0);
   auto y = at::empty({R, w.size(1)}, x.options());
+  if (R == 0) return y;
   std::vector<std::vector<int64_t>> rows(E);  // expert -> the rows that chose it, in order
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) {
