@@ -15,6 +15,7 @@ import torch
 import transformers
 from conftest import rel_err
 from test_experts import assert_transformers_logits_and_tokens, prompt, save_random
+from test_gguf import synthetic_k_quant
 from test_gguf_blocks import x_in_bytes
 
 import layer_kinds
@@ -138,17 +139,6 @@ KQUANT_TYPES = {"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K}
 KQUANT_REFERENCE = os.path.join(os.path.dirname(__file__), "fixtures", "gguf", "experts_kquant")
 
 
-def kquant_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
-    """Random K-quant blocks [rows, row bytes] with sane float16 scales (gguf reads K-quants but cannot make them)."""
-    from test_gguf import K_BLOCKS
-
-    size, scale_offsets = K_BLOCKS[qtype]
-    blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
-    for off in scale_offsets:
-        blocks[..., off:off + 2] = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
-    return blocks.reshape(rows, -1)
-
-
 def write_kquant_mixture(path) -> None:
     s = KQUANT
     C, D, E, I, V = s["hidden"], s["head_dim"], s["experts"], s["width"], vocab("qwen3moe")
@@ -165,8 +155,9 @@ def write_kquant_mixture(path) -> None:
                         b + "attn_k_norm.weight": ones(D), b + "ffn_norm.weight": ones(C),
                         b + "ffn_gate_inp.weight": normal(E, C)})
         for part, rows, cols in (("gate", I, C), ("up", I, C), ("down", C, I)):
-            tensors[b + f"ffn_{part}_exps.weight"] = kquant_blocks(E * rows, cols, KQUANT_TYPES[part], rng).reshape(
-                E, rows, -1)
+            # (random K-quant blocks with sane scales: gguf reads K-quants but cannot make them)
+            tensors[b + f"ffn_{part}_exps.weight"] = synthetic_k_quant((E * rows, cols), KQUANT_TYPES[part], rng,
+                                                                       0.002).reshape(E, rows, -1)
     writer = gguf.GGUFWriter(str(path), "qwen3moe")
     gguf_cases.write_shape(writer, s, s["layers"], s["kv_heads"])
     writer.add_key_length(D)

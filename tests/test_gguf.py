@@ -101,13 +101,13 @@ def write_gguf(path, model: dense.DenseDecoder, tok: Tokenizer, pre: str, types:
 K_BLOCKS = {Q.Q4_K: (144, [0, 2]), Q.Q5_K: (176, [0, 2]), Q.Q6_K: (210, [208])}
 
 
-def synthetic_k_quant(shape, qtype):
+def synthetic_k_quant(shape, qtype, rng=None, scale: float = 0.01):
     size, scale_offsets = K_BLOCKS[qtype]
     rows, cols = shape
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(0) if rng is None else rng
     blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
     for off in scale_offsets:
-        blocks[..., off:off + 2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+        blocks[..., off:off + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
     return blocks.reshape(rows, -1)
 
 

@@ -571,11 +571,15 @@ class GGUFExperts(layer_kinds.Experts):
         """Without the kernels, gathered loops over the tokens, which a prefill step's varying length cannot take."""
         return not self.on_kernels
 
+    def mul_mat_id(self, x: torch.Tensor) -> bool:
+        """Whether x's rows go through the kernels' mul_mat_id (float32 on the CPU kernels)."""
+        return x.dtype == torch.float32 and self.on_kernels
+
     def gathered(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """x [N, C]; chosen, weights [N, k]. Every (token, slot) row through its expert, a projection a call (the
         kernels' mul_mat_id); elsewhere a row at a time, N x k calls of fixed shapes (a compiled step's few tokens)."""
         N, k = chosen.shape
-        if not self.on_kernels or x.dtype != torch.float32:
+        if not self.mul_mat_id(x):
             y = torch.stack([self.expert(x[n:n + 1], chosen[n, j])[0] for n in range(N) for j in range(k)])
             return (y.view(N, k, -1) * weights.unsqueeze(-1)).sum(1)
         ids, rows = chosen.reshape(-1), x.repeat_interleave(k, dim=0)  # [N k], [N k, C]
@@ -585,7 +589,7 @@ class GGUFExperts(layer_kinds.Experts):
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The eager pass: the kernels' (gathered), or each chosen expert once over the tokens that chose it."""
-        if self.on_kernels and x.dtype == torch.float32:
+        if self.mul_mat_id(x):
             return self.gathered(x, weights, chosen)
         y = torch.zeros_like(x)
         for e in chosen.unique().tolist():

@@ -145,9 +145,8 @@ def gguf_experts(meta, layers: int) -> ExpertsConfig | None:
     if shared_width and not shared:  # (llama.cpp's Granite MoE shared, another architecture's files)
         raise CheckpointError(f"{meta.path}: GGUF metadata {meta.arch}.expert_shared_feed_forward_length "
                               f"{shared_width}: a shared expert is not supported for {meta.arch}")
-    width = int(meta.key("expert_feed_forward_length", 0)) or ffn // chosen
-    if meta.arch in ("llama", "olmoe"):  # (their experts are feed_forward_length wide)
-        width = ffn
+    width = ffn if meta.arch in ("llama", "olmoe") else (int(meta.key("expert_feed_forward_length", 0))
+                                                         or ffn // chosen)
     return ExpertsConfig(count=count, chosen=chosen, width=width, renormalize=renormalize,
                          shared_width=(shared_width or ffn) if shared else 0, shared_gate=shared,
                          dense_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in
